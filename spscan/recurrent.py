@@ -1,0 +1,719 @@
+"""Recurrent networks through time: single-layer ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` via BPPSA.
+
+The chain is the recurrence over time. With state ``s_t`` (``h_t``; for the LSTM the joint
+``(h_t, c_t)`` of size ``2H``) and ``s_t = F(s_{t-1}, x_t)``, back-propagation through time is
+
+    g_T = dl/ds_T(direct)          g_{t-1} = J_t^T g_t + dl/ds_{t-1}(direct)
+
+with ``J_t = ds_t/ds_{t-1}``: an *affine* scan (a loss on every time step enters through
+``extra``). The transposed Jacobians are built analytically for all ``t`` at once from the
+gates, which are recomputed in one batched GEMM from ``x`` and ``h_{t-1}`` after the module's
+own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11). Parameter
+gradients have no dependency along time and come out of one GEMM over all ``T*B`` steps.
+
+Chain layouts (``chain=``):
+
+* ``"factored"`` (Elman RNN only): ``2T`` elements alternating the shared dense ``W_hh^T``
+  (values ``(H*H,)``, shared by the batch) and the per-sample diagonal ``1 - h_t^2`` (or the
+  ReLU mask), values ``(B, H)``. Nothing ``H x H`` per sample is materialized, and the
+  scan's odd outputs are ``dl/da_t`` (the pre-activation gradients the weight GEMMs need).
+* ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
+  GRU; for the LSTM the ``2H x 2H`` pattern whose lower half ``d c_t / d(h,c)_{t-1}`` part is
+  diagonal, ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
+* ``"auto"``: factored for the RNN, materialized for GRU and LSTM. On a 2-core CPU one
+  linear-scan step of the factored RNN chain is a ``(B,H)x(H,H)`` GEMM plus a scale
+  (~4.5 us) against a batched ``(B,H,H)`` GEMV (~7 us) plus building ``T*B*H*H`` values for the
+  materialized one; a GRU/LSTM step has a skip term (``diag(z)``, ``diag(f)``) that breaks a
+  two-factor chain, so it is materialized.
+
+When the core engine (``spscan.plan`` / ``spscan.backward``) is not importable, a dense
+torch scan in this module (``_dense_affine_scan``) runs the same chain.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import nn
+
+__all__ = [
+    "RecurrentPlan",
+    "RecurrentWrapper",
+    "plan_recurrent",
+    "wrap_recurrent",
+    "recurrent_patterns",
+]
+
+_KINDS = {nn.RNN: "rnn", nn.GRU: "gru", nn.LSTM: "lstm"}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _cell_kind(module: nn.Module) -> str:
+    """``"rnn_tanh" | "rnn_relu" | "gru" | "lstm"``; refuses what this module cannot do exactly."""
+    kind = None
+    for cls, name in _KINDS.items():
+        if type(module) is cls:
+            kind = name
+    if kind is None:
+        raise TypeError(f"expected nn.RNN, nn.GRU or nn.LSTM, got {type(module).__name__}")
+    if module.num_layers != 1:
+        raise ValueError(
+            f"only single-layer recurrent modules are supported: expected num_layers=1, got "
+            f"{module.num_layers} (stack single-layer modules and wrap each one)"
+        )
+    if module.bidirectional:
+        raise ValueError("bidirectional recurrent modules are not supported: expected bidirectional=False, got True")
+    if getattr(module, "proj_size", 0):
+        raise ValueError(f"LSTM projections are not supported: expected proj_size=0, got {module.proj_size}")
+    if kind == "rnn":
+        if module.nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"expected nonlinearity 'tanh' or 'relu', got {module.nonlinearity!r}")
+        kind = "rnn_" + module.nonlinearity
+    return kind
+
+
+def _state_size(kind: str, hidden: int) -> int:
+    return 2 * hidden if kind == "lstm" else hidden
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+def _dense_pattern(rows: int, cols: int) -> sp.csr_array:
+    indptr = np.arange(rows + 1, dtype=np.int64) * cols
+    indices = np.tile(np.arange(cols, dtype=np.int64), rows)
+    return sp.csr_array((np.ones(rows * cols), indices, indptr), shape=(rows, cols))
+
+
+def _diag_pattern(d: int) -> sp.csr_array:
+    ar = np.arange(d, dtype=np.int64)
+    return sp.csr_array((np.ones(d), ar, np.arange(d + 1, dtype=np.int64)), shape=(d, d))
+
+
+def _lstm_pattern(hidden: int) -> sp.csr_array:
+    """``J_t^T`` of the LSTM joint state, ``(2H, 2H)``: rows of ``h_{t-1}`` dense, rows of ``c_{t-1}`` two entries."""
+    H = hidden
+    top_idx = np.tile(np.arange(2 * H, dtype=np.int64), H)
+    ar = np.arange(H, dtype=np.int64)
+    bot_idx = np.stack([ar, ar + H], axis=1).reshape(-1)
+    indices = np.concatenate([top_idx, bot_idx])
+    indptr = np.concatenate([np.arange(H + 1, dtype=np.int64) * 2 * H, 2 * H * H + 2 * np.arange(1, H + 1, dtype=np.int64)])
+    return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(2 * H, 2 * H))
+
+
+def recurrent_patterns(module: nn.Module, seq_len: int, chain: str = "auto") -> list[sp.csr_array]:
+    """The chain's transposed-Jacobian patterns for a sequence of ``seq_len`` steps, in layer order.
+
+    Returns ``T`` patterns (materialized; ``(D, D)`` with ``D = H`` or ``2H`` for the LSTM) or
+    ``2T`` alternating ``(H, H)`` dense / ``(H, H)`` diagonal ones (factored RNN). The same SciPy
+    object is repeated so the planner interns it.
+    """
+    kind = _cell_kind(module)
+    chain = _resolve_chain(kind, chain)
+    H = module.hidden_size
+    if chain == "factored":
+        dense, diag = _dense_pattern(H, H), _diag_pattern(H)
+        return [dense, diag] * seq_len
+    pat = _lstm_pattern(H) if kind == "lstm" else _dense_pattern(H, H)
+    return [pat] * seq_len
+
+
+def _resolve_chain(kind: str, chain: str) -> str:
+    if chain not in ("auto", "factored", "materialized"):
+        raise ValueError(f"expected chain 'auto', 'factored' or 'materialized', got {chain!r}")
+    if chain == "auto":
+        return "factored" if kind.startswith("rnn") else "materialized"
+    if chain == "factored" and not kind.startswith("rnn"):
+        raise ValueError(f"chain='factored' exists only for nn.RNN, got a {kind.upper()} module")
+    return chain
+
+
+# --------------------------------------------------------------------------- forward pieces
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    """``[W_ih, W_hh]`` plus ``[b_ih, b_hh]`` when the module has biases: the module's own objects."""
+    names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if module.bias else [])
+    return [getattr(module, n) for n in names]
+
+
+class _Saved:
+    """What the backward needs from one forward: time-major tensors and the chain's values.
+
+    ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}``, gate coefficients per kind,
+    ``values`` (the chain's Jacobian values) and the sizes.
+    """
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
+    """Pre-activations ``x W_ih^T + b_ih`` and ``h_{t-1} W_hh^T + b_hh`` for all ``T*B`` steps at once.
+
+    ``x`` (T, B, I), ``h_prev`` (T, B, H) → two ``(T, B, G*H)`` tensors.
+    """
+    w_ih, w_hh = params[0], params[1]
+    b_ih = params[2] if len(params) > 2 else None
+    b_hh = params[3] if len(params) > 2 else None
+    T, B, _ = x.shape
+    gi = torch.matmul(x, w_ih.t()) if b_ih is None else torch.addmm(b_ih, x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
+    gh = (
+        torch.matmul(h_prev, w_hh.t())
+        if b_hh is None
+        else torch.addmm(b_hh, h_prev.reshape(T * B, -1), w_hh.t()).view(T, B, -1)
+    )
+    return gi, gh
+
+
+def _coefficients(kind: str, x, h_prev, c_prev, hs, cs, params) -> dict[str, torch.Tensor]:
+    """Elementwise derivative coefficients of one step, all ``(T, B, H)``.
+
+    RNN: ``d`` = d h_t / d a_t. GRU: ``dr, dz, dn, dm`` = d h_t / d(R, Z, N, M)_t and ``z``.
+    LSTM: ``ci, cf, cg, co`` (gate pre-activation derivatives of ``c_t`` resp. ``h_t``), ``k`` =
+    d h_t / d c_t and ``f``.
+    """
+    if kind == "rnn_tanh":
+        return {"d": 1.0 - hs * hs}
+    if kind == "rnn_relu":
+        return {"d": (hs > 0).to(hs.dtype)}
+    gi, gh = _gates(kind, x, h_prev, params)
+    if kind == "gru":
+        ir, iz, in_ = gi.chunk(3, dim=-1)
+        hr, hz, hn = gh.chunk(3, dim=-1)
+        r = torch.sigmoid(ir + hr)
+        z = torch.sigmoid(iz + hz)
+        n = torch.tanh(in_ + r * hn)
+        dn = (1.0 - z) * (1.0 - n * n)
+        return {"dr": dn * hn * r * (1.0 - r), "dz": (h_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
+    # lstm
+    pre = gi + gh
+    pi, pf, pg, po = pre.chunk(4, dim=-1)
+    i, f, g, o = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg), torch.sigmoid(po)
+    tc = torch.tanh(cs)
+    return {
+        "ci": g * i * (1.0 - i),
+        "cf": c_prev * f * (1.0 - f),
+        "cg": i * (1.0 - g * g),
+        "co": tc * o * (1.0 - o),
+        "k": o * (1.0 - tc * tc),
+        "f": f,
+    }
+
+
+def _weighted_wt(w_blocks: torch.Tensor, coefs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """``sum_g W_g^T diag(c_g)``: ``w_blocks`` (G, H, H) of ``W_hh`` gate blocks, coefs (T, B, H) → (T, B, H, H).
+
+    Entry ``[j, i] = sum_g W_g[i, j] * c_g[i]``: row ``j`` of the transposed Jacobian.
+    """
+    out = None
+    for g, c in enumerate(coefs):
+        if c is None:
+            continue
+        term = w_blocks[g].t() * c.unsqueeze(-2)
+        out = term if out is None else out.add_(term)
+    return out
+
+
+def _jacobian_values(kind: str, chain: str, coefs: dict, w_hh: torch.Tensor, H: int):
+    """The chain's values: a list of ``2T`` tensors (factored) or one stacked ``(T, B, nnz)`` tensor."""
+    if chain == "factored":
+        wt = w_hh.t().contiguous().reshape(-1)  # W_hh^T in row-major CSR order, shared by the batch
+        d = coefs["d"]
+        vals: list[torch.Tensor] = []
+        for t in range(d.shape[0]):
+            vals.append(wt)
+            vals.append(d[t])
+        return vals
+    T, B = next(iter(coefs.values())).shape[:2]
+    if kind.startswith("rnn"):
+        jt = w_hh.t() * coefs["d"].unsqueeze(-2)
+        return jt.reshape(T, B, H * H)
+    if kind == "gru":
+        w = w_hh.view(3, H, H)
+        jt = _weighted_wt(w, [coefs["dr"], coefs["dz"], coefs["dm"]])
+        jt.diagonal(dim1=-2, dim2=-1).add_(coefs["z"])
+        return jt.reshape(T, B, H * H)
+    # lstm: rows of h_{t-1}: [d h_t/d h_{t-1}^T | d c_t/d h_{t-1}^T]; rows of c_{t-1}: [k*f, f]
+    w = w_hh.view(4, H, H)
+    k = coefs["k"]
+    ci, cf, cg, co = coefs["ci"], coefs["cf"], coefs["cg"], coefs["co"]
+    dc = _weighted_wt(w, [ci, cf, cg, None])
+    dh = dc * k.unsqueeze(-2)
+    dh.add_(w[3].t() * co.unsqueeze(-2))
+    top = torch.cat([dh, dc], dim=-1).reshape(T, B, 2 * H * H)
+    f = coefs["f"]
+    bottom = torch.stack([k * f, f], dim=-1).reshape(T, B, 2 * H)
+    return torch.cat([top, bottom], dim=-1)
+
+
+# --------------------------------------------------------------------------- scan engines
+
+
+def _core():
+    """The core engine module when it exports ``plan`` and ``backward``, else ``None``."""
+    import spscan
+
+    if hasattr(spscan, "backward") and hasattr(spscan, "plan"):
+        return spscan
+    return None
+
+
+def _dense_from_values(pattern: sp.csr_array, values: torch.Tensor) -> torch.Tensor:
+    """Scatter stacked CSR values ``(T, B, nnz)`` of one pattern into dense ``(T, B, D, D)``."""
+    D0, D1 = pattern.shape
+    rows = np.repeat(np.arange(D0), np.diff(pattern.indptr))
+    flat = torch.as_tensor(rows * D1 + pattern.indices, device=values.device, dtype=torch.long)
+    T, B, _ = values.shape
+    out = values.new_zeros(T, B, D0 * D1)
+    out[:, :, flat] = values
+    return out.view(T, B, D0, D1)
+
+
+def _dense_affine_scan(
+    mats: torch.Tensor, top: torch.Tensor, extra: Optional[torch.Tensor], levels: int = 0
+) -> torch.Tensor:
+    """``g_T = top``, ``g_{t-1} = M_t g_t + e_{t-1}`` for dense per-sample ``M``.
+
+    ``mats`` (T, B, D, D) with ``mats[t-1] = M_t``; ``top`` (B, D); ``extra`` (T, B, D) holding
+    ``e_0..e_{T-1}`` or None. ``levels`` pairwise-reduction levels (odd-even reduction, the
+    up-sweep) before the linear scan and the matching fill-in levels (the down-sweep).
+    Returns ``(T+1, B, D)``.
+    """
+    T, B, D, _ = mats.shape
+    if extra is None:
+        extra = mats.new_zeros(T, B, D)
+    if levels <= 0 or T < 2:
+        out = mats.new_empty(T + 1, B, D, 1)
+        out[T] = top.unsqueeze(-1)
+        e = extra.unsqueeze(-1)
+        for t in range(T, 0, -1):
+            torch.baddbmm(e[t - 1], mats[t - 1], out[t], out=out[t - 1])
+        return out.squeeze(-1)
+    if T % 2:
+        # the top element stays unpaired: fold it into the new top
+        new_top = torch.matmul(mats[T - 1], top.unsqueeze(-1)).squeeze(-1) + extra[T - 1]
+        inner = _dense_affine_scan(mats[: T - 1], new_top, extra[: T - 1], levels)
+        return torch.cat([inner, top.unsqueeze(0)], dim=0)
+    m_lo, m_hi = mats[0::2], mats[1::2]  # M_{2j+1}, M_{2j+2}
+    e_lo, e_hi = extra[0::2], extra[1::2]  # e_{2j}, e_{2j+1}
+    pair_m = torch.matmul(m_lo, m_hi)
+    pair_e = e_lo + torch.matmul(m_lo, e_hi.unsqueeze(-1)).squeeze(-1)
+    even = _dense_affine_scan(pair_m, top, pair_e, levels - 1)  # g_{2j}, j = 0..T/2
+    odd = torch.matmul(m_hi, even[1:].unsqueeze(-1)).squeeze(-1) + e_hi  # g_{2j+1}
+    out = mats.new_empty(T + 1, B, D)
+    out[0::2] = even
+    out[1::2] = odd
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+class RecurrentPlan:
+    """BPPSA plan of one single-layer recurrent module; the scan plans are cached per length ``T``.
+
+    ``forward(x, hx)`` runs the module and returns ``(module outputs, saved)``;
+    ``backward(saved, grad_output, grad_h_n, grad_c_n)`` returns the input, initial-state and
+    parameter gradients. ``plan_kwargs`` go to ``spscan.plan`` for every ``T``.
+    """
+
+    def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, *, chain: str = "auto", **plan_kwargs: Any) -> None:
+        self.kind = _cell_kind(module)
+        self.module = module
+        self.chain = _resolve_chain(self.kind, chain)
+        self.plan_kwargs = dict(plan_kwargs)
+        self.hidden_size = module.hidden_size
+        self.state_size = _state_size(self.kind, module.hidden_size)
+        self._plans: dict[tuple, Any] = {}
+        self.last_seq_len: Optional[int] = None
+        if example_input is not None:
+            x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
+            self._check_input(x)
+            T = x.shape[1 if (module.batch_first and x.dim() == 3) else 0]
+            p = module.weight_hh_l0
+            self.scan_plan(T, p.device, p.dtype)
+
+    # -- plans
+
+    def scan_plan(self, seq_len: int, device: torch.device, dtype: torch.dtype):
+        """The core engine's plan for ``seq_len`` steps (built once per ``(T, device, dtype)``), or None without the core."""
+        self.last_seq_len = seq_len
+        core = _core()
+        if core is None:
+            return None
+        key = (seq_len, str(device), dtype)
+        if key not in self._plans:
+            kw = dict(self.plan_kwargs)
+            kw.setdefault("device", device)
+            kw.setdefault("dtype", dtype)
+            self._plans[key] = core.plan(recurrent_patterns(self.module, seq_len, self.chain), **kw)
+        return self._plans[key]
+
+    @property
+    def patterns(self) -> list[sp.csr_array]:
+        """The chain's patterns for the most recently planned length."""
+        return recurrent_patterns(self.module, self.last_seq_len or 1, self.chain)
+
+    @property
+    def levels(self):
+        """The up-sweep depth of the most recently planned length (``0`` without the core engine)."""
+        p = self.module.weight_hh_l0
+        plan = self.scan_plan(self.last_seq_len or 1, p.device, p.dtype)
+        return getattr(plan, "levels", 0)
+
+    def summary(self) -> str:
+        lines = [
+            f"RecurrentPlan({self.kind}, hidden={self.hidden_size}, state={self.state_size}, chain={self.chain})",
+            f"  cached lengths: {sorted({k[0] for k in self._plans}) or '(none; dense fallback scan)'}",
+        ]
+        for key, plan in self._plans.items():
+            s = plan.summary() if hasattr(plan, "summary") else repr(plan)
+            lines.append(f"  T={key[0]} {key[1]} {key[2]}: " + str(s).replace("\n", "\n    "))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"RecurrentPlan(kind={self.kind!r}, hidden_size={self.hidden_size}, chain={self.chain!r})"
+
+    # -- forward
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a tensor input, got {type(x).__name__} (PackedSequence is not supported)")
+        if x.dim() not in (2, 3):
+            raise ValueError(f"expected input of 2 or 3 dims (T, I) / (T, B, I) / (B, T, I), got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.module.input_size:
+            raise ValueError(f"expected input feature size {self.module.input_size}, got {x.shape[-1]}")
+
+    def forward(self, x: torch.Tensor, hx=None):
+        """Run the module (no autograd) and save what the scan needs.
+
+        ``x``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or unbatched ``(T, I)``; ``hx`` as the
+        module takes it. Returns ``(outputs, saved)`` with ``outputs`` exactly what the module returns.
+        """
+        self._check_input(x)
+        with torch.no_grad():
+            outputs = self.module(x, hx)
+            return outputs, self._save(x, hx, outputs, need_values=True)
+
+    def _save(self, x: torch.Tensor, hx, outputs, need_values: bool) -> _Saved:
+        m = self.module
+        unbatched = x.dim() == 2
+        H = self.hidden_size
+        out = outputs[0]
+        x, out = x.detach(), out.detach()
+        if unbatched:
+            x, out = x.unsqueeze(1), out.unsqueeze(1)
+        elif m.batch_first:
+            x, out = x.transpose(0, 1), out.transpose(0, 1)
+        T, B, _ = x.shape
+        params = [p.detach() for p in _params(m)]
+        h0, c0 = _split_hx(self.kind, hx, B, H, x, unbatched)
+        hs = out.detach()
+        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0) if T > 0 else hs
+        c_prev = cs = None
+        if self.kind == "lstm":
+            # the module returns only c_T: recompute c_1..c_T from the batched gates (no time loop on h)
+            cs = _lstm_cells(x, h_prev, c0, params)
+            c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]], dim=0)
+        coefs = _coefficients(self.kind, x, h_prev, c_prev, hs, cs, params) if T > 0 else {}
+        values = _jacobian_values(self.kind, self.chain, coefs, params[1], H) if (need_values and T > 0) else None
+        return _Saved(
+            x=x.detach(), h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
+            params=params, dtype=hs.dtype, device=hs.device,
+        )
+
+    # -- backward
+
+    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]) -> torch.Tensor:
+        """State gradients ``(T+1, B, D)`` (factored: ``(2T+1, B, H)``) from the chain."""
+        T = saved.T
+        plan = self.scan_plan(T, saved.device, saved.dtype)
+        core = _core()
+        if self.chain == "factored":
+            ext: Optional[list] = None
+            if extra is not None:
+                # extra[t] (the loss on h_{t+1}) goes to chain index 2(t+1); the last one joins top
+                ext = [None] * (2 * T + 1)
+                for t in range(T - 1):
+                    ext[2 * (t + 1)] = extra[t]
+                top = top + extra[T - 1]
+            if core is not None:
+                grads = core.backward(plan, saved.values, top, extra=ext)
+                return torch.stack(list(grads), dim=0)
+            return _factored_linear_scan(saved.values, top, ext)
+        ext_list = None
+        if extra is not None:
+            top = top + extra[T - 1]
+            ext_list = [None] + [extra[t] for t in range(T - 1)] + [None]
+        if core is not None:
+            grads = core.backward(plan, saved.values, top, extra=ext_list)
+            return torch.stack(list(grads), dim=0)
+        mats = _dense_from_values(recurrent_patterns(self.module, 1, self.chain)[0], saved.values)
+        e = None
+        if extra is not None:
+            e = torch.cat([torch.zeros_like(extra[:1]), extra[:-1]], dim=0)
+        return _dense_affine_scan(mats, top, e, levels=self.plan_kwargs.get("levels", 0) if isinstance(self.plan_kwargs.get("levels", 0), int) else 0)
+
+    def backward(
+        self,
+        saved: _Saved,
+        grad_output: Optional[torch.Tensor],
+        grad_h_n: Optional[torch.Tensor],
+        grad_c_n: Optional[torch.Tensor] = None,
+    ) -> dict[str, Optional[torch.Tensor]]:
+        """Gradients from the upstream gradients of the module's outputs (each may be None = zero).
+
+        ``grad_output`` in the module's output layout; ``grad_h_n`` / ``grad_c_n`` ``(1, B, H)`` (or
+        ``(1, H)`` unbatched). Returns ``{"input", "h_0", "c_0", <parameter names>}``; ``input`` in
+        the input's layout, ``h_0``/``c_0`` shaped like the module's ``hx``.
+        """
+        with torch.no_grad():
+            return self._backward(saved, grad_output, grad_h_n, grad_c_n)
+
+    def _backward(self, saved, grad_output, grad_h_n, grad_c_n):
+        m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
+        D = self.state_size
+        dt, dev = saved.dtype, saved.device
+        go = grad_output
+        if go is not None:
+            go = go.unsqueeze(1) if saved.unbatched else (go.transpose(0, 1) if m.batch_first else go)
+        top = torch.zeros(B, D, dtype=dt, device=dev)
+        if grad_h_n is not None:
+            top[:, :H] += grad_h_n.reshape(B, H)
+        if grad_c_n is not None:
+            top[:, H:] += grad_c_n.reshape(B, H)
+        extra = None
+        if go is not None and T > 0:
+            extra = go if D == H else torch.cat([go, go.new_zeros(T, B, D - H)], dim=-1)
+        if T == 0:
+            return self._pack(saved, top, None, None)
+        G = self._scan(saved, top, extra)
+        if self.chain == "factored":
+            g0 = G[0]
+            pre = G[1::2]  # dl/da_t, t = 1..T
+            pre_ih = pre_hh = pre
+        else:
+            g0 = G[0]
+            pre_ih, pre_hh = self._pre_activation_grads(saved, G[1:])
+        return self._pack(saved, g0, pre_ih, pre_hh)
+
+    def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):
+        """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``."""
+        c = saved.coefs
+        H = self.hidden_size
+        if self.kind.startswith("rnn"):
+            p = Gs * c["d"]
+            return p, p
+        if self.kind == "gru":
+            gr, gz = Gs * c["dr"], Gs * c["dz"]
+            return torch.cat([gr, gz, Gs * c["dn"]], dim=-1), torch.cat([gr, gz, Gs * c["dm"]], dim=-1)
+        gh, gc = Gs[..., :H], Gs[..., H:]
+        gc_tot = gc + gh * c["k"]
+        p = torch.cat([gc_tot * c["ci"], gc_tot * c["cf"], gc_tot * c["cg"], gh * c["co"]], dim=-1)
+        return p, p
+
+    def _pack(self, saved: _Saved, g0: torch.Tensor, pre_ih, pre_hh) -> dict[str, Optional[torch.Tensor]]:
+        m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
+        params = saved.params
+        out: dict[str, Optional[torch.Tensor]] = {}
+        if pre_ih is None:
+            out["input"] = torch.zeros_like(saved.x)
+            gw_ih, gw_hh = torch.zeros_like(params[0]), torch.zeros_like(params[1])
+            gb_ih = gb_hh = torch.zeros_like(params[0][:, 0])
+        else:
+            # one GEMM over all T*B steps per parameter: no loop over time
+            pi, ph = pre_ih.reshape(T * B, -1), pre_hh.reshape(T * B, -1)
+            out["input"] = torch.matmul(pre_ih, params[0])
+            gw_ih = pi.t().mm(saved.x.reshape(T * B, -1))
+            gw_hh = ph.t().mm(saved.h_prev.reshape(T * B, -1))
+            gb_ih, gb_hh = pi.sum(0), ph.sum(0)
+        x_grad = out["input"]
+        if saved.unbatched:
+            x_grad = x_grad.squeeze(1)
+        elif m.batch_first:
+            x_grad = x_grad.transpose(0, 1)
+        out["input"] = x_grad
+        shape = (1, H) if saved.unbatched else (1, B, H)
+        out["h_0"] = g0[:, :H].reshape(shape)
+        out["c_0"] = g0[:, H:].reshape(shape) if self.kind == "lstm" else None
+        out["weight_ih_l0"], out["weight_hh_l0"] = gw_ih, gw_hh
+        if m.bias:
+            out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh
+        return out
+
+    def _spscan_backward(self, values: _Saved, grad, extra=None) -> dict[str, Optional[torch.Tensor]]:
+        """``spscan.backward(plan, saved, grads)`` for a recurrent plan.
+
+        ``values``: the ``saved`` object from ``forward``; ``grad``: a tuple mirroring the module's
+        outputs, ``(grad_output, grad_h_n)`` or ``(grad_output, (grad_h_n, grad_c_n))``, entries may
+        be None. ``extra`` must be None (per-step losses are ``grad_output``).
+        """
+        if extra is not None:
+            raise ValueError("expected extra=None for a recurrent plan (per-step gradients go in grad_output), got a value")
+        if not isinstance(values, _Saved):
+            raise TypeError(f"expected the saved state returned by plan.forward(x), got {type(values).__name__}")
+        if not isinstance(grad, (tuple, list)) or len(grad) != 2:
+            raise TypeError("expected grad = (grad_output, grad_h_n) or (grad_output, (grad_h_n, grad_c_n))")
+        go, gs = grad
+        if self.kind == "lstm":
+            gh, gc = gs if gs is not None else (None, None)
+        else:
+            gh, gc = gs, None
+        return self.backward(values, go, gh, gc)
+
+
+def _factored_linear_scan(values: list, top: torch.Tensor, extra: Optional[list]) -> torch.Tensor:
+    """Linear affine scan of the factored Elman chain (fallback without the core engine). Returns ``(2T+1, B, H)``."""
+    n = len(values)
+    H = top.shape[-1]
+    out = top.new_empty(n + 1, *top.shape)
+    out[n] = top
+    for i in range(n, 0, -1):
+        v = values[i - 1]
+        e = extra[i - 1] if extra is not None else None
+        if v.dim() == 1:  # shared dense W_hh^T (H*H,), row-major: g_prev = W_hh^T g = g @ W_hh
+            w_t = v.view(H, H)
+            if e is None:
+                torch.mm(out[i], w_t.t(), out=out[i - 1])
+            else:
+                torch.addmm(e, out[i], w_t.t(), out=out[i - 1])
+        else:
+            if e is None:
+                torch.mul(out[i], v, out=out[i - 1])
+            else:
+                torch.addcmul(e, out[i], v, out=out[i - 1])
+    return out
+
+
+def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):
+    """Initial ``h_0`` (B, H) and ``c_0`` (B, H) (LSTM) from the module's ``hx`` (zeros when None)."""
+    dt, dev = like.dtype, like.device
+    if hx is None:
+        z = torch.zeros(B, H, dtype=dt, device=dev)
+        return z, (z if kind == "lstm" else None)
+    if kind == "lstm":
+        h0, c0 = hx
+        return h0.detach().reshape(B, H), c0.detach().reshape(B, H)
+    return hx.detach().reshape(B, H), None
+
+
+def _lstm_cells(x, h_prev, c0, params) -> torch.Tensor:
+    """``c_1..c_T`` (T, B, H) from the batched gates.
+
+    ``c_t = f_t c_{t-1} + i_t g_t`` is a diagonal affine recurrence, solved with ``ceil(log2 T)``
+    whole-sequence doubling steps (Hillis-Steele) instead of a loop over time.
+    """
+    gi, gh = _gates("lstm", x, h_prev, params)
+    pi, pf, pg, _ = (gi + gh).chunk(4, dim=-1)
+    a = torch.sigmoid(pf)
+    b = torch.sigmoid(pi) * torch.tanh(pg)
+    T = x.shape[0]
+    k = 1
+    while k < T:
+        # (a_t, b_t) <- (a_t, b_t) o (a_{t-k}, b_{t-k}) for t >= k
+        b = torch.cat([b[:k], torch.addcmul(b[k:], a[k:], b[:-k])], dim=0)
+        a = torch.cat([a[:k], a[k:] * a[:-k]], dim=0)
+        k *= 2
+    return torch.addcmul(b, a, c0.unsqueeze(0))
+
+
+# --------------------------------------------------------------------------- torch integration
+
+
+class _RecurrentFunction(torch.autograd.Function):
+    """Forward: the module's own forward. Backward: the scan, then batched parameter GEMMs."""
+
+    @staticmethod
+    def forward(ctx, plan: RecurrentPlan, x: torch.Tensor, h0, c0, *params: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        hx = None
+        if h0 is not None:
+            hx = (h0, c0) if plan.kind == "lstm" else h0
+        outputs = plan.module(x, hx)
+        need = any(ctx.needs_input_grad[1:])
+        ctx.plan = plan
+        ctx.saved = plan._save(x, hx, outputs, need_values=True) if need else None
+        ctx.has_h0 = h0 is not None
+        out, state = outputs
+        if plan.kind == "lstm":
+            return out, state[0], state[1]
+        return out, state
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_hn, grad_cn=None):
+        plan: RecurrentPlan = ctx.plan
+        if ctx.saved is None:
+            return (None,) * (4 + len(_params(plan.module)))
+        r = plan.backward(ctx.saved, grad_out, grad_hn, grad_cn)
+        ctx.saved = None  # free the Jacobian values as soon as they are consumed
+        names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if plan.module.bias else [])
+        need = ctx.needs_input_grad
+        gx = r["input"] if need[1] else None
+        gh0 = r["h_0"] if (ctx.has_h0 and need[2]) else None
+        gc0 = r["c_0"] if (ctx.has_h0 and plan.kind == "lstm" and need[3]) else None
+        gparams = [r[n] if need[4 + i] else None for i, n in enumerate(names)]
+        return (None, gx, gh0, gc0, *gparams)
+
+
+class RecurrentWrapper(nn.Module):
+    """A single-layer ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through the BPPSA scan.
+
+    Holds the module itself (``self.module``), so ``parameters()`` are the module's own
+    objects and ``torch.optim`` works unchanged. ``forward(x, hx=None)`` returns what the
+    module returns: ``(output, h_n)`` or ``(output, (h_n, c_n))``; batch size and sequence
+    length may change between calls (one scan plan per length is cached).
+    """
+
+    def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.plan = RecurrentPlan(module, example_input, **plan_kwargs)
+
+    def forward(self, x: torch.Tensor, hx=None):
+        self.plan._check_input(x)
+        # re-check: the wrapped module's configuration may have been changed after wrapping
+        _cell_kind(self.module)
+        h0 = c0 = None
+        if hx is not None:
+            h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
+        params = _params(self.module)
+        grad_on = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in params)
+            or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
+        )
+        if not grad_on:
+            return self.module(x, hx)
+        outs = _RecurrentFunction.apply(self.plan, x, h0, c0, *params)
+        if self.plan.kind == "lstm":
+            return outs[0], (outs[1], outs[2])
+        return outs[0], outs[1]
+
+    def extra_repr(self) -> str:
+        return f"chain={self.plan.chain!r}"
+
+
+def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> RecurrentPlan:
+    """Plan BPPSA for a single-layer ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``.
+
+    ``example_input``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or ``(T, I)``; its ``T`` is
+    planned now, other lengths on first use. ``plan_kwargs``: ``chain`` ("auto" | "factored" |
+    "materialized") and whatever ``spscan.plan`` takes (``levels``, ``backend``, ...).
+    Raises ``ValueError`` for num_layers > 1, bidirectional or proj_size > 0.
+    """
+    return RecurrentPlan(rnn, example_input, **plan_kwargs)
+
+
+def wrap_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> RecurrentWrapper:
+    """``nn.Module`` around ``rnn`` (same parameter objects) whose backward is the BPPSA scan.
+
+    Forward returns exactly what ``rnn`` returns; ``loss.backward()`` fills ``.grad`` of the
+    input, the initial state and every parameter as autograd would.
+    """
+    return RecurrentWrapper(rnn, example_input, **plan_kwargs)
