@@ -1,0 +1,723 @@
+"""The layer library: one unit per layer type that knows its transposed-Jacobian pattern,
+how to fill that pattern's values for a batch, and its parameter-gradient rule.
+
+Every activation is flattened per sample in row-major ``(C, *spatial)`` order, exactly as
+``x.flatten(1)`` does, so a layer mapping ``(B, *in_shape)`` to ``(B, *out_shape)`` has
+``J^T`` of shape ``(d_in, d_out)`` with ``d_in = prod(in_shape)`` and ``d_out = prod(out_shape)``.
+
+A unit's life:
+
+* ``__init__`` (plan time, once): from shapes, hyper-parameters and any pruning mask only,
+  build the canonical SciPy CSR ``pattern`` and the gather indices that map each stored entry
+  to the tensor it is read from (a weight element, an activation element, ...).
+* ``run(x, tensors)`` (every step): the layer's forward on ``(B, *in_shape)``; returns the
+  output and what ``fill`` and ``param_grads`` need (saved activations, argmax indices, masks).
+* ``fill(saved, tensors)``: the entries of ``J^T`` in the pattern's CSR order, ``(nnz,)`` when
+  they do not depend on the sample (shared by the batch) or ``(B, nnz)`` otherwise.
+* ``param_grads(saved, tensors, g_out)``: ``dl/dθ`` for each of the unit's learnable tensors
+  from ``g_out = dl/dx_out`` of shape ``(B, d_out)``.
+
+``tensors`` are the *effective* learnable tensors (for a module pruned with
+``torch.nn.utils.prune`` that is ``weight_orig * weight_mask``), so the caller decides whether
+they carry an autograd graph.
+
+Pruning: entries of ``J^T`` that read a pruned weight (``weight_mask == 0``, or an exactly-zero
+weight with ``prune_zeros=True``) are left out of the pattern. Those weights must stay zero
+for as long as the plan is used; every ``run`` checks it and raises if one became non-zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "LayerUnit",
+    "LinearUnit",
+    "ConvUnit",
+    "ElementwiseUnit",
+    "MaxPoolUnit",
+    "AvgPoolUnit",
+    "BatchNormUnit",
+    "DropoutUnit",
+    "ReshapeUnit",
+    "make_unit",
+    "supported_layer_types",
+    "coo_to_csr",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def coo_to_csr(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> tuple[sp.csr_array, np.ndarray]:
+    """Canonical CSR pattern from structural entries ``(rows[k], cols[k])``.
+
+    Returns the pattern (data all ones, sorted indices, no duplicates) and ``order``, the
+    permutation such that CSR entry ``e`` is structural entry ``order[e]``. Raises if two
+    structural entries coincide (a layer generator bug: each unit maps every entry to one source).
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = np.asarray(cols, dtype=np.int64)
+    order = np.lexsort((cols, rows))
+    r, c = rows[order], cols[order]
+    if r.size > 1:
+        dup = (r[1:] == r[:-1]) & (c[1:] == c[:-1])
+        if dup.any():
+            k = int(np.flatnonzero(dup)[0])
+            raise ValueError(f"duplicate structural entry ({r[k]}, {c[k]}) in a generated pattern")
+    indptr = np.zeros(shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.bincount(r, minlength=shape[0]), out=indptr[1:])
+    index_dtype = np.int32 if max(shape) < 2**31 - 1 and r.size < 2**31 - 1 else np.int64
+    pattern = sp.csr_array(
+        (np.ones(r.size), c.astype(index_dtype), indptr.astype(index_dtype)), shape=shape
+    )
+    return pattern, order
+
+
+def _prod(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+
+
+def _tuple(v: Any, n: int) -> tuple[int, ...]:
+    if isinstance(v, (tuple, list)):
+        if len(v) != n:
+            raise ValueError(f"expected {n} values, got {v!r}")
+        return tuple(int(t) for t in v)
+    return (int(v),) * n
+
+
+def _flat_index(idx: Sequence[np.ndarray], dims: Sequence[int]) -> np.ndarray:
+    """Row-major flat index of a multi-index (numpy broadcasting)."""
+    out = np.zeros(np.broadcast(*idx).shape, dtype=np.int64) if len(idx) else np.zeros((), np.int64)
+    for i, d in zip(idx, dims):
+        out = out * d + i
+    return out
+
+
+class _IndexCache:
+    """A numpy index array with per-device torch copies made on first use."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = np.ascontiguousarray(array, dtype=np.int64)
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        t = self._by_device.get(device)
+        if t is None:
+            t = torch.from_numpy(self.array).to(device)
+            self._by_device[device] = t
+        return t
+
+
+# ----------------------------------------------------------------------------- base class
+
+
+class LayerUnit:
+    """One layer of a chain: its pattern, its value fill and its parameter-gradient rule.
+
+    Attributes:
+        index: position of the layer in the (flattened) chain, for messages.
+        module: the ``nn.Module`` it stands for.
+        in_shape, out_shape: per-sample shapes (no batch dimension).
+        pattern: canonical SciPy CSR array of shape ``(d_in, d_out)``; its data is all ones.
+        shared: ``True`` if ``fill`` returns ``(nnz,)`` values shared by the batch.
+        roles: names of the learnable tensors on the module (``"weight"``, ``"bias"``) that
+            ``tensors``/``param_grads`` refer to, in order; absent (``None``) ones are left out.
+    """
+
+    shared: bool = False
+    roles: tuple[str, ...] = ()
+
+    def __init__(self, index: int, module: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
+        self.index = index
+        self.module = module
+        self.in_shape = tuple(in_shape)
+        self.out_shape = tuple(out_shape)
+        self.d_in = _prod(self.in_shape)
+        self.d_out = _prod(self.out_shape)
+        self.pattern: sp.csr_array
+        self.roles = tuple(r for r in type(self).roles if _effective(module, r) is not None)
+
+    # -- learnable tensors
+    def tensors(self) -> list[torch.Tensor]:
+        """The effective learnable tensors (``orig * mask`` for pruned ones), in ``roles`` order."""
+        return [_effective(self.module, r) for r in self.roles]
+
+    def parameters_for_roles(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
+        """For each role, the ``nn.Parameter`` that holds it and the pruning mask (or ``None``)."""
+        out = []
+        for r in self.roles:
+            if hasattr(self.module, r + "_orig") and hasattr(self.module, r + "_mask"):
+                out.append((getattr(self.module, r + "_orig"), getattr(self.module, r + "_mask")))
+            else:
+                out.append((getattr(self.module, r), None))
+        return out
+
+    @property
+    def name(self) -> str:
+        return type(self.module).__name__
+
+    # -- per step
+    def run(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def fill(self, saved: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def param_grads(self, saved: Any, tensors: Sequence[torch.Tensor], g_out: torch.Tensor,
+                    needed: Optional[Sequence[bool]] = None) -> list[Optional[torch.Tensor]]:
+        """``dl/dθ`` for each role; ``needed[k] = False`` skips role ``k`` (returns ``None``)."""
+        return [None] * len(self.roles)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.pattern.nnz)
+
+    def sparsity(self) -> float:
+        """Fraction of guaranteed zeros: ``1 - nnz / (d_in * d_out)``."""
+        return 1.0 - self.nnz / (self.d_in * self.d_out)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(index={self.index}, {self.name}, {self.in_shape}->{self.out_shape}, "
+                f"nnz={self.nnz}, {'shared' if self.shared else 'per-sample'})")
+
+
+def _effective(module: nn.Module, role: str) -> Optional[torch.Tensor]:
+    if hasattr(module, role + "_orig") and hasattr(module, role + "_mask"):
+        # pruned by torch.nn.utils.prune: recompute as its forward pre-hook does, keeping the graph
+        return getattr(module, role + "_orig") * getattr(module, role + "_mask")
+    return getattr(module, role, None)
+
+
+def _identity_pattern(d: int) -> sp.csr_array:
+    ar = np.arange(d, dtype=np.int32)
+    return sp.csr_array((np.ones(d), ar, np.arange(d + 1, dtype=np.int32)), shape=(d, d))
+
+
+class _WeightGatherMixin:
+    """Units whose ``J^T`` entries are elements of one weight tensor (shared values)."""
+
+    weight_gather: _IndexCache
+    zero_weights: _IndexCache  # flat weight indices dropped from the pattern (must stay zero)
+
+    def _drop_mask(self, module: nn.Module, prune_zeros: bool) -> np.ndarray:
+        """Boolean per flat weight element: ``True`` if it is pruned (left out of the pattern)."""
+        w = _effective(module, "weight").detach()
+        drop = torch.zeros(w.numel(), dtype=torch.bool)
+        if hasattr(module, "weight_mask"):
+            drop |= (module.weight_mask.detach().reshape(-1) == 0).cpu()
+        if prune_zeros:
+            drop |= (w.reshape(-1) == 0).cpu()
+        return drop.numpy()
+
+    def _check_pruned_still_zero(self, w: torch.Tensor) -> None:
+        if self.zero_weights.array.size == 0:
+            return
+        dropped = w.detach().reshape(-1)[self.zero_weights.on(w.device)]
+        if bool((dropped != 0).any()):
+            k = int(torch.nonzero(dropped != 0)[0, 0])
+            raise ValueError(
+                f"layer {self.index} ({self.name}): weight element {int(self.zero_weights.array[k])} was "
+                f"pruned (left out of the pattern) at plan time but is now {float(dropped[k])}; "
+                "pruned weights must stay zero — re-plan after changing the pruning"
+            )
+
+    def fill(self, saved: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        w = tensors[0]
+        return w.detach().reshape(-1)[self.weight_gather.on(w.device)]
+
+
+# ----------------------------------------------------------------------------- Linear
+
+
+class LinearUnit(_WeightGatherMixin, LayerUnit):
+    """``nn.Linear`` on per-sample input ``(*, in_features)``: ``J^T = I_L ⊗ W^T`` (shared)."""
+
+    shared = True
+    roles = ("weight", "bias")
+
+    def __init__(self, index, module: nn.Linear, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        fi, fo = module.in_features, module.out_features
+        if len(in_shape) < 1 or in_shape[-1] != fi:
+            raise ValueError(
+                f"layer {index} (Linear): expected per-sample input (*, {fi}), got {tuple(in_shape)}")
+        lead = _prod(in_shape[:-1])
+        drop = self._drop_mask(module, prune_zeros)
+        j, i = np.divmod(np.arange(fo * fi, dtype=np.int64), fi)  # weight element (j, i) is W[j, i]
+        keep = ~drop
+        j, i = j[keep], i[keep]
+        widx = j * fi + i
+        l = np.arange(lead, dtype=np.int64)[:, None]
+        rows = (l * fi + i[None, :]).reshape(-1)
+        cols = (l * fo + j[None, :]).reshape(-1)
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.weight_gather = _IndexCache(np.broadcast_to(widx[None, :], (lead, widx.size)).reshape(-1)[order])
+        self.zero_weights = _IndexCache(np.flatnonzero(drop))
+
+    def run(self, x, tensors):
+        self._check_pruned_still_zero(tensors[0])
+        b = tensors[1] if len(tensors) > 1 else None
+        return F.linear(x, tensors[0], b), x
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        x = saved
+        needed = needed or [True] * len(self.roles)
+        g = g_out.reshape(x.shape[:-1] + (self.module.out_features,))
+        out: list[Optional[torch.Tensor]] = []
+        for role, need in zip(self.roles, needed):
+            if not need:
+                out.append(None)
+            elif role == "weight":
+                # one GEMM over batch and leading dims, as autograd does
+                out.append(g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
+            else:
+                out.append(g.reshape(-1, g.shape[-1]).sum(0))
+        return out
+
+
+# ----------------------------------------------------------------------------- Conv
+
+
+class ConvUnit(_WeightGatherMixin, LayerUnit):
+    """``nn.Conv1d`` / ``nn.Conv2d`` (any stride, padding incl. ``'same'``, dilation, groups,
+    bias), zero padding. ``J^T[in, out] = W[co, ci - g*Cin_g, k]`` where the tap ``k`` of output
+    ``out`` reads input ``in``; values are shared."""
+
+    shared = True
+    roles = ("weight", "bias")
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = 1 if isinstance(module, nn.Conv1d) else 2
+        self.nd = nd
+        if module.padding_mode != "zeros":
+            raise ValueError(
+                f"layer {index} ({self.name}): padding_mode 'zeros' expected, got {module.padding_mode!r}")
+        if len(in_shape) != nd + 1:
+            raise ValueError(
+                f"layer {index} ({self.name}): expected per-sample input (C, {'L' if nd == 1 else 'H, W'}), "
+                f"got {tuple(in_shape)}")
+        cin, cout, groups = module.in_channels, module.out_channels, module.groups
+        if in_shape[0] != cin:
+            raise ValueError(f"layer {index} ({self.name}): expected {cin} input channels, got {in_shape[0]}")
+        k = _tuple(module.kernel_size, nd)
+        s = _tuple(module.stride, nd)
+        d = _tuple(module.dilation, nd)
+        s_in = tuple(in_shape[1:])
+        s_out = tuple(out_shape[1:])
+        if isinstance(module.padding, str):
+            if module.padding == "valid":
+                pad_lo = (0,) * nd
+            else:  # 'same': torch pads total = d*(k-1), the odd element on the high side
+                pad_lo = tuple((dd * (kk - 1)) // 2 for dd, kk in zip(d, k))
+            pad_hi = tuple(dd * (kk - 1) - pl if module.padding == "same" else 0
+                           for dd, kk, pl in zip(d, k, pad_lo))
+        else:
+            pad_lo = _tuple(module.padding, nd)
+            pad_hi = pad_lo
+        self.stride, self.dilation, self.pad_lo, self.pad_hi, self.kernel = s, d, pad_lo, pad_hi, k
+        cin_g, cout_g = cin // groups, cout // groups
+
+        drop = self._drop_mask(module, prune_zeros)
+        # enumerate (co, o_1..o_nd, ci_l, k_1..k_nd) with broadcasting
+        nax = 2 + 2 * nd
+        def ax(n: int, pos: int) -> np.ndarray:
+            shape = [1] * nax
+            shape[pos] = n
+            return np.arange(n, dtype=np.int64).reshape(shape)
+        co = ax(cout, 0)
+        o = [ax(s_out[t], 1 + t) for t in range(nd)]
+        ci = ax(cin_g, 1 + nd)
+        kk = [ax(k[t], 2 + nd + t) for t in range(nd)]
+        i = [o[t] * s[t] - pad_lo[t] + kk[t] * d[t] for t in range(nd)]
+        full = np.broadcast(co, *o, ci, *kk).shape
+        valid = np.ones(full, dtype=bool)
+        for t in range(nd):
+            valid &= (i[t] >= 0) & (i[t] < s_in[t])
+        widx = np.broadcast_to(_flat_index([co, ci, *kk], [cout, cin_g, *k]), full)
+        valid &= ~drop[widx]
+        rows = np.broadcast_to(_flat_index([(co // cout_g) * cin_g + ci, *i], [cin, *s_in]), full)[valid]
+        cols = np.broadcast_to(_flat_index([co, *o], [cout, *s_out]), full)[valid]
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.weight_gather = _IndexCache(widx[valid][order])
+        self.zero_weights = _IndexCache(np.flatnonzero(drop))
+
+    def _conv(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+        m = self.module
+        return m._conv_forward(x, w, b)
+
+    def run(self, x, tensors):
+        self._check_pruned_still_zero(tensors[0])
+        b = tensors[1] if len(tensors) > 1 else None
+        return self._conv(x, tensors[0], b), x
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        x = saved
+        w = tensors[0]
+        needed = list(needed or [True] * len(self.roles))
+        g = g_out.reshape((x.shape[0],) + self.out_shape)
+        out: list[Optional[torch.Tensor]] = [None] * len(self.roles)
+        if needed[0]:
+            if self.pad_lo == self.pad_hi:
+                xin, pad = x, list(self.pad_lo)
+            else:  # asymmetric 'same' padding: pad explicitly, then convolve unpadded
+                pads = []
+                for lo, hi in zip(reversed(self.pad_lo), reversed(self.pad_hi)):
+                    pads += [lo, hi]
+                xin, pad = F.pad(x, pads), [0] * self.nd
+            out[0] = torch.ops.aten.convolution_backward(
+                g, xin, w.detach(), None, list(self.stride), pad, list(self.dilation),
+                False, [0] * self.nd, self.module.groups, [False, True, False])[1]
+        if len(self.roles) > 1 and needed[1]:
+            out[1] = g.sum(dim=[0] + list(range(2, g.dim())))
+        return out
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """d gelu(x)/dx, written as torch's gelu_backward computes it."""
+    if approximate == "tanh":
+        k_beta = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5
+        k_kappa = 0.044715
+        x_sq = x * x
+        inner = k_beta * (x + k_kappa * x_sq * x)
+        t = torch.tanh(inner)
+        return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * (k_beta * (1 + 3 * k_kappa * x_sq))
+    cdf = 0.5 * (1 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + x * pdf
+
+
+class ElementwiseUnit(LayerUnit):
+    """ReLU, LeakyReLU, Tanh, Sigmoid, GELU: diagonal ``J^T``, per-sample values ``f'(x)``."""
+
+    shared = False
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if isinstance(module, nn.GELU) and module.approximate not in ("none", "tanh"):
+            raise ValueError(f"layer {index} (GELU): approximate 'none' or 'tanh' expected, got {module.approximate!r}")
+        self.pattern = _identity_pattern(self.d_in)
+
+    def run(self, x, tensors):
+        m = self.module
+        if isinstance(m, nn.ReLU):
+            y = F.relu(x)
+            return y, y
+        if isinstance(m, nn.LeakyReLU):
+            return F.leaky_relu(x, m.negative_slope), x
+        if isinstance(m, nn.Tanh):
+            y = torch.tanh(x)
+            return y, y
+        if isinstance(m, nn.Sigmoid):
+            y = torch.sigmoid(x)
+            return y, y
+        return F.gelu(x, approximate=m.approximate), x
+
+    def fill(self, saved, tensors):
+        m = self.module
+        s = saved.detach().reshape(saved.shape[0], -1)
+        if isinstance(m, nn.ReLU):
+            return (s > 0).to(s.dtype)
+        if isinstance(m, nn.LeakyReLU):
+            return torch.where(s > 0, torch.ones_like(s), torch.full_like(s, m.negative_slope))
+        if isinstance(m, nn.Tanh):
+            return 1 - s * s
+        if isinstance(m, nn.Sigmoid):
+            return (1 - s) * s
+        return _gelu_derivative(s, m.approximate)
+
+
+class ReshapeUnit(LayerUnit):
+    """``nn.Flatten`` / ``nn.Identity``: the flattened activation is unchanged, ``J^T = I`` (shared)."""
+
+    shared = True
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if isinstance(module, nn.Flatten):
+            nd = len(in_shape) + 1
+            sd = module.start_dim % nd
+            if sd == 0:
+                raise ValueError(f"layer {index} (Flatten): start_dim >= 1 expected (the batch dim must stay), "
+                                 f"got start_dim={module.start_dim}")
+        self.pattern = _identity_pattern(self.d_in)
+        self._ones: dict[tuple, torch.Tensor] = {}
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        dtype, device = saved
+        key = (dtype, device)
+        if key not in self._ones:
+            self._ones[key] = torch.ones(self.d_in, dtype=dtype, device=device)
+        return self._ones[key]
+
+
+class DropoutUnit(LayerUnit):
+    """``nn.Dropout``: diagonal ``J^T``. Eval: ones (shared). Train: the sampled mask scaled by
+    ``1/(1-p)`` (per sample), sampled here exactly as ``F.dropout`` samples it."""
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        self.pattern = _identity_pattern(self.d_in)
+
+    @property
+    def shared(self) -> bool:  # type: ignore[override]
+        return not self.module.training
+
+    def run(self, x, tensors):
+        p = float(self.module.p)
+        if not self.module.training or p == 0.0:
+            return x.clone() if self.module.training else x, ("ones", x.shape[0], x.dtype, x.device, self.module.training)
+        if p == 1.0:
+            scale = torch.zeros_like(x)
+        else:
+            # same RNG call and arithmetic as F.dropout on CPU/CUDA: bernoulli_(1-p), then / (1-p)
+            scale = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+        return x * scale, ("mask", scale)
+
+    def fill(self, saved, tensors):
+        if saved[0] == "ones":
+            _, b, dtype, device, training = saved
+            ones = torch.ones(self.d_in, dtype=dtype, device=device)
+            return ones.expand(b, -1) if training else ones
+        return saved[1].reshape(saved[1].shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+def _window_entries(c: int, s_in: Sequence[int], s_out: Sequence[int], k, s, p, d):
+    """Every in-bounds window candidate of a channel-wise pool, as flat (input, output, plane
+    position) index arrays in (c, o..., k...) order."""
+    nd = len(s_in)
+    nax = 1 + 2 * nd
+    def ax(n: int, pos: int) -> np.ndarray:
+        shape = [1] * nax
+        shape[pos] = n
+        return np.arange(n, dtype=np.int64).reshape(shape)
+    ch = ax(c, 0)
+    o = [ax(s_out[t], 1 + t) for t in range(nd)]
+    kk = [ax(k[t], 1 + nd + t) for t in range(nd)]
+    i = [o[t] * s[t] - p[t] + kk[t] * d[t] for t in range(nd)]
+    full = np.broadcast(ch, *o, *kk).shape
+    valid = np.ones(full, dtype=bool)
+    for t in range(nd):
+        valid &= (i[t] >= 0) & (i[t] < s_in[t])
+    plane = np.broadcast_to(_flat_index(i, s_in), full)
+    rows = np.broadcast_to(_flat_index([ch, *i], [c, *s_in]), full)[valid]
+    cols = np.broadcast_to(_flat_index([ch, *o], [c, *s_out]), full)[valid]
+    return rows, cols, plane[valid], valid, full
+
+
+class MaxPoolUnit(LayerUnit):
+    """``nn.MaxPool1d`` / ``nn.MaxPool2d`` (any kernel, stride, padding, dilation, ceil_mode).
+
+    The pattern holds every in-bounds candidate of every window; the value is 1 exactly at the
+    index ``max_pool(..., return_indices=True)`` reports for that output (ties: torch's pick)."""
+
+    shared = False
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = 1 if isinstance(module, nn.MaxPool1d) else 2
+        self.nd = nd
+        if len(in_shape) != nd + 1:
+            raise ValueError(f"layer {index} ({self.name}): expected per-sample input of {nd + 1} dims "
+                             f"(C, spatial), got {tuple(in_shape)}")
+        k = _tuple(module.kernel_size, nd)
+        s = _tuple(module.stride if module.stride is not None else module.kernel_size, nd)
+        p = _tuple(module.padding, nd)
+        d = _tuple(module.dilation, nd)
+        rows, cols, plane, _, _ = _window_entries(in_shape[0], in_shape[1:], out_shape[1:], k, s, p, d)
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.entry_out = _IndexCache(cols[order])
+        self.entry_plane = _IndexCache(plane[order])
+
+    def run(self, x, tensors):
+        m = self.module
+        fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
+        y, idx = fn(x, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
+        return y, (idx, x.dtype)
+
+    def fill(self, saved, tensors):
+        idx, dtype = saved
+        idx = idx.reshape(idx.shape[0], -1)
+        picked = idx[:, self.entry_out.on(idx.device)]
+        return (picked == self.entry_plane.on(idx.device)).to(dtype)
+
+
+class AvgPoolUnit(LayerUnit):
+    """``nn.AvgPool1d`` / ``nn.AvgPool2d`` (count_include_pad, ceil_mode, divisor_override):
+    ``J^T[in, out] = 1/divisor(out)`` over the in-bounds window candidates; values are shared."""
+
+    shared = True
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = 1 if isinstance(module, nn.AvgPool1d) else 2
+        self.nd = nd
+        if len(in_shape) != nd + 1:
+            raise ValueError(f"layer {index} ({self.name}): expected per-sample input of {nd + 1} dims "
+                             f"(C, spatial), got {tuple(in_shape)}")
+        k = _tuple(module.kernel_size, nd)
+        s = _tuple(module.stride if module.stride is not None else module.kernel_size, nd)
+        p = _tuple(module.padding, nd)
+        s_in, s_out = in_shape[1:], out_shape[1:]
+        rows, cols, _, valid, full = _window_entries(in_shape[0], s_in, s_out, k, s, p, (1,) * nd)
+        # divisor per output position, as torch's avg_pool kernels compute it
+        size_pad = np.ones(s_out, dtype=np.int64) if nd else None
+        size_in = np.ones(s_out, dtype=np.int64)
+        for t in range(nd):
+            o = np.arange(s_out[t], dtype=np.int64)
+            start = o * s[t] - p[t]
+            end = np.minimum(start + k[t], s_in[t] + p[t])
+            span_pad = end - start
+            span_in = np.minimum(end, s_in[t]) - np.maximum(start, 0)
+            shape = [1] * nd
+            shape[t] = s_out[t]
+            size_pad = size_pad * span_pad.reshape(shape)
+            size_in = size_in * span_in.reshape(shape)
+        divisor_override = getattr(module, "divisor_override", None)
+        if divisor_override:
+            div = np.full(s_out, float(divisor_override))
+        elif module.count_include_pad:
+            div = size_pad.astype(np.float64)
+        else:
+            div = size_in.astype(np.float64)
+        div_full = np.broadcast_to(div.reshape((1,) + tuple(s_out) + (1,) * nd), full)[valid]
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.entry_divisor = div_full[order]
+        self._values: dict[tuple, torch.Tensor] = {}
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        key = saved
+        v = self._values.get(key)
+        if v is None:
+            # 1/divisor computed in float64 then rounded once: what the backward kernel yields for grad 1
+            v = torch.from_numpy(1.0 / self.entry_divisor).to(device=key[1], dtype=key[0])
+            self._values[key] = v
+        return v
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+
+class BatchNormUnit(LayerUnit):
+    """``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode with running statistics:
+    ``y = (x - mean) * w / sqrt(var + eps) + b``, diagonal ``J^T`` with shared values."""
+
+    shared = True
+    roles = ("weight", "bias")
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if not module.track_running_stats or module.running_var is None:
+            raise ValueError(f"layer {index} ({self.name}): running statistics expected "
+                             "(track_running_stats=True); batch statistics couple the samples")
+        if len(in_shape) not in ((1, 2) if isinstance(module, nn.BatchNorm1d) else (3,)):
+            raise ValueError(f"layer {index} ({self.name}): unexpected per-sample input shape {tuple(in_shape)}")
+        c = in_shape[0]
+        self.pattern = _identity_pattern(self.d_in)
+        self.channel_of = _IndexCache(np.repeat(np.arange(c, dtype=np.int64), self.d_in // c))
+
+    def _check_eval(self) -> None:
+        if self.module.training:
+            raise ValueError(f"layer {self.index} ({self.name}): eval mode expected, got train mode; "
+                             "batch statistics make J^T dense across the batch — call model.eval()")
+
+    def _scale(self, tensors) -> torch.Tensor:
+        m = self.module
+        invstd = torch.rsqrt(m.running_var.detach() + m.eps)
+        return invstd * tensors[0].detach() if "weight" in self.roles else invstd
+
+    def run(self, x, tensors):
+        self._check_eval()
+        m = self.module
+        w = tensors[self.roles.index("weight")] if "weight" in self.roles else None
+        b = tensors[self.roles.index("bias")] if "bias" in self.roles else None
+        y = F.batch_norm(x, m.running_mean, m.running_var, w, b, False, 0.0, m.eps)
+        return y, x
+
+    def fill(self, saved, tensors):
+        m = self.module
+        invstd = torch.rsqrt(m.running_var.detach() + m.eps)
+        scale = invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
+        return scale[self.channel_of.on(scale.device)]
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        m = self.module
+        x = saved
+        needed = needed or [True] * len(self.roles)
+        g = g_out.reshape(x.shape)
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        out: list[Optional[torch.Tensor]] = []
+        for role, need in zip(self.roles, needed):
+            if not need:
+                out.append(None)
+            elif role == "weight":
+                xhat = (x - m.running_mean.reshape(shape)) * torch.rsqrt(m.running_var + m.eps).reshape(shape)
+                out.append((g * xhat).sum(dims))
+            else:
+                out.append(g.sum(dims))
+        return out
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+_REGISTRY: list[tuple[type, type]] = [
+    (nn.Linear, LinearUnit),
+    (nn.Conv1d, ConvUnit),
+    (nn.Conv2d, ConvUnit),
+    (nn.ReLU, ElementwiseUnit),
+    (nn.LeakyReLU, ElementwiseUnit),
+    (nn.Tanh, ElementwiseUnit),
+    (nn.Sigmoid, ElementwiseUnit),
+    (nn.GELU, ElementwiseUnit),
+    (nn.MaxPool1d, MaxPoolUnit),
+    (nn.MaxPool2d, MaxPoolUnit),
+    (nn.AvgPool1d, AvgPoolUnit),
+    (nn.AvgPool2d, AvgPoolUnit),
+    (nn.BatchNorm1d, BatchNormUnit),
+    (nn.BatchNorm2d, BatchNormUnit),
+    (nn.Dropout, DropoutUnit),
+    (nn.Flatten, ReshapeUnit),
+    (nn.Identity, ReshapeUnit),
+]
+
+
+def supported_layer_types() -> tuple[type, ...]:
+    """The ``nn.Module`` types the layer library has a unit for (exact types, not subclasses)."""
+    return tuple(t for t, _ in _REGISTRY)
+
+
+def make_unit(index: int, module: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+              prune_zeros: bool = False) -> LayerUnit:
+    """The unit for ``module`` at chain position ``index`` mapping per-sample ``in_shape`` to ``out_shape``.
+
+    Raises ``TypeError`` for a layer type without a unit (subclasses with their own ``forward``
+    are refused: the unit would not know what they compute).
+    """
+    for t, unit in _REGISTRY:
+        if type(module) is t:
+            return unit(index, module, tuple(in_shape), tuple(out_shape), prune_zeros=prune_zeros)
+    names = ", ".join(t.__name__ for t, _ in _REGISTRY)
+    raise TypeError(f"layer {index}: unsupported layer type {type(module).__module__}.{type(module).__name__}; "
+                    f"supported: {names}")

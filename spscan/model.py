@@ -1,0 +1,409 @@
+"""Model-level API for ``nn.Sequential`` chains: plan once from the model, then per step run the
+forward that fills the transposed-Jacobian values, scan, and compute parameter gradients.
+
+>>> import torch, torch.nn as nn
+>>> from spscan.model import plan_model
+>>> net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)).double()
+>>> plan = plan_model(net, torch.zeros(1, 1, 2, 2, dtype=torch.float64), levels=0)
+>>> [p.shape for p in plan.patterns]
+[(4, 8), (8, 8), (8, 8), (8, 3)]
+
+``plan_model(model, example_input, **kw)`` builds a :class:`ModelPlan`; ``plan.forward(x)``
+returns ``(output, jacobians)``; ``plan._spscan_backward(jacobians, grad)`` (what
+``spscan.backward`` calls) returns ``[dl/dx_0, ..., dl/dx_n]``; :func:`param_grads` turns those
+into ``dl/dθ``; :func:`wrap` packages all of it as an ``nn.Module`` trained with ``loss.backward()``.
+
+Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
+``prune_zeros=True``) are left out of the patterns and must stay zero while the plan is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from spscan.layers import LayerUnit, LinearUnit, make_unit, supported_layer_types
+
+__all__ = ["ModelPlan", "Jacobians", "plan_model", "param_grads", "wrap", "SpscanModule"]
+
+
+# ----------------------------------------------------------------------------- chain discovery
+
+
+def _is_plain_sequential(m: nn.Module) -> bool:
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
+def _check_hooks(index: int, name: str, m: nn.Module) -> None:
+    from torch.nn.utils.prune import BasePruningMethod
+
+    pre = [h for h in m._forward_pre_hooks.values() if not isinstance(h, BasePruningMethod)]
+    if pre or m._forward_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+        raise ValueError(
+            f"layer {index} ({name or type(m).__name__}: {type(m).__name__}): forward/backward hooks other "
+            "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
+
+
+def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every layer of a (nested) ``nn.Sequential`` chain."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    supported = supported_layer_types()
+    if not _is_plain_sequential(model):
+        if type(model) in supported:
+            return [("", model)]
+        raise TypeError(
+            f"{type(model).__name__} is not a chain spscan can plan: expected an nn.Sequential (without an "
+            "overridden forward) of supported layers, or a single supported layer; a custom forward may "
+            "branch, reuse or transform activations in ways the plan cannot see")
+    out: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, seq: nn.Module) -> None:
+        for name, child in seq.named_children():
+            q = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.Sequential):
+                if not _is_plain_sequential(child):
+                    raise TypeError(f"layer {len(out)} ({q}): {type(child).__name__} overrides forward; "
+                                    "only plain nn.Sequential containers can be flattened into a chain")
+                walk(q, child)
+            else:
+                out.append((q, child))
+
+    walk("", model)
+    return out
+
+
+# ----------------------------------------------------------------------------- Jacobians
+
+
+class Jacobians(Sequence[torch.Tensor]):
+    """The values of one step's transposed Jacobians, plus what the parameter gradients need.
+
+    Indexing gives ``values[i-1]`` for ``J_i^T``: ``(B, nnz_i)`` per sample or ``(nnz_i,)`` shared,
+    in the pattern's CSR order, so the object can be passed wherever a list of values is expected.
+
+    Attributes:
+        values: list of ``n`` value tensors.
+        batch: ``B``.
+        saved: per layer, what its parameter-gradient rule reads (its input, ...).
+        tensors: per layer, the effective learnable tensors used in the forward.
+    """
+
+    def __init__(self, values: list[torch.Tensor], batch: int, saved: list[Any], tensors: list[list[torch.Tensor]]):
+        self.values = values
+        self.batch = batch
+        self.saved = saved
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.values[i]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.values)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+class ModelPlan:
+    """A plan for an ``nn.Sequential`` chain: the layer units, their patterns and the core scan plan.
+
+    Attributes:
+        model: the planned model (its parameters are read at every step, never copied).
+        units: one :class:`~spscan.layers.LayerUnit` per layer, in chain order.
+        layer_names: qualified module name of each layer (``patterns[k]`` came from ``layer_names[k]``).
+        patterns: ``J_i^T`` patterns, SciPy CSR of shape ``(d_{i-1}, d_i)``.
+        core: the core scan plan built from ``patterns`` (``None`` if the core is unavailable, in
+            which case the float64 reference backprop is used).
+        in_shape, out_shape: per-sample input and output shapes.
+    """
+
+    def __init__(self, model: nn.Module, units: list[LayerUnit], layer_names: list[str],
+                 in_shape: tuple[int, ...], core: Any):
+        self.model = model
+        self.units = units
+        self.layer_names = layer_names
+        self.in_shape = in_shape
+        self.out_shape = units[-1].out_shape
+        self.core = core
+        self.patterns = [u.pattern for u in units]
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        # (unit k, role r) -> (qualified parameter name, parameter, pruning mask or None)
+        self.param_roles: list[list[tuple[str, nn.Parameter, Optional[torch.Tensor]]]] = [
+            [(names[id(p)], p, mask) for p, mask in u.parameters_for_roles()] for u in units]
+
+    # -- contract attributes
+    @property
+    def levels(self) -> int:
+        """Up-sweep depth of the core plan (0 = linear scan, also for the reference fallback)."""
+        return int(getattr(self.core, "levels", 0)) if self.core is not None else 0
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def summary(self) -> str:
+        """One line per layer (type, shapes, nnz, sparsity, shared/per-sample) and the core's summary."""
+        lines = [f"ModelPlan: {len(self.units)} layers, input {self.in_shape} -> output {self.out_shape}"]
+        for k, (u, n) in enumerate(zip(self.units, self.layer_names)):
+            lines.append(
+                f"  [{k}] {n or '-':<12} {u.name:<12} {str(u.in_shape):>16} -> {str(u.out_shape):<16} "
+                f"J^T {u.d_in}x{u.d_out} nnz={u.nnz} sparsity={u.sparsity():.6f} "
+                f"{'shared' if u.shared else 'per-sample'}")
+        if self.core is not None and hasattr(self.core, "summary"):
+            lines.append(str(self.core.summary()))
+        elif self.core is None:
+            lines.append("  scan: float64 reference (core engine unavailable)")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    # -- per step
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a tensor input of shape (B, *{self.in_shape}), got {type(x).__name__}")
+        if x.dim() != len(self.in_shape) + 1 or tuple(x.shape[1:]) != self.in_shape:
+            raise ValueError(f"input: expected shape (B, {', '.join(map(str, self.in_shape))}) as in the "
+                             f"example input, got {tuple(x.shape)}")
+
+    def _run(self, x: torch.Tensor, tensors: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
+        saved = []
+        for u, t in zip(self.units, tensors):
+            x, s = u.run(x, t)
+            saved.append(s)
+        return x, saved
+
+    def _tensors(self) -> list[list[torch.Tensor]]:
+        return [u.tensors() for u in self.units]
+
+    def _fill(self, saved: list[Any], tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [u.fill(s, t) for u, s, t in zip(self.units, saved, tensors)]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Jacobians]:
+        """Run the model on ``x`` ``(B, *in_shape)`` once; return ``(output (B, *out_shape), jacobians)``.
+
+        The output carries no autograd graph; ``jacobians`` holds the values of every ``J_i^T`` and
+        the activations the parameter gradients need.
+        """
+        self._check_input(x)
+        with torch.no_grad():
+            tensors = [[t.detach() for t in ts] for ts in self._tensors()]
+            y, saved = self._run(x.detach(), tensors)
+            values = self._fill(saved, tensors)
+        return y, Jacobians(values, x.shape[0], saved, tensors)
+
+    def _spscan_backward(self, values: Union[Jacobians, Sequence[torch.Tensor]], grad: torch.Tensor,
+                         extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
+        """``[dl/dx_0, ..., dl/dx_n]`` (each ``(B, d_i)``) from the step's values and ``grad`` ``(B, d_n)``
+        (or ``(B, *out_shape)``)."""
+        vals = list(values.values if isinstance(values, Jacobians) else values)
+        if len(vals) != len(self.units):
+            raise ValueError(f"values: expected {len(self.units)} tensors (one per layer), got {len(vals)}")
+        if grad.dim() != 2:
+            grad = grad.reshape(grad.shape[0], -1)
+        if self.core is not None:
+            import spscan
+
+            return spscan.backward(self.core, vals, grad, extra)
+        from spscan.reference import reference_backward
+
+        out = reference_backward(self.patterns, vals, grad, extra)
+        return [g.to(device=grad.device, dtype=grad.dtype) for g in out]
+
+
+def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
+               **kwargs: Any) -> ModelPlan:
+    """Plan an ``nn.Sequential`` chain (nested Sequentials are flattened) for scan backprop.
+
+    Args:
+        model: a plain ``nn.Sequential`` of supported layers (see
+            :func:`spscan.layers.supported_layer_types`), or one supported layer.
+        example_input: ``(B, *in_shape)``; only its per-sample shape (and dtype) matter — every
+            later input must have the same per-sample shape.
+        prune_zeros: also leave exactly-zero weights of Linear/Conv layers out of the patterns
+            (they must stay zero while the plan is used).
+        **kwargs: passed to ``spscan.plan(patterns, **kwargs)`` (``levels``, ``backend``, ...).
+
+    Raises:
+        TypeError: a layer type without a unit (names the first one: index, name, type), or a
+            model that is not a chain.
+        ValueError: the example input does not fit a layer (names the layer and the shapes).
+    """
+    chain = _flatten_chain(model)
+    if not chain:
+        raise ValueError("model: expected at least one layer, got an empty nn.Sequential")
+    supported = supported_layer_types()
+    for k, (name, m) in enumerate(chain):
+        if type(m) not in supported:
+            kind = "a container with its own forward" if list(m.children()) else "an unsupported layer type"
+            raise TypeError(f"layer {k} ({name or '-'}): {type(m).__module__}.{type(m).__name__} is {kind}; "
+                            f"supported: {', '.join(t.__name__ for t in supported)}")
+        _check_hooks(k, name, m)
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
+        raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
+                         f"{getattr(example_input, 'shape', type(example_input).__name__)}")
+    x = example_input.detach()[:1]
+    in_shape0 = tuple(x.shape[1:])
+    units: list[LayerUnit] = []
+    shape_preserving = (nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU, nn.Tanh,
+                        nn.Sigmoid, nn.GELU, nn.Identity)
+    with torch.no_grad():
+        for k, (name, m) in enumerate(chain):
+            in_shape = tuple(x.shape[1:])
+            if isinstance(m, shape_preserving):
+                y = x  # no call: dropout would draw random numbers, train-mode BN would update stats
+            else:
+                try:
+                    y = m(x)
+                except Exception as e:  # the layer's own message says what it expected
+                    raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): the example input reaching "
+                                     f"it has per-sample shape {in_shape}, which it rejects: {e}") from e
+            units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
+            x = y
+    core = _core_plan([u.pattern for u in units], kwargs)
+    return ModelPlan(model, units, [n for n, _ in chain], in_shape0, core)
+
+
+def _core_plan(patterns: list, kwargs: dict) -> Any:
+    import spscan
+
+    if not hasattr(spscan, "plan"):
+        return None  # core engine not importable: reference backprop (exact, float64, slow)
+    return spscan.plan(patterns, **kwargs)
+
+
+# ----------------------------------------------------------------------------- parameter gradients
+
+
+def _unit_param_grads(plan: ModelPlan, jac: Jacobians, grads: Sequence[torch.Tensor],
+                      needed: list[list[bool]]) -> list[list[Optional[torch.Tensor]]]:
+    """dl/dθ for every unit's roles w.r.t. the effective tensors; same-shaped Linear layers share one bmm."""
+    out: list[list[Optional[torch.Tensor]]] = [[None] * len(u.roles) for u in plan.units]
+    groups: dict[tuple, list[int]] = {}
+    for k, u in enumerate(plan.units):
+        if (isinstance(u, LinearUnit) and len(u.in_shape) == 1 and u.roles and u.roles[0] == "weight"
+                and needed[k][0]):
+            groups.setdefault((tuple(u.module.weight.shape) if not hasattr(u.module, "weight_orig")
+                               else tuple(u.module.weight_orig.shape)), []).append(k)
+    batched: set[int] = set()
+    for ks in groups.values():
+        if len(ks) < 2:
+            continue
+        # all same-shaped weight gradients as one batched GEMM: (G, out, B) @ (G, B, in)
+        g = torch.stack([grads[k + 1] for k in ks]).transpose(1, 2)
+        x = torch.stack([jac.saved[k] for k in ks])
+        dw = torch.bmm(g, x)
+        for j, k in enumerate(ks):
+            out[k][0] = dw[j]
+            batched.add(k)
+    for k, u in enumerate(plan.units):
+        if not u.roles or not any(needed[k]):
+            continue
+        need = list(needed[k])
+        if k in batched:
+            need[0] = False
+        res = u.param_grads(jac.saved[k], jac.tensors[k], grads[k + 1], need)
+        for r, v in enumerate(res):
+            if k not in batched or r != 0:
+                out[k][r] = v
+    return out
+
+
+def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every parameter gradient of the chain from the scan's output.
+
+    Args:
+        plan: the :class:`ModelPlan`.
+        jacobians: what ``plan.forward(x)`` returned for this step.
+        grads: ``n+1`` tensors from the scan, ``grads[i] = dl/dx_i`` of shape ``(B, d_i)``.
+
+    Returns:
+        ``{qualified parameter name: gradient}`` for every parameter with ``requires_grad``, named as
+        in ``model.named_parameters()`` (pruned weights: ``<layer>.weight_orig``, gradient times mask).
+        A parameter used by several layers gets the sum.
+
+    All layers are independent once the scan is done, so this runs out of the scan's critical
+    path; same-shaped Linear layers are batched into one GEMM.
+    """
+    if not isinstance(jacobians, Jacobians):
+        raise TypeError(f"jacobians: expected the Jacobians returned by forward(), got {type(jacobians).__name__}")
+    if len(grads) != len(plan.units) + 1:
+        raise ValueError(f"grads: expected {len(plan.units) + 1} tensors, got {len(grads)}")
+    needed = [[p.requires_grad for _, p, _ in roles] for roles in plan.param_roles]
+    with torch.no_grad():
+        per_unit = _unit_param_grads(plan, jacobians, grads, needed)
+        result: dict[str, torch.Tensor] = {}
+        for roles, gs in zip(plan.param_roles, per_unit):
+            for (name, p, mask), g in zip(roles, gs):
+                if g is None:
+                    continue
+                if mask is not None:
+                    g = g * mask
+                result[name] = result[name] + g if name in result else g
+    return result
+
+
+# ----------------------------------------------------------------------------- wrap
+
+
+class _ScanFunction(torch.autograd.Function):
+    """Forward: the chain. Backward: values, scan, then all parameter gradients."""
+
+    @staticmethod
+    def forward(ctx, plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        tensors, pos = [], 0
+        for u in plan.units:
+            tensors.append(list(flat[pos:pos + len(u.roles)]))
+            pos += len(u.roles)
+        tensors = [[t.detach() for t in ts] for ts in tensors]
+        y, saved = plan._run(x.detach(), tensors)
+        ctx.plan, ctx.saved, ctx.tensors, ctx.x_shape = plan, saved, tensors, x.shape
+        return y.clone() if y is x else y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
+        plan: ModelPlan = ctx.plan
+        b = gy.shape[0]
+        values = plan._fill(ctx.saved, ctx.tensors)
+        grads = plan._spscan_backward(values, gy.reshape(b, -1).contiguous())
+        gx = grads[0].reshape(ctx.x_shape) if ctx.needs_input_grad[1] else None
+        needed, pos = [], 2
+        for u in plan.units:
+            needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
+            pos += len(u.roles)
+        jac = Jacobians(values, b, ctx.saved, ctx.tensors)
+        per_unit = _unit_param_grads(plan, jac, grads, needed)
+        ctx.saved = ctx.tensors = None
+        return (None, gx, *[g for gs in per_unit for g in gs])
+
+
+class SpscanModule(nn.Module):
+    """``model`` with the same forward, whose backward runs through the scan.
+
+    Holds ``model`` as a submodule, so ``parameters()`` yields the model's own parameter objects
+    and optimizers work unchanged. Input ``(B, *in_shape)``, output ``(B, *out_shape)``.
+    """
+
+    def __init__(self, model: nn.Module, plan: ModelPlan):
+        super().__init__()
+        self.model = model
+        self.plan = plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.plan._check_input(x)
+        # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
+        flat = [t for u in self.plan.units for t in u.tensors()]
+        return _ScanFunction.apply(self.plan, x, *flat)
+
+
+def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
+    """An ``nn.Module`` equal to ``model`` in forward whose backward is the scan.
+
+    ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
+    ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
+    """
+    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs))
