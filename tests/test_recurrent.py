@@ -1,0 +1,266 @@
+"""RNN / GRU / LSTM through the scan: every gradient equals autograd's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import spscan.recurrent as rec
+from spscan.recurrent import plan_recurrent, recurrent_patterns, wrap_recurrent
+from spscan.reference import reference_backward
+
+CELLS = {"rnn_tanh": nn.RNN, "rnn_relu": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
+
+
+def make_module(kind: str, input_size: int, hidden: int, *, batch_first: bool, bias: bool, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    kw = {"nonlinearity": kind[4:]} if kind.startswith("rnn") else {}
+    return CELLS[kind](input_size, hidden, batch_first=batch_first, bias=bias, **kw).to(dtype)
+
+
+def make_inputs(m: nn.Module, T: int, B: int, *, with_h0: bool, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, T, m.input_size) if m.batch_first else (T, B, m.input_size)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    hx = None
+    if with_h0:
+        h0 = (0.5 * torch.randn(1, B, m.hidden_size, generator=g, dtype=torch.float64)).to(dtype)
+        if isinstance(m, nn.LSTM):
+            hx = (h0, (0.5 * torch.randn(1, B, m.hidden_size, generator=g, dtype=torch.float64)).to(dtype))
+        else:
+            hx = h0
+    return x, hx
+
+
+def loss_fn(out, state, loss: str, seed=2):
+    """Deterministic random linear functionals of the outputs (a 'loss' with rich gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    h_n, c_n = state if isinstance(state, tuple) else (state, None)
+    total = out.sum() * 0.0
+    if loss in ("step", "both"):
+        total = total + (out * torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)).sum()
+    if loss in ("final", "both"):
+        total = total + (h_n * torch.randn(h_n.shape, generator=g, dtype=torch.float64).to(h_n.dtype)).sum()
+        if c_n is not None:
+            total = total + (c_n.tanh() * torch.randn(c_n.shape, generator=g, dtype=torch.float64).to(c_n.dtype)).sum()
+    return total
+
+
+def grads_of(f, m: nn.Module, x: torch.Tensor, hx, loss: str) -> list[torch.Tensor]:
+    """[dx, dh0, (dc0), d params...] of ``loss_fn(f(x, hx))``."""
+    x = x.detach().clone().requires_grad_(True)
+    leaves = [x]
+    if hx is not None:
+        hx = tuple(h.detach().clone().requires_grad_(True) for h in hx) if isinstance(hx, tuple) else hx.detach().clone().requires_grad_(True)
+        leaves += list(hx) if isinstance(hx, tuple) else [hx]
+    for p in m.parameters():
+        p.grad = None
+    out, state = f(x, hx)
+    loss_fn(out, state, loss).backward()
+    res = [leaf.grad for leaf in leaves] + [p.grad for p in m.parameters()]
+    return [torch.zeros(()) if r is None else r.detach().clone() for r in res]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+@st.composite
+def configs(draw):
+    kind = draw(st.sampled_from(sorted(CELLS)))
+    hidden = draw(st.integers(1, 64))
+    # long sequences with big hidden sizes only rarely: keeps the suite fast
+    t_max = 400 if hidden <= 8 else (60 if hidden <= 24 else 12)
+    T = draw(st.integers(1, t_max))
+    B = draw(st.integers(1, 8))
+    return dict(
+        kind=kind, hidden=hidden, T=T, B=B, input_size=draw(st.integers(1, 6)),
+        batch_first=draw(st.booleans()), bias=draw(st.booleans()), with_h0=draw(st.booleans()),
+        loss=draw(st.sampled_from(["step", "final", "both"])),
+    )
+
+
+@settings(max_examples=60)
+@given(cfg=configs())
+def test_float64_gradients_equal_autograd(cfg):
+    m = make_module(cfg["kind"], cfg["input_size"], cfg["hidden"], batch_first=cfg["batch_first"], bias=cfg["bias"])
+    x, hx = make_inputs(m, cfg["T"], cfg["B"], with_h0=cfg["with_h0"], dtype=torch.float64)
+    want = grads_of(m, m, x, hx, cfg["loss"])
+    w = wrap_recurrent(m, x)
+    got = grads_of(w, m, x, hx, cfg["loss"])
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, (i, a.shape, b.shape)
+        assert rel_err(a, b) <= 1e-9, (i, rel_err(a, b), cfg)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_large_hidden_long_sequence(kind):
+    m = make_module(kind, 3, 64, batch_first=False, bias=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5)  # keep the long product of Jacobians away from overflow
+    x, hx = make_inputs(m, 300, 2, with_h0=True, dtype=torch.float64)
+    want = grads_of(m, m, x, hx, "both")
+    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) <= 1e-9, (i, rel_err(a, b))
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("loss", ["step", "final", "both"])
+def test_float32_error_within_twice_autograd(kind, loss):
+    m64 = make_module(kind, 4, 20, batch_first=True, bias=True)
+    m32 = make_module(kind, 4, 20, batch_first=True, bias=True, dtype=torch.float32)
+    x, hx = make_inputs(m64, 200, 4, with_h0=True, dtype=torch.float64)
+    ref = grads_of(m64, m64, x, hx, loss)
+    x32 = x.float()
+    hx32 = tuple(h.float() for h in hx) if isinstance(hx, tuple) else hx.float()
+    auto = grads_of(m32, m32, x32, hx32, loss)
+    ours = grads_of(wrap_recurrent(m32, x32), m32, x32, hx32, loss)
+    for i, (r, a, o) in enumerate(zip(ref, auto, ours)):
+        scale = r.abs().max().item()
+        err_auto = (a.double() - r).abs().max().item()
+        err_ours = (o.double() - r).abs().max().item()
+        assert err_ours <= 2 * err_auto + 1e-6 * scale + 1e-12, (i, err_ours, err_auto)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_chain_matches_reference_backward(kind):
+    """The chain's patterns and values (CSR order) give the reference's state gradients."""
+    m = make_module(kind, 2, 3, batch_first=False, bias=True)
+    x, hx = make_inputs(m, 5, 2, with_h0=True, dtype=torch.float64)
+    plan = plan_recurrent(m, x)
+    _, saved = plan.forward(x, hx)
+    D = plan.state_size
+    g = torch.Generator().manual_seed(3)
+    top = torch.randn(2, D, generator=g, dtype=torch.float64)
+    extra = torch.randn(5, 2, D, generator=g, dtype=torch.float64)
+    pats = recurrent_patterns(m, 5, plan.chain)
+    vals = saved.values
+    if plan.chain == "factored":
+        ext = [None] * 11
+        for t in range(5):
+            ext[2 * (t + 1)] = extra[t]
+        ref = reference_backward(pats, vals, top, ext)[0::2]
+    else:
+        ref = reference_backward(pats, list(vals), top, [None] + list(extra))
+    got = plan._scan(saved, top, extra)  # extra[t] is the direct gradient of s_{t+1}
+    if plan.chain == "factored":
+        got = got[0::2]
+    for t in range(6):
+        torch.testing.assert_close(got[t], ref[t], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
+def test_dense_fallback_scan_levels(kind, monkeypatch):
+    """Without the core engine the module's own dense scan runs; every depth gives the same gradients."""
+    monkeypatch.setattr(rec, "_core", lambda: None)
+    m = make_module(kind, 2, 5, batch_first=False, bias=True)
+    x, hx = make_inputs(m, 37, 3, with_h0=True, dtype=torch.float64)
+    want = grads_of(m, m, x, hx, "both")
+    for chain in (["factored", "materialized"] if kind.startswith("rnn") else ["materialized"]):
+        for levels in (0, 1, 3, 6):
+            got = grads_of(wrap_recurrent(m, x, chain=chain, levels=levels), m, x, hx, "both")
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert rel_err(a, b) <= 1e-12, (chain, levels, i)
+
+
+def test_rnn_factored_and_materialized_agree():
+    m = make_module("rnn_tanh", 3, 7, batch_first=True, bias=False)
+    x, hx = make_inputs(m, 23, 4, with_h0=True, dtype=torch.float64)
+    a = grads_of(wrap_recurrent(m, x, chain="factored"), m, x, hx, "both")
+    b = grads_of(wrap_recurrent(m, x, chain="materialized"), m, x, hx, "both")
+    for u, v in zip(a, b):
+        assert rel_err(u, v) <= 1e-12
+
+
+def test_same_parameters_optimizer_and_changing_shapes():
+    m = make_module("lstm", 3, 5, batch_first=True, bias=True, dtype=torch.float32)
+    w = wrap_recurrent(m, torch.randn(2, 10, 3))
+    assert [id(p) for p in w.parameters()] == [id(p) for p in m.parameters()]
+    opt = torch.optim.Adam(w.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in m.parameters()]
+    for B, T in ((2, 10), (5, 3), (1, 17), (5, 3)):
+        opt.zero_grad()
+        out, (h, c) = w(torch.randn(B, T, 3))
+        assert out.shape == (B, T, 5) and h.shape == (1, B, 5) and c.shape == (1, B, 5)
+        (out.pow(2).mean() + h.sum()).backward()
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert sorted(k[0] for k in w.plan._plans) in ([], [3, 10, 17])
+
+
+def test_forward_outputs_equal_module_and_no_grad_path():
+    m = make_module("gru", 3, 4, batch_first=False, bias=True)
+    w = wrap_recurrent(m)
+    x = torch.randn(6, 2, 3, dtype=torch.float64)
+    o1, h1 = m(x)
+    o2, h2 = w(x)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    with torch.no_grad():
+        o3, _ = w(x)
+    assert torch.equal(o1, o3)
+
+
+def test_only_output_used_and_only_input_requires_grad():
+    m = make_module("rnn_tanh", 2, 3, batch_first=False, bias=True)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(4, 2, 2, dtype=torch.float64, requires_grad=True)
+    w = wrap_recurrent(m, x)
+    w(x)[0][-1].sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    m(x)[0][-1].sum().backward()
+    torch.testing.assert_close(g, x.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "module, match",
+    [
+        (nn.RNN(2, 3, num_layers=2), "num_layers=1"),
+        (nn.GRU(2, 3, bidirectional=True), "bidirectional"),
+        (nn.LSTM(2, 4, proj_size=2), "proj_size=0"),
+    ],
+)
+def test_refuses_what_it_cannot_do(module, match):
+    with pytest.raises(ValueError, match=match):
+        wrap_recurrent(module)
+    with pytest.raises(ValueError, match=match):
+        plan_recurrent(module)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="nn.RNN, nn.GRU or nn.LSTM"):
+        plan_recurrent(nn.Linear(2, 3))
+    with pytest.raises(ValueError, match="only for nn.RNN"):
+        plan_recurrent(nn.GRU(2, 3), chain="factored")
+    with pytest.raises(ValueError, match="expected chain"):
+        plan_recurrent(nn.RNN(2, 3), chain="dense")
+    w = wrap_recurrent(nn.RNN(2, 3))
+    with pytest.raises(ValueError, match="feature size 2, got 5"):
+        w(torch.randn(4, 1, 5))
+    with pytest.raises(ValueError, match="2 or 3 dims"):
+        w(torch.randn(4))
+
+
+def test_spscan_backward_contract_on_recurrent_plan():
+    """``plan.forward(x)`` / ``plan._spscan_backward(saved, grads)`` (what ``spscan.backward`` delegates to)."""
+    m = make_module("lstm", 2, 3, batch_first=False, bias=True)
+    x, _ = make_inputs(m, 6, 2, with_h0=False, dtype=torch.float64)
+    plan = plan_recurrent(m, x)
+    (out, (h, c)), saved = plan.forward(x)
+    go, gh = torch.randn_like(out), torch.randn_like(h)
+    r = plan._spscan_backward(saved, (go, (gh, None)))
+    xr = x.clone().requires_grad_(True)
+    o2, (h2, _) = m(xr)
+    want = torch.autograd.grad((o2, h2), [xr, m.weight_hh_l0], (go, gh))
+    torch.testing.assert_close(r["input"], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(r["weight_hh_l0"], want[1], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="extra=None"):
+        plan._spscan_backward(saved, (go, (gh, None)), extra=[None])
