@@ -542,6 +542,12 @@ class MaxPoolUnit(LayerUnit):
         p = _tuple(module.padding, nd)
         d = _tuple(module.dilation, nd)
         rows, cols, plane, _, _ = _window_entries(in_shape[0], in_shape[1:], out_shape[1:], k, s, p, d)
+        empty = np.flatnonzero(np.bincount(cols, minlength=self.d_out) == 0)
+        if empty.size:
+            # torch returns -inf and an out-of-range argmax there: no well-defined Jacobian to plan
+            raise ValueError(f"layer {index} ({self.name}): output element {int(empty[0])} pools a window that "
+                             f"lies entirely in the padding (input {tuple(in_shape)}, kernel {k}, stride {s}, "
+                             f"padding {p}, dilation {d}); expected every window to hold an input element")
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.entry_out = _IndexCache(cols[order])
         self.entry_plane = _IndexCache(plane[order])
