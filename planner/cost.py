@@ -1,0 +1,46 @@
+"""Cost model of the scan's critical path, per target device.
+
+Each scan step is a handful of launches (one per primitive group) that run one after another,
+so a step costs ``launches * op_overhead + work / rate``. The linear-scan middle part costs one
+launch per reduced block; the up-sweep buys a shorter middle with more (and denser) work. The
+constants are per device class; they decide ``levels="auto"`` and sparse-vs-dense storage and
+never affect results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+__all__ = ["DeviceProfile", "profile_for"]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    op_overhead_s: float  # fixed cost of one launched primitive group
+    pair_rate: float  # gather-multiply-accumulate pairs per second (sparse, per sample)
+    gemm_rate: float  # multiply-adds per second in batched small dense GEMM
+    gemv_rate: float  # multiply-adds per second in batched dense GEMV
+    dense_threshold: float  # products at least this dense are stored (and multiplied) densely
+    bytes_budget: float  # symbolic exploration stops when a level's index data would exceed this
+
+    def sparse_time(self, pairs: float, launches: int) -> float:
+        return launches * self.op_overhead_s + pairs / self.pair_rate
+
+    def gemm_time(self, macs: float, launches: int) -> float:
+        return launches * self.op_overhead_s + macs / self.gemm_rate
+
+    def gemv_time(self, macs: float, launches: int) -> float:
+        return launches * self.op_overhead_s + macs / self.gemv_rate
+
+
+# Measured orders of magnitude: torch eager ops on a small multi-core CPU, and Triton launches
+# on a recent datacenter GPU (launch-latency bound for small levels, bandwidth bound for big ones).
+_CPU = DeviceProfile("cpu", 3.0e-5, 1.5e8, 4.0e9, 1.0e9, 0.35, 2.0e9)
+_CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9)
+
+
+def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:
+    base = _CUDA if device_type == "cuda" else _CPU
+    return replace(base, **overrides) if overrides else base

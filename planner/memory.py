@@ -1,0 +1,60 @@
+"""Memory the plan holds and the peak of one ``backward`` call, from the symbolic plan alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .planning import INDEX_BYTES, ScanPlan
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes, assuming every input is per sample (the worst case) and no ``extra`` terms."""
+
+    plan_bytes: int  # pair lists and patterns kept by the plan
+    values_per_sample: int  # matrix entries (inputs + products) per sample
+    vectors_per_sample: int  # vector entries per sample
+    temp_per_sample: int  # largest per-step temporary, per sample
+    elem_bytes: int
+
+    def backward_peak(self, batch: int) -> int:
+        """Peak bytes allocated by ``backward`` for batch size ``batch`` (index tables excluded)."""
+        per = self.values_per_sample + self.vectors_per_sample + self.temp_per_sample
+        return batch * per * self.elem_bytes
+
+    def total(self, batch: int) -> int:
+        return self.plan_bytes + self.backward_peak(batch)
+
+
+def estimate_memory(plan: ScanPlan) -> MemoryEstimate:
+    mats = plan.mats
+    sched = plan.schedule
+    plan_bytes = sum((p.indptr.nbytes + p.indices.nbytes) for p in {id(p): p for p in plan.patterns}.values())
+    values = sum(p.nnz for p in plan.patterns)
+    temp = 0
+    for st in sched.steps:
+        step_pairs = 0
+        for op in st.mm:
+            info = mats[op.out]
+            values += info.pattern.nnz
+            if info.algo == "pairs":
+                # padded bins hold at most twice the pairs; two index arrays each
+                plan_bytes += 2 * 2 * INDEX_BYTES * info.sym.npairs + INDEX_BYTES * info.pattern.nnz
+                step_pairs += 2 * info.sym.npairs
+            else:
+                step_pairs += info.pattern.nnz
+        vec = 0
+        for op in st.mv:
+            p = mats[op.mat].pattern
+            vec += p.rows
+            if not p.is_full:
+                plan_bytes += 2 * 2 * INDEX_BYTES * p.nnz + 2 * INDEX_BYTES * p.rows
+                step_pairs += 2 * p.nnz
+            else:
+                step_pairs += p.rows
+        temp = max(temp, 2 * step_pairs)
+    vectors = plan.patterns[-1].cols + sum(p.rows for p in plan.patterns)
+    vectors += sum(mats[op.mat].pattern.rows for st in sched.steps for op in st.mv)
+    return MemoryEstimate(int(plan_bytes), int(values), int(vectors), int(temp), plan.elem_bytes)

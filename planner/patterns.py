@@ -1,0 +1,177 @@
+"""Canonical CSR sparsity patterns of transposed Jacobians.
+
+A :class:`Pattern` is the structure of one ``J_i^T`` (shape ``(d_{i-1}, d_i)``): CSR ``indptr`` and
+``indices`` only, no values. Patterns are validated once at the edge (SciPy CSR or torch sparse
+CSR in, canonical form required) and *interned* by content, so a chain that repeats one layer
+(an RNN over T steps) carries one pattern object and one symbolic product per distinct pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = ["Pattern", "as_pattern", "validated_pattern", "full_pattern", "PatternTable"]
+
+
+@dataclass(frozen=True, eq=False)
+class Pattern:
+    """Structure of a CSR matrix: ``indptr`` (rows+1,) and ``indices`` (nnz,), both int64, canonical."""
+
+    shape: tuple[int, int]
+    indptr: np.ndarray
+    indices: np.ndarray
+    key: str = field(default="")
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def is_full(self) -> bool:
+        """Every position is a stored entry (CSR order is then row-major dense order)."""
+        return self.nnz == self.shape[0] * self.shape[1]
+
+    @property
+    def density(self) -> float:
+        size = self.shape[0] * self.shape[1]
+        return self.nnz / size if size else 1.0
+
+    def row_lengths(self) -> np.ndarray:
+        return np.diff(self.indptr)
+
+    def row_of_entry(self) -> np.ndarray:
+        return np.repeat(np.arange(self.rows, dtype=np.int64), self.row_lengths())
+
+    def to_scipy(self) -> sp.csr_array:
+        """The pattern as a SciPy CSR array with all stored values 1.0."""
+        return sp.csr_array(
+            (np.ones(self.nnz), self.indices.copy(), self.indptr.copy()), shape=self.shape
+        )
+
+
+def _content_key(shape: tuple[int, int], indptr: np.ndarray, indices: np.ndarray) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(shape, dtype=np.int64).tobytes())
+    h.update(indptr.tobytes())
+    h.update(indices.tobytes())
+    return h.hexdigest()
+
+
+def make_pattern(shape: tuple[int, int], indptr: np.ndarray, indices: np.ndarray) -> Pattern:
+    indptr = np.ascontiguousarray(indptr, dtype=np.int64)
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    indptr.setflags(write=False)
+    indices.setflags(write=False)
+    shape = (int(shape[0]), int(shape[1]))
+    return Pattern(shape, indptr, indices, _content_key(shape, indptr, indices))
+
+
+def full_pattern(rows: int, cols: int) -> Pattern:
+    """The fully dense pattern of a ``rows x cols`` matrix (row-major)."""
+    indptr = np.arange(rows + 1, dtype=np.int64) * cols
+    indices = np.tile(np.arange(cols, dtype=np.int64), rows)
+    return make_pattern((rows, cols), indptr, indices)
+
+
+def _raw_structure(obj: Any, where: str) -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        torch = None
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.layout != torch.sparse_csr:
+            raise TypeError(
+                f"{where}: expected a SciPy CSR matrix/array or a torch sparse CSR tensor, "
+                f"got a torch tensor with layout {obj.layout}"
+            )
+        if obj.dim() != 2:
+            raise ValueError(f"{where}: expected a 2-D CSR tensor, got {obj.dim()}-D (batched CSR is not a pattern)")
+        return (
+            (int(obj.shape[0]), int(obj.shape[1])),
+            obj.crow_indices().detach().cpu().numpy(),
+            obj.col_indices().detach().cpu().numpy(),
+        )
+    if sp.issparse(obj) and obj.format == "csr":
+        return (int(obj.shape[0]), int(obj.shape[1])), np.asarray(obj.indptr), np.asarray(obj.indices)
+    if sp.issparse(obj):
+        raise TypeError(f"{where}: expected CSR format, got SciPy '{obj.format}' (convert with .tocsr())")
+    raise TypeError(
+        f"{where}: expected a SciPy CSR matrix/array or a torch sparse CSR tensor, got {type(obj).__name__}"
+    )
+
+
+def as_pattern(obj: Any, where: str = "pattern") -> Pattern:
+    """Validate ``obj`` (SciPy CSR or torch sparse CSR) and return its canonical :class:`Pattern`.
+
+    Raises ``ValueError`` (naming ``where``) for a malformed or non-canonical structure: indptr
+    not starting at 0 / not non-decreasing / not ending at nnz, column indices out of range,
+    unsorted or duplicated within a row.
+    """
+    if isinstance(obj, Pattern):
+        return obj
+    shape, indptr, indices = _raw_structure(obj, where)
+    return validated_pattern(shape, indptr, indices, where)
+
+
+def validated_pattern(shape: tuple[int, int], indptr, indices, where: str = "pattern") -> Pattern:
+    """Check a raw CSR structure is well formed and canonical; see :func:`as_pattern`."""
+    rows, cols = shape
+    if rows < 1 or cols < 1:
+        raise ValueError(f"{where}: shape must be at least 1x1, got {rows}x{cols}")
+    indptr = np.asarray(indptr, dtype=np.int64)
+    indices = np.asarray(indices, dtype=np.int64)
+    if indptr.shape != (rows + 1,):
+        raise ValueError(f"{where}: indptr must have {rows + 1} entries for {rows} rows, got {indptr.shape[0]}")
+    if indptr[0] != 0 or indptr[-1] != indices.shape[0]:
+        raise ValueError(
+            f"{where}: indptr must start at 0 and end at nnz={indices.shape[0]}, "
+            f"got start {indptr[0]} and end {indptr[-1]}"
+        )
+    lengths = np.diff(indptr)
+    if (lengths < 0).any():
+        row = int(np.argmax(lengths < 0))
+        raise ValueError(f"{where}: indptr decreases at row {row} (not a valid CSR structure)")
+    if indices.size:
+        if indices.min() < 0 or indices.max() >= cols:
+            raise ValueError(
+                f"{where}: column indices must lie in [0, {cols}), got range [{indices.min()}, {indices.max()}]"
+            )
+        step = np.diff(indices)
+        row_start = np.zeros(indices.shape[0], dtype=bool)
+        row_start[indptr[:-1][lengths > 0]] = True
+        bad = (step <= 0) & ~row_start[1:]
+        if bad.any():
+            pos = int(np.argmax(bad)) + 1
+            row = int(np.searchsorted(indptr, pos, side="right") - 1)
+            kind = "duplicated" if step[pos - 1] == 0 else "unsorted"
+            raise ValueError(
+                f"{where}: not canonical: {kind} column indices in row {row} "
+                f"(call .sum_duplicates() / .sort_indices() first)"
+            )
+    return make_pattern(shape, indptr, indices)
+
+
+class PatternTable:
+    """Interns patterns by content so equal structures share one object (and one symbolic product)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, Pattern] = {}
+
+    def intern(self, p: Pattern) -> Pattern:
+        return self._by_key.setdefault(p.key, p)
+
+    def __len__(self) -> int:
+        return len(self._by_key)

@@ -1,0 +1,357 @@
+"""Lowering a planned scan to per-step work tables for the numeric backends.
+
+A :class:`Program` fixes where every value lives and what every launch reads and writes:
+
+* three arenas: shared matrix values ``S`` (``(N_S,)``), per-sample matrix values ``P``
+  (``(B, N_P)``) and per-sample vectors ``V`` (``(B, N_V)``). Inputs sit first in layer order (so
+  loading them is one concatenation); the last slot of each arena is a constant zero that pads
+  pair lists and stands for "no extra term".
+* per scan step, one work table per primitive: :class:`SpMM` (planned pair lists binned by
+  segment length into power-of-two widths, no merging left), :class:`Gemm` (batched dense
+  products of same-shaped nodes), :class:`SpMV` and :class:`Gemv` (with the affine ``+ add``
+  term fused). A level is therefore a few launches, never one per node.
+
+A product of two shared operands is shared (computed once for the batch); anything touching a
+per-sample operand is per sample. The program depends on which inputs are shared and which
+``extra`` terms exist, so plans lower lazily per such signature and cache the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .planning import ScanPlan
+from .schedule import GRAD, blelloch_schedule, extra_vec
+
+__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "Bin", "lower"]
+
+SHARED, SAMPLE = "S", "P"
+
+
+@dataclass
+class Bin:
+    """Segments whose length fits ``width``: ``out[j] = sum_t a[j, t] * b[j, t] (+ add[j])``."""
+
+    width: int
+    a: np.ndarray  # (nseg, width) slots of the left factor (matrix values)
+    b: np.ndarray  # (nseg, width) slots of the right factor (matrix values or vector entries)
+    out: np.ndarray  # (nseg,) output slots
+    add: Optional[np.ndarray] = None  # (nseg,) vector slots added (SpMV only)
+
+
+@dataclass
+class BlockRef:
+    """A batch of dense ``rows x cols`` blocks at arena ``offsets`` (row-major each).
+
+    ``base``/``block`` describe the same blocks as ``arena[base : ...].view(-1, rows, cols)[block]``
+    when every offset is ``base`` plus a multiple of the block size (no per-entry index needed).
+    """
+
+    rows: int
+    cols: int
+    offsets: np.ndarray  # (nodes,)
+    base: int = -1
+    block: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        size = self.rows * self.cols
+        if self.offsets.size:
+            base = int(self.offsets.min() % size)
+            if np.all((self.offsets - base) % size == 0):
+                self.base = base
+                self.block = (self.offsets - base) // size
+
+
+@dataclass
+class SpMM:
+    kind_a: str
+    kind_b: str
+    kind_out: str
+    bins: list[Bin]
+
+
+@dataclass
+class Gemm:
+    kind_a: str
+    kind_b: str
+    kind_out: str
+    a: BlockRef  # (m, k)
+    b: BlockRef  # (k, p)
+    out_offset: int  # nodes * m * p contiguous slots in the output arena
+
+    @property
+    def nodes(self) -> int:
+        return int(self.a.offsets.shape[0])
+
+
+@dataclass
+class SpMV:
+    kind_m: str
+    bins: list[Bin]
+
+
+@dataclass
+class Gemv:
+    kind_m: str
+    mats: BlockRef  # (m, k)
+    vin: np.ndarray  # (nodes, k) vector slots
+    add: np.ndarray  # (nodes, m) vector slots (zero slot where there is no extra)
+    out_offset: int  # nodes * m contiguous vector slots
+
+    @property
+    def nodes(self) -> int:
+        return int(self.mats.offsets.shape[0])
+
+
+@dataclass
+class ProgramStep:
+    phase: str
+    level: int
+    ops: list = field(default_factory=list)
+
+
+@dataclass
+class Program:
+    n: int
+    shared: tuple[bool, ...]
+    has_extra: tuple[bool, ...]
+    size_s: int
+    size_p: int
+    size_v: int
+    input_offsets: list[int]  # per layer: offset in its arena (S if shared else P)
+    grad_slot: int
+    extra_slots: dict[int, int]  # layer index i -> offset of extra[i] in V
+    outputs: list[tuple[int, int]]  # (offset, dim) of dl/dx_i in V
+    steps: list[ProgramStep]
+    mat_kind: dict[int, str]
+    mat_offset: dict[int, int]
+
+    @property
+    def zero_s(self) -> int:
+        return self.size_s - 1
+
+    @property
+    def zero_p(self) -> int:
+        return self.size_p - 1
+
+    @property
+    def zero_v(self) -> int:
+        return self.size_v - 1
+
+    def index_bytes(self) -> int:
+        total = 0
+        for st in self.steps:
+            for op in st.ops:
+                for arr in _arrays(op):
+                    total += arr.nbytes
+        return total
+
+
+def _arrays(op):
+    if isinstance(op, (SpMM, SpMV)):
+        for b in op.bins:
+            yield b.a
+            yield b.b
+            yield b.out
+            if b.add is not None:
+                yield b.add
+    elif isinstance(op, Gemm):
+        yield op.a.offsets
+        yield op.b.offsets
+    elif isinstance(op, Gemv):
+        yield op.mats.offsets
+        yield op.vin
+        yield op.add
+
+
+def _binned(lengths: np.ndarray, first: np.ndarray, a_src: np.ndarray, b_src: np.ndarray,
+            out: np.ndarray, add: Optional[np.ndarray], zero_a: int, zero_b: int) -> list[Bin]:
+    """Group segments by power-of-two width; pad each with (zero, zero) pairs.
+
+    ``first[j]`` is where segment ``j`` starts in the flat pair arrays ``a_src``/``b_src``.
+    Long segments are listed first so the widest launches start earliest.
+    """
+    if lengths.size == 0:
+        return []
+    widths = np.ones_like(lengths)
+    pos = lengths > 1
+    widths[pos] = 1 << np.ceil(np.log2(lengths[pos])).astype(np.int64)
+    bins = []
+    for w in sorted(np.unique(widths).tolist(), reverse=True):
+        sel = np.nonzero(widths == w)[0]
+        seg_len = lengths[sel]
+        t = np.arange(w, dtype=np.int64)
+        valid = t[None, :] < seg_len[:, None]
+        src = first[sel][:, None] + t[None, :]
+        src = np.where(valid, src, 0)
+        a = np.where(valid, a_src[src] if a_src.size else zero_a, zero_a)
+        b = np.where(valid, b_src[src] if b_src.size else zero_b, zero_b)
+        bins.append(Bin(int(w), a.astype(np.int64), b.astype(np.int64), out[sel].astype(np.int64),
+                        None if add is None else add[sel].astype(np.int64)))
+    return bins
+
+
+class _Alloc:
+    def __init__(self) -> None:
+        self.size = 0
+
+    def take(self, count: int, align: int = 1) -> int:
+        if align > 1:
+            self.size += (-self.size) % align
+        off = self.size
+        self.size += count
+        return off
+
+
+def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> Program:
+    """Lay out arenas and build every step's work tables for one sharedness/extra signature."""
+    n = plan.n
+    shared = tuple(bool(s) for s in shared)
+    has_extra = tuple(bool(e) for e in has_extra)
+    sched = blelloch_schedule(n, plan.levels, has_extra) if any(has_extra[:n]) else plan.schedule
+    mats = plan.mats
+    pats = plan.patterns
+
+    alloc = {SHARED: _Alloc(), SAMPLE: _Alloc()}
+    kind: dict[int, str] = {}
+    offset: dict[int, int] = {}
+    input_offsets = []
+    for i in range(n):
+        k = SHARED if shared[i] else SAMPLE
+        kind[i] = k
+        offset[i] = alloc[k].take(pats[i].nnz)
+        input_offsets.append(offset[i])
+
+    valloc = _Alloc()
+    vdim: dict[int, int] = {}
+    voff: dict[int, int] = {}
+
+    def vec(v: int, dim: int) -> None:
+        vdim[v] = dim
+        voff[v] = valloc.take(dim)
+
+    vec(GRAD, pats[n - 1].cols)
+    extra_slots = {}
+    for i in range(n):
+        if has_extra[i]:
+            vec(extra_vec(i), pats[i].rows)
+            extra_slots[i] = voff[extra_vec(i)]
+
+    # Product kinds are known before any slot is placed; zero slots go last, fixed after.
+    for st in sched.steps:
+        for op in st.mm:
+            kind[op.out] = SHARED if kind[op.left] == SHARED and kind[op.right] == SHARED else SAMPLE
+
+    pending = []  # (step, op-kind, payload) resolved once zero slots are known
+    steps: list[ProgramStep] = []
+    for st in sched.steps:
+        pstep = ProgramStep(st.phase, st.level)
+        # --- matrix products: GEMM groups by (kinds, shape); pair products by kinds
+        gemm_groups: dict[tuple, list] = {}
+        pair_groups: dict[tuple, list] = {}
+        for op in st.mm:
+            info = mats[op.out]
+            key = (kind[op.left], kind[op.right], kind[op.out])
+            if info.algo == "gemm":
+                shape = (mats[op.left].pattern.shape, mats[op.right].pattern.shape)
+                gemm_groups.setdefault(key + shape, []).append(op)
+            else:
+                pair_groups.setdefault(key, []).append(op)
+        for key, ops in gemm_groups.items():
+            (m, k), (_, p) = key[3], key[4]
+            out0 = alloc[key[2]].take(len(ops) * m * p, align=m * p)
+            for j, op in enumerate(ops):
+                offset[op.out] = out0 + j * m * p
+            pending.append((pstep, "gemm", (key, ops, out0)))
+        for key, ops in pair_groups.items():
+            for op in ops:
+                pat = mats[op.out].pattern
+                # dense outputs are block-aligned so later GEMMs view them without an index
+                offset[op.out] = alloc[key[2]].take(pat.nnz, align=pat.nnz if pat.is_full else 1)
+            pending.append((pstep, "spmm", (key, ops)))
+        # --- matrix-vector products: GEMV groups by (kind, shape); sparse by matrix kind
+        gemv_groups: dict[tuple, list] = {}
+        spmv_groups: dict[str, list] = {}
+        for op in st.mv:
+            p = mats[op.mat].pattern
+            if p.is_full:
+                gemv_groups.setdefault((kind[op.mat], p.shape), []).append(op)
+            else:
+                spmv_groups.setdefault(kind[op.mat], []).append(op)
+        for key, ops in gemv_groups.items():
+            m = key[1][0]
+            out0 = valloc.take(len(ops) * m)
+            for j, op in enumerate(ops):
+                vdim[op.out] = m
+                voff[op.out] = out0 + j * m
+            pending.append((pstep, "gemv", (key, ops, out0)))
+        for key, ops in spmv_groups.items():
+            for op in ops:
+                vec(op.out, mats[op.mat].pattern.rows)
+            pending.append((pstep, "spmv", (key, ops)))
+        steps.append(pstep)
+
+    zero = {SHARED: alloc[SHARED].take(1), SAMPLE: alloc[SAMPLE].take(1)}
+    zero_v = valloc.take(1)
+
+    for pstep, what, payload in pending:
+        if what == "gemm":
+            key, ops, out0 = payload
+            (m, k), (_, p) = key[3], key[4]
+            a = BlockRef(m, k, np.array([offset[o.left] for o in ops], dtype=np.int64))
+            b = BlockRef(k, p, np.array([offset[o.right] for o in ops], dtype=np.int64))
+            pstep.ops.append(Gemm(key[0], key[1], key[2], a, b, out0))
+        elif what == "spmm":
+            key, ops = payload
+            lens, firsts, a_src, b_src, outs = [], [], [], [], []
+            base = 0
+            for op in ops:
+                sym = mats[op.out].sym
+                lens.append(np.diff(sym.pair_ptr))
+                firsts.append(sym.pair_ptr[:-1] + base)
+                a_src.append(sym.pair_a + offset[op.left])
+                b_src.append(sym.pair_b + offset[op.right])
+                outs.append(offset[op.out] + np.arange(sym.pattern.nnz, dtype=np.int64))
+                base += sym.npairs
+            bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
+                           np.concatenate(b_src), np.concatenate(outs), None, zero[key[0]], zero[key[1]])
+            pstep.ops.append(SpMM(key[0], key[1], key[2], bins))
+        elif what == "gemv":
+            key, ops, out0 = payload
+            m, k = key[1]
+            mref = BlockRef(m, k, np.array([offset[o.mat] for o in ops], dtype=np.int64))
+            vin = np.array([voff[o.vin] for o in ops], dtype=np.int64)[:, None] + np.arange(k)
+            add = np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64)
+            add_idx = np.where(add[:, None] >= 0, add[:, None] + np.arange(m), zero_v)
+            pstep.ops.append(Gemv(key[0], mref, vin, add_idx, out0))
+        else:
+            key, ops = payload
+            lens, firsts, a_src, b_src, outs, adds = [], [], [], [], [], []
+            base = 0
+            for op in ops:
+                pat = mats[op.mat].pattern
+                lens.append(pat.row_lengths())
+                firsts.append(pat.indptr[:-1] + base)
+                a_src.append(offset[op.mat] + np.arange(pat.nnz, dtype=np.int64))
+                b_src.append(voff[op.vin] + pat.indices)
+                outs.append(voff[op.out] + np.arange(pat.rows, dtype=np.int64))
+                if op.add is None:
+                    adds.append(np.full(pat.rows, zero_v, dtype=np.int64))
+                else:
+                    adds.append(voff[op.add] + np.arange(pat.rows, dtype=np.int64))
+                base += pat.nnz
+            bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
+                           np.concatenate(b_src), np.concatenate(outs), np.concatenate(adds),
+                           zero[key], zero_v)
+            pstep.ops.append(SpMV(key, bins))
+
+    outputs = [(voff[v], vdim[v]) for v in sched.outputs]
+    return Program(
+        n=n, shared=shared, has_extra=has_extra,
+        size_s=alloc[SHARED].size, size_p=alloc[SAMPLE].size, size_v=valloc.size,
+        input_offsets=input_offsets, grad_slot=voff[GRAD], extra_slots=extra_slots,
+        outputs=outputs, steps=[s for s in steps if s.ops], mat_kind=kind, mat_offset=offset,
+    )

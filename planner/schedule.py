@@ -1,0 +1,172 @@
+"""The modified Blelloch scan (paper Algorithm 1) as a static schedule, with hybrid depth.
+
+The scan runs over the array ``a = [g_n, J_n^T, ..., J_1^T]`` (positions ``0..n``) with
+``A ◇ B = B·A``. With depth ``K`` it does ``K`` up-sweep levels of pairwise products, a linear
+scan over the ``ceil((n+1)/2^K)`` block reductions, then ``K`` down-sweep levels with the
+operands of ◇ reversed. ``K = 0`` is backprop with explicit Jacobians; ``K = max_levels(n)`` is
+pure Blelloch (the middle part is then a single step, Algorithm 1's root).
+
+Elements are affine maps ``g -> M g + v`` (the affine scan): ``M`` is a matrix id (``None`` once
+the element contains the gradient: the *spine*), ``v`` a vector id or ``None``. Products of two
+matrices are ``MMOp`` (SpGEMM / GEMM); everything that touches a vector is ``MVOp`` (SpMV / GEMV).
+This module is pure bookkeeping over ids: no patterns, no values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+__all__ = ["MMOp", "MVOp", "Step", "ScanSchedule", "max_levels", "blelloch_schedule", "GRAD"]
+
+GRAD = 0  # vector id of the incoming gradient g_n (+ extra[n])
+
+
+def max_levels(n: int) -> int:
+    """Up-sweep depth of the pure Blelloch scan over ``n`` Jacobians (``n+1`` array elements)."""
+    return max(0, math.ceil(math.log2(n + 1)) - 1)
+
+
+def extra_vec(i: int) -> int:
+    """Vector id of ``extra[i]``, ``0 <= i < n``."""
+    return 1 + i
+
+
+@dataclass(frozen=True)
+class MMOp:
+    """``out = left @ right`` (``left`` holds the lower layers: it is applied last)."""
+
+    out: int
+    left: int
+    right: int
+
+
+@dataclass(frozen=True)
+class MVOp:
+    """``out = mat @ vin + add`` (``add`` may be ``None``)."""
+
+    out: int
+    mat: int
+    vin: int
+    add: Optional[int]
+
+
+@dataclass
+class Step:
+    phase: str  # "up" | "mid" | "down"
+    level: int
+    mm: list[MMOp] = field(default_factory=list)
+    mv: list[MVOp] = field(default_factory=list)
+
+
+@dataclass
+class ScanSchedule:
+    """Static schedule for ``n`` Jacobians at depth ``levels``.
+
+    Matrix ids ``0..n-1`` are the inputs in layer order (id ``i-1`` is ``J_i^T``); product ids follow.
+    Vector id ``0`` is the gradient, ``1+i`` is ``extra[i]``; computed vectors follow.
+    ``outputs[i]`` is the vector id of ``dl/dx_i``.
+    """
+
+    n: int
+    levels: int
+    steps: list[Step]
+    products: dict[int, MMOp]  # product id -> op
+    outputs: list[int]
+    num_mats: int
+    num_vecs: int
+
+
+def _pairs(n: int, d: int):
+    for i in range(0, n - (1 << d) + 1, 1 << (d + 1)):
+        yield i + (1 << d) - 1, min(i + (1 << (d + 1)) - 1, n)
+
+
+def blelloch_schedule(n: int, levels: int, has_extra: Optional[Sequence[bool]] = None) -> ScanSchedule:
+    """Build the hybrid modified-Blelloch schedule.
+
+    Args:
+        n: number of Jacobians (``>= 1``).
+        levels: up-sweep depth ``K``, ``0 <= K <= max_levels(n)``.
+        has_extra: ``n+1`` flags, whether ``extra[i]`` is given (``extra[n]`` is folded into the
+            gradient and ignored here). ``None`` means no extras.
+    """
+    if n < 1:
+        raise ValueError(f"a chain needs at least one Jacobian, got n={n}")
+    if not 0 <= levels <= max_levels(n):
+        raise ValueError(f"levels must lie in [0, {max_levels(n)}] for n={n}, got {levels}")
+    flags = [False] * (n + 1) if has_extra is None else [bool(f) for f in has_extra]
+    counters = {"mat": n, "vec": n + 2}
+
+    def new(kind: str) -> int:
+        counters[kind] += 1
+        return counters[kind] - 1
+
+    # el[k] = (matrix id or None, vector id or None); position k >= 1 holds layer n-k+1.
+    el: list[tuple[Optional[int], Optional[int]]] = [(None, GRAD)]
+    el += [(n - k, extra_vec(n - k) if flags[n - k] else None) for k in range(1, n + 1)]
+    span = [(k, k) for k in range(n + 1)]
+    steps: list[Step] = []
+    products: dict[int, MMOp] = {}
+
+    for d in range(levels):
+        step = Step("up", d)
+        for l, r in _pairs(n, d):
+            assert span[l][1] + 1 == span[r][0], "up-sweep operands must be adjacent"
+            (lm, lv), (rm, rv) = el[l], el[r]
+            if lm is None:  # spine: the left element already contains the gradient
+                v = new("vec")
+                step.mv.append(MVOp(v, rm, lv, rv))
+                el[r] = (None, v)
+            else:
+                m = new("mat")
+                op = MMOp(m, rm, lm)
+                products[m] = op
+                step.mm.append(op)
+                if lv is None:
+                    vv = rv
+                else:
+                    vv = new("vec")
+                    step.mv.append(MVOp(vv, rm, lv, rv))
+                el[r] = (m, vv)
+            span[r] = (span[l][0], span[r][1])
+        steps.append(step)
+
+    width = 1 << levels
+    ends = [min((j + 1) * width - 1, n) for j in range(math.ceil((n + 1) / width))]
+    for j, e in enumerate(ends):
+        assert span[e] == (j * width, e), f"block {j} not fully reduced: {span[e]}"
+    assert el[ends[0]][0] is None
+    IDENT = -1
+    excl: dict[int, int] = {ends[0]: IDENT}
+    inclusive = el[ends[0]][1]
+    for j in range(1, len(ends)):
+        step = Step("mid", j - 1)
+        m, vv = el[ends[j]]
+        excl[ends[j]] = inclusive
+        out = new("vec")
+        step.mv.append(MVOp(out, m, inclusive, vv))
+        inclusive = out
+        steps.append(step)
+    g0 = inclusive
+
+    for d in reversed(range(levels)):
+        step = Step("down", d)
+        for l, r in _pairs(n, d):
+            tm, tv = el[l]
+            e = excl[r]
+            excl[l] = e
+            if e == IDENT:
+                assert tm is None, "only the spine meets the identity"
+                excl[r] = tv
+            else:
+                v = new("vec")
+                step.mv.append(MVOp(v, tm, e, tv))
+                excl[r] = v
+        if step.mv:
+            steps.append(step)
+
+    outputs = [g0] + [excl[n - i + 1] for i in range(1, n + 1)]
+    assert outputs[n] == GRAD
+    return ScanSchedule(n, levels, steps, products, outputs, counters["mat"], counters["vec"])

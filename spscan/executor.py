@@ -1,0 +1,136 @@
+"""Runs a lowered program: validates the step's tensors, loads the arenas, calls the backend."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+__all__ = ["check_inputs", "execute"]
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def _fail(kind, msg: str):
+    raise kind(msg)
+
+
+def check_inputs(plan, values, grad, extra, check_finite: bool):
+    """Validate one step's inputs against the plan; returns (values list or stacked, shared mask, extra mask).
+
+    Never copies or mutates the caller's tensors.
+    """
+    n = plan.n
+    pats = plan._scan.patterns
+    if not isinstance(grad, torch.Tensor):
+        _fail(TypeError, f"grad: expected a torch.Tensor of shape (B, {pats[-1].cols}), got {type(grad).__name__}")
+    if grad.dtype not in _FLOATS:
+        _fail(TypeError, f"grad: expected dtype float32 or float64, got {grad.dtype}")
+    if grad.dim() != 2 or grad.shape[1] != pats[-1].cols:
+        _fail(ValueError, f"grad: expected shape (B, {pats[-1].cols}) for layer {n}'s output, got {tuple(grad.shape)}")
+    batch, dtype, device = grad.shape[0], grad.dtype, grad.device
+    if plan.dtype is not None and dtype != plan.dtype:
+        _fail(TypeError, f"grad: the plan was made for {plan.dtype}, got {dtype}")
+    if plan.device is not None and device != plan.device:
+        _fail(ValueError, f"grad: the plan was made for device {plan.device}, got {device}")
+    if batch < 1:
+        _fail(ValueError, "grad: batch size must be at least 1, got 0")
+
+    stacked = isinstance(values, torch.Tensor)
+    if stacked:
+        if values.dim() not in (2, 3) or values.shape[0] != n:
+            _fail(ValueError, f"values: a stacked tensor must be (n={n}, B, nnz) or (n, nnz), got {tuple(values.shape)}")
+        nnzs = {p.nnz for p in pats}
+        if len(nnzs) != 1:
+            _fail(ValueError, "values: a stacked tensor needs every layer to have the same nnz; pass a list")
+        items: Sequence[torch.Tensor] = [values]
+    else:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            _fail(TypeError, f"values: expected a sequence of {n} tensors, got {type(values).__name__}")
+        if len(values) != n:
+            _fail(ValueError, f"values: expected {n} tensors (one per layer), got {len(values)}")
+        items = values
+    shared = []
+    for i, v in enumerate(items):
+        layer = f"layer {i + 1}" if not stacked else "values"
+        if not isinstance(v, torch.Tensor):
+            _fail(TypeError, f"values[{i}] ({layer}): expected a torch.Tensor, got {type(v).__name__}")
+        if v.is_sparse or v.layout != torch.strided:
+            _fail(TypeError, f"values[{i}] ({layer}): expected a dense strided tensor of CSR values, got layout {v.layout}")
+        if v.dtype != dtype:
+            _fail(TypeError, f"values[{i}] ({layer}): dtype {v.dtype} differs from grad's {dtype}")
+        if v.device != device:
+            _fail(ValueError, f"values[{i}] ({layer}): on {v.device}, grad is on {device}")
+        nnz = pats[i if not stacked else 0].nnz
+        shape = tuple(v.shape[1:]) if stacked else tuple(v.shape)
+        if shape == (nnz,):
+            shared.append(True)
+        elif shape == (batch, nnz):
+            shared.append(False)
+        else:
+            _fail(ValueError, f"values[{i}] ({layer}): expected shape ({batch}, {nnz}) or ({nnz},) "
+                              f"for a {pats[i if not stacked else 0].shape} pattern with nnz={nnz}, got {tuple(v.shape)}")
+    if stacked:
+        shared = shared * n
+    has_extra = [False] * (n + 1)
+    if extra is not None:
+        if isinstance(extra, torch.Tensor) or not hasattr(extra, "__len__") or len(extra) != n + 1:
+            got = len(extra) if hasattr(extra, "__len__") and not isinstance(extra, torch.Tensor) else type(extra).__name__
+            _fail(ValueError, f"extra: expected a sequence of n+1={n + 1} entries (None or (B, d_i)), got {got}")
+        for i, e in enumerate(extra):
+            if e is None:
+                continue
+            d = pats[i].rows if i < n else pats[-1].cols
+            if not isinstance(e, torch.Tensor):
+                _fail(TypeError, f"extra[{i}]: expected None or a tensor of shape ({batch}, {d}), got {type(e).__name__}")
+            if e.dtype != dtype:
+                _fail(TypeError, f"extra[{i}]: dtype {e.dtype} differs from grad's {dtype}")
+            if e.device != device:
+                _fail(ValueError, f"extra[{i}]: on {e.device}, grad is on {device}")
+            if tuple(e.shape) != (batch, d):
+                _fail(ValueError, f"extra[{i}]: expected shape ({batch}, {d}) (dl/dx_{i}), got {tuple(e.shape)}")
+            has_extra[i] = True
+    if check_finite:
+        tensors = [("grad", grad)] + [(f"values[{i}]", v) for i, v in enumerate(items)]
+        if extra is not None:
+            tensors += [(f"extra[{i}]", e) for i, e in enumerate(extra) if e is not None]
+        for name, t in tensors:
+            if not bool(torch.isfinite(t).all()):
+                _fail(ValueError, f"{name}: contains NaN or Inf (check_finite=True)")
+    return items, stacked, tuple(shared), tuple(has_extra)
+
+
+def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Tensor,
+            extra: Optional[Sequence[Optional[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Load the arenas from the caller's tensors (copies), run the program, return views of g_0..g_n."""
+    n = plan.n
+    batch, dtype, device = grad.shape[0], grad.dtype, grad.device
+    s_arena = torch.empty(program.size_s, dtype=dtype, device=device)
+    p_arena = torch.empty(batch, program.size_p, dtype=dtype, device=device)
+    vectors = torch.empty(batch, program.size_v, dtype=dtype, device=device)
+    s_arena[program.zero_s] = 0
+    p_arena[:, program.zero_p] = 0
+    vectors[:, program.zero_v] = 0
+    if stacked:
+        v = items[0]
+        nnz = plan._scan.patterns[0].nnz
+        if v.dim() == 2:
+            s_arena[: n * nnz] = v.reshape(-1)
+        else:
+            p_arena[:, : n * nnz].view(batch, n, nnz).copy_(v.transpose(0, 1))
+    else:
+        sh = [v.reshape(-1) for v, s in zip(items, program.shared) if s]
+        ps = [v for v, s in zip(items, program.shared) if not s]
+        if sh:
+            s_arena[: sum(t.shape[0] for t in sh)] = torch.cat(sh)
+        if ps:
+            p_arena[:, : sum(t.shape[1] for t in ps)] = torch.cat(ps, dim=1)
+    d_n = grad.shape[1]
+    g = vectors[:, program.grad_slot : program.grad_slot + d_n]
+    g.copy_(grad)
+    if extra is not None and extra[n] is not None:
+        g.add_(extra[n])
+    for i, off in program.extra_slots.items():
+        vectors[:, off : off + extra[i].shape[1]] = extra[i]
+    runner(tables, {"S": s_arena, "P": p_arena}, vectors)
+    return [vectors[:, off : off + d] for off, d in program.outputs]
