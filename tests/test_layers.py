@@ -24,6 +24,8 @@ from layer_checks import (
 from spscan.layers import make_unit
 
 FAST = settings(max_examples=25)
+# torch warns that even kernels with padding='same' copy the input; those cases are tested on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
 
 
 def _seeded(module: nn.Module, seed: int) -> nn.Module:

@@ -1,0 +1,319 @@
+"""Model-level API on nn.Sequential chains: wrapped training equals autograd (float64 ≤ 1e-9
+relative; float32 within 2x autograd's own error), SGD trajectories match, explicit
+forward/backward/param_grads, batch-size changes, Table 1 sparsities, and clear refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.utils.prune as prune
+
+import spscan
+from layer_checks import run_errors
+from spscan.model import Jacobians, ModelPlan, param_grads, plan_model, wrap
+
+HAS_CORE = hasattr(spscan, "plan")
+# torch warns that even kernels with padding='same' copy the input; those cases are tested on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
+LEVELS = [0, "full", "auto"] if HAS_CORE else [0]
+
+
+def _bn_eval(m: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    m.running_mean.copy_(torch.randn(m.num_features, generator=gen))
+    m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(m.num_features, generator=gen))
+        m.bias.copy_(torch.randn(m.num_features, generator=gen))
+    return m.eval()
+
+
+def mlp() -> tuple[nn.Module, tuple[int, ...]]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                        nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 5))
+    return net, (3, 4)
+
+
+def cnn_strided() -> tuple[nn.Module, tuple[int, ...]]:
+    torch.manual_seed(1)
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(6, 6, 3, dilation=2, padding=2, groups=3), nn.LeakyReLU(0.1),
+        nn.MaxPool2d(3, stride=2, padding=1),  # overlapping windows
+        nn.Flatten(), nn.Linear(24, 8), nn.Sigmoid(), nn.Linear(8, 4))
+    return net, (3, 8, 8)
+
+
+def cnn_pruned_bn_dropout() -> tuple[nn.Module, tuple[int, ...]]:
+    torch.manual_seed(2)
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.AvgPool2d(2, padding=1, ceil_mode=True, count_include_pad=False),
+        nn.Sequential(nn.Conv2d(4, 4, (3, 1), bias=False), nn.Identity()), nn.GELU(approximate="tanh"),
+        nn.Flatten(), nn.Dropout(0.3), nn.Linear(16, 6))
+    prune.l1_unstructured(net[0], "weight", amount=0.5)
+    prune.random_unstructured(net[8], "weight", amount=0.4)
+    _bn_eval(net[1], 2)
+    return net, (2, 5, 7)
+
+
+def conv1d_net() -> tuple[nn.Module, tuple[int, ...]]:
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Conv1d(2, 4, 5, stride=2), nn.GELU(), nn.MaxPool1d(2, ceil_mode=True),
+        nn.Conv1d(4, 4, 4, padding="same", dilation=1), nn.BatchNorm1d(4), nn.Tanh(), nn.AvgPool1d(3, 1, 1),
+        nn.Flatten(), nn.Linear(20, 3))
+    _bn_eval(net[4], 3)
+    return net, (2, 21)
+
+
+MODELS = {"mlp": mlp, "cnn_strided": cnn_strided, "cnn_pruned_bn_dropout": cnn_pruned_bn_dropout,
+          "conv1d": conv1d_net}
+
+
+def _autograd_step(net, x, target, seed):
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = net(x)
+    loss = ((y - target) ** 2).sum() + y.sum()
+    loss.backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in net.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / max(1e-300, float(b.double().abs().max())))
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_wrapped_gradients_equal_autograd_float64(name, levels):
+    net, shape = MODELS[name]()
+    net = net.double()
+    ref = MODELS[name]()[0].double()  # a second identical build (deepcopy cannot copy pruned modules)
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    w = wrap(net, x, levels=levels)
+    target = torch.randn(3, *w.plan.out_shape, dtype=torch.float64)
+    y_ref, gx_ref, gp_ref = _autograd_step(ref, x, target, seed=7)
+    y, gx, gp = _autograd_step(w, x, target, seed=7)  # the wrapper names parameters model.<name>
+    assert torch.equal(y, y_ref)
+    assert _rel(gx, gx_ref) <= 1e-9
+    assert {n.removeprefix("model.") for n in gp} == set(gp_ref)
+    for n, g in gp.items():
+        assert _rel(g, gp_ref[n.removeprefix("model.")]) <= 1e-9, n
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("name", ["mlp", "cnn_strided", "conv1d"])
+def test_wrapped_gradients_float32_within_autograd_error(name, levels):
+    net, shape = MODELS[name]()
+    net64 = copy.deepcopy(net).double()
+    ag32 = copy.deepcopy(net)
+    x = torch.randn(4, *shape)
+    w = wrap(net, x, levels=levels)
+    target = torch.randn(4, *w.plan.out_shape)
+    _, gx64, gp64 = _autograd_step(net64, x.double(), target.double(), seed=0)
+    _, gx_ag, gp_ag = _autograd_step(ag32, x, target, seed=0)
+    _, gx_sp, gp_sp = _autograd_step(w, x, target, seed=0)
+    pairs = [(gx_sp, gx_ag, gx64)] + [(gp_sp["model." + n], gp_ag[n], gp64[n]) for n in gp64]
+    for sp_, ag, ref in pairs:
+        floor = 1e-6 * float(ref.abs().max())
+        err_sp = float((sp_.double() - ref).abs().max())
+        err_ag = float((ag.double() - ref).abs().max())
+        assert err_sp <= 2 * err_ag + floor, (err_sp, err_ag, floor)
+
+
+@pytest.mark.parametrize("name", ["cnn_strided", "cnn_pruned_bn_dropout"])
+def test_sgd_steps_match_autograd(name):
+    net, shape = MODELS[name]()
+    net = net.double()
+    ref = MODELS[name]()[0].double()
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    w = wrap(net, x, levels="full" if HAS_CORE else 0)
+    target = torch.randn(5, *w.plan.out_shape, dtype=torch.float64)
+    opt = torch.optim.SGD(w.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        for model, o in ((w, opt), (ref, opt_ref)):
+            o.zero_grad()
+            torch.manual_seed(100 + step)
+            loss = ((model(x) - target) ** 2).mean()
+            loss.backward()
+            o.step()
+    for (n, p), (n_ref, p_ref) in zip(net.named_parameters(), ref.named_parameters()):
+        assert n == n_ref
+        assert _rel(p.detach(), p_ref.detach()) <= 1e-9, n
+    # pruned weights stayed pruned (the gradient reaching weight_orig is masked), so the plan still holds
+    w(x)
+
+
+def test_wrap_shares_parameters_and_freezing_and_batch_change():
+    net, shape = cnn_strided()
+    net = net.double()
+    net[2].weight.requires_grad_(False)
+    net[6].bias.requires_grad_(False)
+    w = wrap(net, torch.zeros(2, *shape, dtype=torch.float64))
+    assert [id(p) for p in w.parameters()] == [id(p) for p in net.parameters()]
+    ref = copy.deepcopy(net)
+    for b in (2, 5, 1):
+        for m in (w, ref):
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(b, *shape, dtype=torch.float64)
+        target = torch.randn(b, 4, dtype=torch.float64)
+        _, gx, gp = _autograd_step(w, x, target, seed=0)
+        _, gx_ref, gp_ref = _autograd_step(ref, x, target, seed=0)
+        assert _rel(gx, gx_ref) <= 1e-9
+        assert net[2].weight.grad is None and net[6].bias.grad is None
+        for n, g in gp_ref.items():
+            if g is None:
+                assert gp["model." + n] is None
+            else:
+                assert _rel(gp["model." + n], g) <= 1e-9
+    # input that does not require grad: parameters still get theirs
+    w.zero_grad()
+    w(torch.randn(2, *shape, dtype=torch.float64)).sum().backward()
+    assert net[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+def test_explicit_forward_backward_param_grads(levels):
+    net, shape = cnn_pruned_bn_dropout()
+    net = net.double()
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    plan = plan_model(net, x, levels=levels)
+    assert isinstance(plan, ModelPlan)
+    assert len(plan.patterns) == len(plan.units) == len(plan.layer_names) == 10
+    assert plan.layer_names[4] == "4.0" and plan.units[4].module is net[4][0]
+    assert "Conv2d" in plan.summary() and isinstance(plan.levels, int)
+    for b in (3, 2):
+        xb = torch.randn(b, *shape, dtype=torch.float64)
+        torch.manual_seed(5)
+        y, jac = plan.forward(xb)
+        assert isinstance(jac, Jacobians) and len(jac) == 10 and jac.batch == b
+        g = torch.randn_like(y)
+        grads = plan._spscan_backward(jac, g)
+        pg = param_grads(plan, jac, grads)
+        xr = xb.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        yr = net(xr)
+        assert torch.equal(y, yr.detach())
+        params = [p for p in net.parameters() if p.requires_grad]
+        ref = torch.autograd.grad(yr, [xr] + params, g)
+        assert _rel(grads[0].reshape(xb.shape), ref[0]) <= 1e-9
+        names = [n for n, p in net.named_parameters() if p.requires_grad]
+        assert set(pg) == set(names)
+        for n, r in zip(names, ref[1:]):
+            assert _rel(pg[n], r) <= 1e-9, n
+        # the values are the reference chain's: float64 backprop over the same patterns agrees
+        ref_grads = spscan.reference_backward(plan.patterns, list(jac), g)
+        assert _rel(grads[0], ref_grads[0]) <= 1e-9
+
+
+@pytest.mark.skipif(not HAS_CORE, reason="needs the core engine's spscan.plan/backward/forward")
+def test_public_dispatch():
+    net, shape = mlp()
+    net = net.double()
+    x = torch.randn(2, *shape, dtype=torch.float64)
+    plan = spscan.plan(net, x, levels=0)
+    assert isinstance(plan, ModelPlan)
+    y, jac = spscan.forward(plan, x)
+    grads = spscan.backward(plan, jac, torch.ones_like(y))
+    pg = spscan.param_grads(plan, jac, grads)
+    xr = x.clone().requires_grad_(True)
+    ref = torch.autograd.grad(net(xr).sum(), [xr] + list(net.parameters()))
+    assert _rel(grads[0].reshape(x.shape), ref[0]) <= 1e-9
+    for (n, _), r in zip(net.named_parameters(), ref[1:]):
+        assert _rel(pg[n], r) <= 1e-9
+    w = spscan.wrap(net, x, levels=0)
+    assert isinstance(w, nn.Module)
+
+
+def test_table1_sparsity():
+    """Table 1: VGG-11's first conv (3->64, 3x3, pad 1), ReLU and 2x2/2 max-pool on a 32x32 image."""
+    net = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2))
+    plan = plan_model(net, torch.zeros(1, 3, 32, 32), levels=0)
+    sparsity = [1 - p.nnz / (p.shape[0] * p.shape[1]) for p in plan.patterns]
+    assert [round(s, 5) for s in sparsity] == [0.99157, 0.99998, 0.99994]
+    # the closed forms: conv taps (32*3-2)^2 per channel pair, one entry per ReLU row and pool output
+    assert [p.nnz for p in plan.patterns] == [64 * 3 * 94 * 94, 64 * 32 * 32, 64 * 32 * 32]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_unsupported_layer_named():
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=1)))
+    run_errors(lambda: plan_model(net, torch.zeros(1, 4)), TypeError, "layer 3", "2.1", "Softmax", "supported")
+
+
+def test_non_chain_models_refused():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)  # a skip: not a chain
+
+    run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "nn.Sequential")
+
+    class Seq(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    run_errors(lambda: plan_model(Seq(nn.Linear(4, 4)), torch.zeros(1, 4)), TypeError, "Seq")
+    run_errors(lambda: plan_model(nn.Sequential(nn.Linear(4, 4), Seq(nn.ReLU())), torch.zeros(1, 4)),
+               TypeError, "layer 1", "Seq")
+    run_errors(lambda: plan_model(nn.Sequential(nn.Linear(4, 4), Net()), torch.zeros(1, 4)),
+               TypeError, "layer 1", "Net")
+    run_errors(lambda: plan_model(nn.Sequential(), torch.zeros(1, 4)), ValueError, "at least one layer")
+    # a single supported layer is a chain of one
+    assert len(plan_model(nn.Linear(4, 2), torch.zeros(1, 4), levels=0)) == 1
+
+
+def test_mismatched_inputs():
+    net = nn.Sequential(nn.Linear(12, 4), nn.ReLU(), nn.Linear(5, 2))
+    run_errors(lambda: plan_model(net, torch.zeros(2, 7)), ValueError, "layer 0", "Linear", "(7,)")
+    run_errors(lambda: plan_model(net, torch.zeros(2, 12)), ValueError, "layer 2", "Linear", "(4,)")
+    good = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten())
+    plan = plan_model(good, torch.zeros(2, 1, 5, 5), levels=0)
+    run_errors(lambda: plan.forward(torch.zeros(2, 1, 6, 5)), ValueError, "expected shape (B, 1, 5, 5)", "(2, 1, 6, 5)")
+    run_errors(lambda: plan.forward(torch.zeros(1, 5, 5)), ValueError, "expected shape")
+    w = wrap(good, torch.zeros(2, 1, 5, 5), levels=0)
+    run_errors(lambda: w(torch.zeros(3, 1, 4, 4)), ValueError, "expected shape")
+    run_errors(lambda: plan_model(good, torch.tensor(1.0)), ValueError, "example_input")
+
+
+def test_batchnorm_train_mode_and_hooks_refused():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2).eval())
+    plan = plan_model(net, torch.zeros(1, 1, 4, 4), levels=0)
+    net.train()
+    run_errors(lambda: plan.forward(torch.zeros(2, 1, 4, 4)), ValueError, "layer 1", "BatchNorm2d", "eval")
+    net2 = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    net2[1].register_forward_hook(lambda m, i, o: o * 2)
+    run_errors(lambda: plan_model(net2, torch.zeros(1, 3)), ValueError, "layer 1", "hooks")
+
+
+def test_pruned_weight_regrowing_is_reported():
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        net[0].weight[0, 0] = 0.0
+    w = wrap(net, torch.zeros(1, 4), prune_zeros=True, levels=0)
+    assert w.plan.patterns[0].nnz == 15
+    w(torch.randn(2, 4)).sum().backward()
+    with torch.no_grad():
+        net[0].weight[0, 0] = 1.0
+    run_errors(lambda: w(torch.randn(2, 4)), ValueError, "layer 0", "pruned", "re-plan")
+
+
+def test_param_grads_input_checks():
+    net, shape = mlp()
+    plan = plan_model(net, torch.zeros(1, *shape), levels=0)
+    y, jac = plan.forward(torch.zeros(2, *shape))
+    grads = plan._spscan_backward(jac, torch.ones_like(y))
+    run_errors(lambda: param_grads(plan, list(jac), grads), TypeError, "Jacobians")
+    run_errors(lambda: param_grads(plan, jac, grads[1:]), ValueError, "expected 9")
