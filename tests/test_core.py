@@ -1,0 +1,239 @@
+"""Core engine: planned scan == sequential float64 backprop, for every depth and input kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spscan
+from spscan.planner.schedule import max_levels
+from spscan.reference import reference_backward
+
+from strategies import chain
+
+
+def make_values(patterns, batch, dtype, shared_mask, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    vals = []
+    for p, shared in zip(patterns, shared_mask):
+        shape = (p.nnz,) if shared else (batch, p.nnz)
+        vals.append(torch.randn(shape, generator=g, dtype=torch.float64).to(dtype))
+    return vals
+
+
+def rel_err(got, ref):
+    scale = max(ref.abs().max().item(), 1e-300)
+    return (got.double() - ref).abs().max().item() / scale if ref.numel() else 0.0
+
+
+def check_chain(patterns, batch, dtype, shared_mask, levels, with_extra, seed):
+    n = len(patterns)
+    vals = make_values(patterns, batch, dtype, shared_mask, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    dims = [p.shape[0] for p in patterns] + [patterns[-1].shape[1]]
+    grad = torch.randn(batch, dims[n], generator=g, dtype=torch.float64).to(dtype)
+    extra = None
+    if with_extra:
+        extra = [torch.randn(batch, dims[i], generator=g, dtype=torch.float64).to(dtype) if i % 2 == 0 else None
+                 for i in range(n + 1)]
+    ref = reference_backward(patterns, vals, grad, extra)
+    plan = spscan.plan(patterns, levels=levels)
+    out = spscan.backward(plan, vals, grad, extra)
+    assert len(out) == n + 1
+    for i, (o, r) in enumerate(zip(out, ref)):
+        assert o.shape == (batch, dims[i]) and o.dtype == dtype
+        if dtype == torch.float64:
+            assert rel_err(o, r) <= 1e-10, (i, levels)
+    if dtype == torch.float32:
+        # spscan's float32 error must stay within 2x that of float32 sequential backprop
+        seq = [t.float() for t in _seq_float32(patterns, vals, grad, extra)]
+        for i, (o, s, r) in enumerate(zip(out, seq, ref)):
+            bound = 2 * (s.double() - r).abs().max().item() + 1e-6 * max(r.abs().max().item(), 1.0)
+            assert (o.double() - r).abs().max().item() <= bound, (i, levels)
+    return out
+
+
+def _seq_float32(patterns, vals, grad, extra):
+    """Sequential backprop in float32 with torch sparse ops (the float32 error yardstick)."""
+    n = len(patterns)
+    g = grad.clone()
+    if extra is not None and extra[n] is not None:
+        g = g + extra[n]
+    out = [None] * (n + 1)
+    out[n] = g
+    for i in range(n, 0, -1):
+        p = patterns[i - 1]
+        v = vals[i - 1]
+        rows = torch.as_tensor(np.repeat(np.arange(p.shape[0]), np.diff(p.indptr)))
+        cols = torch.as_tensor(p.indices.astype(np.int64))
+        vb = v.expand(g.shape[0], -1) if v.dim() == 1 else v
+        nxt = torch.zeros(g.shape[0], p.shape[0], dtype=g.dtype)
+        for b in range(g.shape[0]):
+            dense = torch.zeros(p.shape, dtype=g.dtype)
+            dense[rows, cols] = vb[b]
+            nxt[b] = dense @ g[b]
+        g = nxt
+        if extra is not None and extra[i - 1] is not None:
+            g = g + extra[i - 1]
+        out[i - 1] = g
+    return out
+
+
+@settings(max_examples=200)
+@given(
+    patterns=chain(),
+    batch=st.integers(1, 8),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    levels=st.sampled_from(["auto", "full", 0, 1, 2, 3]),
+    with_extra=st.booleans(),
+    data=st.data(),
+)
+def test_matches_reference(patterns, batch, dtype, levels, with_extra, data):
+    shared = data.draw(st.lists(st.booleans(), min_size=len(patterns), max_size=len(patterns)))
+    check_chain(patterns, batch, dtype, shared, levels, with_extra, seed=data.draw(st.integers(0, 1000)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 31, 100, 129])
+@pytest.mark.parametrize("levels", ["full", 0, 2, "auto"])
+def test_long_chains(n, levels):
+    rng = np.random.default_rng(n)
+    dims = rng.integers(1, 6, n + 1)
+    pats = []
+    for i in range(n):
+        mask = rng.random((dims[i], dims[i + 1])) < 0.5
+        pats.append(sp.csr_array(mask.astype(float)))
+    check_chain(pats, 3, torch.float64, [i % 3 == 0 for i in range(n)], levels, with_extra=(n % 2 == 1), seed=n)
+
+
+def test_every_depth_same_gradients_dense_and_sparse():
+    rng = np.random.default_rng(0)
+    n = 20
+    pats = [sp.csr_array(np.ones((5, 5))) if i % 4 == 0 else sp.csr_array(np.eye(5) + np.eye(5, k=1))
+            for i in range(n)]
+    vals = make_values(pats, 4, torch.float64, [False] * n)
+    grad = torch.randn(4, 5, dtype=torch.float64)
+    ref = reference_backward(pats, vals, grad)
+    for k in range(max_levels(n) + 1):
+        out = spscan.backward(spscan.plan(pats, levels=k), vals, grad)
+        assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
+
+
+def test_one_by_one_and_n_equals_one():
+    p = sp.csr_array(np.ones((1, 1)))
+    plan = spscan.plan([p])
+    assert plan.levels == 0 and plan.n == 1
+    out = spscan.backward(plan, [torch.tensor([3.0], dtype=torch.float64)], torch.tensor([[2.0]], dtype=torch.float64))
+    assert out[0].item() == 6.0 and out[1].item() == 2.0
+
+
+def test_empty_pattern_gives_zero_gradients():
+    pats = [sp.csr_array(np.ones((3, 4))), sp.csr_array((4, 2)), sp.csr_array(np.ones((2, 2)))]
+    vals = make_values(pats, 2, torch.float64, [False, False, True])
+    out = spscan.backward(spscan.plan(pats, levels="full"), vals, torch.ones(2, 2, dtype=torch.float64))
+    assert torch.all(out[0] == 0) and torch.all(out[1] == 0)
+
+
+def test_bitwise_deterministic_and_inputs_untouched():
+    rng = np.random.default_rng(3)
+    pats = [sp.csr_array((rng.random((6, 6)) < 0.4).astype(float)) for _ in range(13)]
+    vals = make_values(pats, 5, torch.float32, [i % 2 == 0 for i in range(13)])
+    grad = torch.randn(5, 6)
+    extra = [torch.randn(5, 6) for _ in range(14)]
+    before = [v.clone() for v in vals] + [grad.clone()] + [e.clone() for e in extra]
+    plan = spscan.plan(pats, levels=2)
+    a = spscan.backward(plan, vals, grad, extra)
+    b = spscan.backward(plan, vals, grad, extra)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for x, y in zip(before, vals + [grad] + extra):
+        assert torch.equal(x, y)
+
+
+def test_batch_size_changes_between_calls():
+    rng = np.random.default_rng(4)
+    pats = [sp.csr_array((rng.random((4, 4)) < 0.6).astype(float)) for _ in range(9)]
+    plan = spscan.plan(pats, levels="auto")
+    for batch in (1, 7, 2, 16):
+        vals = make_values(pats, batch, torch.float64, [False] * 9, seed=batch)
+        grad = torch.randn(batch, 4, dtype=torch.float64)
+        ref = reference_backward(pats, vals, grad)
+        out = spscan.backward(plan, vals, grad)
+        assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
+
+
+def test_stacked_values_and_non_contiguous_inputs():
+    n, h, batch = 12, 4, 3
+    w = sp.csr_array(np.ones((h, h)))
+    vals = torch.randn(batch, n, h * h, dtype=torch.float64).transpose(0, 1)  # non-contiguous (n, B, nnz)
+    grad = torch.randn(h, batch, dtype=torch.float64).t()  # non-contiguous (B, d)
+    ref = reference_backward([w] * n, list(vals), grad)
+    plan = spscan.plan([w] * n, levels="full")
+    for v in (vals, list(vals), [t[:, ::1] for t in vals]):
+        out = spscan.backward(plan, v, grad)
+        assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
+
+
+def test_torch_csr_patterns_accepted():
+    dense = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    p_t = dense.to_sparse_csr()
+    p_s = sp.csr_array(dense.numpy())
+    plan = spscan.plan([p_t, p_s.T.tocsr()])
+    assert np.array_equal(plan.patterns[0].indptr, p_s.indptr)
+    assert np.array_equal(plan.patterns[0].indices, p_s.indices)
+    assert plan.patterns[1].shape == (3, 2)
+
+
+def test_summary_and_memory():
+    rng = np.random.default_rng(5)
+    pats = [sp.csr_array((rng.random((8, 8)) < 0.3).astype(float)) for _ in range(16)]
+    plan = spscan.plan(pats, levels=2)
+    text = plan.summary()
+    for word in ("up0", "up1", "mid", "down0", "total", "critical-path FLOPs", "memory"):
+        assert word in text
+    mem = plan.memory()
+    assert mem.backward_peak(8) == 8 * mem.backward_peak(1) > 0
+
+
+def test_max_memory_lowers_depth_or_refuses():
+    n = 64
+    pats = [sp.csr_array(np.ones((16, 16)))] * n
+    free = spscan.plan(pats, levels="full")
+    need_full = free.memory().total(16)
+    lin = spscan.plan(pats, levels=0).memory().total(16)
+    assert lin < need_full
+    limited = spscan.plan(pats, levels="auto", max_memory=(lin + need_full) // 2)
+    assert limited.memory().total(16) <= (lin + need_full) // 2
+    with pytest.raises(ValueError, match="max_memory"):
+        spscan.plan(pats, levels="full", max_memory=(lin + need_full) // 2)
+    with pytest.raises(ValueError, match="even the linear scan"):
+        spscan.plan(pats, levels="auto", max_memory=1000)
+
+
+def test_save_load_round_trip(tmp_path):
+    rng = np.random.default_rng(6)
+    pats = [sp.csr_array((rng.random((5, 5)) < 0.5).astype(float)) for _ in range(11)] + \
+           [sp.csr_array(np.ones((5, 3)))]
+    plan = spscan.plan(pats, levels=2, dtype=torch.float64)
+    path = tmp_path / "plan.npz"
+    plan.save(path)
+    loaded = spscan.load_plan(path)
+    assert loaded.levels == plan.levels and loaded.dtype == torch.float64 and loaded.backend == plan.backend
+    for a, b in zip(loaded.patterns, plan.patterns):
+        assert a.shape == b.shape and np.array_equal(a.indices, b.indices) and np.array_equal(a.indptr, b.indptr)
+    vals = make_values(pats, 3, torch.float64, [False] * 12)
+    grad = torch.randn(3, 3, dtype=torch.float64)
+    for x, y in zip(spscan.backward(plan, vals, grad), spscan.backward(loaded, vals, grad)):
+        assert torch.equal(x, y)
+    assert loaded.summary().splitlines()[1:] == plan.summary().splitlines()[1:]
+
+
+def test_auto_prefers_linear_or_deeper_consistently():
+    """The chosen depth minimizes the plan's own cost estimate among the candidates it explored."""
+    pats = [sp.csr_array(np.ones((20, 20)))] * 300
+    plan = spscan.plan(pats)
+    cands = plan._scan.candidates
+    assert plan.levels == min(cands, key=cands.get)
