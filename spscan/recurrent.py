@@ -26,8 +26,9 @@ Chain layouts (``chain=``):
   materialized one; a GRU/LSTM step has a skip term (``diag(z)``, ``diag(f)``) that breaks a
   two-factor chain, so it is materialized.
 
-When the core engine (``spscan.plan`` / ``spscan.backward``) is not importable, a dense
-torch scan in this module (``_dense_affine_scan``) runs the same chain.
+``engine=``: ``"auto"``/``"core"`` run the chain through ``spscan.plan`` / ``spscan.backward``;
+``"builtin"`` (also what ``"auto"`` falls back to when the core is not importable) runs a dense
+torch scan in this module (``_dense_affine_scan``; a linear scan for the factored chain).
 """
 
 from __future__ import annotations
@@ -324,10 +325,23 @@ class RecurrentPlan:
     parameter gradients. ``plan_kwargs`` go to ``spscan.plan`` for every ``T``.
     """
 
-    def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, *, chain: str = "auto", **plan_kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        example_input: Optional[torch.Tensor] = None,
+        *,
+        chain: str = "auto",
+        engine: str = "auto",
+        **plan_kwargs: Any,
+    ) -> None:
         self.kind = _cell_kind(module)
         self.module = module
         self.chain = _resolve_chain(self.kind, chain)
+        if engine not in ("auto", "core", "builtin"):
+            raise ValueError(f"expected engine 'auto', 'core' or 'builtin', got {engine!r}")
+        if engine == "core" and _core() is None:
+            raise ValueError("engine='core' needs spscan.plan/spscan.backward, which are not available")
+        self.engine = engine
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
         self.state_size = _state_size(self.kind, module.hidden_size)
@@ -337,6 +351,9 @@ class RecurrentPlan:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
             self._check_input(x)
             T = x.shape[1 if (module.batch_first and x.dim() == 3) else 0]
+            if x.dim() == 3:
+                # the core's cost model assumes a batch size: the example's, unless given
+                self.plan_kwargs.setdefault("batch_size", int(x.shape[0 if module.batch_first else 1]))
             p = module.weight_hh_l0
             self.scan_plan(T, p.device, p.dtype)
 
@@ -345,16 +362,20 @@ class RecurrentPlan:
     def scan_plan(self, seq_len: int, device: torch.device, dtype: torch.dtype):
         """The core engine's plan for ``seq_len`` steps (built once per ``(T, device, dtype)``), or None without the core."""
         self.last_seq_len = seq_len
-        core = _core()
+        core = self._engine()
         if core is None:
             return None
         key = (seq_len, str(device), dtype)
         if key not in self._plans:
-            kw = dict(self.plan_kwargs)
+            kw = {k: v for k, v in self.plan_kwargs.items() if v is not None}
             kw.setdefault("device", device)
             kw.setdefault("dtype", dtype)
             self._plans[key] = core.plan(recurrent_patterns(self.module, seq_len, self.chain), **kw)
         return self._plans[key]
+
+    def _engine(self):
+        """The core engine module, or None for the built-in dense scan."""
+        return None if self.engine == "builtin" else _core()
 
     @property
     def patterns(self) -> list[sp.csr_array]:
@@ -365,8 +386,11 @@ class RecurrentPlan:
     def levels(self):
         """The up-sweep depth of the most recently planned length (``0`` without the core engine)."""
         p = self.module.weight_hh_l0
-        plan = self.scan_plan(self.last_seq_len or 1, p.device, p.dtype)
-        return getattr(plan, "levels", 0)
+        T = self.last_seq_len or 1
+        plan = self.scan_plan(T, p.device, p.dtype)
+        if plan is None:
+            return 0 if self.chain == "factored" else self._builtin_levels(T, p.device)
+        return getattr(plan, "levels", None)
 
     def summary(self) -> str:
         lines = [
@@ -435,7 +459,7 @@ class RecurrentPlan:
         """State gradients ``(T+1, B, D)`` (factored: ``(2T+1, B, H)``) from the chain."""
         T = saved.T
         plan = self.scan_plan(T, saved.device, saved.dtype)
-        core = _core()
+        core = self._engine()
         if self.chain == "factored":
             ext: Optional[list] = None
             if extra is not None:
@@ -459,7 +483,18 @@ class RecurrentPlan:
         e = None
         if extra is not None:
             e = torch.cat([torch.zeros_like(extra[:1]), extra[:-1]], dim=0)
-        return _dense_affine_scan(mats, top, e, levels=self.plan_kwargs.get("levels", 0) if isinstance(self.plan_kwargs.get("levels", 0), int) else 0)
+        return _dense_affine_scan(mats, top, e, levels=self._builtin_levels(T, saved.device))
+
+    def _builtin_levels(self, seq_len: int, device: torch.device) -> int:
+        """Depth of the built-in scan: an int as given; "full" = log2 T; "auto" = 0 on CPU (per-level
+        batched GEMMs cost more than the sequential GEMVs they save on a few cores), log2 T - 4 on GPU."""
+        levels = self.plan_kwargs.get("levels", "auto")
+        full = max(0, math.ceil(math.log2(max(seq_len, 1))))
+        if isinstance(levels, int):
+            return min(levels, full)
+        if levels == "full":
+            return full
+        return 0 if torch.device(device).type == "cpu" else max(0, full - 4)
 
     def backward(
         self,

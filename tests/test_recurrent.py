@@ -157,15 +157,14 @@ def test_chain_matches_reference_backward(kind):
 
 
 @pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
-def test_dense_fallback_scan_levels(kind, monkeypatch):
-    """Without the core engine the module's own dense scan runs; every depth gives the same gradients."""
-    monkeypatch.setattr(rec, "_core", lambda: None)
+def test_builtin_scan_levels(kind):
+    """The built-in dense scan (used without the core engine): every depth gives the same gradients."""
     m = make_module(kind, 2, 5, batch_first=False, bias=True)
     x, hx = make_inputs(m, 37, 3, with_h0=True, dtype=torch.float64)
     want = grads_of(m, m, x, hx, "both")
     for chain in (["factored", "materialized"] if kind.startswith("rnn") else ["materialized"]):
         for levels in (0, 1, 3, 6):
-            got = grads_of(wrap_recurrent(m, x, chain=chain, levels=levels), m, x, hx, "both")
+            got = grads_of(wrap_recurrent(m, x, chain=chain, levels=levels, engine="builtin"), m, x, hx, "both")
             for i, (a, b) in enumerate(zip(got, want)):
                 assert rel_err(a, b) <= 1e-12, (chain, levels, i)
 
@@ -264,3 +263,15 @@ def test_spscan_backward_contract_on_recurrent_plan():
     torch.testing.assert_close(r["weight_hh_l0"], want[1], rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="extra=None"):
         plan._spscan_backward(saved, (go, (gh, None)), extra=[None])
+
+
+def test_falls_back_to_builtin_without_core(monkeypatch):
+    monkeypatch.setattr(rec, "_core", lambda: None)
+    m = make_module("gru", 2, 4, batch_first=False, bias=True)
+    x, hx = make_inputs(m, 9, 2, with_h0=True, dtype=torch.float64)
+    want = grads_of(m, m, x, hx, "both")
+    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-12
+    with pytest.raises(ValueError, match="engine='core' needs"):
+        plan_recurrent(m, x, engine="core")
