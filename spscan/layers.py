@@ -29,7 +29,7 @@ for as long as the plan is used; every ``run`` checks it and raises if one becam
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import scipy.sparse as sp
@@ -56,22 +56,31 @@ __all__ = [
 # ----------------------------------------------------------------------------- helpers
 
 
-def coo_to_csr(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> tuple[sp.csr_array, np.ndarray]:
+def coo_to_csr(rows: np.ndarray, cols: np.ndarray,
+               shape: tuple[int, int]) -> tuple[sp.csr_array, Union[np.ndarray, slice]]:
     """Canonical CSR pattern from structural entries ``(rows[k], cols[k])``.
 
     Returns the pattern (data all ones, sorted indices, no duplicates) and ``order``, the
-    permutation such that CSR entry ``e`` is structural entry ``order[e]``. Raises if two
+    permutation such that CSR entry ``e`` is structural entry ``order[e]`` (``slice(None)`` when the
+    entries already came in CSR order). Raises if two
     structural entries coincide (a layer generator bug: each unit maps every entry to one source).
     """
     rows = np.asarray(rows, dtype=np.int64)
     cols = np.asarray(cols, dtype=np.int64)
-    order = np.lexsort((cols, rows))
-    r, c = rows[order], cols[order]
-    if r.size > 1:
-        dup = (r[1:] == r[:-1]) & (c[1:] == c[:-1])
-        if dup.any():
-            k = int(np.flatnonzero(dup)[0])
-            raise ValueError(f"duplicate structural entry ({r[k]}, {c[k]}) in a generated pattern")
+    key = rows * np.int64(shape[1]) + cols
+    step = np.diff(key)
+    order: Union[np.ndarray, slice]
+    if step.size == 0 or bool((step > 0).all()):
+        order = slice(None)  # generated in CSR order already: no sort, no copies
+        r, c = rows, cols
+    else:
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        step = np.diff(key)
+        r, c = rows[order], cols[order]
+    if bool((step == 0).any()):
+        k = int(np.flatnonzero(step == 0)[0])
+        raise ValueError(f"duplicate structural entry ({r[k]}, {c[k]}) in a generated pattern")
     indptr = np.zeros(shape[0] + 1, dtype=np.int64)
     np.cumsum(np.bincount(r, minlength=shape[0]), out=indptr[1:])
     index_dtype = np.int32 if max(shape) < 2**31 - 1 and r.size < 2**31 - 1 else np.int64
@@ -251,8 +260,8 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
                 f"layer {index} (Linear): expected per-sample input (*, {fi}), got {tuple(in_shape)}")
         lead = _prod(in_shape[:-1])
         drop = self._drop_mask(module, prune_zeros)
-        j, i = np.divmod(np.arange(fo * fi, dtype=np.int64), fi)  # weight element (j, i) is W[j, i]
-        keep = ~drop
+        i, j = np.divmod(np.arange(fi * fo, dtype=np.int64), fo)  # (i, j) row-major: CSR order of W^T
+        keep = ~drop[j * fi + i]
         j, i = j[keep], i[keep]
         widx = j * fi + i
         l = np.arange(lead, dtype=np.int64)[:, None]
@@ -327,27 +336,37 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         cin_g, cout_g = cin // groups, cout // groups
 
         drop = self._drop_mask(module, prune_zeros)
-        # enumerate (co, o_1..o_nd, ci_l, k_1..k_nd) with broadcasting
+        # Enumerate from the input side, (ci, i_1..i_nd | co_l, k_1..k_nd reversed): rows ascend, and
+        # within a row the output position o = (i + pad - k*d)/s ascends as k descends, so the
+        # entries come out in CSR order and no sort is needed. Chunks over ci bound the memory.
         nax = 2 + 2 * nd
-        def ax(n: int, pos: int) -> np.ndarray:
+        def ax(values: np.ndarray, pos: int) -> np.ndarray:
             shape = [1] * nax
-            shape[pos] = n
-            return np.arange(n, dtype=np.int64).reshape(shape)
-        co = ax(cout, 0)
-        o = [ax(s_out[t], 1 + t) for t in range(nd)]
-        ci = ax(cin_g, 1 + nd)
-        kk = [ax(k[t], 2 + nd + t) for t in range(nd)]
-        i = [o[t] * s[t] - pad_lo[t] + kk[t] * d[t] for t in range(nd)]
-        full = np.broadcast(co, *o, ci, *kk).shape
-        valid = np.ones(full, dtype=bool)
-        for t in range(nd):
-            valid &= (i[t] >= 0) & (i[t] < s_in[t])
-        widx = np.broadcast_to(_flat_index([co, ci, *kk], [cout, cin_g, *k]), full)
-        valid &= ~drop[widx]
-        rows = np.broadcast_to(_flat_index([(co // cout_g) * cin_g + ci, *i], [cin, *s_in]), full)[valid]
-        cols = np.broadcast_to(_flat_index([co, *o], [cout, *s_out]), full)[valid]
+            shape[pos] = values.size
+            return values.astype(np.int64).reshape(shape)
+        per_ci = _prod(s_in) * cout_g * _prod(k)
+        chunk = max(1, (1 << 22) // max(1, per_ci))
+        parts_r, parts_c, parts_w = [], [], []
+        for ci0 in range(0, cin, chunk):
+            ci = ax(np.arange(ci0, min(cin, ci0 + chunk)), 0)
+            i = [ax(np.arange(s_in[t]), 1 + t) for t in range(nd)]
+            co = (ci // cin_g) * cout_g + ax(np.arange(cout_g), 1 + nd)
+            kk = [ax(np.arange(k[t] - 1, -1, -1), 2 + nd + t) for t in range(nd)]
+            full = np.broadcast(ci, *i, co, *kk).shape
+            valid = np.ones(full, dtype=bool)
+            o = []
+            for t in range(nd):
+                num = i[t] + pad_lo[t] - kk[t] * d[t]
+                valid &= (num >= 0) & (num % s[t] == 0) & (num < s[t] * s_out[t])
+                o.append(num // s[t])
+            widx = np.broadcast_to(_flat_index([co, ci % cin_g, *kk], [cout, cin_g, *k]), full)
+            valid &= ~drop[widx]
+            parts_r.append(np.broadcast_to(_flat_index([ci, *i], [cin, *s_in]), full)[valid])
+            parts_c.append(np.broadcast_to(_flat_index([co, *o], [cout, *s_out]), full)[valid])
+            parts_w.append(widx[valid])
+        rows, cols = np.concatenate(parts_r), np.concatenate(parts_c)
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
-        self.weight_gather = _IndexCache(widx[valid][order])
+        self.weight_gather = _IndexCache(np.concatenate(parts_w)[order])
         self.zero_weights = _IndexCache(np.flatnonzero(drop))
 
     def _conv(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
