@@ -1,0 +1,798 @@
+"""Model-parallel BPPSA over ``torch.distributed``: each rank owns a contiguous slice of the chain.
+
+The chain ``x_i = f_i(x_{i-1})``, ``i = 1..n``, is cut at boundaries ``0 = b_0 < b_1 < ... < b_p = n``;
+rank ``r`` owns layers ``b_r+1 .. b_{r+1}`` (their patterns ``patterns[b_r : b_{r+1}]`` and values) and
+the gradients ``dl/dx_i`` for ``i = b_r .. b_{r+1}``. The backward runs in three phases:
+
+1. **Reduce.** Every rank except the first and the last reduces its slice to one affine map
+   ``g_{b_r} = M_r g_{b_{r+1}} + v_r`` (``M_r = J_{b_r+1}^T ... J_{b_{r+1}}^T``, shape
+   ``(d_{b_r}, d_{b_{r+1}})``, sparse or dense as its density says; ``v_r`` from the slice's
+   ``extra`` terms) with a pairwise product tree. The last rank runs its whole slice's backward
+   with ``spscan.backward`` at once: its element holds the gradient (the *spine*), a vector.
+2. **Scan across ranks** in ``ceil(log2 p)`` rounds of recursive doubling over the ranks in
+   reverse order (rank ``p-1`` first). In round ``k`` rank ``r`` sends its partial composite to
+   rank ``r - 2^k`` and receives one from rank ``r + 2^k``: one message per peer per round, the
+   CSR values of the planned composite pattern (``(nnz,)`` if every layer in its range has shared
+   values, else ``(B, nnz)``) followed by its ``(B, d)`` vector. A partial that contains the
+   gradient is a vector, so the spine only ever carries vectors. Each rank keeps the pieces it
+   received and applies them to the spine vector (SpMV only) to get its boundary gradient
+   ``dl/dx_{b_{r+1}}``: an exclusive scan, with no final shift round.
+3. **Finish.** Each rank runs ``spscan.backward`` on its local plan with that boundary gradient.
+
+Only values travel: every rank plans the same composite patterns from all patterns
+(deterministic), so patterns and pair lists never cross the wire. Before the rounds, one
+all-reduce of a small status table (error flag, batch size, dtype, extras and shared flags per
+rank) makes a rank with bad input fail on *every* rank at once instead of leaving peers hanging.
+
+>>> import scipy.sparse as sp
+>>> dplan = plan([sp.csr_array(sp.eye(3))] * 5, world_size=2, slices=[0, 2, 5])
+>>> dplan.slices, dplan.rounds
+([(0, 2), (2, 5)], 1)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.distributed as dist
+
+from spscan.kernels.chain import PlannedMatvec, PlannedProduct
+from spscan.planner.cost import profile_for
+from spscan.planner.patterns import Pattern, as_pattern, full_pattern
+from spscan.planner.symbolic import product_counts
+
+__all__ = ["DistributedPlan", "RankPlan", "CommStats", "SliceGrads", "PeerError", "plan", "backward",
+           "balanced_slices", "run_local"]
+
+_DTYPES = {torch.float32: 1, torch.float64: 2}
+_STATUS = 5  # status columns: failed, batch, dtype code, has extra, all shared
+
+
+class PeerError(RuntimeError):
+    """Another rank failed (bad input, crash or timeout); this rank computed no gradients."""
+
+
+# ----------------------------------------------------------------------------- patterns
+
+
+def _compose_pattern(a: Pattern, b: Pattern, dense_threshold: float) -> Pattern:
+    """Pattern of ``a @ b`` as the composite is stored: full when both are full or it is dense enough."""
+    if a.cols != b.rows:
+        raise ValueError(f"composite patterns do not chain: {a.shape} @ {b.shape}")
+    if a.is_full and b.is_full:
+        return full_pattern(a.rows, b.cols)
+    c = sp.csr_array(a.to_scipy() @ b.to_scipy())
+    c.sort_indices()
+    # the stored values are positive counts: no cancellation, so this is the structural product
+    pat = as_pattern(sp.csr_array((np.ones(c.nnz), c.indices, c.indptr), shape=c.shape), "composite")
+    if pat.density >= dense_threshold and not pat.is_full:
+        return full_pattern(a.rows, b.cols)
+    return pat
+
+
+def _tree_levels(n: int) -> list[list[tuple[int, int]]]:
+    """Pairwise reduction of ``n`` adjacent elements: per level, (left, right) index pairs."""
+    levels = []
+    while n > 1:
+        levels.append([(2 * j, 2 * j + 1) for j in range(n // 2)])
+        n = (n + 1) // 2
+    return levels
+
+
+def _slice_composite(pats: Sequence[Pattern], dense_threshold: float) -> Pattern:
+    cur = list(pats)
+    for pairs in _tree_levels(len(cur)):
+        nxt = [_compose_pattern(cur[l], cur[r], dense_threshold) for l, r in pairs]
+        cur = nxt + ([cur[-1]] if len(cur) % 2 else [])
+    return cur[0]
+
+
+# ----------------------------------------------------------------------------- slicing
+
+
+def _layer_costs(pats: Sequence[Pattern]) -> np.ndarray:
+    """FLOPs charged to each layer: its backward SpMV plus its product with the next layer."""
+    cost = np.array([2.0 * p.nnz for p in pats])
+    for i in range(len(pats) - 1):
+        a, b = pats[i], pats[i + 1]
+        cost[i] += 2.0 * (a.rows * a.cols * b.cols if a.is_full and b.is_full else product_counts(a, b))
+    return cost
+
+
+def balanced_slices(patterns: Any, world_size: int) -> list[int]:
+    """Cut a chain into ``world_size`` contiguous slices of near-equal planned FLOPs.
+
+    Args:
+        patterns: ``n`` transposed-Jacobian patterns in layer order (SciPy/torch CSR), or anything
+            with a ``.patterns`` list (a :class:`spscan.Plan`, a model plan of an
+            ``nn.Sequential``: one pattern per layer, so the cuts are layer indices).
+        world_size: number of slices ``p``, ``1 <= p <= n``.
+
+    Returns:
+        boundaries ``[0, b_1, ..., b_{p-1}, n]``: rank ``r`` owns layers ``b_r+1 .. b_{r+1}``.
+        Each layer costs ``2 nnz_i`` (its SpMV) ``+ 2 pairs(J_i^T J_{i+1}^T)`` (its share of the
+        slice reduction); the cut minimizes the largest slice cost.
+    """
+    pats = _as_patterns(patterns)
+    n = len(pats)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= n:
+        raise ValueError(f"world_size: expected an int in [1, n={n}] (one layer per rank at least), got {world_size!r}")
+    cost = _layer_costs(pats)
+    prefix = np.concatenate([[0.0], np.cumsum(cost)])
+
+    def cuts(limit: float) -> Optional[list[int]]:
+        bounds = [0]
+        for r in range(world_size - 1):
+            start = bounds[-1]
+            left = world_size - 1 - r  # slices still to place after this one
+            # the furthest end within the limit that leaves a layer for every later slice
+            end = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
+            end = min(max(end, start + 1), n - left)
+            if prefix[end] - prefix[start] > limit and end > start + 1:
+                return None
+            bounds.append(end)
+        if prefix[n] - prefix[bounds[-1]] > limit:
+            return None
+        return bounds + [n]
+
+    # the optimum is one of the slice sums: binary search over the sorted candidates
+    lo_c = float(cost.max())
+    cand = np.unique((prefix[None, :] - prefix[:, None]).ravel())
+    cand = cand[cand >= lo_c]
+    best = cuts(float(prefix[n]))
+    lo, hi = 0, cand.size - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = cuts(float(cand[mid]))
+        if got is not None:
+            best, hi = got, mid - 1
+        else:
+            lo = mid + 1
+    assert best is not None
+    return best
+
+
+def _as_patterns(patterns: Any) -> list[Pattern]:
+    if hasattr(patterns, "patterns") and not isinstance(patterns, (list, tuple)):
+        patterns = patterns.patterns
+    if isinstance(patterns, (str, bytes)) or not hasattr(patterns, "__len__"):
+        raise TypeError(f"patterns: expected a sequence of CSR patterns, got {type(patterns).__name__}")
+    if len(patterns) == 0:
+        raise ValueError("patterns: a chain needs at least one Jacobian pattern, got 0")
+    seen: dict[int, Pattern] = {}
+    out = []
+    for i, p in enumerate(patterns):
+        hit = seen.get(id(p))
+        if hit is None:
+            hit = as_pattern(p, where=f"patterns[{i}] (J_{i + 1}^T)")
+            seen[id(p)] = hit
+        out.append(hit)
+    for i in range(1, len(out)):
+        if out[i - 1].cols != out[i].rows:
+            raise ValueError(f"patterns[{i}] (J_{i + 1}^T) has shape {out[i].shape} but patterns[{i - 1}] has "
+                             f"{out[i - 1].shape}: expected {out[i - 1].cols} rows (d_{i}) to chain")
+    return out
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass
+class RankPlan:
+    """What one rank needs at run time: its local scan plan and its planned products.
+
+    Attributes:
+        rank, lo, hi: the rank owns layers ``lo+1 .. hi`` and gradients ``dl/dx_lo .. dl/dx_hi``.
+        local: :class:`spscan.Plan` over ``patterns[lo:hi]`` (finishes the slice).
+        tree: per reduction level, one ``(PlannedProduct, PlannedMatvec)`` per adjacent pair (left
+            operand's matvec applies it to the right operand's vector); empty if the rank never sends.
+        round_products: round ``k`` -> product of the rank's partial with the piece received in ``k``
+            (only where the result is sent in a later round and the piece is a matrix).
+        own_matvecs: round ``k`` -> matvec of the rank's partial before round ``k`` (applies it to a
+            received vector when the partial is sent on).
+        recv_matvecs: round ``k`` -> matvec of the matrix piece received in round ``k``.
+    """
+
+    rank: int
+    lo: int
+    hi: int
+    local: Any
+    tree: list[list[tuple[PlannedProduct, PlannedMatvec]]] = field(default_factory=list)
+    round_products: dict[int, PlannedProduct] = field(default_factory=dict)
+    own_matvecs: dict[int, PlannedMatvec] = field(default_factory=dict)
+    recv_matvecs: dict[int, PlannedMatvec] = field(default_factory=dict)
+
+
+class DistributedPlan:
+    """A chain cut into ``world_size`` slices, with the cross-rank scan planned (see :func:`plan`).
+
+    Attributes:
+        world_size: ``p``.
+        bounds: ``[0, b_1, ..., n]``; ``slices[r] = (b_r, b_{r+1})``.
+        rounds: ``ceil(log2 p)``, the communication rounds of one backward.
+        patterns: canonical :class:`~spscan.planner.patterns.Pattern` of each ``J_i^T``.
+        dims: ``d_0 .. d_n``.
+    """
+
+    def __init__(self, patterns: list[Pattern], world_size: int, bounds: list[int], plan_kwargs: dict,
+                 dense_threshold: float) -> None:
+        self.patterns = patterns
+        self.world_size = world_size
+        self.bounds = bounds
+        self.plan_kwargs = dict(plan_kwargs)
+        self.dense_threshold = dense_threshold
+        self.rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
+        self._slice_pat: dict[int, Pattern] = {}
+        self._partial: dict[tuple[int, int], Optional[Pattern]] = {}
+        self._ranks: dict[int, RankPlan] = {}
+
+    @property
+    def n(self) -> int:
+        return len(self.patterns)
+
+    @property
+    def slices(self) -> list[tuple[int, int]]:
+        return [(self.bounds[r], self.bounds[r + 1]) for r in range(self.world_size)]
+
+    @property
+    def dims(self) -> list[int]:
+        return [p.rows for p in self.patterns] + [self.patterns[-1].cols]
+
+    def __repr__(self) -> str:
+        return f"DistributedPlan(n={self.n}, world_size={self.world_size}, bounds={self.bounds}, rounds={self.rounds})"
+
+    # -- the cross-rank schedule (q = p-1-r: position in scan order, q = 0 holds the gradient) --
+    def _q(self, rank: int) -> int:
+        return self.world_size - 1 - rank
+
+    def _rank(self, q: int) -> int:
+        return self.world_size - 1 - q
+
+    def send_peer(self, rank: int, k: int) -> Optional[int]:
+        """The rank that ``rank`` sends to in round ``k`` (``rank - 2^k``), or ``None``."""
+        return rank - (1 << k) if rank - (1 << k) >= 0 else None
+
+    def recv_peer(self, rank: int, k: int) -> Optional[int]:
+        """The rank that ``rank`` receives from in round ``k`` (``rank + 2^k``), or ``None``."""
+        return rank + (1 << k) if rank + (1 << k) < self.world_size else None
+
+    def slice_pattern(self, rank: int) -> Pattern:
+        """Pattern of the composite ``M_rank`` (product of the slice's transposed Jacobians)."""
+        hit = self._slice_pat.get(rank)
+        if hit is None:
+            lo, hi = self.bounds[rank], self.bounds[rank + 1]
+            hit = _slice_composite(self.patterns[lo:hi], self.dense_threshold)
+            self._slice_pat[rank] = hit
+        return hit
+
+    def partial_range(self, rank: int, k: int) -> tuple[int, int]:
+        """Ranks ``[first, last]`` whose slices the partial of ``rank`` covers before round ``k``."""
+        return rank, min(self.world_size - 1, rank + (1 << k) - 1)
+
+    def partial_pattern(self, rank: int, k: int) -> Optional[Pattern]:
+        """Matrix pattern of ``rank``'s partial before round ``k``; ``None`` once it holds the gradient."""
+        key = (rank, k)
+        if key in self._partial:
+            return self._partial[key]
+        if rank + (1 << k) - 1 >= self.world_size - 1:
+            out: Optional[Pattern] = None
+        elif k == 0:
+            out = self.slice_pattern(rank)
+        else:
+            own = self.partial_pattern(rank, k - 1)
+            src = self.recv_peer(rank, k - 1)
+            got = self.partial_pattern(src, k - 1)
+            out = None if got is None else _compose_pattern(own, got, self.dense_threshold)
+        self._partial[key] = out
+        return out
+
+    def sends(self, rank: int, k: int) -> bool:
+        return self.send_peer(rank, k) is not None
+
+    # -- message sizes --------------------------------------------------------------------
+    def message_numel(self, rank: int, k: int, batch: int, shared: Sequence[bool], has_extra: Sequence[bool]) -> int:
+        """Elements of the message ``rank`` sends in round ``k`` (0 if it sends none).
+
+        ``shared[r]``: every layer of rank ``r`` has ``(nnz,)`` values; ``has_extra[r]``: rank ``r``
+        passes an ``extra`` term for an index it owns (below its last one).
+        """
+        if not self.sends(rank, k):
+            return 0
+        first, last = self.partial_range(rank, k)
+        pat = self.partial_pattern(rank, k)
+        if pat is None:
+            return batch * self.dims[self.bounds[rank]]
+        mat = pat.nnz * (1 if all(shared[first: last + 1]) else batch)
+        vec = batch * pat.rows if any(has_extra[first: last + 1]) else 0
+        return mat + vec
+
+    def planned_bytes(self, rank: int, batch: int, dtype: torch.dtype, shared: Sequence[bool],
+                      has_extra: Sequence[bool]) -> tuple[int, int]:
+        """``(bytes sent, bytes received)`` by ``rank`` in one backward (all rounds)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        sent = sum(self.message_numel(rank, k, batch, shared, has_extra) for k in range(self.rounds))
+        recv = 0
+        for k in range(self.rounds):
+            src = self.recv_peer(rank, k)
+            if src is not None:
+                recv += self.message_numel(src, k, batch, shared, has_extra)
+        return sent * elem, recv * elem
+
+    def participating_rounds(self, rank: int) -> list[int]:
+        """Rounds in which ``rank`` sends or receives."""
+        return [k for k in range(self.rounds)
+                if self.send_peer(rank, k) is not None or self.recv_peer(rank, k) is not None]
+
+    # -- per rank -------------------------------------------------------------------------
+    def rank_plan(self, rank: int) -> RankPlan:
+        """The local plan and planned products of ``rank`` (made once, cached)."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {rank!r}")
+        hit = self._ranks.get(rank)
+        if hit is not None:
+            return hit
+        import spscan
+
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        rp = RankPlan(rank, lo, hi, spscan.plan(self.patterns[lo:hi], **self.plan_kwargs))
+        last = self.world_size - 1
+        if rank != last and self.sends(rank, 0):
+            cur = list(self.patterns[lo:hi])
+            for pairs in _tree_levels(len(cur)):
+                level = []
+                for l, r in pairs:
+                    out = _compose_pattern(cur[l], cur[r], self.dense_threshold)
+                    level.append((self._product(cur[l], cur[r], out), PlannedMatvec(cur[l])))
+                rp.tree.append(level)
+                cur = [prod.pattern for prod, _ in level] + ([cur[-1]] if len(cur) % 2 else [])
+            assert cur[0].key == self.slice_pattern(rank).key
+        for k in range(self.rounds):
+            src = self.recv_peer(rank, k)
+            if src is None:
+                continue
+            got = self.partial_pattern(src, k)
+            if got is not None:
+                rp.recv_matvecs[k] = PlannedMatvec(got)
+            if k + 1 < self.rounds and self.sends(rank, k + 1):
+                own = self.partial_pattern(rank, k)
+                assert own is not None, "a partial that is sent on after receiving is still a matrix"
+                rp.own_matvecs[k] = PlannedMatvec(own)
+                if got is not None:
+                    rp.round_products[k] = self._product(own, got, self.partial_pattern(rank, k + 1))
+        self._ranks[rank] = rp
+        return rp
+
+    def _product(self, a: Pattern, b: Pattern, out: Pattern) -> PlannedProduct:
+        prod = PlannedProduct(a, b, dense_out=out.is_full)
+        assert prod.pattern.key == out.key, "the numeric product must produce the planned composite pattern"
+        return prod
+
+
+def plan(patterns: Any, world_size: int, slices: Optional[Sequence[int]] = None, rank: Optional[int] = None,
+         **plan_kwargs: Any) -> DistributedPlan:
+    """Plan a model-parallel backward of a chain over ``world_size`` ranks.
+
+    Call it with the same arguments on every rank: planning is deterministic, so every rank
+    derives the same composite patterns and only values are exchanged at run time.
+
+    Args:
+        patterns: all ``n`` patterns of the chain in layer order (``patterns[i-1]`` is ``J_i^T``,
+            shape ``(d_{i-1}, d_i)``), SciPy or torch CSR; or an object with ``.patterns``.
+        world_size: number of ranks ``p`` (``1 <= p <= n``).
+        slices: boundaries ``[0, b_1, ..., n]`` (strictly increasing, ``p+1`` entries); rank ``r``
+            owns layers ``b_r+1 .. b_{r+1}``. Default: :func:`balanced_slices`.
+        rank: if given, that rank's local plan and products are built now (else on first use).
+        **plan_kwargs: passed to :func:`spscan.plan` for each slice's local plan (``levels``,
+            ``backend``, ``device``, ``dtype``, ...).
+
+    Returns:
+        a :class:`DistributedPlan`.
+    """
+    pats = _as_patterns(patterns)
+    n = len(pats)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= n:
+        raise ValueError(f"world_size: expected an int in [1, n={n}] (one layer per rank at least), got {world_size!r}")
+    if slices is None:
+        bounds = balanced_slices(pats, world_size)
+    else:
+        bounds = [int(b) for b in slices]
+        if len(bounds) != world_size + 1 or bounds[0] != 0 or bounds[-1] != n or any(
+                b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
+            raise ValueError(f"slices: expected {world_size + 1} strictly increasing boundaries from 0 to n={n} "
+                             f"(every rank owns at least one layer), got {list(slices)}")
+    dev = plan_kwargs.get("device")
+    dev_type = torch.device(dev).type if dev is not None else "cpu"
+    dplan = DistributedPlan(pats, world_size, bounds, plan_kwargs, profile_for(dev_type).dense_threshold)
+    if rank is not None:
+        dplan.rank_plan(rank)
+    return dplan
+
+
+# ----------------------------------------------------------------------------- run time
+
+
+@dataclass
+class CommStats:
+    """Communication of one rank in one backward.
+
+    Attributes:
+        rank, world_size: who counted.
+        rounds: the scan rounds this rank sent or received in (``ceil(log2 p)`` at most).
+        messages_sent, messages_received: point-to-point messages (at most one per peer per round).
+        bytes_sent, bytes_received: payload bytes of those messages.
+        planned_bytes_sent, planned_bytes_received: what the plan says they must be.
+        collectives: all-reduces outside the rounds (the status check).
+        log: per round ``(round, send peer, bytes sent, receive peer, bytes received)``.
+    """
+
+    rank: int
+    world_size: int
+    rounds: list[int] = field(default_factory=list)
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    planned_bytes_sent: int = 0
+    planned_bytes_received: int = 0
+    collectives: int = 0
+    log: list[tuple[int, Optional[int], int, Optional[int], int]] = field(default_factory=list)
+
+
+class SliceGrads(list):
+    """The gradients of one rank's slice: ``self[k]`` is ``dl/dx_{start+k}``, ``(B, d_{start+k})``.
+
+    ``start = b_r`` (the slice's input boundary: its gradient is returned) and ``stop = b_{r+1} + 1``;
+    the last entry, ``dl/dx_{b_{r+1}}``, equals the next rank's first entry (for the last rank it is
+    ``grad + extra``). ``stats`` is the rank's :class:`CommStats`.
+    """
+
+    def __init__(self, grads: list[torch.Tensor], start: int, stats: CommStats) -> None:
+        super().__init__(grads)
+        self.start = start
+        self.stop = start + len(grads)
+        self.stats = stats
+
+
+class _Comm:
+    """Point-to-point and status collectives of one backward, counted into :class:`CommStats`."""
+
+    def __init__(self, group, stats: CommStats, timeout: Optional[float]) -> None:
+        self.group = group
+        self.stats = stats
+        self.timeout = None if timeout is None else timedelta(seconds=float(timeout))
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except Exception as exc:  # gloo/nccl raise RuntimeError subclasses with backend text
+            raise PeerError(f"rank {self.stats.rank}: {what} failed: a peer crashed, raised before "
+                            f"communicating or timed out ({type(exc).__name__}: {exc})") from exc
+
+    def all_reduce(self, t: torch.Tensor, what: str) -> None:
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._wait(work, what)
+        self.stats.collectives += 1
+
+    def exchange(self, k: int, send_to: Optional[int], payload: Optional[torch.Tensor], recv_from: Optional[int],
+                 buf: Optional[torch.Tensor]) -> None:
+        """One round: at most one message to ``send_to`` and one from ``recv_from``, posted together."""
+        ops = []
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, payload, self._global(send_to), self.group))
+        if recv_from is not None:
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(recv_from), self.group))
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        for w in works:
+            self._wait(w, f"round {k} (send to {send_to}, receive from {recv_from})")
+        sent = payload.numel() * payload.element_size() if send_to is not None else 0
+        got = buf.numel() * buf.element_size() if recv_from is not None else 0
+        st = self.stats
+        st.rounds.append(k)
+        st.messages_sent += send_to is not None
+        st.messages_received += recv_from is not None
+        st.bytes_sent += sent
+        st.bytes_received += got
+        st.log.append((k, send_to, sent, recv_from, got))
+
+
+def _comm_device(group, local: torch.device) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return local if local.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _infer_batch(values: Sequence[Any], extra: Optional[Sequence[Any]], grad: Optional[torch.Tensor]) -> int:
+    if isinstance(grad, torch.Tensor) and grad.dim() == 2:
+        return int(grad.shape[0])
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() == 2:
+            return int(v.shape[0])
+    for e in extra or ():
+        if isinstance(e, torch.Tensor) and e.dim() == 2:
+            return int(e.shape[0])
+    return 0
+
+
+def _check_local(dplan: DistributedPlan, rp: RankPlan, values: Any, grad: Optional[torch.Tensor],
+                 extra: Optional[Sequence[Optional[torch.Tensor]]]) -> tuple[int, torch.dtype, torch.device, list, list]:
+    """Validate this rank's inputs alone; returns (batch or 0, dtype, device, values list, extras list)."""
+    from spscan.executor import check_inputs
+
+    r, p = rp.rank, dplan.world_size
+    n_r = rp.hi - rp.lo
+    where = f"rank {r} (layers {rp.lo + 1}..{rp.hi})"
+    if isinstance(values, (str, bytes, torch.Tensor)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{where}: local_values: expected a sequence of {n_r} tensors, got {type(values).__name__}")
+    values = list(values)
+    if len(values) != n_r:
+        raise ValueError(f"{where}: local_values: expected {n_r} tensors (one per owned layer), got {len(values)}")
+    if r == p - 1:
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{where}: grad: the last rank needs dl/dx_{dplan.n} as a tensor of shape "
+                            f"(B, {dplan.dims[-1]}), got {type(grad).__name__}")
+    elif grad is not None:
+        raise ValueError(f"{where}: grad: only rank {p - 1} (owner of layer {dplan.n}) takes grad; expected None, "
+                         f"got {type(grad).__name__}")
+    if extra is None:
+        extra = [None] * (n_r + 1)
+    elif isinstance(extra, torch.Tensor) or not hasattr(extra, "__len__") or len(extra) != n_r + 1:
+        got = len(extra) if hasattr(extra, "__len__") and not isinstance(extra, torch.Tensor) else type(extra).__name__
+        raise ValueError(f"{where}: extra: expected {n_r + 1} entries (None or (B, d_i) for i = {rp.lo}..{rp.hi}), "
+                         f"got {got}")
+    extra = list(extra)
+    if r != p - 1 and extra[-1] is not None:
+        raise ValueError(f"{where}: extra[{n_r}] (index {rp.hi}) belongs to rank {r + 1}, whose slice starts at "
+                         f"x_{rp.hi}; expected None here")
+    batch = _infer_batch(values, extra, grad)
+    first = next((t for t in [grad] + values if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        raise TypeError(f"{where}: local_values: expected tensors, got {type(values[0]).__name__}")
+    dtype, device = first.dtype, first.device
+    dummy = grad if r == p - 1 else torch.empty(max(batch, 1), dplan.dims[rp.hi], dtype=dtype, device=device)
+    try:
+        check_inputs(rp.local, values, dummy, extra, False)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    return batch, dtype, device, values, extra
+
+
+def _compose(prod: Optional[PlannedProduct], mv_left: PlannedMatvec, left: tuple, right: tuple) -> tuple:
+    """``(M_L, v_L) ∘ (M_R, v_R) = (M_L M_R, M_L v_R + v_L)``; a right element ``(None, g)`` is a vector."""
+    ml, vl = left
+    mr, vr = right
+    vec = vl if vr is None else mv_left(ml, vr, vl)
+    if mr is None:
+        return None, vec
+    return prod(ml, mr), vec
+
+
+def _reduce_slice(rp: RankPlan, values: list, extra: list) -> tuple:
+    cur = [(v, e) for v, e in zip(values, extra[:-1])]
+    for level in rp.tree:
+        nxt = [_compose(prod, mv, cur[2 * j], cur[2 * j + 1]) for j, (prod, mv) in enumerate(level)]
+        cur = nxt + ([cur[-1]] if len(cur) % 2 else [])
+    return cur[0]
+
+
+def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad: Optional[torch.Tensor] = None,
+             group=None, extra: Optional[Sequence[Optional[torch.Tensor]]] = None,
+             timeout: Optional[float] = None) -> SliceGrads:
+    """Model-parallel backward: this rank's ``dl/dx_i`` for ``i = b_r .. b_{r+1}``.
+
+    Every rank of ``group`` (default: the world) calls it once per step with its own slice.
+
+    Args:
+        dplan: from :func:`plan` (same arguments on every rank); ``group.size()`` must be ``p``.
+        local_values: ``b_{r+1} - b_r`` tensors, the values of ``J_i^T`` for the owned layers
+            ``i = b_r+1 .. b_{r+1}`` in CSR order, ``(B, nnz_i)`` or ``(nnz_i,)``.
+        grad: ``(B, d_n)`` on the last rank; ``None`` elsewhere.
+        extra: optional ``b_{r+1} - b_r + 1`` entries, ``None`` or ``(B, d_i)`` for
+            ``i = b_r .. b_{r+1}``, added to ``dl/dx_i`` (affine scan). The last entry
+            (index ``b_{r+1}``) belongs to the next rank and must be ``None`` except on the last rank.
+        timeout: seconds to wait for any one communication step before raising :class:`PeerError`
+            (default: the process group's timeout).
+
+    Returns:
+        :class:`SliceGrads`: ``b_{r+1} - b_r + 1`` tensors ``(B, d_i)``, ``[0]`` being the slice's
+        input boundary ``dl/dx_{b_r}``; ``.stats`` counts the communication.
+
+    Raises:
+        ValueError/TypeError on the rank whose input is bad (naming the rank, expected and actual),
+        and :class:`PeerError` on every other rank, after one status all-reduce (no hang).
+    """
+    if not isinstance(dplan, DistributedPlan):
+        raise TypeError(f"dplan: expected a spscan.distributed.DistributedPlan, got {type(dplan).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+    p = dplan.world_size
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if size != p:
+        raise ValueError(f"rank {rank}: the plan is for world_size={p}, the process group has {size} ranks")
+    stats = CommStats(rank, p)
+    comm = _Comm(group, stats, timeout)
+
+    # 1. local validation, then one status all-reduce so that a bad rank fails everywhere
+    status_err: Optional[BaseException] = None
+    batch, dtype, device = 0, torch.float32, torch.device("cpu")
+    try:
+        rp = dplan.rank_plan(rank)
+        batch, dtype, device, values, extra_l = _check_local(dplan, rp, local_values, grad, extra)
+    except (ValueError, TypeError) as exc:
+        status_err = exc
+        if isinstance(grad, torch.Tensor):
+            device = grad.device
+        elif isinstance(local_values, (list, tuple)) and local_values and isinstance(local_values[0], torch.Tensor):
+            device = local_values[0].device
+    status = torch.zeros(p, _STATUS, dtype=torch.int64)
+    if status_err is not None:
+        status[rank, 0] = 1
+    else:
+        shared = all(v.dim() == 1 for v in values)
+        status[rank] = torch.tensor([0, batch, _DTYPES[dtype], any(e is not None for e in extra_l[:-1]), shared])
+    status = status.to(_comm_device(group, device))
+    comm.all_reduce(status, "status all-reduce before the scan rounds")
+    status = status.cpu()
+    failed = [r for r in range(p) if status[r, 0]]
+    if failed:
+        if status_err is not None:
+            raise status_err
+        raise PeerError(f"rank {rank}: no gradients computed: rank(s) {failed} rejected their inputs "
+                        "(their own errors say why)")
+    grad_batch = int(status[p - 1, 1])
+    codes = {int(c) for c in status[:, 2]}
+    if len(codes) != 1:
+        names = {v: k for k, v in _DTYPES.items()}
+        got = [str(names[int(c)]).replace("torch.", "") for c in status[:, 2]]
+        raise ValueError(f"rank {rank}: dtypes differ across ranks: expected one dtype, got {got} (by rank)")
+    wrong = [(r, int(status[r, 1])) for r in range(p) if status[r, 1] not in (0, grad_batch)]
+    if wrong:
+        raise ValueError(f"rank {rank}: batch sizes differ: rank {p - 1}'s grad has batch {grad_batch}, "
+                         f"got {wrong} as (rank, batch)")
+    has_extra = [bool(status[r, 3]) for r in range(p)]
+    shared_r = [bool(status[r, 4]) for r in range(p)]
+    stats.planned_bytes_sent, stats.planned_bytes_received = dplan.planned_bytes(rank, grad_batch, dtype, shared_r,
+                                                                                   has_extra)
+
+    import spscan
+
+    last = p - 1
+    with torch.no_grad():
+        # 2. the rank's element: the spine vector (last rank) or its slice's affine composite
+        local_grads = None
+        if rank == last:
+            local_grads = spscan.backward(rp.local, values, grad, extra=extra_l)
+            partial: tuple = (None, local_grads[0])
+        elif dplan.sends(rank, 0):
+            partial = _reduce_slice(rp, values, extra_l)
+        else:
+            partial = (None, None)  # rank 0 of p > 1 only receives
+        received: list[tuple] = []
+        # 3. recursive doubling: round k pairs rank r with r - 2^k (send) and r + 2^k (receive)
+        for k in range(dplan.rounds):
+            dst, src = dplan.send_peer(rank, k), dplan.recv_peer(rank, k)
+            payload = buf = None
+            if dst is not None:
+                m, v = partial
+                parts = ([] if m is None else [m.reshape(-1)]) + ([] if v is None else [v.reshape(-1)])
+                payload = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            if src is not None:
+                numel = dplan.message_numel(src, k, grad_batch, shared_r, has_extra)
+                buf = torch.empty(numel, dtype=dtype, device=device)
+            comm.exchange(k, dst, payload, src, buf)
+            if src is None:
+                continue
+            piece = _unpack(dplan, src, k, buf, grad_batch, shared_r, has_extra)
+            received.append((k, piece))
+            if k + 1 < dplan.rounds and dplan.sends(rank, k + 1):
+                partial = _compose(rp.round_products.get(k), rp.own_matvecs[k], partial, piece)
+        # 4. boundary gradient: apply the received pieces to the spine vector, innermost first
+        if rank != last:
+            k_last, (m, g) = received[-1]
+            assert m is None, "the last piece a rank receives contains the gradient"
+            for k, (m, v) in reversed(received[:-1]):
+                g = rp.recv_matvecs[k](m, g, v)
+            local_grads = spscan.backward(rp.local, values, g, extra=extra_l)
+    return SliceGrads(list(local_grads), rp.lo, stats)
+
+
+def _unpack(dplan: DistributedPlan, src: int, k: int, buf: torch.Tensor, batch: int, shared: Sequence[bool],
+            has_extra: Sequence[bool]) -> tuple:
+    """Split a received message into ``(matrix values or None, vector or None)``."""
+    pat = dplan.partial_pattern(src, k)
+    rows = dplan.dims[dplan.bounds[src]]
+    if pat is None:
+        return None, buf.view(batch, rows)
+    first, last = dplan.partial_range(src, k)
+    if all(shared[first: last + 1]):
+        m, off = buf[: pat.nnz], pat.nnz
+    else:
+        m, off = buf[: batch * pat.nnz].view(batch, pat.nnz), batch * pat.nnz
+    v = buf[off:].view(batch, rows) if any(has_extra[first: last + 1]) else None
+    return m, v
+
+
+# ----------------------------------------------------------------------------- local launcher
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float,
+                  threads: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout))
+        try:
+            out = fn(rank, world_size, *args)
+            queue.put((rank, True, out))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # reported to the parent, which re-raises per rank
+        import traceback
+
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_local(fn: Callable, world_size: int, args: tuple = (), timeout: float = 120.0, pg_timeout: float = 30.0,
+              threads: int = 1) -> list[tuple[bool, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh CPU processes (Gloo, 127.0.0.1).
+
+    For tests and CPU benchmarks. ``fn`` must be importable (module level). Each process joins a
+    process group on a free localhost port with a ``pg_timeout``-second timeout and destroys it
+    at the end. Returns, per rank, ``(True, fn's return value)`` or ``(False, error text)``; a
+    rank that reports nothing within ``timeout`` seconds is killed and reported as failed.
+    """
+    import queue as _queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_local_worker, args=(r, world_size, port, fn, args, q, pg_timeout, threads),
+                         daemon=True) for r in range(world_size)]
+    for pr in procs:
+        pr.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            r, ok, out = q.get(timeout=min(left, 1.0))
+        except _queue.Empty:
+            if all(not pr.is_alive() for pr in procs) and q.empty():
+                break
+            continue
+        results[r] = (ok, out)
+    for pr in procs:
+        pr.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        if pr.is_alive():
+            pr.kill()
+            pr.join()
+    return [results.get(r, (False, f"rank {r}: no result within {timeout:.0f}s (killed)")) for r in range(world_size)]
