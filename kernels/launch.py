@@ -1,0 +1,178 @@
+"""Launch parameters for every Triton kernel, chosen in this one place.
+
+Each primitive asks one function here for its block sizes and warps, given only host-side
+shape data (segment lengths known at planning time, block shapes, the batch size), so no
+launch ever reads device memory to decide how to run. On a GPU the tiles are sized for
+registers; in Triton's CPU interpreter (``TRITON_INTERPRET=1``) every program instance costs
+milliseconds, so one large tile per program keeps grids tiny. Either way there is exactly one
+configuration per shape (no autotuning: the interpreter cannot run several).
+
+Module-level switches:
+
+* ``allow_tf32`` (default ``False``): dense nodes use ``tl.dot`` with ``input_precision="ieee"``
+  (exact fp32 products); set ``spscan.kernels.launch.allow_tf32 = True`` (or call
+  :func:`set_allow_tf32`) to let float32 dense nodes use TF32 tensor cores. Read at each launch.
+* ``mode``: ``None`` follows ``TRITON_INTERPRET``; ``"device"`` or ``"interpret"`` forces one
+  family of configurations (tests use ``"device"`` to run the GPU tile sizes in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = [
+    "allow_tf32", "mode", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
+    "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
+]
+
+allow_tf32: bool = False
+mode: Optional[str] = None
+
+_MAX_WIDTH = 128  # widest pair chunk per segment and step of the reduction loop
+_ITER_COST = 32  # one reduction-loop iteration costs about this many lane-multiplies of overhead
+
+
+def set_allow_tf32(flag: bool) -> None:
+    """Let float32 dense nodes (``tl.dot``) use TF32 inputs (faster, ~1e-3 relative error)."""
+    global allow_tf32
+    if not isinstance(flag, bool):
+        raise TypeError(f"allow_tf32: expected a bool, got {type(flag).__name__}")
+    allow_tf32 = flag
+
+
+def interpreting() -> bool:
+    """Whether launches use the interpreter-sized configurations."""
+    if mode is not None:
+        if mode not in ("device", "interpret"):
+            raise ValueError(f"launch.mode: expected None, 'device' or 'interpret', got {mode!r}")
+        return mode == "interpret"
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two ``>= max(x, 1)``."""
+    x = max(int(x), 1)
+    return 1 << (x - 1).bit_length()
+
+
+def _tile(itemsize: int, interpret: bool) -> int:
+    """Elements of one program's working tile (registers on a GPU, numpy arrays when interpreting)."""
+    if interpret:
+        return 1 << 16
+    return 2048 if itemsize <= 4 else 1024
+
+
+def choose_width(lengths: np.ndarray, itemsize: int = 4, interpret: Optional[bool] = None) -> int:
+    """Pair-chunk width for a step's segments, ``lengths`` sorted long-first (per-sample pairs).
+
+    Minimises padded lane work plus a per-iteration overhead: programs take ``tile // width``
+    consecutive segments and loop ``ceil(longest / width)`` times.
+    """
+    interpret = interpreting() if interpret is None else interpret
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return 1
+    tile = _tile(itemsize, interpret)
+    top = min(_MAX_WIDTH, next_pow2(int(lengths.max())))
+    best, best_cost = 1, None
+    w = 1
+    while w <= top:
+        per_prog = max(1, tile // w)
+        heads = lengths[::per_prog]  # longest segment of each program (sorted long-first)
+        iters = -(-heads // w)
+        cost = int((-(-lengths // w) * w).sum()) + _ITER_COST * int(iters.sum()) * per_prog // 8
+        if best_cost is None or cost < best_cost:
+            best, best_cost = w, cost
+        w *= 2
+    return best
+
+
+def _warps(elements: int) -> int:
+    return 8 if elements >= 4096 else 4 if elements >= 1024 else 2 if elements >= 256 else 1
+
+
+@dataclass(frozen=True)
+class SegmentConfig:
+    """Segment reduction (SpGEMM, SpMV): a program reduces ``block_s`` segments for ``block_b`` samples."""
+
+    block_b: int
+    block_s: int
+    block_w: int
+    num_warps: int
+
+
+def segment_config(width: int, batch: int, itemsize: int, interpret: Optional[bool] = None) -> SegmentConfig:
+    """Tiles for a segment-reduction launch: ``width`` from :func:`choose_width`, ``batch`` samples computed."""
+    interpret = interpreting() if interpret is None else interpret
+    tile = _tile(itemsize, interpret)
+    block_b = min(next_pow2(batch), 64 if interpret else 8)
+    block_b = max(1, min(block_b, tile // width))
+    block_s = max(1, min(tile // (width * block_b), 1 << 14))
+    return SegmentConfig(block_b, block_s, width, 4 if interpret else _warps(block_b * block_s * width))
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Batched small GEMM: a program computes a ``block_m x block_p`` tile of one node for ``block_b`` samples."""
+
+    block_b: int
+    block_m: int
+    block_k: int
+    block_p: int
+    use_dot: bool
+    num_warps: int
+
+
+def gemm_config(m: int, k: int, p: int, batch: int, itemsize: int,
+                interpret: Optional[bool] = None) -> tuple[GemmConfig, bool]:
+    """Tiles for ``(m, k) @ (k, p)`` node blocks over ``batch`` samples; also whether k fits one tile.
+
+    ``tl.dot`` needs every tile dimension ``>= 16``: it is used when ``m, k, p >= 16`` (tiles are
+    powers of two, so 20 pads to 32); smaller nodes take a broadcast-multiply-sum path.
+    """
+    interpret = interpreting() if interpret is None else interpret
+    use_dot = min(m, k, p) >= 16
+    cap_mp = 64 if itemsize <= 4 else 32
+    if use_dot:
+        bm, bp = min(next_pow2(m), cap_mp), min(next_pow2(p), cap_mp)
+        bk = min(next_pow2(k), 64 if itemsize <= 4 else 32)
+    else:
+        bm, bp = min(next_pow2(m), 32), min(next_pow2(p), 32)
+        budget = (1 << 15) if interpret else 4096  # the 3-D broadcast product lives in registers
+        bk = max(1, min(next_pow2(k), budget // (bm * bp)))
+        while bm * bp * bk > budget and max(bm, bp) > 1:  # only reachable with bk == 1
+            if bm >= bp:
+                bm //= 2
+            else:
+                bp //= 2
+    block_b = min(next_pow2(batch), 16 if interpret else 4)
+    warps = 4 if use_dot or interpret else _warps(bm * bp * bk)
+    return GemmConfig(block_b, bm, bk, bp, use_dot, warps), k <= bk
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Batched small GEMV: a program computes ``block_n`` nodes' ``block_m`` rows for ``block_b`` samples."""
+
+    block_b: int
+    block_n: int
+    block_m: int
+    block_k: int
+    num_warps: int
+
+
+def gemv_config(m: int, k: int, nodes: int, batch: int, itemsize: int,
+                interpret: Optional[bool] = None) -> tuple[GemvConfig, bool]:
+    """Tiles for ``nodes`` GEMVs ``(m, k) @ (k,)`` over ``batch`` samples; also whether k fits one tile."""
+    interpret = interpreting() if interpret is None else interpret
+    tile = _tile(itemsize, interpret)
+    bm = min(next_pow2(m), 64)
+    bk = min(next_pow2(k), max(1, tile // bm), 128)
+    block_n = max(1, min(next_pow2(nodes), tile // (bm * bk), 256 if interpret else 32))
+    block_b = min(next_pow2(batch), 64 if interpret else 4)
+    warps = 4 if interpret else _warps(block_n * bm * bk)
+    return GemvConfig(block_b, block_n, bm, bk, warps), k <= bk

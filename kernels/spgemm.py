@@ -1,0 +1,96 @@
+"""Numeric SpGEMM from planned pair lists: ``C.data[c] = sum_t A.data[pa[t]] * B.data[pb[t]]``.
+
+The symbolic half (which pairs feed each output entry) was done once by the planner; this is
+the numeric half, batched over samples. A step's products arrive as one long-first
+:class:`~spscan.kernels.segments.SegmentTable`; a program reduces ``BLOCK_S`` consecutive
+segments for ``BLOCK_B`` samples, in chunks of ``BLOCK_W`` pairs, so the index chunk and any
+shared (batch-independent) factor are loaded once per program and reused by every sample.
+The reduction order is fixed by the tiles (per-lane partial sums over chunks, then one
+``tl.sum``), so results are bitwise reproducible; there are no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch
+from .segments import SegmentTable
+
+__all__ = ["spgemm_kernel", "spgemm"]
+
+
+@triton.jit
+def spgemm_kernel(
+    a_ptr, b_ptr, c_ptr,  # value arenas: shared (N,) or per sample (B, N) with row stride
+    seg_ptr, pair_a, pair_b, out_idx,  # the step's segment table
+    nseg, batch, stride_a, stride_b, stride_c,
+    A_SHARED: tl.constexpr, B_SHARED: tl.constexpr, C_SHARED: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    first = pid_s * BLOCK_S
+    seg = first + tl.arange(0, BLOCK_S)
+    seg_ok = seg < nseg
+    start = tl.load(seg_ptr + seg, mask=seg_ok, other=0)
+    end = tl.load(seg_ptr + seg + 1, mask=seg_ok, other=0)
+    # segments are sorted long-first: the block's first one bounds the loop
+    longest = tl.load(seg_ptr + first + 1) - tl.load(seg_ptr + first)
+    smp = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    smp_ok = smp < batch
+    lane = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_B, BLOCK_S, BLOCK_W], dtype=c_ptr.dtype.element_ty)
+    for t0 in range(0, longest, BLOCK_W):
+        pos = start[:, None] + t0 + lane[None, :]
+        ok = pos < end[:, None]
+        ia = tl.load(pair_a + pos, mask=ok, other=0).to(tl.int64)
+        ib = tl.load(pair_b + pos, mask=ok, other=0).to(tl.int64)
+        if A_SHARED:
+            va = tl.load(a_ptr + ia, mask=ok, other=0.0)[None, :, :]
+        else:
+            va = tl.load(a_ptr + smp[:, None, None] * stride_a + ia[None, :, :],
+                         mask=smp_ok[:, None, None] & ok[None, :, :], other=0.0)
+        if B_SHARED:
+            vb = tl.load(b_ptr + ib, mask=ok, other=0.0)[None, :, :]
+        else:
+            vb = tl.load(b_ptr + smp[:, None, None] * stride_b + ib[None, :, :],
+                         mask=smp_ok[:, None, None] & ok[None, :, :], other=0.0)
+        acc += va * vb
+    c = tl.sum(acc, axis=2)
+    o = tl.load(out_idx + seg, mask=seg_ok, other=0).to(tl.int64)
+    if C_SHARED:
+        tl.store(c_ptr + o[None, :], c, mask=smp_ok[:, None] & seg_ok[None, :])
+    else:
+        tl.store(c_ptr + smp[:, None] * stride_c + o[None, :], c, mask=smp_ok[:, None] & seg_ok[None, :])
+
+
+def _row_stride(arena: torch.Tensor) -> int:
+    return arena.stride(0) if arena.dim() == 2 else 0
+
+
+def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """Numeric SpGEMM for one step, in place: ``c[..., out[s]] = sum a[..., pair_a] * b[..., pair_b]``.
+
+    Args:
+        table: the step's segments (long-first), ``nseg`` outputs and their pairs.
+        a, b: value arenas, ``(N,)`` when shared by the batch or ``(B, N)`` per sample.
+        c: output arena, ``(N,)`` only when both factors are shared, else ``(B, N)``.
+    """
+    if table.nseg == 0:
+        return
+    a_sh, b_sh, c_sh = a.dim() == 1, b.dim() == 1, c.dim() == 1
+    if c_sh != (a_sh and b_sh):
+        raise ValueError(f"spgemm: output must be shared exactly when both factors are; got a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}, c {tuple(c.shape)}")
+    batch = 1 if c_sh else c.shape[0]
+    interpret = launch.interpreting()
+    cfg = launch.segment_config(table.width(c.element_size(), interpret), batch, c.element_size(), interpret)
+    grid = (triton.cdiv(table.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
+    spgemm_kernel[grid](
+        a, b, c, table.seg_ptr, table.pair_a, table.pair_b, table.out,
+        table.nseg, batch, _row_stride(a), _row_stride(b), _row_stride(c),
+        A_SHARED=a_sh, B_SHARED=b_sh, C_SHARED=c_sh,
+        BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
+    )

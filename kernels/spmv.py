@@ -1,0 +1,89 @@
+"""Batched SpMV over planned segments: ``v[b, out[s]] = sum_t M[.., pm[t]] * v[b, pv[t]] + v[b, add[s]]``.
+
+Every ``J^T g`` of a step (the spine of the up-sweep, the linear-scan middle and the
+down-sweep) is one launch. The matrix values live in the shared arena ``(N_S,)`` or the
+per-sample arena ``(B, N_P)``; vectors are always per sample ``(B, N_V)``. The affine term of
+the scan is fused (``add`` points at the arena's zero slot where a node has none). Same tiling
+and fixed reduction order as :mod:`spscan.kernels.spgemm`: a program reduces ``BLOCK_S``
+long-first segments for ``BLOCK_B`` samples, reading indices and a shared matrix once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch
+from .segments import SegmentTable
+
+__all__ = ["spmv_kernel", "spmv"]
+
+
+@triton.jit
+def spmv_kernel(
+    m_ptr, v_ptr,  # matrix values: shared (N_S,) or per sample (B, N_P); vectors (B, N_V)
+    seg_ptr, pair_m, pair_v, out_idx, add_idx,  # the step's segment table
+    nseg, batch, stride_m, stride_v,
+    M_SHARED: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    first = pid_s * BLOCK_S
+    seg = first + tl.arange(0, BLOCK_S)
+    seg_ok = seg < nseg
+    start = tl.load(seg_ptr + seg, mask=seg_ok, other=0)
+    end = tl.load(seg_ptr + seg + 1, mask=seg_ok, other=0)
+    # segments are sorted long-first: the block's first one bounds the loop
+    longest = tl.load(seg_ptr + first + 1) - tl.load(seg_ptr + first)
+    smp = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    smp_ok = smp < batch
+    vrow = smp[:, None, None] * stride_v
+    lane = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_B, BLOCK_S, BLOCK_W], dtype=v_ptr.dtype.element_ty)
+    for t0 in range(0, longest, BLOCK_W):
+        pos = start[:, None] + t0 + lane[None, :]
+        ok = pos < end[:, None]
+        im = tl.load(pair_m + pos, mask=ok, other=0).to(tl.int64)
+        iv = tl.load(pair_v + pos, mask=ok, other=0).to(tl.int64)
+        both = smp_ok[:, None, None] & ok[None, :, :]
+        if M_SHARED:
+            vm = tl.load(m_ptr + im, mask=ok, other=0.0)[None, :, :]
+        else:
+            vm = tl.load(m_ptr + smp[:, None, None] * stride_m + im[None, :, :], mask=both, other=0.0)
+        vv = tl.load(v_ptr + vrow + iv[None, :, :], mask=both, other=0.0)
+        acc += vm * vv
+    y = tl.sum(acc, axis=2)
+    keep = smp_ok[:, None] & seg_ok[None, :]
+    rows = smp[:, None] * stride_v
+    ia = tl.load(add_idx + seg, mask=seg_ok, other=0).to(tl.int64)
+    y += tl.load(v_ptr + rows + ia[None, :], mask=keep, other=0.0)
+    o = tl.load(out_idx + seg, mask=seg_ok, other=0).to(tl.int64)
+    tl.store(v_ptr + rows + o[None, :], y, mask=keep)
+
+
+def spmv(table: SegmentTable, m: torch.Tensor, v: torch.Tensor) -> None:
+    """One step's batched SpMV with the affine term, in place on ``v``.
+
+    Args:
+        table: the step's segments (long-first) with ``add`` slots.
+        m: matrix values, ``(N_S,)`` shared by the batch or ``(B, N_P)`` per sample.
+        v: vectors ``(B, N_V)``; outputs are written to ``v[:, out]``.
+    """
+    if table.nseg == 0:
+        return
+    if table.add is None:
+        raise ValueError("spmv: expected a segment table with add slots (the zero slot where none), got add=None")
+    if v.dim() != 2 or (m.dim() == 2 and m.shape[0] != v.shape[0]):
+        raise ValueError(f"spmv: expected v (B, N_V) and m (N,) or (B, N); got v {tuple(v.shape)}, m {tuple(m.shape)}")
+    batch = v.shape[0]
+    interpret = launch.interpreting()
+    cfg = launch.segment_config(table.width(v.element_size(), interpret), batch, v.element_size(), interpret)
+    grid = (triton.cdiv(table.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
+    spmv_kernel[grid](
+        m, v, table.seg_ptr, table.pair_a, table.pair_b, table.out, table.add,
+        table.nseg, batch, m.stride(0) if m.dim() == 2 else 0, v.stride(0),
+        M_SHARED=m.dim() == 1,
+        BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
+    )

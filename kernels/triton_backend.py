@@ -1,0 +1,151 @@
+"""Triton backend: runs a lowered :class:`~spscan.planner.program.Program` with one launch per
+scan step per primitive (and per operand-kind group the planner makes within a step).
+
+``make_tables`` does all host work once per (program, device): every step's SpGEMM and SpMV
+bins become one long-first segment table (:mod:`spscan.kernels.segments`), dense node offsets
+and vector slots are uploaded, all as int32 where the arena fits (else int64). ``run_program``
+then only launches kernels: no host sync, no allocation, static shapes, so a whole backward
+can be captured in a CUDA graph. Semantics match :mod:`spscan.kernels.torch_ops` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import torch
+
+from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV
+
+from .gemm import gemm
+from .gemv import gemv
+from .segments import SegmentTable, index_dtype, segment_table
+from .spgemm import spgemm
+from .spmv import spmv
+
+__all__ = ["TritonTables", "make_tables", "run_program"]
+
+
+@dataclass
+class _SpMMLaunch:
+    op: SpMM
+    table: SegmentTable
+
+
+@dataclass
+class _SpMVLaunch:
+    op: SpMV
+    table: SegmentTable
+
+
+@dataclass
+class _GemmLaunch:
+    op: Gemm
+    a_off: torch.Tensor
+    b_off: torch.Tensor
+
+
+@dataclass
+class _GemvLaunch:
+    op: Gemv
+    m_off: torch.Tensor
+    vin: torch.Tensor
+    add: torch.Tensor
+
+
+Launch = Union[_SpMMLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch]
+
+
+def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(ref.offsets, dtype=index_dtype(limit), device=device)
+
+
+def _check_disjoint(step: int, reads: list[tuple[str, np.ndarray]], writes: list[tuple[str, np.ndarray]]) -> None:
+    """A step's launches run concurrently over their entries: none may read what the step writes."""
+    for arena in {a for a, _ in writes}:
+        w = np.concatenate([x for a, x in writes if a == arena])
+        r = [x for a, x in reads if a == arena]
+        if r and np.intersect1d(w, np.concatenate(r)).size:
+            raise ValueError(f"program step {step}: arena {arena} has slots both read and written in one step; "
+                             f"expected disjoint inputs and outputs")
+
+
+class TritonTables:
+    """Device-side index tables of one program, built once; see :func:`make_tables`."""
+
+    def __init__(self, program: Program, device: torch.device) -> None:
+        self.program = program
+        self.device = torch.device(device)
+        sizes = {"S": program.size_s, "P": program.size_p, "V": program.size_v}
+        zeros = {"S": program.zero_s, "P": program.zero_p, "V": program.zero_v}
+        self.steps: list[list[Launch]] = []
+        for si, st in enumerate(program.steps):
+            launches: list[Launch] = []
+            reads: list[tuple[str, np.ndarray]] = []
+            writes: list[tuple[str, np.ndarray]] = []
+            for op in st.ops:
+                if isinstance(op, SpMM):
+                    table = segment_table(op.bins, zeros[op.kind_a], zeros[op.kind_b],
+                                          (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device)
+                    launches.append(_SpMMLaunch(op, table))
+                    for b in op.bins:
+                        reads += [(op.kind_a, b.a.ravel()), (op.kind_b, b.b.ravel())]
+                        writes.append((op.kind_out, b.out.ravel()))
+                elif isinstance(op, SpMV):
+                    table = segment_table(op.bins, zeros[op.kind_m], zeros["V"],
+                                          (sizes[op.kind_m], sizes["V"]), self.device)
+                    launches.append(_SpMVLaunch(op, table))
+                    for b in op.bins:
+                        reads += [("V", b.b.ravel()), ("V", b.add.ravel())]
+                        writes.append(("V", b.out.ravel()))
+                elif isinstance(op, Gemm):
+                    launches.append(_GemmLaunch(op, _offsets(op.a, sizes[op.kind_a], self.device),
+                                                _offsets(op.b, sizes[op.kind_b], self.device)))
+                    size = op.nodes * op.a.rows * op.b.cols
+                    writes.append((op.kind_out, np.arange(op.out_offset, op.out_offset + size)))
+                    for kind, ref in ((op.kind_a, op.a), (op.kind_b, op.b)):
+                        blk = ref.rows * ref.cols
+                        reads.append((kind, (ref.offsets[:, None] + np.arange(blk)).ravel()))
+                elif isinstance(op, Gemv):
+                    idt = index_dtype(sizes[op.kind_m], sizes["V"])
+                    launches.append(_GemvLaunch(
+                        op, _offsets(op.mats, sizes[op.kind_m], self.device),
+                        torch.as_tensor(np.ascontiguousarray(op.vin), dtype=idt, device=self.device),
+                        torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
+                    reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
+                    writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
+                else:
+                    raise TypeError(f"program step {si}: unknown work table {type(op).__name__}")
+            _check_disjoint(si, reads, writes)
+            self.steps.append(launches)
+
+    def launches(self) -> int:
+        """Kernel launches per backward (for summaries and benchmarks)."""
+        return sum(len(s) for s in self.steps)
+
+
+def make_tables(program: Program, device: torch.device) -> TritonTables:
+    """Upload ``program``'s index tables to ``device`` once (re-laid out for the kernels)."""
+    return TritonTables(program, device)
+
+
+def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor) -> None:
+    """Run every step in order, in place: ``arenas["S"]`` ``(N_S,)``, ``arenas["P"]`` ``(B, N_P)``, ``vectors`` ``(B, N_V)``.
+
+    Only kernel launches: capturable in a CUDA graph once the arenas are static.
+    """
+    for si, launches in enumerate(tables.steps):
+        for item in launches:
+            if isinstance(item, _SpMMLaunch):
+                op = item.op
+                spgemm(item.table, arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
+            elif isinstance(item, _SpMVLaunch):
+                spmv(item.table, arenas[item.op.kind_m], vectors)
+            elif isinstance(item, _GemmLaunch):
+                op = item.op
+                gemm(item.a_off, item.b_off, op.a, op.b, op.out_offset,
+                     arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
+            else:
+                op = item.op
+                gemv(item.m_off, item.vin, item.add, op.mats, op.out_offset, arenas[op.kind_m], vectors)
