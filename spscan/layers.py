@@ -553,6 +553,9 @@ class MaxPoolUnit(LayerUnit):
         super().__init__(index, module, in_shape, out_shape)
         nd = 1 if isinstance(module, nn.MaxPool1d) else 2
         self.nd = nd
+        if module.return_indices:
+            raise ValueError(f"layer {index} ({self.name}): return_indices=False expected (a chain passes one "
+                             "tensor on), got return_indices=True")
         if len(in_shape) != nd + 1:
             raise ValueError(f"layer {index} ({self.name}): expected per-sample input of {nd + 1} dims "
                              f"(C, spatial), got {tuple(in_shape)}")

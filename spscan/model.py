@@ -262,6 +262,9 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                 except Exception as e:  # the layer's own message says what it expected
                     raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): the example input reaching "
                                      f"it has per-sample shape {in_shape}, which it rejects: {e}") from e
+                if not isinstance(y, torch.Tensor):
+                    raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): returns {type(y).__name__}; "
+                                     "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
     core = _core_plan([u.pattern for u in units], kwargs)

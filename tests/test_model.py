@@ -13,12 +13,13 @@ import torch.nn.utils.prune as prune
 
 import spscan
 from layer_checks import run_errors
+from spscan.layers import make_unit
 from spscan.model import Jacobians, ModelPlan, param_grads, plan_model, wrap
 
 HAS_CORE = hasattr(spscan, "plan")
 # torch warns that even kernels with padding='same' copy the input; those cases are tested on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
-LEVELS = [0, "full", "auto"] if HAS_CORE else [0]
+LEVELS = [0, 1, "full", "auto"] if HAS_CORE else [0]
 
 
 def _bn_eval(m: nn.Module, seed: int) -> nn.Module:
@@ -107,11 +108,17 @@ def test_wrapped_gradients_equal_autograd_float64(name, levels):
 
 
 @pytest.mark.parametrize("levels", LEVELS)
-@pytest.mark.parametrize("name", ["mlp", "cnn_strided", "conv1d"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_wrapped_gradients_float32_within_autograd_error(name, levels):
-    net, shape = MODELS[name]()
-    net64 = copy.deepcopy(net).double()
-    ag32 = copy.deepcopy(net)
+    # three identical builds (deepcopy cannot copy pruned modules); dropout off: float32 and float64
+    # tensors need not draw the same mask
+    net, net64, ag32 = (MODELS[name]()[0] for _ in range(3))
+    shape = MODELS[name]()[1]
+    net64 = net64.double()
+    for m in (net, net64, ag32):
+        for layer in m.modules():
+            if isinstance(layer, nn.Dropout):
+                layer.eval()
     x = torch.randn(4, *shape)
     w = wrap(net, x, levels=levels)
     target = torch.randn(4, *w.plan.out_shape)
@@ -317,3 +324,26 @@ def test_param_grads_input_checks():
     grads = plan._spscan_backward(jac, torch.ones_like(y))
     run_errors(lambda: param_grads(plan, list(jac), grads), TypeError, "Jacobians")
     run_errors(lambda: param_grads(plan, jac, grads[1:]), ValueError, "expected 9")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("levels", LEVELS)
+def test_wrapped_gradients_on_cuda(levels):
+    net, shape = cnn_pruned_bn_dropout()
+    ref = cnn_pruned_bn_dropout()[0]
+    net, ref = net.double().cuda(), ref.double().cuda()
+    x = torch.randn(4, *shape, dtype=torch.float64, device="cuda")
+    w = wrap(net, x, levels=levels, device="cuda")
+    target = torch.randn(4, *w.plan.out_shape, dtype=torch.float64, device="cuda")
+    _, gx_ref, gp_ref = _autograd_step(ref, x, target, seed=3)
+    _, gx, gp = _autograd_step(w, x, target, seed=3)
+    assert _rel(gx, gx_ref) <= 1e-9
+    for n, g in gp_ref.items():
+        assert _rel(gp["model." + n], g) <= 1e-9, n
+
+
+def test_maxpool_return_indices_refused():
+    net = nn.Sequential(nn.Conv2d(1, 1, 1), nn.MaxPool2d(2, return_indices=True))
+    run_errors(lambda: plan_model(net, torch.zeros(1, 1, 4, 4)), ValueError, "layer 1", "one tensor")
+    run_errors(lambda: make_unit(1, nn.MaxPool2d(2, return_indices=True), (1, 4, 4), (1, 2, 2)), ValueError,
+               "layer 1", "return_indices")
