@@ -114,10 +114,12 @@ def gemm(a_off: torch.Tensor, b_off: torch.Tensor, a_ref: BlockRef, b_ref: Block
     cfg, one_k = launch.gemm_config(m, k, p, batch, c.element_size())
     precision = "tf32" if (launch.allow_tf32 and c.dtype == torch.float32) else "ieee"
     grid = (nodes * triton.cdiv(batch, cfg.block_b), triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p))
-    gemm_kernel[grid](
-        a, b, c, a_off, b_off, out_offset, nodes, batch, m, k, p,
-        0 if a_sh else a.stride(0), 0 if b_sh else b.stride(0), 0 if c_sh else c.stride(0),
-        A_SHARED=a_sh, B_SHARED=b_sh, ONE_K=one_k, USE_DOT=cfg.use_dot, PRECISION=precision,
-        BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p,
-        num_warps=cfg.num_warps,
+    launch.launch(
+        gemm_kernel, grid,
+        dict(a_ptr=a, b_ptr=b, c_ptr=c, a_off=a_off, b_off=b_off, out_offset=out_offset, nodes=nodes,
+             batch=batch, m=m, k=k, p=p, stride_a=0 if a_sh else a.stride(0),
+             stride_b=0 if b_sh else b.stride(0), stride_c=0 if c_sh else c.stride(0)),
+        dict(A_SHARED=a_sh, B_SHARED=b_sh, ONE_K=one_k, USE_DOT=cfg.use_dot, PRECISION=precision,
+             BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p),
+        cfg.num_warps,
     )

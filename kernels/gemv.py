@@ -97,10 +97,11 @@ def gemv(m_off: torch.Tensor, vin: torch.Tensor, add: torch.Tensor, ref: BlockRe
     batch = v.shape[0]
     cfg, one_k = launch.gemv_config(m, k, nodes, batch, v.element_size())
     grid = (triton.cdiv(nodes, cfg.block_n) * triton.cdiv(batch, cfg.block_b), triton.cdiv(m, cfg.block_m))
-    gemv_kernel[grid](
-        mats, v, m_off, vin, add, out_offset, nodes, batch, m, k,
-        0 if mats.dim() == 1 else mats.stride(0), v.stride(0),
-        M_SHARED=mats.dim() == 1, ONE_K=one_k,
-        BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
+    launch.launch(
+        gemv_kernel, grid,
+        dict(m_ptr=mats, v_ptr=v, m_off=m_off, vin_idx=vin, add_idx=add, out_offset=out_offset, nodes=nodes,
+             batch=batch, m=m, k=k, stride_m=0 if mats.dim() == 1 else mats.stride(0), stride_v=v.stride(0)),
+        dict(M_SHARED=mats.dim() == 1, ONE_K=one_k,
+             BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k),
+        cfg.num_warps,
     )

@@ -19,14 +19,16 @@ Module-level switches:
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 __all__ = [
     "allow_tf32", "mode", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
+    "LaunchSpec", "launch", "recording",
 ]
 
 allow_tf32: bool = False
@@ -176,3 +178,66 @@ def gemv_config(m: int, k: int, nodes: int, batch: int, itemsize: int,
     block_b = min(next_pow2(batch), 64 if interpret else 4)
     warps = 4 if interpret else _warps(block_n * bm * bk)
     return GemvConfig(block_b, block_n, bm, bk, warps), k <= bk
+
+
+# --- the one place kernels are launched -------------------------------------------------
+
+_POINTER_TYPES = {"torch.float32": "*fp32", "torch.float64": "*fp64", "torch.int32": "*i32", "torch.int64": "*i64"}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What a launch compiles: kernel (module, name), argument types, constexpr values, warps.
+
+    Ahead-of-time compilation (``tests/test_triton_compile.py``) replays exactly these.
+    """
+
+    module: str
+    kernel: str
+    signature: tuple[tuple[str, str], ...]  # (argument, triton type) for runtime arguments
+    constexprs: tuple[tuple[str, Any], ...]
+    num_warps: int
+
+
+_recorder: Optional[list] = None
+_dry_run: bool = False
+
+
+def _arg_type(name: str, value: Any) -> str:
+    if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
+        key = str(value.dtype)
+        if key not in _POINTER_TYPES:
+            raise TypeError(f"kernel argument {name}: expected a float32/float64/int32/int64 tensor, got {value.dtype}")
+        return _POINTER_TYPES[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"kernel argument {name}: expected a tensor or an int, got {type(value).__name__}")
+    return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
+
+
+@contextmanager
+def recording(dry_run: bool = True) -> Iterator[list]:
+    """Collect a :class:`LaunchSpec` per launch inside the block (and skip the launches if ``dry_run``)."""
+    global _recorder, _dry_run
+    saved = (_recorder, _dry_run)
+    _recorder, _dry_run = [], dry_run
+    try:
+        yield _recorder
+    finally:
+        _recorder, _dry_run = saved
+
+
+def launch(kernel, grid: tuple[int, ...], args: dict[str, Any], constexprs: dict[str, Any], num_warps: int) -> None:
+    """Launch ``kernel`` on ``grid`` with runtime ``args`` and ``constexprs`` (recorded when asked).
+
+    Grid dimensions 1 and 2 are limited to 65535 by CUDA; callers put the large extent first.
+    """
+    if any(g > 65535 for g in grid[1:]) or grid[0] >= (1 << 31):
+        raise ValueError(f"launch grid {grid}: expected dims 1-2 <= 65535 and dim 0 < 2**31")
+    if _recorder is not None:
+        fn = getattr(kernel, "fn", kernel)
+        _recorder.append(LaunchSpec(
+            fn.__module__, fn.__name__, tuple((k, _arg_type(k, v)) for k, v in args.items()),
+            tuple(constexprs.items()), int(num_warps)))
+    if _dry_run:
+        return
+    kernel[grid](**args, **constexprs, num_warps=num_warps)

@@ -88,9 +88,12 @@ def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     interpret = launch.interpreting()
     cfg = launch.segment_config(table.width(c.element_size(), interpret), batch, c.element_size(), interpret)
     grid = (triton.cdiv(table.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
-    spgemm_kernel[grid](
-        a, b, c, table.seg_ptr, table.pair_a, table.pair_b, table.out,
-        table.nseg, batch, _row_stride(a), _row_stride(b), _row_stride(c),
-        A_SHARED=a_sh, B_SHARED=b_sh, C_SHARED=c_sh,
-        BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
+    launch.launch(
+        spgemm_kernel, grid,
+        dict(a_ptr=a, b_ptr=b, c_ptr=c, seg_ptr=table.seg_ptr, pair_a=table.pair_a, pair_b=table.pair_b,
+             out_idx=table.out, nseg=table.nseg, batch=batch,
+             stride_a=_row_stride(a), stride_b=_row_stride(b), stride_c=_row_stride(c)),
+        dict(A_SHARED=a_sh, B_SHARED=b_sh, C_SHARED=c_sh,
+             BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w),
+        cfg.num_warps,
     )

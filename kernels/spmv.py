@@ -81,9 +81,11 @@ def spmv(table: SegmentTable, m: torch.Tensor, v: torch.Tensor) -> None:
     interpret = launch.interpreting()
     cfg = launch.segment_config(table.width(v.element_size(), interpret), batch, v.element_size(), interpret)
     grid = (triton.cdiv(table.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
-    spmv_kernel[grid](
-        m, v, table.seg_ptr, table.pair_a, table.pair_b, table.out, table.add,
-        table.nseg, batch, m.stride(0) if m.dim() == 2 else 0, v.stride(0),
-        M_SHARED=m.dim() == 1,
-        BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
+    launch.launch(
+        spmv_kernel, grid,
+        dict(m_ptr=m, v_ptr=v, seg_ptr=table.seg_ptr, pair_m=table.pair_a, pair_v=table.pair_b,
+             out_idx=table.out, add_idx=table.add, nseg=table.nseg, batch=batch,
+             stride_m=m.stride(0) if m.dim() == 2 else 0, stride_v=v.stride(0)),
+        dict(M_SHARED=m.dim() == 1, BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w),
+        cfg.num_warps,
     )

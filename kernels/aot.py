@@ -1,0 +1,88 @@
+"""Ahead-of-time compilation of recorded launches for CUDA targets, with no GPU present.
+
+``python -m spscan.kernels.aot specs.json 80 90`` compiles every :class:`~spscan.kernels.launch.LaunchSpec`
+in ``specs.json`` for each compute capability and prints one line per failure (exit status 1
+if any). It must run with ``TRITON_INTERPRET=0``: under the interpreter ``@triton.jit`` returns
+an interpreted function that ``triton.compile`` cannot lower.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+__all__ = ["ast_source", "compile_spec", "specs_to_json", "main"]
+
+
+def ast_source(fn, signature: dict[str, str], constexprs: dict[str, Any]):
+    """A ``triton.compiler.ASTSource`` for ``fn`` on triton 3.3 through 3.7.
+
+    Since 3.3 the signature lists every argument (constexprs typed ``"constexpr"``) and
+    ``constexprs`` is keyed by name; older releases took ``constants=`` and a signature
+    without them.
+    """
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    missing = [n for n in names if n not in signature and n not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no type or value for arguments {missing}")
+    full = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
+    try:
+        return ASTSource(fn=fn, signature=full, constexprs=dict(constexprs))
+    except TypeError:  # triton < 3.3
+        runtime = {n: t for n, t in full.items() if t != "constexpr"}
+        return ASTSource(fn=fn, signature=runtime, constants=dict(constexprs))
+
+
+def compile_spec(spec: dict, capability: int):
+    """Compile one recorded launch (``dict`` form of a ``LaunchSpec``) for ``sm_<capability>``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_spec: TRITON_INTERPRET is set; kernels are interpreted functions")
+    fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    src = ast_source(fn, dict(spec["signature"]), dict(spec["constexprs"]))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": spec["num_warps"]})
+
+
+def specs_to_json(specs: Sequence) -> str:
+    """Distinct launch specs as JSON (input of :func:`main`)."""
+    seen, out = set(), []
+    for s in specs:
+        key = (s.module, s.kernel, s.signature, s.constexprs, s.num_warps)
+        if key not in seen:
+            seen.add(key)
+            out.append({"module": s.module, "kernel": s.kernel, "signature": list(map(list, s.signature)),
+                        "constexprs": list(map(list, s.constexprs)), "num_warps": s.num_warps})
+    return json.dumps(out)
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m spscan.kernels.aot SPECS.json CAPABILITY [CAPABILITY ...]", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        specs = json.load(f)
+    failures = 0
+    for cap in map(int, argv[1:]):
+        for spec in specs:
+            try:
+                ck = compile_spec(spec, cap)
+                print(f"ok sm_{cap} {spec['kernel']} warps={spec['num_warps']} shared={ck.metadata.shared} "
+                      f"{dict(spec['constexprs'])}")
+            except Exception as exc:  # report every failing kernel, not only the first
+                failures += 1
+                msg = " ".join(str(exc).split())[:400]
+                print(f"FAIL sm_{cap} {spec['kernel']} {dict(spec['constexprs'])} "
+                      f"{dict(spec['signature'])}: {type(exc).__name__}: {msg}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    sys.exit(main(sys.argv[1:]))
