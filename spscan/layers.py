@@ -229,7 +229,7 @@ class _WeightGatherMixin:
     def _check_pruned_still_zero(self, w: torch.Tensor) -> None:
         if self.zero_weights.array.size == 0:
             return
-        dropped = w.detach().reshape(-1)[self.zero_weights.on(w.device)]
+        dropped = torch.index_select(w.detach().reshape(-1), 0, self.zero_weights.on(w.device))
         if bool((dropped != 0).any()):
             k = int(torch.nonzero(dropped != 0)[0, 0])
             raise ValueError(
@@ -240,7 +240,8 @@ class _WeightGatherMixin:
 
     def fill(self, saved: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         w = tensors[0]
-        return w.detach().reshape(-1)[self.weight_gather.on(w.device)]
+        # index_select: several times faster than advanced indexing for a 1-D gather on CPU
+        return torch.index_select(w.detach().reshape(-1), 0, self.weight_gather.on(w.device))
 
 
 # ----------------------------------------------------------------------------- Linear
@@ -583,7 +584,7 @@ class MaxPoolUnit(LayerUnit):
     def fill(self, saved, tensors):
         idx, dtype = saved
         idx = idx.reshape(idx.shape[0], -1)
-        picked = idx[:, self.entry_out.on(idx.device)]
+        picked = torch.index_select(idx, 1, self.entry_out.on(idx.device))
         return (picked == self.entry_plane.on(idx.device)).to(dtype)
 
 
@@ -686,7 +687,7 @@ class BatchNormUnit(LayerUnit):
         m = self.module
         invstd = torch.rsqrt(m.running_var.detach() + m.eps)
         scale = invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
-        return scale[self.channel_of.on(scale.device)]
+        return torch.index_select(scale, 0, self.channel_of.on(scale.device))
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         m = self.module
