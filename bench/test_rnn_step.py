@@ -1,0 +1,123 @@
+"""One training step of the paper's bitstream RNN (§4.1: H=20, B=16) through spscan.wrap vs autograd.
+
+Run: ``pytest bench/test_rnn_step.py --benchmark-only``. Each spscan row carries, in
+``extra_info``, the autograd median measured in the same test on the same device and the
+ratio ``autograd / spscan`` (> 1 means spscan is faster), the scan depth in use and the chain.
+``mode="step"`` times forward + loss + backward; ``mode="backward"`` times ``loss.backward()``
+alone (the forward, which also builds the Jacobian values, runs in the untimed setup).
+The CUDA rows compare with cuDNN autograd at T=30000 and skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import spscan
+from spscan.datasets import bitstream_dataset
+from spscan.demo import BitstreamClassifier
+
+H, B = 20, 16
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _setup(T: int, dev: torch.device, scan: bool, **plan_kwargs):
+    x, y = bitstream_dataset(B, T, seed=0)
+    x, y = x.to(dev), y.to(dev)
+    torch.manual_seed(0)
+    model = BitstreamClassifier(H).to(dev)
+    if scan:
+        model.rnn = spscan.wrap(model.rnn, x, **plan_kwargs)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def forward():
+        model.zero_grad(set_to_none=True)
+        return loss_fn(model(x), y)
+
+    def step():
+        forward().backward()
+        _sync(dev)
+
+    return model, forward, step
+
+
+def _median(fn, rounds: int) -> float:
+    fn()
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _backward_median(forward, dev: torch.device, rounds: int) -> float:
+    ts = []
+    for _ in range(rounds + 1):
+        loss = forward()
+        _sync(dev)
+        t0 = time.perf_counter()
+        loss.backward()
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[1:])
+
+
+def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kwargs) -> None:
+    _, a_fwd, a_step = _setup(T, dev, scan=False)
+    model, s_fwd, s_step = _setup(T, dev, scan=True, **plan_kwargs)
+    if mode == "step":
+        base = _median(a_step, rounds)
+        benchmark.pedantic(s_step, rounds=rounds, warmup_rounds=1)
+    else:
+        base = _backward_median(a_fwd, dev, rounds)
+
+        def setup():
+            loss = s_fwd()
+            _sync(dev)
+            return (loss,), {}
+
+        def backward(loss):
+            loss.backward()
+            _sync(dev)
+
+        benchmark.pedantic(backward, setup=setup, rounds=rounds, warmup_rounds=1)
+    ours = benchmark.stats.stats.median
+    plan = model.rnn.plan
+    benchmark.extra_info.update(
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads",
+        T=T, B=B, H=H, mode=mode, chain=plan.chain, engine=plan.engine, levels=plan.levels,
+        autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
+    )
+
+
+@pytest.mark.parametrize("mode", ["step", "backward"])
+@pytest.mark.parametrize("T", [1000, 3000, 10000])
+def test_rnn_step_cpu(benchmark, T, mode):
+    benchmark.group = f"rnn-cpu-T{T}-{mode}"
+    _run(benchmark, T, mode, torch.device("cpu"), rounds=7 if T < 10000 else 3)
+
+
+@pytest.mark.parametrize("engine", ["builtin"])
+@pytest.mark.parametrize("mode", ["step", "backward"])
+def test_rnn_step_cpu_builtin_scan(benchmark, mode, engine):
+    """The same step through the recurrent module's built-in dense scan (a reference row for the core)."""
+    benchmark.group = f"rnn-cpu-T1000-{mode}"
+    _run(benchmark, 1000, mode, torch.device("cpu"), rounds=7, engine=engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["step", "backward"])
+@pytest.mark.parametrize("T", [1000, 30000])
+def test_rnn_step_cuda(benchmark, T, mode):
+    """Against cuDNN's RNN under autograd, as in the paper's Figure 8."""
+    benchmark.group = f"rnn-cuda-T{T}-{mode}"
+    _run(benchmark, T, mode, torch.device("cuda"), rounds=10)
