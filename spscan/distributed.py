@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -743,18 +744,25 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
                   threads: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
+    result: tuple = (rank, False, "no result")
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         try:
-            out = fn(rank, world_size, *args)
-            queue.put((rank, True, out))
+            result = (rank, True, fn(rank, world_size, *args))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which re-raises per rank
         import traceback
 
-        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        result = (rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    queue.put(result)
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the result is delivered: skip the interpreter teardown, which costs seconds with torch loaded
+    os._exit(0)
 
 
 def run_local(fn: Callable, world_size: int, args: tuple = (), timeout: float = 120.0, pg_timeout: float = 30.0,
