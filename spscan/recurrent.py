@@ -40,6 +40,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "RecurrentPlan",
@@ -682,6 +683,7 @@ class _RecurrentFunction(torch.autograd.Function):
         return out, state
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_hn, grad_cn=None):
         plan: RecurrentPlan = ctx.plan
         if ctx.saved is None:

@@ -275,3 +275,35 @@ def test_falls_back_to_builtin_without_core(monkeypatch):
         assert rel_err(a, b) <= 1e-12
     with pytest.raises(ValueError, match="engine='core' needs"):
         plan_recurrent(m, x, engine="core")
+
+
+def test_public_api_dispatch():
+    """``spscan.plan`` / ``forward`` / ``backward`` / ``wrap`` on a recurrent module."""
+    import spscan
+
+    if not hasattr(spscan, "plan"):
+        pytest.skip("the core engine is not available")
+    m = make_module("gru", 2, 3, batch_first=True, bias=True)
+    x, hx = make_inputs(m, 7, 2, with_h0=True, dtype=torch.float64)
+    plan = spscan.plan(m, x)
+    (out, h), saved = spscan.forward(plan, x)
+    go, gh = torch.randn_like(out), torch.randn_like(h)
+    r = spscan.backward(plan, saved, (go, gh))
+    xr = x.clone().requires_grad_(True)
+    o2, h2 = m(xr)
+    want = torch.autograd.grad((o2, h2), [xr, m.bias_hh_l0], (go, gh))
+    torch.testing.assert_close(r["input"], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(r["bias_hh_l0"], want[1], rtol=1e-10, atol=1e-12)
+    w = spscan.wrap(m, x)
+    assert isinstance(w, rec.RecurrentWrapper) and w.module is m
+
+
+def test_unbatched_input_with_initial_state():
+    m = make_module("lstm", 3, 4, batch_first=True, bias=True)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    hx = (torch.randn(1, 4, generator=g, dtype=torch.float64), torch.randn(1, 4, generator=g, dtype=torch.float64))
+    want = grads_of(m, m, x, hx, "both")
+    got = grads_of(wrap_recurrent(m), m, x, hx, "both")
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-12
