@@ -15,18 +15,30 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV
+from spscan.planner.program import BlockRef, Gemm, Gemv, GemvChain, Program, SpMM, SpMV
 
 __all__ = ["TorchTables", "run_program"]
 
 Index = Union[torch.Tensor, slice]
 
 
+def _progression(arr: np.ndarray) -> Optional[slice]:
+    """``arr`` as a slice if it is an increasing arithmetic progression (a view, no gather)."""
+    if arr.ndim != 1 or arr.size == 0:
+        return None
+    if arr.size == 1:
+        return slice(int(arr[0]), int(arr[0]) + 1)
+    step = int(arr[1] - arr[0])
+    if step <= 0 or not np.all(np.diff(arr) == step):
+        return None
+    return slice(int(arr[0]), int(arr[-1]) + 1, step)
+
+
 def _as_index(arr: np.ndarray, device: torch.device) -> Index:
-    """A slice when ``arr`` is a contiguous run (no gather needed), else a device index tensor."""
-    flat = arr.reshape(-1)
-    if flat.size and arr.ndim == 1 and np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
-        return slice(int(flat[0]), int(flat[0]) + flat.size)
+    """A slice when ``arr`` is a regular run (no gather needed), else a device index tensor."""
+    run = _progression(arr)
+    if run is not None:
+        return run
     return torch.as_tensor(np.ascontiguousarray(arr), dtype=torch.int64, device=device)
 
 
@@ -37,36 +49,55 @@ class _Blocks:
     base: int  # >= 0: view path
     block: Optional[Index]
     flat: Optional[torch.Tensor]  # (nodes, rows*cols) gather index when offsets are unaligned
+    reverse: bool = False  # ``block`` lists the blocks in ascending order; the op wants them reversed
 
 
 def _blocks(ref: BlockRef, device: torch.device) -> _Blocks:
     if ref.base >= 0:
         blk = ref.block
-        if blk.size and np.all(np.diff(blk) == 1):
-            return _Blocks(ref.rows, ref.cols, ref.base, slice(int(blk[0]), int(blk[-1]) + 1), None)
-        return _Blocks(ref.rows, ref.cols, ref.base, torch.as_tensor(blk, device=device), None)
+        if blk.size > 1 and _progression(blk[::-1]) is not None and _progression(blk) is None:
+            # descending runs (a chain walked from the last layer) stay views, read in reverse
+            return _Blocks(ref.rows, ref.cols, ref.base, _progression(blk[::-1]), None, True)
+        return _Blocks(ref.rows, ref.cols, ref.base, _as_index(blk, device), None)
     size = ref.rows * ref.cols
     flat = ref.offsets[:, None] + np.arange(size, dtype=np.int64)
     return _Blocks(ref.rows, ref.cols, -1, None, torch.as_tensor(flat, device=device))
 
 
-def _view_blocks(arena: torch.Tensor, b: _Blocks) -> torch.Tensor:
-    """``(nodes, rows, cols)`` (shared) or ``(B, nodes, rows, cols)`` (per sample)."""
+def _view_blocks(arena: torch.Tensor, b: _Blocks, allow_reversed: bool = False) -> torch.Tensor:
+    """``(nodes, rows, cols)`` (shared) or ``(B, nodes, rows, cols)`` (per sample).
+
+    With ``allow_reversed`` a descending run comes back as an ascending view (the caller reads
+    it backwards); otherwise it is flipped into the requested order.
+    """
     size = b.rows * b.cols
     if b.base >= 0:
         nb = (arena.shape[-1] - b.base) // size
         view = arena[..., b.base : b.base + nb * size].unflatten(-1, (nb, b.rows, b.cols))
-        return view[..., b.block, :, :]
+        view = view[..., b.block, :, :]
+        return view.flip(-3) if b.reverse and not allow_reversed else view
     return arena[..., b.flat].unflatten(-1, (b.rows, b.cols))
 
 
+def _as_add(arr: np.ndarray, zero: int, device: torch.device) -> Optional[Index]:
+    """``None`` when every segment adds the zero slot (no affine term in this launch)."""
+    return None if np.all(arr == zero) else _as_index(arr.reshape(-1), device)
+
+
 class TorchTables:
-    """Device copies of a program's index tables, made once per (program, device)."""
+    """Device copies of a program's index tables, made once per (program, device).
+
+    ``needs_arena_inputs`` is False when every op that reads input matrices is a middle chain
+    over inputs: those read the caller's tensors directly, so the executor skips loading them.
+    """
 
     def __init__(self, program: Program, device: torch.device):
         self.program = program
         self.device = device
         self.steps = []
+        ops_all = [op for st in program.steps for op in st.ops]
+        self.needs_arena_inputs = not all(isinstance(op, GemvChain) and op.layers is not None for op in ops_all)
+        zero_v = program.zero_v
         for st in program.steps:
             ops = []
             for op in st.ops:
@@ -76,16 +107,19 @@ class TorchTables:
                             torch.as_tensor(b.a, device=device),
                             torch.as_tensor(b.b, device=device),
                             _as_index(b.out, device),
-                            None if b.add is None else _as_index(b.add, device),
+                            None if b.add is None else _as_add(b.add, zero_v, device),
                         )
                         for b in op.bins
                     ]
                     ops.append((op, bins))
                 elif isinstance(op, Gemm):
                     ops.append((op, (_blocks(op.a, device), _blocks(op.b, device))))
+                elif isinstance(op, GemvChain):
+                    add = None if op.add is None else _as_index(op.add.reshape(-1), device)
+                    ops.append((op, (_blocks(op.mats, device), add)))
                 else:
                     ops.append((op, (_blocks(op.mats, device), _as_index(op.vin.reshape(-1), device),
-                                     _as_index(op.add.reshape(-1), device))))
+                                     _as_add(op.add, zero_v, device))))
             self.steps.append(ops)
 
 
@@ -104,30 +138,93 @@ def _batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() == 4 and b.dim() == 4:
         batch, nodes, m, k = a.shape
         p = b.shape[-1]
-        c = torch.bmm(a.reshape(batch * nodes, m, k), b.reshape(batch * nodes, k, p))
+        c = torch.bmm(a.contiguous().view(batch * nodes, m, k), b.contiguous().view(batch * nodes, k, p))
         return c.view(batch, nodes, m, p)
     if a.dim() == 3:  # shared left factor: fold the batch into the columns of b
         nodes, m, k = a.shape
         batch, _, _, p = b.shape
-        bb = b.permute(1, 2, 0, 3).reshape(nodes, k, batch * p)
+        bb = b.permute(1, 2, 0, 3).contiguous().view(nodes, k, batch * p)
         c = torch.bmm(a.contiguous(), bb).view(nodes, m, batch, p)
         return c.permute(2, 0, 1, 3)
     batch, nodes, m, k = a.shape  # shared right factor: fold the batch into the rows of a
     p = b.shape[-1]
-    aa = a.permute(1, 0, 2, 3).reshape(nodes, batch * m, k)
+    aa = a.permute(1, 0, 2, 3).contiguous().view(nodes, batch * m, k)
     c = torch.bmm(aa, b.contiguous()).view(nodes, batch, m, p)
     return c.permute(1, 0, 2, 3)
 
 
-def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor) -> None:
-    """Run every step of the program in order, in place on the arenas."""
+def _store(dst: torch.Tensor, idx: Index, value: torch.Tensor) -> None:
+    """Write ``value`` to unique slots ``idx`` of the last dimension (deterministic)."""
+    dst[..., idx] = value
+
+
+def _segment_sum(x: torch.Tensor, dst: torch.Tensor, idx: Index) -> None:
+    """``dst[..., idx] = x.sum(-1)``; straight into the arena when ``idx`` is a contiguous run."""
+    if isinstance(idx, slice):
+        torch.sum(x, -1, out=dst[..., idx])
+    else:
+        dst[..., idx] = x.sum(-1)
+
+
+def _chain_matrices(op: GemvChain, bm: _Blocks, arenas: dict[str, torch.Tensor], inputs) -> list[torch.Tensor]:
+    """Per step, the matrix as a contiguous ``(m, m)`` (shared) or ``(B, m, m)`` tensor."""
+    m = bm.rows
+    if inputs is not None and op.layers is not None:
+        return [inputs(i).unflatten(-1, (m, m)).contiguous() for i in op.layers.tolist()]
+    mats = _view_blocks(arenas[op.kind_m], bm, allow_reversed=True)
+    mats = mats.contiguous() if mats.dim() == 3 else mats.transpose(0, 1).contiguous()  # (steps, B, m, m)
+    seq = list(mats.unbind(0))
+    return seq[::-1] if bm.reverse else seq
+
+
+def _run_chain(op: GemvChain, t, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, inputs) -> None:
+    """The linear-scan middle: one ``bmm``/``mm`` per step (``baddbmm``/``addmm`` with the affine term).
+
+    Matrices are contiguous and outputs go to a contiguous buffer with ``out=``: the least
+    per-step overhead eager torch allows on a sequential chain. A chain over input matrices
+    reads the caller's tensors (already ``(B, m*m)`` per layer) instead of the arena.
+    """
+    bm, add = t
+    batch, m, steps = vectors.shape[0], bm.rows, op.steps
+    mats = _chain_matrices(op, bm, arenas, inputs)
+    shared = mats[0].dim() == 2
+    y0 = vectors[:, op.vin0 : op.vin0 + m]
+    adds = None if add is None else vectors[:, add].view(batch, steps, m)
+    if shared:  # vectors as (m, B) columns
+        ys = torch.empty(steps + 1, m, batch, dtype=vectors.dtype, device=vectors.device)
+        ys[0] = y0.t()
+        adds = None if adds is None else list(adds.permute(1, 2, 0).contiguous().unbind(0))
+        mv, mv_add = torch.mm, torch.addmm
+    else:  # vectors as (B, m, 1)
+        ys = torch.empty(steps + 1, batch, m, 1, dtype=vectors.dtype, device=vectors.device)
+        ys[0, :, :, 0] = y0
+        adds = None if adds is None else list(adds.transpose(0, 1).unsqueeze(-1).contiguous().unbind(0))
+        mv, mv_add = torch.bmm, torch.baddbmm
+    y = ys.unbind(0)
+    if adds is None:
+        for j in range(steps):
+            mv(mats[j], y[j], out=y[j + 1])
+    else:
+        for j in range(steps):
+            mv_add(adds[j], mats[j], y[j], out=y[j + 1])
+    res = ys[1:].permute(2, 0, 1) if shared else ys[1:, :, :, 0].transpose(0, 1)
+    vectors[:, op.out_offset : op.out_offset + steps * m] = res.reshape(batch, steps * m)
+
+
+def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
+                inputs=None) -> None:
+    """Run every step of the program in order, in place on the arenas.
+
+    ``inputs``: ``layer_index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
+    directly by middle chains over input matrices.
+    """
     batch = vectors.shape[0]
     for ops in tables.steps:
         for op, t in ops:
             if isinstance(op, SpMM):
                 src_a, src_b, dst = arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out]
                 for ia, ib, out, _ in t:
-                    dst[..., out] = (_gather(src_a, ia) * _gather(src_b, ib)).sum(-1)
+                    _segment_sum(_gather(src_a, ia) * _gather(src_b, ib), dst, out)
             elif isinstance(op, Gemm):
                 ba, bb = t
                 c = _batched_matmul(_view_blocks(arenas[op.kind_a], ba), _view_blocks(arenas[op.kind_b], bb))
@@ -137,14 +234,23 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
             elif isinstance(op, SpMV):
                 src = arenas[op.kind_m]
                 for ia, ib, out, add in t:
-                    vectors[:, out] = (_gather(src, ia) * vectors[:, ib]).sum(-1) + vectors[:, add]
-            else:  # Gemv
+                    prod = _gather(src, ia) * vectors[:, ib]
+                    if add is None:
+                        _segment_sum(prod, vectors, out)
+                    else:
+                        _store(vectors, out, prod.sum(-1) + vectors[:, add])
+            elif isinstance(op, GemvChain):
+                _run_chain(op, t, arenas, vectors, inputs)
+            else:  # Gemv: memory bound, so one strided multiply + sum beats copying blocks for bmm
                 bm, vin, add = t
                 m, k, n = bm.rows, bm.cols, op.nodes
-                x = vectors[:, vin].view(batch, n, k, 1)
-                y = _batched_matmul(_view_blocks(arenas[op.kind_m], bm), x).reshape(batch, n * m)
-                vectors[:, op.out_offset : op.out_offset + n * m] = y + vectors[:, add]
-
+                x = vectors[:, vin].reshape(batch, n, 1, k)
+                prod = _view_blocks(arenas[op.kind_m], bm) * x
+                out = vectors[:, op.out_offset : op.out_offset + n * m].view(batch, n, m)
+                if add is None:
+                    torch.sum(prod, -1, out=out)
+                else:
+                    torch.add(prod.sum(-1), vectors[:, add].view(batch, n, m), out=out)
 
 def make_tables(program: Program, device: torch.device) -> TorchTables:
     return TorchTables(program, device)

@@ -26,7 +26,7 @@ import numpy as np
 from .planning import ScanPlan
 from .schedule import GRAD, blelloch_schedule, extra_vec
 
-__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "Bin", "lower"]
+__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "GemvChain", "Bin", "lower"]
 
 SHARED, SAMPLE = "S", "P"
 
@@ -100,9 +100,31 @@ class Gemv:
     vin: np.ndarray  # (nodes, k) vector slots
     add: np.ndarray  # (nodes, m) vector slots (zero slot where there is no extra)
     out_offset: int  # nodes * m contiguous vector slots
+    mat_ids: Optional[np.ndarray] = None  # (nodes,) matrix ids (an id < n is input layer id+1)
 
     @property
     def nodes(self) -> int:
+        return int(self.mats.offsets.shape[0])
+
+
+@dataclass
+class GemvChain:
+    """A run of dependent dense mat-vecs (the linear-scan middle): ``y_j = M_j y_{j-1} + add_j``.
+
+    ``y_0`` is read from ``vin0``; ``y_1 .. y_steps`` are written to ``out_offset + (j-1) * m``.
+    Backends run the whole chain from one call (torch: one batched product per step over
+    pre-gathered contiguous matrices; Triton: one persistent launch), not one launch per step.
+    """
+
+    kind_m: str
+    mats: BlockRef  # (steps,) blocks of (m, m)
+    vin0: int  # vector slot of y_0 (m entries)
+    add: Optional[np.ndarray]  # (steps, m) vector slots, None when no step has an affine term
+    out_offset: int
+    layers: Optional[np.ndarray] = None  # (steps,) input layer index of each matrix, if all are inputs
+
+    @property
+    def steps(self) -> int:
         return int(self.mats.offsets.shape[0])
 
 
@@ -165,6 +187,10 @@ def _arrays(op):
         yield op.mats.offsets
         yield op.vin
         yield op.add
+    elif isinstance(op, GemvChain):
+        yield op.mats.offsets
+        if op.add is not None:
+            yield op.add
 
 
 def _binned(lengths: np.ndarray, first: np.ndarray, a_src: np.ndarray, b_src: np.ndarray,
@@ -204,6 +230,46 @@ class _Alloc:
         off = self.size
         self.size += count
         return off
+
+
+def _continues(prev: Gemv, op: Gemv) -> bool:
+    """``op`` reads exactly what ``prev`` wrote, with the same square shape, right after it."""
+    m = prev.mats.rows
+    return (op.kind_m == prev.kind_m and op.mats.rows == m
+            and np.array_equal(op.vin[0], prev.out_offset + np.arange(m))
+            and op.out_offset == prev.out_offset + m)
+
+
+def _fuse_middle(steps: list[ProgramStep], zero_v: int, n: int) -> list[ProgramStep]:
+    """Merge runs of consecutive single-GEMV middle steps with one square shape into a GemvChain."""
+    out: list[ProgramStep] = []
+    run: list[tuple[ProgramStep, Gemv]] = []
+
+    def flush() -> None:
+        if len(run) >= 2:
+            first = run[0][1]
+            m = first.mats.rows
+            add = np.concatenate([g.add for _, g in run])
+            ids = np.concatenate([g.mat_ids for _, g in run])
+            chain = GemvChain(first.kind_m, BlockRef(m, m, np.concatenate([g.mats.offsets for _, g in run])),
+                              int(first.vin[0, 0]), None if np.all(add == zero_v) else add, first.out_offset,
+                              ids if np.all(ids < n) else None)
+            out.append(ProgramStep("mid", run[0][0].level, [chain]))
+        elif run:
+            out.append(run[0][0])
+        run.clear()
+
+    for st in steps:
+        op = st.ops[0] if len(st.ops) == 1 else None
+        if st.phase == "mid" and isinstance(op, Gemv) and op.nodes == 1 and op.mats.rows == op.mats.cols:
+            if run and not _continues(run[-1][1], op):
+                flush()
+            run.append((st, op))
+            continue
+        flush()
+        out.append(st)
+    flush()
+    return out
 
 
 def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> Program:
@@ -326,7 +392,8 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             vin = np.array([voff[o.vin] for o in ops], dtype=np.int64)[:, None] + np.arange(k)
             add = np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64)
             add_idx = np.where(add[:, None] >= 0, add[:, None] + np.arange(m), zero_v)
-            pstep.ops.append(Gemv(key[0], mref, vin, add_idx, out0))
+            ids = np.array([o.mat for o in ops], dtype=np.int64)
+            pstep.ops.append(Gemv(key[0], mref, vin, add_idx, out0, ids))
         else:
             key, ops = payload
             lens, firsts, a_src, b_src, outs, adds = [], [], [], [], [], []
@@ -348,6 +415,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
                            zero[key], zero_v)
             pstep.ops.append(SpMV(key, bins))
 
+    steps = _fuse_middle(steps, zero_v, n)
     outputs = [(voff[v], vdim[v]) for v in sched.outputs]
     return Program(
         n=n, shared=shared, has_extra=has_extra,

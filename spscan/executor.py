@@ -6,6 +6,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from spscan.plan import ValuesBuffer
+
 __all__ = ["check_inputs", "execute"]
 
 _FLOATS = (torch.float32, torch.float64)
@@ -102,16 +104,29 @@ def check_inputs(plan, values, grad, extra, check_finite: bool):
 
 def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Tensor,
             extra: Optional[Sequence[Optional[torch.Tensor]]]) -> list[torch.Tensor]:
-    """Load the arenas from the caller's tensors (copies), run the program, return views of g_0..g_n."""
+    """Load the arenas from the caller's tensors (copies), run the program, return views of g_0..g_n.
+
+    The matrix arenas are internal and reused across calls of the same shape (no allocation or
+    first-touch cost per step); the vector arena is new each call because the results view it.
+    """
     n = plan.n
     batch, dtype, device = grad.shape[0], grad.dtype, grad.device
-    s_arena = torch.empty(program.size_s, dtype=dtype, device=device)
-    p_arena = torch.empty(batch, program.size_p, dtype=dtype, device=device)
+    s_arena, p_arena = plan._arenas(program, batch, dtype, device)
     vectors = torch.empty(batch, program.size_v, dtype=dtype, device=device)
     s_arena[program.zero_s] = 0
     p_arena[:, program.zero_p] = 0
     vectors[:, program.zero_v] = 0
-    if stacked:
+    in_place = (isinstance(items, ValuesBuffer) and items.plan is plan and items.shared == program.shared
+                and items.arenas[0] is s_arena and items.arenas[1] is p_arena)
+    if stacked and not in_place:
+        v = items[0]
+        nnz = plan._scan.patterns[0].nnz
+        own = s_arena[: n * nnz].view(n, nnz) if v.dim() == 2 else \
+            p_arena[:, : n * nnz].view(batch, n, nnz).transpose(0, 1)
+        in_place = v.data_ptr() == own.data_ptr() and v.stride() == own.stride() and v.shape == own.shape
+    if in_place or not getattr(tables, "needs_arena_inputs", True):
+        pass  # values already sit in the input arena, or no launch reads them from there
+    elif stacked:
         v = items[0]
         nnz = plan._scan.patterns[0].nnz
         if v.dim() == 2:
@@ -132,5 +147,6 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
         g.add_(extra[n])
     for i, off in program.extra_slots.items():
         vectors[:, off : off + extra[i].shape[1]] = extra[i]
-    runner(tables, {"S": s_arena, "P": p_arena}, vectors)
+    layer = (lambda i: items[0][i]) if stacked else (lambda i: items[i])
+    runner(tables, {"S": s_arena, "P": p_arena}, vectors, inputs=layer)
     return [vectors[:, off : off + d] for off, d in program.outputs]

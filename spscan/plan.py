@@ -17,7 +17,33 @@ from spscan.planner.planning import ScanPlan, step_costs
 from spscan.planner.program import Program, lower
 from spscan.planner.schedule import max_levels
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "ValuesBuffer"]
+
+
+class ValuesBuffer(list):
+    """A list of value tensors that live in a plan's input arena (see :meth:`Plan.values_buffer`)."""
+
+    def __init__(self, views, plan: "Plan", shared: tuple, arenas: tuple) -> None:
+        super().__init__(views)
+        self.plan = plan
+        self.shared = shared
+        self.arenas = arenas
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        """All layers as one ``(n, B, nnz)`` (per sample) or ``(n, nnz)`` (shared) view."""
+        nnz = {int(v.shape[-1]) for v in self}
+        if len(nnz) != 1 or len(set(self.shared)) != 1:
+            raise ValueError("stacked view needs every layer to have the same nnz and sharedness")
+        k, n = nnz.pop(), len(self)
+        s_arena, p_arena = self.arenas
+        if self.shared[0]:
+            return s_arena[: n * k].view(n, k)
+        return p_arena[:, : n * k].view(p_arena.shape[0], n, k).transpose(0, 1)
+
+    def is_current(self) -> bool:
+        """Whether the plan still holds these arenas (so ``backward`` can read them in place)."""
+        return any(a[0] is self.arenas[0] and a[1] is self.arenas[1] for a in self.plan._buffers.values())
 
 
 def _fmt_bytes(b: float) -> str:
@@ -50,6 +76,7 @@ class Plan:
         self._programs: dict[tuple, Program] = {}
         self._tables: dict[tuple, object] = {}
         self._patterns_cache: Optional[list] = None
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- introspection ------------------------------------------------------------------
     @property
@@ -156,6 +183,47 @@ class Plan:
             hit = (backend.run_program, backend.make_tables(program, device))
             self._tables[key] = hit
         return hit
+
+    def _arenas(self, program: Program, batch: int, dtype: torch.dtype, device: torch.device):
+        """Matrix arenas ``(S, P)`` for one call, reused while the shape repeats.
+
+        Their layout depends only on which inputs are shared (never on ``extra``), so a
+        :meth:`values_buffer` filled before the call is read in place.
+        """
+        key = (program.shared, batch, dtype, str(device))
+        hit = self._buffers.get(key)
+        if hit is None:
+            self._buffers.clear()  # hold at most one set: memory stays at one backward's peak
+            hit = (torch.empty(program.size_s, dtype=dtype, device=device),
+                   torch.empty(batch, program.size_p, dtype=dtype, device=device))
+            self._buffers[key] = hit
+        return hit
+
+    def values_buffer(self, batch: int, *, dtype: torch.dtype = torch.float32, device="cpu",
+                      shared: Optional[Sequence[bool]] = None) -> "ValuesBuffer":
+        """Views into the plan's own input arena, to fill in place and pass as ``values``.
+
+        ``backward`` then reads the values where they are instead of copying them (for long
+        chains the copy is a sizeable part of a step). ``buf[i]`` is ``(B, nnz_i)`` (or
+        ``(nnz_i,)`` where ``shared[i]``); ``buf.stacked`` is ``(n, B, nnz)`` / ``(n, nnz)`` when
+        every layer has the same nnz and sharedness. The buffer stays valid until the plan's
+        buffers are released or another batch size / dtype / device / sharedness is used.
+        """
+        shared = [False] * self.n if shared is None else [bool(s) for s in shared]
+        if len(shared) != self.n:
+            raise ValueError(f"shared: expected {self.n} flags, got {len(shared)}")
+        device = torch.device(device)
+        program = self.program(shared, [False] * (self.n + 1))
+        s_arena, p_arena = self._arenas(program, batch, dtype, device)
+        views = []
+        for i, p in enumerate(self._scan.patterns):
+            off = program.input_offsets[i]
+            views.append(s_arena[off : off + p.nnz] if shared[i] else p_arena[:, off : off + p.nnz])
+        return ValuesBuffer(views, self, program.shared, (s_arena, p_arena))
+
+    def release_buffers(self) -> None:
+        """Free the matrix arenas kept between calls."""
+        self._buffers.clear()
 
     # -- persistence --------------------------------------------------------------------
     def save(self, path) -> None:
