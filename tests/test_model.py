@@ -347,3 +347,72 @@ def test_maxpool_return_indices_refused():
     run_errors(lambda: plan_model(net, torch.zeros(1, 1, 4, 4)), ValueError, "layer 1", "one tensor")
     run_errors(lambda: make_unit(1, nn.MaxPool2d(2, return_indices=True), (1, 4, 4), (1, 2, 2)), ValueError,
                "layer 1", "return_indices")
+
+
+# ----------------------------------------------------------------------------- random chains
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def random_chains(draw):
+    """A random shape-compatible CNN/MLP chain on a small image, and its per-sample input shape."""
+    c, h, w = draw(st.integers(1, 3)), draw(st.integers(3, 7)), draw(st.integers(3, 7))
+    in_shape = (c, h, w)
+    layers: list[nn.Module] = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["conv", "conv", "act", "maxpool", "avgpool", "bn"]))
+        if kind == "conv":
+            k = draw(st.integers(1, 3))
+            groups = draw(st.sampled_from([g for g in (1, 2, 3) if c % g == 0]))
+            cout = groups * draw(st.integers(1, 2))
+            layers.append(nn.Conv2d(c, cout, k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, 1)),
+                                    dilation=draw(st.integers(1, 2)) if k > 1 else 1, groups=groups))
+        elif kind == "act":
+            layers.append(draw(st.sampled_from([nn.ReLU(), nn.Tanh(), nn.GELU(), nn.LeakyReLU(0.2), nn.Sigmoid()])))
+        elif kind == "maxpool":
+            k = draw(st.integers(1, 3))
+            layers.append(nn.MaxPool2d(k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, k // 2)),
+                                       ceil_mode=draw(st.booleans())))
+        elif kind == "avgpool":
+            k = draw(st.integers(1, 3))
+            layers.append(nn.AvgPool2d(k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, k // 2)),
+                                       count_include_pad=draw(st.booleans())))
+        else:
+            layers.append(_bn_eval(nn.BatchNorm2d(c), draw(st.integers(0, 9))))
+        try:
+            with torch.no_grad():
+                out = nn.Sequential(*layers)(torch.zeros(1, *in_shape)).shape[1:]
+        except RuntimeError:  # the image became too small for this layer: end the chain here
+            layers.pop()
+            break
+        c = out[0]
+    with torch.no_grad():
+        d = nn.Sequential(*layers)(torch.zeros(1, *in_shape)).numel() if layers else c * h * w
+    layers += [nn.Flatten(), nn.Linear(d, draw(st.integers(1, 4)))]
+    return layers, in_shape, draw(st.sampled_from(LEVELS)), draw(st.integers(1, 3))
+
+
+@settings(max_examples=20)
+@given(case=random_chains(), seed=st.integers(0, 2**16))
+def test_random_chains_equal_autograd(case, seed):
+    layers, in_shape, levels, batch = case
+    torch.manual_seed(seed)
+    net = nn.Sequential(*layers).double()
+    for m in net.modules():  # fresh weights, deterministic per example
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            m.reset_parameters()
+    x = torch.randn(batch, *in_shape, dtype=torch.float64)
+    w = wrap(net, x, levels=levels)
+    xs = x.clone().requires_grad_(True)
+    y = w(xs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    got = [xs.grad] + [p.grad for p in net.parameters()]
+    for p in net.parameters():
+        p.grad = None
+    xr = x.clone().requires_grad_(True)
+    ref = torch.autograd.grad(net(xr), [xr] + list(net.parameters()), g)
+    for a, b in zip(got, ref):
+        assert _rel(a, b) <= 1e-9
