@@ -28,7 +28,7 @@ import numpy as np
 __all__ = [
     "allow_tf32", "mode", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
-    "LaunchSpec", "launch", "recording",
+    "ChainConfig", "chain_config", "LaunchSpec", "launch", "recording",
 ]
 
 allow_tf32: bool = False
@@ -178,6 +178,44 @@ def gemv_config(m: int, k: int, nodes: int, batch: int, itemsize: int,
     block_b = min(next_pow2(batch), 64 if interpret else 4)
     warps = 4 if interpret else _warps(block_n * bm * bk)
     return GemvConfig(block_b, block_n, bm, bk, warps), k <= bk
+
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """Persistent GEMV chain: a program walks every step for ``block_b`` samples."""
+
+    block_b: int
+    block_m: int
+    block_k: int
+    num_warps: int
+
+
+def chain_config(m: int, batch: int, shared: bool, itemsize: int,
+                 interpret: Optional[bool] = None) -> tuple[ChainConfig, bool]:
+    """Tiles for a chain of ``(m, m)`` mat-vecs; also whether one tile holds a whole matrix.
+
+    Up to ``m = 64`` the running vector stays in registers (one tile). Per-sample matrices give
+    each program one sample on a GPU (the chain is sequential: more programs, more bandwidth);
+    a shared matrix is loaded once per step for as many samples as the tile budget allows.
+    """
+    interpret = interpreting() if interpret is None else interpret
+    bm = next_pow2(m)
+    one_tile = bm <= 64
+    if one_tile:
+        bk = bm
+    else:
+        bm, bk = 32, (64 if itemsize <= 4 else 32)
+    budget = (1 << 16) if interpret else 8192
+    if interpret:
+        block_b = min(next_pow2(batch), 64)
+    elif shared:
+        block_b = min(next_pow2(batch), 16)
+    else:
+        block_b = 1
+    block_b = max(1, min(block_b, budget // (bm * bk)))
+    warps = 4 if interpret else _warps(block_b * bm * bk)
+    return ChainConfig(block_b, bm, bk, warps), one_tile
 
 
 # --- the one place kernels are launched -------------------------------------------------

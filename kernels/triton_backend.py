@@ -11,15 +11,21 @@ can be captured in a CUDA graph. Semantics match :mod:`spscan.kernels.torch_ops`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV
 
+try:  # a chain of dependent middle mat-vecs, when the planner fuses them
+    from spscan.planner.program import GemvChain
+except ImportError:  # pragma: no cover - planners without chain fusion
+    GemvChain = None
+
 from .gemm import gemm
 from .gemv import gemv
+from .gemv_chain import gemv_chain
 from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
 from .spmv import spmv
@@ -54,7 +60,14 @@ class _GemvLaunch:
     add: torch.Tensor
 
 
-Launch = Union[_SpMMLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch]
+@dataclass
+class _ChainLaunch:
+    op: "GemvChain"
+    m_off: torch.Tensor
+    add: Optional[torch.Tensor]
+
+
+Launch = Union[_SpMMLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
 
 
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
@@ -79,6 +92,7 @@ class TritonTables:
         self.device = torch.device(device)
         sizes = {"S": program.size_s, "P": program.size_p, "V": program.size_v}
         zeros = {"S": program.zero_s, "P": program.zero_p, "V": program.zero_v}
+        self.needs_arena_inputs = True  # kernels read input values from the arenas only
         self.steps: list[list[Launch]] = []
         for si, st in enumerate(program.steps):
             launches: list[Launch] = []
@@ -115,6 +129,17 @@ class TritonTables:
                         torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
                     reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
                     writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
+                elif GemvChain is not None and isinstance(op, GemvChain):
+                    idt = index_dtype(sizes[op.kind_m], sizes["V"])
+                    add = None if op.add is None else torch.as_tensor(
+                        np.ascontiguousarray(op.add), dtype=idt, device=self.device)
+                    launches.append(_ChainLaunch(op, _offsets(op.mats, sizes[op.kind_m], self.device), add))
+                    m = op.mats.rows
+                    # the chain reads its own outputs step by step: only y_0 and the adds come from outside
+                    reads.append(("V", np.arange(op.vin0, op.vin0 + m)))
+                    if op.add is not None:
+                        reads.append(("V", op.add.ravel()))
+                    writes.append(("V", np.arange(op.out_offset, op.out_offset + op.steps * m)))
                 else:
                     raise TypeError(f"program step {si}: unknown work table {type(op).__name__}")
             _check_disjoint(si, reads, writes)
@@ -130,10 +155,13 @@ def make_tables(program: Program, device: torch.device) -> TritonTables:
     return TritonTables(program, device)
 
 
-def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor) -> None:
+def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
+                inputs=None) -> None:
     """Run every step in order, in place: ``arenas["S"]`` ``(N_S,)``, ``arenas["P"]`` ``(B, N_P)``, ``vectors`` ``(B, N_V)``.
 
-    Only kernel launches: capturable in a CUDA graph once the arenas are static.
+    Only kernel launches: capturable in a CUDA graph once the arenas are static. ``inputs`` (the
+    caller's per-layer tensors) is accepted for interface parity and unused: every kernel reads
+    the arenas, so the executor always loads them (``needs_arena_inputs``).
     """
     for si, launches in enumerate(tables.steps):
         for item in launches:
@@ -146,6 +174,9 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                 op = item.op
                 gemm(item.a_off, item.b_off, op.a, op.b, op.out_offset,
                      arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
+            elif isinstance(item, _ChainLaunch):
+                op = item.op
+                gemv_chain(item.m_off, item.add, op.mats, op.vin0, op.out_offset, arenas[op.kind_m], vectors)
             else:
                 op = item.op
                 gemv(item.m_off, item.vin, item.add, op.mats, op.out_offset, arenas[op.kind_m], vectors)
