@@ -114,7 +114,8 @@ class _IndexCache:
     """A numpy index array with per-device torch copies made on first use."""
 
     def __init__(self, array: np.ndarray):
-        self.array = np.ascontiguousarray(array, dtype=np.int64)
+        a = np.ascontiguousarray(array, dtype=np.int64)
+        self.array = a if a.flags.writeable else a.copy()  # broadcast views are read-only; torch wants writable
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def on(self, device: torch.device) -> torch.Tensor:

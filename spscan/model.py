@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 from spscan.layers import LayerUnit, LinearUnit, make_unit, supported_layer_types
 
@@ -368,6 +369,7 @@ class _ScanFunction(torch.autograd.Function):
         return y.clone() if y is x else y
 
     @staticmethod
+    @once_differentiable  # the scan's backward is not itself differentiable: double backward raises clearly
     def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
         plan: ModelPlan = ctx.plan
         b = gy.shape[0]

@@ -326,6 +326,31 @@ def test_param_grads_input_checks():
     run_errors(lambda: param_grads(plan, jac, grads[1:]), ValueError, "expected 9")
 
 
+@pytest.mark.skipif(not HAS_CORE, reason="needs the core engine")
+@pytest.mark.parametrize("levels", [0, "full"])
+def test_wrapped_gradients_triton_backend(levels):
+    """The Triton backend (interpreted on CPU) behind the wrapper gives autograd's gradients too."""
+    net, shape = cnn_strided()
+    net, ref = net.double(), cnn_strided()[0].double()
+    x = torch.randn(2, *shape, dtype=torch.float64)
+    w = wrap(net, x, levels=levels, backend="triton")
+    target = torch.randn(2, *w.plan.out_shape, dtype=torch.float64)
+    _, gx, gp = _autograd_step(w, x, target, seed=0)
+    _, gx_ref, gp_ref = _autograd_step(ref, x, target, seed=0)
+    assert _rel(gx, gx_ref) <= 1e-9
+    for n, g in gp_ref.items():
+        assert _rel(gp["model." + n], g) <= 1e-9, n
+
+
+def test_double_backward_refused():
+    net, shape = mlp()
+    w = wrap(net.double(), torch.zeros(1, *shape, dtype=torch.float64), levels=0)
+    x = torch.randn(2, *shape, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad((w(x) ** 2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        gx.sum().backward()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("levels", LEVELS)
 def test_wrapped_gradients_on_cuda(levels):
