@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -433,6 +433,8 @@ class CommStats:
         planned_bytes_sent, planned_bytes_received: what the plan says they must be.
         collectives: all-reduces outside the rounds (the status check).
         log: per round ``(round, send peer, bytes sent, receive peer, bytes received)``.
+        seconds: host wall time per phase: ``"status"``, ``"local"`` (reduce or spine backward),
+            ``"rounds"`` (waits included) and ``"finish"`` (device work may still be queued on GPUs).
     """
 
     rank: int
@@ -446,6 +448,7 @@ class CommStats:
     planned_bytes_received: int = 0
     collectives: int = 0
     log: list[tuple[int, Optional[int], int, Optional[int], int]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class SliceGrads(list):
@@ -533,7 +536,8 @@ def _infer_batch(values: Sequence[Any], extra: Optional[Sequence[Any]], grad: Op
 
 
 def _check_local(dplan: DistributedPlan, rp: RankPlan, values: Any, grad: Optional[torch.Tensor],
-                 extra: Optional[Sequence[Optional[torch.Tensor]]]) -> tuple[int, torch.dtype, torch.device, list, list]:
+                 extra: Optional[Sequence[Optional[torch.Tensor]]]
+                 ) -> tuple[int, torch.dtype, torch.device, list, list]:
     """Validate this rank's inputs alone; returns (batch or 0, dtype, device, values list, extras list)."""
     from spscan.executor import check_inputs
 
@@ -630,6 +634,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
         raise ValueError(f"rank {rank}: the plan is for world_size={p}, the process group has {size} ranks")
     stats = CommStats(rank, p)
     comm = _Comm(group, stats, timeout)
+    t0 = time.perf_counter()
 
     # 1. local validation, then one status all-reduce so that a bad rank fails everywhere
     status_err: Optional[BaseException] = None
@@ -676,6 +681,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
     import spscan
 
     last = p - 1
+    t1 = time.perf_counter()
     with torch.no_grad():
         # 2. the rank's element: the spine vector (last rank) or its slice's affine composite
         local_grads = None
@@ -687,6 +693,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
         else:
             partial = (None, None)  # rank 0 of p > 1 only receives
         received: list[tuple] = []
+        t2 = time.perf_counter()
         # 3. recursive doubling: round k pairs rank r with r - 2^k (send) and r + 2^k (receive)
         for k in range(dplan.rounds):
             dst, src = dplan.send_peer(rank, k), dplan.recv_peer(rank, k)
@@ -705,6 +712,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
             received.append((k, piece))
             if k + 1 < dplan.rounds and dplan.sends(rank, k + 1):
                 partial = _compose(rp.round_products.get(k), rp.own_matvecs[k], partial, piece)
+        t3 = time.perf_counter()
         # 4. boundary gradient: apply the received pieces to the spine vector, innermost first
         if rank != last:
             k_last, (m, g) = received[-1]
@@ -712,6 +720,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
             for k, (m, v) in reversed(received[:-1]):
                 g = rp.recv_matvecs[k](m, g, v)
             local_grads = spscan.backward(rp.local, values, g, extra=extra_l)
+    stats.seconds = {"status": t1 - t0, "local": t2 - t1, "rounds": t3 - t2, "finish": time.perf_counter() - t3}
     return SliceGrads(list(local_grads), rp.lo, stats)
 
 
