@@ -504,8 +504,12 @@ class DropoutUnit(LayerUnit):
             return x.clone() if self.module.training else x, ("ones", x.shape[0], x.dtype, x.device, self.module.training)
         if p == 1.0:
             scale = torch.zeros_like(x)
+        elif x.device.type == "cuda":
+            # F.dropout uses the fused kernel on CUDA: same call, same mask; its backward is grad*mask/(1-p)
+            y, mask = torch.native_dropout(x, p, True)
+            return y, ("mask", mask.to(x.dtype) * (1.0 / (1.0 - p)))
         else:
-            # same RNG call and arithmetic as F.dropout on CPU/CUDA: bernoulli_(1-p), then / (1-p)
+            # same RNG call and arithmetic as F.dropout on CPU: bernoulli_(1-p), then / (1-p)
             scale = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
         return x * scale, ("mask", scale)
 
