@@ -145,19 +145,21 @@ def balanced_slices(patterns: Any, world_size: int) -> list[int]:
             return None
         return bounds + [n]
 
-    # the optimum is one of the slice sums: binary search over the sorted candidates
-    lo_c = float(cost.max())
-    cand = np.unique((prefix[None, :] - prefix[:, None]).ravel())
-    cand = cand[cand >= lo_c]
-    best = cuts(float(prefix[n]))
-    lo, hi = 0, cand.size - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        got = cuts(float(cand[mid]))
+    # feasibility is monotone in the limit: bisect it (O(n) memory, exact to float resolution)
+    lo_l, hi_l = float(cost.max()), float(prefix[n])
+    best = cuts(lo_l)
+    if best is not None:
+        return best
+    best = cuts(hi_l)
+    for _ in range(200):
+        mid = 0.5 * (lo_l + hi_l)
+        if not lo_l < mid < hi_l:
+            break
+        got = cuts(mid)
         if got is not None:
-            best, hi = got, mid - 1
+            best, hi_l = got, mid
         else:
-            lo = mid + 1
+            lo_l = mid
     assert best is not None
     return best
 
