@@ -15,7 +15,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, GemvChain, Program, SpMM, SpMV
+from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV, VecChain
 
 __all__ = ["TorchTables", "run_program"]
 
@@ -64,18 +64,14 @@ def _blocks(ref: BlockRef, device: torch.device) -> _Blocks:
     return _Blocks(ref.rows, ref.cols, -1, None, torch.as_tensor(flat, device=device))
 
 
-def _view_blocks(arena: torch.Tensor, b: _Blocks, allow_reversed: bool = False) -> torch.Tensor:
-    """``(nodes, rows, cols)`` (shared) or ``(B, nodes, rows, cols)`` (per sample).
-
-    With ``allow_reversed`` a descending run comes back as an ascending view (the caller reads
-    it backwards); otherwise it is flipped into the requested order.
-    """
+def _view_blocks(arena: torch.Tensor, b: _Blocks) -> torch.Tensor:
+    """``(nodes, rows, cols)`` (shared) or ``(B, nodes, rows, cols)`` (per sample)."""
     size = b.rows * b.cols
     if b.base >= 0:
         nb = (arena.shape[-1] - b.base) // size
         view = arena[..., b.base : b.base + nb * size].unflatten(-1, (nb, b.rows, b.cols))
         view = view[..., b.block, :, :]
-        return view.flip(-3) if b.reverse and not allow_reversed else view
+        return view.flip(-3) if b.reverse else view
     return arena[..., b.flat].unflatten(-1, (b.rows, b.cols))
 
 
@@ -96,7 +92,8 @@ class TorchTables:
         self.device = device
         self.steps = []
         ops_all = [op for st in program.steps for op in st.ops]
-        self.needs_arena_inputs = not all(isinstance(op, GemvChain) and op.layers is not None for op in ops_all)
+        self.needs_arena_inputs = not all(isinstance(op, VecChain) and bool(np.all(op.layers >= 0))
+                                          for op in ops_all)
         zero_v = program.zero_v
         for st in program.steps:
             ops = []
@@ -114,9 +111,8 @@ class TorchTables:
                     ops.append((op, bins))
                 elif isinstance(op, Gemm):
                     ops.append((op, (_blocks(op.a, device), _blocks(op.b, device))))
-                elif isinstance(op, GemvChain):
-                    add = None if op.add is None else _as_index(op.add.reshape(-1), device)
-                    ops.append((op, (_blocks(op.mats, device), add)))
+                elif isinstance(op, VecChain):
+                    ops.append((op, _chain_plan(op)))
                 else:
                     ops.append((op, (_blocks(op.mats, device), _as_index(op.vin.reshape(-1), device),
                                      _as_add(op.add, zero_v, device))))
@@ -166,49 +162,87 @@ def _segment_sum(x: torch.Tensor, dst: torch.Tensor, idx: Index) -> None:
         dst[..., idx] = x.sum(-1)
 
 
-def _chain_matrices(op: GemvChain, bm: _Blocks, arenas: dict[str, torch.Tensor], inputs) -> list[torch.Tensor]:
-    """Per step, the matrix as a contiguous ``(m, m)`` (shared) or ``(B, m, m)`` tensor."""
-    m = bm.rows
-    if inputs is not None and op.layers is not None:
-        return [inputs(i).unflatten(-1, (m, m)).contiguous() for i in op.layers.tolist()]
-    mats = _view_blocks(arenas[op.kind_m], bm, allow_reversed=True)
-    mats = mats.contiguous() if mats.dim() == 3 else mats.transpose(0, 1).contiguous()  # (steps, B, m, m)
-    seq = list(mats.unbind(0))
-    return seq[::-1] if bm.reverse else seq
+@dataclass
+class _ChainPlan:
+    """A :class:`VecChain` unpacked into Python lists once (the per-step loop is overhead bound)."""
+
+    code: list[int]  # 0 diagonal, 1 shared dense, 2 per-sample dense
+    layer: list[int]
+    offset: list[int]
+    rows: list[int]
+    cols: list[int]
+    add: list[int]
+    uniform_out: bool
 
 
-def _run_chain(op: GemvChain, t, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, inputs) -> None:
-    """The linear-scan middle: one ``bmm``/``mm`` per step (``baddbmm``/``addmm`` with the affine term).
+def _chain_plan(op: VecChain) -> _ChainPlan:
+    code = [0 if not d else (1 if s else 2) for d, s in zip(op.dense.tolist(), op.shared.tolist())]
+    rows = op.rows.tolist()
+    first = int(op.out[0])
+    uniform = bool(np.all(op.rows == rows[0])) and bool(np.all(op.out == first + rows[0] * np.arange(op.steps)))
+    return _ChainPlan(code, op.layers.tolist(), op.mat_offset.tolist(), rows, op.cols.tolist(), op.add.tolist(),
+                      uniform)
 
-    Matrices are contiguous and outputs go to a contiguous buffer with ``out=``: the least
-    per-step overhead eager torch allows on a sequential chain. A chain over input matrices
-    reads the caller's tensors (already ``(B, m*m)`` per layer) instead of the arena.
+
+def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
+               inputs) -> None:
+    """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term).
+
+    Vectors are ``(B, m)`` blocks of one contiguous buffer written with ``out=``: the least
+    per-step overhead eager torch allows on a sequential chain. Matrices of input layers are the
+    caller's tensors (no arena load); a tensor repeated along the chain is reshaped once.
     """
-    bm, add = t
-    batch, m, steps = vectors.shape[0], bm.rows, op.steps
-    mats = _chain_matrices(op, bm, arenas, inputs)
-    shared = mats[0].dim() == 2
-    y0 = vectors[:, op.vin0 : op.vin0 + m]
-    adds = None if add is None else vectors[:, add].view(batch, steps, m)
-    if shared:  # vectors as (m, B) columns
-        ys = torch.empty(steps + 1, m, batch, dtype=vectors.dtype, device=vectors.device)
-        ys[0] = y0.t()
-        adds = None if adds is None else list(adds.permute(1, 2, 0).contiguous().unbind(0))
-        mv, mv_add = torch.mm, torch.addmm
-    else:  # vectors as (B, m, 1)
-        ys = torch.empty(steps + 1, batch, m, 1, dtype=vectors.dtype, device=vectors.device)
-        ys[0, :, :, 0] = y0
-        adds = None if adds is None else list(adds.transpose(0, 1).unsqueeze(-1).contiguous().unbind(0))
-        mv, mv_add = torch.bmm, torch.baddbmm
-    y = ys.unbind(0)
-    if adds is None:
-        for j in range(steps):
-            mv(mats[j], y[j], out=y[j + 1])
+    batch, steps = vectors.shape[0], op.steps
+    rows, cols, code = cp.rows, cp.cols, cp.code
+    buf = torch.empty(batch * sum(rows), dtype=vectors.dtype, device=vectors.device)
+    if cp.uniform_out:
+        ys = buf.view(steps, batch, rows[0]).unbind(0)
+    else:
+        ys = [piece.view(batch, m) for piece, m in zip(buf.split([batch * m for m in rows]), rows)]
+    seen: dict[int, torch.Tensor] = {}
+    mats = []
+    for j in range(steps):
+        m, k, c = rows[j], cols[j], code[j]
+        if cp.layer[j] >= 0 and inputs is not None:
+            raw = inputs(cp.layer[j])
+            hit = seen.get(id(raw))
+            if hit is None:  # shared dense blocks are kept transposed: the step is y @ M^T
+                hit = raw if c == 0 else (raw.view(m, k).t() if c == 1 else raw.unflatten(-1, (m, k)))
+                seen[id(raw)] = hit
+            mats.append(hit)
+        else:
+            off = cp.offset[j]
+            arena = arenas["S"] if c == 1 or (c == 0 and op.shared[j]) else arenas["P"]
+            vals = arena[..., off : off + (m * k if c else m)]
+            mats.append(vals if c == 0 else (vals.view(m, k).t() if c == 1 else vals.unflatten(-1, (m, k))))
+    y = vectors[:, op.vin0 : op.vin0 + cols[0]]
+    mm, addmm, bmm, baddbmm, mul, addcmul = torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.mul, torch.addcmul
+    for j in range(steps):
+        mat, out, c, a = mats[j], ys[j], code[j], cp.add[j]
+        if a < 0:
+            if c == 0:
+                mul(y, mat, out=out)
+            elif c == 1:
+                mm(y, mat, out=out)
+            else:
+                bmm(mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
+        else:
+            add = vectors[:, a : a + rows[j]]
+            if c == 0:
+                addcmul(add, y, mat, out=out)
+            elif c == 1:
+                addmm(add, y, mat, out=out)
+            else:
+                baddbmm(add.unsqueeze(-1), mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
+        y = out
+    first = int(op.out[0])
+    if cp.uniform_out:
+        m = rows[0]
+        vectors[:, first : first + steps * m] = buf.view(steps, batch, m).transpose(0, 1).reshape(batch, steps * m)
     else:
         for j in range(steps):
-            mv_add(adds[j], mats[j], y[j], out=y[j + 1])
-    res = ys[1:].permute(2, 0, 1) if shared else ys[1:, :, :, 0].transpose(0, 1)
-    vectors[:, op.out_offset : op.out_offset + steps * m] = res.reshape(batch, steps * m)
+            o = int(op.out[j])
+            vectors[:, o : o + rows[j]] = ys[j]
 
 
 def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
@@ -239,7 +273,7 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
                         _segment_sum(prod, vectors, out)
                     else:
                         _store(vectors, out, prod.sum(-1) + vectors[:, add])
-            elif isinstance(op, GemvChain):
+            elif isinstance(op, VecChain):
                 _run_chain(op, t, arenas, vectors, inputs)
             else:  # Gemv: memory bound, so one strided multiply + sum beats copying blocks for bmm
                 bm, vin, add = t

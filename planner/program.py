@@ -26,7 +26,7 @@ import numpy as np
 from .planning import ScanPlan
 from .schedule import GRAD, blelloch_schedule, extra_vec
 
-__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "GemvChain", "Bin", "lower"]
+__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "VecChain", "Bin", "lower"]
 
 SHARED, SAMPLE = "S", "P"
 
@@ -100,7 +100,6 @@ class Gemv:
     vin: np.ndarray  # (nodes, k) vector slots
     add: np.ndarray  # (nodes, m) vector slots (zero slot where there is no extra)
     out_offset: int  # nodes * m contiguous vector slots
-    mat_ids: Optional[np.ndarray] = None  # (nodes,) matrix ids (an id < n is input layer id+1)
 
     @property
     def nodes(self) -> int:
@@ -108,24 +107,28 @@ class Gemv:
 
 
 @dataclass
-class GemvChain:
-    """A run of dependent dense mat-vecs (the linear-scan middle): ``y_j = M_j y_{j-1} + add_j``.
+class VecChain:
+    """A run of dependent mat-vecs (the linear-scan middle): ``y_j = M_j y_{j-1} + add_j``.
 
-    ``y_0`` is read from ``vin0``; ``y_1 .. y_steps`` are written to ``out_offset + (j-1) * m``.
-    Backends run the whole chain from one call (torch: one batched product per step over
-    pre-gathered contiguous matrices; Triton: one persistent launch), not one launch per step.
+    Every ``M_j`` is dense (row-major ``(m_j, k_j)`` block) or diagonal (``m_j`` entries), shared
+    or per sample; ``y_0`` is read at ``vin0`` and ``y_j`` written at ``out[j]`` (contiguous).
+    Backends run the whole run from one call (torch: one ``mm``/``bmm``/``mul`` per step into
+    contiguous buffers; Triton: one persistent launch), never one launch per step.
     """
 
-    kind_m: str
-    mats: BlockRef  # (steps,) blocks of (m, m)
-    vin0: int  # vector slot of y_0 (m entries)
-    add: Optional[np.ndarray]  # (steps, m) vector slots, None when no step has an affine term
-    out_offset: int
-    layers: Optional[np.ndarray] = None  # (steps,) input layer index of each matrix, if all are inputs
+    dense: np.ndarray  # (steps,) bool: dense block, else diagonal
+    shared: np.ndarray  # (steps,) bool: matrix values in the shared arena
+    rows: np.ndarray  # (steps,) m_j
+    cols: np.ndarray  # (steps,) k_j
+    mat_offset: np.ndarray  # (steps,) arena offset of M_j's values
+    layers: np.ndarray  # (steps,) input layer index of M_j, or -1 for a product
+    vin0: int
+    add: np.ndarray  # (steps,) vector offset of add_j, or -1
+    out: np.ndarray  # (steps,) vector offset of y_j
 
     @property
     def steps(self) -> int:
-        return int(self.mats.offsets.shape[0])
+        return int(self.rows.shape[0])
 
 
 @dataclass
@@ -163,6 +166,17 @@ class Program:
     def zero_v(self) -> int:
         return self.size_v - 1
 
+    @property
+    def output_split(self) -> tuple[list[int], list[int]]:
+        """Cut points of the vector arena and, per output, which piece is ``dl/dx_i``."""
+        cached = getattr(self, "_output_split", None)
+        if cached is None:
+            bounds = sorted({b for off, d in self.outputs for b in (off, off + d)})
+            piece = {off: k + 1 for k, off in enumerate(bounds)}  # piece k+1 starts at bounds[k]
+            cached = (bounds, [piece[off] for off, d in self.outputs])
+            self._output_split = cached
+        return cached
+
     def index_bytes(self) -> int:
         total = 0
         for st in self.steps:
@@ -187,10 +201,10 @@ def _arrays(op):
         yield op.mats.offsets
         yield op.vin
         yield op.add
-    elif isinstance(op, GemvChain):
-        yield op.mats.offsets
-        if op.add is not None:
-            yield op.add
+    elif isinstance(op, VecChain):
+        yield op.mat_offset
+        yield op.add
+        yield op.out
 
 
 def _binned(lengths: np.ndarray, first: np.ndarray, a_src: np.ndarray, b_src: np.ndarray,
@@ -232,44 +246,28 @@ class _Alloc:
         return off
 
 
-def _continues(prev: Gemv, op: Gemv) -> bool:
-    """``op`` reads exactly what ``prev`` wrote, with the same square shape, right after it."""
-    m = prev.mats.rows
-    return (op.kind_m == prev.kind_m and op.mats.rows == m
-            and np.array_equal(op.vin[0], prev.out_offset + np.arange(m))
-            and op.out_offset == prev.out_offset + m)
+def _chain_kind(p) -> Optional[str]:
+    """``"dense"`` / ``"diag"`` for matrices a middle chain can take, else ``None``."""
+    if p.is_full:
+        return "dense"
+    if p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows)):
+        return "diag"
+    return None
 
 
-def _fuse_middle(steps: list[ProgramStep], zero_v: int, n: int) -> list[ProgramStep]:
-    """Merge runs of consecutive single-GEMV middle steps with one square shape into a GemvChain."""
-    out: list[ProgramStep] = []
-    run: list[tuple[ProgramStep, Gemv]] = []
-
-    def flush() -> None:
-        if len(run) >= 2:
-            first = run[0][1]
-            m = first.mats.rows
-            add = np.concatenate([g.add for _, g in run])
-            ids = np.concatenate([g.mat_ids for _, g in run])
-            chain = GemvChain(first.kind_m, BlockRef(m, m, np.concatenate([g.mats.offsets for _, g in run])),
-                              int(first.vin[0, 0]), None if np.all(add == zero_v) else add, first.out_offset,
-                              ids if np.all(ids < n) else None)
-            out.append(ProgramStep("mid", run[0][0].level, [chain]))
-        elif run:
-            out.append(run[0][0])
-        run.clear()
-
-    for st in steps:
-        op = st.ops[0] if len(st.ops) == 1 else None
-        if st.phase == "mid" and isinstance(op, Gemv) and op.nodes == 1 and op.mats.rows == op.mats.cols:
-            if run and not _continues(run[-1][1], op):
-                flush()
-            run.append((st, op))
-            continue
-        flush()
-        out.append(st)
-    flush()
-    return out
+def _middle_runs(steps, mats) -> dict[int, int]:
+    """Start index -> length of each run (>= 2) of chainable single-MV middle steps."""
+    runs: dict[int, int] = {}
+    i = 0
+    while i < len(steps):
+        j = i
+        while (j < len(steps) and steps[j].phase == "mid" and len(steps[j].mv) == 1
+               and _chain_kind(mats[steps[j].mv[0].mat].pattern) is not None):
+            j += 1
+        if j - i >= 2:
+            runs[i] = j - i
+        i = max(j, i + 1)
+    return runs
 
 
 def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> Program:
@@ -313,8 +311,20 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
 
     pending = []  # (step, op-kind, payload) resolved once zero slots are known
     steps: list[ProgramStep] = []
-    for st in sched.steps:
+    runs = _middle_runs(sched.steps, mats)
+    skip_until = -1
+    for si, st in enumerate(sched.steps):
+        if si < skip_until:
+            continue
         pstep = ProgramStep(st.phase, st.level)
+        if si in runs:
+            chain_ops = [s.mv[0] for s in sched.steps[si : si + runs[si]]]
+            for op in chain_ops:
+                vec(op.out, mats[op.mat].pattern.rows)
+            pending.append((pstep, "chain", chain_ops))
+            steps.append(pstep)
+            skip_until = si + runs[si]
+            continue
         # --- matrix products: GEMM groups by (kinds, shape); pair products by kinds
         gemm_groups: dict[tuple, list] = {}
         pair_groups: dict[tuple, list] = {}
@@ -385,6 +395,20 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
                            np.concatenate(b_src), np.concatenate(outs), None, zero[key[0]], zero[key[1]])
             pstep.ops.append(SpMM(key[0], key[1], key[2], bins))
+        elif what == "chain":
+            ops = payload
+            pats_ = [mats[o.mat].pattern for o in ops]
+            pstep.ops.append(VecChain(
+                dense=np.array([p.is_full for p in pats_]),
+                shared=np.array([kind[o.mat] == SHARED for o in ops]),
+                rows=np.array([p.rows for p in pats_], dtype=np.int64),
+                cols=np.array([p.cols for p in pats_], dtype=np.int64),
+                mat_offset=np.array([offset[o.mat] for o in ops], dtype=np.int64),
+                layers=np.array([o.mat if o.mat < n else -1 for o in ops], dtype=np.int64),
+                vin0=voff[ops[0].vin],
+                add=np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64),
+                out=np.array([voff[o.out] for o in ops], dtype=np.int64),
+            ))
         elif what == "gemv":
             key, ops, out0 = payload
             m, k = key[1]
@@ -392,8 +416,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             vin = np.array([voff[o.vin] for o in ops], dtype=np.int64)[:, None] + np.arange(k)
             add = np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64)
             add_idx = np.where(add[:, None] >= 0, add[:, None] + np.arange(m), zero_v)
-            ids = np.array([o.mat for o in ops], dtype=np.int64)
-            pstep.ops.append(Gemv(key[0], mref, vin, add_idx, out0, ids))
+            pstep.ops.append(Gemv(key[0], mref, vin, add_idx, out0))
         else:
             key, ops = payload
             lens, firsts, a_src, b_src, outs, adds = [], [], [], [], [], []
@@ -415,7 +438,6 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
                            zero[key], zero_v)
             pstep.ops.append(SpMV(key, bins))
 
-    steps = _fuse_middle(steps, zero_v, n)
     outputs = [(voff[v], vdim[v]) for v in sched.outputs]
     return Program(
         n=n, shared=shared, has_extra=has_extra,

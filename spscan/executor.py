@@ -52,26 +52,36 @@ def check_inputs(plan, values, grad, extra, check_finite: bool):
         if len(values) != n:
             _fail(ValueError, f"values: expected {n} tensors (one per layer), got {len(values)}")
         items = values
+    nnzs = plan._nnz
+    checked: dict[int, bool] = {}  # a tensor repeated along the chain is checked once per shape
     shared = []
     for i, v in enumerate(items):
+        nnz = nnzs[0] if stacked else nnzs[i]
+        key = id(v)
+        hit = checked.get(key)
+        if hit is not None and v.shape[-1] == nnz:
+            shared.append(hit)
+            continue
         layer = f"layer {i + 1}" if not stacked else "values"
         if not isinstance(v, torch.Tensor):
             _fail(TypeError, f"values[{i}] ({layer}): expected a torch.Tensor, got {type(v).__name__}")
-        if v.is_sparse or v.layout != torch.strided:
+        if v.layout != torch.strided:
             _fail(TypeError, f"values[{i}] ({layer}): expected a dense strided tensor of CSR values, got layout {v.layout}")
         if v.dtype != dtype:
             _fail(TypeError, f"values[{i}] ({layer}): dtype {v.dtype} differs from grad's {dtype}")
         if v.device != device:
             _fail(ValueError, f"values[{i}] ({layer}): on {v.device}, grad is on {device}")
-        nnz = pats[i if not stacked else 0].nnz
         shape = tuple(v.shape[1:]) if stacked else tuple(v.shape)
         if shape == (nnz,):
-            shared.append(True)
+            is_shared = True
         elif shape == (batch, nnz):
-            shared.append(False)
+            is_shared = False
         else:
+            pshape = pats[i if not stacked else 0].shape
             _fail(ValueError, f"values[{i}] ({layer}): expected shape ({batch}, {nnz}) or ({nnz},) "
-                              f"for a {pats[i if not stacked else 0].shape} pattern with nnz={nnz}, got {tuple(v.shape)}")
+                              f"for a {pshape} pattern with nnz={nnz}, got {tuple(v.shape)}")
+        checked[key] = is_shared
+        shared.append(is_shared)
     if stacked:
         shared = shared * n
     has_extra = [False] * (n + 1)
@@ -149,4 +159,11 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
         vectors[:, off : off + extra[i].shape[1]] = extra[i]
     layer = (lambda i: items[0][i]) if stacked else (lambda i: items[i])
     runner(tables, {"S": s_arena, "P": p_arena}, vectors, inputs=layer)
-    return [vectors[:, off : off + d] for off, d in program.outputs]
+    return _output_views(vectors, program)
+
+
+def _output_views(vectors: torch.Tensor, program) -> list[torch.Tensor]:
+    """``dl/dx_i`` as views of the vector arena, made by one ``tensor_split`` (long chains)."""
+    cuts, pick = program.output_split
+    pieces = vectors.tensor_split(cuts, dim=1)
+    return [pieces[k] for k in pick]

@@ -77,6 +77,7 @@ class Plan:
         self._tables: dict[tuple, object] = {}
         self._patterns_cache: Optional[list] = None
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._nnz = [p.nnz for p in scan.patterns]
 
     # -- introspection ------------------------------------------------------------------
     @property
