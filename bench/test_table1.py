@@ -12,6 +12,7 @@ Run: ``pytest bench/test_table1.py --benchmark-only``. Paper (Threadripper 1950X
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -93,6 +94,7 @@ def test_table1_analytic_generation(benchmark, name):
         "speedup_values": baseline_s / analytic_s,
         "speedup_pattern_and_values": baseline_s / (analytic_s + pattern_s),
         "paper_speedup": PAPER_SPEEDUP[name],
+        "load_average_1min": os.getloadavg()[0],  # other processes on the machine skew both sides
     })
     print(f"\n{name}: sparsity {unit.sparsity():.5f}, analytic values {analytic_s * 1e6:.1f} us, "
           f"pattern once {pattern_s * 1e3:.1f} ms, autograd column-at-a-time ~{baseline_s:.2f} s "

@@ -371,14 +371,11 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         self.weight_gather = _IndexCache(np.concatenate(parts_w)[order])
         self.zero_weights = _IndexCache(np.flatnonzero(drop))
 
-    def _conv(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-        m = self.module
-        return m._conv_forward(x, w, b)
-
     def run(self, x, tensors):
         self._check_pruned_still_zero(tensors[0])
         b = tensors[1] if len(tensors) > 1 else None
-        return self._conv(x, tensors[0], b), x
+        # the module's own conv call (handles string padding) with the effective weight
+        return self.module._conv_forward(x, tensors[0], b), x
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
@@ -675,11 +672,6 @@ class BatchNormUnit(LayerUnit):
             raise ValueError(f"layer {self.index} ({self.name}): eval mode expected, got train mode; "
                              "batch statistics make J^T dense across the batch — call model.eval()")
 
-    def _scale(self, tensors) -> torch.Tensor:
-        m = self.module
-        invstd = torch.rsqrt(m.running_var.detach() + m.eps)
-        return invstd * tensors[0].detach() if "weight" in self.roles else invstd
-
     def run(self, x, tensors):
         self._check_eval()
         m = self.module
@@ -690,6 +682,7 @@ class BatchNormUnit(LayerUnit):
 
     def fill(self, saved, tensors):
         m = self.module
+        # per-channel w / sqrt(var + eps), spread to every element of the channel
         invstd = torch.rsqrt(m.running_var.detach() + m.eps)
         scale = invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
         return torch.index_select(scale, 0, self.channel_of.on(scale.device))
