@@ -191,25 +191,25 @@ class ChainConfig:
     num_warps: int
 
 
-def chain_config(m: int, batch: int, shared: bool, itemsize: int,
+def chain_config(uniform_m: int, batch: int, all_shared: bool, itemsize: int,
                  interpret: Optional[bool] = None) -> tuple[ChainConfig, bool]:
-    """Tiles for a chain of ``(m, m)`` mat-vecs; also whether one tile holds a whole matrix.
+    """Tiles for a chain of mat-vecs; also whether one register tile holds every matrix.
 
-    Up to ``m = 64`` the running vector stays in registers (one tile). Per-sample matrices give
-    each program one sample on a GPU (the chain is sequential: more programs, more bandwidth);
-    a shared matrix is loaded once per step for as many samples as the tile budget allows.
+    ``uniform_m``: the common size when every step is a dense ``m x m`` block, else 0. Up to
+    ``m = 64`` the running vector stays in registers. With per-sample matrices a GPU program
+    takes one sample (the chain is sequential: more programs stream more bandwidth); shared
+    matrices are loaded once per step for as many samples as the tile budget allows.
     """
     interpret = interpreting() if interpret is None else interpret
-    bm = next_pow2(m)
-    one_tile = bm <= 64
+    one_tile = 0 < uniform_m <= 64
     if one_tile:
-        bk = bm
+        bm = bk = next_pow2(uniform_m)
     else:
         bm, bk = 32, (64 if itemsize <= 4 else 32)
     budget = (1 << 16) if interpret else 8192
     if interpret:
         block_b = min(next_pow2(batch), 64)
-    elif shared:
+    elif all_shared:
         block_b = min(next_pow2(batch), 16)
     else:
         block_b = 1

@@ -18,14 +18,13 @@ import torch
 
 from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV
 
-try:  # a chain of dependent middle mat-vecs, when the planner fuses them
-    from spscan.planner.program import GemvChain
-except ImportError:  # pragma: no cover - planners without chain fusion
-    GemvChain = None
+from spscan.planner import program as _program
+
+VecChain = getattr(_program, "VecChain", None)  # the fused linear-scan middle, when the planner makes it
 
 from .gemm import gemm
 from .gemv import gemv
-from .gemv_chain import gemv_chain
+from .vec_chain import chain_table, vec_chain
 from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
 from .spmv import spmv
@@ -62,9 +61,10 @@ class _GemvLaunch:
 
 @dataclass
 class _ChainLaunch:
-    op: "GemvChain"
-    m_off: torch.Tensor
-    add: Optional[torch.Tensor]
+    op: object  # VecChain
+    table: torch.Tensor
+    uniform_m: int
+    all_shared: bool
 
 
 Launch = Union[_SpMMLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
@@ -129,17 +129,14 @@ class TritonTables:
                         torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
                     reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
                     writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
-                elif GemvChain is not None and isinstance(op, GemvChain):
-                    idt = index_dtype(sizes[op.kind_m], sizes["V"])
-                    add = None if op.add is None else torch.as_tensor(
-                        np.ascontiguousarray(op.add), dtype=idt, device=self.device)
-                    launches.append(_ChainLaunch(op, _offsets(op.mats, sizes[op.kind_m], self.device), add))
-                    m = op.mats.rows
+                elif VecChain is not None and isinstance(op, VecChain):
+                    limit = max(sizes["S"], sizes["P"], sizes["V"])
+                    table, uniform_m = chain_table(op, index_dtype(limit), self.device)
+                    launches.append(_ChainLaunch(op, table, uniform_m, bool(np.all(op.shared))))
                     # the chain reads its own outputs step by step: only y_0 and the adds come from outside
-                    reads.append(("V", np.arange(op.vin0, op.vin0 + m)))
-                    if op.add is not None:
-                        reads.append(("V", op.add.ravel()))
-                    writes.append(("V", np.arange(op.out_offset, op.out_offset + op.steps * m)))
+                    reads.append(("V", np.arange(op.vin0, op.vin0 + int(op.cols[0]))))
+                    reads += [("V", np.arange(a, a + r)) for a, r in zip(op.add.tolist(), op.rows.tolist()) if a >= 0]
+                    writes += [("V", np.arange(o, o + r)) for o, r in zip(op.out.tolist(), op.rows.tolist())]
                 else:
                     raise TypeError(f"program step {si}: unknown work table {type(op).__name__}")
             _check_disjoint(si, reads, writes)
@@ -175,8 +172,8 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                 gemm(item.a_off, item.b_off, op.a, op.b, op.out_offset,
                      arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
             elif isinstance(item, _ChainLaunch):
-                op = item.op
-                gemv_chain(item.m_off, item.add, op.mats, op.vin0, op.out_offset, arenas[op.kind_m], vectors)
+                vec_chain(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
+                          vectors)
             else:
                 op = item.op
                 gemv(item.m_off, item.vin, item.add, op.mats, op.out_offset, arenas[op.kind_m], vectors)

@@ -20,7 +20,7 @@ import torch
 import spscan
 from spscan.kernels import launch
 from spscan.kernels.segments import SegmentTable
-from spscan.kernels.triton_backend import GemvChain, TritonTables, _SpMMLaunch, _SpMVLaunch
+from spscan.kernels.triton_backend import TritonTables, VecChain, _SpMMLaunch, _SpMVLaunch
 from spscan.reference import reference_backward
 
 DTYPES = (torch.float64, torch.float32)
@@ -236,22 +236,37 @@ def test_dense_64(config_family):
 
 # --- the linear-scan middle as one persistent launch -------------------------------------
 
-needs_chain = pytest.mark.skipif(GemvChain is None, reason="this planner does not fuse middle GEMV chains")
+needs_chain = pytest.mark.skipif(VecChain is None, reason="this planner does not fuse the linear-scan middle")
+
+
+def diag(n: int) -> sp.csr_array:
+    return _csr(np.eye(n, dtype=bool))
+
+
+CHAINS = {
+    # uniform dense square chains up to 64 keep the vector in registers (ONE_TILE)
+    "20-sample-affine": ([full(20, 20)] * 6, [False] * 6, 2),
+    "20-shared": ([full(20, 20)] * 6, [True] * 6, None),
+    "5-mixed-affine": ([full(5, 5)] * 6, [False] * 5 + [True], 3),
+    # tiled path: m > 64, rectangular, diagonal (elementwise) steps, mixed kinds
+    "70-shared-affine": ([full(70, 70)] * 5, [True] * 5, 2),
+    "70-sample": ([full(70, 70)] * 4, [False] * 4, None),
+    "rect-diag-mixed": ([full(9, 30), diag(30), full(30, 17), diag(17), full(17, 17), diag(17)],
+                        [False, True, True, False, False, True], 2),
+}
 
 
 @needs_chain
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-@pytest.mark.parametrize("m,shared,extra_every", [
-    (20, [False] * 6, 2), (20, [True] * 6, None), (5, [False] * 5 + [True], 3),
-    (70, [True] * 5, 2), (70, [False] * 4, None),
-], ids=["20-sample-affine", "20-shared", "5-mixed-affine", "70-shared-affine", "70-sample"])
-def test_gemv_chain(config_family, dtype, m, shared, extra_every):
-    """levels=0 on a dense square chain: the middle is one chain launch (m > 64 takes the tiled path)."""
-    pats = [full(m, m)] * len(shared)
+@pytest.mark.parametrize("case", list(CHAINS))
+def test_vec_chain(config_family, dtype, case):
+    """levels=0: the middle is one persistent chain launch."""
+    pats, shared, extra_every = CHAINS[case]
     check_case(pats, shared, dtype, 0, batch=3, extra_every=extra_every)
     rec = _record(pats, shared, dtype, 0, extra_every=extra_every)[1]
-    chains = [dict(s.constexprs) for s in rec if s.kernel == "gemv_chain_kernel"]
-    assert len(chains) == 1 and chains[0]["ONE_TILE"] == (m <= 64) and chains[0]["HAS_ADD"] == (extra_every is not None)
+    chains = [dict(s.constexprs) for s in rec if s.kernel == "vec_chain_kernel"]
+    assert len(chains) == 1
+    assert chains[0]["ONE_TILE"] == (case.split("-")[0] in ("20", "5"))
 
 
 # --- what ran: every kernel variant, one launch per work table ---------------------------
@@ -312,9 +327,8 @@ def test_every_variant_is_exercised():
         assert {(dict(f)["A_SHARED"], dict(f)["B_SHARED"]) for k, d, f in seen if k == "gemm_kernel" and d == dt} \
             == {(True, True), (True, False), (False, True), (False, False)}
         assert {dict(f)["M_SHARED"] for k, d, f in seen if k == "gemv_kernel" and d == dt} == {True, False}
-    if GemvChain is not None:  # chain variants are covered by test_gemv_chain's parameters
-        assert {"gemv_chain_kernel"} == {s.kernel for s in _record([full(20, 20)] * 4, [False] * 4, torch.float32, 0)[1]
-                                         if s.kernel == "gemv_chain_kernel"}
+    if VecChain is not None:  # chain variants are covered by test_vec_chain's cases
+        assert "vec_chain_kernel" in {s.kernel for s in _record([full(20, 20)] * 4, [False] * 4, torch.float32, 0)[1]}
 
 
 # --- host-side layout and launch parameters ----------------------------------------------

@@ -1,0 +1,140 @@
+"""The linear-scan middle as one persistent launch: ``y_j = M_j @ y_{j-1} + add_j`` for ``j = 1..steps``.
+
+A :class:`~spscan.planner.program.VecChain` is a run of dependent mat-vecs whose matrices are
+dense (row-major ``m_j x k_j``) or diagonal (``m_j`` entries), each shared (arena ``S``, no
+batch stride) or per sample (arena ``P``). A launch per step would cost more than the step,
+so each program walks the whole chain for ``BLOCK_B`` samples:
+
+* uniform chains (every step dense, square, the same ``m <= 64``): the running vector stays in
+  registers between steps (``ONE_TILE``);
+* otherwise each step is tiled over rows and ``k``, reads ``y_{j-1}`` back from the vector
+  arena, and a block barrier orders the steps.
+
+A step's matrix is read by two masked loads (shared / per sample), so one launch serves mixed
+chains and a shared matrix is loaded once for every sample of the program. Per-step metadata
+is one ``(steps, 8)`` integer table. Sums are fixed-order ``tl.sum``: deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import launch
+
+__all__ = ["chain_table", "vec_chain_kernel", "vec_chain"]
+
+FIELDS = 8  # dense, shared, rows, cols, mat_offset, add (-1: none), out, (pad)
+
+
+@triton.jit
+def vec_chain_kernel(
+    s_ptr, p_ptr, v_ptr,  # shared values (N_S,), per-sample values (B, N_P), vectors (B, N_V)
+    table,  # (steps, FIELDS) per-step metadata
+    vin0, steps, batch, m, stride_p, stride_v,  # m: the common size when ONE_TILE
+    ONE_TILE: tl.constexpr, NF: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    smp = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    smp_ok = smp < batch
+    vrow = v_ptr + smp[:, None] * stride_v  # (BLOCK_B, 1)
+    prow = p_ptr + smp[:, None, None] * stride_p  # (BLOCK_B, 1, 1)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    if ONE_TILE:
+        # BLOCK_K == BLOCK_M >= m: the running vector never leaves registers
+        tile_ok = (rows[:, None] < m) & (ks[None, :] < m)
+        keep = smp_ok[:, None] & (rows[None, :] < m)
+        y = tl.load(vrow + vin0 + ks[None, :], mask=smp_ok[:, None] & (ks[None, :] < m), other=0.0)
+        for j in range(steps):
+            meta = table + j * NF
+            sh = tl.load(meta + 1)
+            off = tl.load(meta + 4).to(tl.int64)
+            add = tl.load(meta + 5).to(tl.int64)
+            out = tl.load(meta + 6).to(tl.int64)
+            blk = off + rows[:, None] * m + ks[None, :]
+            a = tl.load(s_ptr + blk, mask=tile_ok & (sh != 0), other=0.0)[None, :, :] \
+                + tl.load(prow + blk[None, :, :], mask=smp_ok[:, None, None] & tile_ok[None, :, :] & (sh == 0),
+                          other=0.0)
+            ynew = tl.sum(a * y[:, None, :], axis=2)
+            ynew += tl.load(vrow + add + rows[None, :], mask=keep & (add >= 0), other=0.0)
+            tl.store(vrow + out + rows[None, :], ynew, mask=keep)
+            y = ynew
+    else:
+        for j in range(steps):
+            meta = table + j * NF
+            dense = tl.load(meta) != 0
+            sh = tl.load(meta + 1)
+            mj = tl.load(meta + 2)
+            kj = tl.load(meta + 3)
+            off = tl.load(meta + 4).to(tl.int64)
+            add = tl.load(meta + 5).to(tl.int64)
+            out = tl.load(meta + 6).to(tl.int64)
+            prev = tl.load(table + tl.maximum(j - 1, 0) * NF + 6).to(tl.int64)
+            src = tl.where(j == 0, vin0, prev)
+            for r0 in range(0, mj, BLOCK_M):
+                r = r0 + rows
+                keep = smp_ok[:, None] & (r[None, :] < mj)
+                acc = tl.zeros([BLOCK_B, BLOCK_M], dtype=v_ptr.dtype.element_ty)
+                if dense:
+                    for k0 in range(0, kj, BLOCK_K):
+                        kk = k0 + ks
+                        tile_ok = (r[:, None] < mj) & (kk[None, :] < kj)
+                        blk = off + r[:, None] * kj + kk[None, :]
+                        a = tl.load(s_ptr + blk, mask=tile_ok & (sh != 0), other=0.0)[None, :, :] \
+                            + tl.load(prow + blk[None, :, :],
+                                      mask=smp_ok[:, None, None] & tile_ok[None, :, :] & (sh == 0), other=0.0)
+                        x = tl.load(vrow + src + kk[None, :], mask=smp_ok[:, None] & (kk[None, :] < kj), other=0.0)
+                        acc += tl.sum(a * x[:, None, :], axis=2)
+                else:  # diagonal: m_j == k_j entries scale the vector
+                    d = tl.load(s_ptr + off + r, mask=(r < mj) & (sh != 0), other=0.0)[None, :] \
+                        + tl.load(p_ptr + smp[:, None] * stride_p + off + r[None, :], mask=keep & (sh == 0), other=0.0)
+                    acc += d * tl.load(vrow + src + r[None, :], mask=keep, other=0.0)
+                acc += tl.load(vrow + add + r[None, :], mask=keep & (add >= 0), other=0.0)
+                tl.store(vrow + out + r[None, :], acc, mask=keep)
+            # step j + 1 reads what every thread of the program wrote in step j
+            tl.debug_barrier()
+
+
+def chain_table(op, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(steps, FIELDS)`` metadata of a VecChain on ``device``, and the common size (0 if not uniform)."""
+    steps = op.steps
+    meta = np.zeros((steps, FIELDS), dtype=np.int64)
+    meta[:, 0] = op.dense
+    meta[:, 1] = op.shared
+    meta[:, 2] = op.rows
+    meta[:, 3] = op.cols
+    meta[:, 4] = op.mat_offset
+    meta[:, 5] = op.add
+    meta[:, 6] = op.out
+    m = int(op.rows[0]) if steps else 0
+    uniform = bool(steps and np.all(op.dense) and np.all(op.rows == m) and np.all(op.cols == m))
+    return torch.as_tensor(meta, dtype=dtype, device=device), (m if uniform else 0)
+
+
+def vec_chain(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int, s: torch.Tensor, p: torch.Tensor,
+              v: torch.Tensor) -> None:
+    """Run a whole chain in one launch, in place on ``v``.
+
+    Args:
+        table: ``(steps, FIELDS)`` from :func:`chain_table`; ``uniform_m``: the common square size or 0;
+            ``all_shared``: every matrix is in ``s`` (a program then serves many samples).
+        vin0: slot of ``y_0``. s: ``(N_S,)``; p: ``(B, N_P)``; v: ``(B, N_V)``.
+    """
+    steps = int(table.shape[0])
+    if steps == 0:
+        return
+    if p.dim() != 2 or v.dim() != 2 or p.shape[0] != v.shape[0]:
+        raise ValueError(f"vec_chain: expected p (B, N_P) and v (B, N_V), got {tuple(p.shape)} and {tuple(v.shape)}")
+    batch = v.shape[0]
+    cfg, one_tile = launch.chain_config(uniform_m, batch, all_shared, v.element_size())
+    grid = (triton.cdiv(batch, cfg.block_b),)
+    launch.launch(
+        vec_chain_kernel, grid,
+        dict(s_ptr=s, p_ptr=p, v_ptr=v, table=table, vin0=vin0, steps=steps, batch=batch, m=uniform_m,
+             stride_p=p.stride(0), stride_v=v.stride(0)),
+        dict(ONE_TILE=one_tile, NF=FIELDS, BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k),
+        cfg.num_warps,
+    )
