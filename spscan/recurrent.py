@@ -20,14 +20,13 @@ Chain layouts (``chain=``):
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose lower half ``d c_t / d(h,c)_{t-1}`` part is
   diagonal, ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: materialized, except the Elman RNN on the built-in engine, which is factored.
-  Measured on a 2-core CPU (T=1000, B=16, H=20, one thread, backward alone): the built-in
-  linear scan runs the factored chain at ~14 ms (a ``(B,H)x(H,H)`` GEMM plus a scale per
-  step, ~4.5 us) against ~34 ms materialized (a batched ``(B,H,H)`` GEMV per step plus
-  ``T*B*H*H`` values to build); the core runs a homogeneous chain of dense ``H x H`` nodes
-  as one GEMV chain (~19 ms) but an alternating dense/diagonal chain element by element
-  (~58 ms), so with the core the materialized chain wins. A GRU/LSTM step has a skip term
-  (``diag(z)``, ``diag(f)``) that breaks a two-factor chain, so it is always materialized.
+* ``"auto"``: factored for the Elman RNN, materialized for GRU and LSTM. Measured on a
+  2-core CPU (B=16, H=20, one thread, CPU time): the linear scan over the factored chain is
+  a ``(B,H)x(H,H)`` GEMM plus a scale per step (~15 ms backward at T=1000, core or built-in)
+  and its values are just ``(T, B, H)``, while the materialized chain has to write
+  ``T*B*H*H`` values in the forward (~30 ms at T=1000, ~450 ms at T=10000) for a backward
+  that is no faster (~19 ms at T=1000). A GRU/LSTM step has a skip term (``diag(z)``,
+  ``diag(f)``) that breaks a two-factor chain, so those are materialized.
 
 ``engine=``: ``"auto"``/``"core"`` run the chain through ``spscan.plan`` / ``spscan.backward``;
 ``"builtin"`` (also what ``"auto"`` falls back to when the core is not importable) runs a dense
@@ -133,9 +132,8 @@ def _resolve_chain(kind: str, chain: str, engine: str = "auto") -> str:
     if chain not in ("auto", "factored", "materialized"):
         raise ValueError(f"expected chain 'auto', 'factored' or 'materialized', got {chain!r}")
     if chain == "auto":
-        # measured (module docstring): factored pays off only where diagonal steps are cheap
-        builtin = engine == "builtin" or (engine == "auto" and _core() is None)
-        return "factored" if (kind.startswith("rnn") and builtin) else "materialized"
+        # measured (module docstring): the factored RNN chain wins on forward and backward
+        return "factored" if kind.startswith("rnn") else "materialized"
     if chain == "factored" and not kind.startswith("rnn"):
         raise ValueError(f"chain='factored' exists only for nn.RNN, got a {kind.upper()} module")
     return chain
