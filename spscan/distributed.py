@@ -644,7 +644,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
     try:
         rp = dplan.rank_plan(rank)
         batch, dtype, device, values, extra_l = _check_local(dplan, rp, local_values, grad, extra)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # any local failure must still reach the status all-reduce, or peers hang
         status_err = exc
         if isinstance(grad, torch.Tensor):
             device = grad.device
@@ -655,7 +655,8 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
         status[rank, 0] = 1
     else:
         shared = all(v.dim() == 1 for v in values)
-        status[rank] = torch.tensor([0, batch, _DTYPES[dtype], any(e is not None for e in extra_l[:-1]), shared])
+        has = any(e is not None for e in extra_l[:-1])
+        status[rank] = torch.tensor([0, batch, _DTYPES[dtype], int(has), int(shared)], dtype=torch.int64)
     status = status.to(_comm_device(group, device))
     comm.all_reduce(status, "status all-reduce before the scan rounds")
     status = status.cpu()
@@ -671,7 +672,7 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
         names = {v: k for k, v in _DTYPES.items()}
         got = [str(names[int(c)]).replace("torch.", "") for c in status[:, 2]]
         raise ValueError(f"rank {rank}: dtypes differ across ranks: expected one dtype, got {got} (by rank)")
-    wrong = [(r, int(status[r, 1])) for r in range(p) if status[r, 1] not in (0, grad_batch)]
+    wrong = [(r, int(status[r, 1])) for r in range(p) if int(status[r, 1]) not in (0, grad_batch)]
     if wrong:
         raise ValueError(f"rank {rank}: batch sizes differ: rank {p - 1}'s grad has batch {grad_batch}, "
                          f"got {wrong} as (rank, batch)")

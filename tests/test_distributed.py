@@ -91,8 +91,9 @@ def _check_comm(p: int, stats_per_rank: list, what: str) -> None:
             assert s["messages_sent"] == want, (what, r)
 
 
-@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
 def test_gradients_rounds_and_bytes(p):
+    # p = 6: three rounds, and ranks that receive three pieces (their application order matters)
     results = sd.run_local(run_cases_and_subgroups, p, args=(_cases(p),), timeout=150)
     _check_group(p, results)
 
