@@ -123,6 +123,17 @@ class _Commands:
         return self.queues[self.rank].get()
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _single_process_median(rounds: int = 20) -> float:
     pats = _chain()
     plan = spscan.plan(pats, levels="auto", backend="torch")
@@ -151,7 +162,7 @@ def test_distributed_backward(benchmark, p):
     single = _single_process_median()
     dist_med = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        device=f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores), Gloo over 127.0.0.1",
+        device=f"cpu: {_cpu_name()} ({os.cpu_count()} cores), Gloo over 127.0.0.1",
         processes=p, chain=f"{LAYERS} conv1d layers, width {WIDTH}, {TAPS} taps, batch {BATCH}, {DTYPE}",
         slices=stats[0]["slices"], rounds=max(s["rounds"] for s in stats),
         bytes_sent_per_rank=[s["bytes_sent"] for s in stats],
