@@ -307,3 +307,25 @@ def test_unbatched_input_with_initial_state():
     got = grads_of(wrap_recurrent(m), m, x, hx, "both")
     for a, b in zip(got, want):
         assert a.shape == b.shape and rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.xfail(reason="core: stacked (n, B, nnz) values at levels=0 give wrong dl/dx_i for i < n-1", strict=False)
+@pytest.mark.parametrize("levels", [0, 1, "auto"])
+def test_core_stacked_values_match_list(levels):
+    """The core engine accepts one stacked (n, B, nnz) tensor for a chain of equal patterns; it must
+    give what the list of per-step tensors gives (the recurrent module relies on this for long T)."""
+    import spscan
+
+    if not hasattr(spscan, "plan"):
+        pytest.skip("the core engine is not available")
+    pat = recurrent_patterns(nn.GRU(1, 3), 6)[0]
+    g = torch.Generator().manual_seed(0)
+    vals = 0.5 * torch.rand(6, 2, pat.nnz, generator=g, dtype=torch.float64)
+    top = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    extra = [None] + [torch.randn(2, 3, generator=g, dtype=torch.float64) for _ in range(5)] + [None]
+    ref = reference_backward([pat] * 6, list(vals), top, extra)
+    plan = spscan.plan([pat] * 6, levels=levels, dtype=torch.float64)
+    for v in (list(vals), vals):
+        got = spscan.backward(plan, v, top, extra=extra)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
