@@ -109,20 +109,28 @@ def _layer_costs(pats: Sequence[Pattern]) -> np.ndarray:
     return cost
 
 
-def balanced_slices(patterns: Any, world_size: int) -> list[int]:
+def balanced_slices(patterns: Any, world_size: int, example_input: Optional[torch.Tensor] = None) -> list[int]:
     """Cut a chain into ``world_size`` contiguous slices of near-equal planned FLOPs.
 
     Args:
-        patterns: ``n`` transposed-Jacobian patterns in layer order (SciPy/torch CSR), or anything
-            with a ``.patterns`` list (a :class:`spscan.Plan`, a model plan of an
-            ``nn.Sequential``: one pattern per layer, so the cuts are layer indices).
+        patterns: ``n`` transposed-Jacobian patterns in layer order (SciPy/torch CSR), anything
+            with a ``.patterns`` list (a :class:`spscan.Plan`, a model plan), or an
+            ``nn.Sequential`` with ``example_input`` ``(B, *in_shape)``. A model has one pattern per
+            (flattened) layer, so the cuts are layer indices.
         world_size: number of slices ``p``, ``1 <= p <= n``.
+        example_input: only for an ``nn.Sequential``.
 
     Returns:
         boundaries ``[0, b_1, ..., b_{p-1}, n]``: rank ``r`` owns layers ``b_r+1 .. b_{r+1}``.
         Each layer costs ``2 nnz_i`` (its SpMV) ``+ 2 pairs(J_i^T J_{i+1}^T)`` (its share of the
         slice reduction); the cut minimizes the largest slice cost.
     """
+    if isinstance(patterns, torch.nn.Module):
+        if example_input is None:
+            raise TypeError("balanced_slices(model, world_size, example_input): a model needs an example input")
+        from spscan.model import plan_model
+
+        patterns = plan_model(patterns, example_input, levels=0, backend="torch").patterns
     pats = _as_patterns(patterns)
     n = len(pats)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= n:

@@ -211,9 +211,17 @@ def test_balanced_slices_follow_flops():
     assert sd.balanced_slices(pats, 3) == [0, 6, 7, 13]
 
 
-def test_balanced_slices_accept_a_plan():
+def test_balanced_slices_accept_a_plan_and_a_model():
     pats = make_chain("sparse", 6, 1)
     assert sd.balanced_slices(spscan.plan(pats), 2) == sd.balanced_slices(pats, 2)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                              torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh()), torch.nn.Linear(64, 2))
+    x = torch.zeros(2, 8)
+    bounds = sd.balanced_slices(net, 3, example_input=x)
+    layer_pats = spscan.plan(net, x, levels=0).patterns
+    assert bounds == sd.balanced_slices(layer_pats, 3) and bounds[-1] == 5
+    with pytest.raises(TypeError, match="example input"):
+        sd.balanced_slices(net, 2)
 
 
 def test_plan_validation():
