@@ -174,7 +174,8 @@ def gemv_config(m: int, k: int, nodes: int, batch: int, itemsize: int,
     tile = _tile(itemsize, interpret)
     bm = min(next_pow2(m), 64)
     bk = min(next_pow2(k), max(1, tile // bm), 128)
-    block_n = max(1, min(next_pow2(nodes), tile // (bm * bk), 256 if interpret else 32))
+    # on a GPU the node block depends on the shape only (fewer compiled variants; masking is cheap)
+    block_n = max(1, min(tile // (bm * bk), next_pow2(nodes) if interpret else 32))
     block_b = min(next_pow2(batch), 64 if interpret else 4)
     warps = 4 if interpret else _warps(block_n * bm * bk)
     return GemvConfig(block_b, block_n, bm, bk, warps), k <= bk

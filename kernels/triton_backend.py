@@ -74,12 +74,15 @@ def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(ref.offsets, dtype=index_dtype(limit), device=device)
 
 
-def _check_disjoint(step: int, reads: list[tuple[str, np.ndarray]], writes: list[tuple[str, np.ndarray]]) -> None:
+def _check_disjoint(step: int, reads: list[tuple[str, np.ndarray]], writes: list[tuple[str, np.ndarray]],
+                    sizes: dict[str, int]) -> None:
     """A step's launches run concurrently over their entries: none may read what the step writes."""
     for arena in {a for a, _ in writes}:
-        w = np.concatenate([x for a, x in writes if a == arena])
-        r = [x for a, x in reads if a == arena]
-        if r and np.intersect1d(w, np.concatenate(r)).size:
+        written = np.zeros(sizes[arena], dtype=bool)
+        for a, w in writes:
+            if a == arena:
+                written[w] = True
+        if any(a == arena and r.size and written[r].any() for a, r in reads):
             raise ValueError(f"program step {step}: arena {arena} has slots both read and written in one step; "
                              f"expected disjoint inputs and outputs")
 
@@ -139,7 +142,7 @@ class TritonTables:
                     writes += [("V", np.arange(o, o + r)) for o, r in zip(op.out.tolist(), op.rows.tolist())]
                 else:
                     raise TypeError(f"program step {si}: unknown work table {type(op).__name__}")
-            _check_disjoint(si, reads, writes)
+            _check_disjoint(si, reads, writes, sizes)
             self.steps.append(launches)
 
     def launches(self) -> int:

@@ -1,0 +1,156 @@
+"""Every Triton kernel compiles ahead of time for CUDA sm_80 and sm_90, with the launches we really make.
+
+The launch specs (argument types, constexprs, warps) are recorded from the one launch-config
+path (``spscan.kernels.launch``) in its GPU mode, over the shapes of the interpreter tests and
+the paper's RNN cases (H = 20 and 64, B = 16). Compilation runs in a subprocess with
+``TRITON_INTERPRET=0``: under the interpreter ``@triton.jit`` yields interpreted functions,
+which ``triton.compile`` cannot lower. No GPU is needed; what a GPU would reject (``tl.dot``
+below 16, unsupported dtypes, too much shared memory) fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import spscan
+from spscan.kernels import launch
+from spscan.kernels.aot import specs_to_json
+
+KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "vec_chain_kernel"}
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
+
+
+def _csr(mask: np.ndarray) -> sp.csr_array:
+    m = sp.csr_array(mask.astype(np.float64))
+    m.sort_indices()
+    return m
+
+
+def _full(r: int, c: int) -> sp.csr_array:
+    return _csr(np.ones((r, c), dtype=bool))
+
+
+def _cases():
+    """(patterns, shared flags, levels, batch, extra every k-th or None) for every shape we launch."""
+    rng = np.random.default_rng(11)
+    dims = [13, 29, 31, 17, 29, 23, 9]
+    sparse = [_csr(rng.random((dims[i], dims[i + 1])) < 0.22) for i in range(6)]
+    wide = [_csr((rng.random((300, 300)) < 0.01) | (np.arange(300)[:, None] == 150)) for _ in range(3)]
+    i = np.arange(12)
+    band = _csr(np.abs(i[:, None] - i[None, :]) <= 1)
+    cases = [
+        (sparse, [False] * 6, "full", 3, 2), (sparse, [True] * 6, "full", 3, 2),
+        (sparse, [True, False, True, True, False, False], "full", 3, 2), (sparse, [False] * 6, 0, 3, None),
+        (wide, [False, True, False], 1, 2, None), ([band] * 6, [False, True] * 3, "full", 2, None),
+        ([_full(d, e) for d, e in zip([7, 3, 5, 11, 2, 9], [3, 5, 11, 2, 9, 6])],
+         [False, True, True, False, False, True], "full", 3, 2),
+        ([_full(d, e) for d, e in zip([17, 70, 33, 70, 19], [70, 33, 70, 19, 21])],
+         [False, True, False, False, True], "full", 2, 2),
+        ([_full(70, 70)] * 5, [True] * 5, 0, 3, 2), ([_full(70, 70)] * 4, [False] * 4, 0, 3, None),
+        ([_full(5, 5)] * 6, [False] * 5 + [True], 0, 3, 3),
+    ]
+    for h in (20, 64):  # the paper's RNN: a chain of dense per-sample Jacobians, B = 16 (configs do not depend on T)
+        for levels in ("auto", "full", 0, 2):
+            cases.append(([_full(h, h)] * 16, [False] * 16, levels, 16, None))
+            cases.append(([_full(h, h)] * 16, [False] * 16, levels, 16, 1))
+        cases.append(([_full(h, h)] * 16, [True] * 16, "full", 16, None))
+        cases.append(([_full(h, h)] * 16, [False, True] * 8, "full", 16, 2))
+    return cases
+
+
+def record_specs() -> list:
+    """Launch specs of every case in both dtypes, GPU configurations, kernels not run."""
+    saved = launch.mode
+    launch.mode = "device"
+    specs = []
+    try:
+        for pats, shared, levels, batch, every in _cases():
+            plan = spscan.plan(pats, levels=levels, backend="triton")
+            for dtype in (torch.float32, torch.float64):
+                vals = [torch.zeros(p.nnz if s else (batch, p.nnz), dtype=dtype) for p, s in zip(pats, shared)]
+                grad = torch.zeros(batch, pats[-1].shape[1], dtype=dtype)
+                dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
+                extra = None if every is None else \
+                    [torch.zeros(batch, d, dtype=dtype) if k % every == 1 or every == 1 else None for k, d in enumerate(dims)]
+                with launch.recording(dry_run=True) as rec:
+                    spscan.backward(plan, vals, grad, extra)
+                specs += rec
+            for tf32 in (True,):  # float32 dense nodes with TF32 allowed compile too
+                launch.set_allow_tf32(tf32)
+                try:
+                    vals = [torch.zeros(p.nnz if s else (batch, p.nnz)) for p, s in zip(pats, shared)]
+                    with launch.recording(dry_run=True) as rec:
+                        spscan.backward(plan, vals, torch.zeros(batch, pats[-1].shape[1]))
+                    specs += [s for s in rec if s.kernel == "gemm_kernel"]
+                finally:
+                    launch.set_allow_tf32(False)
+    finally:
+        launch.mode = saved
+    return specs
+
+
+@pytest.fixture(scope="module")
+def specs_file(tmp_path_factory) -> Path:
+    specs = record_specs()
+    path = tmp_path_factory.mktemp("aot") / "specs.json"
+    path.write_text(specs_to_json(specs))
+    return path
+
+
+def test_specs_cover_every_kernel(specs_file):
+    specs = json.loads(specs_file.read_text())
+    assert {s["kernel"] for s in specs} == KERNELS
+    assert any(dict(s["constexprs"]).get("USE_DOT") for s in specs)
+    assert any(dict(s["constexprs"]).get("USE_DOT") is False for s in specs)
+    assert {dict(s["signature"])["v_ptr" if "v_ptr" in dict(s["signature"]) else "c_ptr"] for s in specs} \
+        == {"*fp32", "*fp64"}
+
+
+@pytest.fixture(scope="module")
+def compiled(specs_file) -> dict[int, subprocess.CompletedProcess]:
+    """Both targets compiled concurrently, each in a fresh interpreter with TRITON_INTERPRET=0."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    procs = {cap: subprocess.Popen([sys.executable, "-m", "spscan.kernels.aot", str(specs_file), str(cap)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for cap in (80, 90)}
+    out = {}
+    for cap, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        out[cap] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_compile_for_cuda(specs_file, compiled, capability):
+    proc = compiled[capability]
+    lines = proc.stdout.splitlines()
+    failures = [ln for ln in lines if ln.startswith("FAIL")]
+    assert proc.returncode == 0 and not failures, "\n".join(failures) or proc.stderr[-4000:]
+    specs = json.loads(specs_file.read_text())
+    assert len([ln for ln in lines if ln.startswith("ok")]) == len(specs)
+    for ln in lines:
+        shared = int(ln.split("shared=")[1].split()[0])
+        assert shared <= SHARED_LIMIT[capability], ln
+
+
+def test_interpreted_kernels_are_not_compilable_objects():
+    """Why the subprocess: with TRITON_INTERPRET=1 at decoration time, kernels are interpreted functions."""
+    code = ("import triton, spscan.kernels.spgemm as k; "
+            "print(type(k.spgemm_kernel).__name__, isinstance(k.spgemm_kernel, triton.runtime.JITFunction))")
+    out = {}
+    for flag in ("0", "1"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, TRITON_INTERPRET=flag))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[flag] = proc.stdout.split()
+    assert out["0"][1] == "True"
+    assert out["1"][0] != "JITFunction"
