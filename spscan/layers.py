@@ -417,7 +417,8 @@ def _gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
 
 
 class ElementwiseUnit(LayerUnit):
-    """ReLU, LeakyReLU, Tanh, Sigmoid, GELU: diagonal ``J^T``, per-sample values ``f'(x)``."""
+    """ReLU, LeakyReLU, Tanh, Sigmoid, GELU, SiLU, ELU, Softplus, Hardtanh, ReLU6: diagonal ``J^T``,
+    per-sample values ``f'(x)`` written as torch's backward formulas compute them."""
 
     shared = False
 
@@ -440,7 +441,15 @@ class ElementwiseUnit(LayerUnit):
         if isinstance(m, nn.Sigmoid):
             y = torch.sigmoid(x)
             return y, y
-        return F.gelu(x, approximate=m.approximate), x
+        if isinstance(m, nn.GELU):
+            return F.gelu(x, approximate=m.approximate), x
+        if isinstance(m, nn.SiLU):
+            return F.silu(x), x
+        if isinstance(m, nn.ELU):
+            return F.elu(x, m.alpha), x
+        if isinstance(m, nn.Softplus):
+            return F.softplus(x, m.beta, m.threshold), x
+        return F.hardtanh(x, m.min_val, m.max_val), x  # Hardtanh, ReLU6
 
     def fill(self, saved, tensors):
         m = self.module
@@ -453,7 +462,17 @@ class ElementwiseUnit(LayerUnit):
             return 1 - s * s
         if isinstance(m, nn.Sigmoid):
             return (1 - s) * s
-        return _gelu_derivative(s, m.approximate)
+        if isinstance(m, nn.GELU):
+            return _gelu_derivative(s, m.approximate)
+        if isinstance(m, nn.SiLU):
+            sig = torch.sigmoid(s)
+            return sig * (1 + s * (1 - sig))
+        if isinstance(m, nn.ELU):
+            return torch.where(s <= 0, m.alpha * torch.exp(s), torch.ones_like(s))
+        if isinstance(m, nn.Softplus):
+            z = torch.exp(s * m.beta)
+            return torch.where(s * m.beta > m.threshold, torch.ones_like(s), z / (z + 1))
+        return ((s > m.min_val) & (s < m.max_val)).to(s.dtype)
 
 
 class ReshapeUnit(LayerUnit):
@@ -484,11 +503,16 @@ class ReshapeUnit(LayerUnit):
 
 
 class DropoutUnit(LayerUnit):
-    """``nn.Dropout``: diagonal ``J^T``. Eval: ones (shared). Train: the sampled mask scaled by
-    ``1/(1-p)`` (per sample), sampled here exactly as ``F.dropout`` samples it."""
+    """``nn.Dropout`` / ``nn.Dropout1d`` / ``nn.Dropout2d``: diagonal ``J^T``. Eval: ones (shared).
+    Train: the sampled mask scaled by ``1/(1-p)`` (per sample; for the channel-wise kinds one
+    draw per channel, spread over its elements), sampled exactly as ``F.dropout*`` samples it."""
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
+        self.feature_dims = {nn.Dropout1d: 1, nn.Dropout2d: 2}.get(type(module), 0)
+        if self.feature_dims and len(in_shape) != self.feature_dims + 1:
+            raise ValueError(f"layer {index} ({self.name}): expected per-sample input (C, "
+                             f"{'L' if self.feature_dims == 1 else 'H, W'}), got {tuple(in_shape)}")
         self.pattern = _identity_pattern(self.d_in)
 
     @property
@@ -501,6 +525,10 @@ class DropoutUnit(LayerUnit):
             return x.clone() if self.module.training else x, ("ones", x.shape[0], x.dtype, x.device, self.module.training)
         if p == 1.0:
             scale = torch.zeros_like(x)
+        elif self.feature_dims:
+            # as torch's feature dropout: one bernoulli_(1-p) per (sample, channel), / (1-p), broadcast
+            noise = x.new_empty(x.shape[:2] + (1,) * self.feature_dims).bernoulli_(1 - p).div_(1 - p)
+            return x * noise, ("mask", noise.expand_as(x))
         elif x.device.type == "cuda":
             # F.dropout uses the fused kernel on CUDA: same call, same mask; its backward is grad*mask/(1-p)
             y, mask = torch.native_dropout(x, p, True)
@@ -515,7 +543,7 @@ class DropoutUnit(LayerUnit):
             _, b, dtype, device, training = saved
             ones = torch.ones(self.d_in, dtype=dtype, device=device)
             return ones.expand(b, -1) if training else ones
-        return saved[1].reshape(saved[1].shape[0], -1)
+        return saved[1].reshape(saved[1].shape[0], -1)  # expanded channel masks materialize here
 
 
 # ----------------------------------------------------------------------------- pooling
@@ -725,6 +753,13 @@ _REGISTRY: list[tuple[type, type]] = [
     (nn.BatchNorm1d, BatchNormUnit),
     (nn.BatchNorm2d, BatchNormUnit),
     (nn.Dropout, DropoutUnit),
+    (nn.Dropout1d, DropoutUnit),
+    (nn.Dropout2d, DropoutUnit),
+    (nn.SiLU, ElementwiseUnit),
+    (nn.ELU, ElementwiseUnit),
+    (nn.Softplus, ElementwiseUnit),
+    (nn.Hardtanh, ElementwiseUnit),
+    (nn.ReLU6, ElementwiseUnit),
     (nn.Flatten, ReshapeUnit),
     (nn.Identity, ReshapeUnit),
 ]

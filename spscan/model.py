@@ -250,8 +250,9 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     x = example_input.detach()[:1]
     in_shape0 = tuple(x.shape[1:])
     units: list[LayerUnit] = []
-    shape_preserving = (nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU, nn.Tanh,
-                        nn.Sigmoid, nn.GELU, nn.Identity)
+    shape_preserving = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU,
+                        nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus, nn.Hardtanh,
+                        nn.Identity)
     with torch.no_grad():
         for k, (name, m) in enumerate(chain):
             in_shape = tuple(x.shape[1:])

@@ -175,7 +175,8 @@ def test_conv_prune_zeros():
 # ----------------------------------------------------------------------------- elementwise
 
 
-ACTIVATIONS = [nn.ReLU(), nn.LeakyReLU(0.07), nn.Tanh(), nn.Sigmoid(), nn.GELU(), nn.GELU(approximate="tanh")]
+ACTIVATIONS = [nn.ReLU(), nn.LeakyReLU(0.07), nn.Tanh(), nn.Sigmoid(), nn.GELU(), nn.GELU(approximate="tanh"),
+               nn.SiLU(), nn.ELU(0.7), nn.Softplus(beta=2.0, threshold=3.0), nn.Hardtanh(-0.5, 1.5), nn.ReLU6()]
 
 
 @settings(max_examples=20)
@@ -186,8 +187,10 @@ def test_activation(idx, shape, batch, seed):
     x = 3 * seq(batch, *shape, seed=seed)
     u = check_values(m, x)
     assert not u.shared
-    # x and -x: every diagonal entry is non-zero for one of them (ReLU) — nothing stored is a guaranteed zero
-    assert_no_guaranteed_zeros(u, jacobian_support(m, torch.stack([x[0], -x[0]])))
+    # ±x and ±x/100: every diagonal entry is non-zero for one of them (ReLU's positive side, Hardtanh's
+    # linear range) — nothing stored is a guaranteed zero
+    probes = torch.stack([x[0], -x[0], x[0] / 100, -x[0] / 100])
+    assert_no_guaranteed_zeros(u, jacobian_support(m, probes))
 
 
 @pytest.mark.parametrize("m", ACTIVATIONS, ids=lambda m: repr(m))
@@ -345,19 +348,25 @@ def test_flatten_over_batch_is_refused():
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.75, 1.0])
-def test_dropout_train_mask_is_the_value(p):
-    m = nn.Dropout(p).train()
-    x = seq(3, 2, 5)
+@pytest.mark.parametrize("kind,shape", [(nn.Dropout, (2, 5)), (nn.Dropout1d, (3, 4)), (nn.Dropout2d, (4, 2, 3))],
+                         ids=["dropout", "dropout1d", "dropout2d"])
+def test_dropout_train_mask_is_the_value(kind, shape, p):
+    m = kind(p).train()
+    x = seq(3, *shape) + 5.0  # no zero inputs: a zero output then means a dropped element
     u = build_unit(m, x)
     torch.manual_seed(11)
     y, saved = u.run(x, [])
     v = u.fill(saved, [])
-    assert v.shape == (3, 10) and not u.shared
+    d = x[0].numel()
+    assert v.shape == (3, d) and not u.shared
     # the forward applied exactly the mask stored as J^T's diagonal ...
     torch.testing.assert_close(y.reshape(3, -1), x.reshape(3, -1) * v, rtol=0, atol=0)
-    # ... and it is the mask F.dropout draws from the same RNG state
+    # ... and it is the mask torch's module draws from the same RNG state
     torch.manual_seed(11)
-    assert torch.equal(y, F.dropout(x, p, True))
+    assert torch.equal(y, m(x))
+    if kind is not nn.Dropout and 0 < p < 1:  # one draw per channel
+        per_channel = v.reshape(3, shape[0], -1)
+        assert torch.equal(per_channel, per_channel[..., :1].expand_as(per_channel))
 
 
 def test_unsupported_layer_type():

@@ -117,7 +117,7 @@ def test_wrapped_gradients_float32_within_autograd_error(name, levels):
     net64 = net64.double()
     for m in (net, net64, ag32):
         for layer in m.modules():
-            if isinstance(layer, nn.Dropout):
+            if isinstance(layer, nn.modules.dropout._DropoutNd):
                 layer.eval()
     x = torch.randn(4, *shape)
     w = wrap(net, x, levels=levels)
@@ -387,7 +387,7 @@ def random_chains(draw):
     in_shape = (c, h, w)
     layers: list[nn.Module] = []
     for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["conv", "conv", "act", "maxpool", "avgpool", "bn"]))
+        kind = draw(st.sampled_from(["conv", "conv", "act", "maxpool", "avgpool", "bn", "dropout2d"]))
         if kind == "conv":
             k = draw(st.integers(1, 3))
             groups = draw(st.sampled_from([g for g in (1, 2, 3) if c % g == 0]))
@@ -395,7 +395,10 @@ def random_chains(draw):
             layers.append(nn.Conv2d(c, cout, k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, 1)),
                                     dilation=draw(st.integers(1, 2)) if k > 1 else 1, groups=groups))
         elif kind == "act":
-            layers.append(draw(st.sampled_from([nn.ReLU(), nn.Tanh(), nn.GELU(), nn.LeakyReLU(0.2), nn.Sigmoid()])))
+            layers.append(draw(st.sampled_from([nn.ReLU(), nn.Tanh(), nn.GELU(), nn.LeakyReLU(0.2), nn.Sigmoid(),
+                                                nn.SiLU(), nn.ELU(), nn.Softplus(), nn.ReLU6()])))
+        elif kind == "dropout2d":
+            layers.append(nn.Dropout2d(0.3))  # train mode: a sampled channel mask
         elif kind == "maxpool":
             k = draw(st.integers(1, 3))
             layers.append(nn.MaxPool2d(k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, k // 2)),
@@ -431,6 +434,7 @@ def test_random_chains_equal_autograd(case, seed):
     x = torch.randn(batch, *in_shape, dtype=torch.float64)
     w = wrap(net, x, levels=levels)
     xs = x.clone().requires_grad_(True)
+    torch.manual_seed(seed + 1)  # the same dropout masks in both forwards
     y = w(xs)
     g = torch.randn_like(y)
     y.backward(g)
@@ -438,6 +442,9 @@ def test_random_chains_equal_autograd(case, seed):
     for p in net.parameters():
         p.grad = None
     xr = x.clone().requires_grad_(True)
-    ref = torch.autograd.grad(net(xr), [xr] + list(net.parameters()), g)
+    torch.manual_seed(seed + 1)
+    yr = net(xr)
+    assert torch.equal(y, yr.detach())
+    ref = torch.autograd.grad(yr, [xr] + list(net.parameters()), g)
     for a, b in zip(got, ref):
         assert _rel(a, b) <= 1e-9
