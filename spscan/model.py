@@ -62,7 +62,10 @@ def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
     out: list[tuple[str, nn.Module]] = []
 
     def walk(prefix: str, seq: nn.Module) -> None:
-        for name, child in seq.named_children():
+        # _modules, not named_children(): the latter skips a module repeated in the chain
+        for name, child in seq._modules.items():
+            if child is None:
+                continue
             q = f"{prefix}.{name}" if prefix else name
             if isinstance(child, nn.Sequential):
                 if not _is_plain_sequential(child):

@@ -448,3 +448,30 @@ def test_random_chains_equal_autograd(case, seed):
     ref = torch.autograd.grad(yr, [xr] + list(net.parameters()), g)
     for a, b in zip(got, ref):
         assert _rel(a, b) <= 1e-9
+
+
+def test_module_repeated_in_chain():
+    """The same Linear twice (shared weights): two layers in the chain, gradients summed."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5)
+    net = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh(), lin).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    w = wrap(net, x, levels=LEVELS[-1])
+    assert len(w.plan.units) == 5
+    target = torch.randn(3, 5, dtype=torch.float64)
+    _, gx, gp = _autograd_step(w, x, target, seed=0)
+    gp = {n: g.clone() for n, g in gp.items()}
+    net.zero_grad(set_to_none=True)
+    _, gx_ref, gp_ref = _autograd_step(net, x, target, seed=0)
+    assert _rel(gx, gx_ref) <= 1e-9
+    assert set(gp) == {"model.0.weight", "model.0.bias"}
+    for n, g in gp_ref.items():
+        assert _rel(gp["model." + n], g) <= 1e-9
+    plan = w.plan
+    y, jac = plan.forward(x)
+    grads = plan._spscan_backward(jac, torch.ones_like(y))
+    pg = param_grads(plan, jac, grads)
+    xr = x.clone().requires_grad_(True)
+    r = torch.autograd.grad(net(xr).sum(), [xr, lin.weight, lin.bias])
+    assert set(pg) == {"0.weight", "0.bias"}
+    assert _rel(pg["0.weight"], r[1]) <= 1e-9 and _rel(pg["0.bias"], r[2]) <= 1e-9
