@@ -235,8 +235,9 @@ class DistributedPlan:
     """
 
     def __init__(self, patterns: list[Pattern], world_size: int, bounds: list[int], plan_kwargs: dict,
-                 dense_threshold: float) -> None:
+                 dense_threshold: float, bytes_budget: float = float("inf")) -> None:
         self.patterns = patterns
+        self.bytes_budget = bytes_budget
         self.world_size = world_size
         self.bounds = bounds
         self.plan_kwargs = dict(plan_kwargs)
@@ -383,6 +384,14 @@ class DistributedPlan:
         return rp
 
     def _product(self, a: Pattern, b: Pattern, out: Pattern) -> PlannedProduct:
+        if not (a.is_full and b.is_full):
+            need = 16 * product_counts(a, b)  # two int64 entry ids per multiply pair
+            if need > self.bytes_budget:
+                from spscan.plan import _fmt_bytes
+
+                raise ValueError(f"composite product {a.shape} @ {b.shape} needs {_fmt_bytes(need)} of pair "
+                                 f"indices, over the planning budget of {_fmt_bytes(self.bytes_budget)}: "
+                                 "use more ranks or cut the chain where the composites stay small")
         prod = PlannedProduct(a, b, dense_out=out.is_full)
         assert prod.pattern.key == out.key, "the numeric product must produce the planned composite pattern"
         return prod
@@ -422,7 +431,8 @@ def plan(patterns: Any, world_size: int, slices: Optional[Sequence[int]] = None,
                              f"(every rank owns at least one layer), got {list(slices)}")
     dev = plan_kwargs.get("device")
     dev_type = torch.device(dev).type if dev is not None else "cpu"
-    dplan = DistributedPlan(pats, world_size, bounds, plan_kwargs, profile_for(dev_type).dense_threshold)
+    profile = profile_for(dev_type)
+    dplan = DistributedPlan(pats, world_size, bounds, plan_kwargs, profile.dense_threshold, profile.bytes_budget)
     if rank is not None:
         dplan.rank_plan(rank)
     return dplan

@@ -236,6 +236,10 @@ def test_plan_validation():
         sd.plan(pats, 2).rank_plan(2)
     with pytest.raises(TypeError):
         sd.plan("abc", 1)
+    big = sd.plan(pats, 3, slices=[0, 1, 3, 4])
+    big.bytes_budget = 1.0  # the middle rank's two-layer product is over this
+    with pytest.raises(ValueError, match="planning budget"):
+        big.rank_plan(1)
     with pytest.raises(TypeError, match="DistributedPlan"):
         sd.backward(spscan.plan(pats), [], None)
 
