@@ -98,12 +98,21 @@ class _Products:
         return info
 
 
+def bin_widths(lengths: np.ndarray) -> np.ndarray:
+    """Padded width per segment of a launch: the exact length when there are few distinct
+    lengths (conv rows: interior, border and corner counts), else the next power of two (at
+    most 2x padding)."""
+    widths = np.maximum(lengths, 1)
+    if np.unique(widths).size <= 8:
+        return widths
+    pos = widths > 1
+    widths[pos] = 1 << np.ceil(np.log2(widths[pos])).astype(np.int64)
+    return widths
+
+
 def _seg_bins(counts: np.ndarray) -> int:
-    """Number of power-of-two width bins a set of segment lengths falls into."""
-    if counts.size == 0:
-        return 0
-    widths = np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64)
-    return int(np.unique(widths).size)
+    """Number of launches (width bins) a set of segment lengths falls into."""
+    return int(np.unique(bin_widths(counts)).size) if counts.size else 0
 
 
 def _step_costs(

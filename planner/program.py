@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .planning import ScanPlan
+from .planning import ScanPlan, bin_widths
 from .schedule import GRAD, blelloch_schedule, extra_vec
 
 __all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "VecChain", "Bin", "lower"]
@@ -209,16 +209,14 @@ def _arrays(op):
 
 def _binned(lengths: np.ndarray, first: np.ndarray, a_src: np.ndarray, b_src: np.ndarray,
             out: np.ndarray, add: Optional[np.ndarray], zero_a: int, zero_b: int) -> list[Bin]:
-    """Group segments by power-of-two width; pad each with (zero, zero) pairs.
+    """Group segments by padded width; pad each with (zero, zero) pairs.
 
     ``first[j]`` is where segment ``j`` starts in the flat pair arrays ``a_src``/``b_src``.
     Long segments are listed first so the widest launches start earliest.
     """
     if lengths.size == 0:
         return []
-    widths = np.ones_like(lengths)
-    pos = lengths > 1
-    widths[pos] = 1 << np.ceil(np.log2(lengths[pos])).astype(np.int64)
+    widths = bin_widths(lengths)
     bins = []
     for w in sorted(np.unique(widths).tolist(), reverse=True):
         sel = np.nonzero(widths == w)[0]
