@@ -19,7 +19,7 @@ from spscan.planner.program import Bin
 
 from .launch import choose_width
 
-__all__ = ["SegmentTable", "segment_table", "index_dtype"]
+__all__ = ["SegmentTable", "segment_table", "segments_from_pairs", "index_dtype"]
 
 _I32_MAX = np.iinfo(np.int32).max
 
@@ -80,24 +80,43 @@ def segment_table(bins: Sequence[Bin], zero_a: int, zero_b: int, arena_sizes: Se
     if adds and len(adds) != len(bins):
         raise ValueError(f"bins: expected every bin or none to carry an add term, got {len(adds)} of {len(bins)}")
     lengths = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+    flat_a = np.concatenate(a_parts) if a_parts else np.zeros(0, np.int64)
+    flat_b = np.concatenate(b_parts) if b_parts else np.zeros(0, np.int64)
+    out = np.concatenate(outs) if outs else np.zeros(0, np.int64)
+    return segments_from_pairs(lengths, flat_a, flat_b, out, np.concatenate(adds) if adds else None,
+                               arena_sizes, device)
+
+
+def segments_from_pairs(lengths: np.ndarray, pair_a: np.ndarray, pair_b: np.ndarray, out: np.ndarray,
+                        add: Optional[np.ndarray], arena_sizes: Sequence[int], device: torch.device) -> SegmentTable:
+    """A long-first :class:`SegmentTable` from flat pair lists.
+
+    Args:
+        lengths: ``(nseg,)`` pairs per segment; segment ``s`` owns the next ``lengths[s]`` entries
+            of ``pair_a``/``pair_b`` (``(npairs,)`` arena slots, in the caller's order).
+        out: ``(nseg,)`` output slots; add: ``(nseg,)`` vector slots or ``None``.
+        arena_sizes: sizes of the arenas indexed (int32 tables when all fit).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64)
     order = np.argsort(-lengths, kind="stable")
     lengths = lengths[order]
     seg_ptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     npairs = int(seg_ptr[-1])
+    if pair_a.shape != (npairs,) or pair_b.shape != (npairs,) or out.shape != lengths.shape:
+        raise ValueError(f"segments: expected {npairs} pairs and {lengths.size} outputs, got pair_a "
+                         f"{pair_a.shape}, pair_b {pair_b.shape}, out {out.shape}")
     # source position of every pair once segments are listed in sorted order
     take = np.repeat(starts[order] - seg_ptr[:-1], lengths) + np.arange(npairs, dtype=np.int64)
-    flat_a = np.concatenate(a_parts) if a_parts else np.zeros(0, np.int64)
-    flat_b = np.concatenate(b_parts) if b_parts else np.zeros(0, np.int64)
-    out = np.concatenate(outs)[order] if outs else np.zeros(0, np.int64)
-    add = np.concatenate(adds)[order] if adds else None
+    out = np.asarray(out)[order]
+    add = None if add is None else np.asarray(add)[order]
     idt = index_dtype(npairs, *arena_sizes)
 
     def dev(x: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(x), dtype=idt, device=device)
 
     return SegmentTable(
-        seg_ptr=dev(seg_ptr), pair_a=dev(flat_a[take]), pair_b=dev(flat_b[take]), out=dev(out),
+        seg_ptr=dev(seg_ptr), pair_a=dev(pair_a[take]), pair_b=dev(pair_b[take]), out=dev(out),
         add=None if add is None else dev(add), nseg=int(lengths.size), npairs=npairs,
         max_len=int(lengths[0]) if lengths.size else 0, lengths=lengths,
     )
