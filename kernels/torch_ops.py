@@ -207,9 +207,9 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
             raw = inputs(cp.layer[j])
             hit = seen.get(id(raw))
             if hit is None:  # shared dense blocks are kept transposed: the step is y @ M^T
-                hit = raw if c == 0 else (raw.view(m, k).t() if c == 1 else raw.unflatten(-1, (m, k)))
-                seen[id(raw)] = hit
-            mats.append(hit)
+                hit = (raw, raw if c == 0 else (raw.view(m, k).t() if c == 1 else raw.unflatten(-1, (m, k))))
+                seen[id(raw)] = hit  # holding ``raw`` keeps its id from being reused by a temporary
+            mats.append(hit[1])
         else:
             off = cp.offset[j]
             arena = arenas["S"] if c == 1 or (c == 0 and op.shared[j]) else arenas["P"]

@@ -24,6 +24,7 @@ class DeviceProfile:
     gemv_rate: float  # multiply-adds per second in batched dense GEMV
     dense_threshold: float  # products at least this dense are stored (and multiplied) densely
     bytes_budget: float  # symbolic exploration stops when a level's index data would exceed this
+    chain_step_s: float  # fixed cost of one step of the fused middle chain (dense / diagonal)
 
     def sparse_time(self, pairs: float, launches: int) -> float:
         return launches * self.op_overhead_s + pairs / self.pair_rate
@@ -37,8 +38,8 @@ class DeviceProfile:
 
 # Measured orders of magnitude: torch eager ops on a small multi-core CPU, and Triton launches
 # on a recent datacenter GPU (launch-latency bound for small levels, bandwidth bound for big ones).
-_CPU = DeviceProfile("cpu", 3.0e-5, 1.5e8, 4.0e9, 1.0e9, 0.35, 2.0e9)
-_CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9)
+_CPU = DeviceProfile("cpu", 3.0e-5, 1.0e8, 4.0e9, 1.0e9, 0.35, 2.0e9, 8.0e-6)
+_CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9, 2.0e-6)
 
 
 def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:

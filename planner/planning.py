@@ -110,6 +110,16 @@ def bin_widths(lengths: np.ndarray) -> np.ndarray:
     return widths
 
 
+def chain_kind(p: Pattern) -> Optional[str]:
+    """``"dense"`` / ``"diag"`` for matrices the fused middle chain takes, else ``None``."""
+    if p.is_full:
+        return "dense"
+    if (p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows))
+            and np.array_equal(p.indptr, np.arange(p.rows + 1))):
+        return "diag"
+    return None
+
+
 def _seg_bins(counts: np.ndarray) -> int:
     """Number of launches (width bins) a set of segment lengths falls into."""
     return int(np.unique(bin_widths(counts)).size) if counts.size else 0
@@ -152,7 +162,12 @@ def _step_costs(
                 mv_bins = max(mv_bins, _seg_bins(p.row_lengths()))
             nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
         launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
-        t = launches * profile.op_overhead_s
+        if st.phase == "mid" and len(st.mv) == 1 and chain_kind(mats[st.mv[0].mat].pattern):
+            launches = 0  # a step of the fused middle chain: no launch of its own
+            t = profile.chain_step_s
+        else:
+            t = 0.0
+        t += launches * profile.op_overhead_s
         t += batch * (pairs + mv_sparse) / profile.pair_rate
         t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
         flops = 2 * (pairs + gemm + mv_sparse + gemv)

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .planning import ScanPlan, bin_widths
+from .planning import ScanPlan, bin_widths, chain_kind
 from .schedule import GRAD, blelloch_schedule, extra_vec
 
 __all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "VecChain", "Bin", "lower"]
@@ -244,15 +244,6 @@ class _Alloc:
         return off
 
 
-def _chain_kind(p) -> Optional[str]:
-    """``"dense"`` / ``"diag"`` for matrices a middle chain can take, else ``None``."""
-    if p.is_full:
-        return "dense"
-    if p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows)):
-        return "diag"
-    return None
-
-
 def _middle_runs(steps, mats) -> dict[int, int]:
     """Start index -> length of each run (>= 2) of chainable single-MV middle steps."""
     runs: dict[int, int] = {}
@@ -260,7 +251,7 @@ def _middle_runs(steps, mats) -> dict[int, int]:
     while i < len(steps):
         j = i
         while (j < len(steps) and steps[j].phase == "mid" and len(steps[j].mv) == 1
-               and _chain_kind(mats[steps[j].mv[0].mat].pattern) is not None):
+               and chain_kind(mats[steps[j].mv[0].mat].pattern) is not None):
             j += 1
         if j - i >= 2:
             runs[i] = j - i
