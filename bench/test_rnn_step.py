@@ -10,6 +10,7 @@ The CUDA rows compare with cuDNN autograd at T=30000 and skip cleanly without a 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -49,36 +50,33 @@ def _setup(T: int, dev: torch.device, scan: bool, **plan_kwargs):
     return model, forward, step
 
 
-def _median(fn, rounds: int) -> float:
-    fn()
-    ts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def _time_step(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
 
 
-def _backward_median(forward, dev: torch.device, rounds: int) -> float:
-    ts = []
-    for _ in range(rounds + 1):
-        loss = forward()
-        _sync(dev)
-        t0 = time.perf_counter()
-        loss.backward()
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[1:])
+def _time_backward(forward, dev: torch.device) -> float:
+    loss = forward()
+    _sync(dev)
+    t0 = time.perf_counter()
+    loss.backward()
+    _sync(dev)
+    return time.perf_counter() - t0
 
 
 def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kwargs) -> None:
     _, a_fwd, a_step = _setup(T, dev, scan=False)
     model, s_fwd, s_step = _setup(T, dev, scan=True, **plan_kwargs)
+    # the ratio comes from interleaved pairs, so a change in machine load hits both sides alike
+    timer = (lambda f, s: _time_step(s)) if mode == "step" else (lambda f, s: _time_backward(f, dev))
+    timer(a_fwd, a_step), timer(s_fwd, s_step)  # warm-up: allocator, plan for this T
+    pairs = [(timer(a_fwd, a_step), timer(s_fwd, s_step)) for _ in range(rounds)]
+    base = statistics.median(p[0] for p in pairs)
+    ours = statistics.median(p[1] for p in pairs)
     if mode == "step":
-        base = _median(a_step, rounds)
-        benchmark.pedantic(s_step, rounds=rounds, warmup_rounds=1)
+        benchmark.pedantic(s_step, rounds=rounds)
     else:
-        base = _backward_median(a_fwd, dev, rounds)
 
         def setup():
             loss = s_fwd()
@@ -89,13 +87,14 @@ def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kw
             loss.backward()
             _sync(dev)
 
-        benchmark.pedantic(backward, setup=setup, rounds=rounds, warmup_rounds=1)
-    ours = benchmark.stats.stats.median
+        benchmark.pedantic(backward, setup=setup, rounds=rounds)
     plan = model.rnn.plan
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     benchmark.extra_info.update(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads",
-        T=T, B=B, H=H, mode=mode, chain=plan.chain, engine=plan.engine, levels=plan.levels,
+        load_average_1min=load, T=T, B=B, H=H, mode=mode, chain=plan.chain, engine=plan.engine, levels=plan.levels,
         autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
+        median_ratio_of_pairs=statistics.median(a / o for a, o in pairs),
     )
 
 
