@@ -150,8 +150,21 @@ class TritonTables:
         return sum(len(s) for s in self.steps)
 
 
+def _compiled() -> bool:
+    """Whether the kernels were defined for compilation (not in Triton's CPU interpreter)."""
+    import triton
+
+    from .spgemm import spgemm_kernel
+
+    return isinstance(spgemm_kernel, triton.runtime.JITFunction)
+
+
 def make_tables(program: Program, device: torch.device) -> TritonTables:
     """Upload ``program``'s index tables to ``device`` once (re-laid out for the kernels)."""
+    device = torch.device(device)
+    if _compiled() and device.type != "cuda":
+        raise ValueError(f"backend='triton': compiled kernels need CUDA tensors, got device {device} "
+                         f"(use backend='torch' on the CPU, or set TRITON_INTERPRET=1 before importing spscan)")
     return TritonTables(program, device)
 
 
