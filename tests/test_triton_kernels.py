@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import spscan
 from spscan.kernels import launch
@@ -267,6 +269,38 @@ def test_vec_chain(config_family, dtype, case):
     chains = [dict(s.constexprs) for s in rec if s.kernel == "vec_chain_kernel"]
     assert len(chains) == 1
     assert chains[0]["ONE_TILE"] == (case.split("-")[0] in ("20", "5"))
+
+
+# --- random chains ------------------------------------------------------------------------
+
+@st.composite
+def chains(draw):
+    """Short chains mixing sparse, full and diagonal patterns (0-nnz rows, 1 x 1, rectangular)."""
+    n = draw(st.integers(1, 6))
+    dims = draw(st.lists(st.integers(1, 24), min_size=n + 1, max_size=n + 1))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    pats = []
+    for i in range(n):
+        kind = draw(st.sampled_from(["sparse", "full", "diag"] if dims[i] == dims[i + 1] else ["sparse", "full"]))
+        if kind == "full":
+            pats.append(full(dims[i], dims[i + 1]))
+        elif kind == "diag":
+            pats.append(_csr(np.eye(dims[i], dtype=bool)))
+        else:
+            pats.append(random_pattern(rng, dims[i], dims[i + 1], draw(st.sampled_from([0.1, 0.3, 0.7]))))
+    shared = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    levels = draw(st.sampled_from([0, 1, "full"]))
+    extra_every = draw(st.sampled_from([None, 1, 2]))
+    batch = draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from(DTYPES))
+    return pats, shared, levels, extra_every, batch, dtype
+
+
+@settings(max_examples=30)
+@given(chains())
+def test_random_chains(case):
+    pats, shared, levels, extra_every, batch, dtype = case
+    check_case(pats, shared, dtype, levels, batch=batch, extra_every=extra_every)
 
 
 # --- what ran: every kernel variant, one launch per work table ---------------------------
