@@ -485,9 +485,7 @@ class RecurrentPlan:
             top = top + extra[T - 1]
             ext_list = [None] + [extra[t] for t in range(T - 1)] + [None]
         if core is not None:
-            # per-step views, not the stacked (T, B, nnz) tensor: the core's stacked-values path
-            # gave wrong gradients at levels=0 when this was written (see tests)
-            grads = core.backward(plan, list(saved.values.unbind(0)), top, extra=ext_list)
+            grads = core.backward(plan, saved.values, top, extra=ext_list)  # stacked (T, B, nnz): no list of T tensors
             return torch.stack(list(grads), dim=0)
         mats = _dense_from_values(recurrent_patterns(self.module, 1, self.chain)[0], saved.values)
         e = None

@@ -309,7 +309,6 @@ def test_unbatched_input_with_initial_state():
         assert a.shape == b.shape and rel_err(a, b) <= 1e-12
 
 
-@pytest.mark.xfail(reason="core: stacked (n, B, nnz) values at levels=0 give wrong dl/dx_i for i < n-1", strict=False)
 @pytest.mark.parametrize("levels", [0, 1, "auto"])
 def test_core_stacked_values_match_list(levels):
     """The core engine accepts one stacked (n, B, nnz) tensor for a chain of equal patterns; it must
