@@ -24,6 +24,9 @@ import torch
 import spscan
 from spscan.kernels import launch
 from spscan.kernels.aot import specs_to_json
+from spscan.kernels.triton_backend import _compiled
+
+DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recording launches nothing
 
 KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "vec_chain_kernel"}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
@@ -76,20 +79,20 @@ def record_specs() -> list:
         for pats, shared, levels, batch, every in _cases():
             plan = spscan.plan(pats, levels=levels, backend="triton")
             for dtype in (torch.float32, torch.float64):
-                vals = [torch.zeros(p.nnz if s else (batch, p.nnz), dtype=dtype) for p, s in zip(pats, shared)]
-                grad = torch.zeros(batch, pats[-1].shape[1], dtype=dtype)
+                vals = [torch.zeros(p.nnz if s else (batch, p.nnz), dtype=dtype, device=DEVICE) for p, s in zip(pats, shared)]
+                grad = torch.zeros(batch, pats[-1].shape[1], dtype=dtype, device=DEVICE)
                 dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
                 extra = None if every is None else \
-                    [torch.zeros(batch, d, dtype=dtype) if k % every == 1 or every == 1 else None for k, d in enumerate(dims)]
+                    [torch.zeros(batch, d, dtype=dtype, device=DEVICE) if k % every == 1 or every == 1 else None for k, d in enumerate(dims)]
                 with launch.recording(dry_run=True) as rec:
                     spscan.backward(plan, vals, grad, extra)
                 specs += rec
             for tf32 in (True,):  # float32 dense nodes with TF32 allowed compile too
                 launch.set_allow_tf32(tf32)
                 try:
-                    vals = [torch.zeros(p.nnz if s else (batch, p.nnz)) for p, s in zip(pats, shared)]
+                    vals = [torch.zeros(p.nnz if s else (batch, p.nnz), device=DEVICE) for p, s in zip(pats, shared)]
                     with launch.recording(dry_run=True) as rec:
-                        spscan.backward(plan, vals, torch.zeros(batch, pats[-1].shape[1]))
+                        spscan.backward(plan, vals, torch.zeros(batch, pats[-1].shape[1], device=DEVICE))
                     specs += [s for s in rec if s.kernel == "gemm_kernel"]
                 finally:
                     launch.set_allow_tf32(False)

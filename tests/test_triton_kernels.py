@@ -22,10 +22,20 @@ from hypothesis import strategies as st
 import spscan
 from spscan.kernels import launch
 from spscan.kernels.segments import SegmentTable
-from spscan.kernels.triton_backend import TritonTables, VecChain, _SpMMLaunch, _SpMVLaunch
+from spscan.kernels.triton_backend import TritonTables, VecChain, _compiled, _SpMMLaunch, _SpMVLaunch
 from spscan.reference import reference_backward
 
 DTYPES = (torch.float64, torch.float32)
+# interpreted kernels take CPU tensors; where a GPU makes them compiled, the same tests run on it
+DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")
+
+
+def _dev(items):
+    if items is None:
+        return None
+    if isinstance(items, torch.Tensor):
+        return items.to(DEVICE)
+    return [None if t is None else t.to(DEVICE) for t in items]
 F32_FLOOR = 1e-6  # relative error floor: a few float32 ulps
 
 
@@ -118,8 +128,8 @@ def check_case(pats, shared, dtype, levels, batch: int = 3, extra_every: Optiona
     extra = None if extra_every is None else make_extra(pats, batch, dtype, seed, extra_every)
 
     plan_t = spscan.plan(pats, levels=levels, backend="triton")
-    got = spscan.backward(plan_t, vals, grad, extra)
-    again = spscan.backward(plan_t, vals, grad, extra)
+    got = spscan.backward(plan_t, _dev(vals), _dev(grad), _dev(extra))
+    again = spscan.backward(plan_t, _dev(vals), _dev(grad), _dev(extra))
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "triton backend is not bitwise repeatable"
 
     ref = reference_backward(pats, vals, grad, extra)
@@ -139,6 +149,8 @@ def check_case(pats, shared, dtype, levels, batch: int = 3, extra_every: Optiona
 @pytest.fixture(params=["interpret", "device"])
 def config_family(request):
     """Run under the interpreter's large tiles and under the GPU tiles (more programs, small problems)."""
+    if request.param == "interpret" and _compiled():
+        pytest.skip("interpreter tile sizes are for TRITON_INTERPRET=1 runs, not compiled kernels")
     saved = launch.mode
     launch.mode = request.param
     yield request.param
@@ -311,7 +323,7 @@ def _record(pats, shared, dtype, levels, batch=2, extra_every=2):
     extra = None if extra_every is None else make_extra(pats, batch, dtype, 0, extra_every)
     plan = spscan.plan(pats, levels=levels, backend="triton")
     with launch.recording(dry_run=True) as rec:
-        spscan.backward(plan, vals, grad, extra)
+        spscan.backward(plan, _dev(vals), _dev(grad), _dev(extra))
     return plan, rec
 
 
@@ -369,10 +381,10 @@ def test_every_variant_is_exercised():
 
 def test_segment_table_layout():
     pats = [band(12, [-1, 0, 1])] * 4 + [band(12, [0, 3])] * 3
-    plan = spscan.plan(pats, levels="full", backend="triton").prepare()
+    plan = spscan.plan(pats, levels="full", backend="triton").prepare(device=DEVICE)
     for t in _segment_tables(plan, _SpMMLaunch) + _segment_tables(plan, _SpMVLaunch):
         assert t.seg_ptr.dtype == torch.int32 and t.pair_a.dtype == torch.int32
-        lens = np.diff(t.seg_ptr.numpy())
+        lens = np.diff(t.seg_ptr.cpu().numpy())
         assert np.all(np.diff(lens) <= 0), "segments must be sorted long-first"
         assert np.array_equal(lens, t.lengths) and t.npairs == int(lens.sum())
 
@@ -419,12 +431,14 @@ def test_planned_product_matches_scipy(config_family, dtype):
 
     rng = np.random.default_rng(4)
     a, b = random_pattern(rng, 37, 41, 0.15, empty_rows=3), random_pattern(rng, 41, 29, 0.2)
-    table, pc = planned_product(as_pattern(a), as_pattern(b), torch.device("cpu"))
+    table, pc = planned_product(as_pattern(a), as_pattern(b), DEVICE)
     gen = torch.Generator().manual_seed(0)
     va, vb = torch.randn(3, a.nnz, generator=gen, dtype=dtype), torch.randn(3, b.nnz, generator=gen, dtype=dtype)
     for xa, xb, batch in ((va[0], vb[0], 1), (va, vb, 3), (va[0], vb, 3), (va, vb[0], 3)):
         c = torch.empty(pc.nnz, dtype=dtype) if batch == 1 else torch.empty(3, pc.nnz, dtype=dtype)
-        spgemm(table, xa, xb, c)
+        out = c.to(DEVICE)
+        spgemm(table, xa.to(DEVICE), xb.to(DEVICE), out)
+        c = out.cpu()
         for i in range(batch):
             ai = xa if xa.dim() == 1 else xa[i]
             bi = xb if xb.dim() == 1 else xb[i]
@@ -439,7 +453,7 @@ def test_launcher_shape_errors():
     from spscan.kernels.spgemm import spgemm
 
     pats = [band(12, [-1, 0, 1])] * 4
-    plan = spscan.plan(pats, levels="full", backend="triton").prepare()
+    plan = spscan.plan(pats, levels="full", backend="triton").prepare(device=DEVICE)
     table = _segment_tables(plan, _SpMMLaunch)[0]
     with pytest.raises(ValueError, match="output must be shared"):
         spgemm(table, torch.zeros(100), torch.zeros(100), torch.zeros(2, 100))
