@@ -212,17 +212,16 @@ def _coefficients(kind: str, x, h_prev, c_prev, hs, cs, params) -> dict[str, tor
     }
 
 
-def _weighted_wt(w_blocks: torch.Tensor, coefs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """``sum_g W_g^T diag(c_g)``: ``w_blocks`` (G, H, H) of ``W_hh`` gate blocks, coefs (T, B, H) → (T, B, H, H).
+def _weighted_wt(out: torch.Tensor, w_blocks: torch.Tensor, coefs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``out[..., j, i] = sum_g W_g[i, j] * c_g[..., i]``, written in place into ``out`` (T, B, H, H).
 
-    Entry ``[j, i] = sum_g W_g[i, j] * c_g[i]``: row ``j`` of the transposed Jacobian.
+    ``w_blocks`` (G, H, H) are the gate blocks of ``W_hh``; coefs ``(T, B, H)``. Row ``j`` of
+    ``out`` is row ``j`` of the transposed Jacobian ``sum_g W_g^T diag(c_g)``. ``out`` may be a
+    strided view into the values buffer (no temporaries of size ``T*B*H*H``).
     """
-    out = None
-    for g, c in enumerate(coefs):
-        if c is None:
-            continue
-        term = w_blocks[g].t() * c.unsqueeze(-2)
-        out = term if out is None else out.add_(term)
+    torch.mul(w_blocks[0].t(), coefs[0].unsqueeze(-2), out=out)
+    for g in range(1, len(coefs)):
+        out.addcmul_(w_blocks[g].t(), coefs[g].unsqueeze(-2))
     return out
 
 
@@ -237,25 +236,29 @@ def _jacobian_values(kind: str, chain: str, coefs: dict, w_hh: torch.Tensor, H: 
             vals.append(d[t])
         return vals
     T, B = next(iter(coefs.values())).shape[:2]
+    dt, dev = w_hh.dtype, w_hh.device
     if kind.startswith("rnn"):
-        jt = w_hh.t() * coefs["d"].unsqueeze(-2)
-        return jt.reshape(T, B, H * H)
+        vals = torch.empty(T, B, H * H, dtype=dt, device=dev)
+        torch.mul(w_hh.t(), coefs["d"].unsqueeze(-2), out=vals.view(T, B, H, H))
+        return vals
     if kind == "gru":
-        w = w_hh.view(3, H, H)
-        jt = _weighted_wt(w, [coefs["dr"], coefs["dz"], coefs["dm"]])
+        vals = torch.empty(T, B, H * H, dtype=dt, device=dev)
+        jt = _weighted_wt(vals.view(T, B, H, H), w_hh.view(3, H, H), [coefs["dr"], coefs["dz"], coefs["dm"]])
         jt.diagonal(dim1=-2, dim2=-1).add_(coefs["z"])
-        return jt.reshape(T, B, H * H)
+        return vals
     # lstm: rows of h_{t-1}: [d h_t/d h_{t-1}^T | d c_t/d h_{t-1}^T]; rows of c_{t-1}: [k*f, f]
     w = w_hh.view(4, H, H)
-    k = coefs["k"]
-    ci, cf, cg, co = coefs["ci"], coefs["cf"], coefs["cg"], coefs["co"]
-    dc = _weighted_wt(w, [ci, cf, cg, None])
-    dh = dc * k.unsqueeze(-2)
-    dh.add_(w[3].t() * co.unsqueeze(-2))
-    top = torch.cat([dh, dc], dim=-1).reshape(T, B, 2 * H * H)
-    f = coefs["f"]
-    bottom = torch.stack([k * f, f], dim=-1).reshape(T, B, 2 * H)
-    return torch.cat([top, bottom], dim=-1)
+    k, f = coefs["k"], coefs["f"]
+    vals = torch.empty(T, B, 2 * H * H + 2 * H, dtype=dt, device=dev)
+    top = vals[..., : 2 * H * H].view(T, B, H, 2 * H)
+    dh, dc = top[..., :H], top[..., H:]
+    _weighted_wt(dc, w, [coefs["ci"], coefs["cf"], coefs["cg"]])
+    torch.mul(dc, k.unsqueeze(-2), out=dh)
+    dh.addcmul_(w[3].t(), coefs["co"].unsqueeze(-2))
+    bottom = vals[..., 2 * H * H :].view(T, B, H, 2)
+    torch.mul(k, f, out=bottom[..., 0])
+    bottom[..., 1].copy_(f)
+    return vals
 
 
 # --------------------------------------------------------------------------- scan engines
@@ -275,9 +278,11 @@ def _dense_from_values(pattern: sp.csr_array, values: torch.Tensor) -> torch.Ten
     D0, D1 = pattern.shape
     rows = np.repeat(np.arange(D0), np.diff(pattern.indptr))
     flat = torch.as_tensor(rows * D1 + pattern.indices, device=values.device, dtype=torch.long)
-    T, B, _ = values.shape
+    T, B, nnz = values.shape
+    if nnz == D0 * D1:  # full pattern: CSR order is row-major already
+        return values.view(T, B, D0, D1)
     out = values.new_zeros(T, B, D0 * D1)
-    out[:, :, flat] = values
+    out.index_copy_(2, flat, values)
     return out.view(T, B, D0, D1)
 
 
