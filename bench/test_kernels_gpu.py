@@ -138,7 +138,8 @@ def test_spgemm_gpu(benchmark, size):
     benchmark.pedantic(triton_shared, rounds=20, warmup_rounds=3)
     t_triton = benchmark.stats.stats.median
 
-    crow, col = torch.from_numpy(a.indptr.astype(np.int64)).to(dev), torch.from_numpy(a.indices.astype(np.int64)).to(dev)
+    crow = torch.from_numpy(a.indptr.astype(np.int64)).to(dev)
+    col = torch.from_numpy(a.indices.astype(np.int64)).to(dev)
     ta = torch.sparse_csr_tensor(crow, col, va, size=a.shape)
     tb = torch.sparse_csr_tensor(crow, col, vb, size=a.shape)
 

@@ -11,23 +11,19 @@ can be captured in a CUDA graph. Semantics match :mod:`spscan.kernels.torch_ops`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV
-
-from spscan.planner import program as _program
-
-VecChain = getattr(_program, "VecChain", None)  # the fused linear-scan middle, when the planner makes it
+from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV, VecChain
 
 from .gemm import gemm
 from .gemv import gemv
-from .vec_chain import chain_table, vec_chain
 from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
 from .spmv import spmv
+from .vec_chain import chain_table, vec_chain
 
 __all__ = ["TritonTables", "make_tables", "run_program"]
 
@@ -61,7 +57,7 @@ class _GemvLaunch:
 
 @dataclass
 class _ChainLaunch:
-    op: object  # VecChain
+    op: VecChain
     table: torch.Tensor
     uniform_m: int
     all_shared: bool
@@ -132,7 +128,7 @@ class TritonTables:
                         torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
                     reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
                     writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
-                elif VecChain is not None and isinstance(op, VecChain):
+                elif isinstance(op, VecChain):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
                     table, uniform_m = chain_table(op, index_dtype(limit), self.device)
                     launches.append(_ChainLaunch(op, table, uniform_m, bool(np.all(op.shared))))
@@ -170,7 +166,8 @@ def make_tables(program: Program, device: torch.device) -> TritonTables:
 
 def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
                 inputs=None) -> None:
-    """Run every step in order, in place: ``arenas["S"]`` ``(N_S,)``, ``arenas["P"]`` ``(B, N_P)``, ``vectors`` ``(B, N_V)``.
+    """Run every step in order, in place on ``arenas["S"]`` ``(N_S,)``, ``arenas["P"]`` ``(B, N_P)``
+    and ``vectors`` ``(B, N_V)``.
 
     Only kernel launches: capturable in a CUDA graph once the arenas are static. ``inputs`` (the
     caller's per-layer tensors) is accepted for interface parity and unused: every kernel reads

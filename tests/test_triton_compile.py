@@ -80,11 +80,13 @@ def record_specs() -> list:
         for pats, shared, levels, batch, every in _cases():
             plan = spscan.plan(pats, levels=levels, backend="triton")
             for dtype in (torch.float32, torch.float64):
-                vals = [torch.zeros(p.nnz if s else (batch, p.nnz), dtype=dtype, device=DEVICE) for p, s in zip(pats, shared)]
+                vals = [torch.zeros(p.nnz if s else (batch, p.nnz), dtype=dtype, device=DEVICE)
+                        for p, s in zip(pats, shared)]
                 grad = torch.zeros(batch, pats[-1].shape[1], dtype=dtype, device=DEVICE)
                 dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
                 extra = None if every is None else \
-                    [torch.zeros(batch, d, dtype=dtype, device=DEVICE) if k % every == 1 or every == 1 else None for k, d in enumerate(dims)]
+                    [torch.zeros(batch, d, dtype=dtype, device=DEVICE) if k % every == 1 or every == 1 else None
+                     for k, d in enumerate(dims)]
                 with launch.recording(dry_run=True) as rec:
                     spscan.backward(plan, vals, grad, extra)
                 specs += rec

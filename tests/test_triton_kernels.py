@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import spscan
 from spscan.kernels import launch
 from spscan.kernels.segments import SegmentTable
-from spscan.kernels.triton_backend import TritonTables, VecChain, _compiled, _SpMMLaunch, _SpMVLaunch
+from spscan.kernels.triton_backend import TritonTables, _compiled, _SpMMLaunch, _SpMVLaunch
 from spscan.reference import reference_backward
 
 DTYPES = (torch.float64, torch.float32)
@@ -250,9 +250,6 @@ def test_dense_64(config_family):
 
 # --- the linear-scan middle as one persistent launch -------------------------------------
 
-needs_chain = pytest.mark.skipif(VecChain is None, reason="this planner does not fuse the linear-scan middle")
-
-
 def diag(n: int) -> sp.csr_array:
     return _csr(np.eye(n, dtype=bool))
 
@@ -270,7 +267,6 @@ CHAINS = {
 }
 
 
-@needs_chain
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(CHAINS))
 def test_vec_chain(config_family, dtype, case):
@@ -366,15 +362,16 @@ def test_every_variant_is_exercised():
         kinds = {flags for k, d, flags in seen if k == "spgemm_kernel" and d == dt}
         assert {(("A_SHARED", a), ("B_SHARED", b), ("C_SHARED", a and b))
                 for a, b in [(True, True), (True, False), (False, True), (False, False)]} <= kinds
-        assert {f for k, d, f in seen if k == "spmv_kernel" and d == dt} == {(("M_SHARED", False),), (("M_SHARED", True),)}
+        assert {f for k, d, f in seen if k == "spmv_kernel" and d == dt} \
+            == {(("M_SHARED", False),), (("M_SHARED", True),)}
         gemm = {dict(f)["USE_DOT"] for k, d, f in seen if k == "gemm_kernel" and d == dt}
         assert gemm == {True, False}
         assert {dict(f)["ONE_K"] for k, d, f in seen if k == "gemm_kernel" and d == dt} == {True, False}
         assert {(dict(f)["A_SHARED"], dict(f)["B_SHARED"]) for k, d, f in seen if k == "gemm_kernel" and d == dt} \
             == {(True, True), (True, False), (False, True), (False, False)}
         assert {dict(f)["M_SHARED"] for k, d, f in seen if k == "gemv_kernel" and d == dt} == {True, False}
-    if VecChain is not None:  # chain variants are covered by test_vec_chain's cases
-        assert "vec_chain_kernel" in {s.kernel for s in _record([full(20, 20)] * 4, [False] * 4, torch.float32, 0)[1]}
+    # chain variants are covered by test_vec_chain's cases
+    assert "vec_chain_kernel" in {s.kernel for s in _record([full(20, 20)] * 4, [False] * 4, torch.float32, 0)[1]}
 
 
 # --- host-side layout and launch parameters ----------------------------------------------
