@@ -692,6 +692,9 @@ class BatchNormUnit(LayerUnit):
         if len(in_shape) not in ((1, 2) if isinstance(module, nn.BatchNorm1d) else (3,)):
             raise ValueError(f"layer {index} ({self.name}): unexpected per-sample input shape {tuple(in_shape)}")
         c = in_shape[0]
+        if c != module.num_features:
+            raise ValueError(f"layer {index} ({self.name}): expected {module.num_features} channels "
+                             f"(num_features), got per-sample input {tuple(in_shape)}")
         self.pattern = _identity_pattern(self.d_in)
         self.channel_of = _IndexCache(np.repeat(np.arange(c, dtype=np.int64), self.d_in // c))
 

@@ -286,6 +286,8 @@ def test_mismatched_inputs():
     net = nn.Sequential(nn.Linear(12, 4), nn.ReLU(), nn.Linear(5, 2))
     run_errors(lambda: plan_model(net, torch.zeros(2, 7)), ValueError, "layer 0", "Linear", "(7,)")
     run_errors(lambda: plan_model(net, torch.zeros(2, 12)), ValueError, "layer 2", "Linear", "(4,)")
+    bn = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(4).eval())
+    run_errors(lambda: plan_model(bn, torch.zeros(2, 1, 5, 5)), ValueError, "layer 1", "BatchNorm2d", "4 channels")
     good = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten())
     plan = plan_model(good, torch.zeros(2, 1, 5, 5), levels=0)
     run_errors(lambda: plan.forward(torch.zeros(2, 1, 6, 5)), ValueError, "expected shape (B, 1, 5, 5)", "(2, 1, 6, 5)")
