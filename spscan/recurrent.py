@@ -13,20 +13,22 @@ gradients have no dependency along time and come out of one GEMM over all ``T*B`
 
 Chain layouts (``chain=``):
 
-* ``"factored"`` (Elman RNN only): ``2T`` elements alternating the shared dense ``W_hh^T``
-  (values ``(H*H,)``, shared by the batch) and the per-sample diagonal ``1 - h_t^2`` (or the
-  ReLU mask), values ``(B, H)``. Nothing ``H x H`` per sample is materialized, and the
-  scan's odd outputs are ``dl/da_t`` (the pre-activation gradients the weight GEMMs need).
+* ``"factored"`` (default): each time step is a few elements, every one either dense and
+  shared by the batch (``W_hh^T`` or a 0/1 block-sum matrix, values ``(rows*cols,)``) or a
+  per-sample diagonal (values ``(B, d)``); nothing ``H x H`` per sample is materialized.
+  RNN: ``W_hh^T``, ``diag(1 - h_t^2)`` (2 per step). GRU: ``[W_hh^T | I]``,
+  ``diag(dr, dz, dm, z)``, a 4-block sum (3 per step; eq. 11 as a product). LSTM:
+  ``[[W_hh^T, 0], [0, I]]``, ``diag(ci, cf, cg, co, f)``, a block sum into ``(dc, dc, o)``,
+  ``diag(k, 1, 1)``, a block sum into ``(h, c)`` (5 per step). The gradients at each step's
+  first element are the gate pre-activation gradients the weight GEMMs need.
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
-  GRU; for the LSTM the ``2H x 2H`` pattern whose lower half ``d c_t / d(h,c)_{t-1}`` part is
-  diagonal, ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored for the Elman RNN, materialized for GRU and LSTM. Measured on a
-  2-core CPU (B=16, H=20, one thread, CPU time): the linear scan over the factored chain is
-  a ``(B,H)x(H,H)`` GEMM plus a scale per step (~15 ms backward at T=1000, core or built-in)
-  and its values are just ``(T, B, H)``, while the materialized chain has to write
-  ``T*B*H*H`` values in the forward (~30 ms at T=1000, ~450 ms at T=10000) for a backward
-  that is no faster (~19 ms at T=1000). A GRU/LSTM step has a skip term (``diag(z)``,
-  ``diag(f)``) that breaks a two-factor chain, so those are materialized.
+  GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
+  ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
+* ``"auto"``: factored. Measured on a 2-core CPU (B=16, H=20, one thread, CPU time, linear
+  scan as the cost model picks): factored vs materialized forward+values / backward in ms —
+  RNN T=1000 ~10 / ~14 vs ~30 / ~19; GRU T=517 ~13 / ~18 vs ~33 / ~18; LSTM T=1000 ~30 / ~54
+  vs ~117 / ~160. Materializing writes ``T*B*D*D`` values per forward, which costs more than
+  the extra small GEMMs of the factored steps save.
 
 ``engine=``: ``"auto"``/``"core"`` run the chain through ``spscan.plan`` / ``spscan.backward``;
 ``"builtin"`` (also what ``"auto"`` falls back to when the core is not importable) runs a dense
@@ -111,19 +113,35 @@ def _lstm_pattern(hidden: int) -> sp.csr_array:
     return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(2 * H, 2 * H))
 
 
+def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
+    """Elements of one time step of the factored chain: ``("shared", rows, cols)`` dense shared by
+    the batch, or ``("diag", d, d)`` per sample. Element 1 is always the gate pre-activations.
+
+    RNN: ``h -> a`` (``W_hh^T``), ``a -> h`` (diag). GRU: ``h -> (R, Z, M, h)`` (``[W_hh^T | I]``),
+    scale by ``(dr, dz, dm, z)``, sum the four blocks. LSTM: ``(h, c) -> (P_i, P_f, P_g, P_o, c)``,
+    scale by ``(ci, cf, cg, co, f)``, sum into ``(dc, dc, o)``, scale by ``(k, 1, 1)``, sum into ``(h, c)``.
+    """
+    H = hidden
+    if kind.startswith("rnn"):
+        return [("shared", H, H), ("diag", H, H)]
+    if kind == "gru":
+        return [("shared", H, 4 * H), ("diag", 4 * H, 4 * H), ("shared", 4 * H, H)]
+    return [("shared", 2 * H, 5 * H), ("diag", 5 * H, 5 * H), ("shared", 5 * H, 3 * H), ("diag", 3 * H, 3 * H), ("shared", 3 * H, 2 * H)]
+
+
 def recurrent_patterns(module: nn.Module, seq_len: int, chain: str = "auto") -> list[sp.csr_array]:
     """The chain's transposed-Jacobian patterns for a sequence of ``seq_len`` steps, in layer order.
 
-    Returns ``T`` patterns (materialized; ``(D, D)`` with ``D = H`` or ``2H`` for the LSTM) or
-    ``2T`` alternating ``(H, H)`` dense / ``(H, H)`` diagonal ones (factored RNN). The same SciPy
-    object is repeated so the planner interns it.
+    Materialized: ``T`` patterns ``(D, D)`` (``D = H``, or ``2H`` for the LSTM). Factored: ``m*T``
+    patterns, ``m`` per step as in ``_factored_layout`` (2 RNN, 3 GRU, 5 LSTM). The same SciPy
+    objects are repeated so the planner interns them.
     """
     kind = _cell_kind(module)
     chain = _resolve_chain(kind, chain)
     H = module.hidden_size
     if chain == "factored":
-        dense, diag = _dense_pattern(H, H), _diag_pattern(H)
-        return [dense, diag] * seq_len
+        step = [_dense_pattern(r, c) if k == "shared" else _diag_pattern(r) for k, r, c in _factored_layout(kind, H)]
+        return step * seq_len
     pat = _lstm_pattern(H) if kind == "lstm" else _dense_pattern(H, H)
     return [pat] * seq_len
 
@@ -132,10 +150,8 @@ def _resolve_chain(kind: str, chain: str, engine: str = "auto") -> str:
     if chain not in ("auto", "factored", "materialized"):
         raise ValueError(f"expected chain 'auto', 'factored' or 'materialized', got {chain!r}")
     if chain == "auto":
-        # measured (module docstring): the factored RNN chain wins on forward and backward
-        return "factored" if kind.startswith("rnn") else "materialized"
-    if chain == "factored" and not kind.startswith("rnn"):
-        raise ValueError(f"chain='factored' exists only for nn.RNN, got a {kind.upper()} module")
+        # measured (module docstring)
+        return "factored"
     return chain
 
 
@@ -228,13 +244,10 @@ def _weighted_wt(out: torch.Tensor, w_blocks: torch.Tensor, coefs: Sequence[torc
 def _jacobian_values(kind: str, chain: str, coefs: dict, w_hh: torch.Tensor, H: int):
     """The chain's values: a list of ``2T`` tensors (factored) or one stacked ``(T, B, nnz)`` tensor."""
     if chain == "factored":
-        wt = w_hh.t().contiguous().reshape(-1)  # W_hh^T in row-major CSR order, shared by the batch
-        d = coefs["d"]
-        vals: list[torch.Tensor] = []
-        for t in range(d.shape[0]):
-            vals.append(wt)
-            vals.append(d[t])
-        return vals
+        step = _factored_step_values(kind, coefs, w_hh, H)
+        T = next(iter(coefs.values())).shape[0]
+        # shared elements are the same tensor object every step (the core caches them by id)
+        return [v if v.dim() == 1 else v[t] for t in range(T) for v in step]
     T, B = next(iter(coefs.values())).shape[:2]
     dt, dev = w_hh.dtype, w_hh.device
     if kind.startswith("rnn"):
@@ -259,6 +272,32 @@ def _jacobian_values(kind: str, chain: str, coefs: dict, w_hh: torch.Tensor, H: 
     torch.mul(k, f, out=bottom[..., 0])
     bottom[..., 1].copy_(f)
     return vals
+
+
+def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
+    """Values of one step's elements (``_factored_layout``): ``(rows*cols,)`` shared, ``(T, B, d)`` diagonal."""
+    dt, dev = w_hh.dtype, w_hh.device
+    eye = torch.eye(H, dtype=dt, device=dev)
+
+    def blocks(incidence: list[list[int]]) -> torch.Tensor:
+        # block 0/1 matrix: input block b feeds output block c when incidence[b][c] = 1
+        return torch.kron(torch.tensor(incidence, dtype=dt, device=dev), eye).reshape(-1)
+
+    if kind.startswith("rnn"):
+        return [w_hh.t().contiguous().reshape(-1), coefs["d"]]
+    if kind == "gru":
+        a = torch.cat([w_hh.t(), eye], dim=1).reshape(-1)
+        d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
+        return [a, d, blocks([[1], [1], [1], [1]])]
+    a = torch.zeros(2 * H, 5 * H, dtype=dt, device=dev)
+    a[:H, : 4 * H] = w_hh.t()
+    a[H:, 4 * H :] = eye
+    d1 = torch.cat([coefs["ci"], coefs["cf"], coefs["cg"], coefs["co"], coefs["f"]], dim=-1)
+    k = coefs["k"]
+    d2 = torch.cat([k, torch.ones_like(k), torch.ones_like(k)], dim=-1)
+    s1 = blocks([[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 0, 1], [1, 1, 0]])
+    s2 = blocks([[1, 0], [0, 1], [1, 0]])
+    return [a.reshape(-1), d1, s1, d2, s2]
 
 
 # --------------------------------------------------------------------------- scan engines
@@ -468,22 +507,22 @@ class RecurrentPlan:
 
     # -- backward
 
-    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]) -> torch.Tensor:
-        """State gradients ``(T+1, B, D)`` (factored: ``(2T+1, B, H)``) from the chain."""
+    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]):
+        """State gradients ``(T+1, B, D)`` from the chain; factored: the list of all ``m*T+1`` chain gradients."""
         T = saved.T
         plan = self.scan_plan(T, saved.device, saved.dtype)
         core = self._engine()
         if self.chain == "factored":
+            per = len(_factored_layout(self.kind, self.hidden_size))
             ext: Optional[list] = None
             if extra is not None:
-                # extra[t] (the loss on h_{t+1}) goes to chain index 2(t+1); the last one joins top
-                ext = [None] * (2 * T + 1)
+                # extra[t] (the loss on s_{t+1}) goes to chain index per*(t+1); the last one joins top
+                ext = [None] * (per * T + 1)
                 for t in range(T - 1):
-                    ext[2 * (t + 1)] = extra[t]
+                    ext[per * (t + 1)] = extra[t]
                 top = top + extra[T - 1]
             if core is not None:
-                grads = core.backward(plan, saved.values, top, extra=ext)
-                return torch.stack(list(grads), dim=0)
+                return list(core.backward(plan, saved.values, top, extra=ext))
             return _factored_linear_scan(saved.values, top, ext)
         ext_list = None
         if extra is not None:
@@ -544,9 +583,17 @@ class RecurrentPlan:
             return self._pack(saved, top, None, None)
         G = self._scan(saved, top, extra)
         if self.chain == "factored":
+            per = len(_factored_layout(self.kind, H))
             g0 = G[0]
-            pre = G[1::2]  # dl/da_t, t = 1..T
-            pre_ih = pre_hh = pre
+            pre = torch.stack(G[1::per])  # gradients of element 1 of each step: (T, B, >= G*H)
+            if self.kind.startswith("rnn"):
+                pre_ih = pre_hh = pre
+            elif self.kind == "gru":
+                pre_hh = pre[..., : 3 * H]
+                # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
+                pre_ih = torch.cat([pre[..., : 2 * H], torch.stack(G[per::per]) * saved.coefs["dn"]], dim=-1)
+            else:
+                pre_ih = pre_hh = pre[..., : 4 * H]
         else:
             g0 = G[0]
             pre_ih, pre_hh = self._pre_activation_grads(saved, G[1:])
@@ -617,26 +664,24 @@ class RecurrentPlan:
         return self.backward(values, go, gh, gc)
 
 
-def _factored_linear_scan(values: list, top: torch.Tensor, extra: Optional[list]) -> torch.Tensor:
-    """Linear affine scan of the factored Elman chain (fallback without the core engine). Returns ``(2T+1, B, H)``."""
+def _factored_linear_scan(values: list, top: torch.Tensor, extra: Optional[list]) -> list[torch.Tensor]:
+    """Linear affine scan over a factored chain (the built-in engine).
+
+    ``values[i-1]``: ``(rows*cols,)`` shared dense ``J_i^T`` (its shape follows from the
+    neighbours' sizes) or ``(B, d)`` per-sample diagonal. Returns the ``n+1`` gradients ``(B, d_i)``.
+    """
     n = len(values)
-    H = top.shape[-1]
-    out = top.new_empty(n + 1, *top.shape)
-    out[n] = top
+    out: list[torch.Tensor] = [top] * (n + 1)
+    g = top
     for i in range(n, 0, -1):
         v = values[i - 1]
         e = extra[i - 1] if extra is not None else None
-        if v.dim() == 1:  # shared dense W_hh^T (H*H,), row-major: g_prev = W_hh^T g = g @ W_hh
-            w_t = v.view(H, H)
-            if e is None:
-                torch.mm(out[i], w_t.t(), out=out[i - 1])
-            else:
-                torch.addmm(e, out[i], w_t.t(), out=out[i - 1])
+        if v.dim() == 1:  # shared dense J^T (d_{i-1}, d_i), row-major: g_{i-1} = g_i @ J^T^T
+            w = v.view(-1, g.shape[-1])
+            g = torch.mm(g, w.t()) if e is None else torch.addmm(e, g, w.t())
         else:
-            if e is None:
-                torch.mul(out[i], v, out=out[i - 1])
-            else:
-                torch.addcmul(e, out[i], v, out=out[i - 1])
+            g = g * v if e is None else torch.addcmul(e, g, v)
+        out[i - 1] = g
     return out
 
 

@@ -130,28 +130,26 @@ def test_float32_error_within_twice_autograd(kind, loss):
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
-def test_chain_matches_reference_backward(kind):
+@pytest.mark.parametrize("chain", ["factored", "materialized"])
+def test_chain_matches_reference_backward(kind, chain):
     """The chain's patterns and values (CSR order) give the reference's state gradients."""
     m = make_module(kind, 2, 3, batch_first=False, bias=True)
     x, hx = make_inputs(m, 5, 2, with_h0=True, dtype=torch.float64)
-    plan = plan_recurrent(m, x)
+    plan = plan_recurrent(m, x, chain=chain)
     _, saved = plan.forward(x, hx)
     D = plan.state_size
     g = torch.Generator().manual_seed(3)
     top = torch.randn(2, D, generator=g, dtype=torch.float64)
     extra = torch.randn(5, 2, D, generator=g, dtype=torch.float64)
-    pats = recurrent_patterns(m, 5, plan.chain)
-    vals = saved.values
-    if plan.chain == "factored":
-        ext = [None] * 11
-        for t in range(5):
-            ext[2 * (t + 1)] = extra[t]
-        ref = reference_backward(pats, vals, top, ext)[0::2]
-    else:
-        ref = reference_backward(pats, list(vals), top, [None] + list(extra))
+    pats = recurrent_patterns(m, 5, chain)
+    per = len(pats) // 5
+    ext = [None] * (len(pats) + 1)
+    for t in range(5):
+        ext[per * (t + 1)] = extra[t]
+    vals = saved.values if chain == "factored" else list(saved.values)
+    ref = reference_backward(pats, vals, top, ext)[0::per]
     got = plan._scan(saved, top, extra)  # extra[t] is the direct gradient of s_{t+1}
-    if plan.chain == "factored":
-        got = got[0::2]
+    got = got[0::per] if chain == "factored" else got
     for t in range(6):
         torch.testing.assert_close(got[t], ref[t], rtol=1e-12, atol=1e-12)
 
@@ -162,18 +160,20 @@ def test_builtin_scan_levels(kind):
     m = make_module(kind, 2, 5, batch_first=False, bias=True)
     x, hx = make_inputs(m, 37, 3, with_h0=True, dtype=torch.float64)
     want = grads_of(m, m, x, hx, "both")
-    for chain in (["factored", "materialized"] if kind.startswith("rnn") else ["materialized"]):
-        for levels in (0, 1, 3, 6):
+    for chain in ("factored", "materialized"):
+        for levels in ((0, 1, 3, 6) if chain == "materialized" else (0,)):
             got = grads_of(wrap_recurrent(m, x, chain=chain, levels=levels, engine="builtin"), m, x, hx, "both")
             for i, (a, b) in enumerate(zip(got, want)):
                 assert rel_err(a, b) <= 1e-12, (chain, levels, i)
 
 
-def test_rnn_factored_and_materialized_agree():
-    m = make_module("rnn_tanh", 3, 7, batch_first=True, bias=False)
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("levels", [0, "auto", "full"])
+def test_factored_and_materialized_agree(kind, levels):
+    m = make_module(kind, 3, 7, batch_first=True, bias=False)
     x, hx = make_inputs(m, 23, 4, with_h0=True, dtype=torch.float64)
-    a = grads_of(wrap_recurrent(m, x, chain="factored"), m, x, hx, "both")
-    b = grads_of(wrap_recurrent(m, x, chain="materialized"), m, x, hx, "both")
+    a = grads_of(wrap_recurrent(m, x, chain="factored", levels=levels), m, x, hx, "both")
+    b = grads_of(wrap_recurrent(m, x, chain="materialized", levels=levels), m, x, hx, "both")
     for u, v in zip(a, b):
         assert rel_err(u, v) <= 1e-12
 
@@ -237,8 +237,6 @@ def test_refuses_what_it_cannot_do(module, match):
 def test_bad_arguments():
     with pytest.raises(TypeError, match="nn.RNN, nn.GRU or nn.LSTM"):
         plan_recurrent(nn.Linear(2, 3))
-    with pytest.raises(ValueError, match="only for nn.RNN"):
-        plan_recurrent(nn.GRU(2, 3), chain="factored")
     with pytest.raises(ValueError, match="expected chain"):
         plan_recurrent(nn.RNN(2, 3), chain="dense")
     w = wrap_recurrent(nn.RNN(2, 3))
@@ -317,7 +315,7 @@ def test_core_stacked_values_match_list(levels):
 
     if not hasattr(spscan, "plan"):
         pytest.skip("the core engine is not available")
-    pat = recurrent_patterns(nn.GRU(1, 3), 6)[0]
+    pat = recurrent_patterns(nn.GRU(1, 3), 6, chain="materialized")[0]
     g = torch.Generator().manual_seed(0)
     vals = 0.5 * torch.rand(6, 2, pat.nnz, generator=g, dtype=torch.float64)
     top = torch.randn(2, 3, generator=g, dtype=torch.float64)
