@@ -331,12 +331,13 @@ def test_param_grads_input_checks():
 @pytest.mark.skipif(not HAS_CORE, reason="needs the core engine")
 @pytest.mark.parametrize("levels", [0, "full"])
 def test_wrapped_gradients_triton_backend(levels):
-    """The Triton backend (interpreted on CPU) behind the wrapper gives autograd's gradients too."""
+    """The Triton backend (interpreted on CPU, compiled on CUDA) behind the wrapper gives autograd's gradients."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     net, shape = cnn_strided()
-    net, ref = net.double(), cnn_strided()[0].double()
-    x = torch.randn(2, *shape, dtype=torch.float64)
+    net, ref = net.double().to(dev), cnn_strided()[0].double().to(dev)
+    x = torch.randn(2, *shape, dtype=torch.float64, device=dev)
     w = wrap(net, x, levels=levels, backend="triton")
-    target = torch.randn(2, *w.plan.out_shape, dtype=torch.float64)
+    target = torch.randn(2, *w.plan.out_shape, dtype=torch.float64, device=dev)
     _, gx, gp = _autograd_step(w, x, target, seed=0)
     _, gx_ref, gp_ref = _autograd_step(ref, x, target, seed=0)
     assert _rel(gx, gx_ref) <= 1e-9
