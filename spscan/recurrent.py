@@ -146,13 +146,11 @@ def recurrent_patterns(module: nn.Module, seq_len: int, chain: str = "auto") -> 
     return [pat] * seq_len
 
 
-def _resolve_chain(kind: str, chain: str, engine: str = "auto") -> str:
+def _resolve_chain(kind: str, chain: str) -> str:
     if chain not in ("auto", "factored", "materialized"):
         raise ValueError(f"expected chain 'auto', 'factored' or 'materialized', got {chain!r}")
-    if chain == "auto":
-        # measured (module docstring)
-        return "factored"
-    return chain
+    # "auto": factored for every cell, measured (module docstring)
+    return "factored" if chain == "auto" else chain
 
 
 # --------------------------------------------------------------------------- forward pieces
@@ -392,7 +390,7 @@ class RecurrentPlan:
             raise ValueError(f"expected engine 'auto', 'core' or 'builtin', got {engine!r}")
         if engine == "core" and _core() is None:
             raise ValueError("engine='core' needs spscan.plan/spscan.backward, which are not available")
-        self.chain = _resolve_chain(self.kind, chain, engine)
+        self.chain = _resolve_chain(self.kind, chain)
         self.engine = engine
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
