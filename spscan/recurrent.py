@@ -743,8 +743,8 @@ class _RecurrentFunction(torch.autograd.Function):
         plan: RecurrentPlan = ctx.plan
         if ctx.saved is None:
             return (None,) * (4 + len(_params(plan.module)))
+        # ctx.saved stays: backward(retain_graph=True) may run this again; it goes with the graph
         r = plan.backward(ctx.saved, grad_out, grad_hn, grad_cn)
-        ctx.saved = None  # free the Jacobian values as soon as they are consumed
         names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if plan.module.bias else [])
         need = ctx.needs_input_grad
         gx = r["input"] if need[1] else None

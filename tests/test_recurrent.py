@@ -326,3 +326,15 @@ def test_core_stacked_values_match_list(levels):
         got = spscan.backward(plan, v, top, extra=extra)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_retain_graph_backward_twice_accumulates():
+    m = make_module("gru", 2, 3, batch_first=False, bias=True)
+    x = torch.randn(5, 2, 2, dtype=torch.float64)
+    w = wrap_recurrent(m, x)
+    out, h = w(x)
+    loss = out.sum() + h.pow(2).sum()
+    loss.backward(retain_graph=True)
+    once = m.weight_hh_l0.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(m.weight_hh_l0.grad, 2 * once, rtol=1e-12, atol=1e-12)
