@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ class Pattern:
     indices: np.ndarray
     key: str = field(default="")
 
-    @property
+    @cached_property
     def nnz(self) -> int:
         return int(self.indices.shape[0])
 
@@ -39,7 +40,7 @@ class Pattern:
     def cols(self) -> int:
         return self.shape[1]
 
-    @property
+    @cached_property
     def is_full(self) -> bool:
         """Every position is a stored entry (CSR order is then row-major dense order)."""
         return self.nnz == self.shape[0] * self.shape[1]

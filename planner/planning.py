@@ -110,8 +110,19 @@ def bin_widths(lengths: np.ndarray) -> np.ndarray:
     return widths
 
 
+_CHAIN_KIND: dict[str, Optional[str]] = {}
+_BINS: dict[tuple[str, int], int] = {}
+
+
 def chain_kind(p: Pattern) -> Optional[str]:
     """``"dense"`` / ``"diag"`` for matrices the fused middle chain takes, else ``None``."""
+    if p.key in _CHAIN_KIND:
+        return _CHAIN_KIND[p.key]
+    _CHAIN_KIND[p.key] = kind = _chain_kind(p)
+    return kind
+
+
+def _chain_kind(p: Pattern) -> Optional[str]:
     if p.is_full:
         return "dense"
     if (p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows))
@@ -123,6 +134,22 @@ def chain_kind(p: Pattern) -> Optional[str]:
 def _seg_bins(counts: np.ndarray) -> int:
     """Number of launches (width bins) a set of segment lengths falls into."""
     return int(np.unique(bin_widths(counts)).size) if counts.size else 0
+
+
+def _row_bins(p: Pattern) -> int:
+    """Launches of an SpMV with pattern ``p`` (cached: long chains repeat a few patterns)."""
+    key = (p.key, 0)
+    if key not in _BINS:
+        _BINS[key] = _seg_bins(p.row_lengths())
+    return _BINS[key]
+
+
+def _pair_bins(info: "MatInfo") -> int:
+    """Launches of a planned SpGEMM (cached per output pattern and pair count)."""
+    key = (info.pattern.key, info.sym.npairs)
+    if key not in _BINS:
+        _BINS[key] = _seg_bins(np.diff(info.sym.pair_ptr))
+    return _BINS[key]
 
 
 def _step_costs(
@@ -146,7 +173,7 @@ def _step_costs(
                 nbytes += (l.nnz + r.nnz + info.pattern.nnz) * elem
             else:
                 pairs += info.sym.npairs
-                bins_pairs = max(bins_pairs, _seg_bins(np.diff(info.sym.pair_ptr)))
+                bins_pairs = max(bins_pairs, _pair_bins(info))
                 nbytes += info.sym.npairs * (2 * elem + 2 * INDEX_BYTES) + info.pattern.nnz * elem
         mv_sparse = mv_dense = 0
         mv_bins = 0
@@ -159,7 +186,7 @@ def _step_costs(
                 mv_dense += 1
             else:
                 mv_sparse += p.nnz
-                mv_bins = max(mv_bins, _seg_bins(p.row_lengths()))
+                mv_bins = max(mv_bins, _row_bins(p))
             nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
         launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
         if st.phase == "mid" and len(st.mv) == 1 and chain_kind(mats[st.mv[0].mat].pattern):
@@ -229,17 +256,28 @@ def plan_scan(
     candidates: dict[int, float] = {}
     chosen_plan = None
     ks = range(explored + 1) if wanted is None else [wanted]
+    up_cost = [0.0]  # cumulative cost of the first K up-sweep levels (the same for every depth)
+    for c in _step_costs(ScanSchedule(n, deepest, full.steps[:explored], {}, [], 0, 0), mats, profile,
+                         batch_hint, elem_bytes):
+        up_cost.append(up_cost[-1] + c.time_s)
+    worse = 0
     for k in ks:
+        if wanted is None and chosen_plan is not None and (up_cost[k] >= candidates[chosen_plan.levels] or worse >= 2):
+            break  # deeper plans only add up-sweep work, or the cost has turned up twice: none can win
         sched = blelloch_schedule(n, k)
         sub = {i: mats[i] for i in range(sched.num_mats) if i in mats}
         plan = ScanPlan(pats, k, sub, sched, profile, batch_hint, elem_bytes)
-        t = sum(c.time_s for c in _step_costs(sched, sub, profile, batch_hint, elem_bytes))
+        rest = ScanSchedule(n, k, sched.steps[k:], {}, [], 0, 0)  # middle and down-sweep
+        t = up_cost[k] + sum(c.time_s for c in _step_costs(rest, sub, profile, batch_hint, elem_bytes))
         if memory_limit is not None and memory_of is not None and wanted is None:
             if memory_of(plan) > memory_limit:
                 continue
         candidates[k] = t
         if chosen_plan is None or t < candidates[chosen_plan.levels]:
             chosen_plan = plan
+            worse = 0
+        else:
+            worse += 1
     if chosen_plan is None:
         chosen_plan = ScanPlan(pats, 0, {i: mats[i] for i in range(n)}, blelloch_schedule(n, 0), profile,
                                batch_hint, elem_bytes)

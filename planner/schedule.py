@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["MMOp", "MVOp", "Step", "ScanSchedule", "max_levels", "blelloch_schedule", "GRAD"]
 
@@ -33,8 +33,7 @@ def extra_vec(i: int) -> int:
     return 1 + i
 
 
-@dataclass(frozen=True)
-class MMOp:
+class MMOp(NamedTuple):
     """``out = left @ right`` (``left`` holds the lower layers: it is applied last)."""
 
     out: int
@@ -42,8 +41,7 @@ class MMOp:
     right: int
 
 
-@dataclass(frozen=True)
-class MVOp:
+class MVOp(NamedTuple):
     """``out = mat @ vin + add`` (``add`` may be ``None``)."""
 
     out: int
@@ -100,8 +98,9 @@ def blelloch_schedule(n: int, levels: int, has_extra: Optional[Sequence[bool]] =
     counters = {"mat": n, "vec": n + 2}
 
     def new(kind: str) -> int:
-        counters[kind] += 1
-        return counters[kind] - 1
+        value = counters[kind]
+        counters[kind] = value + 1
+        return value
 
     # el[k] = (matrix id or None, vector id or None); position k >= 1 holds layer n-k+1.
     el: list[tuple[Optional[int], Optional[int]]] = [(None, GRAD)]

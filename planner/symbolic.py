@@ -9,6 +9,7 @@ the numeric half at run time is a pure gather-multiply-segment-sum with no index
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class ProductSymbolic:
     pair_a: np.ndarray  # (npairs,) entry ids into A's values
     pair_b: np.ndarray  # (npairs,) entry ids into B's values
 
-    @property
+    @cached_property
     def npairs(self) -> int:
         return int(self.pair_a.shape[0])
 
