@@ -54,3 +54,12 @@ def param_grads(plan, jacobians, grads):
     from spscan.model import param_grads as _param_grads
 
     return _param_grads(plan, jacobians, grads)
+
+
+def __getattr__(name: str):
+    # ``spscan.distributed`` loads torch.distributed machinery only when asked for
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("spscan.distributed")
+    raise AttributeError(f"module 'spscan' has no attribute {name!r}")
