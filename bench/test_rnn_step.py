@@ -92,7 +92,7 @@ def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kw
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     benchmark.extra_info.update(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads",
-        load_average_1min=load, T=T, B=B, H=H, mode=mode, chain=plan.chain, engine=plan.engine, levels=plan.levels,
+        load_average_1min=load, T=T, B=B, H=H, mode=mode, chain=plan.chain, levels=plan.levels,
         autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs),
     )
@@ -103,14 +103,6 @@ def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kw
 def test_rnn_step_cpu(benchmark, T, mode):
     benchmark.group = f"rnn-cpu-T{T}-{mode}"
     _run(benchmark, T, mode, torch.device("cpu"), rounds=7 if T < 10000 else 3)
-
-
-@pytest.mark.parametrize("engine", ["builtin"])
-@pytest.mark.parametrize("mode", ["step", "backward"])
-def test_rnn_step_cpu_builtin_scan(benchmark, mode, engine):
-    """The same step through the recurrent module's built-in dense scan (a reference row for the core)."""
-    benchmark.group = f"rnn-cpu-T1000-{mode}"
-    _run(benchmark, 1000, mode, torch.device("cpu"), rounds=7, engine=engine)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -73,10 +73,7 @@ def _make_bppsa(model: BitstreamClassifier, example: torch.Tensor, **plan_kwargs
     """Swap ``model.rnn`` for its BPPSA wrapper (same parameter objects)."""
     import spscan
 
-    wrap: Optional[Callable] = getattr(spscan, "wrap", None)
-    if wrap is None:
-        from spscan.recurrent import wrap_recurrent as wrap
-    model.rnn = wrap(model.rnn, example, **plan_kwargs)
+    model.rnn = spscan.wrap(model.rnn, example, **plan_kwargs)
 
 
 def train_side_by_side(
@@ -90,7 +87,6 @@ def train_side_by_side(
     seed: int = 0,
     device: Optional[str] = None,
     levels="auto",
-    engine: str = "auto",
     chain: str = "auto",
     progress: bool = True,
     log: Callable[[str], None] = print,
@@ -106,7 +102,7 @@ def train_side_by_side(
         torch.manual_seed(seed)
         m = BitstreamClassifier(hidden).to(dev)
         if name == "bppsa":
-            _make_bppsa(m, x_all[:batch_size], levels=levels, engine=engine, chain=chain)
+            _make_bppsa(m, x_all[:batch_size], levels=levels, chain=chain)
         models[name], opts[name], logs[name] = m, torch.optim.Adam(m.parameters(), lr=lr), RunLog(name)
     loss_fn = nn.CrossEntropyLoss()
     n_batches = max(1, samples // batch_size)
@@ -163,7 +159,6 @@ def _summary(auto: RunLog, ours: RunLog, dev: torch.device, model: BitstreamClas
         "device": name,
         "levels": getattr(plan, "levels", None),
         "chain": getattr(plan, "chain", None),
-        "engine": getattr(plan, "engine", None),
         "autograd_backward_s": a_bwd,
         "bppsa_backward_s": o_bwd,
         "autograd_step_s": a_step,
@@ -229,8 +224,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=20, help="hidden size (default 20, as in the paper)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3; the paper uses 1e-5)")
     p.add_argument("--levels", default="auto", help="scan up-sweep depth: auto, full or an int (0 = linear scan)")
-    p.add_argument("--engine", default="auto", choices=["auto", "core", "builtin"],
-                   help="scan engine: the core planner/kernels (auto, core) or the recurrent module's built-in dense scan")
     p.add_argument("--chain", default="auto", choices=["auto", "factored", "materialized"],
                    help="chain layout: 2T factored elements (W_hh^T, diagonal) or T materialized H x H Jacobians")
     p.add_argument("--seed", type=int, default=0, help="seed of data, initial weights and batch order")
@@ -264,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"bitstream RNN: T={T} B={B} H={args.hidden} samples={N} epochs={E} lr={args.lr} device={dev}")
     auto, ours, summary = train_side_by_side(
         seq_len=T, samples=N, epochs=E, batch_size=B, hidden=args.hidden, lr=args.lr, seed=args.seed,
-        device=dev, levels=levels, engine=args.engine, chain=args.chain, progress=not args.no_progress,
+        device=dev, levels=levels, chain=args.chain, progress=not args.no_progress,
     )
     print(
         f"backward: autograd {summary['autograd_backward_s']:.3f}s, BPPSA {summary['bppsa_backward_s']:.3f}s "
@@ -272,7 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     print(
         f"training step: autograd {summary['autograd_step_s']:.3f}s, BPPSA {summary['bppsa_step_s']:.3f}s "
-        f"-> {summary['overall_speedup']:.2f}x overall  (device: {summary['device']}, engine: {summary['engine']}, "
+        f"-> {summary['overall_speedup']:.2f}x overall  (device: {summary['device']}, "
         f"chain: {summary['chain']}, levels: {summary['levels']})"
     )
     os.makedirs(args.out, exist_ok=True)

@@ -24,20 +24,21 @@ Chain layouts (``chain=``):
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored. Measured on a 2-core CPU (B=16, H=20, one thread, CPU time, linear
-  scan as the cost model picks): factored vs materialized forward+values / backward in ms —
-  RNN T=1000 ~10 / ~14 vs ~30 / ~19; GRU T=517 ~13 / ~18 vs ~33 / ~18; LSTM T=1000 ~30 / ~54
-  vs ~117 / ~160. Materializing writes ``T*B*D*D`` values per forward, which costs more than
-  the extra small GEMMs of the factored steps save.
+* ``"auto"``: factored. Measured on a 2-core CPU (B=16, H=20, input size 4, one thread,
+  ``time.process_time``, min of 9 runs; levels "auto", which picks the linear scan here):
+  factored vs materialized, forward+values / backward (scan and parameter GEMMs) in ms —
+  RNN T=1000 ~8 / ~20 vs ~11 / ~26; GRU T=517 ~12 / ~22 vs ~19 / ~16; LSTM T=1000 ~28 / ~69
+  vs ~76 / ~128. The core runs the factored chain's alternating shared-dense and diagonal
+  elements as one fused linear scan (one mm or mul per element); materializing writes
+  ``T*B*D*D`` values per forward, which costs more than having fewer elements per step saves
+  (GRU: about even in total, and the factored chain holds nothing ``H x H`` per sample).
 
-``engine=``: ``"auto"``/``"core"`` run the chain through ``spscan.plan`` / ``spscan.backward``;
-``"builtin"`` (also what ``"auto"`` falls back to when the core is not importable) runs a dense
-torch scan in this module (``_dense_affine_scan``; a linear scan for the factored chain).
+Every backward runs through the core: ``spscan.plan`` once per sequence length, then
+``spscan.backward`` on the chain's values.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,9 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from spscan.api import backward as _core_backward
+from spscan.api import plan as _core_plan
 
 __all__ = [
     "RecurrentPlan",
@@ -298,72 +302,6 @@ def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) ->
     return [a.reshape(-1), d1, s1, d2, s2]
 
 
-# --------------------------------------------------------------------------- scan engines
-
-
-def _core():
-    """The core engine module when it exports ``plan`` and ``backward``, else ``None``."""
-    import spscan
-
-    if hasattr(spscan, "backward") and hasattr(spscan, "plan"):
-        return spscan
-    return None
-
-
-def _dense_from_values(pattern: sp.csr_array, values: torch.Tensor) -> torch.Tensor:
-    """Scatter stacked CSR values ``(T, B, nnz)`` of one pattern into dense ``(T, B, D, D)``."""
-    D0, D1 = pattern.shape
-    rows = np.repeat(np.arange(D0), np.diff(pattern.indptr))
-    flat = torch.as_tensor(rows * D1 + pattern.indices, device=values.device, dtype=torch.long)
-    T, B, nnz = values.shape
-    if nnz == D0 * D1:  # full pattern: CSR order is row-major already
-        return values.view(T, B, D0, D1)
-    out = values.new_zeros(T, B, D0 * D1)
-    out.index_copy_(2, flat, values)
-    return out.view(T, B, D0, D1)
-
-
-def _dense_affine_scan(
-    mats: torch.Tensor, top: torch.Tensor, extra: Optional[torch.Tensor], levels: int = 0
-) -> torch.Tensor:
-    """``g_T = top``, ``g_{t-1} = M_t g_t + e_{t-1}`` for dense per-sample ``M``.
-
-    ``mats`` (T, B, D, D) with ``mats[t-1] = M_t``; ``top`` (B, D); ``extra`` (T, B, D) holding
-    ``e_0..e_{T-1}`` or None. ``levels`` pairwise-reduction levels (odd-even reduction, the
-    up-sweep) before the linear scan and the matching fill-in levels (the down-sweep).
-    Returns ``(T+1, B, D)``.
-    """
-    T, B, D, _ = mats.shape
-    if levels <= 0 or T < 2:
-        out = mats.new_empty(T + 1, B, D, 1)
-        out[T] = top.unsqueeze(-1)
-        if extra is None:
-            for t in range(T, 0, -1):
-                torch.bmm(mats[t - 1], out[t], out=out[t - 1])
-        else:
-            e = extra.unsqueeze(-1)
-            for t in range(T, 0, -1):
-                torch.baddbmm(e[t - 1], mats[t - 1], out[t], out=out[t - 1])
-        return out.squeeze(-1)
-    if extra is None:
-        extra = mats.new_zeros(T, B, D)
-    if T % 2:
-        # the top element stays unpaired: fold it into the new top
-        new_top = torch.matmul(mats[T - 1], top.unsqueeze(-1)).squeeze(-1) + extra[T - 1]
-        inner = _dense_affine_scan(mats[: T - 1], new_top, extra[: T - 1], levels)
-        return torch.cat([inner, top.unsqueeze(0)], dim=0)
-    m_lo, m_hi = mats[0::2], mats[1::2]  # M_{2j+1}, M_{2j+2}
-    e_lo, e_hi = extra[0::2], extra[1::2]  # e_{2j}, e_{2j+1}
-    pair_m = torch.matmul(m_lo, m_hi)
-    pair_e = e_lo + torch.matmul(m_lo, e_hi.unsqueeze(-1)).squeeze(-1)
-    even = _dense_affine_scan(pair_m, top, pair_e, levels - 1)  # g_{2j}, j = 0..T/2
-    odd = torch.matmul(m_hi, even[1:].unsqueeze(-1)).squeeze(-1) + e_hi  # g_{2j+1}
-    out = mats.new_empty(T + 1, B, D)
-    out[0::2] = even
-    out[1::2] = odd
-    return out
-
-
 # --------------------------------------------------------------------------- the plan
 
 
@@ -381,17 +319,11 @@ class RecurrentPlan:
         example_input: Optional[torch.Tensor] = None,
         *,
         chain: str = "auto",
-        engine: str = "auto",
         **plan_kwargs: Any,
     ) -> None:
         self.kind = _cell_kind(module)
         self.module = module
-        if engine not in ("auto", "core", "builtin"):
-            raise ValueError(f"expected engine 'auto', 'core' or 'builtin', got {engine!r}")
-        if engine == "core" and _core() is None:
-            raise ValueError("engine='core' needs spscan.plan/spscan.backward, which are not available")
         self.chain = _resolve_chain(self.kind, chain)
-        self.engine = engine
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
         self.state_size = _state_size(self.kind, module.hidden_size)
@@ -410,22 +342,15 @@ class RecurrentPlan:
     # -- plans
 
     def scan_plan(self, seq_len: int, device: torch.device, dtype: torch.dtype):
-        """The core engine's plan for ``seq_len`` steps (built once per ``(T, device, dtype)``), or None without the core."""
+        """The core plan (``spscan.plan``) for ``seq_len`` steps, built once per ``(T, device, dtype)``."""
         self.last_seq_len = seq_len
-        core = self._engine()
-        if core is None:
-            return None
         key = (seq_len, str(device), dtype)
         if key not in self._plans:
             kw = {k: v for k, v in self.plan_kwargs.items() if v is not None}
             kw.setdefault("device", device)
             kw.setdefault("dtype", dtype)
-            self._plans[key] = core.plan(recurrent_patterns(self.module, seq_len, self.chain), **kw)
+            self._plans[key] = _core_plan(recurrent_patterns(self.module, seq_len, self.chain), **kw)
         return self._plans[key]
-
-    def _engine(self):
-        """The core engine module, or None for the built-in dense scan."""
-        return None if self.engine == "builtin" else _core()
 
     @property
     def patterns(self) -> list[sp.csr_array]:
@@ -434,18 +359,14 @@ class RecurrentPlan:
 
     @property
     def levels(self):
-        """The up-sweep depth of the most recently planned length (``0`` without the core engine)."""
+        """The up-sweep depth of the core plan for the most recently planned length."""
         p = self.module.weight_hh_l0
-        T = self.last_seq_len or 1
-        plan = self.scan_plan(T, p.device, p.dtype)
-        if plan is None:
-            return 0 if self.chain == "factored" else self._builtin_levels(T, p.device)
-        return getattr(plan, "levels", None)
+        return self.scan_plan(self.last_seq_len or 1, p.device, p.dtype).levels
 
     def summary(self) -> str:
         lines = [
             f"RecurrentPlan({self.kind}, hidden={self.hidden_size}, state={self.state_size}, chain={self.chain})",
-            f"  cached lengths: {sorted({k[0] for k in self._plans}) or '(none; dense fallback scan)'}",
+            f"  cached lengths: {sorted({k[0] for k in self._plans}) or '(none yet)'}",
         ]
         for key, plan in self._plans.items():
             s = plan.summary() if hasattr(plan, "summary") else repr(plan)
@@ -509,7 +430,6 @@ class RecurrentPlan:
         """State gradients ``(T+1, B, D)`` from the chain; factored: the list of all ``m*T+1`` chain gradients."""
         T = saved.T
         plan = self.scan_plan(T, saved.device, saved.dtype)
-        core = self._engine()
         if self.chain == "factored":
             per = len(_factored_layout(self.kind, self.hidden_size))
             ext: Optional[list] = None
@@ -519,32 +439,13 @@ class RecurrentPlan:
                 for t in range(T - 1):
                     ext[per * (t + 1)] = extra[t]
                 top = top + extra[T - 1]
-            if core is not None:
-                return list(core.backward(plan, saved.values, top, extra=ext))
-            return _factored_linear_scan(saved.values, top, ext)
+            return list(_core_backward(plan, saved.values, top, extra=ext))
         ext_list = None
         if extra is not None:
             top = top + extra[T - 1]
             ext_list = [None] + [extra[t] for t in range(T - 1)] + [None]
-        if core is not None:
-            grads = core.backward(plan, saved.values, top, extra=ext_list)  # stacked (T, B, nnz): no list of T tensors
-            return torch.stack(list(grads), dim=0)
-        mats = _dense_from_values(recurrent_patterns(self.module, 1, self.chain)[0], saved.values)
-        e = None
-        if extra is not None:
-            e = torch.cat([torch.zeros_like(extra[:1]), extra[:-1]], dim=0)
-        return _dense_affine_scan(mats, top, e, levels=self._builtin_levels(T, saved.device))
-
-    def _builtin_levels(self, seq_len: int, device: torch.device) -> int:
-        """Depth of the built-in scan: an int as given; "full" = log2 T; "auto" = 0 on CPU (per-level
-        batched GEMMs cost more than the sequential GEMVs they save on a few cores), log2 T - 4 on GPU."""
-        levels = self.plan_kwargs.get("levels", "auto")
-        full = max(0, math.ceil(math.log2(max(seq_len, 1))))
-        if isinstance(levels, int):
-            return min(levels, full)
-        if levels == "full":
-            return full
-        return 0 if torch.device(device).type == "cpu" else max(0, full - 4)
+        grads = _core_backward(plan, saved.values, top, extra=ext_list)  # stacked (T, B, nnz): no list of T tensors
+        return torch.stack(list(grads), dim=0)
 
     def backward(
         self,
@@ -660,27 +561,6 @@ class RecurrentPlan:
         else:
             gh, gc = gs, None
         return self.backward(values, go, gh, gc)
-
-
-def _factored_linear_scan(values: list, top: torch.Tensor, extra: Optional[list]) -> list[torch.Tensor]:
-    """Linear affine scan over a factored chain (the built-in engine).
-
-    ``values[i-1]``: ``(rows*cols,)`` shared dense ``J_i^T`` (its shape follows from the
-    neighbours' sizes) or ``(B, d)`` per-sample diagonal. Returns the ``n+1`` gradients ``(B, d_i)``.
-    """
-    n = len(values)
-    out: list[torch.Tensor] = [top] * (n + 1)
-    g = top
-    for i in range(n, 0, -1):
-        v = values[i - 1]
-        e = extra[i - 1] if extra is not None else None
-        if v.dim() == 1:  # shared dense J^T (d_{i-1}, d_i), row-major: g_{i-1} = g_i @ J^T^T
-            w = v.view(-1, g.shape[-1])
-            g = torch.mm(g, w.t()) if e is None else torch.addmm(e, g, w.t())
-        else:
-            g = g * v if e is None else torch.addcmul(e, g, v)
-        out[i - 1] = g
-    return out
 
 
 def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):

@@ -21,6 +21,7 @@ def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seq_len"] == 40 and summary["backward_speedup"] > 0
+    assert summary["chain"] == "factored" and isinstance(summary["levels"], int) and "engine" not in summary
     text = capsys.readouterr().out
     assert "epoch   1/2" in text and "autograd" in text and "bppsa" in text and "speedup" not in text.lower() or "x overall" in text
 

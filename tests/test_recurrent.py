@@ -154,17 +154,24 @@ def test_chain_matches_reference_backward(kind, chain):
         torch.testing.assert_close(got[t], ref[t], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
-def test_builtin_scan_levels(kind):
-    """The built-in dense scan (used without the core engine): every depth gives the same gradients."""
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("chain", ["factored", "materialized"])
+@pytest.mark.parametrize("levels", [0, 1, "auto", "full"])
+def test_every_depth_equals_autograd(kind, chain, levels):
+    """Every up-sweep depth of the core plan gives autograd's gradients; ``plan.levels`` is the plan's."""
     m = make_module(kind, 2, 5, batch_first=False, bias=True)
     x, hx = make_inputs(m, 37, 3, with_h0=True, dtype=torch.float64)
     want = grads_of(m, m, x, hx, "both")
-    for chain in ("factored", "materialized"):
-        for levels in ((0, 1, 3, 6) if chain == "materialized" else (0,)):
-            got = grads_of(wrap_recurrent(m, x, chain=chain, levels=levels, engine="builtin"), m, x, hx, "both")
-            for i, (a, b) in enumerate(zip(got, want)):
-                assert rel_err(a, b) <= 1e-12, (chain, levels, i)
+    w = wrap_recurrent(m, x, chain=chain, levels=levels)
+    got = grads_of(w, m, x, hx, "both")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) <= 1e-12, (chain, levels, i)
+    core_plan = w.plan.scan_plan(37, x.device, x.dtype)
+    assert w.plan.levels == core_plan.levels
+    if isinstance(levels, int):
+        assert w.plan.levels == levels
+    elif levels == "full":
+        assert w.plan.levels == len(w.plan.patterns).bit_length() - 1  # floor(log2 n) for n chain elements
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
@@ -191,7 +198,7 @@ def test_same_parameters_optimizer_and_changing_shapes():
         (out.pow(2).mean() + h.sum()).backward()
         opt.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
-    assert sorted(k[0] for k in w.plan._plans) in ([], [3, 10, 17])
+    assert sorted(k[0] for k in w.plan._plans) == [3, 10, 17]
 
 
 def test_forward_outputs_equal_module_and_no_grad_path():
@@ -263,24 +270,10 @@ def test_spscan_backward_contract_on_recurrent_plan():
         plan._spscan_backward(saved, (go, (gh, None)), extra=[None])
 
 
-def test_falls_back_to_builtin_without_core(monkeypatch):
-    monkeypatch.setattr(rec, "_core", lambda: None)
-    m = make_module("gru", 2, 4, batch_first=False, bias=True)
-    x, hx = make_inputs(m, 9, 2, with_h0=True, dtype=torch.float64)
-    want = grads_of(m, m, x, hx, "both")
-    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
-    for a, b in zip(got, want):
-        assert rel_err(a, b) <= 1e-12
-    with pytest.raises(ValueError, match="engine='core' needs"):
-        plan_recurrent(m, x, engine="core")
-
-
 def test_public_api_dispatch():
     """``spscan.plan`` / ``forward`` / ``backward`` / ``wrap`` on a recurrent module."""
     import spscan
 
-    if not hasattr(spscan, "plan"):
-        pytest.skip("the core engine is not available")
     m = make_module("gru", 2, 3, batch_first=True, bias=True)
     x, hx = make_inputs(m, 7, 2, with_h0=True, dtype=torch.float64)
     plan = spscan.plan(m, x)
@@ -309,12 +302,10 @@ def test_unbatched_input_with_initial_state():
 
 @pytest.mark.parametrize("levels", [0, 1, "auto"])
 def test_core_stacked_values_match_list(levels):
-    """The core engine accepts one stacked (n, B, nnz) tensor for a chain of equal patterns; it must
+    """The core accepts one stacked (n, B, nnz) tensor for a chain of equal patterns; it must
     give what the list of per-step tensors gives (the recurrent module relies on this for long T)."""
     import spscan
 
-    if not hasattr(spscan, "plan"):
-        pytest.skip("the core engine is not available")
     pat = recurrent_patterns(nn.GRU(1, 3), 6, chain="materialized")[0]
     g = torch.Generator().manual_seed(0)
     vals = 0.5 * torch.rand(6, 2, pat.nnz, generator=g, dtype=torch.float64)
