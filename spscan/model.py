@@ -122,8 +122,7 @@ class ModelPlan:
         units: one :class:`~spscan.layers.LayerUnit` per layer, in chain order.
         layer_names: qualified module name of each layer (``patterns[k]`` came from ``layer_names[k]``).
         patterns: ``J_i^T`` patterns, SciPy CSR of shape ``(d_{i-1}, d_i)``.
-        core: the core scan plan built from ``patterns`` (``None`` if the core is unavailable, in
-            which case the float64 reference backprop is used).
+        core: the core scan plan (:class:`spscan.Plan`) built from ``patterns``.
         in_shape, out_shape: per-sample input and output shapes.
     """
 
@@ -144,8 +143,8 @@ class ModelPlan:
     # -- contract attributes
     @property
     def levels(self) -> int:
-        """Up-sweep depth of the core plan (0 = linear scan, also for the reference fallback)."""
-        return int(getattr(self.core, "levels", 0)) if self.core is not None else 0
+        """Up-sweep depth of the core plan (0 = linear scan)."""
+        return self.core.levels
 
     def __len__(self) -> int:
         return len(self.units)
@@ -158,10 +157,7 @@ class ModelPlan:
                 f"  [{k}] {n or '-':<12} {u.name:<12} {str(u.in_shape):>16} -> {str(u.out_shape):<16} "
                 f"J^T {u.d_in}x{u.d_out} nnz={u.nnz} sparsity={u.sparsity():.6f} "
                 f"{'shared' if u.shared else 'per-sample'}")
-        if self.core is not None and hasattr(self.core, "summary"):
-            lines.append(str(self.core.summary()))
-        elif self.core is None:
-            lines.append("  scan: float64 reference (core engine unavailable)")
+        lines.append(self.core.summary())
         return "\n".join(lines)
 
     __str__ = summary
@@ -209,14 +205,9 @@ class ModelPlan:
             raise ValueError(f"values: expected {len(self.units)} tensors (one per layer), got {len(vals)}")
         if grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
-        if self.core is not None:
-            import spscan
+        from spscan.api import backward
 
-            return spscan.backward(self.core, vals, grad, extra)
-        from spscan.reference import reference_backward
-
-        out = reference_backward(self.patterns, vals, grad, extra)
-        return [g.to(device=grad.device, dtype=grad.dtype) for g in out]
+        return backward(self.core, vals, grad, extra)
 
 
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
@@ -272,16 +263,10 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
-    core = _core_plan([u.pattern for u in units], kwargs)
+    from spscan.api import plan as plan_patterns
+
+    core = plan_patterns([u.pattern for u in units], **kwargs)
     return ModelPlan(model, units, [n for n, _ in chain], in_shape0, core)
-
-
-def _core_plan(patterns: list, kwargs: dict) -> Any:
-    import spscan
-
-    if not hasattr(spscan, "plan"):
-        return None  # core engine not importable: reference backprop (exact, float64, slow)
-    return spscan.plan(patterns, **kwargs)
 
 
 # ----------------------------------------------------------------------------- parameter gradients

@@ -16,10 +16,9 @@ from layer_checks import run_errors
 from spscan.layers import make_unit
 from spscan.model import Jacobians, ModelPlan, param_grads, plan_model, wrap
 
-HAS_CORE = hasattr(spscan, "plan")
 # torch warns that even kernels with padding='same' copy the input; those cases are tested on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
-LEVELS = [0, 1, "full", "auto"] if HAS_CORE else [0]
+LEVELS = [0, 1, "full", "auto"]
 
 
 def _bn_eval(m: nn.Module, seed: int) -> nn.Module:
@@ -139,7 +138,7 @@ def test_sgd_steps_match_autograd(name):
     net = net.double()
     ref = MODELS[name]()[0].double()
     x = torch.randn(5, *shape, dtype=torch.float64)
-    w = wrap(net, x, levels="full" if HAS_CORE else 0)
+    w = wrap(net, x, levels="full")
     target = torch.randn(5, *w.plan.out_shape, dtype=torch.float64)
     opt = torch.optim.SGD(w.parameters(), lr=0.05, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -219,7 +218,6 @@ def test_explicit_forward_backward_param_grads(levels):
         assert _rel(grads[0], ref_grads[0]) <= 1e-9
 
 
-@pytest.mark.skipif(not HAS_CORE, reason="needs the core engine's spscan.plan/backward/forward")
 def test_public_dispatch():
     net, shape = mlp()
     net = net.double()
@@ -328,7 +326,6 @@ def test_param_grads_input_checks():
     run_errors(lambda: param_grads(plan, jac, grads[1:]), ValueError, "expected 9")
 
 
-@pytest.mark.skipif(not HAS_CORE, reason="needs the core engine")
 @pytest.mark.parametrize("levels", [0, "full"])
 def test_wrapped_gradients_triton_backend(levels):
     """The Triton backend (interpreted on CPU, compiled on CUDA) behind the wrapper gives autograd's gradients."""
