@@ -216,25 +216,27 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
             vals = arena[..., off : off + (m * k if c else m)]
             mats.append(vals if c == 0 else (vals.view(m, k).t() if c == 1 else vals.unflatten(-1, (m, k))))
     y = vectors[:, op.vin0 : op.vin0 + cols[0]]
-    mm, addmm, bmm, baddbmm, mul, addcmul = torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.mul, torch.addcmul
-    for j in range(steps):
-        mat, out, c, a = mats[j], ys[j], code[j], cp.add[j]
-        if a < 0:
-            if c == 0:
-                mul(y, mat, out=out)
-            elif c == 1:
+    adds = [None if a < 0 else vectors[:, a : a + rows[j]] for j, a in enumerate(cp.add)]
+    if all(a is None for a in adds) and 2 not in code:
+        # the common middle (shared dense and diagonal steps, no affine terms): the tightest loop
+        mm, mul = torch.mm, torch.mul
+        for c, mat, out in zip(code, mats, ys):
+            if c:
                 mm(y, mat, out=out)
             else:
-                bmm(mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
-        else:
-            add = vectors[:, a : a + rows[j]]
+                mul(y, mat, out=out)
+            y = out
+    else:
+        for c, mat, out, add in zip(code, mats, ys, adds):
             if c == 0:
-                addcmul(add, y, mat, out=out)
+                torch.mul(y, mat, out=out) if add is None else torch.addcmul(add, y, mat, out=out)
             elif c == 1:
-                addmm(add, y, mat, out=out)
+                torch.mm(y, mat, out=out) if add is None else torch.addmm(add, y, mat, out=out)
+            elif add is None:  # per-sample dense
+                torch.bmm(mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
             else:
-                baddbmm(add.unsqueeze(-1), mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
-        y = out
+                torch.baddbmm(add.unsqueeze(-1), mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
+            y = out
     first = int(op.out[0])
     if cp.uniform_out:
         m = rows[0]

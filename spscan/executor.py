@@ -157,7 +157,7 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
         g.add_(extra[n])
     for i, off in program.extra_slots.items():
         vectors[:, off : off + extra[i].shape[1]] = extra[i]
-    layer = (lambda i: items[0][i]) if stacked else (lambda i: items[i])
+    layer = items[0].__getitem__ if stacked else items.__getitem__
     runner(tables, {"S": s_arena, "P": p_arena}, vectors, inputs=layer)
     return _output_views(vectors, program)
 
