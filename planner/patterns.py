@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["Pattern", "as_pattern", "validated_pattern", "full_pattern", "PatternTable"]
+__all__ = ["Pattern", "as_pattern", "as_chain", "validated_pattern", "full_pattern", "PatternTable"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,3 +176,29 @@ class PatternTable:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+
+def as_chain(patterns: Any) -> list[Pattern]:
+    """Validate a chain: ``patterns[i-1]`` is ``J_i^T``; each canonical, consecutive shapes chaining.
+
+    The same object repeated (an RNN over T steps) is validated once.
+    """
+    if isinstance(patterns, (str, bytes)) or not hasattr(patterns, "__len__"):
+        raise TypeError(f"patterns: expected a sequence of CSR patterns, got {type(patterns).__name__}")
+    if len(patterns) == 0:
+        raise ValueError("patterns: a chain needs at least one Jacobian pattern, got 0")
+    seen: dict[int, Pattern] = {}
+    out = []
+    for i, p in enumerate(patterns):
+        hit = seen.get(id(p))
+        if hit is None:
+            hit = as_pattern(p, where=f"patterns[{i}] (J_{i + 1}^T)")
+            seen[id(p)] = hit
+        out.append(hit)
+    for i in range(1, len(out)):
+        if out[i - 1].cols != out[i].rows:
+            raise ValueError(
+                f"patterns[{i}] (J_{i + 1}^T) has shape {out[i].shape} but patterns[{i - 1}] has "
+                f"{out[i - 1].shape}: J_{i + 1}^T must have {out[i - 1].cols} rows (d_{i}) to chain"
+            )
+    return out

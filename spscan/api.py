@@ -10,7 +10,7 @@ from spscan.executor import check_inputs, execute
 from spscan.plan import Plan, _fmt_bytes
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
-from spscan.planner.patterns import as_pattern
+from spscan.planner.patterns import as_chain
 from spscan.planner.planning import plan_scan
 
 __all__ = ["plan", "backward", "load_plan"]
@@ -69,10 +69,6 @@ def plan(
     if args or kwargs:
         extra = list(kwargs) or [f"{len(args)} positional"]
         raise TypeError(f"plan(patterns, ...): unexpected arguments {extra}")
-    if isinstance(patterns, (str, bytes)) or not hasattr(patterns, "__len__"):
-        raise TypeError(f"patterns: expected a sequence of CSR patterns, got {type(patterns).__name__}")
-    if len(patterns) == 0:
-        raise ValueError("patterns: a chain needs at least one Jacobian pattern, got 0")
     if not (levels in ("auto", "full") or (isinstance(levels, int) and not isinstance(levels, bool))):
         raise ValueError(f"levels: expected 'auto', 'full' or an int >= 0, got {levels!r}")
     if isinstance(levels, int) and levels < 0:
@@ -89,21 +85,7 @@ def plan(
     if backend == "auto":
         backend = "triton" if dev is not None and dev.type == "cuda" else "torch"
 
-    seen: dict[int, Any] = {}
-    pats = []
-    for i, p in enumerate(patterns):
-        # the same object repeated (an RNN over T steps) is validated once
-        hit = seen.get(id(p))
-        if hit is None:
-            hit = as_pattern(p, where=f"patterns[{i}] (J_{i + 1}^T)")
-            seen[id(p)] = hit
-        pats.append(hit)
-    for i in range(1, len(pats)):
-        if pats[i - 1].cols != pats[i].rows:
-            raise ValueError(
-                f"patterns[{i}] (J_{i + 1}^T) has shape {pats[i].shape} but patterns[{i - 1}] has "
-                f"{pats[i - 1].shape}: J_{i + 1}^T must have {pats[i - 1].cols} rows (d_{i}) to chain"
-            )
+    pats = as_chain(patterns)
     elem = 8 if dtype == torch.float64 else 4
     profile = profile_for(dev.type if dev is not None else "cpu")
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from spscan.kernels.chain import PlannedMatvec, PlannedProduct
 from spscan.planner.cost import profile_for
-from spscan.planner.patterns import Pattern, as_pattern, full_pattern
+from spscan.planner.patterns import Pattern, as_chain, as_pattern, full_pattern
 from spscan.planner.symbolic import product_counts
 
 __all__ = ["DistributedPlan", "RankPlan", "CommStats", "SliceGrads", "PeerError", "plan", "backward",
@@ -175,23 +175,7 @@ def balanced_slices(patterns: Any, world_size: int, example_input: Optional[torc
 def _as_patterns(patterns: Any) -> list[Pattern]:
     if hasattr(patterns, "patterns") and not isinstance(patterns, (list, tuple)):
         patterns = patterns.patterns
-    if isinstance(patterns, (str, bytes)) or not hasattr(patterns, "__len__"):
-        raise TypeError(f"patterns: expected a sequence of CSR patterns, got {type(patterns).__name__}")
-    if len(patterns) == 0:
-        raise ValueError("patterns: a chain needs at least one Jacobian pattern, got 0")
-    seen: dict[int, Pattern] = {}
-    out = []
-    for i, p in enumerate(patterns):
-        hit = seen.get(id(p))
-        if hit is None:
-            hit = as_pattern(p, where=f"patterns[{i}] (J_{i + 1}^T)")
-            seen[id(p)] = hit
-        out.append(hit)
-    for i in range(1, len(out)):
-        if out[i - 1].cols != out[i].rows:
-            raise ValueError(f"patterns[{i}] (J_{i + 1}^T) has shape {out[i].shape} but patterns[{i - 1}] has "
-                             f"{out[i - 1].shape}: expected {out[i - 1].cols} rows (d_{i}) to chain")
-    return out
+    return as_chain(patterns)
 
 
 # ----------------------------------------------------------------------------- plan
