@@ -81,8 +81,3 @@ def spgemm_symbolic(a: Pattern, b: Pattern, dense_out: bool = False) -> ProductS
     np.cumsum(counts, out=pair_ptr[1:])
     return ProductSymbolic(out, pair_ptr, pa, pb)
 
-
-def product_nnz(a: Pattern, b: Pattern) -> int:
-    """nnz of the structural product ``A @ B`` (SciPy's symbolic pass on boolean patterns)."""
-    c = (a.to_scipy() @ b.to_scipy())
-    return int(c.nnz)

@@ -28,6 +28,8 @@ for as long as the plan is used; every ``run`` checks it and raises if one becam
 
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import Any, Optional, Sequence, Union
 
@@ -129,7 +131,7 @@ class _IndexCache:
 # ----------------------------------------------------------------------------- base class
 
 
-class LayerUnit:
+class LayerUnit(abc.ABC):
     """One layer of a chain: its pattern, its value fill and its parameter-gradient rule.
 
     Attributes:
@@ -175,11 +177,13 @@ class LayerUnit:
         return type(self.module).__name__
 
     # -- per step
+    @abc.abstractmethod
     def run(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
+        """The layer's forward from its effective tensors, and what ``fill``/``param_grads`` need."""
 
+    @abc.abstractmethod
     def fill(self, saved: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+        """``J^T`` values in the pattern's CSR order: ``(B, nnz)`` per sample or ``(nnz,)`` shared."""
 
     def param_grads(self, saved: Any, tensors: Sequence[torch.Tensor], g_out: torch.Tensor,
                     needed: Optional[Sequence[bool]] = None) -> list[Optional[torch.Tensor]]:

@@ -41,10 +41,6 @@ class ValuesBuffer(list):
             return s_arena[: n * k].view(n, k)
         return p_arena[:, : n * k].view(p_arena.shape[0], n, k).transpose(0, 1)
 
-    def is_current(self) -> bool:
-        """Whether the plan still holds these arenas (so ``backward`` can read them in place)."""
-        return any(a[0] is self.arenas[0] and a[1] is self.arenas[1] for a in self.plan._buffers.values())
-
 
 def _fmt_bytes(b: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
