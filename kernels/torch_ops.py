@@ -173,6 +173,7 @@ class _ChainPlan:
     cols: list[int]
     add: list[int]
     uniform_out: bool
+    max_block: int  # largest rows*cols of a dense step (1 if all diagonal)
 
 
 def _chain_plan(op: VecChain) -> _ChainPlan:
@@ -180,8 +181,26 @@ def _chain_plan(op: VecChain) -> _ChainPlan:
     rows = op.rows.tolist()
     first = int(op.out[0])
     uniform = bool(np.all(op.rows == rows[0])) and bool(np.all(op.out == first + rows[0] * np.arange(op.steps)))
+    dense = op.rows * op.cols * op.dense
     return _ChainPlan(code, op.layers.tolist(), op.mat_offset.tolist(), rows, op.cols.tolist(), op.add.tolist(),
-                      uniform)
+                      uniform, max(1, int(dense.max())) if dense.size else 1)
+
+
+# A CPU chain step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
+# and ``dot`` calls cost about a third of eager torch's (measured: a 1000-step RNN middle, B=16,
+# H=20, mul + mm per step, 2.8 ms vs 7.0 ms on one core), so CPU chains whose per-step product is
+# small run through NumPy views of the same buffers. Above this many multiply-adds per step the
+# product dominates and torch's BLAS keeps it.
+NUMPY_CHAIN_MAX_WORK = 1 << 18
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+def numpy_chain(cp: _ChainPlan, vectors: torch.Tensor) -> bool:
+    """Whether this chain runs through NumPy: CPU tensors and small per-step products."""
+    return vectors.device.type == "cpu" and vectors.shape[0] * cp.max_block <= NUMPY_CHAIN_MAX_WORK
 
 
 def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
@@ -189,17 +208,33 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
     """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term).
 
     Vectors are ``(B, m)`` blocks of one contiguous buffer written with ``out=``: the least
-    per-step overhead eager torch allows on a sequential chain. Matrices of input layers are the
-    caller's tensors (no arena load); a tensor repeated along the chain is reshaped once.
+    per-step overhead eager torch allows on a sequential chain (NumPy's, on the CPU, when the
+    steps are small: :func:`numpy_chain`). Matrices of input layers are the caller's tensors
+    (no arena load); a tensor repeated along the chain is reshaped once.
     """
     batch, steps = vectors.shape[0], op.steps
+    use_np = numpy_chain(cp, vectors)
     rows, cols, code = cp.rows, cp.cols, cp.code
     buf = torch.empty(batch * sum(rows), dtype=vectors.dtype, device=vectors.device)
-    if cp.uniform_out:
-        ys = buf.view(steps, batch, rows[0]).unbind(0)
+    if use_np:
+        nbuf = buf.numpy()
+        if cp.uniform_out:
+            ys = list(nbuf.reshape(steps, batch, rows[0]))
+        else:
+            ends = np.cumsum([batch * m for m in rows]).tolist()
+            ys = [nbuf[e - batch * m : e].reshape(batch, m) for e, m in zip(ends, rows)]
+        vec = vectors.numpy()
+        conv = _as_numpy
+        arena = {k: a.numpy() for k, a in arenas.items()}
     else:
-        ys = [piece.view(batch, m) for piece, m in zip(buf.split([batch * m for m in rows]), rows)]
-    seen: dict[int, torch.Tensor] = {}
+        if cp.uniform_out:
+            ys = buf.view(steps, batch, rows[0]).unbind(0)
+        else:
+            ys = [piece.view(batch, m) for piece, m in zip(buf.split([batch * m for m in rows]), rows)]
+        vec = vectors
+        conv = None
+        arena = arenas
+    seen: dict[int, tuple] = {}
     mats = []
     for j in range(steps):
         m, k, c = rows[j], cols[j], code[j]
@@ -207,17 +242,51 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
             raw = inputs(cp.layer[j])
             hit = seen.get(id(raw))
             if hit is None:  # shared dense blocks are kept transposed: the step is y @ M^T
-                hit = (raw, raw if c == 0 else (raw.view(m, k).t() if c == 1 else raw.unflatten(-1, (m, k))))
+                r = conv(raw) if use_np else raw
+                if c == 0:
+                    mat = r
+                elif c == 1:
+                    mat = r.reshape(m, k).T if use_np else r.view(m, k).t()
+                else:
+                    mat = r.reshape(r.shape[0], m, k) if use_np else r.unflatten(-1, (m, k))
+                hit = (raw, mat)
                 seen[id(raw)] = hit  # holding ``raw`` keeps its id from being reused by a temporary
             mats.append(hit[1])
         else:
             off = cp.offset[j]
-            arena = arenas["S"] if c == 1 or (c == 0 and op.shared[j]) else arenas["P"]
-            vals = arena[..., off : off + (m * k if c else m)]
-            mats.append(vals if c == 0 else (vals.view(m, k).t() if c == 1 else vals.unflatten(-1, (m, k))))
-    y = vectors[:, op.vin0 : op.vin0 + cols[0]]
-    adds = [None if a < 0 else vectors[:, a : a + rows[j]] for j, a in enumerate(cp.add)]
-    if all(a is None for a in adds) and 2 not in code:
+            src = arena["S"] if c == 1 or (c == 0 and op.shared[j]) else arena["P"]
+            vals = src[..., off : off + (m * k if c else m)]
+            if c == 0:
+                mats.append(vals)
+            elif c == 1:
+                mats.append(vals.reshape(m, k).T if use_np else vals.view(m, k).t())
+            else:
+                mats.append(vals.reshape(batch, m, k) if use_np else vals.unflatten(-1, (m, k)))
+    y = vec[:, op.vin0 : op.vin0 + cols[0]]
+    adds = [None if a < 0 else vec[:, a : a + rows[j]] for j, a in enumerate(cp.add)]
+    no_adds = all(a is None for a in adds)
+    if use_np:
+        dot, mul, matmul, add_ = np.dot, np.multiply, np.matmul, np.add
+        with np.errstate(all="ignore"):  # inf/NaN propagate silently, as in torch
+            if no_adds and 2 not in code:
+                for c, mat, out in zip(code, mats, ys):
+                    if c:
+                        dot(y, mat, out=out)
+                    else:
+                        mul(y, mat, out=out)
+                    y = out
+            else:
+                for c, mat, out, a in zip(code, mats, ys, adds):
+                    if c == 1:
+                        dot(y, mat, out=out)
+                    elif c == 0:
+                        mul(y, mat, out=out)
+                    else:  # per-sample dense: (B, m, k) @ (B, k, 1)
+                        matmul(mat, y[:, :, None], out=out[:, :, None])
+                    if a is not None:
+                        add_(out, a, out=out)
+                    y = out
+    elif no_adds and 2 not in code:
         # the common middle (shared dense and diagonal steps, no affine terms): the tightest loop
         mm, mul = torch.mm, torch.mul
         for c, mat, out in zip(code, mats, ys):
@@ -242,9 +311,10 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
         m = rows[0]
         vectors[:, first : first + steps * m] = buf.view(steps, batch, m).transpose(0, 1).reshape(batch, steps * m)
     else:
+        pieces = buf.split([batch * m for m in rows])
         for j in range(steps):
             o = int(op.out[j])
-            vectors[:, o : o + rows[j]] = ys[j]
+            vectors[:, o : o + rows[j]] = pieces[j].view(batch, rows[j])
 
 
 def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from spscan.executor import check_inputs, execute
+from spscan.executor import check_inputs, output_views, run
 from spscan.plan import Plan, _fmt_bytes
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
@@ -133,15 +133,8 @@ def backward(
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a spscan Plan, got {type(plan).__name__}")
     items, stacked, shared, has_extra = check_inputs(plan, values, grad, extra, check_finite)
-    if plan.max_memory is not None:
-        need = estimate_memory(plan._scan).backward_peak(grad.shape[0])
-        if need > plan.max_memory:
-            raise ValueError(f"max_memory={_fmt_bytes(plan.max_memory)}: backward at batch {grad.shape[0]} "
-                             f"needs ~{_fmt_bytes(need)}; use a smaller batch or re-plan")
-    program = plan.program(shared, has_extra)
-    runner, tables = plan._runner(program, grad.device)
-    with torch.no_grad():
-        return execute(plan, program, runner, tables, items, stacked, grad, extra)
+    vectors, program = run(plan, items, stacked, shared, has_extra, grad, extra)
+    return output_views(vectors, program)
 
 
 def load_plan(path) -> Plan:

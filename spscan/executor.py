@@ -6,9 +6,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from spscan.plan import ValuesBuffer
+from spscan.plan import ValuesBuffer, _fmt_bytes
+from spscan.planner.memory import estimate_memory
 
-__all__ = ["check_inputs", "execute"]
+__all__ = ["check_inputs", "execute", "run", "output_views"]
 
 _FLOATS = (torch.float32, torch.float64)
 
@@ -112,9 +113,29 @@ def check_inputs(plan, values, grad, extra, check_finite: bool):
     return items, stacked, tuple(shared), tuple(has_extra)
 
 
+def run(plan, items, stacked: bool, shared: tuple, has_extra: tuple, grad: torch.Tensor,
+        extra: Optional[Sequence[Optional[torch.Tensor]]]):
+    """Run the scan on inputs already known to be valid; returns ``(vector arena, program)``.
+
+    ``dl/dx_i`` sits at ``program.outputs[i] = (offset, d_i)`` of the ``(B, size_v)`` arena
+    (:func:`output_views` makes the list the public API returns). Callers that build the values
+    themselves (the recurrent chains) skip :func:`check_inputs`' per-layer Python work and the
+    ``n+1`` views, and read what they need from the arena as strided views.
+    """
+    if plan.max_memory is not None:
+        need = estimate_memory(plan._scan).backward_peak(grad.shape[0])
+        if need > plan.max_memory:
+            raise ValueError(f"max_memory={_fmt_bytes(plan.max_memory)}: backward at batch {grad.shape[0]} "
+                             f"needs ~{_fmt_bytes(need)}; use a smaller batch or re-plan")
+    program = plan.program(shared, has_extra)
+    runner, tables = plan._runner(program, grad.device)
+    with torch.no_grad():
+        return execute(plan, program, runner, tables, items, stacked, grad, extra), program
+
+
 def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Tensor,
-            extra: Optional[Sequence[Optional[torch.Tensor]]]) -> list[torch.Tensor]:
-    """Load the arenas from the caller's tensors (copies), run the program, return views of g_0..g_n.
+            extra: Optional[Sequence[Optional[torch.Tensor]]]) -> torch.Tensor:
+    """Load the arenas from the caller's tensors (copies), run the program, return the vector arena.
 
     The matrix arenas are internal and reused across calls of the same shape (no allocation or
     first-touch cost per step); the vector arena is new each call because the results view it.
@@ -159,10 +180,10 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
         vectors[:, off : off + extra[i].shape[1]] = extra[i]
     layer = items[0].__getitem__ if stacked else items.__getitem__
     runner(tables, {"S": s_arena, "P": p_arena}, vectors, inputs=layer)
-    return _output_views(vectors, program)
+    return vectors
 
 
-def _output_views(vectors: torch.Tensor, program) -> list[torch.Tensor]:
+def output_views(vectors: torch.Tensor, program) -> list[torch.Tensor]:
     """``dl/dx_i`` as views of the vector arena, made by one ``tensor_split`` (long chains)."""
     cuts, pick = program.output_split
     pieces = vectors.tensor_split(cuts, dim=1)

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from spscan.api import backward as _core_backward
 from spscan.api import plan as _core_plan
+from spscan.executor import run as _core_run
 
 __all__ = [
     "RecurrentPlan",
@@ -177,6 +177,39 @@ class _Saved:
         self.__dict__.update(kw)
 
 
+class _ChainGrads:
+    """The chain gradients ``dl/dx_i`` of one scan, as ``(B, d_i)`` slices of its vector arena."""
+
+    def __init__(self, vectors: torch.Tensor, outputs: Sequence[tuple[int, int]]) -> None:
+        self.vectors = vectors
+        self.outputs = outputs
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def at(self, i: int) -> torch.Tensor:
+        off, d = self.outputs[i]
+        return self.vectors[:, off : off + d]
+
+    def stacked(self, idx: range) -> torch.Tensor:
+        """``(len(idx), B, d)``, contiguous, for chain indices of one dimension ``d``.
+
+        The linear scan writes its outputs at evenly spaced offsets (in descending chain order),
+        so this is one strided view and one copy, not ``len(idx)`` views and a stack.
+        """
+        offs = np.fromiter((self.outputs[i][0] for i in idx), dtype=np.int64, count=len(idx))
+        d = self.outputs[idx[0]][1]
+        v = self.vectors
+        if offs.size > 1:
+            step = int(offs[1] - offs[0])
+            if abs(step) >= d and bool(np.all(np.diff(offs) == step)):
+                first = int(offs.min())
+                view = v.as_strided((offs.size, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
+                                    v.storage_offset() + first * v.stride(1))
+                return view.flip(0) if step < 0 else view.contiguous()
+        return torch.stack([v[:, o : o + d] for o in offs.tolist()])
+
+
 def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
     """Pre-activations ``x W_ih^T + b_ih`` and ``h_{t-1} W_hh^T + b_hh`` for all ``T*B`` steps at once.
 
@@ -249,7 +282,8 @@ def _jacobian_values(kind: str, chain: str, coefs: dict, w_hh: torch.Tensor, H: 
         step = _factored_step_values(kind, coefs, w_hh, H)
         T = next(iter(coefs.values())).shape[0]
         # shared elements are the same tensor object every step (the core caches them by id)
-        return [v if v.dim() == 1 else v[t] for t in range(T) for v in step]
+        per_t = [(v,) * T if v.dim() == 1 else v.unbind(0) for v in step]
+        return [v for vs in zip(*per_t) for v in vs]
     T, B = next(iter(coefs.values())).shape[:2]
     dt, dev = w_hh.dtype, w_hh.device
     if kind.startswith("rnn"):
@@ -426,26 +460,31 @@ class RecurrentPlan:
 
     # -- backward
 
-    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]):
-        """State gradients ``(T+1, B, D)`` from the chain; factored: the list of all ``m*T+1`` chain gradients."""
+    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]) -> "_ChainGrads":
+        """Every chain gradient (``m*T+1`` factored, ``T+1`` materialized), read from the scan's arena.
+
+        The values are built here, so they are valid by construction: the core runs without its
+        per-layer input checks and without making ``n+1`` views (both cost microseconds per layer,
+        which is as much as a linear-scan step).
+        """
         T = saved.T
         plan = self.scan_plan(T, saved.device, saved.dtype)
-        if self.chain == "factored":
-            per = len(_factored_layout(self.kind, self.hidden_size))
-            ext: Optional[list] = None
-            if extra is not None:
-                # extra[t] (the loss on s_{t+1}) goes to chain index per*(t+1); the last one joins top
-                ext = [None] * (per * T + 1)
-                for t in range(T - 1):
-                    ext[per * (t + 1)] = extra[t]
-                top = top + extra[T - 1]
-            return list(_core_backward(plan, saved.values, top, extra=ext))
-        ext_list = None
+        per = len(_factored_layout(self.kind, self.hidden_size)) if self.chain == "factored" else 1
+        n = per * T
+        ext: Optional[list] = None
         if extra is not None:
+            # extra[t] (the loss on s_{t+1}) goes to chain index per*(t+1); the last one joins top
+            ext = [None] * (n + 1)
+            for t in range(T - 1):
+                ext[per * (t + 1)] = extra[t]
             top = top + extra[T - 1]
-            ext_list = [None] + [extra[t] for t in range(T - 1)] + [None]
-        grads = _core_backward(plan, saved.values, top, extra=ext_list)  # stacked (T, B, nnz): no list of T tensors
-        return torch.stack(list(grads), dim=0)
+        has_extra = tuple(e is not None for e in ext) if ext is not None else (False,) * (n + 1)
+        if self.chain == "factored":
+            shared = tuple(k == "shared" for k, _, _ in _factored_layout(self.kind, self.hidden_size)) * T
+            vectors, program = _core_run(plan, saved.values, False, shared, has_extra, top, ext)
+        else:  # stacked (T, B, nnz): no list of T tensors
+            vectors, program = _core_run(plan, [saved.values], True, (False,) * n, has_extra, top, ext)
+        return _ChainGrads(vectors, program.outputs)
 
     def backward(
         self,
@@ -481,21 +520,21 @@ class RecurrentPlan:
         if T == 0:
             return self._pack(saved, top, None, None)
         G = self._scan(saved, top, extra)
+        g0 = G.at(0)
         if self.chain == "factored":
             per = len(_factored_layout(self.kind, H))
-            g0 = G[0]
-            pre = torch.stack(G[1::per])  # gradients of element 1 of each step: (T, B, >= G*H)
+            pre = G.stacked(range(1, per * T, per))  # gradients of element 1 of each step: (T, B, >= G*H)
             if self.kind.startswith("rnn"):
                 pre_ih = pre_hh = pre
             elif self.kind == "gru":
                 pre_hh = pre[..., : 3 * H]
                 # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
-                pre_ih = torch.cat([pre[..., : 2 * H], torch.stack(G[per::per]) * saved.coefs["dn"]], dim=-1)
+                dh = G.stacked(range(per, per * T + 1, per))
+                pre_ih = torch.cat([pre[..., : 2 * H], dh * saved.coefs["dn"]], dim=-1)
             else:
                 pre_ih = pre_hh = pre[..., : 4 * H]
         else:
-            g0 = G[0]
-            pre_ih, pre_hh = self._pre_activation_grads(saved, G[1:])
+            pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1)))
         return self._pack(saved, g0, pre_ih, pre_hh)
 
     def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):

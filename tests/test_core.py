@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -10,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spscan
+from spscan.kernels import torch_ops
+from spscan.planner.program import VecChain
 from spscan.planner.schedule import max_levels
 from spscan.reference import reference_backward
 
@@ -246,8 +250,25 @@ def _not_quite_diagonal(d: int) -> sp.csr_array:
     return sp.csr_array((np.ones(d), np.arange(d), indptr), shape=(d, d))
 
 
+@pytest.fixture(params=["numpy", "torch"])
+def cpu_chain(request, monkeypatch):
+    """Both CPU loops of the linear-scan middle: NumPy (small steps) and eager torch (large steps)."""
+    if request.param == "torch":
+        monkeypatch.setattr(torch_ops, "NUMPY_CHAIN_MAX_WORK", 0)
+    return request.param
+
+
+def _chain_loops(plan, batch):
+    """Which CPU loop each middle chain of the plan's linear-scan program takes at this batch."""
+    program = plan.program((False,) * plan.n, (False,) * (plan.n + 1))
+    vectors = torch.empty(batch, 1)
+    return {torch_ops.numpy_chain(torch_ops._chain_plan(op), vectors)
+            for st in program.steps for op in st.ops if isinstance(op, VecChain)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("with_extra", [False, True])
-def test_middle_chain_kinds_every_depth(with_extra):
+def test_middle_chain_kinds_every_depth(with_extra, dtype, cpu_chain):
     """Dense, diagonal, near-diagonal and sparse steps, shared and per sample, through the fused middle."""
     h = 4
     kinds = [sp.csr_array(np.ones((h, h))), sp.csr_array(sp.eye(h)), _not_quite_diagonal(h),
@@ -256,9 +277,29 @@ def test_middle_chain_kinds_every_depth(with_extra):
     n = 37
     pats = [kinds[int(k)] for k in rng.integers(0, 4, n)]
     shared = [bool(s) for s in rng.random(n) < 0.4]
+    assert _chain_loops(spscan.plan(pats, levels=0), 3) == {cpu_chain == "numpy"}
     for k in range(max_levels(n) + 1):
-        out = check_chain(pats, 3, torch.float64, shared, k, with_extra, seed=k)
+        out = check_chain(pats, 3, dtype, shared, k, with_extra, seed=k)
         assert len(out) == n + 1
+
+
+def test_middle_chain_reads_values_that_require_grad_and_propagates_inf(cpu_chain):
+    """Caller tensors that require grad are read, not refused; inf/NaN propagate without warnings."""
+    h, n, batch = 3, 12, 2
+    pats = [sp.csr_array(np.ones((h, h))), sp.csr_array(sp.eye(h))] * (n // 2)
+    vals = make_values(pats, batch, torch.float64, [True, False] * (n // 2))
+    vals = [v.requires_grad_() for v in vals]
+    grad = torch.randn(batch, h, dtype=torch.float64)
+    ref = reference_backward(pats, [v.detach() for v in vals], grad)
+    out = spscan.backward(spscan.plan(pats, levels=0), vals, grad)
+    assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
+    bad = [v.detach().clone() for v in vals]
+    bad[-1][0, 0] = float("inf")
+    bad[-3].fill_(1e308)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = spscan.backward(spscan.plan(pats, levels=0), bad, grad)
+    assert not torch.isfinite(out[0][0]).all() and torch.isfinite(out[-1]).all()
 
 
 def test_factored_recurrent_chain_stacked_and_list():

@@ -37,11 +37,21 @@ def test_demo_help_mentions_learning_rate(capsys):
     assert "1e-5" in capsys.readouterr().out
 
 
-def _train(dtype, use_scan: bool, steps: int = 200, seed: int = 3) -> np.ndarray:
-    """Loss curve of a tiny bitstream classifier (H=8, T=30, B=16, Adam) trained from ``seed``."""
+def _train(dtype, use_scan: bool, steps: int = 200, seed: int = 3, jitter: int = 0) -> np.ndarray:
+    """Loss curve of a tiny bitstream classifier (H=8, T=30, B=16, Adam) trained from ``seed``.
+
+    ``jitter`` > 0 perturbs every initial weight by one float32 rounding (relative ``2^-24``, random
+    signs from that seed): a run that differs from ``jitter=0`` only by float32 noise.
+    """
     x_all, y_all = bitstream_dataset(64, 30, seed=seed)
     torch.manual_seed(seed)
-    model = BitstreamClassifier(hidden=8).to(dtype)
+    model = BitstreamClassifier(hidden=8)
+    if jitter:
+        g = torch.Generator().manual_seed(jitter)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 2.0**-24 * (2 * torch.randint(0, 2, p.shape, generator=g) - 1))
+    model = model.to(dtype)
     if use_scan:
         model.rnn = wrap_recurrent(model.rnn, x_all[:16].to(dtype))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -60,15 +70,16 @@ def test_training_curves_match_autograd():
     """Paper §3.5: 200 Adam steps with the scan and with autograd from one seed give the same curve.
 
     float64: equal up to amplified rounding. float32: the scan's curve is as close to the float64 curve as
-    autograd's float32 curve is (float32 noise), and the model trains.
+    autograd's float32 curves are (float32 noise), and the model trains. Training amplifies rounding
+    chaotically after ~100 steps, so one autograd run is one sample of that noise: it is measured
+    as the widest of three autograd runs whose initial weights differ by one float32 rounding.
     """
     ref = _train(torch.float64, use_scan=False)
     ours64 = _train(torch.float64, use_scan=True)
     assert np.abs(ours64 - ref).max() < 1e-7  # Adam amplifies 1e-16 rounding over 200 steps
-    auto32 = _train(torch.float32, use_scan=False)
     ours32 = _train(torch.float32, use_scan=True)
     assert ref[-20:].mean() < ref[:20].mean() - 0.05  # it trains
-    noise = np.abs(auto32 - ref).max()
+    noise = max(np.abs(_train(torch.float32, use_scan=False, jitter=j) - ref).max() for j in (0, 1, 2))
     assert np.abs(ours32 - ref).max() <= 2 * noise + 1e-4, (np.abs(ours32 - ref).max(), noise)
 
 

@@ -148,8 +148,9 @@ def test_chain_matches_reference_backward(kind, chain):
         ext[per * (t + 1)] = extra[t]
     vals = saved.values if chain == "factored" else list(saved.values)
     ref = reference_backward(pats, vals, top, ext)[0::per]
-    got = plan._scan(saved, top, extra)  # extra[t] is the direct gradient of s_{t+1}
-    got = got[0::per] if chain == "factored" else got
+    grads = plan._scan(saved, top, extra)  # extra[t] is the direct gradient of s_{t+1}
+    assert len(grads) == len(pats) + 1
+    got = [grads.at(i) for i in range(0, len(pats) + 1, per)]
     for t in range(6):
         torch.testing.assert_close(got[t], ref[t], rtol=1e-12, atol=1e-12)
 
