@@ -174,16 +174,27 @@ class _ChainPlan:
     add: list[int]
     uniform_out: bool
     max_block: int  # largest rows*cols of a dense step (1 if all diagonal)
+    period: int  # outputs are contiguous and their sizes repeat every ``period`` steps (0: neither)
+
+
+def _out_period(rows: np.ndarray, out: np.ndarray) -> int:
+    """Smallest ``P`` with ``rows`` ``P``-periodic and ``out`` one contiguous run; 0 if none."""
+    steps = rows.shape[0]
+    if steps == 0 or not np.array_equal(out[1:], out[:-1] + rows[:-1]):
+        return 0
+    for p in range(1, min(steps, 16) + 1):
+        if steps % p == 0 and np.array_equal(rows[p:], rows[:-p]):
+            return p
+    return 0
 
 
 def _chain_plan(op: VecChain) -> _ChainPlan:
     code = [0 if not d else (1 if s else 2) for d, s in zip(op.dense.tolist(), op.shared.tolist())]
     rows = op.rows.tolist()
-    first = int(op.out[0])
-    uniform = bool(np.all(op.rows == rows[0])) and bool(np.all(op.out == first + rows[0] * np.arange(op.steps)))
+    period = _out_period(op.rows, op.out)
     dense = op.rows * op.cols * op.dense
     return _ChainPlan(code, op.layers.tolist(), op.mat_offset.tolist(), rows, op.cols.tolist(), op.add.tolist(),
-                      uniform, max(1, int(dense.max())) if dense.size else 1)
+                      period == 1, max(1, int(dense.max())) if dense.size else 1, period)
 
 
 # A CPU chain step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
@@ -307,9 +318,18 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
                 torch.baddbmm(add.unsqueeze(-1), mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
             y = out
     first = int(op.out[0])
-    if cp.uniform_out:
-        m = rows[0]
-        vectors[:, first : first + steps * m] = buf.view(steps, batch, m).transpose(0, 1).reshape(batch, steps * m)
+    if cp.period:
+        # one strided copy per position in the period: (steps/P, B, m_k) blocks -> (B, steps/P, S) columns
+        p = cp.period
+        sizes = rows[:p]
+        width = sum(sizes)
+        reps = steps // p
+        src = buf.view(reps, batch * width)
+        dst = vectors[:, first : first + reps * width].view(batch, reps, width)
+        c = 0
+        for m in sizes:
+            dst[:, :, c : c + m] = src[:, batch * c : batch * (c + m)].view(reps, batch, m).transpose(0, 1)
+            c += m
     else:
         pieces = buf.split([batch * m for m in rows])
         for j in range(steps):

@@ -38,7 +38,9 @@ class DeviceProfile:
 
 # Measured orders of magnitude: torch eager ops on a small multi-core CPU, and Triton launches
 # on a recent datacenter GPU (launch-latency bound for small levels, bandwidth bound for big ones).
-_CPU = DeviceProfile("cpu", 3.0e-5, 1.0e8, 4.0e9, 1.0e9, 0.35, 2.0e9, 8.0e-6)
+# A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
+# caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_CHAIN_MAX_WORK.
+_CPU = DeviceProfile("cpu", 3.0e-5, 1.0e8, 4.0e9, 1.0e9, 0.35, 2.0e9, 2.0e-6)
 _CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9, 2.0e-6)
 
 

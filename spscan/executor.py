@@ -176,8 +176,11 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
     g.copy_(grad)
     if extra is not None and extra[n] is not None:
         g.add_(extra[n])
-    for i, off in program.extra_slots.items():
-        vectors[:, off : off + extra[i].shape[1]] = extra[i]
+    if len(program.extra_slots) > 4:
+        vectors[:, plan._extra_columns(program, device)] = torch.cat([extra[i] for i in program.extra_slots], dim=1)
+    else:
+        for i, off in program.extra_slots.items():
+            vectors[:, off : off + extra[i].shape[1]] = extra[i]
     layer = items[0].__getitem__ if stacked else items.__getitem__
     runner(tables, {"S": s_arena, "P": p_arena}, vectors, inputs=layer)
     return vectors

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import scipy.sparse as sp
 import torch
 
@@ -178,6 +179,21 @@ class Plan:
             else:
                 from spscan.kernels import torch_ops as backend
             hit = (backend.run_program, backend.make_tables(program, device))
+            self._tables[key] = hit
+        return hit
+
+    def _extra_columns(self, program: Program, device: torch.device):
+        """Vector-arena columns of every ``extra[i]`` (in ``program.extra_slots`` order), made once.
+
+        One ``index_put`` of the concatenated extras replaces a copy per layer (a long chain with a
+        loss on every step would otherwise pay microseconds of Python per layer).
+        """
+        key = ("extra", id(program), str(device))
+        hit = self._tables.get(key)
+        if hit is None:
+            dims = self.dims
+            cols = np.concatenate([np.arange(off, off + dims[i]) for i, off in program.extra_slots.items()])
+            hit = torch.as_tensor(cols, dtype=torch.int64, device=device)
             self._tables[key] = hit
         return hit
 

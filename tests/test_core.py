@@ -338,3 +338,18 @@ def test_values_buffer_in_place():
         out = spscan.backward(plan, v, grad)
         assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
     assert torch.equal(buf.stacked, vals)  # inputs are never modified
+
+
+def test_chain_output_period_detection():
+    """The middle chain copies its outputs out once per position of a repeating size pattern."""
+    period = torch_ops._out_period
+    rows = np.array([5, 3, 2] * 4)
+    out = 7 + np.concatenate([[0], np.cumsum(rows)[:-1]])
+    assert period(rows, out) == 3
+    assert period(np.full(6, 4), 2 + 4 * np.arange(6)) == 1
+    assert period(np.array([5, 3, 2, 5, 3]), np.array([0, 5, 8, 10, 15])) == 0  # sizes do not repeat whole
+    assert period(rows, out[::-1].copy()) == 0  # not one contiguous run
+    # a chain whose sizes do not repeat: per-step copies, same gradients
+    dims = [3, 5, 2, 7, 4, 1, 6]
+    pats = [sp.csr_array(np.ones((dims[i], dims[i + 1]))) for i in range(len(dims) - 1)]
+    check_chain(pats, 2, torch.float64, [False, True] * 3, 0, True, seed=5)
