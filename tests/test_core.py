@@ -347,9 +347,15 @@ def test_chain_output_period_detection():
     out = 7 + np.concatenate([[0], np.cumsum(rows)[:-1]])
     assert period(rows, out) == 3
     assert period(np.full(6, 4), 2 + 4 * np.arange(6)) == 1
-    assert period(np.array([5, 3, 2, 5, 3]), np.array([0, 5, 8, 10, 15])) == 0  # sizes do not repeat whole
+    assert period(np.array([5, 3, 2, 5, 3]), np.array([0, 5, 8, 10, 15])) == 5  # the whole run is one period
+    long = np.arange(1, 20)  # 19 steps, no period up to 16
+    assert period(long, np.concatenate([[0], np.cumsum(long)[:-1]])) == 0
     assert period(rows, out[::-1].copy()) == 0  # not one contiguous run
-    # a chain whose sizes do not repeat: per-step copies, same gradients
-    dims = [3, 5, 2, 7, 4, 1, 6]
-    pats = [sp.csr_array(np.ones((dims[i], dims[i + 1]))) for i in range(len(dims) - 1)]
-    check_chain(pats, 2, torch.float64, [False, True] * 3, 0, True, seed=5)
+    # a chain whose sizes never repeat (20 steps): per-step copies, same gradients
+    dims = [(7 * i) % 23 + 1 for i in range(21)]
+    pats = [sp.csr_array(np.ones((dims[i], dims[i + 1]))) for i in range(20)]
+    plan = spscan.plan(pats, levels=0)
+    chains = [op for st in plan.program((False,) * 20, (False,) * 21).steps for op in st.ops if isinstance(op, VecChain)]
+    assert chains and all(torch_ops._chain_plan(op).period == 0 for op in chains)
+    for dtype in (torch.float64, torch.float32):
+        check_chain(pats, 2, dtype, [False, True] * 10, 0, True, seed=5)
