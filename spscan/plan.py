@@ -149,6 +149,10 @@ class Plan:
     # -- lowering -----------------------------------------------------------------------
     def program(self, shared: Sequence[bool], has_extra: Sequence[bool]) -> Program:
         """The lowered work tables for one sharedness / extra signature (made once, cached)."""
+        if type(shared) is tuple and type(has_extra) is tuple:  # noqa: E721 - the common call: no per-layer work
+            prog = self._programs.get((shared, has_extra))
+            if prog is not None:
+                return prog
         key = (tuple(bool(s) for s in shared), tuple(bool(e) for e in has_extra))
         prog = self._programs.get(key)
         if prog is None:

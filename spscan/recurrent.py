@@ -24,17 +24,19 @@ Chain layouts (``chain=``):
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored. Measured on a 2-core CPU (B=16, H=20, input size 4, one thread,
-  ``time.process_time``, min of 9 runs; levels "auto", which picks the linear scan here):
-  factored vs materialized, forward+values / backward (scan and parameter GEMMs) in ms —
-  RNN T=1000 ~8 / ~20 vs ~11 / ~26; GRU T=517 ~12 / ~22 vs ~19 / ~16; LSTM T=1000 ~28 / ~69
-  vs ~76 / ~128. The core runs the factored chain's alternating shared-dense and diagonal
-  elements as one fused linear scan (one mm or mul per element); materializing writes
-  ``T*B*D*D`` values per forward, which costs more than having fewer elements per step saves
-  (GRU: about even in total, and the factored chain holds nothing ``H x H`` per sample).
+* ``"auto"``: factored. Measured on a 2-core CPU (B=16, H=20, input size 4 (GRU 24), a loss on
+  every step, one thread, ``time.process_time``, min of 11 runs; levels "auto", which picks the
+  linear scan here): factored vs materialized, forward+values / backward (scan and parameter
+  GEMMs) in ms — RNN T=1000 ~8 / ~12 vs ~12 / ~18; GRU T=517 ~13 / ~13 vs ~20 / ~11; LSTM
+  T=1000 ~29 / ~42 vs ~75 / ~123. The core runs the factored chain's alternating shared-dense
+  and diagonal elements as one fused linear scan (one small product per element); materializing
+  writes ``T*B*D*D`` values per forward, which costs more than having fewer elements per step
+  saves (GRU: about even at H=20, and the factored chain wins as H grows: at H=64 the
+  materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
 
-Every backward runs through the core: ``spscan.plan`` once per sequence length, then
-``spscan.backward`` on the chain's values.
+Every backward runs through the core: ``spscan.plan`` once per sequence length, then the
+program ``spscan.backward`` runs, called through ``spscan.executor.run`` (the values are built
+here, so the per-layer input checks are skipped) and read back as strided views of its arena.
 """
 
 from __future__ import annotations
