@@ -94,6 +94,7 @@ class TorchTables:
         ops_all = [op for st in program.steps for op in st.ops]
         self.needs_arena_inputs = not all(isinstance(op, VecChain) and bool(np.all(op.layers >= 0))
                                           for op in ops_all)
+        self.chain_scratch = any(isinstance(op, VecChain) for op in ops_all)  # middle chains use arenas["C"]
         zero_v = program.zero_v
         for st in program.steps:
             ops = []
@@ -226,7 +227,11 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
     batch, steps = vectors.shape[0], op.steps
     use_np = numpy_chain(cp, vectors)
     rows, cols, code = cp.rows, cp.cols, cp.code
-    buf = torch.empty(batch * sum(rows), dtype=vectors.dtype, device=vectors.device)
+    scratch = arenas.get("C")
+    if scratch is not None and scratch.numel() >= batch * sum(rows):
+        buf = scratch[: batch * sum(rows)]  # kept by the plan between calls: no page faults per call
+    else:
+        buf = torch.empty(batch * sum(rows), dtype=vectors.dtype, device=vectors.device)
     if use_np:
         nbuf = buf.numpy()
         if cp.uniform_out:
@@ -236,7 +241,7 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
             ys = [nbuf[e - batch * m : e].reshape(batch, m) for e, m in zip(ends, rows)]
         vec = vectors.numpy()
         conv = _as_numpy
-        arena = {k: a.numpy() for k, a in arenas.items()}
+        arena = {k: arenas[k].numpy() for k in ("S", "P")}
     else:
         if cp.uniform_out:
             ys = buf.view(steps, batch, rows[0]).unbind(0)

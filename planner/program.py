@@ -177,6 +177,16 @@ class Program:
             self._output_split = cached
         return cached
 
+    @property
+    def chain_scratch(self) -> int:
+        """Per-sample entries of the largest middle chain's outputs (its working buffer), 0 if none."""
+        cached = getattr(self, "_chain_scratch", None)
+        if cached is None:
+            cached = max((int(op.rows.sum()) for st in self.steps for op in st.ops if isinstance(op, VecChain)),
+                         default=0)
+            self._chain_scratch = cached
+        return cached
+
     def index_bytes(self) -> int:
         total = 0
         for st in self.steps:

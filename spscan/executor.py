@@ -114,13 +114,15 @@ def check_inputs(plan, values, grad, extra, check_finite: bool):
 
 
 def run(plan, items, stacked: bool, shared: tuple, has_extra: tuple, grad: torch.Tensor,
-        extra: Optional[Sequence[Optional[torch.Tensor]]]):
+        extra: Optional[Sequence[Optional[torch.Tensor]]], *, reuse_vectors: bool = False):
     """Run the scan on inputs already known to be valid; returns ``(vector arena, program)``.
 
     ``dl/dx_i`` sits at ``program.outputs[i] = (offset, d_i)`` of the ``(B, size_v)`` arena
     (:func:`output_views` makes the list the public API returns). Callers that build the values
     themselves (the recurrent chains) skip :func:`check_inputs`' per-layer Python work and the
-    ``n+1`` views, and read what they need from the arena as strided views.
+    ``n+1`` views, and read what they need from the arena as strided views. ``reuse_vectors``:
+    the arena is the plan's working buffer, overwritten by the next call (the caller copies out
+    what it keeps); otherwise it is new and owned by the result.
     """
     if plan.max_memory is not None:
         need = estimate_memory(plan._scan).backward_peak(grad.shape[0])
@@ -130,11 +132,11 @@ def run(plan, items, stacked: bool, shared: tuple, has_extra: tuple, grad: torch
     program = plan.program(shared, has_extra)
     runner, tables = plan._runner(program, grad.device)
     with torch.no_grad():
-        return execute(plan, program, runner, tables, items, stacked, grad, extra), program
+        return execute(plan, program, runner, tables, items, stacked, grad, extra, reuse_vectors), program
 
 
 def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Tensor,
-            extra: Optional[Sequence[Optional[torch.Tensor]]]) -> torch.Tensor:
+            extra: Optional[Sequence[Optional[torch.Tensor]]], reuse_vectors: bool = False) -> torch.Tensor:
     """Load the arenas from the caller's tensors (copies), run the program, return the vector arena.
 
     The matrix arenas are internal and reused across calls of the same shape (no allocation or
@@ -143,7 +145,10 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
     n = plan.n
     batch, dtype, device = grad.shape[0], grad.dtype, grad.device
     s_arena, p_arena = plan._arenas(program, batch, dtype, device)
-    vectors = torch.empty(batch, program.size_v, dtype=dtype, device=device)
+    if reuse_vectors:
+        vectors = plan._scratch("vectors", batch * program.size_v, dtype, device).view(batch, program.size_v)
+    else:
+        vectors = torch.empty(batch, program.size_v, dtype=dtype, device=device)
     s_arena[program.zero_s] = 0
     p_arena[:, program.zero_p] = 0
     vectors[:, program.zero_v] = 0
@@ -182,7 +187,10 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
         for i, off in program.extra_slots.items():
             vectors[:, off : off + extra[i].shape[1]] = extra[i]
     layer = items[0].__getitem__ if stacked else items.__getitem__
-    runner(tables, {"S": s_arena, "P": p_arena}, vectors, inputs=layer)
+    arenas = {"S": s_arena, "P": p_arena}
+    if getattr(tables, "chain_scratch", False) and program.chain_scratch:
+        arenas["C"] = plan._scratch("chain", batch * program.chain_scratch, dtype, device)
+    runner(tables, arenas, vectors, inputs=layer)
     return vectors
 
 

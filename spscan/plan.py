@@ -74,6 +74,7 @@ class Plan:
         self._tables: dict[tuple, object] = {}
         self._patterns_cache: Optional[list] = None
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch_bufs: dict[tuple, torch.Tensor] = {}
         self._nnz = [p.nnz for p in scan.patterns]
 
     # -- introspection ------------------------------------------------------------------
@@ -216,6 +217,18 @@ class Plan:
             self._buffers[key] = hit
         return hit
 
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat working buffer of at least ``numel`` entries kept between calls (no first-touch cost
+        per call: fresh multi-MB CPU allocations page-fault on every call). Its contents never
+        survive a call; :meth:`release_buffers` frees it."""
+        key = (name, dtype, str(device))
+        hit = self._scratch_bufs.get(key)
+        if hit is None or hit.numel() < numel:
+            self._scratch_bufs.pop(key, None)
+            hit = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch_bufs[key] = hit
+        return hit[:numel]
+
     def values_buffer(self, batch: int, *, dtype: torch.dtype = torch.float32, device="cpu",
                       shared: Optional[Sequence[bool]] = None) -> "ValuesBuffer":
         """Views into the plan's own input arena, to fill in place and pass as ``values``.
@@ -239,8 +252,9 @@ class Plan:
         return ValuesBuffer(views, self, program.shared, (s_arena, p_arena))
 
     def release_buffers(self) -> None:
-        """Free the matrix arenas kept between calls."""
+        """Free the matrix arenas and working buffers kept between calls."""
         self._buffers.clear()
+        self._scratch_bufs.clear()
 
     # -- persistence --------------------------------------------------------------------
     def save(self, path) -> None:

@@ -180,7 +180,11 @@ class _Saved:
 
 
 class _ChainGrads:
-    """The chain gradients ``dl/dx_i`` of one scan, as ``(B, d_i)`` slices of its vector arena."""
+    """The chain gradients ``dl/dx_i`` of one scan, read from its vector arena.
+
+    The arena is the plan's working buffer (overwritten by the next backward), so everything
+    returned here is a copy.
+    """
 
     def __init__(self, vectors: torch.Tensor, outputs: Sequence[tuple[int, int]]) -> None:
         self.vectors = vectors
@@ -191,7 +195,7 @@ class _ChainGrads:
 
     def at(self, i: int) -> torch.Tensor:
         off, d = self.outputs[i]
-        return self.vectors[:, off : off + d]
+        return self.vectors[:, off : off + d].clone()
 
     def stacked(self, idx: range) -> torch.Tensor:
         """``(len(idx), B, d)``, contiguous, for chain indices of one dimension ``d``.
@@ -208,7 +212,7 @@ class _ChainGrads:
                 first = int(offs.min())
                 view = v.as_strided((offs.size, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
                                     v.storage_offset() + first * v.stride(1))
-                return view.flip(0) if step < 0 else view.contiguous()
+                return view.flip(0) if step < 0 else view.clone(memory_format=torch.contiguous_format)
         return torch.stack([v[:, o : o + d] for o in offs.tolist()])
 
 
@@ -483,9 +487,10 @@ class RecurrentPlan:
         has_extra = tuple(e is not None for e in ext) if ext is not None else (False,) * (n + 1)
         if self.chain == "factored":
             shared = tuple(k == "shared" for k, _, _ in _factored_layout(self.kind, self.hidden_size)) * T
-            vectors, program = _core_run(plan, saved.values, False, shared, has_extra, top, ext)
+            vectors, program = _core_run(plan, saved.values, False, shared, has_extra, top, ext, reuse_vectors=True)
         else:  # stacked (T, B, nnz): no list of T tensors
-            vectors, program = _core_run(plan, [saved.values], True, (False,) * n, has_extra, top, ext)
+            vectors, program = _core_run(plan, [saved.values], True, (False,) * n, has_extra, top, ext,
+                                         reuse_vectors=True)
         return _ChainGrads(vectors, program.outputs)
 
     def backward(

@@ -330,3 +330,21 @@ def test_retain_graph_backward_twice_accumulates():
     once = m.weight_hh_l0.grad.clone()
     loss.backward()
     torch.testing.assert_close(m.weight_hh_l0.grad, 2 * once, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_gradients_survive_the_next_backward(kind):
+    """The scan's vector arena is reused between backwards: what a backward returned stays intact."""
+    m = make_module(kind, 3, 4, batch_first=False, bias=True)
+    x1, hx1 = make_inputs(m, 9, 2, with_h0=True, dtype=torch.float64, seed=1)
+    x2, hx2 = make_inputs(m, 9, 2, with_h0=True, dtype=torch.float64, seed=2)
+    plan = plan_recurrent(m, x1)
+    _, s1 = plan.forward(x1, hx1)
+    _, s2 = plan.forward(x2, hx2)
+    go = torch.ones(9, 2, 4, dtype=torch.float64)
+    first = plan.backward(s1, go, None)
+    kept = {k: v.clone() for k, v in first.items() if v is not None}
+    second = plan.backward(s2, go, None)
+    for k, v in kept.items():
+        assert torch.equal(first[k], v), k
+        assert not torch.equal(second[k], v), k
