@@ -29,6 +29,7 @@ def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
 def test_demo_rejects_bad_arguments(tmp_path):
     assert main(["--tiny", "--levels", "deep", "--out", str(tmp_path)]) == 2
     assert main(["--tiny", "--samples", "4", "--batch-size", "8", "--out", str(tmp_path)]) == 2
+    assert main(["--tiny", "--lr", "0", "--out", str(tmp_path)]) == 2
 
 
 def test_demo_help_mentions_learning_rate(capsys):
