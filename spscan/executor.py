@@ -140,7 +140,8 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
     """Load the arenas from the caller's tensors (copies), run the program, return the vector arena.
 
     The matrix arenas are internal and reused across calls of the same shape (no allocation or
-    first-touch cost per step); the vector arena is new each call because the results view it.
+    first-touch cost per step); the vector arena is new each call because the results view it,
+    unless ``reuse_vectors`` (the caller copies out what it keeps before the next call).
     """
     n = plan.n
     batch, dtype, device = grad.shape[0], grad.dtype, grad.device
