@@ -284,24 +284,16 @@ def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], ve
     if use_np:
         dot, mul, matmul, add_ = np.dot, np.multiply, np.matmul, np.add
         with np.errstate(all="ignore"):  # inf/NaN propagate silently, as in torch
-            if no_adds and 2 not in code:
-                for c, mat, out in zip(code, mats, ys):
-                    if c:
-                        dot(y, mat, out=out)
-                    else:
-                        mul(y, mat, out=out)
-                    y = out
-            else:
-                for c, mat, out, a in zip(code, mats, ys, adds):
-                    if c == 1:
-                        dot(y, mat, out=out)
-                    elif c == 0:
-                        mul(y, mat, out=out)
-                    else:  # per-sample dense: (B, m, k) @ (B, k, 1)
-                        matmul(mat, y[:, :, None], out=out[:, :, None])
-                    if a is not None:
-                        add_(out, a, out=out)
-                    y = out
+            for c, mat, out, a in zip(code, mats, ys, adds):
+                if c == 1:
+                    dot(y, mat, out=out)
+                elif c == 0:
+                    mul(y, mat, out=out)
+                else:  # per-sample dense: (B, m, k) @ (B, k, 1)
+                    matmul(mat, y[:, :, None], out=out[:, :, None])
+                if a is not None:
+                    add_(out, a, out=out)
+                y = out
     elif no_adds and 2 not in code:
         # the common middle (shared dense and diagonal steps, no affine terms): the tightest loop
         mm, mul = torch.mm, torch.mul

@@ -182,11 +182,8 @@ def execute(plan, program, runner, tables, items, stacked: bool, grad: torch.Ten
     g.copy_(grad)
     if extra is not None and extra[n] is not None:
         g.add_(extra[n])
-    if len(program.extra_slots) > 4:
+    if program.extra_slots:
         vectors[:, plan._extra_columns(program, device)] = torch.cat([extra[i] for i in program.extra_slots], dim=1)
-    else:
-        for i, off in program.extra_slots.items():
-            vectors[:, off : off + extra[i].shape[1]] = extra[i]
     layer = items[0].__getitem__ if stacked else items.__getitem__
     arenas = {"S": s_arena, "P": p_arena}
     if getattr(tables, "chain_scratch", False) and program.chain_scratch:
