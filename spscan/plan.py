@@ -75,6 +75,7 @@ class Plan:
         self._patterns_cache: Optional[list] = None
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch_bufs: dict[tuple, torch.Tensor] = {}
+        self._extra_cols: dict[tuple, torch.Tensor] = {}  # (program, device) -> vector columns of the extras
         self._nnz = [p.nnz for p in scan.patterns]
 
     # -- introspection ------------------------------------------------------------------
@@ -193,13 +194,13 @@ class Plan:
         One ``index_put`` of the concatenated extras replaces a copy per layer (a long chain with a
         loss on every step would otherwise pay microseconds of Python per layer).
         """
-        key = ("extra", id(program), str(device))
-        hit = self._tables.get(key)
+        key = (id(program), str(device))
+        hit = self._extra_cols.get(key)
         if hit is None:
             dims = self.dims
             cols = np.concatenate([np.arange(off, off + dims[i]) for i, off in program.extra_slots.items()])
             hit = torch.as_tensor(cols, dtype=torch.int64, device=device)
-            self._tables[key] = hit
+            self._extra_cols[key] = hit
         return hit
 
     def _arenas(self, program: Program, batch: int, dtype: torch.dtype, device: torch.device):
