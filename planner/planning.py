@@ -7,14 +7,14 @@ same plan on every machine and every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from .cost import DeviceProfile
-from .patterns import Pattern, PatternTable, full_pattern
-from .schedule import ScanSchedule, blelloch_schedule, max_levels
-from .symbolic import ProductSymbolic, product_counts, spgemm_symbolic
+from .patterns import Pattern, PatternTable, full_pattern, make_pattern
+from .schedule import ScanSchedule, Step, blelloch_schedule, max_levels
+from .symbolic import ProductSymbolic, product_counts, product_pattern, spgemm_symbolic
 
 __all__ = ["MatInfo", "ScanPlan", "LevelCost", "plan_scan"]
 
@@ -65,7 +65,7 @@ class ScanPlan:
     batch_hint: int
     elem_bytes: int
     candidates: dict[int, float] = field(default_factory=dict)  # K -> estimated seconds
-    explored: int = 0  # deepest level whose products were planned
+    explored: int = 0  # deepest level whose products the depth search costed
 
     @property
     def n(self) -> int:
@@ -202,6 +202,134 @@ def _step_costs(
     return out
 
 
+class _PairCounts:
+    """The cost-relevant half of a :class:`ProductSymbolic`: pattern and pairs per entry, no pair lists."""
+
+    __slots__ = ("pattern", "pair_ptr", "npairs")
+
+    def __init__(self, pattern: Pattern, counts: np.ndarray):
+        self.pattern = pattern
+        self.pair_ptr = np.zeros(counts.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.pair_ptr[1:])
+        self.npairs = int(self.pair_ptr[-1])
+
+
+class _DepthSearch:
+    """Symbolic state of ``levels="auto"``: what the cost model needs, computed only as far as needed.
+
+    A product is first known by its pair count (:func:`product_counts`, O(nnz(A))), which bounds
+    its level's cost from below; then by its pattern and pairs per entry
+    (:func:`~.symbolic.product_pattern`, compiled, no pair lists), which gives the cost model's
+    exact inputs: the same output pattern, storage and pair count as :meth:`_Products.product`.
+    Pair lists are built only for the depth finally chosen.
+    """
+
+    def __init__(self, products: _Products):
+        self.products = products
+        self.counts: dict[tuple[str, str], int] = {}
+        self.cache: dict[tuple[str, str], MatInfo] = {}
+
+    def npairs(self, a: Pattern, b: Pattern) -> int:
+        key = (a.key, b.key)
+        hit = self.counts.get(key)
+        if hit is None:
+            hit = self.counts[key] = product_counts(a, b)
+        return hit
+
+    def product(self, a: Pattern, b: Pattern) -> MatInfo:
+        """``MatInfo`` of ``A @ B`` equal to ``_Products.product`` in pattern, algo and pairs per entry."""
+        key = (a.key, b.key)
+        hit = self.cache.get(key) or self.products.cache.get(key)
+        if hit is not None:
+            return hit
+        if a.is_full and b.is_full:
+            info = self.products.product(a, b)  # a GEMM plans no pair lists: the real one is as cheap
+        else:
+            indptr, indices, counts = product_pattern(a, b)
+            pattern = make_pattern((a.rows, b.cols), indptr, indices)
+            if pattern.density >= self.products.profile.dense_threshold and not pattern.is_full:
+                dense = np.zeros(a.rows * b.cols, dtype=np.int64)
+                dense[np.repeat(np.arange(a.rows, dtype=np.int64), np.diff(indptr)) * b.cols + indices] = counts
+                pattern, counts = full_pattern(a.rows, b.cols), dense
+            pattern = self.products.table.intern(pattern)
+            info = MatInfo(pattern, "pairs", sym=_PairCounts(pattern, counts))
+        self.cache[key] = info
+        return info
+
+    def index_bytes(self, step: Step, mats: dict[int, MatInfo], budget: float) -> int:
+        """Pair-index bytes of one up-sweep level's sparse products (the exploration budget's measure)."""
+        est = 0
+        for op in step.mm:
+            a, b = mats[op.left].pattern, mats[op.right].pattern
+            if not (a.is_full and b.is_full):
+                est += 2 * INDEX_BYTES * self.npairs(a, b)
+            if est > budget:
+                break
+        return est
+
+    def level_lower_bound(self, step: Step, mats: dict[int, MatInfo], profile: DeviceProfile,
+                          batch: int) -> float:
+        """A lower bound of :func:`_step_costs` for an up-sweep level whose products are not planned.
+
+        Exact in every term but the number of SpGEMM launches, counted as one (the exact count,
+        the number of width bins of the pairs per entry, is at least one).
+        """
+        pairs = gemm = gemv = mv_sparse = 0
+        gemm_shapes = set()
+        gemv_shapes = set()
+        mv_bins = 0
+        for op in step.mm:
+            a, b = mats[op.left].pattern, mats[op.right].pattern
+            if a.is_full and b.is_full:
+                gemm += a.rows * a.cols * b.cols
+                gemm_shapes.add((a.shape, b.shape))
+            else:
+                pairs += self.npairs(a, b)
+        for op in step.mv:
+            p = mats[op.mat].pattern
+            if p.is_full:
+                gemv += p.nnz
+                gemv_shapes.add(p.shape)
+            else:
+                mv_sparse += p.nnz
+                mv_bins = max(mv_bins, _row_bins(p))
+        launches = (1 if pairs else 0) + len(gemm_shapes) + mv_bins + len(gemv_shapes)
+        t = 0.0
+        t += launches * profile.op_overhead_s
+        t += batch * (pairs + mv_sparse) / profile.pair_rate
+        t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
+        return t
+
+
+class _Steps(NamedTuple):
+    steps: list[Step]
+
+
+def _costs_of(steps: Sequence[Step], mats: dict[int, MatInfo], profile: DeviceProfile, batch: int,
+              elem: int) -> list[LevelCost]:
+    return _step_costs(_Steps(list(steps)), mats, profile, batch, elem)  # type: ignore[arg-type]
+
+
+def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], products: _Products,
+                  profile: DeviceProfile, what: str) -> dict[int, MatInfo]:
+    """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists."""
+    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+    for d, st in enumerate(sched.steps[:levels]):
+        est_bytes = 0
+        for op in st.mm:
+            a, b = mats[op.left].pattern, mats[op.right].pattern
+            if not (a.is_full and b.is_full):
+                est_bytes += 2 * INDEX_BYTES * product_counts(a, b)
+            if est_bytes > profile.bytes_budget:
+                raise ValueError(
+                    f"levels={what}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of pair "
+                    f"indices (budget {profile.bytes_budget / 2**30:.1f} GiB); choose fewer levels"
+                )
+        for op in st.mm:
+            mats[op.out] = products.product(mats[op.left].pattern, mats[op.right].pattern)
+    return {i: mats[i] for i in range(sched.num_mats) if i in mats}
+
+
 def plan_scan(
     patterns: Sequence[Pattern],
     levels: Union[str, int],
@@ -216,76 +344,77 @@ def plan_scan(
     ``levels``: ``"auto"`` (minimum estimated critical-path time among the depths whose symbolic
     products fit the exploration budget and ``memory_limit``), an int (clamped to the chain's
     maximum depth) or ``"full"``. ``memory_of(plan) -> bytes`` evaluates a candidate's peak.
+
+    ``"auto"`` evaluates ``K = 0, 1, ...`` in order and stops at the first depth that cannot win:
+    its up-sweep alone (bounded below from pair counts before the level's products are
+    formed) costs at least the best estimate so far, the estimate has risen twice, or the level's
+    pair indices exceed the budget. Candidates are costed from product patterns and pair counts;
+    pair lists are built only for the depth chosen.
     """
     n = len(patterns)
     table = PatternTable()
     pats = [table.intern(p) for p in patterns]
     kmax = max_levels(n)
-    if levels == "full":
-        wanted: Optional[int] = kmax
-    elif levels == "auto":
-        wanted = None
-    else:
-        wanted = min(int(levels), kmax)
-    deepest = kmax if wanted is None else wanted
-
     products = _Products(table, profile)
-    full = blelloch_schedule(n, deepest)
-    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
-    explored = 0
-    for d, st in enumerate(full.steps[:deepest]):
-        # Cheap pre-check so a level whose fill-in explodes is never expanded symbolically.
-        est_bytes = 0
-        for op in st.mm:
-            a, b = mats[op.left].pattern, mats[op.right].pattern
-            if not (a.is_full and b.is_full):
-                est_bytes += 2 * INDEX_BYTES * product_counts(a, b)
-            if est_bytes > profile.bytes_budget:
-                break
-        if est_bytes > profile.bytes_budget and wanted is None:
-            break
-        if est_bytes > profile.bytes_budget:
-            raise ValueError(
-                f"levels={levels}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of pair "
-                f"indices (budget {profile.bytes_budget / 2**30:.1f} GiB); choose fewer levels"
-            )
-        for op in st.mm:
-            mats[op.out] = products.product(mats[op.left].pattern, mats[op.right].pattern)
-        explored = d + 1
-
-    candidates: dict[int, float] = {}
-    chosen_plan = None
-    ks = range(explored + 1) if wanted is None else [wanted]
-    up_cost = [0.0]  # cumulative cost of the first K up-sweep levels (the same for every depth)
-    for c in _step_costs(ScanSchedule(n, deepest, full.steps[:explored], {}, [], 0, 0), mats, profile,
-                         batch_hint, elem_bytes):
-        up_cost.append(up_cost[-1] + c.time_s)
-    worse = 0
-    for k in ks:
-        if wanted is None and chosen_plan is not None and (up_cost[k] >= candidates[chosen_plan.levels] or worse >= 2):
-            break  # deeper plans only add up-sweep work, or the cost has turned up twice: none can win
+    if levels != "auto":
+        k = kmax if levels == "full" else min(int(levels), kmax)
         sched = blelloch_schedule(n, k)
+        mats = _planned_mats(sched, k, pats, products, profile, str(levels))
+        costs = _costs_of(sched.steps, mats, profile, batch_hint, elem_bytes)
+        up = 0.0
+        for c in costs[:k]:
+            up += c.time_s
+        plan = ScanPlan(pats, k, mats, sched, profile, batch_hint, elem_bytes)
+        plan.candidates = {k: up + sum(c.time_s for c in costs[k:])}
+        plan.explored = k
+        return plan
+
+    search = _DepthSearch(products)
+    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+    candidates: dict[int, float] = {}
+    best: Optional[tuple[int, ScanSchedule]] = None
+    up_cost = [0.0]  # cumulative cost of the first K up-sweep levels (the same for every depth)
+    worse = 0
+    explored = 0
+    for k in range(kmax + 1):
+        sched = blelloch_schedule(n, k)
+        if k > 0:
+            if best is not None and worse >= 2:
+                break  # the cost has turned up twice
+            level = sched.steps[k - 1]
+            if search.index_bytes(level, mats, profile.bytes_budget) > profile.bytes_budget:
+                break  # this level's fill-in is never expanded symbolically
+            if best is not None and (up_cost[-1] + search.level_lower_bound(level, mats, profile, batch_hint)
+                                     >= candidates[best[0]]):
+                break  # deeper plans only add up-sweep work: none can win
+            for op in level.mm:
+                mats[op.out] = search.product(mats[op.left].pattern, mats[op.right].pattern)
+            explored = k
+            up_cost.append(up_cost[-1] + _costs_of([level], mats, profile, batch_hint, elem_bytes)[0].time_s)
+            if best is not None and up_cost[k] >= candidates[best[0]]:
+                break
         sub = {i: mats[i] for i in range(sched.num_mats) if i in mats}
-        plan = ScanPlan(pats, k, sub, sched, profile, batch_hint, elem_bytes)
-        rest = ScanSchedule(n, k, sched.steps[k:], {}, [], 0, 0)  # middle and down-sweep
-        t = up_cost[k] + sum(c.time_s for c in _step_costs(rest, sub, profile, batch_hint, elem_bytes))
-        if memory_limit is not None and memory_of is not None and wanted is None:
-            if memory_of(plan) > memory_limit:
+        t = up_cost[k] + sum(c.time_s for c in _costs_of(sched.steps[k:], sub, profile, batch_hint, elem_bytes))
+        if memory_limit is not None and memory_of is not None:
+            if memory_of(ScanPlan(pats, k, sub, sched, profile, batch_hint, elem_bytes)) > memory_limit:
                 continue
         candidates[k] = t
-        if chosen_plan is None or t < candidates[chosen_plan.levels]:
-            chosen_plan = plan
+        if best is None or t < candidates[best[0]]:
+            best = (k, sched)
             worse = 0
         else:
             worse += 1
-    if chosen_plan is None:
-        chosen_plan = ScanPlan(pats, 0, {i: mats[i] for i in range(n)}, blelloch_schedule(n, 0), profile,
-                               batch_hint, elem_bytes)
-        candidates[0] = sum(c.time_s for c in _step_costs(chosen_plan.schedule, chosen_plan.mats, profile,
-                                                          batch_hint, elem_bytes))
-    chosen_plan.candidates = candidates
-    chosen_plan.explored = explored
-    return chosen_plan
+    if best is None:
+        k, sched = 0, blelloch_schedule(n, 0)
+        mats0 = {i: mats[i] for i in range(n)}
+        candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, mats0, profile, batch_hint, elem_bytes))
+    else:
+        k, sched = best
+    plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "auto"), sched, profile,
+                    batch_hint, elem_bytes)
+    plan.candidates = candidates
+    plan.explored = explored
+    return plan
 
 
 def step_costs(plan: ScanPlan) -> list[LevelCost]:

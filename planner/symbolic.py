@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import scipy.sparse as sp
 
 from .patterns import Pattern, full_pattern, make_pattern
 
-__all__ = ["ProductSymbolic", "product_counts", "spgemm_symbolic", "expand_pairs"]
+__all__ = ["ProductSymbolic", "product_counts", "product_pattern", "spgemm_symbolic", "expand_pairs"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +38,26 @@ def product_counts(a: Pattern, b: Pattern) -> int:
     if a.cols != b.rows:
         raise ValueError(f"inner dimensions differ: {a.shape} @ {b.shape}")
     return int(b.row_lengths()[a.indices].sum())
+
+
+def product_pattern(a: Pattern, b: Pattern) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pattern of ``C = A @ B`` and the number of multiply pairs of each entry, without pair lists.
+
+    Returns canonical CSR ``(indptr (m+1,), indices (nnz_C,), counts (nnz_C,))``, all int64, with
+    ``counts == np.diff(spgemm_symbolic(a, b).pair_ptr)``. Runs SciPy's compiled SpGEMM on
+    all-ones operands: each output value is then the number of inner indices ``k`` with both
+    ``A[i, k]`` and ``B[k, j]`` stored, and a positive count is never dropped as a zero. Costs
+    O(npairs) in compiled code and O(nnz_C) memory, against the pair lists' O(npairs) memory
+    and sort.
+    """
+    if a.cols != b.rows:
+        raise ValueError(f"inner dimensions differ: {a.shape} @ {b.shape}")
+    ones_a = sp.csr_array((np.ones(a.nnz, dtype=np.int64), a.indices, a.indptr), shape=a.shape)
+    ones_b = sp.csr_array((np.ones(b.nnz, dtype=np.int64), b.indices, b.indptr), shape=b.shape)
+    c = ones_a @ ones_b
+    c.sort_indices()
+    return (np.asarray(c.indptr, dtype=np.int64), np.asarray(c.indices, dtype=np.int64),
+            np.asarray(c.data, dtype=np.int64))
 
 
 def expand_pairs(a: Pattern, b: Pattern) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
