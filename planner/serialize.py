@@ -1,16 +1,31 @@
-"""Plan files: a plain ``.npz`` of integer arrays and a JSON header (no pickled objects).
+"""Plan files: a plain ``.npz`` of int64 arrays, a JSON header and a SHA-256 digest (no pickled objects).
 
 The file holds everything the symbolic phase produced (distinct patterns, which layer uses which,
 every planned product with its pair lists, the depth and the cost-model constants), so loading
-a plan does no symbolic work. Loading validates structure and raises ``ValueError`` on any
-inconsistency (a truncated or edited file never yields a plan).
+a plan does no symbolic SpGEMM. A plan file is *untrusted input*: :func:`load_scan` raises
+``ValueError`` naming the field for anything it cannot prove consistent, and never returns a
+plan whose indices could leave their arrays:
+
+* the digest (over every array and the header) catches accidental corruption;
+* every stored pattern is canonical CSR, each is used, and the layer table chains;
+* the schedule is rebuilt from ``n`` and ``levels``; the stored products are exactly its products;
+* every product is cross-checked against its operands: a dense (GEMM) product has two dense
+  operands and the dense output shape; a planned pair list is bounds-checked and verified to be
+  exactly the pair list :func:`~spscan.planner.symbolic.spgemm_symbolic` gives (every pair feeds
+  the entry it is listed under, pairs in inner-index order without repeats, as many as the
+  product has), and its storage (sparse or dense output) is the one the planner's rule picks;
+* the header's numbers and the options have the right types and values.
+
+The verification is linear in the number of pairs (no sort), so loading stays cheaper than
+planning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import zipfile
-from dataclasses import asdict
+import math
+from dataclasses import asdict, fields
 from typing import Any
 
 import numpy as np
@@ -18,14 +33,43 @@ import numpy as np
 from .cost import DeviceProfile
 from .patterns import Pattern, PatternTable, validated_pattern
 from .planning import MatInfo, ScanPlan
-from .schedule import blelloch_schedule
-from .symbolic import ProductSymbolic
+from .schedule import blelloch_schedule, max_levels
+from .symbolic import ProductSymbolic, product_counts
+
+__all__ = ["save_scan", "load_scan", "FORMAT", "VERSION"]
 
 FORMAT = "spscan-plan"
-VERSION = 1
+VERSION = 2  # 2: SHA-256 digest, verified pair lists (version 1 files had no digest)
+OPTION_KEYS = ("backend", "device", "dtype", "max_memory", "requested_levels")
+_HEADER_KEYS = {"format", "version", "n", "levels", "explored", "batch_hint", "elem_bytes", "profile",
+                "candidates", "options"}
+
+
+def _digest(arrays: dict[str, np.ndarray]) -> bytes:
+    """SHA-256 over every array (name, dtype, shape, bytes) in name order, the digest itself excluded."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        if name == "digest":
+            continue
+        a = np.ascontiguousarray(arrays[name])
+        h.update(json.dumps([name, a.dtype.str, list(a.shape)]).encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.digest()
+
+
+def _write(path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` with their digest (the only writer of plan files)."""
+    arrays = dict(arrays)
+    arrays.pop("digest", None)
+    arrays["digest"] = np.frombuffer(_digest(arrays), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
 
 
 def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
+    """Write ``plan`` and its front-end ``options`` (JSON-able) to ``path``."""
+    if getattr(plan.schedule, "kind", "scan") != "scan":
+        raise ValueError(f"only scan plans can be saved, got a {plan.schedule.kind!r} plan")
     uniq: dict[str, int] = {}
     arrays: dict[str, np.ndarray] = {}
 
@@ -50,9 +94,9 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
             if id(info.sym) not in syms:
                 s = len(syms)
                 syms[id(info.sym)] = s
-                arrays[f"sym{s}_ptr"] = info.sym.pair_ptr
-                arrays[f"sym{s}_a"] = info.sym.pair_a
-                arrays[f"sym{s}_b"] = info.sym.pair_b
+                arrays[f"sym{s}_ptr"] = np.asarray(info.sym.pair_ptr, dtype=np.int64)
+                arrays[f"sym{s}_a"] = np.asarray(info.sym.pair_a, dtype=np.int64)
+                arrays[f"sym{s}_b"] = np.asarray(info.sym.pair_b, dtype=np.int64)
             rec[4] = syms[id(info.sym)]
         products.append(rec)
     header = {
@@ -69,69 +113,338 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
     }
     arrays["layers"] = layers
     arrays["products"] = np.asarray(products, dtype=np.int64).reshape(-1, 5)
-    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    with open(path, "wb") as f:
-        np.savez_compressed(f, **arrays)
+    arrays["header"] = np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)
+    _write(path, arrays)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def _read_arrays(path) -> dict[str, np.ndarray]:
+    """Every member of the ``.npz``; any failure to parse the container is a ``ValueError``."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if not hasattr(z, "files"):
+                raise ValueError("a single .npy array, not an .npz archive")
+            return {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a readable spscan plan file ({exc})") from exc
+    except Exception as exc:  # zipfile/zlib/npy parsing of hostile bytes raises many kinds
+        raise ValueError(f"{path}: not a readable spscan plan file ({type(exc).__name__}: {exc})") from exc
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_field(header: dict, key: str, lo: int, hi: float = math.inf) -> int:
+    v = header.get(key)
+    if not _is_int(v) or not lo <= v <= hi:
+        raise ValueError(f"header field {key!r}: expected an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _index_array(arrays: dict, name: str, ndim: int = 1) -> np.ndarray:
+    """A stored index array: present, int64, ``ndim``-dimensional."""
+    if name not in arrays:
+        raise ValueError(f"array {name!r} is missing")
+    a = arrays[name]
+    if a.dtype != np.int64 or a.ndim != ndim:
+        raise ValueError(f"array {name!r}: expected {ndim}-D int64, got {a.ndim}-D {a.dtype}")
+    return a
+
+
+def _profile(raw: Any) -> DeviceProfile:
+    names = [f.name for f in fields(DeviceProfile)]
+    if not isinstance(raw, dict) or sorted(raw) != sorted(names):
+        raise ValueError(f"header field 'profile': expected the keys {names}, got {raw!r}")
+    if not isinstance(raw["name"], str):
+        raise ValueError(f"header field 'profile.name': expected a string, got {raw['name']!r}")
+    for k in names[1:]:
+        v = raw[k]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"header field 'profile.{k}': expected a finite positive number, got {v!r}")
+    if raw["dense_threshold"] > 1:
+        raise ValueError(f"header field 'profile.dense_threshold': expected a density in (0, 1], "
+                         f"got {raw['dense_threshold']!r}")
+    return DeviceProfile(**raw)
+
+
+def _options(raw: Any, levels: int, kmax: int, elem_bytes: int) -> dict[str, Any]:
+    if not isinstance(raw, dict) or sorted(raw) != sorted(OPTION_KEYS):
+        raise ValueError(f"header field 'options': expected the keys {list(OPTION_KEYS)}, got {raw!r}")
+    if raw["backend"] not in ("torch", "triton"):
+        raise ValueError(f"option 'backend': expected 'torch' or 'triton', got {raw['backend']!r}")
+    dev = raw["device"]
+    if dev is not None:
+        import torch
+
+        try:
+            ok = isinstance(dev, str) and str(torch.device(dev)) == dev
+        except (RuntimeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"option 'device': expected null or a torch device string, got {dev!r}")
+    if raw["dtype"] not in (None, "float32", "float64"):
+        raise ValueError(f"option 'dtype': expected null, 'float32' or 'float64', got {raw['dtype']!r}")
+    want_elem = 8 if raw["dtype"] == "float64" else 4
+    if elem_bytes != want_elem:
+        raise ValueError(f"header field 'elem_bytes' is {elem_bytes}, dtype {raw['dtype']} gives {want_elem}")
+    mm = raw["max_memory"]
+    if mm is not None and not (_is_int(mm) and mm > 0):
+        raise ValueError(f"option 'max_memory': expected null or a positive int, got {mm!r}")
+    req = raw["requested_levels"]
+    if req == "full":
+        expect = kmax
+    elif _is_int(req) and req >= 0:
+        expect = min(req, kmax)
+    elif req == "auto":
+        expect = levels
+    else:
+        raise ValueError(f"option 'requested_levels': expected 'auto', 'full' or an int >= 0, got {req!r}")
+    if expect != levels:
+        raise ValueError(f"option 'requested_levels' is {req!r}, which plans depth {expect}, but the file "
+                         f"holds depth {levels}")
+    return dict(raw)
+
+
+_CHUNK = 1 << 18  # pairs verified per pass: the temporaries stay in cache
+
+
+def _rows(p: Pattern, cache: dict) -> np.ndarray:
+    key = ("rows", p.key)
+    if key not in cache:
+        cache[key] = p.row_of_entry()
+    return cache[key]
+
+
+def _check_pair_entries(where: str, a: Pattern, b: Pattern, c: Pattern, ptr: np.ndarray, pa: np.ndarray,
+                        pb: np.ndarray, seg: np.ndarray, cache: dict) -> None:
+    """Bounds, placement and order of every pair, in chunks of whole entries (see :func:`_check_pairs`)."""
+    a_row, b_row = _rows(a, cache), _rows(b, cache)
+    c_key = _rows(c, cache) * c.cols + c.indices  # (i, j) of each entry of C as one int
+    nnz_c = c.nnz
+    c0 = 0
+    while c0 < nnz_c:
+        p0 = int(ptr[c0])
+        c1 = max(int(np.searchsorted(ptr, p0 + _CHUNK, side="right")) - 1, c0 + 1)
+        c1 = min(c1, nnz_c)
+        p1 = int(ptr[c1])
+        if p1 > p0:
+            ea, eb = pa[p0:p1], pb[p0:p1]
+            if ea.min() < 0 or ea.max() >= a.nnz:
+                raise ValueError(f"{where}: left pair entries must lie in [0, {a.nnz}), got [{ea.min()}, {ea.max()}]")
+            if eb.min() < 0 or eb.max() >= b.nnz:
+                raise ValueError(f"{where}: right pair entries must lie in [0, {b.nnz}), got [{eb.min()}, {eb.max()}]")
+            k = a.indices[ea]
+            if not np.array_equal(b_row[eb], k):
+                raise ValueError(f"{where}: a pair joins entries with different inner indices")
+            if not np.array_equal(a_row[ea] * c.cols + b.indices[eb], np.repeat(c_key[c0:c1], seg[c0:c1])):
+                raise ValueError(f"{where}: a pair is listed under another entry than the one it feeds")
+            first = np.zeros(p1 - p0, dtype=bool)
+            first[ptr[c0:c1][seg[c0:c1] > 0] - p0] = True
+            if ((np.diff(k) <= 0) & ~first[1:]).any():
+                raise ValueError(f"{where}: pairs of an entry are repeated or not in inner-index order")
+        c0 = c1
+
+
+def _check_pairs(where: str, a: Pattern, b: Pattern, c: Pattern, sym: ProductSymbolic,
+                 threshold: float, cache: dict) -> None:
+    """Prove that ``sym`` is what the planner gives for ``C = A @ B`` (pattern ``c``).
+
+    Bounds first (so no index below can leave its array), then: each pair ``(pa, pb)`` listed under
+    entry ``(i, j)`` of ``C`` has ``A``'s entry in row ``i``, ``B``'s entry in column ``j`` and the
+    same inner index ``k``; within an entry the ``k`` strictly increase (no repeats, the planner's
+    summation order); the count equals the product's pair count, so no pair is missing. The
+    output storage must be the planner's: the exact product pattern while its density is below
+    ``threshold``, else the dense pattern.
+    """
+    key = (id(sym), a.key, b.key, c.key)
+    if key in cache:
+        return
+    ptr, pa, pb = sym.pair_ptr, sym.pair_a, sym.pair_b
+    nnz_c = c.nnz
+    if ptr.shape != (nnz_c + 1,):
+        raise ValueError(f"{where}: pair pointer has {ptr.shape[0]} entries, the product pattern needs {nnz_c + 1}")
+    if pa.shape != pb.shape:
+        raise ValueError(f"{where}: pair lists differ in length ({pa.shape[0]} vs {pb.shape[0]})")
+    npairs = pa.shape[0]
+    seg = np.diff(ptr)
+    if ptr[0] != 0 or ptr[-1] != npairs or (seg < 0).any():
+        raise ValueError(f"{where}: pair pointer must rise from 0 to {npairs}, got [{ptr[0]} .. {ptr[-1]}]"
+                         + (" and decreases" if (seg < 0).any() else ""))
+    expected = product_counts(a, b)
+    if npairs != expected:
+        raise ValueError(f"{where}: {npairs} pairs stored, the product of its operands has {expected}")
+    if npairs:
+        _check_pair_entries(where, a, b, c, ptr, pa, pb, seg, cache)
+    reached = int(np.count_nonzero(seg))
+    size = c.rows * c.cols
+    if c.is_full:
+        if reached < size and reached / size < threshold:
+            raise ValueError(f"{where}: stored dense, but its product pattern has density {reached / size:.3g} "
+                             f"< the dense threshold {threshold}")
+    else:
+        if reached != nnz_c:
+            raise ValueError(f"{where}: {nnz_c - reached} stored entries receive no pair (not the product's pattern)")
+        if c.density >= threshold:
+            raise ValueError(f"{where}: stored sparse at density {c.density:.3g} >= the dense threshold {threshold}")
+    cache[key] = True
+
+
+def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
+    for name in ("header", "digest", "layers", "products"):
+        if name not in arrays:
+            raise ValueError(f"array {name!r} is missing")
+    raw = arrays["header"]
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise ValueError(f"array 'header': expected 1-D uint8 JSON text, got {raw.ndim}-D {raw.dtype}")
+    try:
+        header = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"array 'header': not JSON text ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"array 'header': expected a JSON object, got {type(header).__name__}")
+    if header.get("format") != FORMAT:
+        raise ValueError(f"header field 'format' is {header.get('format')!r}, expected {FORMAT!r}")
+    if header.get("version") != VERSION:
+        raise ValueError(f"header field 'version' is {header.get('version')!r}; this spscan reads version "
+                         f"{VERSION} (re-plan and save again)")
+    if set(header) != _HEADER_KEYS:
+        raise ValueError(f"header: expected the fields {sorted(_HEADER_KEYS)}, got {sorted(header)}")
+    digest = arrays["digest"]
+    if digest.dtype != np.uint8 or digest.shape != (32,) or digest.tobytes() != _digest(arrays):
+        raise ValueError("array 'digest': the SHA-256 digest does not match the contents (corrupted file)")
+
+    # patterns: pat0.. contiguous, nothing else stored
+    npat = 0
+    while f"pat{npat}_shape" in arrays:
+        npat += 1
+    nsym = 0
+    while f"sym{nsym}_ptr" in arrays:
+        nsym += 1
+    known = {"header", "digest", "layers", "products"}
+    known |= {f"pat{k}_{f}" for k in range(npat) for f in ("indptr", "indices", "shape")}
+    known |= {f"sym{s}_{f}" for s in range(nsym) for f in ("ptr", "a", "b")}
+    unknown = sorted(set(arrays) - known)
+    if unknown:
+        raise ValueError(f"unexpected arrays {unknown[:5]}")
+    table = PatternTable()
+    pats: list[Pattern] = []
+    for k in range(npat):
+        shape_arr = _index_array(arrays, f"pat{k}_shape")
+        if shape_arr.shape != (2,):
+            raise ValueError(f"array 'pat{k}_shape': expected 2 entries, got {shape_arr.shape[0]}")
+        shape = (int(shape_arr[0]), int(shape_arr[1]))
+        p = validated_pattern(shape, _index_array(arrays, f"pat{k}_indptr"),
+                              _index_array(arrays, f"pat{k}_indices"), where=f"stored pattern {k}")
+        if p.key in table._by_key:
+            raise ValueError(f"stored pattern {k} repeats an earlier one")
+        pats.append(table.intern(p))
+
+    n = _int_field(header, "n", 1)
+    layers = _index_array(arrays, "layers")
+    if layers.shape != (n,):
+        raise ValueError(f"array 'layers' has {layers.shape[0]} entries, header field 'n' is {n}")
+    if n and (layers.min() < 0 or layers.max() >= npat):
+        raise ValueError(f"array 'layers': pattern ids must lie in [0, {npat}), got [{layers.min()}, {layers.max()}]")
+    chain = [pats[i] for i in layers.tolist()]
+    for i in range(1, n):
+        if chain[i - 1].cols != chain[i].rows:
+            raise ValueError(f"array 'layers': layer {i + 1} has shape {chain[i].shape}, layer {i} has "
+                             f"{chain[i - 1].shape}: the chain does not chain")
+    kmax = max_levels(n)
+    levels = _int_field(header, "levels", 0, kmax)
+    explored = _int_field(header, "explored", levels, kmax)
+    batch_hint = _int_field(header, "batch_hint", 1)
+    elem_bytes = header.get("elem_bytes")
+    if elem_bytes not in (4, 8) or not _is_int(elem_bytes):
+        raise ValueError(f"header field 'elem_bytes': expected 4 or 8, got {elem_bytes!r}")
+    profile = _profile(header["profile"])
+    cand_raw = header["candidates"]
+    if not isinstance(cand_raw, dict):
+        raise ValueError(f"header field 'candidates': expected an object, got {cand_raw!r}")
+    candidates: dict[int, float] = {}
+    for k, v in cand_raw.items():
+        if not (k.isdigit() and int(k) <= explored and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v >= 0):
+            raise ValueError(f"header field 'candidates': entry {k!r}: {v!r} is not a depth in [0, {explored}] "
+                             f"with a finite time")
+        candidates[int(k)] = float(v)
+    if levels not in candidates:
+        raise ValueError(f"header field 'candidates' has no entry for the depth in use ({levels})")
+    options = _options(header["options"], levels, kmax, elem_bytes)
+
+    # products: exactly the schedule's, each consistent with its operands
+    sched = blelloch_schedule(n, levels)
+    prod = _index_array(arrays, "products", ndim=2)
+    if prod.shape[1:] != (5,):
+        raise ValueError(f"array 'products': expected rows of 5 fields, got shape {prod.shape}")
+    rows = prod.tolist()
+    mids = sorted(r[0] for r in rows)
+    if mids != sorted(sched.products):
+        raise ValueError(f"array 'products': holds product ids {mids[:8]}..., the depth-{levels} schedule has "
+                         f"{sorted(sched.products)[:8]}... ({len(sched.products)} products)")
+    by_mid = {r[0]: r for r in rows}
+    mats: dict[int, MatInfo] = {i: MatInfo(chain[i], "input") for i in range(n)}
+    syms: dict[tuple[int, str], ProductSymbolic] = {}
+    checked: dict = {}
+    used_syms = set()
+    for st in sched.steps:  # operands are always products of earlier steps (or inputs)
+        for op in st.mm:
+            mid, pidx, algo, macs, sidx = by_mid[op.out]
+            where = f"product {mid}"
+            if not 0 <= pidx < npat:
+                raise ValueError(f"{where}: pattern id {pidx} not in [0, {npat})")
+            c, a, b = pats[pidx], mats[op.left].pattern, mats[op.right].pattern
+            if c.shape != (a.rows, b.cols):
+                raise ValueError(f"{where}: pattern has shape {c.shape}, its operands give {(a.rows, b.cols)}")
+            dense_pair = a.is_full and b.is_full
+            if algo == 0:
+                if not (dense_pair and c.is_full):
+                    raise ValueError(f"{where}: stored as a dense GEMM, but its operands or output are not dense")
+                if macs != a.rows * a.cols * b.cols or sidx != -1:
+                    raise ValueError(f"{where}: GEMM work {macs} / pair list {sidx}, expected "
+                                     f"{a.rows * a.cols * b.cols} / -1")
+                mats[mid] = MatInfo(c, "gemm", gemm_macs=macs)
+                continue
+            if algo != 1:
+                raise ValueError(f"{where}: storage kind {algo} is not 0 (GEMM) or 1 (pairs)")
+            if dense_pair:
+                raise ValueError(f"{where}: both operands are dense, the planner multiplies them as a GEMM")
+            if macs != 0 or not 0 <= sidx < nsym:
+                raise ValueError(f"{where}: expected GEMM work 0 and a pair list id in [0, {nsym}), "
+                                 f"got {macs} and {sidx}")
+            sym = syms.get((sidx, c.key))
+            if sym is None:
+                sym = ProductSymbolic(c, _index_array(arrays, f"sym{sidx}_ptr"), _index_array(arrays, f"sym{sidx}_a"),
+                                      _index_array(arrays, f"sym{sidx}_b"))
+                syms[(sidx, c.key)] = sym
+            _check_pairs(where, a, b, c, sym, profile.dense_threshold, checked)
+            used_syms.add(sidx)
+            mats[mid] = MatInfo(c, "pairs", sym=sym)
+    if len(used_syms) != nsym:
+        raise ValueError(f"pair lists {sorted(set(range(nsym)) - used_syms)[:5]} are stored but no product uses them")
+    used = set(layers.tolist()) | {r[1] for r in rows}
+    if len(used) != npat:
+        raise ValueError(f"stored patterns {sorted(set(range(npat)) - used)[:5]} are used by no layer or product")
+    plan = ScanPlan(chain, levels, mats, sched, profile, batch_hint, elem_bytes, candidates, explored)
+    return plan, options
 
 
 def load_scan(path) -> tuple[ScanPlan, dict[str, Any]]:
+    """Read and verify a plan file written by :func:`save_scan`.
+
+    Returns the plan and the options it was saved with (keys ``OPTION_KEYS``, values checked).
+    Raises ``ValueError`` (naming the file and the field) for an unreadable, truncated, corrupted
+    or inconsistent file; ``FileNotFoundError`` if there is none.
+    """
+    arrays = _read_arrays(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path}: not a readable spscan plan file ({exc})") from exc
-    try:
-        header = json.loads(arrays["header"].tobytes().decode())
-        if header.get("format") != FORMAT:
-            raise ValueError(f"format is {header.get('format')!r}, expected {FORMAT!r}")
-        if header.get("version") != VERSION:
-            raise ValueError(f"version {header.get('version')}, this spscan reads version {VERSION}")
-        table = PatternTable()
-        pats: dict[int, Pattern] = {}
-        k = 0
-        while f"pat{k}_indptr" in arrays:
-            shape = tuple(int(x) for x in arrays[f"pat{k}_shape"])
-            if len(shape) != 2:
-                raise ValueError(f"stored pattern {k} has shape {shape}")
-            pats[k] = table.intern(validated_pattern(
-                shape, arrays[f"pat{k}_indptr"], arrays[f"pat{k}_indices"], where=f"stored pattern {k}"))
-            k += 1
-        n = int(header["n"])
-        layers = arrays["layers"]
-        if layers.shape != (n,):
-            raise ValueError(f"layer table has {layers.shape} entries, expected ({n},)")
-        mats: dict[int, MatInfo] = {i: MatInfo(pats[int(layers[i])], "input") for i in range(n)}
-        syms: dict[int, ProductSymbolic] = {}
-        for mid, pidx, algo, macs, sidx in arrays["products"].tolist():
-            pattern = pats[pidx]
-            if algo == 0:
-                mats[mid] = MatInfo(pattern, "gemm", gemm_macs=int(macs))
-                continue
-            if sidx not in syms:
-                ptr, a, b = arrays[f"sym{sidx}_ptr"], arrays[f"sym{sidx}_a"], arrays[f"sym{sidx}_b"]
-                syms[sidx] = ProductSymbolic(pattern, ptr, a, b)
-            mats[mid] = MatInfo(pattern, "pairs", sym=syms[sidx])
-        levels = int(header["levels"])
-        sched = blelloch_schedule(n, levels)
-        for op in (op for st in sched.steps for op in st.mm):
-            info, left, right = mats[op.out], mats[op.left].pattern, mats[op.right].pattern
-            if info.pattern.shape != (left.rows, right.cols):
-                raise ValueError(f"product {op.out} has shape {info.pattern.shape}, operands give "
-                                 f"{(left.rows, right.cols)}")
-            if info.sym is not None:
-                s = info.sym
-                if s.pair_ptr.shape != (info.pattern.nnz + 1,) or s.pair_ptr[-1] != s.npairs:
-                    raise ValueError(f"product {op.out}: pair pointer does not match its pattern")
-                if s.npairs and (s.pair_a.max() >= left.nnz or s.pair_b.max() >= right.nnz
-                                 or min(s.pair_a.min(), s.pair_b.min()) < 0):
-                    raise ValueError(f"product {op.out}: pair entries out of range")
-        profile = DeviceProfile(**header["profile"])
-        plan = ScanPlan([mats[i].pattern for i in range(n)], levels, mats, sched, profile,
-                        int(header["batch_hint"]), int(header["elem_bytes"]),
-                        {int(k): float(v) for k, v in header["candidates"].items()}, int(header["explored"]))
-        return plan, header["options"]
+        return _parse(arrays)
     except ValueError as exc:
         raise ValueError(f"{path}: corrupted spscan plan: {exc}") from exc
-    except (KeyError, TypeError, IndexError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: corrupted spscan plan: missing or malformed {exc}") from exc
-
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError) as exc:
+        raise ValueError(f"{path}: corrupted spscan plan: missing or malformed {type(exc).__name__}: {exc}") from exc
