@@ -8,7 +8,9 @@ launch for all of them. Blocks sit row-major at ``BlockRef.offsets`` in their ar
 node for ``BLOCK_B`` samples, loading a shared factor once when ``k`` fits one tile. Tiles of
 16 or more in every dimension use ``tl.dot`` (``input_precision="ieee"`` unless
 ``launch.allow_tf32``); smaller nodes use a broadcast multiply and a fixed-order sum.
-Accumulation is in the arena dtype.
+Accumulation is in the arena dtype. The inner size ``k`` is a compile-time constant (one
+variant per size): the k loop is then a ``range`` loop that Triton software-pipelines and that
+Triton 3.6's interpreter runs (it cannot take a run-time value as a ``range`` bound).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from spscan.planner.program import BlockRef
 
 from . import launch
 
-__all__ = ["gemm_kernel", "gemm"]
+__all__ = ["gemm_kernel", "gemm", "node_batch_tile"]
 
 
 @triton.jit
@@ -35,19 +37,24 @@ def _mac(acc, a, b, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def node_batch_tile(batch, BLOCK_B: tl.constexpr):
+    """Grid of the dense-node kernels: axis 0 enumerates (node block, sample block) pairs, sample
+    blocks fastest; axis 1 is the output tile. Returns ``(node block, sample block, tile)``."""
+    nbb = tl.cdiv(batch, BLOCK_B)
+    return tl.program_id(0) // nbb, tl.program_id(0) % nbb, tl.program_id(1)
+
+
+@triton.jit
 def gemm_kernel(
     a_ptr, b_ptr, c_ptr,  # value arenas: shared (N,) or per sample (B, N) with row stride
     a_off, b_off,  # (nodes,) block offsets of each node's factors
-    out_offset, nodes, batch, m, k, p, stride_a, stride_b, stride_c,  # stride 0 = shared
+    out_offset, nodes, batch, m, p, stride_a, stride_b, stride_c,  # stride 0 = shared
+    k: tl.constexpr,  # a compile-time bound: the k loop stays a software-pipelined ``for``
     A_SHARED: tl.constexpr, B_SHARED: tl.constexpr, ONE_K: tl.constexpr,
     USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = tl.program_id(1)
-    nbb = tl.cdiv(batch, BLOCK_B)
-    node = pid // nbb
-    bblk = pid % nbb
+    node, bblk, tile = node_batch_tile(batch, BLOCK_B)
     tiles_p = tl.cdiv(p, BLOCK_P)
     rows = (tile // tiles_p) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (tile % tiles_p) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -117,9 +124,9 @@ def gemm(a_off: torch.Tensor, b_off: torch.Tensor, a_ref: BlockRef, b_ref: Block
     launch.launch(
         gemm_kernel, grid,
         dict(a_ptr=a, b_ptr=b, c_ptr=c, a_off=a_off, b_off=b_off, out_offset=out_offset, nodes=nodes,
-             batch=batch, m=m, k=k, p=p, stride_a=0 if a_sh else a.stride(0),
+             batch=batch, m=m, p=p, stride_a=0 if a_sh else a.stride(0),
              stride_b=0 if b_sh else b.stride(0), stride_c=0 if c_sh else c.stride(0)),
-        dict(A_SHARED=a_sh, B_SHARED=b_sh, ONE_K=one_k, USE_DOT=cfg.use_dot, PRECISION=precision,
+        dict(k=k, A_SHARED=a_sh, B_SHARED=b_sh, ONE_K=one_k, USE_DOT=cfg.use_dot, PRECISION=precision,
              BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p),
         cfg.num_warps,
     )

@@ -18,6 +18,7 @@ import triton.language as tl
 from spscan.planner.program import BlockRef
 
 from . import launch
+from .gemm import node_batch_tile
 
 __all__ = ["gemv_kernel", "gemv"]
 
@@ -30,11 +31,7 @@ def gemv_kernel(
     M_SHARED: tl.constexpr, ONE_K: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = tl.program_id(1)
-    nbb = tl.cdiv(batch, BLOCK_B)
-    nblk = pid // nbb
-    bblk = pid % nbb
+    nblk, bblk, tile = node_batch_tile(batch, BLOCK_B)
     node = (nblk * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     node_ok = node < nodes
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,7 +62,8 @@ def gemv_kernel(
             x = tl.load(vrow + ix, mask=x_ok & s_ok, other=0.0)
             acc += tl.sum(a * x[:, None, :], axis=2)
         else:
-            for k0 in range(0, k, BLOCK_K):
+            k0 = 0
+            while k0 < k:  # not range(0, k, ..): Triton 3.6's interpreter rejects a tensor bound
                 kk = k0 + ks
                 x_ok = node_ok[:, None] & (kk[None, :] < k)
                 ix = tl.load(vin_idx + node[:, None] * k + kk[None, :], mask=x_ok, other=0).to(tl.int64)
@@ -73,6 +71,7 @@ def gemv_kernel(
                             mask=keep[:, :, None] & (kk[None, None, :] < k) & s_ok, other=0.0)
                 x = tl.load(vrow + ix, mask=x_ok & s_ok, other=0.0)
                 acc += tl.sum(a * x[:, None, :], axis=2)
+                k0 += BLOCK_K
         acc += tl.load(vrow + ia, mask=keep & s_ok, other=0.0)
         tl.store(vrow + io, acc, mask=keep & s_ok)
 

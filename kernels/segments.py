@@ -1,10 +1,17 @@
-"""Host-side layout shared by the segment-reduction kernels (numeric SpGEMM and SpMV).
+"""What the segment-reduction kernels (numeric SpGEMM and SpMV) share: the table and the loop.
 
-The planner hands each step's products as power-of-two bins of padded pair lists. For the
-kernels a step becomes ONE flat table: segments sorted long-first (stable, so the order is
-deterministic), their pairs concatenated without padding, and ``seg_ptr`` offsets. A program
-then takes consecutive segments of similar length and loops only as far as its first (longest)
-one, so a whole step is one launch with no tiny per-row programs.
+Host side: the planner hands each step's products as bins of padded pair lists (the torch
+backend's layout, see :func:`spscan.planner.planning.bin_widths`). For the kernels a step
+becomes ONE flat table: segments sorted long-first (stable, so the order is deterministic),
+their pairs concatenated without padding, and ``seg_ptr`` offsets. A program then takes
+consecutive segments of similar length and loops only as far as its first (longest) one, so a
+whole step is one launch with no tiny per-row programs.
+
+Device side: :func:`segment_block` (which segments and samples a program owns) and
+:func:`segment_dot` (their pair reduction) are the ``@triton.jit`` helpers both kernels call.
+The reduction loop is a ``while`` over a bound read from ``seg_ptr``: Triton 3.6's interpreter
+cannot take a tensor as a ``range`` bound (it converts the bound with ``int()`` on a
+one-element array, which NumPy 2.4 rejects), and a ``while`` compiles to the same loop.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from spscan.planner.program import Bin
 
-from .launch import choose_width
+from . import launch
 
-__all__ = ["SegmentTable", "segment_table", "segments_from_pairs", "index_dtype"]
+__all__ = ["SegmentTable", "segment_table", "segments_from_pairs", "index_dtype", "segment_block", "segment_dot",
+           "gather_rows"]
 
 _I32_MAX = np.iinfo(np.int32).max
 
@@ -54,8 +64,70 @@ class SegmentTable:
         """Pair-chunk width for these lengths (see :func:`launch.choose_width`), cached."""
         key = (itemsize, interpret)
         if key not in self._widths:
-            self._widths[key] = choose_width(self.lengths, itemsize=itemsize, interpret=interpret)
+            self._widths[key] = launch.choose_width(self.lengths, itemsize=itemsize, interpret=interpret)
         return self._widths[key]
+
+    def launch_config(self, batch: int, itemsize: int) -> tuple[launch.SegmentConfig, tuple[int, int]]:
+        """Tiles and grid ``(segment blocks, sample blocks)`` of a launch over ``batch`` samples."""
+        interpret = launch.interpreting()
+        cfg = launch.segment_config(self.width(itemsize, interpret), batch, itemsize, interpret)
+        return cfg, (triton.cdiv(self.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
+
+
+# --- device side: the part of a segment-reduction kernel SpGEMM and SpMV share -------------
+
+@triton.jit
+def segment_block(seg_ptr, nseg, batch, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The ``BLOCK_S`` segments (axis 0 of the grid) and ``BLOCK_B`` samples (axis 1) of this program.
+
+    Returns ``seg, seg_ok, start, end`` (each ``(BLOCK_S,)``: segment ids, validity and pair
+    ranges), ``longest`` (pairs of the block's first, hence longest, segment) and ``smp,
+    smp_ok`` (``(BLOCK_B,)`` int64 sample ids and validity).
+    """
+    first = tl.program_id(0) * BLOCK_S
+    seg = first + tl.arange(0, BLOCK_S)
+    seg_ok = seg < nseg
+    start = tl.load(seg_ptr + seg, mask=seg_ok, other=0)
+    end = tl.load(seg_ptr + seg + 1, mask=seg_ok, other=0)
+    # segments are sorted long-first: the block's first one bounds the loop
+    longest = tl.load(seg_ptr + first + 1) - tl.load(seg_ptr + first)
+    smp = (tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    return seg, seg_ok, start, end, longest, smp, smp < batch
+
+
+@triton.jit
+def gather_rows(ptr, idx, ok, smp, smp_ok, stride, SHARED: tl.constexpr):
+    """``ptr[idx]`` for a shared arena (``(1, *idx.shape)``) or ``ptr[smp, idx]`` per sample
+    (``(BLOCK_B, *idx.shape)``, row ``stride``); masked entries read 0."""
+    if SHARED:
+        vals = tl.load(ptr + idx, mask=ok, other=0.0)[None, :, :]
+    else:
+        vals = tl.load(ptr + smp[:, None, None] * stride + idx[None, :, :],
+                       mask=smp_ok[:, None, None] & ok[None, :, :], other=0.0)
+    return vals
+
+
+@triton.jit
+def segment_dot(x_ptr, y_ptr, pair_x, pair_y, start, end, longest, smp, smp_ok, stride_x, stride_y,
+                acc_dtype: tl.constexpr, X_SHARED: tl.constexpr, Y_SHARED: tl.constexpr,
+                BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``(BLOCK_B, BLOCK_S)`` sums ``sum_t x[.., pair_x[t]] * y[.., pair_y[t]]`` over each segment's pairs.
+
+    Chunks of ``BLOCK_W`` pairs up to ``longest``; per-lane partial sums in ``acc_dtype``, then
+    one ``tl.sum``: a fixed reduction order, bitwise reproducible.
+    """
+    lane = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_B, BLOCK_S, BLOCK_W], dtype=acc_dtype)
+    t0 = 0
+    while t0 < longest:
+        pos = start[:, None] + t0 + lane[None, :]
+        ok = pos < end[:, None]
+        ix = tl.load(pair_x + pos, mask=ok, other=0).to(tl.int64)
+        iy = tl.load(pair_y + pos, mask=ok, other=0).to(tl.int64)
+        acc += gather_rows(x_ptr, ix, ok, smp, smp_ok, stride_x, X_SHARED) \
+            * gather_rows(y_ptr, iy, ok, smp, smp_ok, stride_y, Y_SHARED)
+        t0 += BLOCK_W
+    return tl.sum(acc, axis=2)
 
 
 def segment_table(bins: Sequence[Bin], zero_a: int, zero_b: int, arena_sizes: Sequence[int],

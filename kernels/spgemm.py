@@ -21,7 +21,7 @@ from spscan.planner.patterns import Pattern
 from spscan.planner.symbolic import spgemm_symbolic
 
 from . import launch
-from .segments import SegmentTable, segments_from_pairs
+from .segments import SegmentTable, segment_block, segment_dot, segments_from_pairs
 
 __all__ = ["spgemm_kernel", "spgemm", "planned_product"]
 
@@ -34,36 +34,9 @@ def spgemm_kernel(
     A_SHARED: tl.constexpr, B_SHARED: tl.constexpr, C_SHARED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    first = pid_s * BLOCK_S
-    seg = first + tl.arange(0, BLOCK_S)
-    seg_ok = seg < nseg
-    start = tl.load(seg_ptr + seg, mask=seg_ok, other=0)
-    end = tl.load(seg_ptr + seg + 1, mask=seg_ok, other=0)
-    # segments are sorted long-first: the block's first one bounds the loop
-    longest = tl.load(seg_ptr + first + 1) - tl.load(seg_ptr + first)
-    smp = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
-    smp_ok = smp < batch
-    lane = tl.arange(0, BLOCK_W)
-    acc = tl.zeros([BLOCK_B, BLOCK_S, BLOCK_W], dtype=c_ptr.dtype.element_ty)
-    for t0 in range(0, longest, BLOCK_W):
-        pos = start[:, None] + t0 + lane[None, :]
-        ok = pos < end[:, None]
-        ia = tl.load(pair_a + pos, mask=ok, other=0).to(tl.int64)
-        ib = tl.load(pair_b + pos, mask=ok, other=0).to(tl.int64)
-        if A_SHARED:
-            va = tl.load(a_ptr + ia, mask=ok, other=0.0)[None, :, :]
-        else:
-            va = tl.load(a_ptr + smp[:, None, None] * stride_a + ia[None, :, :],
-                         mask=smp_ok[:, None, None] & ok[None, :, :], other=0.0)
-        if B_SHARED:
-            vb = tl.load(b_ptr + ib, mask=ok, other=0.0)[None, :, :]
-        else:
-            vb = tl.load(b_ptr + smp[:, None, None] * stride_b + ib[None, :, :],
-                         mask=smp_ok[:, None, None] & ok[None, :, :], other=0.0)
-        acc += va * vb
-    c = tl.sum(acc, axis=2)
+    seg, seg_ok, start, end, longest, smp, smp_ok = segment_block(seg_ptr, nseg, batch, BLOCK_B, BLOCK_S)
+    c = segment_dot(a_ptr, b_ptr, pair_a, pair_b, start, end, longest, smp, smp_ok, stride_a, stride_b,
+                    c_ptr.dtype.element_ty, A_SHARED, B_SHARED, BLOCK_B, BLOCK_S, BLOCK_W)
     o = tl.load(out_idx + seg, mask=seg_ok, other=0).to(tl.int64)
     if C_SHARED:
         tl.store(c_ptr + o[None, :], c, mask=smp_ok[:, None] & seg_ok[None, :])
@@ -90,9 +63,7 @@ def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
         raise ValueError(f"spgemm: output must be shared exactly when both factors are; got a {tuple(a.shape)}, "
                          f"b {tuple(b.shape)}, c {tuple(c.shape)}")
     batch = 1 if c_sh else c.shape[0]
-    interpret = launch.interpreting()
-    cfg = launch.segment_config(table.width(c.element_size(), interpret), batch, c.element_size(), interpret)
-    grid = (triton.cdiv(table.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
+    cfg, grid = table.launch_config(batch, c.element_size())
     launch.launch(
         spgemm_kernel, grid,
         dict(a_ptr=a, b_ptr=b, c_ptr=c, seg_ptr=table.seg_ptr, pair_a=table.pair_a, pair_b=table.pair_b,

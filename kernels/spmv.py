@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import launch
-from .segments import SegmentTable
+from .segments import SegmentTable, segment_block, segment_dot
 
 __all__ = ["spmv_kernel", "spmv"]
 
@@ -28,33 +28,9 @@ def spmv_kernel(
     M_SHARED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    first = pid_s * BLOCK_S
-    seg = first + tl.arange(0, BLOCK_S)
-    seg_ok = seg < nseg
-    start = tl.load(seg_ptr + seg, mask=seg_ok, other=0)
-    end = tl.load(seg_ptr + seg + 1, mask=seg_ok, other=0)
-    # segments are sorted long-first: the block's first one bounds the loop
-    longest = tl.load(seg_ptr + first + 1) - tl.load(seg_ptr + first)
-    smp = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
-    smp_ok = smp < batch
-    vrow = smp[:, None, None] * stride_v
-    lane = tl.arange(0, BLOCK_W)
-    acc = tl.zeros([BLOCK_B, BLOCK_S, BLOCK_W], dtype=v_ptr.dtype.element_ty)
-    for t0 in range(0, longest, BLOCK_W):
-        pos = start[:, None] + t0 + lane[None, :]
-        ok = pos < end[:, None]
-        im = tl.load(pair_m + pos, mask=ok, other=0).to(tl.int64)
-        iv = tl.load(pair_v + pos, mask=ok, other=0).to(tl.int64)
-        both = smp_ok[:, None, None] & ok[None, :, :]
-        if M_SHARED:
-            vm = tl.load(m_ptr + im, mask=ok, other=0.0)[None, :, :]
-        else:
-            vm = tl.load(m_ptr + smp[:, None, None] * stride_m + im[None, :, :], mask=both, other=0.0)
-        vv = tl.load(v_ptr + vrow + iv[None, :, :], mask=both, other=0.0)
-        acc += vm * vv
-    y = tl.sum(acc, axis=2)
+    seg, seg_ok, start, end, longest, smp, smp_ok = segment_block(seg_ptr, nseg, batch, BLOCK_B, BLOCK_S)
+    y = segment_dot(m_ptr, v_ptr, pair_m, pair_v, start, end, longest, smp, smp_ok, stride_m, stride_v,
+                    v_ptr.dtype.element_ty, M_SHARED, False, BLOCK_B, BLOCK_S, BLOCK_W)
     keep = smp_ok[:, None] & seg_ok[None, :]
     rows = smp[:, None] * stride_v
     ia = tl.load(add_idx + seg, mask=seg_ok, other=0).to(tl.int64)
@@ -78,9 +54,7 @@ def spmv(table: SegmentTable, m: torch.Tensor, v: torch.Tensor) -> None:
     if v.dim() != 2 or (m.dim() == 2 and m.shape[0] != v.shape[0]):
         raise ValueError(f"spmv: expected v (B, N_V) and m (N,) or (B, N); got v {tuple(v.shape)}, m {tuple(m.shape)}")
     batch = v.shape[0]
-    interpret = launch.interpreting()
-    cfg = launch.segment_config(table.width(v.element_size(), interpret), batch, v.element_size(), interpret)
-    grid = (triton.cdiv(table.nseg, cfg.block_s), triton.cdiv(batch, cfg.block_b))
+    cfg, grid = table.launch_config(batch, v.element_size())
     launch.launch(
         spmv_kernel, grid,
         dict(m_ptr=m, v_ptr=v, seg_ptr=table.seg_ptr, pair_m=table.pair_a, pair_v=table.pair_b,

@@ -12,7 +12,9 @@ so each program walks the whole chain for ``BLOCK_B`` samples:
 
 A step's matrix is read by two masked loads (shared / per sample), so one launch serves mixed
 chains and a shared matrix is loaded once for every sample of the program. Per-step metadata
-is one ``(steps, 8)`` integer table. Sums are fixed-order ``tl.sum``: deterministic.
+is one ``(steps, 8)`` integer table. Sums are fixed-order ``tl.sum``: deterministic. Loops whose
+bound is a run-time value are ``while`` loops: Triton 3.6's interpreter cannot take a tensor as a
+``range`` bound.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def vec_chain_kernel(
         tile_ok = (rows[:, None] < m) & (ks[None, :] < m)
         keep = smp_ok[:, None] & (rows[None, :] < m)
         y = tl.load(vrow + vin0 + ks[None, :], mask=smp_ok[:, None] & (ks[None, :] < m), other=0.0)
-        for j in range(steps):
+        j = 0
+        while j < steps:
             meta = table + j * NF
             sh = tl.load(meta + 1)
             off = tl.load(meta + 4).to(tl.int64)
@@ -62,8 +65,10 @@ def vec_chain_kernel(
             ynew += tl.load(vrow + add + rows[None, :], mask=keep & (add >= 0), other=0.0)
             tl.store(vrow + out + rows[None, :], ynew, mask=keep)
             y = ynew
+            j += 1
     else:
-        for j in range(steps):
+        j = 0
+        while j < steps:
             meta = table + j * NF
             dense = tl.load(meta) != 0
             sh = tl.load(meta + 1)
@@ -74,12 +79,14 @@ def vec_chain_kernel(
             out = tl.load(meta + 6).to(tl.int64)
             prev = tl.load(table + tl.maximum(j - 1, 0) * NF + 6).to(tl.int64)
             src = tl.where(j == 0, vin0, prev)
-            for r0 in range(0, mj, BLOCK_M):
+            r0 = 0
+            while r0 < mj:
                 r = r0 + rows
                 keep = smp_ok[:, None] & (r[None, :] < mj)
                 acc = tl.zeros([BLOCK_B, BLOCK_M], dtype=v_ptr.dtype.element_ty)
                 if dense:
-                    for k0 in range(0, kj, BLOCK_K):
+                    k0 = 0
+                    while k0 < kj:
                         kk = k0 + ks
                         tile_ok = (r[:, None] < mj) & (kk[None, :] < kj)
                         blk = off + r[:, None] * kj + kk[None, :]
@@ -88,14 +95,17 @@ def vec_chain_kernel(
                                       mask=smp_ok[:, None, None] & tile_ok[None, :, :] & (sh == 0), other=0.0)
                         x = tl.load(vrow + src + kk[None, :], mask=smp_ok[:, None] & (kk[None, :] < kj), other=0.0)
                         acc += tl.sum(a * x[:, None, :], axis=2)
+                        k0 += BLOCK_K
                 else:  # diagonal: m_j == k_j entries scale the vector
                     d = tl.load(s_ptr + off + r, mask=(r < mj) & (sh != 0), other=0.0)[None, :] \
                         + tl.load(p_ptr + smp[:, None] * stride_p + off + r[None, :], mask=keep & (sh == 0), other=0.0)
                     acc += d * tl.load(vrow + src + r[None, :], mask=keep, other=0.0)
                 acc += tl.load(vrow + add + r[None, :], mask=keep & (add >= 0), other=0.0)
                 tl.store(vrow + out + r[None, :], acc, mask=keep)
+                r0 += BLOCK_M
             # step j + 1 reads what every thread of the program wrote in step j
             tl.debug_barrier()
+            j += 1
 
 
 def chain_table(op, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
