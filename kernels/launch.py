@@ -74,6 +74,13 @@ def choose_width(lengths: np.ndarray, itemsize: int = 4, interpret: Optional[boo
     times over a full tile, so its cost is its iteration count (times the sector waste of chunks
     under 8 indices): the width minimising the total over programs wins, and among near-ties
     (within 5%) the widest, which gives more programs and longer contiguous reads.
+
+    Not the same decision as :func:`spscan.planner.planning.bin_widths`: that one pads the
+    segments of a lowered work table into bins (the torch backend's gather layout and the
+    planner's launch count), so it trades padding against the number of bins; this one is
+    the Triton kernels' loop step over an unpadded long-first table (padding already removed
+    by :func:`spscan.kernels.segments.segment_table`), so it trades loop iterations against
+    tile shape and sector use. One rule cannot serve both.
     """
     interpret = interpreting() if interpret is None else interpret
     lengths = np.asarray(lengths, dtype=np.int64)
