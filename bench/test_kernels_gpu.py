@@ -300,7 +300,7 @@ def test_rnn_backward_gpu(benchmark, T):
         sync()
 
     t_cudnn = median_time(cudnn, reps=10)
-    tables = next(iter(plan._tables.values()))[1]
+    tables = plan.bindings()[0].tables
     benchmark.extra_info.update({
         "device": device_name(), "T": T, "B": RNN_B, "H": RNN_H, "levels": plan.levels,
         "launches": tables.launches() if hasattr(tables, "launches") else None,

@@ -96,7 +96,7 @@ def test_gru_irmas(benchmark, set_name, B):
         cfg.common_info(), experiment="gru", set=set_name, frames=F, coeffs=C, B=B, H=cfg.GRU_HIDDEN,
         baseline="cuDNN GRU under autograd" if DEV.type == "cuda" else "torch nn.GRU under autograd",
         data="synthetic IRMAS-shaped MFCCs (spscan.datasets.synthetic_irmas)",
-        levels=rplan.levels, chain=rplan.chain, rounds=rounds,
+        levels=rplan.levels, layout=rplan.layout, rounds=rounds,
         autograd_forward_s=a_forward, autograd_backward_s=a_backward,
         spscan_forward_s=s_module, spscan_fill_s=fill, spscan_backward_s=s_backward,
         norm_autograd_forward=a_forward / base, norm_autograd_backward=a_backward / base,

@@ -68,7 +68,7 @@ def _measure(benchmark, T: int, B: int, experiment: str) -> None:
     benchmark.extra_info.update(
         cfg.common_info(), experiment=experiment, T=T, B=B, H=cfg.RNN_HIDDEN,
         baseline="cuDNN RNN under autograd" if DEV.type == "cuda" else "torch nn.RNN under autograd",
-        levels=plan.levels, chain=plan.chain, rounds=rounds,
+        levels=plan.levels, layout=plan.layout, rounds=rounds,
         autograd_forward_s=a_forward, autograd_backward_s=a_backward,
         spscan_forward_s=s_forward, spscan_backward_s=s_backward,
         backward_speedup=a_backward / s_backward,

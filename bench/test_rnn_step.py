@@ -92,7 +92,7 @@ def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kw
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     benchmark.extra_info.update(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads",
-        load_average_1min=load, T=T, B=B, H=H, mode=mode, chain=plan.chain, levels=plan.levels,
+        load_average_1min=load, T=T, B=B, H=H, mode=mode, layout=plan.layout, levels=plan.levels,
         autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs),
     )

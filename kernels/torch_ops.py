@@ -15,9 +15,11 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV, VecChain
+from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, SpMM, SpMV
 
-__all__ = ["TorchTables", "run_program"]
+from .backend import Backend, Capabilities, Tables
+
+__all__ = ["TorchTables", "TorchBackend", "run_program"]
 
 Index = Union[torch.Tensor, slice]
 
@@ -80,11 +82,11 @@ def _as_add(arr: np.ndarray, zero: int, device: torch.device) -> Optional[Index]
     return None if np.all(arr == zero) else _as_index(arr.reshape(-1), device)
 
 
-class TorchTables:
+class TorchTables(Tables):
     """Device copies of a program's index tables, made once per (program, device).
 
-    ``needs_arena_inputs`` is False when every op that reads input matrices is a middle chain
-    over inputs: those read the caller's tensors directly, so the executor skips loading them.
+    ``reads_arena_inputs`` is False when every op that reads input matrices is a linear run
+    over inputs: those read the caller's tensors directly, so the engine skips loading them.
     """
 
     def __init__(self, program: Program, device: torch.device):
@@ -92,9 +94,10 @@ class TorchTables:
         self.device = device
         self.steps = []
         ops_all = [op for st in program.steps for op in st.ops]
-        self.needs_arena_inputs = not all(isinstance(op, VecChain) and bool(np.all(op.layers >= 0))
-                                          for op in ops_all)
-        self.chain_scratch = any(isinstance(op, VecChain) for op in ops_all)  # middle chains use arenas["C"]
+        # a composite read back from the arena (a one-layer reduction is its input) needs it loaded too
+        self.reads_arena_inputs = program.root_mat is not None or not all(
+            isinstance(op, LinearRun) and bool(np.all(op.layers >= 0)) for op in ops_all)
+        self.run_scratch = program.run_scratch  # linear runs write through arenas["C"]
         zero_v = program.zero_v
         for st in program.steps:
             ops = []
@@ -112,8 +115,8 @@ class TorchTables:
                     ops.append((op, bins))
                 elif isinstance(op, Gemm):
                     ops.append((op, (_blocks(op.a, device), _blocks(op.b, device))))
-                elif isinstance(op, VecChain):
-                    ops.append((op, _chain_plan(op)))
+                elif isinstance(op, LinearRun):
+                    ops.append((op, _run_plan(op)))
                 else:
                     ops.append((op, (_blocks(op.mats, device), _as_index(op.vin.reshape(-1), device),
                                      _as_add(op.add, zero_v, device))))
@@ -164,8 +167,8 @@ def _segment_sum(x: torch.Tensor, dst: torch.Tensor, idx: Index) -> None:
 
 
 @dataclass
-class _ChainPlan:
-    """A :class:`VecChain` unpacked into Python lists once (the per-step loop is overhead bound)."""
+class _RunPlan:
+    """A :class:`LinearRun` unpacked into Python lists once (the per-step loop is overhead bound)."""
 
     code: list[int]  # 0 diagonal, 1 shared dense, 2 per-sample dense
     layer: list[int]
@@ -189,43 +192,43 @@ def _out_period(rows: np.ndarray, out: np.ndarray) -> int:
     return 0
 
 
-def _chain_plan(op: VecChain) -> _ChainPlan:
+def _run_plan(op: LinearRun) -> _RunPlan:
     code = [0 if not d else (1 if s else 2) for d, s in zip(op.dense.tolist(), op.shared.tolist())]
     rows = op.rows.tolist()
     period = _out_period(op.rows, op.out)
     dense = op.rows * op.cols * op.dense
-    return _ChainPlan(code, op.layers.tolist(), op.mat_offset.tolist(), rows, op.cols.tolist(), op.add.tolist(),
+    return _RunPlan(code, op.layers.tolist(), op.mat_offset.tolist(), rows, op.cols.tolist(), op.add.tolist(),
                       period == 1, max(1, int(dense.max())) if dense.size else 1, period)
 
 
-# A CPU chain step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
+# A CPU linear-run step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
 # and ``dot`` calls cost about a third of eager torch's (measured: a 1000-step RNN middle, B=16,
-# H=20, mul + mm per step, 2.8 ms vs 7.0 ms on one core), so CPU chains whose per-step product is
+# H=20, mul + mm per step, 2.8 ms vs 7.0 ms on one core), so CPU linear runs whose per-step product is
 # small run through NumPy views of the same buffers. Above this many multiply-adds per step the
 # product dominates and torch's BLAS keeps it.
-NUMPY_CHAIN_MAX_WORK = 1 << 18
+NUMPY_RUN_MAX_WORK = 1 << 18
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return (t.detach() if t.requires_grad else t).numpy()
 
 
-def numpy_chain(cp: _ChainPlan, vectors: torch.Tensor) -> bool:
-    """Whether this chain runs through NumPy: CPU tensors and small per-step products."""
-    return vectors.device.type == "cpu" and vectors.shape[0] * cp.max_block <= NUMPY_CHAIN_MAX_WORK
+def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
+    """Whether this linear run goes through NumPy: CPU tensors and small per-step products."""
+    return vectors.device.type == "cpu" and vectors.shape[0] * cp.max_block <= NUMPY_RUN_MAX_WORK
 
 
-def _run_chain(op: VecChain, cp: _ChainPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
+def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
                inputs) -> None:
     """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term).
 
     Vectors are ``(B, m)`` blocks of one contiguous buffer written with ``out=``: the least
-    per-step overhead eager torch allows on a sequential chain (NumPy's, on the CPU, when the
-    steps are small: :func:`numpy_chain`). Matrices of input layers are the caller's tensors
-    (no arena load); a tensor repeated along the chain is reshaped once.
+    per-step overhead eager torch allows on a sequential run (NumPy's, on the CPU, when the
+    steps are small: :func:`uses_numpy`). Matrices of input layers are the caller's tensors
+    (no arena load); a tensor repeated along the run is reshaped once.
     """
     batch, steps = vectors.shape[0], op.steps
-    use_np = numpy_chain(cp, vectors)
+    use_np = uses_numpy(cp, vectors)
     rows, cols, code = cp.rows, cp.cols, cp.code
     scratch = arenas.get("C")
     if scratch is not None and scratch.numel() >= batch * sum(rows):
@@ -339,7 +342,7 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
     """Run every step of the program in order, in place on the arenas.
 
     ``inputs``: ``layer_index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
-    directly by middle chains over input matrices.
+    directly by linear runs over input matrices.
     """
     batch = vectors.shape[0]
     for ops in tables.steps:
@@ -362,8 +365,8 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
                         _segment_sum(prod, vectors, out)
                     else:
                         _store(vectors, out, prod.sum(-1) + vectors[:, add])
-            elif isinstance(op, VecChain):
-                _run_chain(op, t, arenas, vectors, inputs)
+            elif isinstance(op, LinearRun):
+                _run_linear(op, t, arenas, vectors, inputs)
             else:  # Gemv: memory bound, so one strided multiply + sum beats copying blocks for bmm
                 bm, vin, add = t
                 m, k, n = bm.rows, bm.cols, op.nodes
@@ -375,5 +378,14 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
                 else:
                     torch.add(prod.sum(-1), vectors[:, add].view(batch, n, m), out=out)
 
-def make_tables(program: Program, device: torch.device) -> TorchTables:
-    return TorchTables(program, device)
+class TorchBackend(Backend):
+    """The torch/NumPy backend (see the module docstring)."""
+
+    name = "torch"
+    capabilities = Capabilities(reads_caller_inputs=True, graph_capturable=False, device_types=("cpu", "cuda"))
+
+    def make_tables(self, program: Program, device: torch.device) -> TorchTables:
+        return TorchTables(program, device)
+
+    def run(self, tables, arenas, vectors, inputs=None) -> None:
+        run_program(tables, arenas, vectors, inputs)

@@ -16,8 +16,9 @@ from typing import Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, Program, SpMM, SpMV, VecChain
+from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, SpMM, SpMV
 
+from .backend import Backend, Capabilities, Tables
 from .gemm import gemm
 from .gemv import gemv
 from .segments import SegmentTable, index_dtype, segment_table
@@ -25,7 +26,7 @@ from .spgemm import spgemm
 from .spmv import spmv
 from .vec_chain import chain_table, vec_chain
 
-__all__ = ["TritonTables", "make_tables", "run_program"]
+__all__ = ["TritonTables", "TritonBackend", "make_tables", "run_program"]
 
 
 @dataclass
@@ -57,7 +58,7 @@ class _GemvLaunch:
 
 @dataclass
 class _ChainLaunch:
-    op: VecChain
+    op: LinearRun
     table: torch.Tensor
     uniform_m: int
     all_shared: bool
@@ -83,7 +84,7 @@ def _check_disjoint(step: int, reads: list[tuple[str, np.ndarray]], writes: list
                              f"expected disjoint inputs and outputs")
 
 
-class TritonTables:
+class TritonTables(Tables):
     """Device-side index tables of one program, built once; see :func:`make_tables`."""
 
     def __init__(self, program: Program, device: torch.device) -> None:
@@ -91,7 +92,8 @@ class TritonTables:
         self.device = torch.device(device)
         sizes = {"S": program.size_s, "P": program.size_p, "V": program.size_v}
         zeros = {"S": program.zero_s, "P": program.zero_p, "V": program.zero_v}
-        self.needs_arena_inputs = True  # kernels read input values from the arenas only
+        self.reads_arena_inputs = True  # kernels read input values from the arenas only
+        self.run_scratch = 0  # linear runs work in the vector arena
         self.steps: list[list[Launch]] = []
         for si, st in enumerate(program.steps):
             launches: list[Launch] = []
@@ -128,7 +130,7 @@ class TritonTables:
                         torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
                     reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
                     writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
-                elif isinstance(op, VecChain):
+                elif isinstance(op, LinearRun):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
                     table, uniform_m = chain_table(op, index_dtype(limit), self.device)
                     launches.append(_ChainLaunch(op, table, uniform_m, bool(np.all(op.shared))))
@@ -158,10 +160,15 @@ def _compiled() -> bool:
 def make_tables(program: Program, device: torch.device) -> TritonTables:
     """Upload ``program``'s index tables to ``device`` once (re-laid out for the kernels)."""
     device = torch.device(device)
-    if _compiled() and device.type != "cuda":
-        raise ValueError(f"backend='triton': compiled kernels need CUDA tensors, got device {device} "
-                         f"(use backend='torch' on the CPU, or set TRITON_INTERPRET=1 before importing spscan)")
+    _check_device(device)
     return TritonTables(program, device)
+
+
+def _check_device(device: torch.device) -> None:
+    if _compiled() and device.type != "cuda":
+        raise ValueError(f"backend='triton': compiled kernels need a CUDA device, got {device} (use "
+                         f"backend='torch' on the CPU; Triton's interpreter runs them on the CPU only when "
+                         f"TRITON_INTERPRET=1 is set before triton is first imported)")
 
 
 def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
@@ -171,7 +178,7 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
 
     Only kernel launches: capturable in a CUDA graph once the arenas are static. ``inputs`` (the
     caller's per-layer tensors) is accepted for interface parity and unused: every kernel reads
-    the arenas, so the executor always loads them (``needs_arena_inputs``).
+    the arenas, so the engine always loads them (``reads_arena_inputs``).
     """
     for si, launches in enumerate(tables.steps):
         for item in launches:
@@ -190,3 +197,23 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
             else:
                 op = item.op
                 gemv(item.m_off, item.vin, item.add, op.mats, op.out_offset, arenas[op.kind_m], vectors)
+
+
+class TritonBackend(Backend):
+    """The Triton backend (see the module docstring): compiled on CUDA, or Triton's interpreter on the CPU."""
+
+    name = "triton"
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return Capabilities(reads_caller_inputs=False, graph_capturable=True,
+                            device_types=("cuda",) if _compiled() else ("cpu", "cuda"))
+
+    def check_device(self, device: torch.device) -> None:
+        _check_device(device)
+
+    def make_tables(self, program: Program, device: torch.device) -> TritonTables:
+        return make_tables(program, device)
+
+    def run(self, tables, arenas, vectors, inputs=None) -> None:
+        run_program(tables, arenas, vectors, inputs)

@@ -110,19 +110,19 @@ def bin_widths(lengths: np.ndarray) -> np.ndarray:
     return widths
 
 
-_CHAIN_KIND: dict[str, Optional[str]] = {}
+_RUN_KIND: dict[str, Optional[str]] = {}
 _BINS: dict[tuple[str, int], int] = {}
 
 
-def chain_kind(p: Pattern) -> Optional[str]:
-    """``"dense"`` / ``"diag"`` for matrices the fused middle chain takes, else ``None``."""
-    if p.key in _CHAIN_KIND:
-        return _CHAIN_KIND[p.key]
-    _CHAIN_KIND[p.key] = kind = _chain_kind(p)
+def linear_run_kind(p: Pattern) -> Optional[str]:
+    """``"dense"`` / ``"diag"`` for matrices a fused linear run (the scan's middle) takes, else ``None``."""
+    if p.key in _RUN_KIND:
+        return _RUN_KIND[p.key]
+    _RUN_KIND[p.key] = kind = _linear_run_kind(p)
     return kind
 
 
-def _chain_kind(p: Pattern) -> Optional[str]:
+def _linear_run_kind(p: Pattern) -> Optional[str]:
     if p.is_full:
         return "dense"
     if (p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows))
@@ -189,8 +189,8 @@ def _step_costs(
                 mv_bins = max(mv_bins, _row_bins(p))
             nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
         launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
-        if st.phase == "mid" and len(st.mv) == 1 and chain_kind(mats[st.mv[0].mat].pattern):
-            launches = 0  # a step of the fused middle chain: no launch of its own
+        if st.phase == "mid" and len(st.mv) == 1 and linear_run_kind(mats[st.mv[0].mat].pattern):
+            launches = 0  # a step of a fused linear run: no launch of its own
             t = profile.chain_step_s
         else:
             t = 0.0
@@ -420,3 +420,49 @@ def plan_scan(
 def step_costs(plan: ScanPlan) -> list[LevelCost]:
     return _step_costs(plan.schedule, plan.mats, plan.profile, plan.batch_hint, plan.elem_bytes)
 
+
+
+def plan_reduction(
+    patterns: Sequence[Pattern],
+    profile: DeviceProfile,
+    batch_hint: int = 16,
+    elem_bytes: int = 4,
+) -> ScanPlan:
+    """Plan the composite of a whole chain, ``J_1^T J_2^T ... J_n^T`` (and its affine term), by the
+    pairwise product tree of :func:`~spscan.planner.schedule.reduction_schedule`.
+
+    The products are planned exactly as up-sweep products (same symbolic SpGEMM, same storage
+    rule, interned patterns), so a model-parallel slice reduction runs on the same engine as a
+    scan. Raises ``ValueError`` when a level's pair indices exceed the device profile's budget.
+    """
+    from .schedule import reduction_schedule
+
+    table = PatternTable()
+    pats = [table.intern(p) for p in patterns]
+    sched = reduction_schedule(len(pats))
+    products = _Products(table, profile)
+    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+    for d, st in enumerate(sched.steps):
+        need = 0
+        for op in st.mm:
+            a, b = mats[op.left].pattern, mats[op.right].pattern
+            if not (a.is_full and b.is_full):
+                need += 2 * INDEX_BYTES * product_counts(a, b)
+        if need > profile.bytes_budget:
+            raise ValueError(
+                f"composite of {len(pats)} layers: reduction level {d} needs {need:,} bytes of pair indices, over "
+                f"the planning budget of {profile.bytes_budget:,.0f} bytes; cut the chain where the composites "
+                f"stay small"
+            )
+        for op in st.mm:
+            mats[op.out] = products.product(mats[op.left].pattern, mats[op.right].pattern)
+    plan = ScanPlan(pats, sched.levels, mats, sched, profile, batch_hint, elem_bytes)
+    plan.explored = sched.levels
+    return plan
+
+
+def composite_pattern(plan: ScanPlan) -> Pattern:
+    """The stored pattern of a reduction plan's composite matrix."""
+    if plan.schedule.kind != "reduce":
+        raise ValueError("composite_pattern: expected a reduction plan (plan_reduction), got a scan plan")
+    return plan.mats[plan.schedule.root[0]].pattern

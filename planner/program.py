@@ -23,10 +23,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .planning import ScanPlan, bin_widths, chain_kind
-from .schedule import GRAD, blelloch_schedule, extra_vec
+from .planning import ScanPlan, bin_widths, linear_run_kind
+from .schedule import GRAD, extra_vec, schedule_for
 
-__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "VecChain", "Bin", "lower"]
+__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "LinearRun", "Bin", "lower"]
 
 SHARED, SAMPLE = "S", "P"
 
@@ -107,7 +107,7 @@ class Gemv:
 
 
 @dataclass
-class VecChain:
+class LinearRun:
     """A run of dependent mat-vecs (the linear-scan middle): ``y_j = M_j y_{j-1} + add_j``.
 
     Every ``M_j`` is dense (row-major ``(m_j, k_j)`` block) or diagonal (``m_j`` entries), shared
@@ -153,6 +153,8 @@ class Program:
     steps: list[ProgramStep]
     mat_kind: dict[int, str]
     mat_offset: dict[int, int]
+    root_mat: Optional[tuple[str, int, int]] = None  # reduce: the composite's (arena, offset, nnz)
+    root_vec: Optional[tuple[int, int]] = None  # reduce: (offset, dim) of its affine term in V, if any
 
     @property
     def zero_s(self) -> int:
@@ -178,13 +180,13 @@ class Program:
         return cached
 
     @property
-    def chain_scratch(self) -> int:
-        """Per-sample entries of the largest middle chain's outputs (its working buffer), 0 if none."""
-        cached = getattr(self, "_chain_scratch", None)
+    def run_scratch(self) -> int:
+        """Per-sample entries of the largest linear run's outputs (its working buffer), 0 if none."""
+        cached = getattr(self, "_run_scratch", None)
         if cached is None:
-            cached = max((int(op.rows.sum()) for st in self.steps for op in st.ops if isinstance(op, VecChain)),
+            cached = max((int(op.rows.sum()) for st in self.steps for op in st.ops if isinstance(op, LinearRun)),
                          default=0)
-            self._chain_scratch = cached
+            self._run_scratch = cached
         return cached
 
     def index_bytes(self) -> int:
@@ -211,7 +213,7 @@ def _arrays(op):
         yield op.mats.offsets
         yield op.vin
         yield op.add
-    elif isinstance(op, VecChain):
+    elif isinstance(op, LinearRun):
         yield op.mat_offset
         yield op.add
         yield op.out
@@ -261,7 +263,7 @@ def _middle_runs(steps, mats) -> dict[int, int]:
     while i < len(steps):
         j = i
         while (j < len(steps) and steps[j].phase == "mid" and len(steps[j].mv) == 1
-               and chain_kind(mats[steps[j].mv[0].mat].pattern) is not None):
+               and linear_run_kind(mats[steps[j].mv[0].mat].pattern) is not None):
             j += 1
         if j - i >= 2:
             runs[i] = j - i
@@ -274,7 +276,8 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
     n = plan.n
     shared = tuple(bool(s) for s in shared)
     has_extra = tuple(bool(e) for e in has_extra)
-    sched = blelloch_schedule(n, plan.levels, has_extra) if any(has_extra[:n]) else plan.schedule
+    sched = schedule_for(plan.schedule.kind, n, plan.levels, has_extra) if any(has_extra[:n]) else plan.schedule
+    reduce = sched.kind == "reduce"
     mats = plan.mats
     pats = plan.patterns
 
@@ -296,7 +299,8 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
         vdim[v] = dim
         voff[v] = valloc.take(dim)
 
-    vec(GRAD, pats[n - 1].cols)
+    if not reduce:  # a reduction has no incoming gradient
+        vec(GRAD, pats[n - 1].cols)
     extra_slots = {}
     for i in range(n):
         if has_extra[i]:
@@ -320,7 +324,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             chain_ops = [s.mv[0] for s in sched.steps[si : si + runs[si]]]
             for op in chain_ops:
                 vec(op.out, mats[op.mat].pattern.rows)
-            pending.append((pstep, "chain", chain_ops))
+            pending.append((pstep, "run", chain_ops))
             steps.append(pstep)
             skip_until = si + runs[si]
             continue
@@ -394,10 +398,10 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
                            np.concatenate(b_src), np.concatenate(outs), None, zero[key[0]], zero[key[1]])
             pstep.ops.append(SpMM(key[0], key[1], key[2], bins))
-        elif what == "chain":
+        elif what == "run":
             ops = payload
             pats_ = [mats[o.mat].pattern for o in ops]
-            pstep.ops.append(VecChain(
+            pstep.ops.append(LinearRun(
                 dense=np.array([p.is_full for p in pats_]),
                 shared=np.array([kind[o.mat] == SHARED for o in ops]),
                 rows=np.array([p.rows for p in pats_], dtype=np.int64),
@@ -438,9 +442,15 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             pstep.ops.append(SpMV(key, bins))
 
     outputs = [(voff[v], vdim[v]) for v in sched.outputs]
+    root_mat = root_vec = None
+    if reduce:
+        m, v = sched.root
+        root_mat = (kind[m], offset[m], mats[m].pattern.nnz)
+        root_vec = None if v is None else (voff[v], vdim[v])
     return Program(
         n=n, shared=shared, has_extra=has_extra,
         size_s=alloc[SHARED].size, size_p=alloc[SAMPLE].size, size_v=valloc.size,
-        input_offsets=input_offsets, grad_slot=voff[GRAD], extra_slots=extra_slots,
+        input_offsets=input_offsets, grad_slot=-1 if reduce else voff[GRAD], extra_slots=extra_slots,
         outputs=outputs, steps=[s for s in steps if s.ops], mat_kind=kind, mat_offset=offset,
+        root_mat=root_mat, root_vec=root_vec,
     )

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
-__all__ = ["MMOp", "MVOp", "Step", "ScanSchedule", "max_levels", "blelloch_schedule", "GRAD"]
+__all__ = ["MMOp", "MVOp", "Step", "ScanSchedule", "max_levels", "blelloch_schedule", "reduction_schedule",
+           "schedule_for", "GRAD"]
 
 GRAD = 0  # vector id of the incoming gradient g_n (+ extra[n])
 
@@ -74,11 +75,89 @@ class ScanSchedule:
     outputs: list[int]
     num_mats: int
     num_vecs: int
+    kind: str = "scan"  # "scan": outputs are every dl/dx_i; "reduce": the composite ``root`` only
+    root: Optional[tuple[Optional[int], Optional[int]]] = None  # reduce: (matrix id, vector id or None)
 
 
 def _pairs(n: int, d: int):
     for i in range(0, n - (1 << d) + 1, 1 << (d + 1)):
         yield i + (1 << d) - 1, min(i + (1 << (d + 1)) - 1, n)
+
+
+Element = tuple[Optional[int], Optional[int]]
+
+
+def _combine(left: Element, right: Element, step: Step, products: dict[int, MMOp], new) -> Element:
+    """``right ◇ left`` for adjacent elements (``left`` holds the higher layers): one up-sweep node.
+
+    ``(M_r, v_r) ∘ (M_l, v_l) = (M_r M_l, M_r v_l + v_r)``; a left element that contains the gradient
+    (``M_l is None``, the spine) only needs the mat-vec.
+    """
+    (lm, lv), (rm, rv) = left, right
+    if lm is None:
+        v = new("vec")
+        step.mv.append(MVOp(v, rm, lv, rv))
+        return None, v
+    m = new("mat")
+    op = MMOp(m, rm, lm)
+    products[m] = op
+    step.mm.append(op)
+    if lv is None:
+        return m, rv
+    vv = new("vec")
+    step.mv.append(MVOp(vv, rm, lv, rv))
+    return m, vv
+
+
+def _counters(n: int):
+    counters = {"mat": n, "vec": n + 2}
+
+    def new(kind: str) -> int:
+        value = counters[kind]
+        counters[kind] = value + 1
+        return value
+
+    return counters, new
+
+
+def reduction_levels(n: int) -> int:
+    """Levels of the pairwise tree that reduces ``n`` elements to one."""
+    return max(0, math.ceil(math.log2(n))) if n >= 1 else 0
+
+
+def reduction_schedule(n: int, has_extra: Optional[Sequence[bool]] = None) -> ScanSchedule:
+    """Reduce a whole chain to its affine composite ``g_0 = M g_n + v`` by a pairwise product tree.
+
+    ``M = J_1^T J_2^T ... J_n^T`` (``(d_0, d_n)``) and ``v = sum_i J_1^T..J_i^T extra[i]`` over the
+    given ``extra[i]``, ``0 <= i < n`` (``extra[n]`` is not part of the composite). The nodes are
+    the up-sweep's (same operands, same order), so a slice of a model-parallel scan is planned,
+    lowered and run exactly like the up-sweep of a scan. ``root`` is the composite's
+    ``(matrix id, vector id or None)``; there are no per-layer outputs.
+    """
+    if n < 1:
+        raise ValueError(f"a chain needs at least one Jacobian, got n={n}")
+    flags = [False] * (n + 1) if has_extra is None else [bool(f) for f in has_extra]
+    counters, new = _counters(n)
+    # scan order: element k holds layer n-k (k = 0 is the top layer), as in the Blelloch array
+    cur: list[Element] = [(n - 1 - k, extra_vec(n - 1 - k) if flags[n - 1 - k] else None) for k in range(n)]
+    steps: list[Step] = []
+    products: dict[int, MMOp] = {}
+    level = 0
+    while len(cur) > 1:
+        step = Step("up", level)
+        nxt = [_combine(cur[2 * j], cur[2 * j + 1], step, products, new) for j in range(len(cur) // 2)]
+        cur = nxt + ([cur[-1]] if len(cur) % 2 else [])
+        steps.append(step)
+        level += 1
+    return ScanSchedule(n, level, steps, products, [], counters["mat"], counters["vec"], kind="reduce",
+                        root=cur[0])
+
+
+def schedule_for(kind: str, n: int, levels: int, has_extra: Optional[Sequence[bool]] = None) -> ScanSchedule:
+    """The schedule of a plan of ``kind`` (``"scan"`` at depth ``levels`` or ``"reduce"``) for an extra signature."""
+    if kind == "reduce":
+        return reduction_schedule(n, has_extra)
+    return blelloch_schedule(n, levels, has_extra)
 
 
 def blelloch_schedule(n: int, levels: int, has_extra: Optional[Sequence[bool]] = None) -> ScanSchedule:
@@ -95,12 +174,7 @@ def blelloch_schedule(n: int, levels: int, has_extra: Optional[Sequence[bool]] =
     if not 0 <= levels <= max_levels(n):
         raise ValueError(f"levels must lie in [0, {max_levels(n)}] for n={n}, got {levels}")
     flags = [False] * (n + 1) if has_extra is None else [bool(f) for f in has_extra]
-    counters = {"mat": n, "vec": n + 2}
-
-    def new(kind: str) -> int:
-        value = counters[kind]
-        counters[kind] = value + 1
-        return value
+    counters, new = _counters(n)
 
     # el[k] = (matrix id or None, vector id or None); position k >= 1 holds layer n-k+1.
     el: list[tuple[Optional[int], Optional[int]]] = [(None, GRAD)]
@@ -113,22 +187,7 @@ def blelloch_schedule(n: int, levels: int, has_extra: Optional[Sequence[bool]] =
         step = Step("up", d)
         for l, r in _pairs(n, d):
             assert span[l][1] + 1 == span[r][0], "up-sweep operands must be adjacent"
-            (lm, lv), (rm, rv) = el[l], el[r]
-            if lm is None:  # spine: the left element already contains the gradient
-                v = new("vec")
-                step.mv.append(MVOp(v, rm, lv, rv))
-                el[r] = (None, v)
-            else:
-                m = new("mat")
-                op = MMOp(m, rm, lm)
-                products[m] = op
-                step.mm.append(op)
-                if lv is None:
-                    vv = rv
-                else:
-                    vv = new("vec")
-                    step.mv.append(MVOp(vv, rm, lv, rv))
-                el[r] = (m, vv)
+            el[r] = _combine(el[l], el[r], step, products, new)
             span[r] = (span[l][0], span[r][1])
         steps.append(step)
 

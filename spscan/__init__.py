@@ -13,27 +13,24 @@ schedule); ``backward()`` does only numeric work per step.
 
 from __future__ import annotations
 
-import os as _os
-
 import torch as _torch
 
-# Triton kernels run in Triton's interpreter when there is no GPU; the variable must be set
-# before the first @triton.jit function is defined.
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from spscan.api import backward, load_plan, plan  # noqa: E402
-from spscan.plan import Plan  # noqa: E402
-from spscan.reference import reference_backward  # noqa: E402
+from spscan.api import backward, load_plan, plan, plan_composite
+from spscan.engine import BoundPlan, ScanResult
+from spscan.model import ModelPlan, SpscanModule, param_grads
+from spscan.model import wrap as _wrap_model
+from spscan.plan import Plan
+from spscan.recurrent import RecurrentPlan, wrap_recurrent as _wrap_recurrent
+from spscan.reference import reference_backward
 
 __version__ = "0.1.0"
-__all__ = ["plan", "backward", "load_plan", "Plan", "reference_backward", "forward", "wrap", "param_grads",
-           "__version__"]
+__all__ = ["plan", "backward", "plan_composite", "load_plan", "Plan", "BoundPlan", "ScanResult", "ModelPlan",
+           "RecurrentPlan", "reference_backward", "forward", "wrap", "param_grads", "__version__"]
 
 
 def forward(plan, x):
     """Run the planned model on ``x``: ``(output, jacobians)`` for :func:`backward` (model plans only)."""
-    if not hasattr(plan, "forward") or isinstance(plan, Plan):
+    if not isinstance(plan, (ModelPlan, RecurrentPlan)):
         raise TypeError("forward(plan, x) needs a plan made from a model: spscan.plan(model, example_input)")
     return plan.forward(x)
 
@@ -41,19 +38,8 @@ def forward(plan, x):
 def wrap(model, example_input, **plan_kwargs):
     """An ``nn.Module`` sharing ``model``'s parameters whose backward runs through the scan."""
     if isinstance(model, (_torch.nn.RNN, _torch.nn.GRU, _torch.nn.LSTM)):
-        from spscan.recurrent import wrap_recurrent
-
-        return wrap_recurrent(model, example_input, **plan_kwargs)
-    from spscan.model import wrap as wrap_model
-
-    return wrap_model(model, example_input, **plan_kwargs)
-
-
-def param_grads(plan, jacobians, grads):
-    """Every parameter gradient of a planned model from the scan's ``dl/dx_i`` (out of order, batched)."""
-    from spscan.model import param_grads as _param_grads
-
-    return _param_grads(plan, jacobians, grads)
+        return _wrap_recurrent(model, example_input, **plan_kwargs)
+    return _wrap_model(model, example_input, **plan_kwargs)
 
 
 def __getattr__(name: str):

@@ -1,4 +1,9 @@
-"""Public entry points: :func:`plan`, :func:`backward`, :func:`load_plan` (and model dispatch)."""
+"""Public entry points: :func:`plan`, :func:`backward`, :func:`plan_composite`, :func:`load_plan`.
+
+Chains of patterns are planned here (:func:`spscan.plan.build_plan`); an ``nn.Module`` is handed
+to its front end (:mod:`spscan.model` for traced chains, :mod:`spscan.recurrent` for
+``nn.RNN``/``GRU``/``LSTM``), which plans through the same entry point and runs on the same engine.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,14 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from spscan.executor import check_inputs, output_views, run
-from spscan.plan import Plan, _fmt_bytes
-from spscan.planner.cost import profile_for
-from spscan.planner.memory import estimate_memory
-from spscan.planner.patterns import as_chain
-from spscan.planner.planning import plan_scan
+from spscan.engine import check_inputs
+from spscan.model import ModelPlan, plan_model
+from spscan.plan import Plan, build_composite, build_plan, resolve_device
+from spscan.recurrent import RecurrentPlan, plan_recurrent
 
-__all__ = ["plan", "backward", "load_plan"]
+__all__ = ["plan", "backward", "plan_composite", "load_plan"]
 
 _RECURRENT = (torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM)
-
-
-def _resolve_device(device) -> Optional[torch.device]:
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: not a valid torch device: {device!r}") from exc
 
 
 def plan(
@@ -34,7 +28,7 @@ def plan(
     backend: str = "auto",
     device=None,
     dtype: Optional[torch.dtype] = None,
-    max_memory: Optional[int] = None,
+    max_memory: Optional[float] = None,
     batch_size: int = 16,
     **kwargs: Any,
 ):
@@ -48,59 +42,46 @@ def plan(
         levels: ``"auto"`` (cost model of the critical path), ``"full"`` (pure Blelloch) or an int
             ``K >= 0`` (0 = linear scan; clamped to the chain's maximum depth).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
-        device, dtype: what the plan is for; ``None`` accepts whatever each call passes.
+        device, dtype: what the plan is for; ``None`` accepts whatever each call passes. A device
+            that is not available is refused here.
         max_memory: byte limit for ``backward``'s peak at ``batch_size``; ``"auto"`` lowers the
             depth to fit, a forced depth that does not fit raises ``ValueError`` with the numbers.
         batch_size: the batch size the cost model and memory check assume (calls may use any).
 
     Returns:
-        a :class:`Plan`.
+        a :class:`Plan`, already bound (lowered, tables on its device) for per-sample values
+        without ``extra`` terms; other signatures are bound on first use or with :meth:`Plan.bind`.
     """
     if isinstance(patterns, torch.nn.Module):
         opts = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
                     batch_size=batch_size, **kwargs)
         if isinstance(patterns, _RECURRENT):
-            from spscan.recurrent import plan_recurrent
-
             return plan_recurrent(patterns, *args, **opts)
-        from spscan.model import plan_model
-
         return plan_model(patterns, *args, **opts)
     if args or kwargs:
         extra = list(kwargs) or [f"{len(args)} positional"]
         raise TypeError(f"plan(patterns, ...): unexpected arguments {extra}")
-    if not (levels in ("auto", "full") or (isinstance(levels, int) and not isinstance(levels, bool))):
-        raise ValueError(f"levels: expected 'auto', 'full' or an int >= 0, got {levels!r}")
-    if isinstance(levels, int) and levels < 0:
-        raise ValueError(f"levels: expected an int >= 0, got {levels}")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
-    if dtype is not None and dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
-    if max_memory is not None and (not isinstance(max_memory, (int, float)) or max_memory <= 0):
-        raise ValueError(f"max_memory: expected a positive number of bytes, got {max_memory!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    dev = _resolve_device(device)
-    if backend == "auto":
-        backend = "triton" if dev is not None and dev.type == "cuda" else "torch"
+    return build_plan(patterns, levels=levels, backend=backend, device=device, dtype=dtype,
+                      max_memory=max_memory, batch_size=batch_size)
 
-    pats = as_chain(patterns)
-    elem = 8 if dtype == torch.float64 else 4
-    profile = profile_for(dev.type if dev is not None else "cpu")
 
-    def peak(candidate) -> int:
-        return estimate_memory(candidate).total(batch_size)
+def plan_composite(patterns: Any, *, backend: str = "auto", device=None, dtype: Optional[torch.dtype] = None,
+                   batch_size: int = 16) -> Plan:
+    """Plan the composite ``M = J_1^T J_2^T ... J_n^T`` of a chain (and its affine term).
 
-    scan = plan_scan(pats, levels, profile, batch_hint=batch_size, elem_bytes=elem,
-                     memory_limit=max_memory, memory_of=peak)
-    if max_memory is not None and peak(scan) > max_memory:
-        raise ValueError(
-            f"max_memory={_fmt_bytes(max_memory)}: the plan at levels={scan.levels} needs "
-            f"{_fmt_bytes(peak(scan))} at batch {batch_size} "
-            + ("(even the linear scan does not fit)" if levels == "auto" else "(use fewer levels or 'auto')")
-        )
-    return Plan(scan, backend, dev, dtype, None if max_memory is None else int(max_memory), levels)
+    The products are planned as the scan's up-sweep products are (symbolic once, pairwise tree)
+    and run on the same engine. ``plan.bind(shared, has_extra).run(values, extra=extra)`` returns
+    a result whose ``.composite`` holds ``M``'s values in the CSR order of
+    ``plan.composite_pattern`` (``(nnz,)`` if every input is shared, else ``(B, nnz)``) and whose
+    ``.composite_vector`` is ``v = sum_i J_1^T..J_i^T extra[i]`` (``(B, d_0)``, or ``None``), so
+    that ``dl/dx_0 = M dl/dx_n + v``.
+
+    >>> import scipy.sparse as sp, torch
+    >>> p = plan_composite([sp.csr_array(sp.eye(2))] * 3)
+    >>> p.bind(shared=[True] * 3).run([torch.full((2,), 2.0)] * 3).composite.tolist()
+    [8.0, 8.0]
+    """
+    return build_composite(patterns, backend=backend, device=device, dtype=dtype, batch_size=batch_size)
 
 
 def backward(
@@ -114,7 +95,8 @@ def backward(
     """Run the planned scan: ``dl/dx_i`` for every ``i`` from one step's Jacobian values.
 
     Args:
-        plan: from :func:`plan`.
+        plan: from :func:`plan` (a chain plan, or a model plan with the values ``spscan.forward``
+            returned).
         values: ``n`` tensors, ``values[i-1]`` the entries of ``J_i^T`` in its pattern's CSR order,
             ``(B, nnz_i)`` per sample or ``(nnz_i,)`` shared by the batch; or one stacked
             ``(n, B, nnz)`` / ``(n, nnz)`` tensor when every layer has the same nnz.
@@ -128,13 +110,22 @@ def backward(
         ``n+1`` tensors ``(B, d_i)``; ``[n]`` is ``grad`` (+ ``extra[n]``). They are views into one
         buffer owned by the result (not necessarily contiguous). Inputs are never modified.
     """
-    if hasattr(plan, "_spscan_backward") and not isinstance(plan, Plan):
-        return plan._spscan_backward(values, grad, extra=extra)
+    if isinstance(plan, ModelPlan):
+        return plan.backward(values, grad, extra)
+    if isinstance(plan, RecurrentPlan):
+        raise TypeError("spscan.backward returns the n+1 chain gradients dl/dx_i; a recurrent plan's backward "
+                        "returns input, initial-state and parameter gradients instead: call "
+                        "plan.backward(saved, grad_output, grad_h_n[, grad_c_n]) with the saved state from "
+                        "spscan.forward(plan, x), or train through spscan.wrap(module)")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a spscan Plan, got {type(plan).__name__}")
-    items, stacked, shared, has_extra = check_inputs(plan, values, grad, extra, check_finite)
-    vectors, program = run(plan, items, stacked, shared, has_extra, grad, extra)
-    return output_views(vectors, program)
+    if plan.kind != "scan":
+        raise TypeError("plan: a composite plan has no per-layer gradients; run it with "
+                        "plan.bind(shared, has_extra).run(values, extra=...)")
+    items, stacked, shared, has_extra, _, _, device = check_inputs(
+        plan.n, plan.nnz, plan.dims, plan.dtype, plan.device, values, grad, extra, check_finite)
+    bound = plan.bind(shared, has_extra, device)
+    return bound.run(items[0] if stacked else items, grad, extra, check=False).grads
 
 
 def load_plan(path) -> Plan:
@@ -147,7 +138,7 @@ def load_plan(path) -> Plan:
         backend = opts["backend"]
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend {backend!r}")
-        return Plan(scan, backend, _resolve_device(opts["device"]), dtype, opts["max_memory"],
+        return Plan(scan, backend, resolve_device(opts["device"]), dtype, opts["max_memory"],
                     opts["requested_levels"])
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path}: corrupted spscan plan: bad options ({exc})") from exc

@@ -103,7 +103,7 @@ def train_side_by_side(
         torch.manual_seed(seed)
         m = BitstreamClassifier(hidden).to(dev)
         if name == "bppsa":
-            _make_bppsa(m, x_all[:batch_size], levels=levels, chain=chain)
+            _make_bppsa(m, x_all[:batch_size], levels=levels, layout=chain)
         models[name], opts[name], logs[name] = m, torch.optim.Adam(m.parameters(), lr=lr), RunLog(name)
     loss_fn = nn.CrossEntropyLoss()
     n_batches = max(1, samples // batch_size)
@@ -159,7 +159,7 @@ def _summary(auto: RunLog, ours: RunLog, dev: torch.device, model: BitstreamClas
     return {
         "device": name,
         "levels": getattr(plan, "levels", None),
-        "chain": getattr(plan, "chain", None),
+        "chain": getattr(plan, "layout", None),
         "autograd_backward_s": a_bwd,
         "bppsa_backward_s": o_bwd,
         "autograd_step_s": a_step,

@@ -46,9 +46,11 @@ import scipy.sparse as sp
 import torch
 import torch.distributed as dist
 
-from spscan.kernels.chain import PlannedMatvec, PlannedProduct
+from spscan.api import backward as _scan_backward
+from spscan.engine import check_inputs
+from spscan.plan import build_composite, build_plan, resolve_device
 from spscan.planner.cost import profile_for
-from spscan.planner.patterns import Pattern, as_chain, as_pattern, full_pattern
+from spscan.planner.patterns import Pattern, as_chain
 from spscan.planner.symbolic import product_counts
 
 __all__ = ["DistributedPlan", "RankPlan", "CommStats", "SliceGrads", "PeerError", "plan", "backward",
@@ -60,41 +62,6 @@ _STATUS = 5  # status columns: failed, batch, dtype code, has extra, all shared
 
 class PeerError(RuntimeError):
     """Another rank failed (bad input, crash or timeout); this rank computed no gradients."""
-
-
-# ----------------------------------------------------------------------------- patterns
-
-
-def _compose_pattern(a: Pattern, b: Pattern, dense_threshold: float) -> Pattern:
-    """Pattern of ``a @ b`` as the composite is stored: full when both are full or it is dense enough."""
-    if a.cols != b.rows:
-        raise ValueError(f"composite patterns do not chain: {a.shape} @ {b.shape}")
-    if a.is_full and b.is_full:
-        return full_pattern(a.rows, b.cols)
-    c = sp.csr_array(a.to_scipy() @ b.to_scipy())
-    c.sort_indices()
-    # the stored values are positive counts: no cancellation, so this is the structural product
-    pat = as_pattern(sp.csr_array((np.ones(c.nnz), c.indices, c.indptr), shape=c.shape), "composite")
-    if pat.density >= dense_threshold and not pat.is_full:
-        return full_pattern(a.rows, b.cols)
-    return pat
-
-
-def _tree_levels(n: int) -> list[list[tuple[int, int]]]:
-    """Pairwise reduction of ``n`` adjacent elements: per level, (left, right) index pairs."""
-    levels = []
-    while n > 1:
-        levels.append([(2 * j, 2 * j + 1) for j in range(n // 2)])
-        n = (n + 1) // 2
-    return levels
-
-
-def _slice_composite(pats: Sequence[Pattern], dense_threshold: float) -> Pattern:
-    cur = list(pats)
-    for pairs in _tree_levels(len(cur)):
-        nxt = [_compose_pattern(cur[l], cur[r], dense_threshold) for l, r in pairs]
-        cur = nxt + ([cur[-1]] if len(cur) % 2 else [])
-    return cur[0]
 
 
 # ----------------------------------------------------------------------------- slicing
@@ -183,28 +150,27 @@ def _as_patterns(patterns: Any) -> list[Pattern]:
 
 @dataclass
 class RankPlan:
-    """What one rank needs at run time: its local scan plan and its planned products.
+    """What one rank needs at run time: plans on the one engine (no products of its own).
 
     Attributes:
         rank, lo, hi: the rank owns layers ``lo+1 .. hi`` and gradients ``dl/dx_lo .. dl/dx_hi``.
-        local: :class:`spscan.Plan` over ``patterns[lo:hi]`` (finishes the slice).
-        tree: per reduction level, one ``(PlannedProduct, PlannedMatvec)`` per adjacent pair (left
-            operand's matvec applies it to the right operand's vector); empty if the rank never sends.
-        round_products: round ``k`` -> product of the rank's partial with the piece received in ``k``
-            (only where the result is sent in a later round and the piece is a matrix).
-        own_matvecs: round ``k`` -> matvec of the rank's partial before round ``k`` (applies it to a
-            received vector when the partial is sent on).
-        recv_matvecs: round ``k`` -> matvec of the matrix piece received in round ``k``.
+        local: the scan plan (:func:`spscan.plan`) over ``patterns[lo:hi]`` (finishes the slice).
+        reduce: the composite plan (:func:`spscan.plan_composite`) of the slice, ``None`` if the rank
+            never sends its own element (the last rank, whose element is the gradient, and rank 0).
+        compose: round ``k`` -> the plan that composes the rank's partial with the piece received in
+            round ``k`` when the result is sent on: a two-element composite plan (the piece is a
+            matrix) or a one-layer scan (the piece is the gradient vector).
+        boundary: the scan over the matrix pieces received, in round order, that turns the last piece
+            (the gradient) into ``dl/dx_hi``; ``None`` on the last rank.
     """
 
     rank: int
     lo: int
     hi: int
     local: Any
-    tree: list[list[tuple[PlannedProduct, PlannedMatvec]]] = field(default_factory=list)
-    round_products: dict[int, PlannedProduct] = field(default_factory=dict)
-    own_matvecs: dict[int, PlannedMatvec] = field(default_factory=dict)
-    recv_matvecs: dict[int, PlannedMatvec] = field(default_factory=dict)
+    reduce: Any = None
+    compose: dict[int, Any] = field(default_factory=dict)
+    boundary: Any = None
 
 
 class DistributedPlan:
@@ -214,26 +180,31 @@ class DistributedPlan:
         world_size: ``p``.
         bounds: ``[0, b_1, ..., n]``; ``slices[r] = (b_r, b_{r+1})``.
         rounds: ``ceil(log2 p)``, the communication rounds of one backward.
-        patterns: canonical :class:`~spscan.planner.patterns.Pattern` of each ``J_i^T``.
+        patterns: canonical pattern of each ``J_i^T`` (SciPy CSR), in layer order.
         dims: ``d_0 .. d_n``.
+        bytes_budget: the most pair-index bytes one composite product may plan.
     """
 
     def __init__(self, patterns: list[Pattern], world_size: int, bounds: list[int], plan_kwargs: dict,
-                 dense_threshold: float, bytes_budget: float = float("inf")) -> None:
-        self.patterns = patterns
+                 bytes_budget: float = float("inf")) -> None:
+        self._pats = patterns
         self.bytes_budget = bytes_budget
         self.world_size = world_size
         self.bounds = bounds
         self.plan_kwargs = dict(plan_kwargs)
-        self.dense_threshold = dense_threshold
         self.rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
-        self._slice_pat: dict[int, Pattern] = {}
-        self._partial: dict[tuple[int, int], Optional[Pattern]] = {}
+        self._slice_plans: dict[int, Any] = {}
+        self._compose_plans: dict[tuple[int, int], Any] = {}
+        self._partial: dict[tuple[int, int], Optional[sp.csr_array]] = {}
         self._ranks: dict[int, RankPlan] = {}
 
     @property
     def n(self) -> int:
-        return len(self.patterns)
+        return len(self._pats)
+
+    @property
+    def patterns(self) -> list[sp.csr_array]:
+        return [p.to_scipy() for p in self._pats]
 
     @property
     def slices(self) -> list[tuple[int, int]]:
@@ -241,18 +212,12 @@ class DistributedPlan:
 
     @property
     def dims(self) -> list[int]:
-        return [p.rows for p in self.patterns] + [self.patterns[-1].cols]
+        return [p.rows for p in self._pats] + [self._pats[-1].cols]
 
     def __repr__(self) -> str:
         return f"DistributedPlan(n={self.n}, world_size={self.world_size}, bounds={self.bounds}, rounds={self.rounds})"
 
-    # -- the cross-rank schedule (q = p-1-r: position in scan order, q = 0 holds the gradient) --
-    def _q(self, rank: int) -> int:
-        return self.world_size - 1 - rank
-
-    def _rank(self, q: int) -> int:
-        return self.world_size - 1 - q
-
+    # -- the cross-rank schedule ---------------------------------------------------------
     def send_peer(self, rank: int, k: int) -> Optional[int]:
         """The rank that ``rank`` sends to in round ``k`` (``rank - 2^k``), or ``None``."""
         return rank - (1 << k) if rank - (1 << k) >= 0 else None
@@ -261,38 +226,55 @@ class DistributedPlan:
         """The rank that ``rank`` receives from in round ``k`` (``rank + 2^k``), or ``None``."""
         return rank + (1 << k) if rank + (1 << k) < self.world_size else None
 
-    def slice_pattern(self, rank: int) -> Pattern:
-        """Pattern of the composite ``M_rank`` (product of the slice's transposed Jacobians)."""
-        hit = self._slice_pat.get(rank)
+    def sends(self, rank: int, k: int) -> bool:
+        return self.send_peer(rank, k) is not None
+
+    def _composite_kwargs(self) -> dict:
+        kw = {k: v for k, v in self.plan_kwargs.items() if k in ("backend", "device", "dtype", "batch_size")}
+        return kw
+
+    def slice_plan(self, rank: int):
+        """The composite plan of ``rank``'s slice (``M_rank``, the product of its transposed Jacobians)."""
+        hit = self._slice_plans.get(rank)
         if hit is None:
             lo, hi = self.bounds[rank], self.bounds[rank + 1]
-            hit = _slice_composite(self.patterns[lo:hi], self.dense_threshold)
-            self._slice_pat[rank] = hit
+            hit = build_composite(self._pats[lo:hi], bytes_budget=self.bytes_budget, **self._composite_kwargs())
+            self._slice_plans[rank] = hit
         return hit
+
+    def slice_pattern(self, rank: int) -> sp.csr_array:
+        """Stored pattern of the composite ``M_rank``."""
+        return self.slice_plan(rank).composite_pattern
 
     def partial_range(self, rank: int, k: int) -> tuple[int, int]:
         """Ranks ``[first, last]`` whose slices the partial of ``rank`` covers before round ``k``."""
         return rank, min(self.world_size - 1, rank + (1 << k) - 1)
 
-    def partial_pattern(self, rank: int, k: int) -> Optional[Pattern]:
+    def _compose_plan(self, rank: int, k: int):
+        """The composite plan of ``rank``'s partial before round ``k`` with the matrix piece received in it."""
+        key = (rank, k)
+        hit = self._compose_plans.get(key)
+        if hit is None:
+            own = self.partial_pattern(rank, k)
+            got = self.partial_pattern(self.recv_peer(rank, k), k)
+            hit = build_composite([own, got], bytes_budget=self.bytes_budget, **self._composite_kwargs())
+            self._compose_plans[key] = hit
+        return hit
+
+    def partial_pattern(self, rank: int, k: int) -> Optional[sp.csr_array]:
         """Matrix pattern of ``rank``'s partial before round ``k``; ``None`` once it holds the gradient."""
         key = (rank, k)
         if key in self._partial:
             return self._partial[key]
         if rank + (1 << k) - 1 >= self.world_size - 1:
-            out: Optional[Pattern] = None
+            out: Optional[sp.csr_array] = None
         elif k == 0:
             out = self.slice_pattern(rank)
         else:
-            own = self.partial_pattern(rank, k - 1)
-            src = self.recv_peer(rank, k - 1)
-            got = self.partial_pattern(src, k - 1)
-            out = None if got is None else _compose_pattern(own, got, self.dense_threshold)
+            got = self.partial_pattern(self.recv_peer(rank, k - 1), k - 1)
+            out = None if got is None else self._compose_plan(rank, k - 1).composite_pattern
         self._partial[key] = out
         return out
-
-    def sends(self, rank: int, k: int) -> bool:
-        return self.send_peer(rank, k) is not None
 
     # -- message sizes --------------------------------------------------------------------
     def message_numel(self, rank: int, k: int, batch: int, shared: Sequence[bool], has_extra: Sequence[bool]) -> int:
@@ -308,7 +290,7 @@ class DistributedPlan:
         if pat is None:
             return batch * self.dims[self.bounds[rank]]
         mat = pat.nnz * (1 if all(shared[first: last + 1]) else batch)
-        vec = batch * pat.rows if any(has_extra[first: last + 1]) else 0
+        vec = batch * pat.shape[0] if any(has_extra[first: last + 1]) else 0
         return mat + vec
 
     def planned_bytes(self, rank: int, batch: int, dtype: torch.dtype, shared: Sequence[bool],
@@ -330,55 +312,34 @@ class DistributedPlan:
 
     # -- per rank -------------------------------------------------------------------------
     def rank_plan(self, rank: int) -> RankPlan:
-        """The local plan and planned products of ``rank`` (made once, cached)."""
+        """The plans ``rank`` runs (made once, cached)."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {rank!r}")
         hit = self._ranks.get(rank)
         if hit is not None:
             return hit
-        import spscan
-
         lo, hi = self.bounds[rank], self.bounds[rank + 1]
-        rp = RankPlan(rank, lo, hi, spscan.plan(self.patterns[lo:hi], **self.plan_kwargs))
+        rp = RankPlan(rank, lo, hi, build_plan(self._pats[lo:hi], bind=None, **self.plan_kwargs))
         last = self.world_size - 1
         if rank != last and self.sends(rank, 0):
-            cur = list(self.patterns[lo:hi])
-            for pairs in _tree_levels(len(cur)):
-                level = []
-                for l, r in pairs:
-                    out = _compose_pattern(cur[l], cur[r], self.dense_threshold)
-                    level.append((self._product(cur[l], cur[r], out), PlannedMatvec(cur[l])))
-                rp.tree.append(level)
-                cur = [prod.pattern for prod, _ in level] + ([cur[-1]] if len(cur) % 2 else [])
-            assert cur[0].key == self.slice_pattern(rank).key
+            rp.reduce = self.slice_plan(rank)
+        pieces = []
         for k in range(self.rounds):
             src = self.recv_peer(rank, k)
             if src is None:
                 continue
             got = self.partial_pattern(src, k)
             if got is not None:
-                rp.recv_matvecs[k] = PlannedMatvec(got)
+                pieces.append(got)
             if k + 1 < self.rounds and self.sends(rank, k + 1):
                 own = self.partial_pattern(rank, k)
                 assert own is not None, "a partial that is sent on after receiving is still a matrix"
-                rp.own_matvecs[k] = PlannedMatvec(own)
-                if got is not None:
-                    rp.round_products[k] = self._product(own, got, self.partial_pattern(rank, k + 1))
+                rp.compose[k] = self._compose_plan(rank, k) if got is not None else \
+                    build_plan([own], levels=0, bind=None, **self._composite_kwargs())
+        if rank != last and pieces:
+            rp.boundary = build_plan(pieces, levels=0, bind=None, **self._composite_kwargs())
         self._ranks[rank] = rp
         return rp
-
-    def _product(self, a: Pattern, b: Pattern, out: Pattern) -> PlannedProduct:
-        if not (a.is_full and b.is_full):
-            need = 16 * product_counts(a, b)  # two int64 entry ids per multiply pair
-            if need > self.bytes_budget:
-                from spscan.plan import _fmt_bytes
-
-                raise ValueError(f"composite product {a.shape} @ {b.shape} needs {_fmt_bytes(need)} of pair "
-                                 f"indices, over the planning budget of {_fmt_bytes(self.bytes_budget)}: "
-                                 "use more ranks or cut the chain where the composites stay small")
-        prod = PlannedProduct(a, b, dense_out=out.is_full)
-        assert prod.pattern.key == out.key, "the numeric product must produce the planned composite pattern"
-        return prod
 
 
 def plan(patterns: Any, world_size: int, slices: Optional[Sequence[int]] = None, rank: Optional[int] = None,
@@ -413,10 +374,9 @@ def plan(patterns: Any, world_size: int, slices: Optional[Sequence[int]] = None,
                 b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
             raise ValueError(f"slices: expected {world_size + 1} strictly increasing boundaries from 0 to n={n} "
                              f"(every rank owns at least one layer), got {list(slices)}")
-    dev = plan_kwargs.get("device")
-    dev_type = torch.device(dev).type if dev is not None else "cpu"
-    profile = profile_for(dev_type)
-    dplan = DistributedPlan(pats, world_size, bounds, plan_kwargs, profile.dense_threshold, profile.bytes_budget)
+    dev = resolve_device(plan_kwargs.get("device"))
+    profile = profile_for(dev.type if dev is not None else "cpu")
+    dplan = DistributedPlan(pats, world_size, bounds, plan_kwargs, profile.bytes_budget)
     if rank is not None:
         dplan.rank_plan(rank)
     return dplan
@@ -543,8 +503,6 @@ def _check_local(dplan: DistributedPlan, rp: RankPlan, values: Any, grad: Option
                  extra: Optional[Sequence[Optional[torch.Tensor]]]
                  ) -> tuple[int, torch.dtype, torch.device, list, list]:
     """Validate this rank's inputs alone; returns (batch or 0, dtype, device, values list, extras list)."""
-    from spscan.executor import check_inputs
-
     r, p = rp.rank, dplan.world_size
     n_r = rp.hi - rp.lo
     where = f"rank {r} (layers {rp.lo + 1}..{rp.hi})"
@@ -577,28 +535,53 @@ def _check_local(dplan: DistributedPlan, rp: RankPlan, values: Any, grad: Option
     dtype, device = first.dtype, first.device
     dummy = grad if r == p - 1 else torch.empty(max(batch, 1), dplan.dims[rp.hi], dtype=dtype, device=device)
     try:
-        check_inputs(rp.local, values, dummy, extra, False)
+        local = rp.local
+        check_inputs(local.n, local.nnz, local.dims, local.dtype, local.device, values, dummy, extra, False)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{where}: {exc}") from exc
     return batch, dtype, device, values, extra
 
 
-def _compose(prod: Optional[PlannedProduct], mv_left: PlannedMatvec, left: tuple, right: tuple) -> tuple:
-    """``(M_L, v_L) ∘ (M_R, v_R) = (M_L M_R, M_L v_R + v_L)``; a right element ``(None, g)`` is a vector."""
-    ml, vl = left
-    mr, vr = right
-    vec = vl if vr is None else mv_left(ml, vr, vl)
-    if mr is None:
-        return None, vec
-    return prod(ml, mr), vec
+def _signature(values: Sequence[torch.Tensor], extra: Sequence[Optional[torch.Tensor]]) -> tuple[tuple, tuple]:
+    return tuple(v.dim() == 1 for v in values), tuple(e is not None for e in extra)
 
 
 def _reduce_slice(rp: RankPlan, values: list, extra: list) -> tuple:
-    cur = [(v, e) for v, e in zip(values, extra[:-1])]
-    for level in rp.tree:
-        nxt = [_compose(prod, mv, cur[2 * j], cur[2 * j + 1]) for j, (prod, mv) in enumerate(level)]
-        cur = nxt + ([cur[-1]] if len(cur) % 2 else [])
-    return cur[0]
+    """The slice's element ``(M_r values, v_r or None)`` from its composite plan."""
+    ext = list(extra[:-1]) + [None]
+    shared, has_extra = _signature(values, ext)
+    res = rp.reduce.bind(shared, has_extra, values[0].device).run(values, extra=ext if any(has_extra) else None,
+                                                                   check=False)
+    v = res.composite_vector
+    return res.composite, (None if v is None else v.clone())
+
+
+def _compose(rp: RankPlan, k: int, partial: tuple, piece: tuple) -> tuple:
+    """``(M_own, v_own) ∘ (M_got, v_got) = (M_own M_got, M_own v_got + v_own)``; a piece ``(None, g)`` is a vector."""
+    (mo, vo), (mg, vg) = partial, piece
+    plan = rp.compose[k]
+    if mg is None:  # the piece holds the gradient: one mat-vec, g = M_own g_got + v_own
+        ext = [vo, None]
+        res = plan.bind((mo.dim() == 1,), (vo is not None, False), mo.device).run([mo], vg, ext, check=False)
+        return None, res[0].clone()
+    ext = [vo, vg, None]
+    shared, has_extra = _signature([mo, mg], ext)
+    res = plan.bind(shared, has_extra, mo.device).run([mo, mg], extra=ext if any(has_extra) else None, check=False)
+    v = res.composite_vector
+    return res.composite, (None if v is None else v.clone())
+
+
+def _boundary(rp: RankPlan, received: list) -> torch.Tensor:
+    """``dl/dx_hi`` from the pieces received: matrices in round order, the last one the gradient."""
+    _, (m_last, g) = received[-1]
+    assert m_last is None, "the last piece a rank receives contains the gradient"
+    mats = [m for _, (m, _) in received[:-1]]
+    if not mats:
+        return g
+    ext = [v for _, (_, v) in received[:-1]] + [None]
+    shared, has_extra = _signature(mats, ext)
+    res = rp.boundary.bind(shared, has_extra, g.device).run(mats, g, ext if any(has_extra) else None, check=False)
+    return res[0].clone()
 
 
 def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad: Optional[torch.Tensor] = None,
@@ -683,15 +666,13 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
     stats.planned_bytes_sent, stats.planned_bytes_received = dplan.planned_bytes(rank, grad_batch, dtype, shared_r,
                                                                                    has_extra)
 
-    import spscan
-
     last = p - 1
     t1 = time.perf_counter()
     with torch.no_grad():
         # 2. the rank's element: the spine vector (last rank) or its slice's affine composite
         local_grads = None
         if rank == last:
-            local_grads = spscan.backward(rp.local, values, grad, extra=extra_l)
+            local_grads = _scan_backward(rp.local, values, grad, extra=extra_l)
             partial: tuple = (None, local_grads[0])
         elif dplan.sends(rank, 0):
             partial = _reduce_slice(rp, values, extra_l)
@@ -716,15 +697,11 @@ def backward(dplan: DistributedPlan, local_values: Sequence[torch.Tensor], grad:
             piece = _unpack(dplan, src, k, buf, grad_batch, shared_r, has_extra)
             received.append((k, piece))
             if k + 1 < dplan.rounds and dplan.sends(rank, k + 1):
-                partial = _compose(rp.round_products.get(k), rp.own_matvecs[k], partial, piece)
+                partial = _compose(rp, k, partial, piece)
         t3 = time.perf_counter()
         # 4. boundary gradient: apply the received pieces to the spine vector, innermost first
         if rank != last:
-            k_last, (m, g) = received[-1]
-            assert m is None, "the last piece a rank receives contains the gradient"
-            for k, (m, v) in reversed(received[:-1]):
-                g = rp.recv_matvecs[k](m, g, v)
-            local_grads = spscan.backward(rp.local, values, g, extra=extra_l)
+            local_grads = _scan_backward(rp.local, values, _boundary(rp, received), extra=extra_l)
     stats.seconds = {"status": t1 - t0, "local": t2 - t1, "rounds": t3 - t2, "finish": time.perf_counter() - t3}
     return SliceGrads(list(local_grads), rp.lo, stats)
 

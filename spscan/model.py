@@ -25,7 +25,9 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
+from spscan.engine import check_inputs
 from spscan.layers import LayerUnit, LinearUnit, make_unit, supported_layer_types
+from spscan.plan import build_plan
 
 __all__ = ["ModelPlan", "Jacobians", "plan_model", "param_grads", "wrap", "SpscanModule"]
 
@@ -196,18 +198,18 @@ class ModelPlan:
             values = self._fill(saved, tensors)
         return y, Jacobians(values, x.shape[0], saved, tensors)
 
-    def _spscan_backward(self, values: Union[Jacobians, Sequence[torch.Tensor]], grad: torch.Tensor,
-                         extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
+    def backward(self, values: Union[Jacobians, Sequence[torch.Tensor]], grad: torch.Tensor,
+                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
         """``[dl/dx_0, ..., dl/dx_n]`` (each ``(B, d_i)``) from the step's values and ``grad`` ``(B, d_n)``
-        (or ``(B, *out_shape)``)."""
+        (or ``(B, *out_shape)``): the contract of :func:`spscan.backward`."""
         vals = list(values.values if isinstance(values, Jacobians) else values)
         if len(vals) != len(self.units):
             raise ValueError(f"values: expected {len(self.units)} tensors (one per layer), got {len(vals)}")
-        if grad.dim() != 2:
+        if isinstance(grad, torch.Tensor) and grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
-        from spscan.api import backward
-
-        return backward(self.core, vals, grad, extra)
+        items, _, shared, has_extra, _, _, device = check_inputs(
+            self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
+        return self.core.bind(shared, has_extra, device).run(items, grad, extra, check=False).grads
 
 
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
@@ -263,9 +265,8 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
-    from spscan.api import plan as plan_patterns
-
-    core = plan_patterns([u.pattern for u in units], **kwargs)
+    signature = ([u.shared for u in units], [False] * (len(units) + 1))
+    core = build_plan([u.pattern for u in units], bind=signature, **kwargs)
     return ModelPlan(model, units, [n for n, _ in chain], in_shape0, core)
 
 
@@ -363,7 +364,7 @@ class _ScanFunction(torch.autograd.Function):
         plan: ModelPlan = ctx.plan
         b = gy.shape[0]
         values = plan._fill(ctx.saved, ctx.tensors)
-        grads = plan._spscan_backward(values, gy.reshape(b, -1).contiguous())
+        grads = plan.backward(values, gy.reshape(b, -1).contiguous())
         gx = grads[0].reshape(ctx.x_shape) if ctx.needs_input_grad[1] else None
         needed, pos = [], 2
         for u in plan.units:

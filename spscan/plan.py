@@ -1,54 +1,31 @@
 """The :class:`Plan`: everything a scan needs that does not depend on values, made once.
 
 Like a sparse library's SpGEMM "reuse" handle, the plan owns the symbolic results (patterns,
-pair lists per product, the scan schedule and its depth) and the lowered work tables; each
-training step only calls :func:`spscan.backward` with new values.
+pair lists per product, the scan schedule and its depth). It is immutable; :meth:`Plan.bind`
+makes the run-time half (:class:`spscan.engine.BoundPlan`: lowered work tables on a device, for
+one value signature), cached per signature, and each training step only runs that with new
+values. :func:`build_plan` and :func:`build_composite` are the planning entry points every
+front end uses.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
+from spscan.engine import BoundPlan, ValuesBuffer, fmt_bytes
+from spscan.kernels.backend import backend_names, default_backend, get_backend
+from spscan.planner.cost import profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
-from spscan.planner.planning import ScanPlan, step_costs
-from spscan.planner.program import Program, lower
+from spscan.planner.patterns import Pattern, as_chain
+from spscan.planner.planning import ScanPlan, composite_pattern, plan_reduction, plan_scan, step_costs
 from spscan.planner.schedule import max_levels
 
-__all__ = ["Plan", "ValuesBuffer"]
-
-
-class ValuesBuffer(list):
-    """A list of value tensors that live in a plan's input arena (see :meth:`Plan.values_buffer`)."""
-
-    def __init__(self, views, plan: "Plan", shared: tuple, arenas: tuple) -> None:
-        super().__init__(views)
-        self.plan = plan
-        self.shared = shared
-        self.arenas = arenas
-
-    @property
-    def stacked(self) -> torch.Tensor:
-        """All layers as one ``(n, B, nnz)`` (per sample) or ``(n, nnz)`` (shared) view."""
-        nnz = {int(v.shape[-1]) for v in self}
-        if len(nnz) != 1 or len(set(self.shared)) != 1:
-            raise ValueError("stacked view needs every layer to have the same nnz and sharedness")
-        k, n = nnz.pop(), len(self)
-        s_arena, p_arena = self.arenas
-        if self.shared[0]:
-            return s_arena[: n * k].view(n, k)
-        return p_arena[:, : n * k].view(p_arena.shape[0], n, k).transpose(0, 1)
-
-
-def _fmt_bytes(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(b) < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return str(b)
+__all__ = ["Plan", "build_plan", "build_composite", "resolve_device", "check_plan_options"]
 
 
 class Plan:
@@ -65,18 +42,19 @@ class Plan:
     def __init__(self, scan: ScanPlan, backend: str, device: Optional[torch.device],
                  dtype: Optional[torch.dtype], max_memory: Optional[int], requested_levels) -> None:
         self._scan = scan
-        self.backend = backend
-        self.device = device
-        self.dtype = dtype
-        self.max_memory = max_memory
-        self.requested_levels = requested_levels
-        self._programs: dict[tuple, Program] = {}
-        self._tables: dict[tuple, object] = {}
+        self._backend = backend
+        self._device = device
+        self._dtype = dtype
+        self._max_memory = max_memory
+        self._requested_levels = requested_levels
         self._patterns_cache: Optional[list] = None
-        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scratch_bufs: dict[tuple, torch.Tensor] = {}
-        self._extra_cols: dict[tuple, torch.Tensor] = {}  # (program, device) -> vector columns of the extras
-        self._nnz = [p.nnz for p in scan.patterns]
+        self._bound: dict[tuple, BoundPlan] = {}  # run-time halves, one per (signature, device)
+
+    backend = property(lambda self: self._backend, doc="``'torch'`` or ``'triton'``.")
+    device = property(lambda self: self._device, doc="The device the plan is for (``None``: any).")
+    dtype = property(lambda self: self._dtype, doc="The dtype the plan is for (``None``: float32 or float64).")
+    max_memory = property(lambda self: self._max_memory, doc="The byte limit given at planning time.")
+    requested_levels = property(lambda self: self._requested_levels, doc="``levels`` as requested.")
 
     # -- introspection ------------------------------------------------------------------
     @property
@@ -103,6 +81,33 @@ class Plan:
         pats = self._scan.patterns
         return [p.rows for p in pats] + [pats[-1].cols]
 
+    @property
+    def nnz(self) -> list[int]:
+        """Stored entries of each ``J_i^T``, in layer order."""
+        return [p.nnz for p in self._scan.patterns]
+
+    @property
+    def kind(self) -> str:
+        """``"scan"`` (every ``dl/dx_i``) or ``"composite"`` (the product of all ``J_i^T``)."""
+        return "composite" if self._scan.schedule.kind == "reduce" else "scan"
+
+    @property
+    def composite_pattern(self) -> sp.csr_array:
+        """The stored pattern of the composite ``J_1^T ... J_n^T`` (composite plans only)."""
+        if self.kind != "composite":
+            raise ValueError("composite_pattern: this is a scan plan; make one with spscan.plan_composite")
+        return composite_pattern(self._scan).to_scipy()
+
+    @property
+    def candidates(self) -> dict[int, float]:
+        """Estimated critical-path seconds of each depth the cost model evaluated (``levels="auto"``)."""
+        return dict(self._scan.candidates)
+
+    @property
+    def explored_levels(self) -> int:
+        """The deepest up-sweep level whose products were planned."""
+        return self._scan.explored
+
     def memory(self) -> MemoryEstimate:
         """Bytes held by the plan and the per-sample peak of ``backward`` (see :class:`MemoryEstimate`)."""
         return estimate_memory(self._scan)
@@ -123,7 +128,7 @@ class Plan:
             name = f"{c.phase}{c.level}" if c.phase != "mid" else f"mid{c.level}"
             flops = c.flops * batch
             by = c.bytes * batch
-            lines.append(f"{name:<10}{c.nodes_mm:>7}{c.nodes_mv:>7}{c.nnz:>14,}{flops:>16,}{_fmt_bytes(by):>14}"
+            lines.append(f"{name:<10}{c.nodes_mm:>7}{c.nodes_mv:>7}{c.nnz:>14,}{flops:>16,}{fmt_bytes(by):>14}"
                          f"{c.time_s * 1e3:>10.3f}ms")
             tot_flops += flops
             tot_bytes += by
@@ -131,7 +136,7 @@ class Plan:
             # the critical path runs one node per step: the costliest one
             crit_flops += flops // max(1, c.nodes_mm + c.nodes_mv) if c.phase != "mid" else flops
         lines.append(f"{'total':<10}{sum(c.nodes_mm for c in costs):>7}{sum(c.nodes_mv for c in costs):>7}"
-                     f"{tot_nnz:>14,}{tot_flops:>16,}{_fmt_bytes(tot_bytes):>14}"
+                     f"{tot_nnz:>14,}{tot_flops:>16,}{fmt_bytes(tot_bytes):>14}"
                      f"{sum(c.time_s for c in costs) * 1e3:>10.3f}ms")
         lines.append(f"steps on the critical path: {len(costs)}; critical-path FLOPs ~ {crit_flops:,} "
                      f"(batch {batch})")
@@ -139,129 +144,81 @@ class Plan:
             cand = ", ".join(f"K={k}: {t * 1e3:.3f}ms" for k, t in sorted(scan.candidates.items()))
             lines.append(f"cost model ({scan.profile.name}, batch {scan.batch_hint}): {cand}")
         mem = self.memory()
-        lines.append(f"memory: plan holds {_fmt_bytes(mem.plan_bytes)}; backward peak "
-                     f"{_fmt_bytes(mem.backward_peak(batch))} at batch {batch} "
-                     f"({_fmt_bytes(mem.backward_peak(1))} per sample)")
+        lines.append(f"memory: plan holds {fmt_bytes(mem.plan_bytes)}; backward peak "
+                     f"{fmt_bytes(mem.backward_peak(batch))} at batch {batch} "
+                     f"({fmt_bytes(mem.backward_peak(1))} per sample)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return (f"Plan(n={self.n}, levels={self.levels}, backend={self.backend!r}, "
                 f"device={self.device}, dtype={self.dtype})")
 
-    # -- lowering -----------------------------------------------------------------------
-    def program(self, shared: Sequence[bool], has_extra: Sequence[bool]) -> Program:
-        """The lowered work tables for one sharedness / extra signature (made once, cached)."""
-        if type(shared) is tuple and type(has_extra) is tuple:  # noqa: E721 - the common call: no per-layer work
-            prog = self._programs.get((shared, has_extra))
-            if prog is not None:
-                return prog
-        key = (tuple(bool(s) for s in shared), tuple(bool(e) for e in has_extra))
-        prog = self._programs.get(key)
-        if prog is None:
-            prog = lower(self._scan, key[0], key[1])
-            self._programs[key] = prog
-        return prog
+    def step_costs(self):
+        """The cost model's estimate per scan step (phase, level, nodes, nnz, FLOPs, bytes, seconds)."""
+        return step_costs(self._scan)
+
+    # -- the run-time half ----------------------------------------------------------------
+    def bind(self, shared: Optional[Sequence[bool]] = None, has_extra: Optional[Sequence[bool]] = None,
+             device=None) -> BoundPlan:
+        """The run-time engine for one value signature on one device (made once, cached).
+
+        Lowers the plan and uploads its index tables: every later :meth:`BoundPlan.run` is numeric
+        work only. ``shared[i]``: layer ``i+1``'s values will be ``(nnz,)``; ``has_extra[i]``:
+        ``extra[i]`` will be given. Defaults: all per sample, no extras, ``self.device`` (else CPU).
+        """
+        n = self.n
+        shared = (False,) * n if shared is None else tuple(bool(s) for s in shared)
+        has_extra = (False,) * (n + 1) if has_extra is None else tuple(bool(e) for e in has_extra)
+        if len(shared) != n:
+            raise ValueError(f"shared: expected {n} flags (one per layer), got {len(shared)}")
+        if len(has_extra) != n + 1:
+            raise ValueError(f"has_extra: expected {n + 1} flags (one per dl/dx_i), got {len(has_extra)}")
+        dev = resolve_device(device) if device is not None else (self._device or torch.device("cpu"))
+        return self._binding(shared, has_extra, dev)
+
+    def _binding(self, shared: tuple, has_extra: tuple, device: torch.device) -> BoundPlan:
+        key = (shared, has_extra, device)
+        hit = self._bound.get(key)
+        if hit is None:
+            hit = BoundPlan(self._scan, shared, has_extra, device, get_backend(self._backend), self._dtype,
+                            self._max_memory)
+            self._bound[key] = hit
+        return hit
+
+    def bindings(self) -> list[BoundPlan]:
+        """Every run-time half made so far."""
+        return list(self._bound.values())
 
     def prepare(self, shared: Optional[Sequence[bool]] = None, has_extra: Optional[Sequence[bool]] = None,
                 device=None) -> "Plan":
-        """Lower (and copy to ``device``) ahead of the first ``backward`` so no step pays for it.
-
-        ``shared[i]``: whether layer ``i+1``'s values will be passed as ``(nnz,)``;
-        ``has_extra[i]``: whether ``extra[i]`` will be passed. Defaults: all per sample, no extras.
-        """
-        shared = [False] * self.n if shared is None else list(shared)
-        has_extra = [False] * (self.n + 1) if has_extra is None else list(has_extra)
-        prog = self.program(shared, has_extra)
-        dev = torch.device(device) if device is not None else (self.device or torch.device("cpu"))
-        self._runner(prog, dev)
+        """:meth:`bind` ahead of the first ``backward`` (same arguments); returns the plan."""
+        self.bind(shared, has_extra, device)
         return self
 
-    def _runner(self, program: Program, device: torch.device):
-        key = (id(program), str(device), self.backend)
-        hit = self._tables.get(key)
-        if hit is None:
-            if self.backend == "triton":
-                from spscan.kernels import triton_backend as backend
-            else:
-                from spscan.kernels import torch_ops as backend
-            hit = (backend.run_program, backend.make_tables(program, device))
-            self._tables[key] = hit
-        return hit
-
-    def _extra_columns(self, program: Program, device: torch.device):
-        """Vector-arena columns of every ``extra[i]`` (in ``program.extra_slots`` order), made once.
-
-        One ``index_put`` of the concatenated extras replaces a copy per layer (a long chain with a
-        loss on every step would otherwise pay microseconds of Python per layer).
-        """
-        key = (id(program), str(device))
-        hit = self._extra_cols.get(key)
-        if hit is None:
-            dims = self.dims
-            cols = np.concatenate([np.arange(off, off + dims[i]) for i, off in program.extra_slots.items()])
-            hit = torch.as_tensor(cols, dtype=torch.int64, device=device)
-            self._extra_cols[key] = hit
-        return hit
-
-    def _arenas(self, program: Program, batch: int, dtype: torch.dtype, device: torch.device):
-        """Matrix arenas ``(S, P)`` for one call, reused while the shape repeats.
-
-        Their layout depends only on which inputs are shared (never on ``extra``), so a
-        :meth:`values_buffer` filled before the call is read in place.
-        """
-        key = (program.shared, batch, dtype, str(device))
-        hit = self._buffers.get(key)
-        if hit is None:
-            self._buffers.clear()  # hold at most one set: memory stays at one backward's peak
-            hit = (torch.empty(program.size_s, dtype=dtype, device=device),
-                   torch.empty(batch, program.size_p, dtype=dtype, device=device))
-            self._buffers[key] = hit
-        return hit
-
-    def _scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat working buffer of at least ``numel`` entries kept between calls (no first-touch cost
-        per call: fresh multi-MB CPU allocations page-fault on every call). Its contents never
-        survive a call; :meth:`release_buffers` frees it."""
-        key = (name, dtype, str(device))
-        hit = self._scratch_bufs.get(key)
-        if hit is None or hit.numel() < numel:
-            self._scratch_bufs.pop(key, None)
-            hit = torch.empty(numel, dtype=dtype, device=device)
-            self._scratch_bufs[key] = hit
-        return hit[:numel]
-
     def values_buffer(self, batch: int, *, dtype: torch.dtype = torch.float32, device="cpu",
-                      shared: Optional[Sequence[bool]] = None) -> "ValuesBuffer":
-        """Views into the plan's own input arena, to fill in place and pass as ``values``.
+                      shared: Optional[Sequence[bool]] = None) -> ValuesBuffer:
+        """Views into the input arena of the binding for ``shared`` (no extras) to fill in place.
 
         ``backward`` then reads the values where they are instead of copying them (for long
         chains the copy is a sizeable part of a step). ``buf[i]`` is ``(B, nnz_i)`` (or
         ``(nnz_i,)`` where ``shared[i]``); ``buf.stacked`` is ``(n, B, nnz)`` / ``(n, nnz)`` when
-        every layer has the same nnz and sharedness. The buffer stays valid until the plan's
-        buffers are released or another batch size / dtype / device / sharedness is used.
+        every layer has the same nnz and sharedness. Valid until another batch size or dtype is run
+        or the buffers are released.
         """
-        shared = [False] * self.n if shared is None else [bool(s) for s in shared]
-        if len(shared) != self.n:
-            raise ValueError(f"shared: expected {self.n} flags, got {len(shared)}")
-        device = torch.device(device)
-        program = self.program(shared, [False] * (self.n + 1))
-        s_arena, p_arena = self._arenas(program, batch, dtype, device)
-        views = []
-        for i, p in enumerate(self._scan.patterns):
-            off = program.input_offsets[i]
-            views.append(s_arena[off : off + p.nnz] if shared[i] else p_arena[:, off : off + p.nnz])
-        return ValuesBuffer(views, self, program.shared, (s_arena, p_arena))
+        return self.bind(shared, None, device).values_buffer(batch, dtype)
 
     def release_buffers(self) -> None:
-        """Free the matrix arenas and working buffers kept between calls."""
-        self._buffers.clear()
-        self._scratch_bufs.clear()
+        """Free the arenas and working buffers every binding keeps between calls."""
+        for b in self._bound.values():
+            b.release_buffers()
 
     # -- persistence --------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the plan (symbolic results included) to ``path`` as a pickle-free ``.npz``."""
         from spscan.planner.serialize import save_scan
 
+        if self.kind != "scan":
+            raise ValueError("save: only scan plans are saved (a composite plan is cheap to rebuild)")
         options = {
             "backend": self.backend,
             "device": None if self.device is None else str(self.device),
@@ -270,3 +227,98 @@ class Plan:
             "requested_levels": self.requested_levels,
         }
         save_scan(path, self._scan, options)
+
+
+# ----------------------------------------------------------------------------- planning entry points
+
+
+def resolve_device(device) -> Optional[torch.device]:
+    """``device`` as a ``torch.device`` (``None`` stays ``None``); ``ValueError`` if invalid or not available."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: not a valid torch device: {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine (torch "
+                             f"{torch.__version__}, built {'with' if torch.backends.cuda.is_built() else 'without'} CUDA)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected a CPU or CUDA device")
+    return dev
+
+
+def check_plan_options(levels, backend, dtype, max_memory, batch_size) -> None:
+    """Refuse bad planning options early, naming the argument and the expected value."""
+    if not (levels in ("auto", "full") or (isinstance(levels, int) and not isinstance(levels, bool))):
+        raise ValueError(f"levels: expected 'auto', 'full' or an int >= 0, got {levels!r}")
+    if isinstance(levels, int) and levels < 0:
+        raise ValueError(f"levels: expected an int >= 0, got {levels}")
+    if backend != "auto" and backend not in backend_names():
+        raise ValueError(f"backend: expected 'auto', {', '.join(map(repr, backend_names()))}, got {backend!r}")
+    if dtype is not None and dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
+    if max_memory is not None:
+        if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
+            raise TypeError(f"max_memory: expected a number of bytes, got {type(max_memory).__name__}")
+        if not math.isfinite(max_memory) or max_memory <= 0:
+            raise ValueError(f"max_memory: expected a positive, finite number of bytes, got {max_memory!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+
+
+def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str = "auto", device=None,
+               dtype: Optional[torch.dtype] = None, max_memory: Optional[float] = None, batch_size: int = 16,
+               bind: Optional[tuple[Sequence[bool], Sequence[bool]]] = ((), ())) -> Plan:
+    """Plan the backward scan of a chain (what :func:`spscan.plan` does for patterns).
+
+    ``bind``: the ``(shared, has_extra)`` signature to bind now (empty tuples: the default, all per
+    sample and no extras; ``None``: bind nothing yet). See :func:`spscan.plan` for the rest.
+    """
+    check_plan_options(levels, backend, dtype, max_memory, batch_size)
+    dev = resolve_device(device)
+    if backend == "auto":
+        backend = default_backend(dev)
+    get_backend(backend).check_device(dev or torch.device("cpu"))
+    pats = as_chain(patterns)
+    elem = 8 if dtype == torch.float64 else 4
+    profile = profile_for(dev.type if dev is not None else "cpu")
+
+    def peak(candidate) -> int:
+        return estimate_memory(candidate).total(batch_size)
+
+    scan = plan_scan(pats, levels, profile, batch_hint=batch_size, elem_bytes=elem,
+                     memory_limit=max_memory, memory_of=peak)
+    if max_memory is not None and peak(scan) > max_memory:
+        raise ValueError(
+            f"max_memory={fmt_bytes(max_memory)}: the plan at levels={scan.levels} needs "
+            f"{fmt_bytes(peak(scan))} at batch {batch_size} "
+            + ("(even the linear scan does not fit)" if levels == "auto" else "(use fewer levels or 'auto')")
+        )
+    plan = Plan(scan, backend, dev, dtype, None if max_memory is None else int(max_memory), levels)
+    if bind is not None:
+        shared, has_extra = bind
+        plan.bind(shared or None, has_extra or None)
+    return plan
+
+
+def build_composite(patterns: Any, *, backend: str = "auto", device=None, dtype: Optional[torch.dtype] = None,
+                    batch_size: int = 16, bytes_budget: Optional[float] = None) -> Plan:
+    """Plan the composite ``J_1^T J_2^T ... J_n^T`` of a chain (what :func:`spscan.plan_composite` does).
+
+    ``bytes_budget``: the most pair-index bytes one reduction level may plan (default: the device profile's).
+    """
+    check_plan_options(0, backend, dtype, None, batch_size)
+    dev = resolve_device(device)
+    if backend == "auto":
+        backend = default_backend(dev)
+    get_backend(backend).check_device(dev or torch.device("cpu"))
+    pats: list[Pattern] = as_chain(patterns)
+    elem = 8 if dtype == torch.float64 else 4
+    profile = profile_for(dev.type if dev is not None else "cpu",
+                          None if bytes_budget is None else {"bytes_budget": float(bytes_budget)})
+    scan = plan_reduction(pats, profile, batch_hint=batch_size, elem_bytes=elem)
+    return Plan(scan, backend, dev, dtype, None, "composite")

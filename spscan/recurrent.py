@@ -11,7 +11,7 @@ gates, which are recomputed in one batched GEMM from ``x`` and ``h_{t-1}`` after
 own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11). Parameter
 gradients have no dependency along time and come out of one GEMM over all ``T*B`` steps.
 
-Chain layouts (``chain=``):
+Chain layouts (``layout=``):
 
 * ``"factored"`` (default): each time step is a few elements, every one either dense and
   shared by the batch (``W_hh^T`` or a 0/1 block-sum matrix, values ``(rows*cols,)``) or a
@@ -34,9 +34,10 @@ Chain layouts (``chain=``):
   saves (GRU: about even at H=20, and the factored chain wins as H grows: at H=64 the
   materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
 
-Every backward runs through the core: ``spscan.plan`` once per sequence length, then the
-program ``spscan.backward`` runs, called through ``spscan.executor.run`` (the values are built
-here, so the per-layer input checks are skipped) and read back as strided views of its arena.
+Every backward runs through the core engine: one plan per sequence length
+(:func:`spscan.plan.build_plan`), bound once for the step's value signature, run with the values
+built here (so the per-layer input checks are skipped) and read back as strided views of the
+result (:class:`spscan.engine.ScanResult`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from spscan.api import plan as _core_plan
-from spscan.executor import run as _core_run
+from spscan.engine import ScanResult
+from spscan.plan import build_plan
 
 __all__ = [
     "RecurrentPlan",
@@ -135,7 +136,7 @@ def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
     return [("shared", 2 * H, 5 * H), ("diag", 5 * H, 5 * H), ("shared", 5 * H, 3 * H), ("diag", 3 * H, 3 * H), ("shared", 3 * H, 2 * H)]
 
 
-def recurrent_patterns(module: nn.Module, seq_len: int, chain: str = "auto") -> list[sp.csr_array]:
+def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") -> list[sp.csr_array]:
     """The chain's transposed-Jacobian patterns for a sequence of ``seq_len`` steps, in layer order.
 
     Materialized: ``T`` patterns ``(D, D)`` (``D = H``, or ``2H`` for the LSTM). Factored: ``m*T``
@@ -143,20 +144,20 @@ def recurrent_patterns(module: nn.Module, seq_len: int, chain: str = "auto") -> 
     objects are repeated so the planner interns them.
     """
     kind = _cell_kind(module)
-    chain = _resolve_chain(kind, chain)
+    layout = _resolve_layout(kind, layout)
     H = module.hidden_size
-    if chain == "factored":
+    if layout == "factored":
         step = [_dense_pattern(r, c) if k == "shared" else _diag_pattern(r) for k, r, c in _factored_layout(kind, H)]
         return step * seq_len
     pat = _lstm_pattern(H) if kind == "lstm" else _dense_pattern(H, H)
     return [pat] * seq_len
 
 
-def _resolve_chain(kind: str, chain: str) -> str:
-    if chain not in ("auto", "factored", "materialized"):
-        raise ValueError(f"expected chain 'auto', 'factored' or 'materialized', got {chain!r}")
+def _resolve_layout(kind: str, layout: str) -> str:
+    if layout not in ("auto", "factored", "materialized"):
+        raise ValueError(f"layout: expected 'auto', 'factored' or 'materialized', got {layout!r}")
     # "auto": factored for every cell, measured (module docstring)
-    return "factored" if chain == "auto" else chain
+    return "factored" if layout == "auto" else layout
 
 
 # --------------------------------------------------------------------------- forward pieces
@@ -177,43 +178,6 @@ class _Saved:
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
-
-
-class _ChainGrads:
-    """The chain gradients ``dl/dx_i`` of one scan, read from its vector arena.
-
-    The arena is the plan's working buffer (overwritten by the next backward), so everything
-    returned here is a copy.
-    """
-
-    def __init__(self, vectors: torch.Tensor, outputs: Sequence[tuple[int, int]]) -> None:
-        self.vectors = vectors
-        self.outputs = outputs
-
-    def __len__(self) -> int:
-        return len(self.outputs)
-
-    def at(self, i: int) -> torch.Tensor:
-        off, d = self.outputs[i]
-        return self.vectors[:, off : off + d].clone()
-
-    def stacked(self, idx: range) -> torch.Tensor:
-        """``(len(idx), B, d)``, contiguous, for chain indices of one dimension ``d``.
-
-        The linear scan writes its outputs at evenly spaced offsets (in descending chain order),
-        so this is one strided view and one copy, not ``len(idx)`` views and a stack.
-        """
-        offs = np.fromiter((self.outputs[i][0] for i in idx), dtype=np.int64, count=len(idx))
-        d = self.outputs[idx[0]][1]
-        v = self.vectors
-        if offs.size > 1:
-            step = int(offs[1] - offs[0])
-            if abs(step) >= d and bool(np.all(np.diff(offs) == step)):
-                first = int(offs.min())
-                view = v.as_strided((offs.size, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
-                                    v.storage_offset() + first * v.stride(1))
-                return view.flip(0) if step < 0 else view.clone(memory_format=torch.contiguous_format)
-        return torch.stack([v[:, o : o + d] for o in offs.tolist()])
 
 
 def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
@@ -282,9 +246,9 @@ def _weighted_wt(out: torch.Tensor, w_blocks: torch.Tensor, coefs: Sequence[torc
     return out
 
 
-def _jacobian_values(kind: str, chain: str, coefs: dict, w_hh: torch.Tensor, H: int):
+def _jacobian_values(kind: str, layout: str, coefs: dict, w_hh: torch.Tensor, H: int):
     """The chain's values: a list of ``2T`` tensors (factored) or one stacked ``(T, B, nnz)`` tensor."""
-    if chain == "factored":
+    if layout == "factored":
         step = _factored_step_values(kind, coefs, w_hh, H)
         T = next(iter(coefs.values())).shape[0]
         # shared elements are the same tensor object every step (the core caches them by id)
@@ -358,12 +322,12 @@ class RecurrentPlan:
         module: nn.Module,
         example_input: Optional[torch.Tensor] = None,
         *,
-        chain: str = "auto",
+        layout: str = "auto",
         **plan_kwargs: Any,
     ) -> None:
         self.kind = _cell_kind(module)
         self.module = module
-        self.chain = _resolve_chain(self.kind, chain)
+        self.layout = _resolve_layout(self.kind, layout)
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
         self.state_size = _state_size(self.kind, module.hidden_size)
@@ -382,20 +346,39 @@ class RecurrentPlan:
     # -- plans
 
     def scan_plan(self, seq_len: int, device: torch.device, dtype: torch.dtype):
-        """The core plan (``spscan.plan``) for ``seq_len`` steps, built once per ``(T, device, dtype)``."""
+        """The core plan for ``seq_len`` steps, built once per ``(T, device, dtype)`` and bound for
+        the signature every step uses (shared weights, per-sample diagonals; with and without
+        per-step losses)."""
         self.last_seq_len = seq_len
         key = (seq_len, str(device), dtype)
         if key not in self._plans:
             kw = {k: v for k, v in self.plan_kwargs.items() if v is not None}
             kw.setdefault("device", device)
             kw.setdefault("dtype", dtype)
-            self._plans[key] = _core_plan(recurrent_patterns(self.module, seq_len, self.chain), **kw)
+            self._plans[key] = build_plan(recurrent_patterns(self.module, seq_len, self.layout), bind=None, **kw)
+            for with_extra in (False, True):
+                self._bound(seq_len, device, dtype, with_extra)
         return self._plans[key]
+
+    def _bound(self, seq_len: int, device: torch.device, dtype: torch.dtype, with_extra: bool):
+        """The run-time engine of the core plan for this length and whether per-step losses enter."""
+        plan = self.scan_plan(seq_len, device, dtype)
+        per = len(_factored_layout(self.kind, self.hidden_size)) if self.layout == "factored" else 1
+        n = per * seq_len
+        has_extra = [False] * (n + 1)
+        if with_extra:
+            for t in range(seq_len - 1):  # extra[t] (the loss on s_{t+1}) enters at chain index per*(t+1)
+                has_extra[per * (t + 1)] = True
+        if self.layout == "factored":
+            shared = [k == "shared" for k, _, _ in _factored_layout(self.kind, self.hidden_size)] * seq_len
+        else:
+            shared = [False] * n
+        return plan.bind(shared, has_extra, torch.device(device))
 
     @property
     def patterns(self) -> list[sp.csr_array]:
         """The chain's patterns for the most recently planned length."""
-        return recurrent_patterns(self.module, self.last_seq_len or 1, self.chain)
+        return recurrent_patterns(self.module, self.last_seq_len or 1, self.layout)
 
     @property
     def levels(self):
@@ -405,7 +388,7 @@ class RecurrentPlan:
 
     def summary(self) -> str:
         lines = [
-            f"RecurrentPlan({self.kind}, hidden={self.hidden_size}, state={self.state_size}, chain={self.chain})",
+            f"RecurrentPlan({self.kind}, hidden={self.hidden_size}, state={self.state_size}, layout={self.layout})",
             f"  cached lengths: {sorted({k[0] for k in self._plans}) or '(none yet)'}",
         ]
         for key, plan in self._plans.items():
@@ -414,7 +397,7 @@ class RecurrentPlan:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"RecurrentPlan(kind={self.kind!r}, hidden_size={self.hidden_size}, chain={self.chain!r})"
+        return f"RecurrentPlan(kind={self.kind!r}, hidden_size={self.hidden_size}, layout={self.layout!r})"
 
     # -- forward
 
@@ -458,7 +441,7 @@ class RecurrentPlan:
             cs = _lstm_cells(x, h_prev, c0, params)
             c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]], dim=0)
         coefs = _coefficients(self.kind, x, h_prev, c_prev, hs, cs, params) if T > 0 else {}
-        values = _jacobian_values(self.kind, self.chain, coefs, params[1], H) if (need_values and T > 0) else None
+        values = _jacobian_values(self.kind, self.layout, coefs, params[1], H) if (need_values and T > 0) else None
         return _Saved(
             x=x.detach(), h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
             params=params, dtype=hs.dtype, device=hs.device,
@@ -466,32 +449,25 @@ class RecurrentPlan:
 
     # -- backward
 
-    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]) -> "_ChainGrads":
-        """Every chain gradient (``m*T+1`` factored, ``T+1`` materialized), read from the scan's arena.
+    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]) -> ScanResult:
+        """Every chain gradient (``m*T+1`` factored, ``T+1`` materialized) of one scan.
 
-        The values are built here, so they are valid by construction: the core runs without its
-        per-layer input checks and without making ``n+1`` views (both cost microseconds per layer,
-        which is as much as a linear-scan step).
+        The values are built here, so they are valid by construction: the engine runs without its
+        per-layer input checks. The result views the engine's working buffer (valid until the next
+        scan): callers copy what they keep.
         """
         T = saved.T
-        plan = self.scan_plan(T, saved.device, saved.dtype)
-        per = len(_factored_layout(self.kind, self.hidden_size)) if self.chain == "factored" else 1
+        bound = self._bound(T, saved.device, saved.dtype, extra is not None)
+        per = len(_factored_layout(self.kind, self.hidden_size)) if self.layout == "factored" else 1
         n = per * T
         ext: Optional[list] = None
         if extra is not None:
-            # extra[t] (the loss on s_{t+1}) goes to chain index per*(t+1); the last one joins top
             ext = [None] * (n + 1)
             for t in range(T - 1):
                 ext[per * (t + 1)] = extra[t]
             top = top + extra[T - 1]
-        has_extra = tuple(e is not None for e in ext) if ext is not None else (False,) * (n + 1)
-        if self.chain == "factored":
-            shared = tuple(k == "shared" for k, _, _ in _factored_layout(self.kind, self.hidden_size)) * T
-            vectors, program = _core_run(plan, saved.values, False, shared, has_extra, top, ext, reuse_vectors=True)
-        else:  # stacked (T, B, nnz): no list of T tensors
-            vectors, program = _core_run(plan, [saved.values], True, (False,) * n, has_extra, top, ext,
-                                         reuse_vectors=True)
-        return _ChainGrads(vectors, program.outputs)
+        # factored: a list of m*T tensors; materialized: one stacked (T, B, nnz) tensor
+        return bound.run(saved.values, top, ext, check=False, scratch=True)
 
     def backward(
         self,
@@ -527,21 +503,21 @@ class RecurrentPlan:
         if T == 0:
             return self._pack(saved, top, None, None)
         G = self._scan(saved, top, extra)
-        g0 = G.at(0)
-        if self.chain == "factored":
+        g0 = G[0].clone()
+        if self.layout == "factored":
             per = len(_factored_layout(self.kind, H))
-            pre = G.stacked(range(1, per * T, per))  # gradients of element 1 of each step: (T, B, >= G*H)
+            pre = G.stacked(range(1, per * T, per), copy=True)  # gradients of element 1 of each step: (T, B, >= G*H)
             if self.kind.startswith("rnn"):
                 pre_ih = pre_hh = pre
             elif self.kind == "gru":
                 pre_hh = pre[..., : 3 * H]
                 # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
-                dh = G.stacked(range(per, per * T + 1, per))
+                dh = G.stacked(range(per, per * T + 1, per), copy=True)
                 pre_ih = torch.cat([pre[..., : 2 * H], dh * saved.coefs["dn"]], dim=-1)
             else:
                 pre_ih = pre_hh = pre[..., : 4 * H]
         else:
-            pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1)))
+            pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1), copy=True))
         return self._pack(saved, g0, pre_ih, pre_hh)
 
     def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):
@@ -587,26 +563,6 @@ class RecurrentPlan:
         if m.bias:
             out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh
         return out
-
-    def _spscan_backward(self, values: _Saved, grad, extra=None) -> dict[str, Optional[torch.Tensor]]:
-        """``spscan.backward(plan, saved, grads)`` for a recurrent plan.
-
-        ``values``: the ``saved`` object from ``forward``; ``grad``: a tuple mirroring the module's
-        outputs, ``(grad_output, grad_h_n)`` or ``(grad_output, (grad_h_n, grad_c_n))``, entries may
-        be None. ``extra`` must be None (per-step losses are ``grad_output``).
-        """
-        if extra is not None:
-            raise ValueError("expected extra=None for a recurrent plan (per-step gradients go in grad_output), got a value")
-        if not isinstance(values, _Saved):
-            raise TypeError(f"expected the saved state returned by plan.forward(x), got {type(values).__name__}")
-        if not isinstance(grad, (tuple, list)) or len(grad) != 2:
-            raise TypeError("expected grad = (grad_output, grad_h_n) or (grad_output, (grad_h_n, grad_c_n))")
-        go, gs = grad
-        if self.kind == "lstm":
-            gh, gc = gs if gs is not None else (None, None)
-        else:
-            gh, gc = gs, None
-        return self.backward(values, go, gh, gc)
 
 
 def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):
@@ -714,14 +670,14 @@ class RecurrentWrapper(nn.Module):
         return outs[0], outs[1]
 
     def extra_repr(self) -> str:
-        return f"chain={self.plan.chain!r}"
+        return f"layout={self.plan.layout!r}"
 
 
 def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> RecurrentPlan:
     """Plan BPPSA for a single-layer ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``.
 
     ``example_input``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or ``(T, I)``; its ``T`` is
-    planned now, other lengths on first use. ``plan_kwargs``: ``chain`` ("auto" | "factored" |
+    planned now, other lengths on first use. ``plan_kwargs``: ``layout`` ("auto" | "factored" |
     "materialized") and whatever ``spscan.plan`` takes (``levels``, ``backend``, ...).
     Raises ``ValueError`` for num_layers > 1, bidirectional or proj_size > 0.
     """

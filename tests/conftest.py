@@ -2,6 +2,11 @@ import os
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when a kernel is
+# decorated, so it is set here, before any test module imports triton; the library never sets it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 # One pinned, derandomized profile so CI runs the same examples every time.

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import spscan
 from spscan.kernels import torch_ops
-from spscan.planner.program import VecChain
+from spscan.planner.program import LinearRun
 from spscan.planner.schedule import max_levels
 from spscan.reference import reference_backward
 
@@ -239,7 +239,7 @@ def test_auto_prefers_linear_or_deeper_consistently():
     """The chosen depth minimizes the plan's own cost estimate among the candidates it explored."""
     pats = [sp.csr_array(np.ones((20, 20)))] * 300
     plan = spscan.plan(pats)
-    cands = plan._scan.candidates
+    cands = plan.candidates
     assert plan.levels == min(cands, key=cands.get)
 
 
@@ -254,16 +254,16 @@ def _not_quite_diagonal(d: int) -> sp.csr_array:
 def cpu_chain(request, monkeypatch):
     """Both CPU loops of the linear-scan middle: NumPy (small steps) and eager torch (large steps)."""
     if request.param == "torch":
-        monkeypatch.setattr(torch_ops, "NUMPY_CHAIN_MAX_WORK", 0)
+        monkeypatch.setattr(torch_ops, "NUMPY_RUN_MAX_WORK", 0)
     return request.param
 
 
 def _chain_loops(plan, batch):
     """Which CPU loop each middle chain of the plan's linear-scan program takes at this batch."""
-    program = plan.program((False,) * plan.n, (False,) * (plan.n + 1))
+    program = plan.bind((False,) * plan.n, (False,) * (plan.n + 1)).program
     vectors = torch.empty(batch, 1)
-    return {torch_ops.numpy_chain(torch_ops._chain_plan(op), vectors)
-            for st in program.steps for op in st.ops if isinstance(op, VecChain)}
+    return {torch_ops.uses_numpy(torch_ops._run_plan(op), vectors)
+            for st in program.steps for op in st.ops if isinstance(op, LinearRun)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -355,7 +355,36 @@ def test_chain_output_period_detection():
     dims = [(7 * i) % 23 + 1 for i in range(21)]
     pats = [sp.csr_array(np.ones((dims[i], dims[i + 1]))) for i in range(20)]
     plan = spscan.plan(pats, levels=0)
-    chains = [op for st in plan.program((False,) * 20, (False,) * 21).steps for op in st.ops if isinstance(op, VecChain)]
-    assert chains and all(torch_ops._chain_plan(op).period == 0 for op in chains)
+    chains = [op for st in plan.bind((False,) * 20, (False,) * 21).program.steps for op in st.ops
+              if isinstance(op, LinearRun)]
+    assert chains and all(torch_ops._run_plan(op).period == 0 for op in chains)
     for dtype in (torch.float64, torch.float32):
         check_chain(pats, 2, dtype, [False, True] * 10, 0, True, seed=5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_index_work_at_run_time(backend, monkeypatch):
+    """Planning binds the default signature; backward after that lowers nothing and uploads no table."""
+    import spscan.engine as engine
+    from spscan.kernels.backend import get_backend
+
+    pats = [sp.csr_array(sp.random(6, 6, density=0.4, random_state=i)) + sp.csr_array(sp.eye(6)) for i in range(9)]
+    plan = spscan.plan(pats, levels=1, backend=backend)
+    plan.bind(None, [True] + [False] * 9)  # a second signature, bound ahead of time
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("index work inside backward")
+
+    made = []
+    monkeypatch.setattr(engine, "lower", refuse)
+    monkeypatch.setattr(type(get_backend(backend)), "make_tables", refuse)
+    monkeypatch.setattr(engine.BoundPlan, "__init__", lambda *a, **k: made.append(a) or refuse())
+    vals = make_values(pats, 2, torch.float64, [False] * 9)
+    grad = torch.randn(2, 6, dtype=torch.float64)
+    ref = reference_backward(pats, vals, grad)
+    for _ in range(2):
+        out = spscan.backward(plan, vals, grad)
+        assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
+    extra = [torch.ones(2, 6, dtype=torch.float64)] + [None] * 9
+    out = spscan.backward(plan, vals, grad, extra)
+    assert rel_err(out[1], ref[1]) <= 1e-12 and not made

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 import spscan
 import spscan.distributed as sd
-from spscan.kernels.chain import PlannedMatvec, PlannedProduct
 from spscan.planner.patterns import as_pattern
 
 from distributed_cases import (crash_before_backward, expected_rounds, failure_cases, make_chain,
@@ -176,8 +175,8 @@ def test_planned_composites_match_products():
             for p in canon[dplan.bounds[a] + 1: dplan.bounds[b + 1]]:
                 prod = prod @ p.to_scipy()
             prod = sp.csr_array(prod)
-            dense = pat.is_full
-            got = pat.to_scipy().toarray() != 0
+            dense = pat.nnz == pat.shape[0] * pat.shape[1]
+            got = sp.csr_array((np.ones(pat.nnz), pat.indices, pat.indptr), shape=pat.shape).toarray() != 0
             want = prod.toarray() != 0
             assert (got | ~want).all() and (dense or (got == want).all())
 
@@ -246,25 +245,34 @@ def test_plan_validation():
 
 @given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 6), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
        st.booleans(), st.booleans(), st.integers(0, 1000))
-def test_chain_kernels_match_dense(m, k, n, da, db, dense_out, shared_a, seed):
+def test_composite_and_matvec_match_dense(m, k, n, da, db, with_extra, shared_a, seed):
+    """The slice reduction's primitives on the engine: the composite of two layers and one mat-vec."""
     rng = np.random.default_rng(seed)
     a = sp.csr_array(sp.random(m, k, density=da, format="csr", random_state=seed))
     b = sp.csr_array(sp.random(k, n, density=db, format="csr", random_state=seed + 1))
     if seed % 4 == 0:
         a, b = sp.csr_array(np.ones((m, k))), sp.csr_array(np.ones((k, n)))
-    pa, pb = as_pattern(a), as_pattern(b)
     batch = 3
-    va = torch.from_numpy(rng.standard_normal(pa.nnz if shared_a else (batch, pa.nnz)))
-    vb = torch.from_numpy(rng.standard_normal((batch, pb.nnz)))
-    prod = PlannedProduct(pa, pb, dense_out=dense_out)
-    c = prod(va, vb)
+    va = torch.from_numpy(rng.standard_normal(a.nnz if shared_a else (batch, a.nnz)))
+    vb = torch.from_numpy(rng.standard_normal((batch, b.nnz)))
+    ext = [torch.from_numpy(rng.standard_normal((batch, m))) if with_extra else None,
+           torch.from_numpy(rng.standard_normal((batch, k))) if with_extra else None, None]
+    cplan = spscan.plan_composite([a, b])
+    bound = cplan.bind((shared_a, False), (with_extra, with_extra, False))
+    res = bound.run([va, vb], extra=ext if with_extra else None)
+    c, cv = res.composite, res.composite_vector
+    pc = cplan.composite_pattern
     x = torch.from_numpy(rng.standard_normal((batch, k)))
-    y = PlannedMatvec(pa)(va, x, add=torch.ones(batch, m, dtype=torch.float64))
+    y = spscan.backward(spscan.plan([a], levels=0), [va], x, [torch.ones(batch, m, dtype=torch.float64), None])[0]
     for s in range(batch):
-        ad = sp.csr_array(((va if shared_a else va[s]).numpy(), pa.indices, pa.indptr), shape=pa.shape).toarray()
-        bd = sp.csr_array((vb[s].numpy(), pb.indices, pb.indptr), shape=pb.shape).toarray()
-        cd = sp.csr_array((c[s].numpy(), prod.pattern.indices, prod.pattern.indptr), shape=prod.pattern.shape)
+        ad = sp.csr_array(((va if shared_a else va[s]).numpy(), a.indices, a.indptr), shape=a.shape).toarray()
+        bd = sp.csr_array((vb[s].numpy(), b.indices, b.indptr), shape=b.shape).toarray()
+        cd = sp.csr_array((c[s].numpy(), pc.indices, pc.indptr), shape=pc.shape)
         np.testing.assert_allclose(cd.toarray(), ad @ bd, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(y[s].numpy(), ad @ x[s].numpy() + 1, rtol=1e-12, atol=1e-12)
+        if with_extra:
+            want = ext[0][s].numpy() + ad @ ext[1][s].numpy()
+            np.testing.assert_allclose(cv[s].numpy(), want, rtol=1e-12, atol=1e-12)
+    assert cv is None or cv.shape == (batch, m)
     # deterministic: the same call twice is bitwise identical
-    assert torch.equal(prod(va, vb), c)
+    assert torch.equal(bound.run([va, vb], extra=ext if with_extra else None).composite, c)

@@ -200,7 +200,7 @@ def test_explicit_forward_backward_param_grads(levels):
         y, jac = plan.forward(xb)
         assert isinstance(jac, Jacobians) and len(jac) == 10 and jac.batch == b
         g = torch.randn_like(y)
-        grads = plan._spscan_backward(jac, g)
+        grads = plan.backward(jac, g)
         pg = param_grads(plan, jac, grads)
         xr = xb.clone().requires_grad_(True)
         torch.manual_seed(5)
@@ -321,7 +321,7 @@ def test_param_grads_input_checks():
     net, shape = mlp()
     plan = plan_model(net, torch.zeros(1, *shape), levels=0)
     y, jac = plan.forward(torch.zeros(2, *shape))
-    grads = plan._spscan_backward(jac, torch.ones_like(y))
+    grads = plan.backward(jac, torch.ones_like(y))
     run_errors(lambda: param_grads(plan, list(jac), grads), TypeError, "Jacobians")
     run_errors(lambda: param_grads(plan, jac, grads[1:]), ValueError, "expected 9")
 
@@ -469,7 +469,7 @@ def test_module_repeated_in_chain():
         assert _rel(gp["model." + n], g) <= 1e-9
     plan = w.plan
     y, jac = plan.forward(x)
-    grads = plan._spscan_backward(jac, torch.ones_like(y))
+    grads = plan.backward(jac, torch.ones_like(y))
     pg = param_grads(plan, jac, grads)
     xr = x.clone().requires_grad_(True)
     r = torch.autograd.grad(net(xr).sum(), [xr, lin.weight, lin.bias])

@@ -130,43 +130,43 @@ def test_float32_error_within_twice_autograd(kind, loss):
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
-@pytest.mark.parametrize("chain", ["factored", "materialized"])
-def test_chain_matches_reference_backward(kind, chain):
+@pytest.mark.parametrize("layout", ["factored", "materialized"])
+def test_chain_matches_reference_backward(kind, layout):
     """The chain's patterns and values (CSR order) give the reference's state gradients."""
     m = make_module(kind, 2, 3, batch_first=False, bias=True)
     x, hx = make_inputs(m, 5, 2, with_h0=True, dtype=torch.float64)
-    plan = plan_recurrent(m, x, chain=chain)
+    plan = plan_recurrent(m, x, layout=layout)
     _, saved = plan.forward(x, hx)
     D = plan.state_size
     g = torch.Generator().manual_seed(3)
     top = torch.randn(2, D, generator=g, dtype=torch.float64)
     extra = torch.randn(5, 2, D, generator=g, dtype=torch.float64)
-    pats = recurrent_patterns(m, 5, chain)
+    pats = recurrent_patterns(m, 5, layout)
     per = len(pats) // 5
     ext = [None] * (len(pats) + 1)
     for t in range(5):
         ext[per * (t + 1)] = extra[t]
-    vals = saved.values if chain == "factored" else list(saved.values)
+    vals = saved.values if layout == "factored" else list(saved.values)
     ref = reference_backward(pats, vals, top, ext)[0::per]
     grads = plan._scan(saved, top, extra)  # extra[t] is the direct gradient of s_{t+1}
     assert len(grads) == len(pats) + 1
-    got = [grads.at(i) for i in range(0, len(pats) + 1, per)]
+    got = [grads[i].clone() for i in range(0, len(pats) + 1, per)]
     for t in range(6):
         torch.testing.assert_close(got[t], ref[t], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
-@pytest.mark.parametrize("chain", ["factored", "materialized"])
+@pytest.mark.parametrize("layout", ["factored", "materialized"])
 @pytest.mark.parametrize("levels", [0, 1, "auto", "full"])
-def test_every_depth_equals_autograd(kind, chain, levels):
+def test_every_depth_equals_autograd(kind, layout, levels):
     """Every up-sweep depth of the core plan gives autograd's gradients; ``plan.levels`` is the plan's."""
     m = make_module(kind, 2, 5, batch_first=False, bias=True)
     x, hx = make_inputs(m, 37, 3, with_h0=True, dtype=torch.float64)
     want = grads_of(m, m, x, hx, "both")
-    w = wrap_recurrent(m, x, chain=chain, levels=levels)
+    w = wrap_recurrent(m, x, layout=layout, levels=levels)
     got = grads_of(w, m, x, hx, "both")
     for i, (a, b) in enumerate(zip(got, want)):
-        assert rel_err(a, b) <= 1e-12, (chain, levels, i)
+        assert rel_err(a, b) <= 1e-12, (layout, levels, i)
     core_plan = w.plan.scan_plan(37, x.device, x.dtype)
     assert w.plan.levels == core_plan.levels
     if isinstance(levels, int):
@@ -180,8 +180,8 @@ def test_every_depth_equals_autograd(kind, chain, levels):
 def test_factored_and_materialized_agree(kind, levels):
     m = make_module(kind, 3, 7, batch_first=True, bias=False)
     x, hx = make_inputs(m, 23, 4, with_h0=True, dtype=torch.float64)
-    a = grads_of(wrap_recurrent(m, x, chain="factored", levels=levels), m, x, hx, "both")
-    b = grads_of(wrap_recurrent(m, x, chain="materialized", levels=levels), m, x, hx, "both")
+    a = grads_of(wrap_recurrent(m, x, layout="factored", levels=levels), m, x, hx, "both")
+    b = grads_of(wrap_recurrent(m, x, layout="materialized", levels=levels), m, x, hx, "both")
     for u, v in zip(a, b):
         assert rel_err(u, v) <= 1e-12
 
@@ -245,8 +245,8 @@ def test_refuses_what_it_cannot_do(module, match):
 def test_bad_arguments():
     with pytest.raises(TypeError, match="nn.RNN, nn.GRU or nn.LSTM"):
         plan_recurrent(nn.Linear(2, 3))
-    with pytest.raises(ValueError, match="expected chain"):
-        plan_recurrent(nn.RNN(2, 3), chain="dense")
+    with pytest.raises(ValueError, match="layout: expected"):
+        plan_recurrent(nn.RNN(2, 3), layout="dense")
     w = wrap_recurrent(nn.RNN(2, 3))
     with pytest.raises(ValueError, match="feature size 2, got 5"):
         w(torch.randn(4, 1, 5))
@@ -254,21 +254,24 @@ def test_bad_arguments():
         w(torch.randn(4))
 
 
-def test_spscan_backward_contract_on_recurrent_plan():
-    """``plan.forward(x)`` / ``plan._spscan_backward(saved, grads)`` (what ``spscan.backward`` delegates to)."""
+def test_recurrent_plan_forward_backward():
+    """``plan.forward(x)`` / ``plan.backward(saved, grad_output, grad_h_n, grad_c_n)`` equal autograd."""
     m = make_module("lstm", 2, 3, batch_first=False, bias=True)
     x, _ = make_inputs(m, 6, 2, with_h0=False, dtype=torch.float64)
     plan = plan_recurrent(m, x)
     (out, (h, c)), saved = plan.forward(x)
     go, gh = torch.randn_like(out), torch.randn_like(h)
-    r = plan._spscan_backward(saved, (go, (gh, None)))
+    r = plan.backward(saved, go, gh, None)
     xr = x.clone().requires_grad_(True)
     o2, (h2, _) = m(xr)
     want = torch.autograd.grad((o2, h2), [xr, m.weight_hh_l0], (go, gh))
     torch.testing.assert_close(r["input"], want[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(r["weight_hh_l0"], want[1], rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="extra=None"):
-        plan._spscan_backward(saved, (go, (gh, None)), extra=[None])
+    import spscan
+
+    # spscan.backward returns the chain's n+1 gradients: a recurrent plan is pointed to its own call
+    with pytest.raises(TypeError, match=r"plan\.backward\(saved, grad_output"):
+        spscan.backward(plan, saved, (go, (gh, None)))
 
 
 def test_public_api_dispatch():
@@ -280,7 +283,7 @@ def test_public_api_dispatch():
     plan = spscan.plan(m, x)
     (out, h), saved = spscan.forward(plan, x)
     go, gh = torch.randn_like(out), torch.randn_like(h)
-    r = spscan.backward(plan, saved, (go, gh))
+    r = plan.backward(saved, go, gh)
     xr = x.clone().requires_grad_(True)
     o2, h2 = m(xr)
     want = torch.autograd.grad((o2, h2), [xr, m.bias_hh_l0], (go, gh))
@@ -307,7 +310,7 @@ def test_core_stacked_values_match_list(levels):
     give what the list of per-step tensors gives (the recurrent module relies on this for long T)."""
     import spscan
 
-    pat = recurrent_patterns(nn.GRU(1, 3), 6, chain="materialized")[0]
+    pat = recurrent_patterns(nn.GRU(1, 3), 6, layout="materialized")[0]
     g = torch.Generator().manual_seed(0)
     vals = 0.5 * torch.rand(6, 2, pat.nnz, generator=g, dtype=torch.float64)
     top = torch.randn(2, 3, generator=g, dtype=torch.float64)

@@ -158,7 +158,7 @@ def config_family(request):
 
 
 def _tables(plan) -> list[TritonTables]:
-    return [t for _, t in plan._tables.values()]
+    return [b.tables for b in plan.bindings()]
 
 
 def _segment_tables(plan, kind) -> list[SegmentTable]:

@@ -1,0 +1,117 @@
+"""The numeric backend interface: what the run-time engine may ask of a backend, declared.
+
+A backend turns a lowered :class:`~spscan.planner.program.Program` into device tables once
+(:meth:`Backend.make_tables`) and runs it per call (:meth:`Backend.run`) in place on three
+arenas: shared matrix values ``S`` ``(N_S,)``, per-sample matrix values ``P`` ``(B, N_P)`` and
+vectors ``V`` ``(B, N_V)``. What a backend can do is stated in its :class:`Capabilities` and in
+the two attributes every :class:`Tables` object carries, never probed with ``getattr``.
+
+Two implementations: ``"torch"`` (:mod:`spscan.kernels.torch_ops`: vectorized torch/NumPy, the
+CPU default and the reference for the kernels) and ``"triton"``
+(:mod:`spscan.kernels.triton_backend`: the Triton kernels, on CUDA or in Triton's interpreter).
+
+>>> get_backend("torch").capabilities.reads_caller_inputs
+True
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Capabilities", "Tables", "Backend", "get_backend", "backend_names", "default_backend"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does, stated once.
+
+    Attributes:
+        reads_caller_inputs: linear runs over input matrices may read the caller's value tensors
+            directly (the engine then skips loading them into the arena when nothing else reads them).
+        graph_capturable: ``run`` only launches kernels on static buffers (no host sync, no
+            allocation), so a bound backward can be captured in a CUDA graph.
+        device_types: device types it runs on (``"cpu"`` for Triton means its interpreter).
+    """
+
+    reads_caller_inputs: bool
+    graph_capturable: bool
+    device_types: tuple[str, ...]
+
+
+class Tables(ABC):
+    """A program's device-side tables, built once per (program, device) by :meth:`Backend.make_tables`.
+
+    Attributes every implementation sets:
+        reads_arena_inputs: some launch reads input matrices from the arenas (else the engine
+            need not copy the caller's values there).
+        run_scratch: per-sample entries of working buffer the linear runs need (``arenas["C"]``), 0 if none.
+    """
+
+    reads_arena_inputs: bool = True
+    run_scratch: int = 0
+
+
+class Backend(ABC):
+    """One numeric backend (see the module docstring)."""
+
+    name: str
+    capabilities: Capabilities
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``ValueError`` if this backend cannot run on ``device`` (called when a plan is bound)."""
+        if device.type not in self.capabilities.device_types:
+            raise ValueError(f"backend={self.name!r} cannot run on device {device}; it runs on "
+                             f"{', '.join(self.capabilities.device_types)}")
+
+    @abstractmethod
+    def make_tables(self, program, device: torch.device) -> Tables:
+        """All host work for ``program`` on ``device``: index tables uploaded once."""
+
+    @abstractmethod
+    def run(self, tables: Tables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
+            inputs: Optional[Callable[[int], torch.Tensor]] = None) -> None:
+        """Run every step in order, in place on ``arenas`` (``"S"``, ``"P"``, optional ``"C"``) and ``vectors``.
+
+        ``inputs``: ``layer index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
+        only by backends whose capabilities say ``reads_caller_inputs``.
+        """
+
+
+def _torch() -> Backend:
+    from .torch_ops import TorchBackend
+
+    return TorchBackend()
+
+
+def _triton() -> Backend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+_FACTORIES: dict[str, Callable[[], Backend]] = {"torch": _torch, "triton": _triton}
+_INSTANCES: dict[str, Backend] = {}
+
+
+def backend_names() -> tuple[str, ...]:
+    """The backends a plan may name (besides ``"auto"``)."""
+    return tuple(_FACTORIES)
+
+
+def default_backend(device: Optional[torch.device]) -> str:
+    """``"auto"`` resolved: Triton on a CUDA device, torch everywhere else."""
+    return "triton" if device is not None and device.type == "cuda" else "torch"
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` (``"torch"`` or ``"triton"``; imported on first use)."""
+    hit = _INSTANCES.get(name)
+    if hit is None:
+        if name not in _FACTORIES:
+            raise ValueError(f"backend: expected one of {', '.join(map(repr, _FACTORIES))}, got {name!r}")
+        hit = _INSTANCES[name] = _FACTORIES[name]()
+    return hit

@@ -1,0 +1,422 @@
+"""The run-time engine: one plan bound to a device, a backend and a value signature.
+
+A :class:`BoundPlan` is made by :meth:`spscan.Plan.bind` (once per signature, cached by the
+plan): it lowers the symbolic plan to a :class:`~spscan.planner.program.Program` for one
+sharedness / extra signature, has the backend upload the program's index tables to the device,
+and fixes the memory check. Its :meth:`BoundPlan.run` does only numeric work: load the value
+arenas, launch the program, hand back a :class:`ScanResult`. Every front end (the chain API,
+the model wrapper, the recurrent modules, the model-parallel scan) runs through this one class;
+none of them reads arenas or work tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from spscan.kernels.backend import Backend
+from spscan.planner.memory import estimate_memory
+from spscan.planner.planning import ScanPlan
+from spscan.planner.program import Program, lower
+
+__all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "check_inputs", "fmt_bytes"]
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def fmt_bytes(b: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return str(b)
+
+
+class ValuesBuffer(list):
+    """A list of value tensors that live in a bound plan's input arena (see :meth:`BoundPlan.values_buffer`)."""
+
+    def __init__(self, views, bound: "BoundPlan", arenas: tuple) -> None:
+        super().__init__(views)
+        self.bound = bound
+        self.shared = bound.shared
+        self.arenas = arenas
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        """All layers as one ``(n, B, nnz)`` (per sample) or ``(n, nnz)`` (shared) view."""
+        nnz = {int(v.shape[-1]) for v in self}
+        if len(nnz) != 1 or len(set(self.shared)) != 1:
+            raise ValueError("stacked view needs every layer to have the same nnz and sharedness")
+        k, n = nnz.pop(), len(self)
+        s_arena, p_arena = self.arenas
+        if self.shared[0]:
+            return s_arena[: n * k].view(n, k)
+        return p_arena[:, : n * k].view(p_arena.shape[0], n, k).transpose(0, 1)
+
+
+class ScanResult:
+    """The output of one :meth:`BoundPlan.run`.
+
+    For a scan: ``result[i]`` is ``dl/dx_i`` ``(B, d_i)``, ``result.grads`` the contract's list of
+    ``n+1`` tensors, ``result.stacked(idx)`` a ``(len(idx), B, d)`` block of equally sized
+    gradients (a strided view where the engine wrote them evenly spaced). For a reduction:
+    ``result.composite`` (the composite matrix's values, ``(nnz,)`` or ``(B, nnz)``, in the order
+    of the plan's ``composite_pattern``) and ``result.composite_vector`` (its affine term
+    ``(B, d_0)`` or ``None``). Every tensor views storage owned by the result, unless the run was
+    made with ``scratch=True``: then they view the bound plan's working buffer, valid until its
+    next run.
+    """
+
+    def __init__(self, vectors: torch.Tensor, program: Program, composite: Optional[torch.Tensor] = None) -> None:
+        self._vectors = vectors
+        self._program = program
+        self._grads: Optional[list[torch.Tensor]] = None
+        self.composite = composite
+
+    def __len__(self) -> int:
+        return len(self._program.outputs)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        off, d = self._program.outputs[i]
+        return self._vectors[:, off : off + d]
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """``[dl/dx_0, ..., dl/dx_n]`` as views made by one ``tensor_split`` (cheap for long chains)."""
+        if self._grads is None:
+            cuts, pick = self._program.output_split
+            pieces = self._vectors.tensor_split(cuts, dim=1)
+            self._grads = [pieces[k] for k in pick]
+        return list(self._grads)
+
+    def stacked(self, idx: range, copy: bool = False) -> torch.Tensor:
+        """``(len(idx), B, d)`` for chain indices whose gradients all have size ``d``.
+
+        The linear scan writes its outputs at evenly spaced offsets, so this is usually one
+        strided view (no copy); otherwise one stack. ``copy=True`` always returns a new,
+        contiguous tensor (one copy at most).
+        """
+        outs = self._program.outputs
+        offs = np.fromiter((outs[i][0] for i in idx), dtype=np.int64, count=len(idx))
+        dims = {outs[i][1] for i in idx}
+        if len(dims) != 1:
+            raise ValueError(f"stacked: the gradients at {idx} have different sizes {sorted(dims)}")
+        d = dims.pop()
+        v = self._vectors
+        if offs.size > 1:
+            step = int(offs[1] - offs[0])
+            if step != 0 and abs(step) >= d and bool(np.all(np.diff(offs) == step)):
+                first = int(offs.min())
+                view = v.as_strided((offs.size, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
+                                    v.storage_offset() + first * v.stride(1))
+                if step < 0:
+                    return view.flip(0)  # flip copies
+                return view.clone(memory_format=torch.contiguous_format) if copy else view
+        return torch.stack([v[:, o : o + d] for o in offs.tolist()])
+
+    @property
+    def composite_vector(self) -> Optional[torch.Tensor]:
+        root = self._program.root_vec
+        if root is None:
+            return None
+        off, d = root
+        return self._vectors[:, off : off + d]
+
+
+def _fail(kind, msg: str):
+    raise kind(msg)
+
+
+def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, plan_device, values: Any,
+                 grad: Optional[torch.Tensor], extra, check_finite: bool, *, needs_grad: bool = True):
+    """Validate one call's inputs; returns ``(items, stacked, shared, has_extra, batch, dtype, device)``.
+
+    ``nnzs[i]``: nnz of ``J_{i+1}^T``; ``dims``: ``d_0 .. d_n``. Never copies or mutates the caller's
+    tensors. ``needs_grad=False`` (a reduction) takes ``grad=None`` and the batch from the values.
+    """
+    d_n = dims[n]
+    if needs_grad or grad is not None:
+        if not isinstance(grad, torch.Tensor):
+            _fail(TypeError, f"grad: expected a torch.Tensor of shape (B, {d_n}), got {type(grad).__name__}")
+        if grad.dtype not in _FLOATS:
+            _fail(TypeError, f"grad: expected dtype float32 or float64, got {grad.dtype}")
+        if grad.dim() != 2 or grad.shape[1] != d_n:
+            _fail(ValueError, f"grad: expected shape (B, {d_n}) for layer {n}'s output, got {tuple(grad.shape)}")
+        batch, dtype, device = grad.shape[0], grad.dtype, grad.device
+        if batch < 1:
+            _fail(ValueError, "grad: batch size must be at least 1, got 0")
+    else:
+        first = values if isinstance(values, torch.Tensor) else next(iter(values), None) if hasattr(values, "__iter__") else None
+        if not isinstance(first, torch.Tensor):
+            _fail(TypeError, f"values: expected a sequence of {n} tensors, got {type(values).__name__}")
+        dtype, device = first.dtype, first.device
+        if dtype not in _FLOATS:
+            _fail(TypeError, f"values[0] (layer 1): expected dtype float32 or float64, got {dtype}")
+        batch = None  # taken from the first per-sample value or extra
+    if plan_dtype is not None and dtype != plan_dtype:
+        _fail(TypeError, f"{'grad' if grad is not None else 'values'}: the plan was made for {plan_dtype}, got {dtype}")
+    if plan_device is not None and device != plan_device:
+        _fail(ValueError, f"{'grad' if grad is not None else 'values'}: the plan was made for device {plan_device}, "
+                          f"got {device}")
+
+    stacked = isinstance(values, torch.Tensor)
+    if stacked:
+        if values.dim() not in (2, 3) or values.shape[0] != n:
+            _fail(ValueError, f"values: a stacked tensor must be (n={n}, B, nnz) or (n, nnz), got {tuple(values.shape)}")
+        if len(set(nnzs)) != 1:
+            _fail(ValueError, "values: a stacked tensor needs every layer to have the same nnz; pass a list")
+        items: Sequence[torch.Tensor] = [values]
+    else:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            _fail(TypeError, f"values: expected a sequence of {n} tensors, got {type(values).__name__}")
+        if len(values) != n:
+            _fail(ValueError, f"values: expected {n} tensors (one per layer), got {len(values)}")
+        items = values
+    if batch is None:
+        for v in items:
+            if isinstance(v, torch.Tensor) and v.dim() == (3 if stacked else 2):
+                batch = int(v.shape[1 if stacked else 0])
+                break
+        else:
+            for e in extra or ():
+                if isinstance(e, torch.Tensor) and e.dim() == 2:
+                    batch = int(e.shape[0])
+                    break
+            else:
+                batch = 1
+    checked: dict[int, bool] = {}  # a tensor repeated along the chain is checked once per shape
+    shared = []
+    for i, v in enumerate(items):
+        nnz = nnzs[0] if stacked else nnzs[i]
+        key = id(v)
+        hit = checked.get(key)
+        if hit is not None and v.shape[-1] == nnz:
+            shared.append(hit)
+            continue
+        layer = f"layer {i + 1}" if not stacked else "values"
+        if not isinstance(v, torch.Tensor):
+            _fail(TypeError, f"values[{i}] ({layer}): expected a torch.Tensor, got {type(v).__name__}")
+        if v.layout != torch.strided:
+            _fail(TypeError, f"values[{i}] ({layer}): expected a dense strided tensor of CSR values, got layout {v.layout}")
+        if v.dtype != dtype:
+            _fail(TypeError, f"values[{i}] ({layer}): dtype {v.dtype} differs from {'grad' if grad is not None else 'values[0]'}'s {dtype}")
+        if v.device != device:
+            _fail(ValueError, f"values[{i}] ({layer}): on {v.device}, {'grad' if grad is not None else 'values[0]'} is on {device}")
+        shape = tuple(v.shape[1:]) if stacked else tuple(v.shape)
+        if shape == (nnz,):
+            is_shared = True
+        elif shape == (batch, nnz):
+            is_shared = False
+        else:
+            _fail(ValueError, f"values[{i}] ({layer}): expected shape ({batch}, {nnz}) or ({nnz},) "
+                              f"for a ({dims[i if not stacked else 0]}, {dims[(i if not stacked else 0) + 1]}) "
+                              f"pattern with nnz={nnz}, got {tuple(v.shape)}")
+        checked[key] = is_shared
+        shared.append(is_shared)
+    if stacked:
+        shared = shared * n
+    has_extra = [False] * (n + 1)
+    if extra is not None:
+        if isinstance(extra, torch.Tensor) or not hasattr(extra, "__len__") or len(extra) != n + 1:
+            got = len(extra) if hasattr(extra, "__len__") and not isinstance(extra, torch.Tensor) else type(extra).__name__
+            _fail(ValueError, f"extra: expected a sequence of n+1={n + 1} entries (None or (B, d_i)), got {got}")
+        for i, e in enumerate(extra):
+            if e is None:
+                continue
+            d = dims[i]
+            if not isinstance(e, torch.Tensor):
+                _fail(TypeError, f"extra[{i}]: expected None or a tensor of shape ({batch}, {d}), got {type(e).__name__}")
+            if e.dtype != dtype:
+                _fail(TypeError, f"extra[{i}]: dtype {e.dtype} differs from the values' {dtype}")
+            if e.device != device:
+                _fail(ValueError, f"extra[{i}]: on {e.device}, the values are on {device}")
+            if tuple(e.shape) != (batch, d):
+                _fail(ValueError, f"extra[{i}]: expected shape ({batch}, {d}) (dl/dx_{i}), got {tuple(e.shape)}")
+            if i == n and not needs_grad:
+                _fail(ValueError, f"extra[{n}]: a composite covers dl/dx_0 .. dl/dx_{n - 1} only; expected None")
+            has_extra[i] = True
+    if check_finite:
+        tensors = ([("grad", grad)] if grad is not None else []) + [(f"values[{i}]", v) for i, v in enumerate(items)]
+        if extra is not None:
+            tensors += [(f"extra[{i}]", e) for i, e in enumerate(extra) if e is not None]
+        for name, t in tensors:
+            if not bool(torch.isfinite(t).all()):
+                _fail(ValueError, f"{name}: contains NaN or Inf (check_finite=True)")
+    return items, stacked, tuple(shared), tuple(has_extra), batch, dtype, device
+
+
+class BoundPlan:
+    """A plan lowered for one ``(shared, has_extra)`` signature on one device, its tables uploaded.
+
+    Made by :meth:`spscan.Plan.bind`; all index work happens here, once. :meth:`run` is the only
+    per-step call. ``shared[i]``: layer ``i+1``'s values come as ``(nnz,)`` (shared by the batch);
+    ``has_extra[i]``: ``extra[i]`` is given.
+
+    Attributes:
+        shared, has_extra, device, backend: the signature.
+        program: the lowered :class:`~spscan.planner.program.Program` (read-only).
+        tables: the backend's device tables (read-only).
+    """
+
+    def __init__(self, scan: ScanPlan, shared: tuple, has_extra: tuple, device: torch.device, backend: Backend,
+                 dtype: Optional[torch.dtype], max_memory: Optional[int]) -> None:
+        backend.check_device(device)
+        self.shared = shared
+        self.has_extra = has_extra
+        self.device = device
+        self.backend = backend
+        self.dtype = dtype
+        self.max_memory = max_memory
+        self.kind = scan.schedule.kind
+        self.n = scan.n
+        pats = scan.patterns
+        self._nnz = [p.nnz for p in pats]
+        self._dims = [p.rows for p in pats] + [pats[-1].cols]
+        self.program = lower(scan, shared, has_extra)
+        self.tables = backend.make_tables(self.program, device)
+        self._peak_per_sample = estimate_memory(scan).backward_peak(1) if max_memory is not None else 0
+        cols = [np.arange(off, off + self._dims[i]) for i, off in self.program.extra_slots.items()]
+        # one index_put of the concatenated extras instead of a copy per layer (long chains with a loss per step)
+        self._extra_cols = torch.as_tensor(np.concatenate(cols), dtype=torch.int64, device=device) if cols else None
+        self._arena_key: Optional[tuple] = None
+        self._arenas: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    # -- buffers --------------------------------------------------------------------------
+    def _get_arenas(self, batch: int, dtype: torch.dtype):
+        """Matrix arenas ``(S, P)`` for one call, reused while the batch size and dtype repeat."""
+        key = (batch, dtype)
+        if self._arena_key != key:
+            self._arenas = None  # hold at most one set: memory stays at one backward's peak
+            prog = self.program
+            self._arenas = (torch.empty(prog.size_s, dtype=dtype, device=self.device),
+                            torch.empty(batch, prog.size_p, dtype=dtype, device=self.device))
+            self._arena_key = key
+        return self._arenas
+
+    def _scratch_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat working buffer kept between calls (fresh multi-MB CPU buffers page-fault on every call)."""
+        hit = self._scratch.get(name)
+        if hit is None or hit.numel() < numel or hit.dtype != dtype:
+            hit = self._scratch[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return hit[:numel]
+
+    def release_buffers(self) -> None:
+        """Free the arenas and working buffers kept between calls (tables stay)."""
+        self._arena_key = self._arenas = None
+        self._scratch.clear()
+
+    def values_buffer(self, batch: int, dtype: torch.dtype = torch.float32) -> ValuesBuffer:
+        """Views into the input arena to fill in place and pass as ``values`` (no copy in :meth:`run`).
+
+        Valid until another batch size or dtype is run or the buffers are released.
+        """
+        s_arena, p_arena = self._get_arenas(batch, dtype)
+        views = []
+        for i, nnz in enumerate(self._nnz):
+            off = self.program.input_offsets[i]
+            views.append(s_arena[off : off + nnz] if self.shared[i] else p_arena[:, off : off + nnz])
+        return ValuesBuffer(views, self, (s_arena, p_arena))
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self, values: Any, grad: Optional[torch.Tensor] = None,
+            extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *, check: bool = True,
+            check_finite: bool = False, scratch: bool = False) -> ScanResult:
+        """Run the bound program on one step's values.
+
+        Args:
+            values: ``n`` tensors ``(B, nnz_i)`` / ``(nnz_i,)`` matching :attr:`shared`, or one stacked
+                ``(n, B, nnz)`` / ``(n, nnz)`` tensor.
+            grad: ``(B, d_n)`` (a scan); ``None`` for a reduction.
+            extra: ``n+1`` entries, given exactly where :attr:`has_extra` says.
+            check: validate the inputs (front ends that build the values themselves pass ``False``).
+            check_finite: also refuse NaN/Inf (a device sync).
+            scratch: the result views the bound plan's working buffer (valid until the next run)
+                instead of a new one.
+        """
+        if check:
+            items, stacked, shared, has_extra, batch, dtype, device = check_inputs(
+                self.n, self._nnz, self._dims, self.dtype, None, values, grad, extra, check_finite,
+                needs_grad=self.kind == "scan")
+            if device != self.device:
+                raise ValueError(f"{'grad' if grad is not None else 'values'}: on {device}, the bound plan is for "
+                                 f"{self.device} (bind it for that device)")
+            if shared != self.shared or has_extra != self.has_extra:
+                raise ValueError("values/extra: their sharedness or extra terms differ from the signature this plan "
+                                 "was bound for (use spscan.backward, which binds per signature)")
+        else:
+            stacked = isinstance(values, torch.Tensor)
+            items = [values] if stacked else values
+            if grad is not None:
+                batch, dtype = grad.shape[0], grad.dtype
+            else:
+                lead = items[0]
+                dtype = lead.dtype
+                per = next((v for v in items if v.dim() == (3 if stacked else 2)), None)
+                batch = int(per.shape[1 if stacked else 0]) if per is not None else next(
+                    (int(e.shape[0]) for e in (extra or ()) if e is not None), 1)
+        if self.max_memory is not None and batch * self._peak_per_sample > self.max_memory:
+            raise ValueError(f"max_memory={fmt_bytes(self.max_memory)}: backward at batch {batch} needs "
+                             f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
+        with torch.no_grad():
+            vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch)
+        composite = None
+        root = self.program.root_mat
+        if root is not None:
+            arena, off, nnz = root
+            s_arena, p_arena = self._arenas
+            src = s_arena[off : off + nnz] if arena == "S" else p_arena[:, off : off + nnz]
+            composite = src.clone() if not scratch else src
+        return ScanResult(vectors, self.program, composite)
+
+    def _execute(self, items, stacked: bool, batch: int, dtype: torch.dtype, grad: Optional[torch.Tensor],
+                 extra, scratch: bool) -> torch.Tensor:
+        """Load the arenas from the caller's tensors (copies), run the program, return the vector arena."""
+        prog, n, device = self.program, self.n, self.device
+        s_arena, p_arena = self._get_arenas(batch, dtype)
+        if scratch:
+            vectors = self._scratch_buffer("vectors", batch * prog.size_v, dtype).view(batch, prog.size_v)
+        else:
+            vectors = torch.empty(batch, prog.size_v, dtype=dtype, device=device)
+        s_arena[prog.zero_s] = 0
+        p_arena[:, prog.zero_p] = 0
+        vectors[:, prog.zero_v] = 0
+        in_place = (isinstance(items, ValuesBuffer) and items.bound is self
+                    and items.arenas[0] is s_arena and items.arenas[1] is p_arena)
+        nnz0 = self._nnz[0]
+        if stacked and not in_place:
+            v = items[0]
+            own = s_arena[: n * nnz0].view(n, nnz0) if v.dim() == 2 else \
+                p_arena[:, : n * nnz0].view(batch, n, nnz0).transpose(0, 1)
+            in_place = v.data_ptr() == own.data_ptr() and v.stride() == own.stride() and v.shape == own.shape
+        if in_place or not self.tables.reads_arena_inputs:
+            pass  # values already sit in the input arena, or no launch reads them from there
+        elif stacked:
+            v = items[0]
+            if v.dim() == 2:
+                s_arena[: n * nnz0] = v.reshape(-1)
+            else:
+                p_arena[:, : n * nnz0].view(batch, n, nnz0).copy_(v.transpose(0, 1))
+        else:
+            sh = [v.reshape(-1) for v, s in zip(items, prog.shared) if s]
+            ps = [v for v, s in zip(items, prog.shared) if not s]
+            if sh:
+                s_arena[: sum(t.shape[0] for t in sh)] = torch.cat(sh)
+            if ps:
+                p_arena[:, : sum(t.shape[1] for t in ps)] = torch.cat(ps, dim=1)
+        if grad is not None:
+            g = vectors[:, prog.grad_slot : prog.grad_slot + grad.shape[1]]
+            g.copy_(grad)
+            if extra is not None and extra[n] is not None:
+                g.add_(extra[n])
+        if self._extra_cols is not None:
+            vectors[:, self._extra_cols] = torch.cat([extra[i] for i in prog.extra_slots], dim=1)
+        layer = items[0].__getitem__ if stacked else items.__getitem__
+        arenas = {"S": s_arena, "P": p_arena}
+        if self.tables.run_scratch:
+            arenas["C"] = self._scratch_buffer("run", batch * self.tables.run_scratch, dtype)
+        self.backend.run(self.tables, arenas, vectors, layer)
+        return vectors
