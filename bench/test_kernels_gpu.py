@@ -15,6 +15,13 @@ ratio in ``extra_info`` compares timings taken back to back on one device):
     values ``(T, B, 400)``) vs cuDNN autograd backward of ``nn.RNN``.
 (d) ``test_rnn_backward_cuda_graph``: the same backward replayed from a CUDA graph vs launched
     normally.
+(e) ``test_planning_time_per_profile``: ``spscan.plan`` time under the CPU and the CUDA device
+    profiles (the cost model picks different depths), against one backward of the plan for the
+    run's device measured in the same test (``plan_over_backward_ratio``: backwards that pay
+    for planning). Runs on the CPU too.
+
+The paper's sweeps (RNN over T and B, GRU/IRMAS, VGG-11 products, the training step) are in
+``test_paper_*.py`` and ``test_rnn_step.py``; ``bench/gpu/run.sh`` runs them all on a GPU.
 
 Bytes are compulsory traffic: every value, index and output read or written once (shared
 factors once per call, per-sample ones once per sample); GB/s = bytes / median time. Copy GB/s
@@ -345,4 +352,41 @@ def test_rnn_backward_cuda_graph(benchmark, T):
     benchmark.extra_info.update({
         "device": device_name(), "T": T, "B": RNN_B, "H": RNN_H, "levels": plan.levels,
         "eager_s": t_eager, "speedup_graph_vs_eager": t_eager / t_graph,
+    })
+
+
+# --- (e): planning time per device profile -------------------------------------------------
+
+def _plan_chains() -> dict:
+    w = sp.csr_array(np.ones((RNN_H, RNN_H)))
+    cnn = [conv_pattern(2, 16, 16)] * 6
+    return {"rnn20-T1000": [w] * 1000, "conv2x16x16-depth6": cnn}
+
+
+@pytest.mark.parametrize("chain", ["rnn20-T1000", "conv2x16x16-depth6"])
+def test_planning_time_per_profile(benchmark, chain):
+    benchmark.group = "kernels-planning"
+    pats = _plan_chains()[chain]
+    per_profile = {}
+    for prof in ("cpu", "cuda"):
+        t0 = time.perf_counter()
+        p = spscan.plan(pats, device=prof, backend="torch", batch_size=RNN_B)
+        per_profile[prof] = {"plan_s": time.perf_counter() - t0, "levels": p.levels}
+    plan = spscan.plan(pats, device=DEV, batch_size=RNN_B)
+    gen = torch.Generator().manual_seed(0)
+    values = [(torch.randn(RNN_B, q.nnz, generator=gen) / max(1.0, q.nnz / q.shape[1]) ** 0.5).to(DEV) for q in pats]
+    grad = torch.randn(RNN_B, pats[-1].shape[1], generator=gen).to(DEV)
+
+    def backward() -> None:
+        spscan.backward(plan, values, grad)
+        sync()
+
+    t_backward = median_time(backward, reps=5, warmup=2)
+    benchmark.pedantic(lambda: spscan.plan(pats, device=DEV, batch_size=RNN_B), rounds=3, warmup_rounds=1)
+    t_plan = benchmark.stats.stats.median
+    benchmark.extra_info.update({
+        "device": device_name(), "chain": chain, "layers": len(pats), "B": RNN_B,
+        "plan_s_cpu_profile": per_profile["cpu"]["plan_s"], "levels_cpu_profile": per_profile["cpu"]["levels"],
+        "plan_s_cuda_profile": per_profile["cuda"]["plan_s"], "levels_cuda_profile": per_profile["cuda"]["levels"],
+        "backward_s": t_backward, "levels": plan.levels, "plan_over_backward_ratio": t_plan / t_backward,
     })

@@ -1,0 +1,276 @@
+"""Driver of ``bench/gpu/run.sh``: GPU tests, then GPU benchmarks, then one report, inside a deadline.
+
+``python bench/gpu/driver.py --out DIR --deadline EPOCH_S [--quick]`` (``run.sh`` installs the
+checkout first and passes a deadline 9 minutes after it started). Each test or benchmark
+suite is its own ``pytest`` process with a time limit cut to what is left before the deadline
+(a suite that runs over is stopped and reported as such; the others keep their rows). DIR
+receives few files: ``summary.json`` (environment, test counts, suites, target checks),
+``bench.json`` (every pytest-benchmark row, tagged with its suite), ``report.md`` (the paper
+figures' sections from :mod:`spscan.benchreport` plus a table of every ratio) and a few PNGs.
+Exit status: 0 when everything ran and passed, 1 when a test or suite failed or ran over,
+3 when there is no CUDA device (the CPU-runnable parts still ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORT_RESERVE_S = 25  # kept back from the deadline for the report
+
+# (suite name, bench file, pytest -k filter or None, time cap in seconds); quick mode uses the second list
+SUITES_FULL = [
+    ("kernels", "bench/test_kernels_gpu.py", None, 150),
+    ("rnn_step", "bench/test_rnn_step.py", "cuda", 90),
+    ("rnn", "bench/test_paper_rnn.py", "not training", 120),
+    ("gru", "bench/test_paper_gru.py", None, 60),
+    ("spgemm", "bench/test_paper_spgemm.py", None, 60),
+    ("core", "bench/test_core_bench.py", None, 45),
+]
+SUITES_QUICK = [
+    ("kernels", "bench/test_kernels_gpu.py", "conv4x32x32 or 1000 or planning", 100),
+    ("rnn_step", "bench/test_rnn_step.py", "cuda and 1000", 60),
+]
+# the paper's RNN sweep over T and B (Figure 8): the sizes the full run keeps within its budget
+FULL_ONLY = "T=10,100,1000,10000,30000;B=1,4,16,64,256"
+TESTS_FULL = (["tests/test_gpu.py", "tests/test_triton_kernels.py"], None, 200)
+TESTS_QUICK = (["tests/test_gpu.py"], "sparse-mixed or dense20 or chain20 or graph", 90)
+MAX_PNGS = 3  # the output folder holds at most 8 files: 5 fixed + these
+
+
+def environment() -> dict[str, Any]:
+    """Versions and the device, as this process sees them."""
+    info: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(),
+                            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    for mod in ("torch", "triton", "numpy", "scipy", "pytest", "hypothesis", "pytest_benchmark", "jax"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as exc:  # a missing optional package is reported, not fatal
+            info[mod] = f"missing ({type(exc).__name__})"
+    import torch
+
+    info["cuda"] = bool(torch.cuda.is_available())
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=torch.cuda.get_device_name(0), capability=f"sm_{props.major}{props.minor}",
+                    multiprocessors=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                    torch_cuda=torch.version.cuda)
+    else:
+        info["device"] = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    return info
+
+
+def run_pytest(name: str, args: list[str], timeout: float, log: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One pytest process with a time limit; its output goes to ``log`` and its counts are parsed."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+           "--rootdir", str(ROOT), *args]
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout))
+            status = {0: "passed", 5: "nothing ran"}.get(rc, f"failed (exit {rc})")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc, status = -9, f"stopped at its {timeout:.0f} s limit"
+    text = log.read_text(errors="replace")
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|deselected)", text)}
+    failed = [ln.split(" ", 1)[1] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    return {"name": name, "status": status, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
+            "counts": counts, "failed": failed[:50]}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _ratio_items(info: dict[str, Any]) -> list[tuple[str, float]]:
+    keys = ("speedup", "ratio", "fraction", "GBps")
+    return [(k, float(v)) for k, v in info.items()
+            if any(s in k for s in keys) and isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def targets(rows: list[dict]) -> list[dict[str, Any]]:
+    """The issue's targets, each read from the rows that measure it (``None`` where not measured)."""
+
+    def pick(pred, key):
+        vals = [r["extra_info"][key] for r in rows
+                if key in r.get("extra_info", {}) and pred(r["name"], r["extra_info"])]
+        return max(vals) if vals else None
+
+    checks = [
+        ("RNN backward vs cuDNN, T=30000 B=16 H=20", 100.0,
+         pick(lambda n, i: i.get("T") == 30000 and i.get("mode") == "backward", "speedup_vs_autograd")),
+        ("RNN training step vs cuDNN, T=30000 B=16 H=20", 2.5,
+         pick(lambda n, i: i.get("T") == 30000 and i.get("mode") == "step", "speedup_vs_autograd")),
+        ("numeric SpGEMM vs cuSPARSE (best product)", 3.0,
+         pick(lambda n, i: "spgemm" in n, "speedup_vs_torch_sparse")),
+        ("SpGEMM achieved / device-copy bandwidth", 0.5,
+         pick(lambda n, i: "spgemm" in n, "batched_fraction_of_copy")),
+        ("SpMV achieved / device-copy bandwidth", 0.5, pick(lambda n, i: "spmv" in n, "fraction_of_copy")),
+    ]
+    return [{"target": t, "want_at_least": want, "measured": got,
+             "met": None if got is None else bool(got >= want)} for t, want, got in checks]
+
+
+def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], suites: list[dict],
+                  quick: bool) -> dict[str, Any]:
+    """bench.json, report.md, PNGs and summary.json in ``out``."""
+    rows, machine = [], None
+    for s in suites:
+        js = work / f"{s['name']}.json"
+        if js.is_file() and js.stat().st_size:
+            data = json.loads(js.read_text())
+            machine = machine or data.get("machine_info")
+            for r in data.get("benchmarks", []):
+                r["suite"] = s["name"]
+                rows.append(r)
+    (out / "bench.json").write_text(json.dumps({"environment": env_info, "machine_info": machine,
+                                                "suites": suites, "benchmarks": rows}, indent=1, default=str))
+    report_dir = work / "report"
+    pngs: list[Path] = []
+    parts = [f"# GPU run: {env_info.get('device')}\n",
+             f"torch {env_info.get('torch')}, triton {env_info.get('triton')}, Python {env_info.get('python')}; "
+             f"{'quick' if quick else 'full'} run started {env_info['started_utc']} UTC. Every ratio compares "
+             "medians measured in the same run on this device.\n"]
+    if tests is not None:
+        parts.append(f"Tests: {tests['status']}, {tests['counts']} in {tests['seconds']} s.\n")
+        parts += [f"* failed: `{f}`" for f in tests["failed"]]
+    parts.append("\n## Targets\n\n| target | want >= | measured | met |\n|---|---|---|---|")
+    checks = targets(rows)
+    for c in checks:
+        m = "n/a" if c["measured"] is None else f"{c['measured']:.3g}"
+        parts.append(f"| {c['target']} | {c['want_at_least']} | {m} | {c['met']} |")
+    parts.append("\n## Every row\n\n| suite | benchmark | median | device | ratios |\n|---|---|---|---|---|")
+    bars = []
+    for r in rows:
+        info = r.get("extra_info", {})
+        items = _ratio_items(info)
+        med = r.get("stats", {}).get("median")
+        ratios = ", ".join(f"{k}={v:.3g}" for k, v in items)
+        parts.append(f"| {r['suite']} | `{r['name']}` | {med:.4g} s | {info.get('device', '')} | {ratios} |"
+                     if med is not None else f"| {r['suite']} | `{r['name']}` | n/a | | {ratios} |")
+        bars += [(f"{r['name']} {k}", v) for k, v in items if "speedup" in k and v > 0]
+    parts.append("\n## Suites\n\n| suite | status | seconds |\n|---|---|---|")
+    parts += [f"| {s['name']} | {s['status']} | {s['seconds']} |" for s in suites]
+    if bars:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(9, 0.3 * len(bars) + 1.5))
+            ax.barh([b[0] for b in bars], [b[1] for b in bars])
+            ax.axvline(1.0, color="k", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_xlabel("speedup over the baseline timed in the same run (log)")
+            ax.set_title(str(env_info.get("device")))
+            fig.tight_layout()
+            fig.savefig(out / "gpu_ratios.png", dpi=110)
+            plt.close(fig)
+            pngs.append(out / "gpu_ratios.png")
+        except Exception as exc:  # a plotting problem must not lose the numbers
+            parts.append(f"\n_ratio figure not drawn: {type(exc).__name__}: {exc}_")
+    paper = ""
+    jsons = [work / f"{s['name']}.json" for s in suites if (work / f"{s['name']}.json").is_file()]
+    jsons = [p for p in jsons if p.stat().st_size]
+    if jsons:
+        try:
+            from spscan.benchreport import write_report
+
+            path = write_report(jsons, report_dir, {"quick": quick, "notes": [f"device: {env_info.get('device')}"]})
+            paper = path.read_text()
+            for png in sorted(report_dir.glob("*.png")):
+                if len(pngs) >= MAX_PNGS:
+                    paper += f"\n_(figure {png.name} left out of this folder: regenerate it from bench.json)_\n"
+                    continue
+                shutil.copy(png, out / png.name)
+                pngs.append(out / png.name)
+        except Exception as exc:
+            paper = f"\n_paper sections not rendered: {type(exc).__name__}: {exc}_\n"
+    (out / "report.md").write_text("\n".join(parts) + "\n\n# Paper sections\n\n" + paper + "\n")
+    summary = {"environment": env_info, "tests": tests, "suites": suites, "targets": checks,
+               "files": sorted(p.name for p in out.iterdir() if p.is_file())}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output folder (created)")
+    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds by which everything must end")
+    ap.add_argument("--quick", action="store_true", help="smoke run: a few tests and benchmark rows")
+    ns = ap.parse_args(argv)
+    out = Path(ns.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = ns.deadline or time.time() + 530
+    left = lambda: deadline - time.time() - REPORT_RESERVE_S  # noqa: E731
+
+    env_info = environment()
+    say("== environment\n" + json.dumps(env_info, indent=1))
+    cuda = env_info["cuda"]
+    if not cuda:
+        say("!! NO CUDA DEVICE: torch.cuda.is_available() is False. The GPU tests skip and the GPU benchmark "
+            "rows skip; running only what a CPU can (test collection, CPU benchmark rows, the report).")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPSCAN_BENCH_QUICK="1" if ns.quick or not cuda else "0")
+    if cuda and not ns.quick:
+        env["SPSCAN_BENCH_ONLY"] = FULL_ONLY
+    work = Path(tempfile.mkdtemp(prefix="spscan-gpu-"))
+    failed = False
+
+    files, kfilter, cap = TESTS_QUICK if ns.quick else TESTS_FULL
+    args = [*files, *(["-k", kfilter] if kfilter else [])]
+    say(f"== tests: pytest {' '.join(args)} (limit {min(cap, left()):.0f} s)")
+    tests = run_pytest("tests", args, min(cap, left()), work / "tests.log", env)
+    shutil.copy(work / "tests.log", out / "tests.log")
+    say(f"   {tests['status']} {tests['counts']} in {tests['seconds']} s")
+    for f in tests["failed"]:
+        say(f"   FAILED {f}")
+    failed |= tests["rc"] not in (0, 5)
+
+    suites = []
+    for name, path, kfilter, cap in (SUITES_QUICK if ns.quick else SUITES_FULL):
+        limit = min(cap, left())
+        if limit < 15:
+            suites.append({"name": name, "status": "not run: out of time", "rc": None, "seconds": 0, "counts": {}})
+            say(f"== {name}: not run, {left():.0f} s left")
+            continue
+        args = [path, f"--benchmark-json={work / (name + '.json')}", *(["-k", kfilter] if kfilter else [])]
+        say(f"== bench {name}: pytest {' '.join(args[:1] + args[2:])} (limit {limit:.0f} s)")
+        r = run_pytest(name, args, limit, work / f"{name}.log", env)
+        suites.append(r)
+        say(f"   {r['status']} {r['counts']} in {r['seconds']} s")
+        for f in r["failed"]:
+            say(f"   FAILED {f}")
+        if r["rc"] not in (0, 5):
+            failed = True
+            say("   " + "\n   ".join((work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]))
+
+    summary = write_outputs(out, work, env_info, tests, suites, ns.quick)
+    say("\n== targets (ratios measured in this run)")
+    for c in summary["targets"]:
+        m = "n/a" if c["measured"] is None else f"{c['measured']:.3g}"
+        say(f"   {c['target']:<48} want >= {c['want_at_least']:<6} got {m:<8} met={c['met']}")
+    say(f"\n== wrote {', '.join(summary['files'])} to {out}")
+    if not cuda:
+        say("!! NO CUDA DEVICE: nothing above was measured on a GPU.")
+        return 3
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
