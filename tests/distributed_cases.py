@@ -102,7 +102,8 @@ def run_case(rank: int, p: int, case: dict, group=None) -> dict:
     """One backward of ``case`` on this rank; the reference is recomputed locally from the same seeds."""
     pats = make_chain(case["kind"], case["n"], case["seed"])
     dtype = case.get("dtype", torch.float64)
-    dplan = sd.plan(pats, p, slices=case.get("slices"), levels=case.get("levels", "auto"))
+    dplan = sd.plan(pats, p, slices=case.get("slices"), levels=case.get("levels", "auto"),
+                    backend=case.get("backend", "auto"))
     out: dict[str, Any] = {"slices": dplan.slices, "rounds_planned": dplan.rounds}
     lo, hi = dplan.slices[rank]
     errs = []

@@ -20,7 +20,7 @@ import spscan
 import spscan.distributed as sd
 from spscan.planner.patterns import as_pattern
 
-from distributed_cases import (crash_before_backward, expected_rounds, failure_cases, make_chain,
+from distributed_cases import (crash_before_backward, expected_rounds, failure_cases, make_chain, run_cases,
                                run_cases_and_subgroups)
 
 TOL = 1e-10
@@ -95,6 +95,23 @@ def test_gradients_rounds_and_bytes(p):
     # p = 6: three rounds, and ranks that receive three pieces (their application order matters)
     results = sd.run_local(run_cases_and_subgroups, p, args=(_cases(p),), timeout=150)
     _check_group(p, results)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_triton_backend_on_every_rank(p):
+    """Slice reductions, round compositions and the finish run the Triton kernels (interpreter here)."""
+    cases = [
+        dict(kind="sparse", n=6, seed=11 + p, backend="triton", levels=1),
+        dict(kind="mixed", n=7, seed=12 + p, extra="all", shared="some", backend="triton"),
+        dict(kind="dense", n=p + 1, seed=13, extra="some", dtype=torch.float32, backend="triton", batches=[2]),
+    ]
+    results = sd.run_local(run_cases, p, args=(cases,), timeout=240)
+    for r, (ok, out) in enumerate(results):
+        assert ok, f"rank {r} failed:\n{out}"
+        for ci, (case, res) in enumerate(zip(cases, out)):
+            tol = 1e-5 if case.get("dtype") == torch.float32 else TOL
+            assert res["error"] <= tol, f"p={p} case {ci} rank {r}: rel. error {res['error']:.3g}"
+    _check_comm(p, [[s for s in out[0]["stats"]] for _, out in results], f"p={p} triton")
 
 
 def test_bad_input_on_one_rank_fails_everywhere():
