@@ -311,8 +311,12 @@ def _costs_of(steps: Sequence[Step], mats: dict[int, MatInfo], profile: DevicePr
 
 
 def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], products: _Products,
-                  profile: DeviceProfile, what: str) -> dict[int, MatInfo]:
-    """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists."""
+                  profile: DeviceProfile, what: str,
+                  advice: str = "choose fewer levels") -> dict[int, MatInfo]:
+    """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists.
+
+    ``what`` names the request in the error raised when a level's pair indices exceed the budget.
+    """
     mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
     for d, st in enumerate(sched.steps[:levels]):
         est_bytes = 0
@@ -322,8 +326,8 @@ def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], product
                 est_bytes += 2 * INDEX_BYTES * product_counts(a, b)
             if est_bytes > profile.bytes_budget:
                 raise ValueError(
-                    f"levels={what}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of pair "
-                    f"indices (budget {profile.bytes_budget / 2**30:.1f} GiB); choose fewer levels"
+                    f"{what}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of pair indices, over the "
+                    f"planning budget of {profile.bytes_budget / 2**30:.1f} GiB; {advice}"
                 )
         for op in st.mm:
             mats[op.out] = products.product(mats[op.left].pattern, mats[op.right].pattern)
@@ -359,7 +363,7 @@ def plan_scan(
     if levels != "auto":
         k = kmax if levels == "full" else min(int(levels), kmax)
         sched = blelloch_schedule(n, k)
-        mats = _planned_mats(sched, k, pats, products, profile, str(levels))
+        mats = _planned_mats(sched, k, pats, products, profile, f"levels={levels}")
         costs = _costs_of(sched.steps, mats, profile, batch_hint, elem_bytes)
         up = 0.0
         for c in costs[:k]:
@@ -410,7 +414,7 @@ def plan_scan(
         candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, mats0, profile, batch_hint, elem_bytes))
     else:
         k, sched = best
-    plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "auto"), sched, profile,
+    plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "levels=auto"), sched, profile,
                     batch_hint, elem_bytes)
     plan.candidates = candidates
     plan.explored = explored
@@ -441,21 +445,8 @@ def plan_reduction(
     pats = [table.intern(p) for p in patterns]
     sched = reduction_schedule(len(pats))
     products = _Products(table, profile)
-    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
-    for d, st in enumerate(sched.steps):
-        need = 0
-        for op in st.mm:
-            a, b = mats[op.left].pattern, mats[op.right].pattern
-            if not (a.is_full and b.is_full):
-                need += 2 * INDEX_BYTES * product_counts(a, b)
-        if need > profile.bytes_budget:
-            raise ValueError(
-                f"composite of {len(pats)} layers: reduction level {d} needs {need:,} bytes of pair indices, over "
-                f"the planning budget of {profile.bytes_budget:,.0f} bytes; cut the chain where the composites "
-                f"stay small"
-            )
-        for op in st.mm:
-            mats[op.out] = products.product(mats[op.left].pattern, mats[op.right].pattern)
+    mats = _planned_mats(sched, sched.levels, pats, products, profile, f"composite of {len(pats)} layers",
+                         "cut the chain where the composites stay small")
     plan = ScanPlan(pats, sched.levels, mats, sched, profile, batch_hint, elem_bytes)
     plan.explored = sched.levels
     return plan
