@@ -3,10 +3,10 @@
 Rows (one pytest-benchmark test each; baselines are measured inside the same test, so every
 ratio in ``extra_info`` compares timings taken back to back on one device):
 
-(a) ``test_spgemm_gpu``: numeric SpGEMM from planned pair lists (``spscan.kernels.spgemm``) on
-    products of two conv-like transposed Jacobians, vs ``torch.sparse`` CSR @ CSR (cuSPARSE,
-    which redoes its symbolic phase every call) and SciPy on the CPU; also 16 per-sample value
-    sets in one launch. ``test_spgemm_cpu`` runs the same comparison with the torch backend's
+(a) ``test_spgemm_gpu``: numeric SpGEMM from planned pair lists (``spscan.plan_composite`` with
+    the Triton backend, bound once) on products of two conv-like transposed Jacobians, vs
+    ``torch.sparse`` CSR @ CSR (cuSPARSE, which redoes its symbolic phase every call) and SciPy
+    on the CPU; also 16 per-sample value sets in one launch. ``test_spgemm_cpu`` runs the same comparison with the torch backend's
     numeric SpGEMM on the CPU (small sizes, seconds), so this suite shows something without a GPU.
 (b) achieved GB/s of SpGEMM (``test_spgemm_gpu``) and batched SpMV (``test_spmv_gpu``) against a
     device-to-device copy of the same byte count, measured in the same test.
@@ -42,9 +42,9 @@ import torch
 
 import spscan
 from spscan.kernels.segments import segments_from_pairs
-from spscan.kernels.spgemm import planned_product, spgemm
 from spscan.kernels.spmv import spmv
 from spscan.planner.patterns import as_pattern
+from spscan.planner.symbolic import spgemm_symbolic
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -115,6 +115,13 @@ def _index_bytes(table) -> int:
 SPGEMM_SIZES = {"conv4x32x32": (4, 32, 32), "conv8x32x32": (8, 32, 32)}
 
 
+def _composite_bytes(pairs: int, nnz_c: int, batch: int, nnz_a: int, nnz_b: int, per_sample: bool) -> int:
+    """Compulsory traffic of one numeric product: int32 pair indices and segment offsets once,
+    values once (per sample when batched), outputs written once."""
+    index = 4 * (2 * pairs + 2 * nnz_c + 1)
+    return index + 4 * (batch if per_sample else 1) * (nnz_a + nnz_b + nnz_c)
+
+
 @needs_cuda
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("size", list(SPGEMM_SIZES))
@@ -123,22 +130,24 @@ def test_spgemm_gpu(benchmark, size):
     dev = DEV
     a = conv_pattern(*SPGEMM_SIZES[size])
     t0 = time.perf_counter()
-    table, pc = planned_product(as_pattern(a), as_pattern(a), dev)
+    cplan = spscan.plan_composite([a, a], backend="triton", device=dev, dtype=torch.float32)
+    shared = cplan.bind(shared=[True, True], device=dev)  # index tables uploaded once
     symbolic_s = time.perf_counter() - t0
+    pc = cplan.composite_pattern
+    pairs = len(spgemm_symbolic(as_pattern(a), as_pattern(a)).pair_a)
     rng = np.random.default_rng(0)
     va_np, vb_np = rng.standard_normal(a.nnz).astype(np.float32), rng.standard_normal(a.nnz).astype(np.float32)
     va, vb = torch.from_numpy(va_np).to(dev), torch.from_numpy(vb_np).to(dev)
-    out = torch.empty(pc.nnz, device=dev)
 
-    def triton_shared() -> None:
-        spgemm(table, va, vb, out)
+    def triton_shared() -> torch.Tensor:
+        out = shared.run([va, vb], check=False).composite
         sync()
+        return out
 
     # correctness first, against SciPy (the CPU baseline below)
     sa = sp.csr_array((va_np.astype(np.float64), a.indices, a.indptr), shape=a.shape)
     sb = sp.csr_array((vb_np.astype(np.float64), a.indices, a.indptr), shape=a.shape)
-    triton_shared()
-    got = sp.csr_array((out.cpu().double().numpy(), pc.indices, pc.indptr), shape=pc.shape)
+    got = sp.csr_array((triton_shared().cpu().double().numpy(), pc.indices, pc.indptr), shape=pc.shape)
     want = sa @ sb
     assert abs(got - want).max() <= 1e-4 * abs(want).max()
 
@@ -159,24 +168,23 @@ def test_spgemm_gpu(benchmark, size):
     t_scipy = median_time(lambda: sa32 @ sb32, reps=3, warmup=1)
 
     batch = 16
+    per_sample = cplan.bind(shared=[False, False], device=dev)
     va_b = torch.randn(batch, a.nnz, device=dev)
     vb_b = torch.randn(batch, a.nnz, device=dev)
-    out_b = torch.empty(batch, pc.nnz, device=dev)
 
     def triton_batched() -> None:
-        spgemm(table, va_b, vb_b, out_b)
+        per_sample.run([va_b, vb_b], check=False)
         sync()
 
     t_batched = median_time(triton_batched, reps=10)
 
-    index = _index_bytes(table)
-    bytes_shared = index + 4 * (2 * a.nnz + pc.nnz)
-    bytes_batched = index + 4 * batch * (2 * a.nnz + pc.nnz)
+    bytes_shared = _composite_bytes(pairs, pc.nnz, 1, a.nnz, a.nnz, False)
+    bytes_batched = _composite_bytes(pairs, pc.nnz, batch, a.nnz, a.nnz, True)
     copy = copy_gbps(bytes_batched, dev)
-    flops = 2 * table.npairs
+    flops = 2 * pairs
     benchmark.extra_info.update({
         "device": device_name(), "dtype": "float32", "d": a.shape[0], "nnz_A": a.nnz, "nnz_C": pc.nnz,
-        "pairs": table.npairs, "symbolic_once_s": symbolic_s,
+        "pairs": pairs, "symbolic_once_s": symbolic_s, "path": "spscan.plan_composite(backend='triton')",
         "flops": flops, "bytes": bytes_shared, "GFLOPs": flops / t_triton / 1e9, "GBps": bytes_shared / t_triton / 1e9,
         "torch_sparse_s": t_cusparse, "scipy_cpu_s": t_scipy,
         "speedup_vs_torch_sparse": t_cusparse / t_triton, "speedup_vs_scipy": t_scipy / t_triton,
@@ -189,24 +197,27 @@ def test_spgemm_gpu(benchmark, size):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_spgemm_cpu(benchmark):
-    """The torch backend's numeric SpGEMM (planned pairs) vs SciPy and torch.sparse, all on the CPU."""
-    from spscan.kernels.chain import PlannedProduct
-
+    """The torch backend's numeric SpGEMM (``plan_composite``) vs SciPy and torch.sparse, all on the CPU."""
     benchmark.group = "kernels-spgemm-cpu"
     a = conv_pattern(2, 16, 16)
-    prod = PlannedProduct(as_pattern(a), as_pattern(a))
+    cplan = spscan.plan_composite([a, a], backend="torch", device="cpu", dtype=torch.float32)
+    bound = cplan.bind(shared=[True, True], device="cpu")
+    pc = cplan.composite_pattern
+    pairs = len(spgemm_symbolic(as_pattern(a), as_pattern(a)).pair_a)
     rng = np.random.default_rng(0)
     va_np, vb_np = rng.standard_normal(a.nnz).astype(np.float32), rng.standard_normal(a.nnz).astype(np.float32)
     va, vb = torch.from_numpy(va_np), torch.from_numpy(vb_np)
-    got = prod(va, vb)
+
+    def planned() -> torch.Tensor:
+        return bound.run([va, vb], check=False).composite
+
     sa = sp.csr_array((va_np, a.indices, a.indptr), shape=a.shape)
     sb = sp.csr_array((vb_np, a.indices, a.indptr), shape=a.shape)
     want = sa @ sb
-    pc = prod.pattern
-    assert abs(sp.csr_array((got.double().numpy(), pc.indices, pc.indptr), shape=pc.shape) - want).max() \
-        <= 1e-4 * abs(want).max()
+    got = sp.csr_array((planned().double().numpy(), pc.indices, pc.indptr), shape=pc.shape)
+    assert abs(got - want).max() <= 1e-4 * abs(want).max()
 
-    benchmark.pedantic(lambda: prod(va, vb), rounds=20, warmup_rounds=2)
+    benchmark.pedantic(planned, rounds=20, warmup_rounds=2)
     t_planned = benchmark.stats.stats.median
     crow, col = torch.from_numpy(a.indptr.astype(np.int64)), torch.from_numpy(a.indices.astype(np.int64))
     ta = torch.sparse_csr_tensor(crow, col, va, size=a.shape)
@@ -214,8 +225,8 @@ def test_spgemm_cpu(benchmark):
     t_torch_sparse = median_time(lambda: torch.matmul(ta, tb), reps=10)
     t_scipy = median_time(lambda: sa @ sb, reps=10)
     benchmark.extra_info.update({
-        "device": device_name(), "d": a.shape[0], "nnz_A": a.nnz, "nnz_C": pc.nnz, "pairs": prod.work,
-        "flops": 2 * prod.work, "GFLOPs": 2 * prod.work / t_planned / 1e9,
+        "device": device_name(), "d": a.shape[0], "nnz_A": a.nnz, "nnz_C": pc.nnz, "pairs": pairs,
+        "flops": 2 * pairs, "GFLOPs": 2 * pairs / t_planned / 1e9,
         "torch_sparse_s": t_torch_sparse, "scipy_s": t_scipy,
         "speedup_vs_torch_sparse": t_torch_sparse / t_planned, "speedup_vs_scipy": t_scipy / t_planned,
     })

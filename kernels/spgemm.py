@@ -15,15 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-import numpy as np
-
-from spscan.planner.patterns import Pattern
-from spscan.planner.symbolic import spgemm_symbolic
-
 from . import launch
-from .segments import SegmentTable, segment_block, segment_dot, segments_from_pairs
+from .segments import SegmentTable, segment_block, segment_dot
 
-__all__ = ["spgemm_kernel", "spgemm", "planned_product"]
+__all__ = ["spgemm_kernel", "spgemm"]
 
 
 @triton.jit
@@ -74,15 +69,3 @@ def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
         cfg.num_warps,
     )
 
-
-def planned_product(a: Pattern, b: Pattern, device: torch.device) -> tuple[SegmentTable, Pattern]:
-    """Symbolic ``C = A @ B`` once (outside a scan): the segment table for :func:`spgemm` and ``C``'s pattern.
-
-    The table indexes ``a``'s values ``(.., nnz_A)`` and ``b``'s ``(.., nnz_B)`` directly and writes
-    ``C``'s values ``(.., nnz_C)`` in CSR order.
-    """
-    sym = spgemm_symbolic(a, b)
-    nnz_c = sym.pattern.nnz
-    table = segments_from_pairs(np.diff(sym.pair_ptr), sym.pair_a, sym.pair_b, np.arange(nnz_c, dtype=np.int64),
-                                None, (a.nnz, b.nnz, nnz_c), device)
-    return table, sym.pattern

@@ -4,8 +4,9 @@
   the k loop, dense GEMV, the persistent chain in both its register and tiled forms) through
   ``spscan.plan(..., device="cuda", backend="triton")`` + ``spscan.backward``, against the torch
   backend on the same device and the float64 reference on the CPU;
-* a plan's backward captured in a CUDA graph and replayed with new values in the same input
-  tensors gives bitwise the gradients an eager call gives;
+* a plan's backward (``spscan.backward`` and a bound plan's ``run``) captured in a CUDA graph and
+  replayed with new values in the same input tensors gives bitwise the gradients an eager call
+  gives;
 * bitwise determinism: two runs, two plans and a second process give identical bits;
 * ``spscan.wrap`` of an ``nn.RNN`` on the GPU against float64 autograd.
 
@@ -156,22 +157,35 @@ def test_bitwise_repeatable_across_processes():
 GRAPH_CASES = ["dense20-dot", "chain20-registers", "sparse-mixed", "rnn64-auto"]
 
 
+@pytest.mark.parametrize("api", ["backward", "bound"])
 @pytest.mark.parametrize("case", GRAPH_CASES)
-def test_cuda_graph_replay_equals_eager(case):
-    """Capture a backward once; replay it after copying new values into the same tensors: bitwise eager."""
+def test_cuda_graph_replay_equals_eager(case, api):
+    """Capture a backward once (``spscan.backward``, or ``BoundPlan.run`` of ``plan.bind``); replay it
+    after copying new values into the same tensors: bitwise what an eager call gives."""
     pats, shared, levels, batch, every = CASES[case]
     plan = spscan.plan(pats, levels=levels, backend="triton", device=CUDA, dtype=torch.float32, batch_size=batch)
     vals, grad, extra = (_cuda(x) for x in _inputs(pats, shared, batch, torch.float32, every, seed=0))
+    if api == "bound":
+        bound = plan.bind(shared=shared, has_extra=None if extra is None else [e is not None for e in extra],
+                          device=CUDA)
+
+        def step():
+            return bound.run(vals, grad, extra, check=False).grads
+    else:
+
+        def step():
+            return spscan.backward(plan, vals, grad, extra)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compile, upload tables) off the default stream
         for _ in range(2):
-            spscan.backward(plan, vals, grad, extra)
+            step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = spscan.backward(plan, vals, grad, extra)
+        static_out = step()
     for seed in (1, 2):
         new_vals, new_grad, new_extra = _inputs(pats, shared, batch, torch.float32, every, seed=seed)
         for dst, src in zip(vals, new_vals):
@@ -183,9 +197,9 @@ def test_cuda_graph_replay_equals_eager(case):
                     dst.copy_(src)
         graph.replay()
         replayed = [g.clone() for g in static_out]
-        eager = spscan.backward(plan, vals, grad, extra)
+        eager = [g.clone() for g in step()]
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(replayed, eager)), f"{case}: replay differs from eager"
+        assert all(torch.equal(a, b) for a, b in zip(replayed, eager)), f"{case} ({api}): replay differs from eager"
         ref = reference_backward(pats, new_vals, new_grad, new_extra)
         seq = rel_err(sequential_f32(pats, new_vals, new_grad, new_extra), ref)
         assert rel_err(replayed, ref) <= 2 * seq + F32_FLOOR
