@@ -298,6 +298,76 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
         return out
 
 
+def _conv_taps(n_in: int, n_out: int, k: int, s: int, d: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One spatial axis of a convolution: every (input position, tap, output position) that meets,
+    ``o = (i + pad - tap*d) / s`` integral and in range, sorted by input then output position."""
+    i = np.arange(n_in, dtype=np.int64)[:, None]
+    tap = np.arange(k - 1, -1, -1, dtype=np.int64)[None, :]  # descending taps: ascending outputs
+    num = i + pad - tap * d
+    valid = (num >= 0) & (num % s == 0) & (num < s * n_out)
+    ii, tt = np.nonzero(valid)  # row-major: input ascending, then output ascending
+    return ii.astype(np.int64), (k - 1 - tt).astype(np.int64), (num[ii, tt] // s).astype(np.int64)
+
+
+def _conv_entries(cin: int, cout: int, groups: int, s_in: Sequence[int], s_out: Sequence[int], k: Sequence[int],
+                  s: Sequence[int], d: Sequence[int], pad_lo: Sequence[int],
+                  drop: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Structural entries of a convolution's ``J^T`` in CSR order: (input row, output column, flat
+    weight index), each (nnz,) int64, pruned weights (``drop[w]``) left out.
+
+    Built from the valid entries only: per spatial axis the (input, tap, output) triples that meet
+    (:func:`_conv_taps`), their product over the axes grouped by input position, then repeated over
+    the output channels of each input channel's group. Row ``(ci, i...)`` holds ``(co, o...)``
+    ascending, so the entries come out in CSR order with no sort.
+    """
+    nd = len(s_in)
+    cin_g, cout_g = cin // groups, cout // groups
+    axes = [_conv_taps(s_in[t], s_out[t], k[t], s[t], d[t], pad_lo[t]) for t in range(nd)]
+    # spatial combinations: one triple per axis, ordered by (i_1..i_nd, o_1..o_nd)
+    grids = np.meshgrid(*[np.arange(a[0].size, dtype=np.int64) for a in axes], indexing="ij")
+    pick = [g.ravel() for g in grids]
+    keys = [axes[t][2][pick[t]] for t in reversed(range(nd))] + [axes[t][0][pick[t]] for t in reversed(range(nd))]
+    order = np.lexsort(keys) if keys and keys[0].size else np.zeros(0, dtype=np.int64)
+    pick = [q[order] for q in pick]
+    plane_in = _flat_index([axes[t][0][pick[t]] for t in range(nd)], s_in)
+    plane_out = _flat_index([axes[t][2][pick[t]] for t in range(nd)], s_out)
+    plane_tap = _flat_index([axes[t][1][pick[t]] for t in range(nd)], k)
+    n_in, n_out, n_tap = _prod(s_in), _prod(s_out), _prod(k)
+    # each input position's combinations, repeated over the group's output channels (channel outer)
+    per_pos = np.bincount(plane_in, minlength=n_in).astype(np.int64)
+    start = np.zeros(n_in, dtype=np.int64)
+    np.cumsum(per_pos[:-1], out=start[1:])
+    pos = np.repeat(np.arange(n_in, dtype=np.int64), per_pos * cout_g)
+    local = np.arange(pos.size, dtype=np.int64) - np.repeat(start * cout_g, per_pos * cout_g)
+    width = per_pos[pos]
+    co_l = local // np.maximum(width, 1)
+    comb = start[pos] + local % np.maximum(width, 1)
+    # per input channel ci of group g, only scalar offsets change:
+    #   row = ci*n_in + row_in, col = g*cout_g*n_out + col_base, w = (g*cout_g*cin_g + ci % cin_g)*n_tap + w_base
+    row_in = plane_in[comb]
+    col_base = co_l * n_out + plane_out[comb]
+    w_base = co_l * (cin_g * n_tap) + plane_tap[comb]
+    del pos, local, width, co_l, comb
+    if drop.any():
+        parts = []
+        for ci in range(cin):
+            g = ci // cin_g
+            w = w_base + (g * cout_g * cin_g + ci % cin_g) * n_tap
+            keep = ~drop[w]
+            parts.append((row_in[keep] + ci * n_in, col_base[keep] + g * cout_g * n_out, w[keep]))
+        return tuple(np.concatenate([q[t] for q in parts]) for t in range(3))  # type: ignore[return-value]
+    m = row_in.size
+    rows = np.empty(cin * m, dtype=np.int64)
+    cols = np.empty(cin * m, dtype=np.int64)
+    widx = np.empty(cin * m, dtype=np.int64)
+    for ci in range(cin):
+        g = ci // cin_g
+        np.add(row_in, ci * n_in, out=rows[ci * m:(ci + 1) * m])
+        np.add(col_base, g * cout_g * n_out, out=cols[ci * m:(ci + 1) * m])
+        np.add(w_base, (g * cout_g * cin_g + ci % cin_g) * n_tap, out=widx[ci * m:(ci + 1) * m])
+    return rows, cols, widx
+
+
 # ----------------------------------------------------------------------------- Conv
 
 
@@ -339,40 +409,10 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
             pad_lo = _tuple(module.padding, nd)
             pad_hi = pad_lo
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.kernel = s, d, pad_lo, pad_hi, k
-        cin_g, cout_g = cin // groups, cout // groups
-
         drop = self._drop_mask(module, prune_zeros)
-        # Enumerate from the input side, (ci, i_1..i_nd | co_l, k_1..k_nd reversed): rows ascend, and
-        # within a row the output position o = (i + pad - k*d)/s ascends as k descends, so the
-        # entries come out in CSR order and no sort is needed. Chunks over ci bound the memory.
-        nax = 2 + 2 * nd
-        def ax(values: np.ndarray, pos: int) -> np.ndarray:
-            shape = [1] * nax
-            shape[pos] = values.size
-            return values.astype(np.int64).reshape(shape)
-        per_ci = _prod(s_in) * cout_g * _prod(k)
-        chunk = max(1, (1 << 22) // max(1, per_ci))
-        parts_r, parts_c, parts_w = [], [], []
-        for ci0 in range(0, cin, chunk):
-            ci = ax(np.arange(ci0, min(cin, ci0 + chunk)), 0)
-            i = [ax(np.arange(s_in[t]), 1 + t) for t in range(nd)]
-            co = (ci // cin_g) * cout_g + ax(np.arange(cout_g), 1 + nd)
-            kk = [ax(np.arange(k[t] - 1, -1, -1), 2 + nd + t) for t in range(nd)]
-            full = np.broadcast(ci, *i, co, *kk).shape
-            valid = np.ones(full, dtype=bool)
-            o = []
-            for t in range(nd):
-                num = i[t] + pad_lo[t] - kk[t] * d[t]
-                valid &= (num >= 0) & (num % s[t] == 0) & (num < s[t] * s_out[t])
-                o.append(num // s[t])
-            widx = np.broadcast_to(_flat_index([co, ci % cin_g, *kk], [cout, cin_g, *k]), full)
-            valid &= ~drop[widx]
-            parts_r.append(np.broadcast_to(_flat_index([ci, *i], [cin, *s_in]), full)[valid])
-            parts_c.append(np.broadcast_to(_flat_index([co, *o], [cout, *s_out]), full)[valid])
-            parts_w.append(widx[valid])
-        rows, cols = np.concatenate(parts_r), np.concatenate(parts_c)
+        rows, cols, widx = _conv_entries(cin, cout, groups, s_in, s_out, k, s, d, pad_lo, drop)
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
-        self.weight_gather = _IndexCache(np.concatenate(parts_w)[order])
+        self.weight_gather = _IndexCache(widx[order])
         self.zero_weights = _IndexCache(np.flatnonzero(drop))
 
     def run(self, x, tensors):
