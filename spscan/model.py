@@ -23,7 +23,6 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
 from spscan.engine import check_inputs
 from spscan.layers import LayerUnit, LinearUnit, make_unit, supported_layer_types
@@ -344,35 +343,102 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
 # ----------------------------------------------------------------------------- wrap
 
 
-class _ScanFunction(torch.autograd.Function):
-    """Forward: the chain. Backward: values, scan, then all parameter gradients."""
+_NOT_TWICE = ("spscan's scan backward cannot be differentiated twice: second derivatives (create_graph=True, "
+              "Hessian-vector products, gradient penalties) are not supported through a wrapped module; "
+              "compute them with plain autograd on the unwrapped model")
+
+
+class _RefuseSecondDerivative(torch.autograd.Function):
+    """Passes first-order gradients through; differentiating them raises (never a silent ``None``)."""
 
     @staticmethod
-    def forward(ctx, plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(n_sources: int, *tensors):  # type: ignore[override]
+        return tuple(t.clone() for t in tensors[n_sources:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.n_sources = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise RuntimeError(_NOT_TWICE)
+
+
+def refuse_second_derivative(sources: Sequence[torch.Tensor], grads: tuple) -> tuple:
+    """``grads`` as outputs of a node fed by ``sources`` (the function's inputs): a first-order
+    gradient stays usable, and differentiating it again with respect to any source raises."""
+    idx = [k for k, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+    if not idx:
+        return grads
+    srcs = [s for s in sources if isinstance(s, torch.Tensor) and s.requires_grad]
+    out = _RefuseSecondDerivative.apply(len(srcs), *srcs, *[grads[k] for k in idx])
+    res = list(grads)
+    for k, t in zip(idx, out):
+        res[k] = t
+    return tuple(res)
+
+
+def refuse_functorch() -> None:
+    """Raise inside a ``torch.func`` transform: the scan's backward writes into its own buffers."""
+    level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)()
+    if level is not None:
+        raise RuntimeError("torch.func transforms (grad, vjp, jacrev, vmap) over a spscan-wrapped module are not "
+                           "supported: the scan's backward runs its own batched kernels on preallocated buffers; "
+                           "use loss.backward() or torch.autograd.grad, with the batch as the leading dimension")
+
+
+class _ForwardState:
+    """What one forward keeps for the backward (a non-tensor output of the autograd function)."""
+
+    def __init__(self, saved: list[Any], tensors: list[list[torch.Tensor]], x_shape: torch.Size) -> None:
+        self.saved, self.tensors, self.x_shape = saved, tensors, x_shape
+
+
+class _ScanFunction(torch.autograd.Function):
+    """Forward: the chain. Backward: values, scan, then all parameter gradients.
+
+    ``forward`` takes no ``ctx`` (``setup_context`` keeps the state with the graph, so repeated
+    backwards over a retained graph work). A second derivative is refused with a clear error, and so
+    are ``torch.func`` transforms (:func:`refuse_functorch`).
+    """
+
+    @staticmethod
+    def forward(plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
         tensors, pos = [], 0
         for u in plan.units:
-            tensors.append(list(flat[pos:pos + len(u.roles)]))
+            tensors.append([t.detach() for t in flat[pos:pos + len(u.roles)]])
             pos += len(u.roles)
-        tensors = [[t.detach() for t in ts] for ts in tensors]
         y, saved = plan._run(x.detach(), tensors)
-        ctx.plan, ctx.saved, ctx.tensors, ctx.x_shape = plan, saved, tensors, x.shape
-        return y.clone() if y is x else y
+        return (y.clone() if y is x else y), _ForwardState(saved, tensors, x.shape)
 
     @staticmethod
-    @once_differentiable  # the scan's backward is not itself differentiable: double backward raises clearly
-    def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.plan = inputs[0]
+        ctx.state = output[1]  # kept with the graph: backward(retain_graph=True) can run again
+        ctx.save_for_backward(*inputs[1:])  # read only to attach the refusal of second derivatives
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
+        grads = _ScanFunction._backward(ctx, gy)
+        if torch.is_grad_enabled():  # create_graph=True, or a torch.func transform
+            grads = refuse_second_derivative(list(ctx.saved_tensors) + [gy], grads)
+        return grads
+
+    @staticmethod
+    def _backward(ctx, gy: torch.Tensor):
         plan: ModelPlan = ctx.plan
+        st: _ForwardState = ctx.state
         b = gy.shape[0]
-        values = plan._fill(ctx.saved, ctx.tensors)
-        grads = plan.backward(values, gy.reshape(b, -1).contiguous())
-        gx = grads[0].reshape(ctx.x_shape) if ctx.needs_input_grad[1] else None
-        needed, pos = [], 2
-        for u in plan.units:
-            needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
-            pos += len(u.roles)
-        jac = Jacobians(values, b, ctx.saved, ctx.tensors)
-        per_unit = _unit_param_grads(plan, jac, grads, needed)
-        ctx.saved = ctx.tensors = None
+        with torch.no_grad():
+            values = plan._fill(st.saved, st.tensors)
+            grads = plan.backward(values, gy.reshape(b, -1).contiguous())
+            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
+            needed, pos = [], 2
+            for u in plan.units:
+                needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
+                pos += len(u.roles)
+            jac = Jacobians(values, b, st.saved, st.tensors)
+            per_unit = _unit_param_grads(plan, jac, grads, needed)
         return (None, gx, *[g for gs in per_unit for g in gs])
 
 
@@ -389,10 +455,11 @@ class SpscanModule(nn.Module):
         self.plan = plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        refuse_functorch()
         self.plan._check_input(x)
         # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
         flat = [t for u in self.plan.units for t in u.tensors()]
-        return _ScanFunction.apply(self.plan, x, *flat)
+        return _ScanFunction.apply(self.plan, x, *flat)[0]
 
 
 def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

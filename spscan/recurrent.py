@@ -48,9 +48,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from spscan.engine import ScanResult
+from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
 
 __all__ = [
@@ -614,14 +614,22 @@ class _RecurrentFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.saved = plan._save(x, hx, outputs, need_values=True) if need else None
         ctx.has_h0 = h0 is not None
+        ctx.save_for_backward(x, h0, c0, *params)  # read only to refuse second derivatives
         out, state = outputs
         if plan.kind == "lstm":
             return out, state[0], state[1]
         return out, state
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_hn, grad_cn=None):
+        with torch.no_grad():
+            grads = _RecurrentFunction._backward(ctx, grad_out, grad_hn, grad_cn)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
+            grads = refuse_second_derivative(list(ctx.saved_tensors) + [grad_out, grad_hn, grad_cn], grads)
+        return grads
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_hn, grad_cn=None):
         plan: RecurrentPlan = ctx.plan
         if ctx.saved is None:
             return (None,) * (4 + len(_params(plan.module)))
@@ -651,6 +659,7 @@ class RecurrentWrapper(nn.Module):
         self.plan = RecurrentPlan(module, example_input, **plan_kwargs)
 
     def forward(self, x: torch.Tensor, hx=None):
+        refuse_functorch()
         self.plan._check_input(x)
         # re-check: the wrapped module's configuration may have been changed after wrapping
         _cell_kind(self.module)
