@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.datasets import IRMAS_SHAPES, synthetic_irmas
+from spscan.cli.datasets import IRMAS_SHAPES, synthetic_irmas
 
 import paper_config as cfg
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.datasets import bitstream_dataset
-from spscan.demo import BitstreamClassifier, train_side_by_side
+from spscan.cli.datasets import bitstream_dataset
+from spscan.cli.demo import BitstreamClassifier, train_side_by_side
 
 import paper_config as cfg
 

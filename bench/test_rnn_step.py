@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.datasets import bitstream_dataset
-from spscan.demo import BitstreamClassifier
+from spscan.cli.datasets import bitstream_dataset
+from spscan.cli.demo import BitstreamClassifier
 
 H, B = 20, 16
 

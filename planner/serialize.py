@@ -89,6 +89,8 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
         info = plan.mats[mid]
         if info.algo == "input":
             continue
+        if info.algo not in ("gemm", "pairs"):
+            raise ValueError(f"product {mid}: {info.algo!r} products cannot be saved in plan file version {VERSION}")
         rec = [mid, pid(info.pattern), 0 if info.algo == "gemm" else 1, info.gemm_macs, -1]
         if info.sym is not None:
             if id(info.sym) not in syms:

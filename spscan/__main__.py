@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     ns, rest = parser.parse_known_args(argv[:1])
     if ns.command == "demo":
-        from spscan.demo import main as run
+        from spscan.cli.demo import main as run
     else:
-        from spscan.benchrun import main as run
+        from spscan.cli.bench import main as run
     return int(run(argv[1:]) or 0)
 
 

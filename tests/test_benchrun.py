@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spscan import benchrun
-from spscan.benchreport import FIGURES, load_rows, write_report
+from spscan.cli import bench as benchrun
+from spscan.cli.report import FIGURES, load_rows, write_report
 
 COMMON = {"device": "cpu (test, 2 cores, 2 threads)", "quick": True, "torch": "2.x", "triton": "3.x",
           "python": "3.x", "spscan": "0.1.0"}

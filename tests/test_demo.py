@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from spscan.datasets import IRMAS_SHAPES, bitstream_dataset, load_irmas_mfcc, synthetic_irmas
-from spscan.demo import BitstreamClassifier, main
+from spscan.cli.datasets import IRMAS_SHAPES, bitstream_dataset, load_irmas_mfcc, synthetic_irmas
+from spscan.cli.demo import BitstreamClassifier, main
 from spscan.recurrent import wrap_recurrent
 
 

@@ -190,7 +190,7 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
     jsons = [p for p in jsons if p.stat().st_size]
     if jsons:
         try:
-            from spscan.benchreport import write_report
+            from spscan.cli.report import write_report
 
             path = write_report(jsons, report_dir, {"quick": quick, "notes": [f"device: {env_info.get('device')}"]})
             paper = path.read_text()

@@ -4,7 +4,7 @@ Each suite is a pytest-benchmark file under ``bench/`` run in its own ``pytest``
 ``--benchmark-json DIR/json/<suite>.json`` (so ``--benchmark-compare``, ``--benchmark-save`` and
 the other pytest-benchmark options work as usual: pass them after ``--``). Sizes are chosen by
 the suites from ``SPSCAN_BENCH_QUICK`` / ``SPSCAN_BENCH_DEVICE``, which this command sets.
-Afterwards :func:`spscan.benchreport.write_report` turns the JSON into ``DIR/report.md`` and
+Afterwards :func:`spscan.cli.report.write_report` turns the JSON into ``DIR/report.md`` and
 one PNG per figure.
 """
 
@@ -69,7 +69,7 @@ def find_bench_dir(explicit: Optional[str] = None) -> Path:
     if explicit:
         d = Path(explicit)
     else:
-        d = Path(__file__).resolve().parent.parent / "bench"
+        d = Path(__file__).resolve().parents[2] / "bench"  # spscan/cli/bench.py -> checkout/bench
     if not (d / SUITES["rnn"]).is_file():
         raise FileNotFoundError(
             f"benchmark suites not found in {d}: `python -m spscan bench` runs the pytest-benchmark files of a "
@@ -107,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    from spscan.benchreport import write_report
+    from spscan.cli.report import write_report
 
     meta: dict = {"quick": ns.quick, "notes": list(ns.note)}
     if hasattr(os, "getloadavg"):

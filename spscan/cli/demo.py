@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from spscan.datasets import bitstream_dataset
+from spscan.cli.datasets import bitstream_dataset
 
 __all__ = ["main", "BitstreamClassifier", "train_side_by_side"]
 

@@ -154,7 +154,7 @@ def _rnn_training(rows: list[dict], out: Path) -> str:
                   [[i.get("seq_len"), i.get("samples"), i.get("epochs"), i.get("batch_size"),
                     _t(i.get("autograd_backward_s")), _t(i.get("bppsa_backward_s")), _x(i.get("backward_speedup")),
                     _x(i.get("overall_speedup")), _n(i.get("final_loss_autograd")), _n(i.get("final_loss_bppsa"))]])
-    return body + "\n\nSums over all steps but the first (Adam, learning rate of `spscan.demo`).\n\n" \
+    return body + "\n\nSums over all steps but the first (Adam, learning rate of `spscan.cli.demo`).\n\n" \
         f"![training curves]({_save(fig, out, FIGURES['rnn_training'])})"
 
 
@@ -332,8 +332,8 @@ INTRO = {
     "rnn_T": "`nn.RNN(1, 20)` + Linear head, cross-entropy on the bitstream task (eq. 8); the backward goes "
              "through `spscan.wrap`. Speedup = autograd median / spscan median (overall: forward + backward).",
     "rnn_B": "Same model at T = 1000 over the batch size.",
-    "rnn_training": "A short side-by-side run of `spscan.demo.train_side_by_side` (same seed, same batches).",
-    "gru": "`nn.GRU(C, 20)` + Linear head on synthetic data with IRMAS' shapes (`spscan.datasets.synthetic_irmas`). "
+    "rnn_training": "A short side-by-side run of `spscan.cli.demo.train_side_by_side` (same seed, same batches).",
+    "gru": "`nn.GRU(C, 20)` + Linear head on synthetic data with IRMAS' shapes (`spscan.cli.datasets.synthetic_irmas`). "
            "Fill = `RecurrentPlan.forward` minus the module's own forward (the transposed-Jacobian values).",
     "vgg_flops": "VGG-11's conv+ReLU+max-pool chain on 32x32 inputs (21 transposed Jacobians), 97% of each conv "
                  "weight pruned by magnitude (`torch.nn.utils.prune.l1_unstructured` of a seeded, untrained model; "
