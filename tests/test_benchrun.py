@@ -120,3 +120,31 @@ def test_report_only(tmp_path):
 
 def test_bench_dir_of_checkout():
     assert (benchrun.find_bench_dir() / "test_paper_rnn.py").is_file()
+
+
+def test_missing_bench_dependency_is_named_on_screen(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(benchrun.NEEDS, "spscan_no_such_module", "no-such-dist")
+    assert benchrun.missing_modules() == ["no-such-dist"]
+    assert benchrun.main(["--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-dist" in err and '.[bench]' in err
+
+
+def test_failed_suite_prints_its_cause(tmp_path, capsys):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / benchrun.SUITES["rnn"]).write_text("import spscan_no_such_module\n\ndef test_x():\n    pass\n")
+    rc = benchrun.main(["--out", str(tmp_path / "o"), "--bench-dir", str(bench), "--suites", "rnn"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "rnn" in out and "failed" in out
+    assert "No module named 'spscan_no_such_module'" in out  # on screen, not only in the log
+
+
+def test_bench_extra_lists_what_the_runner_needs():
+    tomllib = pytest.importorskip("tomllib")
+    root = benchrun.find_bench_dir().parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].split("<")[0].strip() for req in extras["bench"]}
+    assert set(benchrun.NEEDS.values()) <= names
+    assert '.[bench]' in (root / "README.md").read_text()

@@ -11,14 +11,16 @@ one PNG per figure.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["SUITES", "main", "parse_args", "find_bench_dir"]
+__all__ = ["SUITES", "NEEDS", "main", "parse_args", "find_bench_dir", "missing_modules", "failure_cause"]
 
 #: suite name -> bench file, in run order (cheapest figures first)
 SUITES: dict[str, str] = {
@@ -102,6 +104,33 @@ def _run_suite(name: str, bench: Path, out: Path, env: dict[str, str], extra: li
     return {"name": name, "status": status, "rc": rc, "seconds": time.perf_counter() - t0, "json": js}
 
 
+#: what the suites import beyond spscan's own dependencies (the ``bench`` extra), module -> distribution
+NEEDS: dict[str, str] = {"pytest": "pytest", "pytest_benchmark": "pytest-benchmark"}
+
+
+def missing_modules() -> list[str]:
+    """Distributions the suites need that this interpreter cannot import."""
+    return [dist for mod, dist in NEEDS.items() if importlib.util.find_spec(mod) is None]
+
+
+_CAUSE = re.compile(r"^(E\s+)?(\w+(Error|Exception)\b.*|ERROR .*|FAILED .*|.*No module named .*)$")
+
+
+def failure_cause(log: Path, limit: int = 4) -> list[str]:
+    """The lines of a suite's log that say why it failed (exceptions, ERROR/FAILED lines), last ones first
+    kept; the last lines of the log if none match."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    hits = [ln.strip() for ln in lines if _CAUSE.match(ln.strip())]
+    seen: list[str] = []
+    for ln in hits:
+        if ln not in seen:
+            seen.append(ln)
+    return seen[-limit:] if seen else [ln.strip() for ln in lines[-limit:] if ln.strip()]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m spscan bench``; returns the exit status (1 if any suite failed)."""
     ns, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -119,15 +148,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        missing = missing_modules()
+        if missing:
+            print(f"error: the benchmark suites need {', '.join(missing)}, which this Python cannot import "
+                  f"({sys.executable}). Install the bench extra: pip install -e \".[bench]\" in the checkout "
+                  f"(or pip install {' '.join(missing)}).", file=sys.stderr)
+            return 2
         from tqdm.auto import tqdm
 
         env = _env(ns)
-        bar = tqdm(ns.suites, desc="benchmark suites", unit="suite")
+        bar = tqdm(ns.suites, desc="benchmark suites", unit="suite", disable=None)  # no bar unless a terminal
         for name in bar:
             bar.set_postfix_str(name)
             r = _run_suite(name, bench, out, env, extra)
             results.append(r)
             tqdm.write(f"{name:<12} {r['status']} in {r['seconds']:.0f} s")
+            if r["rc"] not in (0, 5):
+                for line in failure_cause(out / "logs" / f"{name}.log"):
+                    tqdm.write(f"  {line}")
         meta["suites"] = [{k: r[k] for k in ("name", "status", "seconds")} for r in results]
         if ns.only:
             meta["notes"].append(f"RNN sweeps restricted to {ns.only}")
