@@ -47,6 +47,7 @@ FULL_ONLY = "T=10,100,1000,10000,30000;B=1,4,16,64,256"
 TESTS_FULL = (["tests/test_gpu.py", "tests/test_triton_kernels.py"], None, 200)
 TESTS_QUICK = (["tests/test_gpu.py"], "sparse-mixed or dense20 or chain20 or graph", 90)
 MAX_PNGS = 3  # the output folder holds at most 8 files: 5 fixed + these
+PNG_PRIORITY = ["gpu_ratios.png", "rnn_sweep_T.png", "spgemm.png", "gru.png", "rnn_sweep_B.png"]
 
 
 def environment() -> dict[str, Any]:
@@ -190,11 +191,12 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
     jsons = [p for p in jsons if p.stat().st_size]
     if jsons:
         try:
-            from spscan.cli.report import write_report
+            from spscan.benchreport import write_report
 
             path = write_report(jsons, report_dir, {"quick": quick, "notes": [f"device: {env_info.get('device')}"]})
             paper = path.read_text()
-            for png in sorted(report_dir.glob("*.png")):
+            order = {name: i for i, name in enumerate(PNG_PRIORITY)}
+            for png in sorted(report_dir.glob("*.png"), key=lambda q: (order.get(q.name, len(order)), q.name)):
                 if len(pngs) >= MAX_PNGS:
                     paper += f"\n_(figure {png.name} left out of this folder: regenerate it from bench.json)_\n"
                     continue
@@ -261,6 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             say("   " + "\n   ".join((work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]))
 
     summary = write_outputs(out, work, env_info, tests, suites, ns.quick)
+    shutil.rmtree(work, ignore_errors=True)  # every row is in bench.json, the failing logs' tails in run.log
     say("\n== targets (ratios measured in this run)")
     for c in summary["targets"]:
         m = "n/a" if c["measured"] is None else f"{c['measured']:.3g}"
