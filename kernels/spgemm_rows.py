@@ -167,8 +167,10 @@ def rows_table(products: Sequence[RowsProduct], arena_sizes: Sequence[int], devi
         br_len.append(b_len)
         cols.append(b.indices)
         c_col0 = n_cols + b.nnz
-        cols.append(c.indices)
-        n_cols += b.nnz + c.nnz
+        full = c.is_full  # a full row's position is the column itself: its columns are never read
+        if not full:
+            cols.append(c.indices)
+        n_cols += b.nnz + (0 if full else c.nnz)
         ae_val.append(pr.a_offset + np.arange(a.nnz, dtype=np.int64))
         ae_brow.append(n_br + a.indices)
         n_br += b.rows
@@ -178,10 +180,12 @@ def rows_table(products: Sequence[RowsProduct], arena_sizes: Sequence[int], devi
             cs = np.concatenate([[0], np.cumsum(b_len[a.indices])])
             pairs = cs[a.indptr[1:]] - cs[a.indptr[:-1]]
         steps = np.where(clen == c.cols, -1, _search_steps(clen))
+        if full:
+            steps[:] = -1
         row_parts["a"].append(n_ae + a.indptr[:-1])
         row_parts["alen"].append(a.row_lengths())
         row_parts["c"].append(pr.c_offset + c.indptr[:-1])
-        row_parts["ccol"].append(c_col0 + c.indptr[:-1])
+        row_parts["ccol"].append(np.zeros(c.rows, np.int64) if full else c_col0 + c.indptr[:-1])
         row_parts["clen"].append(clen)
         row_parts["steps"].append(steps)
         row_parts["pairs"].append(pairs)

@@ -15,7 +15,9 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, SpMM, SpMV
+from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
+
+from .spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 
 from .backend import Backend, Capabilities, Tables
 
@@ -115,6 +117,8 @@ class TorchTables(Tables):
                     ops.append((op, bins))
                 elif isinstance(op, Gemm):
                     ops.append((op, (_blocks(op.a, device), _blocks(op.b, device))))
+                elif isinstance(op, RowSpGEMM):
+                    ops.append((op, [rows_torch_table(pr.a, pr.b, pr.c, device) for pr in op.products]))
                 elif isinstance(op, LinearRun):
                     ops.append((op, _run_plan(op)))
                 else:
@@ -351,6 +355,12 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
                 src_a, src_b, dst = arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out]
                 for ia, ib, out, _ in t:
                     _segment_sum(_gather(src_a, ia) * _gather(src_b, ib), dst, out)
+            elif isinstance(op, RowSpGEMM):
+                src_a, src_b, dst = arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out]
+                for pr, table in zip(op.products, t):
+                    spgemm_rows_torch(table, src_a[..., pr.a_offset : pr.a_offset + pr.a.nnz],
+                                      src_b[..., pr.b_offset : pr.b_offset + pr.b.nnz],
+                                      out=dst[..., pr.c_offset : pr.c_offset + pr.c.nnz])
             elif isinstance(op, Gemm):
                 ba, bb = t
                 c = _batched_matmul(_view_blocks(arenas[op.kind_a], ba), _view_blocks(arenas[op.kind_b], bb))

@@ -16,13 +16,14 @@ from typing import Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, SpMM, SpMV
+from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
 from .backend import Backend, Capabilities, Tables
 from .gemm import gemm
 from .gemv import gemv
 from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
+from .spgemm_rows import RowsProduct, RowsTable, rows_table, spgemm_rows
 from .spmv import spmv
 from .vec_chain import chain_table, vec_chain
 
@@ -33,6 +34,12 @@ __all__ = ["TritonTables", "TritonBackend", "make_tables", "run_program"]
 class _SpMMLaunch:
     op: SpMM
     table: SegmentTable
+
+
+@dataclass
+class _RowsLaunch:
+    op: RowSpGEMM
+    table: RowsTable
 
 
 @dataclass
@@ -64,7 +71,7 @@ class _ChainLaunch:
     all_shared: bool
 
 
-Launch = Union[_SpMMLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
+Launch = Union[_SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
 
 
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
@@ -107,6 +114,14 @@ class TritonTables(Tables):
                     for b in op.bins:
                         reads += [(op.kind_a, b.a.ravel()), (op.kind_b, b.b.ravel())]
                         writes.append((op.kind_out, b.out.ravel()))
+                elif isinstance(op, RowSpGEMM):
+                    prods = [RowsProduct(pr.a, pr.b, pr.c, pr.a_offset, pr.b_offset, pr.c_offset) for pr in op.products]
+                    table = rows_table(prods, (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device)
+                    launches.append(_RowsLaunch(op, table))
+                    for pr in op.products:
+                        reads += [(op.kind_a, np.arange(pr.a_offset, pr.a_offset + pr.a.nnz)),
+                                  (op.kind_b, np.arange(pr.b_offset, pr.b_offset + pr.b.nnz))]
+                        writes.append((op.kind_out, np.arange(pr.c_offset, pr.c_offset + pr.c.nnz)))
                 elif isinstance(op, SpMV):
                     table = segment_table(op.bins, zeros[op.kind_m], zeros["V"],
                                           (sizes[op.kind_m], sizes["V"]), self.device)
@@ -185,6 +200,9 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
             if isinstance(item, _SpMMLaunch):
                 op = item.op
                 spgemm(item.table, arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
+            elif isinstance(item, _RowsLaunch):
+                op = item.op
+                spgemm_rows(item.table, arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
             elif isinstance(item, _SpMVLaunch):
                 spmv(item.table, arenas[item.op.kind_m], vectors)
             elif isinstance(item, _GemmLaunch):

@@ -43,6 +43,11 @@ def estimate_memory(plan: ScanPlan) -> MemoryEstimate:
                 # padded bins hold at most twice the pairs; two index arrays each
                 plan_bytes += 2 * 2 * INDEX_BYTES * info.sym.npairs + INDEX_BYTES * info.pattern.nnz
                 step_pairs += 2 * info.sym.npairs
+            elif info.algo == "rows":
+                # O(nnz) tables; pairs are generated per block of output rows (at most ~2**20 pairs
+                # and a 2**22-entry row accumulator per sample at a time)
+                plan_bytes += info.rw.index_bytes
+                step_pairs += min(info.rw.npairs, 1 << 20) + min(info.pattern.rows * info.pattern.cols, 1 << 22)
             else:
                 step_pairs += info.pattern.nnz
         vec = 0

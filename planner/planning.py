@@ -14,6 +14,8 @@ import numpy as np
 from .cost import DeviceProfile
 from .patterns import Pattern, PatternTable, full_pattern, make_pattern
 from .schedule import ScanSchedule, Step, blelloch_schedule, max_levels
+from .rowwise import (RowwiseProduct, estimate_product_nnz, pair_list_bytes, rowwise_symbolic,
+                      structural_product)
 from .symbolic import ProductSymbolic, product_counts, product_pattern, spgemm_symbolic
 
 __all__ = ["MatInfo", "ScanPlan", "LevelCost", "plan_scan"]
@@ -26,8 +28,11 @@ class MatInfo:
     """How one matrix of the scan is stored and computed (shared by all nodes with the same operands)."""
 
     pattern: Pattern
-    algo: str  # "input" | "pairs" (gather-multiply-segment-sum) | "gemm" (both operands dense)
+    # "input" | "pairs" (gather-multiply-segment-sum) | "gemm" (both operands dense) | "rows" (row-wise
+    # over the output pattern, O(nnz) index data: products whose pair lists would be too large)
+    algo: str
     sym: Optional[ProductSymbolic] = None
+    rw: Optional[RowwiseProduct] = None
 
     @property
     def dense(self) -> bool:
@@ -40,6 +45,8 @@ class MatInfo:
         """Multiply-adds of this product for one sample (0 for inputs)."""
         if self.algo == "pairs":
             return self.sym.npairs
+        if self.algo == "rows":
+            return self.rw.npairs
         return self.gemm_macs
 
 
@@ -73,12 +80,43 @@ class ScanPlan:
 
 
 class _Products:
-    """Per-pattern-pair symbolic products, computed once (interned by pattern content)."""
+    """Per-pattern-pair symbolic products, computed once (interned by pattern content).
+
+    A sparse product runs on planned pair lists (O(pairs) index data) unless those would exceed
+    ``profile.pair_list_max_bytes``; then it runs row-wise over its output pattern (O(nnz)), and
+    its storage — the exact pattern or dense — is chosen by the cost model: the work and bytes of
+    the mat-vec that consumes it (:func:`dense_storage_by_cost`). Pair-list products keep the
+    profile's ``dense_threshold`` (the rule plan files are checked against).
+    """
 
     def __init__(self, table: PatternTable, profile: DeviceProfile):
         self.table = table
         self.profile = profile
         self.cache: dict[tuple[str, str], MatInfo] = {}
+        self._npairs: dict[tuple[str, str], int] = {}
+
+    def npairs(self, a: Pattern, b: Pattern) -> int:
+        key = (a.key, b.key)
+        hit = self._npairs.get(key)
+        if hit is None:
+            hit = self._npairs[key] = product_counts(a, b)
+        return hit
+
+    def rowwise(self, a: Pattern, b: Pattern) -> bool:
+        """Whether ``A @ B`` runs row-wise: sparse, with pair lists over ``profile.pair_list_max_bytes``."""
+        if a.is_full and b.is_full:
+            return False
+        return pair_list_bytes(self.npairs(a, b), 0) > self.profile.pair_list_max_bytes
+
+    def index_estimate(self, a: Pattern, b: Pattern) -> int:
+        """Index bytes planning ``A @ B`` builds (the exploration budget's measure), before forming it."""
+        if a.is_full and b.is_full:
+            return 0
+        n = self.npairs(a, b)
+        if self.rowwise(a, b):
+            nnz_c = min(n, a.rows * b.cols)
+            return 8 * (2 * a.nnz + 3 * b.rows + b.nnz + nnz_c + 6 * a.rows)
+        return 2 * INDEX_BYTES * n
 
     def product(self, a: Pattern, b: Pattern) -> MatInfo:
         key = (a.key, b.key)
@@ -88,6 +126,18 @@ class _Products:
         if a.is_full and b.is_full:
             info = MatInfo(self.table.intern(full_pattern(a.rows, b.cols)), "gemm")
             info.gemm_macs = a.rows * a.cols * b.cols
+        elif self.rowwise(a, b):
+            m, p = a.rows, b.cols
+            # the sampled estimate settles clear dense cases without forming the product's pattern
+            dense = dense_storage_by_cost(m, p, estimate_product_nnz(a, b), self.profile)
+            if dense:
+                out = full_pattern(m, p)
+            else:
+                out = structural_product(a, b)
+                if dense_storage_by_cost(m, p, out.nnz, self.profile):
+                    out = full_pattern(m, p)
+            rw = rowwise_symbolic(a, b, out=self.table.intern(out))
+            info = MatInfo(rw.pattern, "rows", rw=rw)
         else:
             sym = spgemm_symbolic(a, b)
             if sym.pattern.density >= self.profile.dense_threshold and not sym.pattern.is_full:
@@ -96,6 +146,17 @@ class _Products:
             info = MatInfo(sym.pattern, "pairs", sym=sym)
         self.cache[key] = info
         return info
+
+
+def dense_storage_by_cost(rows: int, cols: int, nnz: int, profile: DeviceProfile) -> bool:
+    """Store a row-wise product densely when the scan's use of it is cheaper that way.
+
+    Every product is consumed by mat-vecs (down-sweep, middle): sparse, ``nnz`` gather-multiply-adds
+    at ``pair_rate``; dense, ``rows * cols`` multiply-adds at ``gemv_rate`` plus as many written
+    entries (the zeros the product does not reach). Computing it costs the same pairs either way.
+    """
+    size = rows * cols
+    return 2 * size / profile.gemv_rate < nnz / profile.pair_rate
 
 
 def bin_widths(lengths: np.ndarray) -> np.ndarray:
@@ -171,6 +232,10 @@ def _step_costs(
                 l, r = mats[op.left].pattern, mats[op.right].pattern
                 gemm_shapes.add((l.shape, r.shape))
                 nbytes += (l.nnz + r.nnz + info.pattern.nnz) * elem
+            elif info.algo == "rows":  # one launch per step; indices O(nnz), read once per sample block
+                pairs += info.rw.npairs
+                bins_pairs = max(bins_pairs, 1)
+                nbytes += info.rw.npairs * 2 * elem + info.pattern.nnz * elem + info.rw.index_bytes
             else:
                 pairs += info.sym.npairs
                 bins_pairs = max(bins_pairs, _pair_bins(info))
@@ -242,8 +307,8 @@ class _DepthSearch:
         hit = self.cache.get(key) or self.products.cache.get(key)
         if hit is not None:
             return hit
-        if a.is_full and b.is_full:
-            info = self.products.product(a, b)  # a GEMM plans no pair lists: the real one is as cheap
+        if (a.is_full and b.is_full) or self.products.rowwise(a, b):
+            info = self.products.product(a, b)  # a GEMM or a row-wise product plans no pair lists: as cheap
         else:
             indptr, indices, counts = product_pattern(a, b)
             pattern = make_pattern((a.rows, b.cols), indptr, indices)
@@ -261,8 +326,7 @@ class _DepthSearch:
         est = 0
         for op in step.mm:
             a, b = mats[op.left].pattern, mats[op.right].pattern
-            if not (a.is_full and b.is_full):
-                est += 2 * INDEX_BYTES * self.npairs(a, b)
+            est += self.products.index_estimate(a, b)
             if est > budget:
                 break
         return est
@@ -322,11 +386,10 @@ def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], product
         est_bytes = 0
         for op in st.mm:
             a, b = mats[op.left].pattern, mats[op.right].pattern
-            if not (a.is_full and b.is_full):
-                est_bytes += 2 * INDEX_BYTES * product_counts(a, b)
+            est_bytes += products.index_estimate(a, b)
             if est_bytes > profile.bytes_budget:
                 raise ValueError(
-                    f"{what}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of pair indices, over the "
+                    f"{what}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of product index data, over the "
                     f"planning budget of {profile.bytes_budget / 2**30:.1f} GiB; {advice}"
                 )
         for op in st.mm:

@@ -23,10 +23,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .patterns import Pattern
 from .planning import ScanPlan, bin_widths, linear_run_kind
 from .schedule import GRAD, extra_vec, schedule_for
 
-__all__ = ["Program", "BlockRef", "SpMM", "Gemm", "SpMV", "Gemv", "LinearRun", "Bin", "lower"]
+__all__ = ["Program", "BlockRef", "SpMM", "RowSpGEMM", "RowProduct", "Gemm", "SpMV", "Gemv", "LinearRun", "Bin",
+           "lower"]
 
 SHARED, SAMPLE = "S", "P"
 
@@ -71,6 +73,29 @@ class SpMM:
     kind_b: str
     kind_out: str
     bins: list[Bin]
+
+
+@dataclass(frozen=True)
+class RowProduct:
+    """One row-wise product ``C = A @ B``: the three patterns and where their values sit in the arenas."""
+
+    a: Pattern
+    b: Pattern
+    c: Pattern
+    a_offset: int
+    b_offset: int
+    c_offset: int
+
+
+@dataclass
+class RowSpGEMM:
+    """Row-wise products of one step (:mod:`spscan.planner.rowwise`): no pair lists, the backends
+    build O(nnz) tables from the patterns; every entry of each ``C`` is written."""
+
+    kind_a: str
+    kind_b: str
+    kind_out: str
+    products: list[RowProduct]
 
 
 @dataclass
@@ -206,6 +231,11 @@ def _arrays(op):
             yield b.out
             if b.add is not None:
                 yield b.add
+    elif isinstance(op, RowSpGEMM):
+        for pr in op.products:  # the operand and output patterns are the tables (row starts, columns)
+            yield from (pr.a.indptr, pr.a.indices, pr.b.indptr, pr.b.indices, pr.c.indptr)
+            if not pr.c.is_full:
+                yield pr.c.indices
     elif isinstance(op, Gemm):
         yield op.a.offsets
         yield op.b.offsets
@@ -337,6 +367,8 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             if info.algo == "gemm":
                 shape = (mats[op.left].pattern.shape, mats[op.right].pattern.shape)
                 gemm_groups.setdefault(key + shape, []).append(op)
+            elif info.algo == "rows":
+                pair_groups.setdefault(("rows",) + key, []).append(op)
             else:
                 pair_groups.setdefault(key, []).append(op)
         for key, ops in gemm_groups.items():
@@ -346,11 +378,13 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
                 offset[op.out] = out0 + j * m * p
             pending.append((pstep, "gemm", (key, ops, out0)))
         for key, ops in pair_groups.items():
+            rows = key[0] == "rows"
+            kinds = key[1:] if rows else key
             for op in ops:
                 pat = mats[op.out].pattern
                 # dense outputs are block-aligned so later GEMMs view them without an index
-                offset[op.out] = alloc[key[2]].take(pat.nnz, align=pat.nnz if pat.is_full else 1)
-            pending.append((pstep, "spmm", (key, ops)))
+                offset[op.out] = alloc[kinds[2]].take(pat.nnz, align=pat.nnz if pat.is_full else 1)
+            pending.append((pstep, "rows" if rows else "spmm", (kinds, ops)))
         # --- matrix-vector products: GEMV groups by (kind, shape); sparse by matrix kind
         gemv_groups: dict[tuple, list] = {}
         spmv_groups: dict[str, list] = {}
@@ -383,6 +417,11 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
             a = BlockRef(m, k, np.array([offset[o.left] for o in ops], dtype=np.int64))
             b = BlockRef(k, p, np.array([offset[o.right] for o in ops], dtype=np.int64))
             pstep.ops.append(Gemm(key[0], key[1], key[2], a, b, out0))
+        elif what == "rows":
+            key, ops = payload
+            prods = [RowProduct(mats[op.left].pattern, mats[op.right].pattern, mats[op.out].pattern,
+                                offset[op.left], offset[op.right], offset[op.out]) for op in ops]
+            pstep.ops.append(RowSpGEMM(key[0], key[1], key[2], prods))
         elif what == "spmm":
             key, ops = payload
             lens, firsts, a_src, b_src, outs = [], [], [], [], []

@@ -24,7 +24,7 @@ import scipy.sparse as sp
 from .patterns import Pattern, full_pattern, make_pattern
 
 __all__ = ["RowwiseProduct", "rowwise_symbolic", "row_pair_counts", "rowwise_index_bytes", "pair_list_bytes",
-           "INDEX_BYTES"]
+           "structural_product", "estimate_product_nnz", "INDEX_BYTES"]
 
 INDEX_BYTES = 8
 
@@ -108,3 +108,20 @@ def rowwise_symbolic(a: Pattern, b: Pattern, dense_out: bool = False, out: Patte
     elif out.shape != (a.rows, b.cols):
         raise ValueError(f"rowwise_symbolic: out pattern has shape {out.shape}, expected {(a.rows, b.cols)}")
     return RowwiseProduct(a, b, out, row_pair_counts(a, b))
+
+
+def estimate_product_nnz(a: Pattern, b: Pattern, sample_rows: int = 256) -> int:
+    """nnz of ``A @ B``: exact when ``A`` has at most ``sample_rows`` rows, else extrapolated from
+    ``sample_rows`` evenly spaced rows (deterministic; costs about ``sample_rows / m`` of the product)."""
+    if a.cols != b.rows:
+        raise ValueError(f"estimate_product_nnz: inner dimensions differ: {a.shape} @ {b.shape}")
+    m = a.rows
+    if m <= sample_rows:
+        return structural_product(a, b).nnz
+    rows = np.unique(np.linspace(0, m - 1, sample_rows).round().astype(np.int64))
+    lens = a.row_lengths()[rows]
+    indptr = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=indptr[1:])
+    take = np.repeat(a.indptr[rows] - indptr[:-1], lens) + np.arange(indptr[-1], dtype=np.int64)
+    sub = make_pattern((rows.size, a.cols), indptr, a.indices[take])
+    return int(round(structural_product(sub, b).nnz * m / rows.size))

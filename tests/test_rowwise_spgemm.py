@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spscan  # noqa: F401  (sets up Triton's interpreter on CPU-only machines before triton is imported)
@@ -295,3 +295,91 @@ def test_rowwise_kernel_compiles_for_cuda(tmp_path):
         lines = out.splitlines()
         assert proc.returncode == 0, "\n".join(ln for ln in lines if ln.startswith("FAIL")) or err[-3000:]
         assert len([ln for ln in lines if ln.startswith("ok")]) == len(payload)
+
+
+# --- the planner's choice and the scan through both backends ---------------------------
+
+@pytest.fixture
+def rowwise_everywhere(monkeypatch):
+    """A CPU profile whose pair-list cap is zero: every sparse product runs row-wise."""
+    import dataclasses
+
+    from spscan.planner import cost
+
+    monkeypatch.setattr(cost, "_CPU", dataclasses.replace(cost._CPU, pair_list_max_bytes=0.0))
+    return cost._CPU
+
+
+def _reference_error(pats, levels, backend, dtype, batch=2, seed=0):
+    plan = spscan.plan(pats, levels=levels, backend=backend, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    vals = [torch.randn((batch, p.nnz) if i % 2 else (p.nnz,), generator=g, dtype=torch.float64)
+            for i, p in enumerate(pats)]
+    grad = torch.randn(batch, pats[-1].shape[1], generator=g, dtype=torch.float64)
+    ref = spscan.reference_backward(pats, vals, grad)
+    got = spscan.backward(plan, [v.to(dtype) for v in vals], grad.to(dtype))
+    scale = max(1.0, max(float(r.abs().max()) for r in ref))
+    return plan, max(float((a.double() - r).abs().max()) for a, r in zip(got, ref)) / scale
+
+
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the patch is the same for all
+@given(st.data())
+def test_scan_with_rowwise_products_equals_reference(rowwise_everywhere, data):
+    from strategies import chain
+
+    pats = data.draw(chain(max_n=7, max_dim=6))
+    levels = data.draw(st.sampled_from([1, 2, "full"]))
+    plan, err = _reference_error(pats, levels, "torch", torch.float64)
+    assert err <= 1e-12
+    # the cap of zero sends every sparse product with any pair row-wise
+    assert all(m.algo != "pairs" or m.sym.npairs == 0 for m in plan._scan.mats.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rowwise_scan_both_backends(rowwise_everywhere, backend, dtype):
+    rng = np.random.default_rng(4)
+    dims = [6, 9, 7, 8, 5, 9, 4]
+    pats = [sp.csr_array((rng.random((dims[i], dims[i + 1])) < 0.25).astype(float)) for i in range(6)]
+    plan, err = _reference_error(pats, "full", backend, dtype)
+    assert err <= (1e-12 if dtype == torch.float64 else 1e-5)
+    assert any(m.algo == "rows" for m in plan._scan.mats.values())
+
+
+def test_planner_picks_rowwise_only_when_pair_lists_are_large():
+    from spscan.planner.cost import profile_for
+    from spscan.planner.patterns import PatternTable
+    from spscan.planner.planning import _Products, dense_storage_by_cost
+
+    cpu = profile_for("cpu")
+    table = PatternTable()
+    small = table.intern(_pat(sp.csr_array(np.eye(50))))
+    products = _Products(table, cpu)
+    assert products.product(small, small).algo == "pairs"
+    # a (2000 x 2000) product with 100 pairs per entry: pair lists ~ 0.5 GiB > the CPU cap of 256 MiB
+    a = table.intern(_pat(sp.random(2000, 2000, density=0.05, format="csr", random_state=1)))
+    info = products.product(a, a)
+    assert products.rowwise(a, a) and info.algo == "rows"
+    assert info.rw.npairs == product_counts(a, a)
+    assert products.index_estimate(a, a) < pair_list_bytes(info.rw.npairs, 0) / 10
+    assert info.pattern.is_full == dense_storage_by_cost(2000, 2000, structural_product_nnz(a), cpu)
+    # the storage rule follows the consumer's rates: dense when a GEMV of all entries beats an SpMV of nnz
+    assert dense_storage_by_cost(100, 100, 10_000, cpu) and not dense_storage_by_cost(100, 100, 100, cpu)
+
+
+def structural_product_nnz(a: Pattern) -> int:
+    from spscan.planner.rowwise import structural_product
+
+    return structural_product(a, a).nnz
+
+
+def test_memory_estimate_counts_rowwise_tables(rowwise_everywhere):
+    from spscan.planner.memory import estimate_memory
+
+    rng = np.random.default_rng(5)
+    pats = [sp.csr_array((rng.random((30, 30)) < 0.05).astype(float)) for _ in range(4)]
+    plan = spscan.plan(pats, levels=2, backend="torch")
+    rows = [m for m in plan._scan.mats.values() if m.algo == "rows"]
+    assert rows
+    est = estimate_memory(plan._scan)
+    assert est.plan_bytes >= sum(m.rw.index_bytes for m in rows)
