@@ -19,6 +19,7 @@ from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, Row
 
 from .spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 
+from . import cpu_chain
 from .backend import Backend, Capabilities, Tables
 
 __all__ = ["TorchTables", "TorchBackend", "run_program"]
@@ -222,6 +223,23 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
     return vectors.device.type == "cpu" and vectors.shape[0] * cp.max_block <= NUMPY_RUN_MAX_WORK
 
 
+def _run_compiled(op: LinearRun, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, inputs) -> bool:
+    """The whole run in one call of the compiled CPU loop (:mod:`.cpu_chain`); ``False`` where it does not
+    apply (no numba, or an input matrix that is not a strided view of a contiguous tensor)."""
+    if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
+        return False
+    code = np.where(op.dense, np.where(op.shared, 1, 2), 0).astype(np.int64)
+    where = cpu_chain.resolve_steps(code, op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
+                                    _as_numpy(arenas["P"]), inputs, vectors.dtype)
+    if where is None:
+        return False
+    src, off, bst, sources = where
+    i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), i64(op.out), op.vin0,
+                        sources, _as_numpy(vectors))
+    return True
+
+
 def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
                inputs) -> None:
     """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term).
@@ -233,6 +251,8 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
     """
     batch, steps = vectors.shape[0], op.steps
     use_np = uses_numpy(cp, vectors)
+    if use_np and _run_compiled(op, arenas, vectors, inputs):
+        return
     rows, cols, code = cp.rows, cp.cols, cp.code
     scratch = arenas.get("C")
     if scratch is not None and scratch.numel() >= batch * sum(rows):

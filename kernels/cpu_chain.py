@@ -1,0 +1,222 @@
+"""Compiled CPU loop for a linear run (the linear-scan middle): the whole run in one call.
+
+For steps ``j = 0 .. steps-1``::
+
+    y_{-1} = vectors[:, vin0 : vin0 + cols[0]]
+    y_j    = M_j y_{j-1}  (+ vectors[:, add[j] : add[j] + rows[j]]  if add[j] >= 0)
+    vectors[:, out[j] : out[j] + rows[j]] = y_j
+
+``M_j`` is diagonal (``code 0``: ``rows[j]`` values) or dense (``code 1``/``2``: a row-major
+``(rows[j], cols[j])`` block). Its values for sample ``b`` start at element
+``offset[j] + b * bstride[j]`` of ``sources[src[j]]`` (``bstride 0``: shared by the batch).
+
+Why numba: the run is thousands of tiny dependent mat-vecs (the paper's RNN: 20x20, B = 16), so
+NumPy's and torch's per-call overhead, not arithmetic, bounds it (~2 us per step against ~0.3 us
+of work). A compiled loop over the whole run removes that overhead. ``numba`` (``@njit(cache=True)``)
+compiles on first use, caches the machine code on disk, needs no compiler at install time (a torch
+C++ extension would) and no tracing per chain length (``torch.compile`` would specialize or guard
+on the step count). No ``fastmath`` and no ``parallel``: every output is summed in ascending inner
+index, so results are bitwise reproducible run to run. The values of a step are read where they
+lie (arena or the caller's tensor), nothing is copied. Without numba the NumPy loop in
+:mod:`spscan.kernels.torch_ops` runs instead (:func:`available`).
+
+Loop order: the running vector is kept feature-major (``(k, B)``), so a shared dense step is
+``rows x cols`` scalar-times-vector updates over the batch (vectorizable without reordering any
+sum); a per-sample dense step is a dot product per sample and row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["available", "run_chain", "resolve_steps"]
+
+_numba = None  # the numba module once imported; False if it is not installed
+
+
+def _load():
+    """Import numba on first use (it takes a while to import and most plans never need it)."""
+    global _numba
+    if _numba is None:
+        try:
+            import numba
+        except ImportError:  # the NumPy loop is the fallback
+            _numba = False
+        else:
+            _numba = numba
+    return _numba
+
+
+def available() -> bool:
+    """Whether the compiled loop can run (numba importable)."""
+    return bool(_load())
+
+
+def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, sources, vectors, cur, nxt):  # pragma: no cover - compiled
+    batch = vectors.shape[0]
+    for kk in range(cols[0]):
+        for b in range(batch):
+            cur[kk, b] = vectors[b, vin0 + kk]
+    for j in range(code.shape[0]):
+        m = rows[j]
+        k = cols[j]
+        s = sources[src[j]]
+        o = offset[j]
+        bs = bstride[j]
+        if code[j] == 0:
+            for i in range(m):
+                for b in range(batch):
+                    nxt[i, b] = s[o + b * bs + i] * cur[i, b]
+        elif bs == 0:
+            for i in range(m):
+                for b in range(batch):
+                    nxt[i, b] = 0
+                for kk in range(k):
+                    w = s[o + i * k + kk]
+                    for b in range(batch):
+                        nxt[i, b] += w * cur[kk, b]
+        else:
+            for b in range(batch):
+                base = o + b * bs
+                for i in range(m):
+                    nxt[i, b] = 0
+                    for kk in range(k):
+                        nxt[i, b] += s[base + i * k + kk] * cur[kk, b]
+        a = add[j]
+        if a >= 0:
+            for i in range(m):
+                for b in range(batch):
+                    nxt[i, b] += vectors[b, a + i]
+        oj = out[j]
+        for b in range(batch):
+            for i in range(m):
+                vectors[b, oj + i] = nxt[i, b]
+        cur, nxt = nxt, cur
+
+
+_compiled = None
+
+
+def _kernel():
+    global _compiled
+    if _compiled is None:
+        _compiled = _load().njit(cache=True, nogil=True)(_chain_kernel)
+    return _compiled
+
+
+def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np.ndarray, rows: np.ndarray,
+              cols: np.ndarray, add: np.ndarray, out: np.ndarray, vin0: int, sources: Sequence[np.ndarray],
+              vectors: np.ndarray) -> None:
+    """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
+
+    Args:
+        code, src, offset, bstride, rows, cols, add, out: ``(steps,)`` int64 arrays describing the
+            steps (``code`` 0 diagonal, 1 or 2 dense; ``add[j] = -1`` for no affine term).
+        vin0: column of ``y_{-1}`` in ``vectors``.
+        sources: 1-D C-contiguous arrays holding the matrices' values, of ``vectors``' dtype.
+        vectors: ``(B, size_v)`` C-contiguous float32/float64 array, read and written in place.
+
+    Raises ``RuntimeError`` without numba, ``TypeError``/``ValueError`` on mismatched arrays. Bounds
+    are the caller's contract (the plan's offsets); they are not re-checked per element.
+    """
+    if not available():
+        raise RuntimeError("spscan.kernels.cpu_chain needs numba (pip install numba); use the NumPy loop instead")
+    if vectors.dtype not in (np.float32, np.float64) or vectors.ndim != 2 or not vectors.flags.c_contiguous:
+        raise TypeError(f"vectors: expected a C-contiguous 2-D float32/float64 array, got {vectors.dtype} "
+                        f"{vectors.ndim}-D (contiguous={vectors.flags.c_contiguous})")
+    steps = int(code.shape[0])
+    if steps == 0:
+        return
+    for name, arr in (("src", src), ("offset", offset), ("bstride", bstride), ("rows", rows), ("cols", cols),
+                      ("add", add), ("out", out)):
+        if arr.shape != (steps,) or arr.dtype != np.int64:
+            raise ValueError(f"{name}: expected ({steps},) int64, got {arr.shape} {arr.dtype}")
+    for i, s in enumerate(sources):
+        if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
+            raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
+                            f"{s.ndim}-D")
+    # a homogeneous tuple indexed at run time; padded to a power of two so few specializations compile
+    n = 2
+    while n < len(sources):
+        n *= 2
+    srcs = tuple(sources) + (sources[0],) * (n - len(sources))
+    width = int(max(rows.max(), cols[0]))
+    cur = np.empty((width, vectors.shape[0]), dtype=vectors.dtype)
+    nxt = np.empty((width, vectors.shape[0]), dtype=vectors.dtype)
+    _kernel()(code, src, offset, bstride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt)
+
+
+MAX_SOURCES = 16
+
+
+def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[int], offsets: Sequence[int],
+                  arena_s: np.ndarray, arena_p: np.ndarray, inputs: Optional[Callable], dtype) \
+        -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
+    """Where each step's values lie: ``(src, offset, bstride, sources)`` for :func:`run_chain`, or ``None``
+    when some input matrix is not a plain strided view of a contiguous CPU tensor of ``dtype``.
+
+    Steps over products read the arenas (``arena_s`` 1-D, shared; ``arena_p`` ``(B, size_p)``);
+    steps over input layers (``layers[j] >= 0`` and ``inputs`` given) read the caller's tensor
+    ``inputs(layer)`` (``(nnz,)`` shared or ``(B, nnz)``) in place, through its base tensor.
+    """
+    import torch
+
+    steps = len(code)
+    if not arena_p.flags.c_contiguous or not arena_s.flags.c_contiguous:
+        return None
+    src = np.zeros(steps, dtype=np.int64)
+    off = np.asarray(offsets, dtype=np.int64).copy()
+    bst = np.zeros(steps, dtype=np.int64)
+    lay = np.asarray(layers, dtype=np.int64)
+    code_a = np.asarray(code, dtype=np.int64)
+    per_sample = (code_a == 2) | ((code_a == 0) & ~np.asarray(shared, dtype=bool))
+    src[per_sample] = 1
+    bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
+    sources = [arena_s.reshape(-1), arena_p.reshape(-1)]
+    if inputs is None:
+        return src, off, bst, sources
+    from_input = np.flatnonzero(lay >= 0)
+    if from_input.size == 0:
+        return src, off, bst, sources
+    owner = getattr(inputs, "__self__", None)
+    if isinstance(owner, torch.Tensor) and owner.dim() in (2, 3):
+        # stacked values: one tensor (n, nnz) or (n, B, nnz), layer i at row i
+        if owner.dtype != dtype or owner.device.type != "cpu" or owner.stride(-1) != 1:
+            return None
+        base = owner if owner._base is None else owner._base
+        if not base.is_contiguous():
+            return None
+        start = (owner.data_ptr() - base.data_ptr()) // owner.element_size()
+        src[from_input] = len(sources)
+        off[from_input] = start + lay[from_input] * owner.stride(0)
+        bst[from_input] = owner.stride(1) if owner.dim() == 3 else 0
+        sources.append(base.detach().numpy().reshape(-1))
+        return src, off, bst, sources
+    get = owner.__getitem__ if isinstance(owner, (list, tuple)) else inputs
+    tensors = [get(i) for i in lay[from_input].tolist()]
+    # distinct tensors once (a shared matrix repeats along the run), then distinct base tensors once
+    uniq_ids, first, inverse = np.unique(np.fromiter(map(id, tensors), dtype=np.int64, count=len(tensors)),
+                                         return_index=True, return_inverse=True)
+    uniq = [tensors[k] for k in first.tolist()]
+    if not all(isinstance(t, torch.Tensor) for t in uniq):
+        return None
+    u_base = [t if t._base is None else t._base for t in uniq]
+    slots: dict[int, int] = {}
+    for base in {id(b): b for b in u_base}.values():
+        if (base.dtype != dtype or base.device.type != "cpu" or not base.is_contiguous()
+                or len(sources) >= MAX_SOURCES):
+            return None
+        slots[id(base)] = len(sources)
+        sources.append(base.detach().numpy().reshape(-1))
+    u_src = np.fromiter((slots[id(b)] for b in u_base), dtype=np.int64, count=len(uniq))
+    u_ptr = np.fromiter((t.data_ptr() - b.data_ptr() for t, b in zip(uniq, u_base)), dtype=np.int64, count=len(uniq))
+    layout = [(t.dim(), t.stride(-1), t.stride(0)) for t in uniq]  # (t.stride() with no argument is slow)
+    if any(nd not in (1, 2) or last != 1 for nd, last, _ in layout):
+        return None
+    u_bst = np.fromiter((s0 if nd == 2 else 0 for nd, _, s0 in layout), dtype=np.int64, count=len(uniq))
+    src[from_input] = u_src[inverse]
+    off[from_input] = u_ptr[inverse] // sources[-1].itemsize
+    bst[from_input] = u_bst[inverse]
+    return src, off, bst, sources

@@ -1,0 +1,212 @@
+"""The compiled linear-run loop (kernels/cpu_chain.py) against a float64 NumPy loop, the NumPy path of
+the torch backend, and spscan.reference; float32/float64, diagonal/dense/per-sample steps, affine
+terms, odd sizes, inf/NaN propagation, bitwise repeatability."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import spscan
+from spscan.kernels import cpu_chain
+from spscan.reference import reference_backward
+
+pytestmark = pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
+
+
+def _random_run(rng, steps: int, batch: int, dtype, affine: bool, kinds=("diag_s", "diag_p", "dense_s", "dense_p")):
+    """A random run: sizes chain (odd ones included), values spread over three sources at odd offsets."""
+    dims = [int(rng.choice([1, 3, 5, 7, 20]))]
+    code, src, off, bst, rows, cols, add, out = ([] for _ in range(8))
+    pools = [[], [], []]  # source 0 shared, source 1 per sample (B, .), source 2 shared
+    sizes = [7, 0, 3]  # element counts so far (odd starting offsets)
+    per_sample_sizes = []
+    steps_desc = []
+    for j in range(steps):
+        kind = kinds[int(rng.integers(len(kinds)))]
+        k = dims[-1]
+        m = k if kind.startswith("diag") else int(rng.choice([1, 2, 5, 7, 20]))
+        n = m if kind.startswith("diag") else m * k
+        if kind.endswith("_s"):
+            s = int(rng.choice([0, 2]))
+            steps_desc.append((kind, s, sizes[s], n))
+            sizes[s] += n + 1
+        else:
+            steps_desc.append((kind, 1, sizes[1], n))
+            sizes[1] += n
+        dims.append(m)
+    size_p = sizes[1] + 3
+    srcs = [rng.standard_normal(sizes[0]) * 0.5, rng.standard_normal((batch, size_p)) * 0.5,
+            rng.standard_normal(sizes[2]) * 0.5]
+    col = dims[0] + 2  # vector arena: [pad, pad, y0, adds..., outs...]
+    vin0 = 2
+    adds_at = []
+    for j, m in enumerate(dims[1:]):
+        if affine and rng.random() < 0.6:
+            adds_at.append(col)
+            col += m
+        else:
+            adds_at.append(-1)
+    for j, ((kind, s, o, n), m, k) in enumerate(zip(steps_desc, dims[1:], dims[:-1])):
+        code.append(0 if kind.startswith("diag") else (1 if kind == "dense_s" else 2))
+        src.append(s)
+        off.append(o)
+        bst.append(size_p if s == 1 else 0)
+        rows.append(m)
+        cols.append(k)
+        add.append(adds_at[j])
+        out.append(col)
+        col += m
+    vectors = rng.standard_normal((batch, col + 1))
+    arr = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    desc = dict(code=arr(code), src=arr(src), offset=arr(off), bstride=arr(bst), rows=arr(rows), cols=arr(cols),
+                add=arr(add), out=arr(out), vin0=vin0)
+    sources = [srcs[0].astype(dtype), srcs[1].astype(dtype).reshape(-1), srcs[2].astype(dtype)]
+    return desc, sources, vectors.astype(dtype)
+
+
+def _numpy_loop(desc, sources, vectors):
+    """The same math, one step at a time in float64 (the test's own reference)."""
+    v = vectors.astype(np.float64).copy()
+    srcs = [s.astype(np.float64) for s in sources]
+    batch = v.shape[0]
+    y = v[:, desc["vin0"]:desc["vin0"] + desc["cols"][0]].copy()
+    for j in range(desc["code"].shape[0]):
+        c, s, o, bs = (int(desc[x][j]) for x in ("code", "src", "offset", "bstride"))
+        m, k, a, out = (int(desc[x][j]) for x in ("rows", "cols", "add", "out"))
+        n = m if c == 0 else m * k
+        vals = np.stack([srcs[s][o + b * bs: o + b * bs + n] for b in range(batch)])
+        if c == 0:
+            y = vals * y
+        else:
+            y = np.einsum("bik,bk->bi", vals.reshape(batch, m, k), y)
+        if a >= 0:
+            y = y + v[:, a:a + m]
+        v[:, out:out + m] = y
+    return v
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_run_chain_equals_numpy_loop(dtype, tol, affine, seed):
+    rng = np.random.default_rng(seed)
+    desc, sources, vectors = _random_run(rng, steps=int(rng.integers(1, 40)), batch=int(rng.choice([1, 3, 16])),
+                                         dtype=dtype, affine=affine)
+    want = _numpy_loop(desc, sources, vectors)
+    got = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=got, **desc)
+    scale = np.abs(want).max() + 1e-30
+    assert np.abs(got - want).max() <= tol * scale * max(1, desc["code"].shape[0] ** 0.5)
+    untouched = np.ones(got.shape[1], dtype=bool)
+    for o, m in zip(desc["out"], desc["rows"]):
+        untouched[o:o + m] = False
+    assert np.array_equal(got[:, untouched], vectors[:, untouched])  # only the outputs are written
+    again = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=again, **desc)
+    assert np.array_equal(again, got)  # bitwise repeatable
+
+
+@pytest.mark.parametrize("kind", ["diag_s", "diag_p", "dense_s", "dense_p"])
+def test_inf_and_nan_propagate_as_in_numpy(kind):
+    rng = np.random.default_rng(1)
+    desc, sources, vectors = _random_run(rng, steps=6, batch=4, dtype=np.float64, affine=True, kinds=(kind,))
+    vectors[1, desc["vin0"]] = np.inf
+    vectors[2, desc["vin0"]] = -np.inf
+    sources[0][:] = np.where(rng.random(sources[0].shape) < 0.3, 0.0, sources[0])
+    sources[1][:] = np.where(rng.random(sources[1].shape) < 0.3, 0.0, sources[1])
+    with np.errstate(all="ignore"):
+        want = _numpy_loop(desc, sources, vectors)
+    got = vectors.copy()
+    with np.errstate(all="ignore"):
+        cpu_chain.run_chain(sources=sources, vectors=got, **desc)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    assert np.isinf(got).any() or np.isnan(got).any()
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-12, atol=1e-12)
+
+
+def test_run_chain_rejects_bad_arrays():
+    rng = np.random.default_rng(0)
+    desc, sources, vectors = _random_run(rng, steps=3, batch=2, dtype=np.float64, affine=False)
+    with pytest.raises(TypeError, match="sources\\[1\\]"):
+        cpu_chain.run_chain(sources=[sources[0], sources[1].astype(np.float32), sources[2]], vectors=vectors, **desc)
+    with pytest.raises(ValueError, match="rows"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors, **{**desc, "rows": desc["rows"][:2]})
+    with pytest.raises(TypeError, match="vectors"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors.astype(np.float16), **desc)
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+
+def _rnn_like_chain(T: int, H: int, factored: bool):
+    dense = sp.csr_array(np.ones((H, H)))
+    diag = sp.csr_array(np.eye(H))
+    return [dense, diag] * T if factored else [dense] * T
+
+
+def _values(pats, batch, dtype, shared_dense: bool, seed: int):
+    """Per-sample diagonal values; dense values shared (one tensor repeated) or per sample."""
+    g = torch.Generator().manual_seed(seed)
+    out, cache = [], {}
+    for p in pats:
+        h = p.shape[0]
+        if p.nnz < h * h or not shared_dense:  # diagonal, or per-sample dense
+            out.append(torch.randn(batch, p.nnz, generator=g, dtype=dtype) / (1 if p.nnz < h * h else h ** 0.5))
+        else:
+            if id(p) not in cache:
+                cache[id(p)] = torch.randn(p.nnz, generator=g, dtype=dtype) / h ** 0.5
+            out.append(cache[id(p)])
+    return out
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def cpu_loop(request, monkeypatch):
+    """Which CPU loop runs the linear scan; yields the list of compiled-loop calls made."""
+    calls = []
+    if request.param == "numpy":
+        monkeypatch.setattr(cpu_chain, "available", lambda: False)
+    run = cpu_chain.run_chain
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_chain, "run_chain", spy)
+    yield request.param, calls
+    assert (len(calls) > 0) == (request.param == "compiled")
+
+
+@pytest.mark.parametrize("factored,shared_dense", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("extra", [False, True])
+def test_engine_linear_run_equals_reference(cpu_loop, factored, shared_dense, extra):
+    """Linear scan (levels=0) of RNN-shaped chains: both CPU loops match the float64 reference."""
+    pats = _rnn_like_chain(9, 5, factored)
+    batch = 3
+    plan = spscan.plan(pats, levels=0, backend="torch")
+    vals = _values(pats, batch, torch.float64, shared_dense, seed=3)
+    grad = torch.randn(batch, 5, dtype=torch.float64)
+    ex = [torch.randn(batch, 5, dtype=torch.float64) if (extra and i % 3 == 1) else None for i in range(len(pats) + 1)]
+    got = spscan.backward(plan, vals, grad, extra=ex if extra else None)
+    want = reference_backward(pats, vals, grad, extra=ex if extra else None)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_engine_compiled_and_numpy_loops_agree_in_float32(monkeypatch):
+    pats = _rnn_like_chain(40, 20, True)
+    plan = spscan.plan(pats, levels=0, backend="torch")
+    vals = _values(pats, 16, torch.float32, True, seed=5)
+    grad = torch.randn(16, 20)
+    compiled = spscan.backward(plan, vals, grad)
+    monkeypatch.setattr(cpu_chain, "available", lambda: False)
+    numpy_path = spscan.backward(plan, vals, grad)
+    ref = reference_backward(pats, [v.double() for v in vals], grad.double())
+    for c, n, r in zip(compiled, numpy_path, ref):
+        err_c = (c.double() - r).abs().max()
+        err_n = (n.double() - r).abs().max()
+        assert err_c <= 2 * err_n + 1e-6 * r.abs().max()
