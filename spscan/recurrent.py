@@ -332,6 +332,7 @@ class RecurrentPlan:
         self.hidden_size = module.hidden_size
         self.state_size = _state_size(self.kind, module.hidden_size)
         self._plans: dict[tuple, Any] = {}
+        self._bindings: dict[tuple, Any] = {}  # (T, device, dtype, with_extra) -> bound engine
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
@@ -362,6 +363,13 @@ class RecurrentPlan:
 
     def _bound(self, seq_len: int, device: torch.device, dtype: torch.dtype, with_extra: bool):
         """The run-time engine of the core plan for this length and whether per-step losses enter."""
+        key = (seq_len, str(device), dtype, with_extra)
+        hit = self._bindings.get(key)
+        if hit is None:
+            hit = self._bindings[key] = self._bind(seq_len, device, dtype, with_extra)
+        return hit
+
+    def _bind(self, seq_len: int, device: torch.device, dtype: torch.dtype, with_extra: bool):
         plan = self.scan_plan(seq_len, device, dtype)
         per = len(_factored_layout(self.kind, self.hidden_size)) if self.layout == "factored" else 1
         n = per * seq_len
