@@ -178,13 +178,22 @@ class PatternTable:
         return len(self._by_key)
 
 
+def _is_single_matrix(obj: Any) -> bool:
+    """A SciPy sparse matrix/array or a 2-D torch tensor (not a sequence of patterns)."""
+    import torch
+
+    return sp.issparse(obj) or (isinstance(obj, torch.Tensor) and obj.dim() == 2) or \
+        (isinstance(obj, np.ndarray) and obj.ndim == 2)
+
+
 def as_chain(patterns: Any) -> list[Pattern]:
     """Validate a chain: ``patterns[i-1]`` is ``J_i^T``; each canonical, consecutive shapes chaining.
 
     The same object repeated (an RNN over T steps) is validated once.
     """
-    if isinstance(patterns, (str, bytes)) or not hasattr(patterns, "__len__"):
-        raise TypeError(f"patterns: expected a sequence of CSR patterns, got {type(patterns).__name__}")
+    if isinstance(patterns, (str, bytes)) or not hasattr(patterns, "__len__") or _is_single_matrix(patterns):
+        hint = "; a single matrix is a chain of one: pass [pattern]" if _is_single_matrix(patterns) else ""
+        raise TypeError(f"patterns: expected a sequence of CSR patterns, got {type(patterns).__name__}{hint}")
     if len(patterns) == 0:
         raise ValueError("patterns: a chain needs at least one Jacobian pattern, got 0")
     seen: dict[int, Pattern] = {}

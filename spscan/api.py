@@ -124,8 +124,25 @@ def backward(
                         "plan.bind(shared, has_extra).run(values, extra=...)")
     items, stacked, shared, has_extra, _, _, device = check_inputs(
         plan.n, plan.nnz, plan.dims, plan.dtype, plan.device, values, grad, extra, check_finite)
+    if torch.is_grad_enabled() and _any_requires_grad(grad, items, extra):
+        raise ValueError("spscan.backward is not differentiable: its results would be silently detached from the "
+                         "inputs that require grad (values, grad or extra). Call it under torch.no_grad() or pass "
+                         "detached tensors; to train a model, use spscan.wrap(model), whose backward runs the scan "
+                         "inside autograd")
     bound = plan.bind(shared, has_extra, device)
     return bound.run(items[0] if stacked else items, grad, extra, check=False).grads
+
+
+def _any_requires_grad(grad, items, extra) -> bool:
+    if grad.requires_grad:
+        return True
+    seen: set[int] = set()
+    for v in items:  # a tensor repeated along the chain is looked at once
+        if id(v) not in seen:
+            seen.add(id(v))
+            if v.requires_grad:
+                return True
+    return any(e is not None and e.requires_grad for e in (extra or ()))
 
 
 def load_plan(path) -> Plan:

@@ -741,6 +741,7 @@ class BatchNormUnit(LayerUnit):
                              f"(num_features), got per-sample input {tuple(in_shape)}")
         self.pattern = _identity_pattern(self.d_in)
         self.channel_of = _IndexCache(np.repeat(np.arange(c, dtype=np.int64), self.d_in // c))
+        self._check_eval()  # refused when planned, not at the first forward
 
     def _check_eval(self) -> None:
         if self.module.training:

@@ -170,6 +170,28 @@ class ModelPlan:
         if x.dim() != len(self.in_shape) + 1 or tuple(x.shape[1:]) != self.in_shape:
             raise ValueError(f"input: expected shape (B, {', '.join(map(str, self.in_shape))}) as in the "
                              f"example input, got {tuple(x.shape)}")
+        for k, u in enumerate(self.units):
+            t = next(u.module.parameters(), None)
+            if t is None:
+                continue
+            if t.dtype != x.dtype:
+                raise TypeError(f"input: dtype {x.dtype}, but layer {k} ({self.layer_names[k] or '-'}: "
+                                f"{type(u.module).__name__}) has {t.dtype} parameters; convert the input "
+                                f"(x.to({t.dtype})) or the model")
+            if t.device != x.device:
+                raise ValueError(f"input: on {x.device}, but layer {k} ({self.layer_names[k] or '-'}: "
+                                 f"{type(u.module).__name__}) has parameters on {t.device}")
+            return
+
+    def _check_layers(self) -> None:
+        """Refuse a model whose planned layers were replaced after planning (the old ones would run)."""
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        for k, (name, u) in enumerate(zip(self.layer_names, self.units)):
+            now = modules.get(name) if name else self.model
+            if now is not u.module:
+                raise ValueError(f"layer {k} ({name or '-'}): the model's module was replaced after planning "
+                                 f"(planned {type(u.module).__name__}, now "
+                                 f"{type(now).__name__ if now is not None else 'missing'}); wrap the model again")
 
     def _run(self, x: torch.Tensor, tensors: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
         saved = []
@@ -457,6 +479,9 @@ class SpscanModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         refuse_functorch()
         self.plan._check_input(x)
+        self.plan._check_layers()
+        if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
+            return self.model(x)
         # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
         flat = [t for u in self.plan.units for t in u.tensors()]
         return _ScanFunction.apply(self.plan, x, *flat)[0]

@@ -679,8 +679,9 @@ class RecurrentWrapper(nn.Module):
             x.requires_grad or any(p.requires_grad for p in params)
             or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
         )
-        if not grad_on:
-            return self.module(x, hx)
+        empty = x.dim() == 3 and x.shape[0 if self.module.batch_first else 1] == 0
+        if not grad_on or empty or x.shape[-2 if x.dim() == 2 else (1 if self.module.batch_first else 0)] == 0:
+            return self.module(x, hx)  # nothing to scan (no grad, an empty batch or no time steps): plain torch
         outs = _RecurrentFunction.apply(self.plan, x, h0, c0, *params)
         if self.plan.kind == "lstm":
             return outs[0], (outs[1], outs[2])

@@ -291,7 +291,10 @@ def test_middle_chain_reads_values_that_require_grad_and_propagates_inf(cpu_chai
     vals = [v.requires_grad_() for v in vals]
     grad = torch.randn(batch, h, dtype=torch.float64)
     ref = reference_backward(pats, [v.detach() for v in vals], grad)
-    out = spscan.backward(spscan.plan(pats, levels=0), vals, grad)
+    with pytest.raises(ValueError, match="torch.no_grad"):  # results would be detached without a word
+        spscan.backward(spscan.plan(pats, levels=0), vals, grad)
+    with torch.no_grad():
+        out = spscan.backward(spscan.plan(pats, levels=0), vals, grad)
     assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
     bad = [v.detach().clone() for v in vals]
     bad[-1][0, 0] = float("inf")

@@ -1,0 +1,121 @@
+"""Bad input is refused early with a clear error, and nothing is lost: the next valid call is right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from torch import nn
+
+import spscan
+
+EYE = sp.csr_array(sp.eye(3))
+
+
+@pytest.mark.parametrize("kwargs, kind, words", [
+    (dict(max_memory=float("nan")), ValueError, "max_memory"),
+    (dict(max_memory=float("inf")), ValueError, "max_memory"),
+    (dict(max_memory=-1), ValueError, "max_memory"),
+    (dict(max_memory="1GB"), TypeError, "max_memory"),
+    (dict(max_memory=True), TypeError, "max_memory"),
+    (dict(device="tpu"), ValueError, "device"),
+    (dict(levels=-1), ValueError, "levels"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(batch_size=0), ValueError, "batch_size"),
+])
+def test_plan_options_refused(kwargs, kind, words):
+    with pytest.raises(kind, match=words):
+        spscan.plan([EYE, EYE], **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_unavailable_device_refused_at_plan_time():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        spscan.plan([EYE], device="cuda")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        spscan.wrap(nn.Linear(3, 3), torch.randn(1, 3), device="cuda")
+
+
+def test_single_matrix_where_a_chain_is_expected():
+    for single in (EYE, sp.csr_matrix(np.eye(3)), torch.eye(3).to_sparse_csr()):
+        with pytest.raises(TypeError, match=r"pass \[pattern\]"):
+            spscan.plan(single)
+
+
+def test_wrapped_model_refusals_then_a_valid_step():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    w = spscan.wrap(net, x)
+    before = [p.detach().clone() for p in net.parameters()]
+    x_keep = x.clone()
+    with pytest.raises(TypeError, match=r"layer 0 \(0: Linear\).*float32"):
+        w(x.double())
+    with pytest.raises(TypeError, match="layer 0"):
+        w(torch.ones(5, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="expected shape"):
+        w(torch.randn(5, 4))
+    # nothing changed: parameters, input, and the next valid step equals autograd
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())) and torch.equal(x, x_keep)
+    xr = x.clone().requires_grad_(True)
+    w(xr).pow(2).sum().backward()
+    got = [xr.grad] + [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    xa = x.clone().requires_grad_(True)
+    net(xa).pow(2).sum().backward()
+    want = [xa.grad] + [p.grad for p in net.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_layer_replaced_after_wrapping_is_refused():
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    w = spscan.wrap(net, torch.randn(1, 3))
+    net[2] = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"layer 2 \(2\): the model's module was replaced"):
+        w(torch.randn(2, 3))
+
+
+def test_train_mode_batchnorm_refused_at_wrap_time():
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"layer 1 \(BatchNorm1d\): eval mode expected"):
+        spscan.wrap(net, torch.randn(2, 3))
+    spscan.wrap(net.eval(), torch.randn(2, 3))  # fine once in eval mode
+
+
+@pytest.mark.parametrize("which", ["sequential", "gru"])
+def test_empty_batch_behaves_as_torch(which):
+    torch.manual_seed(0)
+    if which == "sequential":
+        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        w = spscan.wrap(net, torch.randn(2, 3))
+        x = torch.randn(0, 3, requires_grad=True)
+        out = w(x)
+    else:
+        net = nn.GRU(3, 4)
+        w = spscan.wrap(net, torch.randn(5, 2, 3))
+        x = torch.randn(5, 0, 3, requires_grad=True)
+        out = w(x)[0]
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert all(p.grad is None or not p.grad.any() for p in net.parameters())
+
+
+def test_backward_refuses_inputs_that_require_grad_in_grad_mode():
+    plan = spscan.plan([EYE, EYE])
+    vals = [torch.ones(3, requires_grad=True), torch.ones(3)]
+    with pytest.raises(ValueError, match="not differentiable"):
+        spscan.backward(plan, vals, torch.ones(1, 3))
+    with pytest.raises(ValueError, match="not differentiable"):
+        spscan.backward(plan, [torch.ones(3)] * 2, torch.ones(1, 3, requires_grad=True))
+    with torch.no_grad():
+        assert spscan.backward(plan, vals, torch.ones(1, 3))[0].tolist() == [[1.0, 1.0, 1.0]]
+
+
+def test_recurrent_plan_refused_by_chain_backward():
+    m = nn.RNN(2, 3)
+    plan = spscan.plan(m, torch.randn(4, 1, 2))
+    _, saved = spscan.forward(plan, torch.randn(4, 1, 2))
+    with pytest.raises(TypeError, match=r"plan\.backward\(saved"):
+        spscan.backward(plan, saved, torch.randn(1, 3))
