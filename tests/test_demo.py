@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,20 +19,49 @@ from spscan.recurrent import wrap_recurrent
 
 def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["--tiny", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    assert main(["--tiny", "--out", str(out), "--device", "cpu"]) == 0
     png = out / "training_curves.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["seq_len"] == 40 and summary["backward_speedup"] > 0
+    assert summary["seq_len"] == 40 and summary["backward_speedup"] > 0 and summary["overall_speedup"] > 0
     assert summary["chain"] == "factored" and isinstance(summary["levels"], int) and "engine" not in summary
-    text = capsys.readouterr().out
-    assert "epoch   1/2" in text and "autograd" in text and "bppsa" in text and "speedup" not in text.lower() or "x overall" in text
+    assert summary["clip"] == 1.0 and len(summary["epoch_log"]) == 2
+    # exactness on the same weights: float32 rounding, and float64 to a few ulps
+    assert len(summary["gradient_checks"]) == 2 and summary["gradient_max_rel_diff_float32"] < 1e-4
+    assert summary["gradient_max_rel_diff_float64"] < 1e-12
+    assert 0 <= summary["held_out_accuracy_autograd"] <= 1 and 0 <= summary["held_out_accuracy_bppsa"] <= 1
+    captured = capsys.readouterr()
+    text = captured.out
+    epochs = [ln for ln in text.splitlines() if ln.startswith("epoch ")]
+    assert [ln.split()[1] for ln in epochs] == ["1/2", "2/2"]
+    assert all("autograd: loss" in ln and "bppsa: loss" in ln and "same-weights gradient diff" in ln for ln in epochs)
+    assert re.search(r"backward: autograd [\d.]+s, BPPSA [\d.]+s -> [\d.]+x", text)
+    assert re.search(r"-> [\d.]+x overall", text)
+    assert "held-out accuracy" in text and re.search(r"float32 \S+ .*float64 \S+", text)
+    assert f"wrote {out / 'summary.json'}" in text and f"wrote {png}" in text
+    # output is not a terminal here: no progress bar on either stream
+    assert "\r" not in text and "\r" not in captured.err and "step/s" not in captured.err
 
 
-def test_demo_rejects_bad_arguments(tmp_path):
+def test_demo_rejects_bad_arguments(tmp_path, capsys):
     assert main(["--tiny", "--levels", "deep", "--out", str(tmp_path)]) == 2
     assert main(["--tiny", "--samples", "4", "--batch-size", "8", "--out", str(tmp_path)]) == 2
     assert main(["--tiny", "--lr", "0", "--out", str(tmp_path)]) == 2
+    assert main(["--tiny", "--clip", "-1", "--out", str(tmp_path)]) == 2
+    assert main(["--tiny", "--device", "not-a-device", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 5 and "--device 'not-a-device'" in err
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_demo_without_cuda_is_one_line_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "spscan", "demo", "--device", "cuda", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA is not available" in lines[0] and "--device cpu" in lines[0]
 
 
 def test_demo_help_mentions_learning_rate(capsys):
