@@ -10,7 +10,8 @@ plan whose indices could leave their arrays:
 * every stored pattern is canonical CSR, each is used, and the layer table chains;
 * the schedule is rebuilt from ``n`` and ``levels``; the stored products are exactly its products;
 * every product is cross-checked against its operands: a dense (GEMM) product has two dense
-  operands and the dense output shape; a planned pair list is bounds-checked and verified to be
+  operands and the dense output shape; a row-wise product's pattern is its operands' product
+  pattern (or dense) and its index data is recomputed from the patterns; a planned pair list is bounds-checked and verified to be
   exactly the pair list :func:`~spscan.planner.symbolic.spgemm_symbolic` gives (every pair feeds
   the entry it is listed under, pairs in inner-index order without repeats, as many as the
   product has), and its storage (sparse or dense output) is the one the planner's rule picks;
@@ -41,6 +42,8 @@ __all__ = ["save_scan", "load_scan", "FORMAT", "VERSION"]
 FORMAT = "spscan-plan"
 VERSION = 2  # 2: SHA-256 digest, verified pair lists (version 1 files had no digest)
 OPTION_KEYS = ("backend", "device", "dtype", "max_memory", "requested_levels")
+#: product storage kinds as stored: a dense GEMM, planned pair lists, or row-wise over the output pattern
+_ALGO_CODES = {"gemm": 0, "pairs": 1, "rows": 2}
 _HEADER_KEYS = {"format", "version", "n", "levels", "explored", "batch_hint", "elem_bytes", "profile",
                 "candidates", "options"}
 
@@ -89,9 +92,9 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
         info = plan.mats[mid]
         if info.algo == "input":
             continue
-        if info.algo not in ("gemm", "pairs"):
+        if info.algo not in _ALGO_CODES:
             raise ValueError(f"product {mid}: {info.algo!r} products cannot be saved in plan file version {VERSION}")
-        rec = [mid, pid(info.pattern), 0 if info.algo == "gemm" else 1, info.gemm_macs, -1]
+        rec = [mid, pid(info.pattern), _ALGO_CODES[info.algo], info.gemm_macs, -1]
         if info.sym is not None:
             if id(info.sym) not in syms:
                 s = len(syms)
@@ -296,6 +299,23 @@ def _check_pairs(where: str, a: Pattern, b: Pattern, c: Pattern, sym: ProductSym
     cache[key] = True
 
 
+def _rowwise(where: str, a: Pattern, b: Pattern, c: Pattern, macs: int, sidx: int, cache: dict) -> MatInfo:
+    """A row-wise product: no stored indices; its output pattern must be the product's or the dense one
+    (either computes the same values), and its index data is recomputed from the three patterns."""
+    if macs != 0 or sidx != -1:
+        raise ValueError(f"{where}: a row-wise product stores no GEMM work or pair list, got {macs} and {sidx}")
+    key = (a.key, b.key, c.key)
+    if key not in cache:
+        from .rowwise import rowwise_symbolic, structural_product
+
+        if not c.is_full and structural_product(a, b).key != c.key:
+            raise ValueError(f"{where}: row-wise product stored with a pattern that is neither its operands' "
+                             f"product pattern nor dense")
+        rw = rowwise_symbolic(a, b, out=c)
+        cache[key] = MatInfo(rw.pattern, "rows", rw=rw)
+    return cache[key]
+
+
 def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
     for name in ("header", "digest", "layers", "products"):
         if name not in arrays:
@@ -393,6 +413,7 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
     mats: dict[int, MatInfo] = {i: MatInfo(chain[i], "input") for i in range(n)}
     syms: dict[tuple[int, str], ProductSymbolic] = {}
     checked: dict = {}
+    rowwise_cache: dict = {}
     used_syms = set()
     for st in sched.steps:  # operands are always products of earlier steps (or inputs)
         for op in st.mm:
@@ -412,10 +433,13 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
                                      f"{a.rows * a.cols * b.cols} / -1")
                 mats[mid] = MatInfo(c, "gemm", gemm_macs=macs)
                 continue
-            if algo != 1:
-                raise ValueError(f"{where}: storage kind {algo} is not 0 (GEMM) or 1 (pairs)")
+            if algo not in (1, 2):
+                raise ValueError(f"{where}: storage kind {algo} is not 0 (GEMM), 1 (pairs) or 2 (row-wise)")
             if dense_pair:
                 raise ValueError(f"{where}: both operands are dense, the planner multiplies them as a GEMM")
+            if algo == 2:
+                mats[mid] = _rowwise(where, a, b, c, macs, sidx, rowwise_cache)
+                continue
             if macs != 0 or not 0 <= sidx < nsym:
                 raise ValueError(f"{where}: expected GEMM work 0 and a pair list id in [0, {nsym}), "
                                  f"got {macs} and {sidx}")

@@ -287,3 +287,39 @@ def test_version_1_file_is_refused_with_advice(tmp_path):
     serialize._write(path, arrays)
     with pytest.raises(ValueError, match="version"):
         spscan.load_plan(path)
+
+
+def _rowwise_plan():
+    """A plan whose sparse products run row-wise (the profile's pair-list limit set to 1 byte)."""
+    from spscan.plan import Plan
+    from spscan.planner.cost import profile_for
+    from spscan.planner.patterns import as_chain
+    from spscan.planner.planning import plan_scan
+
+    scan = plan_scan(as_chain(_chain()), "full", profile_for("cpu", {"pair_list_max_bytes": 1.0}), elem_bytes=8)
+    assert {m.algo for m in scan.mats.values()} >= {"rows", "gemm"}
+    return Plan(scan, "torch", None, torch.float64, None, "full")
+
+
+def test_rowwise_products_round_trip_and_are_checked(tmp_path):
+    plan = _rowwise_plan()
+    path = tmp_path / "plan.npz"
+    plan.save(path)
+    loaded = spscan.load_plan(path)
+    assert [m.algo for _, m in sorted(loaded._scan.mats.items())] == [m.algo for _, m in sorted(plan._scan.mats.items())]
+    vals, grad = _values(plan.patterns)
+    for x, y in zip(spscan.backward(plan, vals, grad), spscan.backward(loaded, vals, grad)):
+        assert torch.equal(x, y)
+    # a row-wise product's stored pattern swapped for another stored pattern of the same shape
+    arrays = _arrays(path.read_bytes())
+    prod = arrays["products"]
+    rw = [i for i, r in enumerate(prod.tolist()) if r[2] == 2]
+    shapes = {k: tuple(arrays[f"pat{k}_shape"]) for k in range(sum(n.endswith("_shape") for n in arrays))}
+    sparse = {k for k, sh in shapes.items() if arrays[f"pat{k}_indices"].size < sh[0] * sh[1]}  # dense is valid
+    swaps = [(i, k) for i in rw for k in sparse if shapes[k] == shapes[prod[i, 1]] and k != prod[i, 1]]
+    assert swaps, "the chain has no two stored patterns of one shape"
+    i, k = swaps[0]
+    prod[i, 1] = k
+    serialize._write(path, arrays)
+    with pytest.raises(ValueError, match="product"):
+        spscan.load_plan(path)
