@@ -22,7 +22,43 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "get_backend", "backend_names", "default_backend"]
+__all__ = ["Capabilities", "Tables", "Backend", "StructuredOperator", "run_apply", "get_backend", "backend_names",
+           "default_backend"]
+
+
+class StructuredOperator(ABC):
+    """A layer's transposed Jacobian applied matrix-free: ``J^T g`` for a batch of vectors.
+
+    Passed in place of a layer's CSR values, it lets the engine skip forming those values where
+    the schedule only multiplies the layer's matrix by vectors (the linear scan, the down-sweep);
+    :meth:`values` gives the CSR values when a planned product needs them.
+
+    Attributes:
+        shape: ``(d_in, d_out)``, the shape of ``J^T``.
+        shared: whether :meth:`values` is ``(nnz,)`` (shared by the batch) rather than ``(B, nnz)``.
+    """
+
+    shape: tuple[int, int]
+    shared: bool
+
+    @abstractmethod
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        """``(B, d_out) -> (B, d_in)``: ``J^T g`` for every sample (``g`` may be a strided view)."""
+
+    @abstractmethod
+    def values(self) -> torch.Tensor:
+        """The CSR values of ``J^T`` in its pattern's order, ``(nnz,)`` or ``(B, nnz)``."""
+
+
+def run_apply(op, vectors: torch.Tensor, inputs: Callable[[int], StructuredOperator]) -> None:
+    """One :class:`~spscan.planner.program.Apply` op, the same on every backend (the operator is
+    torch code on the vectors' device): ``V[:, out] = J^T V[:, vin] (+ V[:, add])``."""
+    y = inputs(op.layer).apply(vectors[:, op.vin : op.vin + op.cols])
+    dst = vectors[:, op.out : op.out + op.rows]
+    if op.add >= 0:
+        torch.add(y, vectors[:, op.add : op.add + op.rows], out=dst)
+    else:
+        dst.copy_(y)
 
 
 @dataclass(frozen=True)

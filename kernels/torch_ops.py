@@ -15,12 +15,12 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
+from spscan.planner.program import Apply, BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
 from .spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 
 from . import cpu_chain
-from .backend import Backend, Capabilities, Tables
+from .backend import Backend, Capabilities, Tables, run_apply
 
 __all__ = ["TorchTables", "TorchBackend", "run_program"]
 
@@ -122,6 +122,8 @@ class TorchTables(Tables):
                     ops.append((op, [rows_torch_table(pr.a, pr.b, pr.c, device) for pr in op.products]))
                 elif isinstance(op, LinearRun):
                     ops.append((op, _run_plan(op)))
+                elif isinstance(op, Apply):
+                    ops.append((op, None))
                 else:
                     ops.append((op, (_blocks(op.mats, device), _as_index(op.vin.reshape(-1), device),
                                      _as_add(op.add, zero_v, device))))
@@ -397,6 +399,8 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
                         _store(vectors, out, prod.sum(-1) + vectors[:, add])
             elif isinstance(op, LinearRun):
                 _run_linear(op, t, arenas, vectors, inputs)
+            elif isinstance(op, Apply):
+                run_apply(op, vectors, inputs)
             else:  # Gemv: memory bound, so one strided multiply + sum beats copying blocks for bmm
                 bm, vin, add = t
                 m, k, n = bm.rows, bm.cols, op.nodes

@@ -16,9 +16,9 @@ from typing import Union
 import numpy as np
 import torch
 
-from spscan.planner.program import BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
+from spscan.planner.program import Apply, BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
-from .backend import Backend, Capabilities, Tables
+from .backend import Backend, Capabilities, Tables, run_apply
 from .gemm import gemm
 from .gemv import gemv
 from .segments import SegmentTable, index_dtype, segment_table
@@ -64,6 +64,11 @@ class _GemvLaunch:
 
 
 @dataclass
+class _ApplyLaunch:
+    op: Apply
+
+
+@dataclass
 class _ChainLaunch:
     op: LinearRun
     table: torch.Tensor
@@ -71,7 +76,7 @@ class _ChainLaunch:
     all_shared: bool
 
 
-Launch = Union[_SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
+Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
 
 
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
@@ -145,6 +150,11 @@ class TritonTables(Tables):
                         torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
                     reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
                     writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
+                elif isinstance(op, Apply):
+                    launches.append(_ApplyLaunch(op))  # the caller's operator: torch ops on the device
+                    reads += [("V", np.arange(op.vin, op.vin + op.cols))]
+                    reads += [("V", np.arange(op.add, op.add + op.rows))] if op.add >= 0 else []
+                    writes.append(("V", np.arange(op.out, op.out + op.rows)))
                 elif isinstance(op, LinearRun):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
                     table, uniform_m = chain_table(op, index_dtype(limit), self.device)
@@ -192,8 +202,9 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
     and ``vectors`` ``(B, N_V)``.
 
     Only kernel launches: capturable in a CUDA graph once the arenas are static. ``inputs`` (the
-    caller's per-layer tensors) is accepted for interface parity and unused: every kernel reads
-    the arenas, so the engine always loads them (``reads_arena_inputs``).
+    caller's per-layer values) is read only by :class:`~spscan.planner.program.Apply` ops (a
+    layer's structured operator); every kernel reads the arenas, so the engine always loads them
+    (``reads_arena_inputs``).
     """
     for si, launches in enumerate(tables.steps):
         for item in launches:
@@ -209,6 +220,8 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                 op = item.op
                 gemm(item.a_off, item.b_off, op.a, op.b, op.out_offset,
                      arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
+            elif isinstance(item, _ApplyLaunch):
+                run_apply(item.op, vectors, inputs)
             elif isinstance(item, _ChainLaunch):
                 vec_chain(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
                           vectors)

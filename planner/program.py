@@ -27,7 +27,7 @@ from .patterns import Pattern
 from .planning import ScanPlan, bin_widths, linear_run_kind
 from .schedule import GRAD, extra_vec, schedule_for
 
-__all__ = ["Program", "BlockRef", "SpMM", "RowSpGEMM", "RowProduct", "Gemm", "SpMV", "Gemv", "LinearRun", "Bin",
+__all__ = ["Program", "BlockRef", "SpMM", "RowSpGEMM", "RowProduct", "Gemm", "SpMV", "Gemv", "LinearRun", "Apply", "Bin",
            "lower"]
 
 SHARED, SAMPLE = "S", "P"
@@ -157,6 +157,23 @@ class LinearRun:
 
 
 @dataclass
+class Apply:
+    """``y = J_layer^T x (+ add)`` by the layer's structured operator (matrix-free), for every sample.
+
+    ``x`` is read at vector offset ``vin`` (``cols`` entries), ``y`` written at ``out`` (``rows``),
+    ``add`` a vector offset or -1. Both backends run it by calling the operator the caller passed
+    as that layer's values: no index table.
+    """
+
+    layer: int
+    rows: int
+    cols: int
+    vin: int
+    out: int
+    add: int
+
+
+@dataclass
 class ProgramStep:
     phase: str
     level: int
@@ -180,6 +197,8 @@ class Program:
     mat_offset: dict[int, int]
     root_mat: Optional[tuple[str, int, int]] = None  # reduce: the composite's (arena, offset, nnz)
     root_vec: Optional[tuple[int, int]] = None  # reduce: (offset, dim) of its affine term in V, if any
+    operators: tuple[bool, ...] = ()  # per layer: applied by its structured operator
+    skipped_first: bool = False  # dl/dx_0 was not wanted and is not computed (outputs[0] has offset -1)
 
     @property
     def zero_s(self) -> int:
@@ -198,9 +217,9 @@ class Program:
         """Cut points of the vector arena and, per output, which piece is ``dl/dx_i``."""
         cached = getattr(self, "_output_split", None)
         if cached is None:
-            bounds = sorted({b for off, d in self.outputs for b in (off, off + d)})
+            bounds = sorted({b for off, d in self.outputs if off >= 0 for b in (off, off + d)})
             piece = {off: k + 1 for k, off in enumerate(bounds)}  # piece k+1 starts at bounds[k]
-            cached = (bounds, [piece[off] for off, d in self.outputs])
+            cached = (bounds, [piece[off] if off >= 0 else -1 for off, d in self.outputs])
             self._output_split = cached
         return cached
 
@@ -286,13 +305,16 @@ class _Alloc:
         return off
 
 
-def _middle_runs(steps, mats) -> dict[int, int]:
-    """Start index -> length of each run (>= 2) of chainable single-MV middle steps."""
+def _middle_runs(steps, mats, operators: Sequence[bool] = ()) -> dict[int, int]:
+    """Start index -> length of each run (>= 2) of chainable single-MV middle steps (a layer that
+    comes as a structured operator applies itself and ends a run)."""
     runs: dict[int, int] = {}
+    n = len(operators)
     i = 0
     while i < len(steps):
         j = i
         while (j < len(steps) and steps[j].phase == "mid" and len(steps[j].mv) == 1
+               and not (steps[j].mv[0].mat < n and operators[steps[j].mv[0].mat])
                and linear_run_kind(mats[steps[j].mv[0].mat].pattern) is not None):
             j += 1
         if j - i >= 2:
@@ -301,11 +323,19 @@ def _middle_runs(steps, mats) -> dict[int, int]:
     return runs
 
 
-def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> Program:
-    """Lay out arenas and build every step's work tables for one sharedness/extra signature."""
+def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
+          operators: Optional[Sequence[bool]] = None, first_output: bool = True) -> Program:
+    """Lay out arenas and build every step's work tables for one value signature.
+
+    ``operators[i]``: layer ``i+1`` comes as a structured operator (it applies ``J^T`` itself); its
+    mat-vecs become :class:`Apply` ops and its CSR values get arena slots only if a planned product
+    reads them. ``first_output=False``: ``dl/dx_0`` is not wanted, and the linear scan's last
+    mat-vec, which only produces it, is left out.
+    """
     n = plan.n
     shared = tuple(bool(s) for s in shared)
     has_extra = tuple(bool(e) for e in has_extra)
+    operators = (False,) * n if operators is None else tuple(bool(o) for o in operators)
     sched = schedule_for(plan.schedule.kind, n, plan.levels, has_extra) if any(has_extra[:n]) else plan.schedule
     reduce = sched.kind == "reduce"
     mats = plan.mats
@@ -315,11 +345,16 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
     kind: dict[int, str] = {}
     offset: dict[int, int] = {}
     input_offsets = []
+    in_products = {m for st in sched.steps for op in st.mm for m in (op.left, op.right) if m < n}
     for i in range(n):
         k = SHARED if shared[i] else SAMPLE
         kind[i] = k
+        if operators[i] and i not in in_products:
+            input_offsets.append(-1)  # applied by its operator only: no CSR values at all
+            continue
         offset[i] = alloc[k].take(pats[i].nnz)
         input_offsets.append(offset[i])
+    drop_out = None if first_output or reduce else sched.outputs[0]
 
     valloc = _Alloc()
     vdim: dict[int, int] = {}
@@ -344,7 +379,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
 
     pending = []  # (step, op-kind, payload) resolved once zero slots are known
     steps: list[ProgramStep] = []
-    runs = _middle_runs(sched.steps, mats)
+    runs = _middle_runs(sched.steps, mats, operators)
     skip_until = -1
     for si, st in enumerate(sched.steps):
         if si < skip_until:
@@ -352,6 +387,8 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
         pstep = ProgramStep(st.phase, st.level)
         if si in runs:
             chain_ops = [s.mv[0] for s in sched.steps[si : si + runs[si]]]
+            if chain_ops[-1].out == drop_out:
+                chain_ops = chain_ops[:-1]
             for op in chain_ops:
                 vec(op.out, mats[op.mat].pattern.rows)
             pending.append((pstep, "run", chain_ops))
@@ -390,7 +427,12 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
         spmv_groups: dict[str, list] = {}
         for op in st.mv:
             p = mats[op.mat].pattern
-            if p.is_full:
+            if op.out == drop_out and st.phase == "mid":
+                continue
+            if op.mat < n and operators[op.mat]:
+                vec(op.out, p.rows)
+                pending.append((pstep, "apply", op))
+            elif p.is_full:
                 gemv_groups.setdefault((kind[op.mat], p.shape), []).append(op)
             else:
                 spmv_groups.setdefault(kind[op.mat], []).append(op)
@@ -451,6 +493,11 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
                 add=np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64),
                 out=np.array([voff[o.out] for o in ops], dtype=np.int64),
             ))
+        elif what == "apply":
+            op = payload
+            p = mats[op.mat].pattern
+            pstep.ops.append(Apply(op.mat, p.rows, p.cols, voff[op.vin], voff[op.out],
+                                   -1 if op.add is None else voff[op.add]))
         elif what == "gemv":
             key, ops, out0 = payload
             m, k = key[1]
@@ -480,7 +527,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
                            zero[key], zero_v)
             pstep.ops.append(SpMV(key, bins))
 
-    outputs = [(voff[v], vdim[v]) for v in sched.outputs]
+    outputs = [(voff[v], vdim[v]) if v in voff else (-1, pats[0].rows) for v in sched.outputs]
     root_mat = root_vec = None
     if reduce:
         m, v = sched.root
@@ -491,5 +538,5 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool]) -> 
         size_s=alloc[SHARED].size, size_p=alloc[SAMPLE].size, size_v=valloc.size,
         input_offsets=input_offsets, grad_slot=-1 if reduce else voff[GRAD], extra_slots=extra_slots,
         outputs=outputs, steps=[s for s in steps if s.ops], mat_kind=kind, mat_offset=offset,
-        root_mat=root_mat, root_vec=root_vec,
+        root_mat=root_mat, root_vec=root_vec, operators=operators, skipped_first=outputs[0][0] < 0,
     )

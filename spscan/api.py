@@ -122,14 +122,14 @@ def backward(
     if plan.kind != "scan":
         raise TypeError("plan: a composite plan has no per-layer gradients; run it with "
                         "plan.bind(shared, has_extra).run(values, extra=...)")
-    items, stacked, shared, has_extra, _, _, device = check_inputs(
+    items, stacked, shared, has_extra, _, _, device, operators = check_inputs(
         plan.n, plan.nnz, plan.dims, plan.dtype, plan.device, values, grad, extra, check_finite)
     if torch.is_grad_enabled() and _any_requires_grad(grad, items, extra):
         raise ValueError("spscan.backward is not differentiable: its results would be silently detached from the "
                          "inputs that require grad (values, grad or extra). Call it under torch.no_grad() or pass "
                          "detached tensors; to train a model, use spscan.wrap(model), whose backward runs the scan "
                          "inside autograd")
-    bound = plan.bind(shared, has_extra, device)
+    bound = plan.bind(shared, has_extra, device, operators)
     return bound.run(items[0] if stacked else items, grad, extra, check=False).grads
 
 
@@ -140,7 +140,7 @@ def _any_requires_grad(grad, items, extra) -> bool:
     for v in items:  # a tensor repeated along the chain is looked at once
         if id(v) not in seen:
             seen.add(id(v))
-            if v.requires_grad:
+            if isinstance(v, torch.Tensor) and v.requires_grad:
                 return True
     return any(e is not None and e.requires_grad for e in (extra or ()))
 

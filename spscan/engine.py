@@ -16,12 +16,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from spscan.kernels.backend import Backend
+from spscan.kernels.backend import Backend, StructuredOperator
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
 from spscan.planner.program import Program, lower
 
-__all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "check_inputs", "fmt_bytes"]
+__all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "StructuredOperator", "check_inputs", "fmt_bytes"]
 
 _FLOATS = (torch.float32, torch.float64)
 
@@ -81,6 +81,8 @@ class ScanResult:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         off, d = self._program.outputs[i]
+        if off < 0:
+            raise ValueError(f"dl/dx_{i} was not computed: the plan was bound without it (first_output=False)")
         return self._vectors[:, off : off + d]
 
     @property
@@ -89,7 +91,7 @@ class ScanResult:
         if self._grads is None:
             cuts, pick = self._program.output_split
             pieces = self._vectors.tensor_split(cuts, dim=1)
-            self._grads = [pieces[k] for k in pick]
+            self._grads = [pieces[k] if k >= 0 else None for k in pick]  # None: bound without dl/dx_0
         return list(self._grads)
 
     def stacked(self, idx: range, copy: bool = False) -> torch.Tensor:
@@ -132,7 +134,7 @@ def _fail(kind, msg: str):
 
 def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, plan_device, values: Any,
                  grad: Optional[torch.Tensor], extra, check_finite: bool, *, needs_grad: bool = True):
-    """Validate one call's inputs; returns ``(items, stacked, shared, has_extra, batch, dtype, device)``.
+    """Validate one call's inputs; returns ``(items, stacked, shared, has_extra, batch, dtype, device, operators)``.
 
     ``nnzs[i]``: nnz of ``J_{i+1}^T``; ``dims``: ``d_0 .. d_n``. Never copies or mutates the caller's
     tensors. ``needs_grad=False`` (a reduction) takes ``grad=None`` and the batch from the values.
@@ -189,14 +191,22 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
                 batch = 1
     checked: dict[int, bool] = {}  # a tensor repeated along the chain is checked once per shape
     shared = []
+    operators = [False] * n
     for i, v in enumerate(items):
         nnz = nnzs[0] if stacked else nnzs[i]
         key = id(v)
         hit = checked.get(key)
-        if hit is not None and v.shape[-1] == nnz:
+        if hit is not None and v.shape[-1] == nnz:  # (operators are never recorded here)
             shared.append(hit)
             continue
         layer = f"layer {i + 1}" if not stacked else "values"
+        if isinstance(v, StructuredOperator) and not stacked:
+            if tuple(v.shape) != (dims[i], dims[i + 1]):
+                _fail(ValueError, f"values[{i}] ({layer}): a structured operator of shape {tuple(v.shape)}, expected "
+                                  f"({dims[i]}, {dims[i + 1]})")
+            shared.append(bool(v.shared))
+            operators[i] = True
+            continue
         if not isinstance(v, torch.Tensor):
             _fail(TypeError, f"values[{i}] ({layer}): expected a torch.Tensor, got {type(v).__name__}")
         if v.layout != torch.strided:
@@ -245,7 +255,7 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
         for name, t in tensors:
             if not bool(torch.isfinite(t).all()):
                 _fail(ValueError, f"{name}: contains NaN or Inf (check_finite=True)")
-    return items, stacked, tuple(shared), tuple(has_extra), batch, dtype, device
+    return items, stacked, tuple(shared), tuple(has_extra), batch, dtype, device, tuple(operators)
 
 
 class BoundPlan:
@@ -262,10 +272,13 @@ class BoundPlan:
     """
 
     def __init__(self, scan: ScanPlan, shared: tuple, has_extra: tuple, device: torch.device, backend: Backend,
-                 dtype: Optional[torch.dtype], max_memory: Optional[int]) -> None:
+                 dtype: Optional[torch.dtype], max_memory: Optional[int], operators: Optional[tuple] = None,
+                 first_output: bool = True) -> None:
         backend.check_device(device)
         self.shared = shared
         self.has_extra = has_extra
+        self.operators = (False,) * scan.n if operators is None else operators
+        self.first_output = first_output
         self.device = device
         self.backend = backend
         self.dtype = dtype
@@ -275,7 +288,7 @@ class BoundPlan:
         pats = scan.patterns
         self._nnz = [p.nnz for p in pats]
         self._dims = [p.rows for p in pats] + [pats[-1].cols]
-        self.program = lower(scan, shared, has_extra)
+        self.program = lower(scan, shared, has_extra, self.operators, first_output)
         self.tables = backend.make_tables(self.program, device)
         self._peak_per_sample = estimate_memory(scan).backward_peak(1) if max_memory is not None else 0
         cols = [np.arange(off, off + self._dims[i]) for i, off in self.program.extra_slots.items()]
@@ -338,13 +351,13 @@ class BoundPlan:
                 instead of a new one.
         """
         if check:
-            items, stacked, shared, has_extra, batch, dtype, device = check_inputs(
+            items, stacked, shared, has_extra, batch, dtype, device, operators = check_inputs(
                 self.n, self._nnz, self._dims, self.dtype, None, values, grad, extra, check_finite,
                 needs_grad=self.kind == "scan")
             if device != self.device:
                 raise ValueError(f"{'grad' if grad is not None else 'values'}: on {device}, the bound plan is for "
                                  f"{self.device} (bind it for that device)")
-            if shared != self.shared or has_extra != self.has_extra:
+            if shared != self.shared or has_extra != self.has_extra or operators != self.operators:
                 raise ValueError("values/extra: their sharedness or extra terms differ from the signature this plan "
                                  "was bound for (use spscan.backward, which binds per signature)")
         else:
@@ -355,7 +368,7 @@ class BoundPlan:
             else:
                 lead = items[0]
                 dtype = lead.dtype
-                per = next((v for v in items if v.dim() == (3 if stacked else 2)), None)
+                per = next((v for v in items if isinstance(v, torch.Tensor) and v.dim() == (3 if stacked else 2)), None)
                 batch = int(per.shape[1 if stacked else 0]) if per is not None else next(
                     (int(e.shape[0]) for e in (extra or ()) if e is not None), 1)
         if self.max_memory is not None and batch * self._peak_per_sample > self.max_memory:
@@ -400,6 +413,17 @@ class BoundPlan:
                 s_arena[: n * nnz0] = v.reshape(-1)
             else:
                 p_arena[:, : n * nnz0].view(batch, n, nnz0).copy_(v.transpose(0, 1))
+        elif any(self.operators):
+            # operator layers: CSR values only where a planned product reads them
+            offs = prog.input_offsets
+            vals = [(v.values() if op else v) for v, op, off in zip(items, self.operators, offs) if off >= 0]
+            shs = [s for s, off in zip(prog.shared, offs) if off >= 0]
+            sh = [v.reshape(-1) for v, s in zip(vals, shs) if s]
+            ps = [v for v, s in zip(vals, shs) if not s]
+            if sh:
+                s_arena[: sum(t.shape[0] for t in sh)] = torch.cat(sh)
+            if ps:
+                p_arena[:, : sum(t.shape[1] for t in ps)] = torch.cat(ps, dim=1)
         else:
             sh = [v.reshape(-1) for v, s in zip(items, prog.shared) if s]
             ps = [v for v, s in zip(items, prog.shared) if not s]

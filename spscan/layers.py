@@ -39,6 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from spscan.kernels.backend import StructuredOperator
+
 __all__ = [
     "LayerUnit",
     "LinearUnit",
@@ -190,6 +192,20 @@ class LayerUnit(abc.ABC):
         """``dl/dθ`` for each role; ``needed[k] = False`` skips role ``k`` (returns ``None``)."""
         return [None] * len(self.roles)
 
+    # -- the structured operator (matrix-free J^T)
+    def apply_transposed(self, saved: Any, tensors: Sequence[torch.Tensor], g: torch.Tensor) -> torch.Tensor:
+        """``J^T g`` for ``g`` ``(B, d_out)`` without forming ``J^T``: ``(B, d_in)`` (units that can)."""
+        raise NotImplementedError
+
+    @property
+    def has_operator(self) -> bool:
+        """Whether :meth:`apply_transposed` is implemented (the unit has a structured operator)."""
+        return type(self).apply_transposed is not LayerUnit.apply_transposed
+
+    def operator(self, saved: Any, tensors: Sequence[torch.Tensor]) -> "UnitOperator":
+        """This step's ``J^T`` as a :class:`~spscan.kernels.backend.StructuredOperator`."""
+        return UnitOperator(self, saved, tensors)
+
     @property
     def nnz(self) -> int:
         return int(self.pattern.nnz)
@@ -201,6 +217,23 @@ class LayerUnit(abc.ABC):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(index={self.index}, {self.name}, {self.in_shape}->{self.out_shape}, "
                 f"nnz={self.nnz}, {'shared' if self.shared else 'per-sample'})")
+
+
+class UnitOperator(StructuredOperator):
+    """A unit's ``J^T`` for one step: :meth:`apply` is the layer's own input-gradient op (a conv's
+    transposed convolution with the shared weight, a mask multiply for ReLU, a matmul for Linear,
+    the pooling backward for max-pool); :meth:`values` fills the CSR values only when asked."""
+
+    def __init__(self, unit: LayerUnit, saved: Any, tensors: Sequence[torch.Tensor]) -> None:
+        self.unit, self.saved, self.tensors = unit, saved, tensors
+        self.shape = (unit.d_in, unit.d_out)
+        self.shared = bool(unit.shared)
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        return self.unit.apply_transposed(self.saved, self.tensors, g)
+
+    def values(self) -> torch.Tensor:
+        return self.unit.fill(self.saved, self.tensors)
 
 
 def _effective(module: nn.Module, role: str) -> Optional[torch.Tensor]:
@@ -281,6 +314,10 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
         self._check_pruned_still_zero(tensors[0])
         b = tensors[1] if len(tensors) > 1 else None
         return F.linear(x, tensors[0], b), x
+
+    def apply_transposed(self, saved, tensors, g):
+        w = tensors[0].detach()
+        return torch.matmul(g.reshape(g.shape[0], -1, w.shape[0]), w).reshape(g.shape[0], -1)
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
@@ -421,6 +458,25 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         # the module's own conv call (handles string padding) with the effective weight
         return self.module._conv_forward(x, tensors[0], b), x
 
+    def _padded_input(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """``x`` and the symmetric padding to convolve it with (asymmetric 'same' padding made explicit)."""
+        if self.pad_lo == self.pad_hi:
+            return x, list(self.pad_lo)
+        pads = []
+        for lo, hi in zip(reversed(self.pad_lo), reversed(self.pad_hi)):
+            pads += [lo, hi]
+        return F.pad(x, pads), [0] * self.nd
+
+    def apply_transposed(self, saved, tensors, g):
+        x = saved
+        xin, pad = self._padded_input(x)
+        gi = torch.ops.aten.convolution_backward(
+            g.reshape((g.shape[0],) + self.out_shape), xin, tensors[0].detach(), None, list(self.stride), pad,
+            list(self.dilation), False, [0] * self.nd, self.module.groups, [True, False, False])[0]
+        if xin is not x:  # crop the explicit padding back off
+            gi = gi[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for lo, n in zip(self.pad_lo, x.shape[2:]))]
+        return gi.reshape(g.shape[0], -1)
+
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
         w = tensors[0]
@@ -428,13 +484,7 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         g = g_out.reshape((x.shape[0],) + self.out_shape)
         out: list[Optional[torch.Tensor]] = [None] * len(self.roles)
         if needed[0]:
-            if self.pad_lo == self.pad_hi:
-                xin, pad = x, list(self.pad_lo)
-            else:  # asymmetric 'same' padding: pad explicitly, then convolve unpadded
-                pads = []
-                for lo, hi in zip(reversed(self.pad_lo), reversed(self.pad_hi)):
-                    pads += [lo, hi]
-                xin, pad = F.pad(x, pads), [0] * self.nd
+            xin, pad = self._padded_input(x)  # asymmetric 'same' padding: pad explicitly, convolve unpadded
             out[0] = torch.ops.aten.convolution_backward(
                 g, xin, w.detach(), None, list(self.stride), pad, list(self.dilation),
                 False, [0] * self.nd, self.module.groups, [False, True, False])[1]
@@ -518,6 +568,9 @@ class ElementwiseUnit(LayerUnit):
             return torch.where(s * m.beta > m.threshold, torch.ones_like(s), z / (z + 1))
         return ((s > m.min_val) & (s < m.max_val)).to(s.dtype)
 
+    def apply_transposed(self, saved, tensors, g):
+        return g * self.fill(saved, tensors)
+
 
 class ReshapeUnit(LayerUnit):
     """``nn.Flatten`` / ``nn.Identity``: the flattened activation is unchanged, ``J^T = I`` (shared)."""
@@ -544,6 +597,9 @@ class ReshapeUnit(LayerUnit):
         if key not in self._ones:
             self._ones[key] = torch.ones(self.d_in, dtype=dtype, device=device)
         return self._ones[key]
+
+    def apply_transposed(self, saved, tensors, g):
+        return g
 
 
 class DropoutUnit(LayerUnit):
@@ -588,6 +644,11 @@ class DropoutUnit(LayerUnit):
             ones = torch.ones(self.d_in, dtype=dtype, device=device)
             return ones.expand(b, -1) if training else ones
         return saved[1].reshape(saved[1].shape[0], -1)  # expanded channel masks materialize here
+
+    def apply_transposed(self, saved, tensors, g):
+        if saved[0] == "ones":
+            return g
+        return g * saved[1].reshape(saved[1].shape[0], -1)
 
 
 # ----------------------------------------------------------------------------- pooling
@@ -648,6 +709,20 @@ class MaxPoolUnit(LayerUnit):
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.entry_out = _IndexCache(cols[order])
         self.entry_plane = _IndexCache(plane[order])
+        # windows that never overlap: every input takes at most one gradient, so the scatter below is
+        # deterministic on every device (overlapping windows keep the CSR values and their fixed-order sums)
+        self.disjoint_windows = all(ss >= (kk - 1) * dd + 1 for ss, kk, dd in zip(s, k, d))
+
+    @property
+    def has_operator(self) -> bool:  # type: ignore[override]
+        return self.disjoint_windows
+
+    def apply_transposed(self, saved, tensors, g):
+        idx, _ = saved
+        b, c = idx.shape[0], idx.shape[1]
+        out = g.new_zeros(b, c, self.d_in // c)
+        out.scatter_(2, idx.reshape(b, c, -1), g.reshape(b, c, -1))
+        return out.reshape(b, -1)
 
     def run(self, x, tensors):
         m = self.module
@@ -762,6 +837,9 @@ class BatchNormUnit(LayerUnit):
         invstd = torch.rsqrt(m.running_var.detach() + m.eps)
         scale = invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
         return torch.index_select(scale, 0, self.channel_of.on(scale.device))
+
+    def apply_transposed(self, saved, tensors, g):
+        return g * self.fill(saved, tensors)
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         m = self.module

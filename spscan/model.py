@@ -128,7 +128,8 @@ class ModelPlan:
     """
 
     def __init__(self, model: nn.Module, units: list[LayerUnit], layer_names: list[str],
-                 in_shape: tuple[int, ...], core: Any):
+                 in_shape: tuple[int, ...], core: Any, operators: bool = True):
+        self.use_operators = bool(operators)
         self.model = model
         self.units = units
         self.layer_names = layer_names
@@ -220,21 +221,42 @@ class ModelPlan:
         return y, Jacobians(values, x.shape[0], saved, tensors)
 
     def backward(self, values: Union[Jacobians, Sequence[torch.Tensor]], grad: torch.Tensor,
-                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
+                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
+                 first_output: bool = True) -> list[torch.Tensor]:
         """``[dl/dx_0, ..., dl/dx_n]`` (each ``(B, d_i)``) from the step's values and ``grad`` ``(B, d_n)``
-        (or ``(B, *out_shape)``): the contract of :func:`spscan.backward`."""
+        (or ``(B, *out_shape)``): the contract of :func:`spscan.backward`. ``values`` may hold a
+        layer's :class:`~spscan.kernels.backend.StructuredOperator` instead of its CSR values;
+        ``first_output=False`` leaves ``dl/dx_0`` out (``None``)."""
         vals = list(values.values if isinstance(values, Jacobians) else values)
         if len(vals) != len(self.units):
             raise ValueError(f"values: expected {len(self.units)} tensors (one per layer), got {len(vals)}")
         if isinstance(grad, torch.Tensor) and grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
-        items, _, shared, has_extra, _, _, device = check_inputs(
+        items, _, shared, has_extra, _, _, device, operators = check_inputs(
             self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
-        return self.core.bind(shared, has_extra, device).run(items, grad, extra, check=False).grads
+        bound = self.core.bind(shared, has_extra, device, operators, first_output)
+        return bound.run(items, grad, extra, check=False).grads
+
+    def bind_signatures(self, device=None) -> None:
+        """Bind the core plan for what the wrapper's backward passes (shared flags, operators, with and
+        without ``dl/dx_0``), so no step lowers anything."""
+        shared = [u.shared for u in self.units]
+        for first in (True, False):
+            self.core.bind(shared, None, device, self.operator_flags, first)
+
+    @property
+    def operator_flags(self) -> list[bool]:
+        """Per layer: whether the wrapper passes its structured operator instead of CSR values."""
+        return [self.use_operators and u.has_operator for u in self.units]
+
+    def _values(self, saved: list[Any], tensors: list[list[torch.Tensor]]) -> list[Any]:
+        """Per layer: its structured operator where :attr:`operator_flags` says so, else its CSR values."""
+        return [u.operator(s, t) if op else u.fill(s, t)
+                for u, s, t, op in zip(self.units, saved, tensors, self.operator_flags)]
 
 
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
-               **kwargs: Any) -> ModelPlan:
+               operators: bool = True, **kwargs: Any) -> ModelPlan:
     """Plan an ``nn.Sequential`` chain (nested Sequentials are flattened) for scan backprop.
 
     Args:
@@ -244,6 +266,9 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             later input must have the same per-sample shape.
         prune_zeros: also leave exactly-zero weights of Linear/Conv layers out of the patterns
             (they must stay zero while the plan is used).
+        operators: in the wrapper's backward, layers that have a structured operator (conv,
+            linear, activations, max-pool, batch-norm, reshapes, dropout) apply ``J^T`` directly
+            instead of forming CSR values, wherever the scan only multiplies them by vectors.
         **kwargs: passed to ``spscan.plan(patterns, **kwargs)`` (``levels``, ``backend``, ...).
 
     Raises:
@@ -286,9 +311,10 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
-    signature = ([u.shared for u in units], [False] * (len(units) + 1))
-    core = build_plan([u.pattern for u in units], bind=signature, **kwargs)
-    return ModelPlan(model, units, [n for n, _ in chain], in_shape0, core)
+    core = build_plan([u.pattern for u in units], bind=None, **kwargs)
+    plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators)
+    plan.bind_signatures()
+    return plan
 
 
 # ----------------------------------------------------------------------------- parameter gradients
@@ -452,8 +478,8 @@ class _ScanFunction(torch.autograd.Function):
         st: _ForwardState = ctx.state
         b = gy.shape[0]
         with torch.no_grad():
-            values = plan._fill(st.saved, st.tensors)
-            grads = plan.backward(values, gy.reshape(b, -1).contiguous())
+            values = plan._values(st.saved, st.tensors)
+            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
             gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
             needed, pos = [], 2
             for u in plan.units:

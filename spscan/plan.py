@@ -159,12 +159,16 @@ class Plan:
 
     # -- the run-time half ----------------------------------------------------------------
     def bind(self, shared: Optional[Sequence[bool]] = None, has_extra: Optional[Sequence[bool]] = None,
-             device=None) -> BoundPlan:
+             device=None, operators: Optional[Sequence[bool]] = None, first_output: bool = True) -> BoundPlan:
         """The run-time engine for one value signature on one device (made once, cached).
 
         Lowers the plan and uploads its index tables: every later :meth:`BoundPlan.run` is numeric
         work only. ``shared[i]``: layer ``i+1``'s values will be ``(nnz,)``; ``has_extra[i]``:
-        ``extra[i]`` will be given. Defaults: all per sample, no extras, ``self.device`` (else CPU).
+        ``extra[i]`` will be given; ``operators[i]``: layer ``i+1`` comes as a
+        :class:`~spscan.kernels.backend.StructuredOperator` (applied matrix-free; its CSR values
+        are asked for only where a planned product needs them); ``first_output=False``: ``dl/dx_0``
+        is not wanted (the scan's last mat-vec is left out). Defaults: all per sample, no extras,
+        no operators, ``self.device`` (else CPU).
         """
         n = self.n
         shared = (False,) * n if shared is None else tuple(bool(s) for s in shared)
@@ -173,15 +177,20 @@ class Plan:
             raise ValueError(f"shared: expected {n} flags (one per layer), got {len(shared)}")
         if len(has_extra) != n + 1:
             raise ValueError(f"has_extra: expected {n + 1} flags (one per dl/dx_i), got {len(has_extra)}")
+        ops = (False,) * n if operators is None else tuple(bool(o) for o in operators)
+        if len(ops) != n:
+            raise ValueError(f"operators: expected {n} flags (one per layer), got {len(ops)}")
         dev = resolve_device(device) if device is not None else (self._device or torch.device("cpu"))
-        return self._binding(shared, has_extra, dev)
+        return self._binding(shared, has_extra, dev, ops, bool(first_output))
 
-    def _binding(self, shared: tuple, has_extra: tuple, device: torch.device) -> BoundPlan:
-        key = (shared, has_extra, device)
+    def _binding(self, shared: tuple, has_extra: tuple, device: torch.device, operators: Optional[tuple] = None,
+                 first_output: bool = True) -> BoundPlan:
+        operators = (False,) * self.n if operators is None else operators
+        key = (shared, has_extra, device, operators, first_output)
         hit = self._bound.get(key)
         if hit is None:
             hit = BoundPlan(self._scan, shared, has_extra, device, get_backend(self._backend), self._dtype,
-                            self._max_memory)
+                            self._max_memory, operators, first_output)
             self._bound[key] = hit
         return hit
 

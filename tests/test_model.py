@@ -250,8 +250,8 @@ def test_table1_sparsity():
 
 
 def test_unsupported_layer_named():
-    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=1)))
-    run_errors(lambda: plan_model(net, torch.zeros(1, 4)), TypeError, "layer 3", "2.1", "Softmax", "supported")
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Softmax2d()))
+    run_errors(lambda: plan_model(net, torch.zeros(1, 4)), TypeError, "layer 3", "2.1", "Softmax2d", "supported")
 
 
 def test_non_chain_models_refused():
