@@ -51,6 +51,14 @@ __all__ = [
     "BatchNormUnit",
     "DropoutUnit",
     "ReshapeUnit",
+    "LayerNormUnit",
+    "GroupNormUnit",
+    "SoftmaxUnit",
+    "ElementwiseMoreUnit",
+    "PReLUUnit",
+    "UnflattenUnit",
+    "SeparableResampleUnit",
+    "ConvTransposeUnit",
     "make_unit",
     "supported_layer_types",
     "coo_to_csr",
@@ -860,6 +868,418 @@ class BatchNormUnit(LayerUnit):
         return out
 
 
+# ----------------------------------------------------------------------------- more layers
+#
+# Normalization and softmax units store a dense block per normalized group (LayerNorm,
+# GroupNorm) or per softmax slice: the exact ``J^T`` is "diagonal plus low rank" inside each
+# block, and a CSR pattern cannot hold a low-rank term without its product's support.
+
+
+def _dense_blocks(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Structural entries of a block-diagonal ``J^T`` whose blocks are the index sets ``groups``
+    ``(G, N)`` (each row one group of flat per-sample indices): every (row j, col i) of a group,
+    in (group, j, i) order."""
+    g, n = groups.shape
+    rows = np.broadcast_to(groups[:, :, None], (g, n, n)).reshape(-1)
+    cols = np.broadcast_to(groups[:, None, :], (g, n, n)).reshape(-1)
+    return rows, cols
+
+
+class _GroupNormalizeUnit(LayerUnit):
+    """Shared by LayerNorm and GroupNorm: per sample, the flat activation splits into ``G``
+    contiguous groups of ``N`` elements, each normalized by its own mean and (biased) variance,
+    then scaled by a gain read from ``weight`` and shifted by ``bias``.
+
+    ``J^T`` is block-diagonal with one dense ``N x N`` block per group (stored as such, per
+    sample): ``J^T[j, i] = gain_i * rstd * (δ_ij - 1/N - x̂_i x̂_j / N)``, the diagonal-plus-rank-2
+    structure written out. Dense blocks cost ``G N^2`` entries per sample, so this suits
+    normalized groups of up to a few hundred elements.
+    """
+
+    shared = False
+    roles = ("weight", "bias")
+    groups: int
+    group_size: int
+
+    def _setup(self, gain_index: Optional[np.ndarray]) -> None:
+        g, n = self.groups, self.group_size
+        grp = np.arange(self.d_in, dtype=np.int64).reshape(g, n)
+        rows, cols = _dense_blocks(grp)
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        assert isinstance(order, slice)  # (group, j, i) is already CSR order
+        self.gain_index = None if gain_index is None else _IndexCache(gain_index)
+
+    def _tensor(self, tensors: Sequence[torch.Tensor], role: str) -> Optional[torch.Tensor]:
+        return tensors[self.roles.index(role)] if role in self.roles else None
+
+    def _normalized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x̂ (B, G, N), rstd (B, G, 1))`` recomputed from the saved input."""
+        xg = x.detach().reshape(x.shape[0], self.groups, self.group_size)
+        var, mean = torch.var_mean(xg, dim=2, unbiased=False, keepdim=True)
+        rstd = torch.rsqrt(var + self.module.eps)
+        return (xg - mean) * rstd, rstd
+
+    def fill(self, saved, tensors):
+        x = saved
+        b, n = x.shape[0], self.group_size
+        xhat, rstd = self._normalized(x)
+        eye = torch.eye(n, dtype=x.dtype, device=x.device)
+        blk = eye - 1.0 / n - xhat.unsqueeze(3) * xhat.unsqueeze(2) / n  # (B, G, j, i), symmetric
+        scale = rstd.unsqueeze(3)  # (B, G, 1, 1)
+        w = self._tensor(tensors, "weight")
+        if w is not None:
+            gain = torch.index_select(w.detach().reshape(-1), 0, self.gain_index.on(w.device))
+            scale = scale * gain.reshape(1, self.groups, 1, n)
+        return (blk * scale).reshape(b, -1)
+
+    def _param_grads(self, x, g_out, needed, reduce_dims: Sequence[int], view: Sequence[int]):
+        needed = needed or [True] * len(self.roles)
+        xhat, _ = self._normalized(x)
+        g = g_out.reshape(view)
+        xh = xhat.reshape(view)
+        out: list[Optional[torch.Tensor]] = []
+        for role, need in zip(self.roles, needed):
+            if not need:
+                out.append(None)
+            elif role == "weight":
+                out.append((g * xh).sum(list(reduce_dims)))
+            else:
+                out.append(g.sum(list(reduce_dims)))
+        return out
+
+
+class LayerNormUnit(_GroupNormalizeUnit):
+    """``nn.LayerNorm`` over the trailing ``normalized_shape`` (elementwise affine optional, with
+    or without bias): groups are the per-sample leading positions, ``N = prod(normalized_shape)``."""
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        ns = tuple(module.normalized_shape)
+        if len(ns) > len(in_shape) or tuple(in_shape[len(in_shape) - len(ns):]) != ns:
+            raise ValueError(f"layer {index} (LayerNorm): expected per-sample input ending in normalized_shape "
+                             f"{ns}, got {tuple(in_shape)}")
+        self.group_size = _prod(ns)
+        self.groups = self.d_in // self.group_size
+        gain = np.tile(np.arange(self.group_size, dtype=np.int64), self.groups) if "weight" in self.roles else None
+        self._setup(gain)
+
+    def run(self, x, tensors):
+        m = self.module
+        return F.layer_norm(x, m.normalized_shape, self._tensor(tensors, "weight"), self._tensor(tensors, "bias"),
+                            m.eps), x
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        x = saved
+        ns = tuple(self.module.normalized_shape)
+        view = (-1,) + ns
+        return self._param_grads(x, g_out, needed, [0], view)
+
+
+class GroupNormUnit(_GroupNormalizeUnit):
+    """``nn.GroupNorm`` on per-sample ``(C, *spatial)``: ``G = num_groups`` groups of
+    ``N = C/G * prod(spatial)`` elements, per-channel affine."""
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if len(in_shape) < 1 or in_shape[0] != module.num_channels:
+            raise ValueError(f"layer {index} (GroupNorm): expected per-sample input ({module.num_channels}, ...) "
+                             f"(num_channels), got {tuple(in_shape)}")
+        self.groups = int(module.num_groups)
+        self.group_size = self.d_in // self.groups
+        per_channel = self.d_in // in_shape[0]
+        gain = np.repeat(np.arange(in_shape[0], dtype=np.int64), per_channel) if "weight" in self.roles else None
+        self._setup(gain)
+
+    def run(self, x, tensors):
+        m = self.module
+        return F.group_norm(x, m.num_groups, self._tensor(tensors, "weight"), self._tensor(tensors, "bias"),
+                            m.eps), x
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        x = saved
+        c = self.in_shape[0]
+        return self._param_grads(x, g_out, needed, [0, 2], (x.shape[0], c, -1))
+
+
+class SoftmaxUnit(LayerUnit):
+    """``nn.Softmax`` / ``nn.LogSoftmax`` along ``dim`` (not the batch dim): one dense ``N x N``
+    block per slice along ``dim`` (``N`` its length), per sample. Softmax:
+    ``J^T[j, i] = s_i δ_ij - s_i s_j``; LogSoftmax: ``J^T[j, i] = δ_ij - s_j`` (``s`` the softmax),
+    the diagonal-minus-rank-1 structure written out densely per slice."""
+
+    shared = False
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = len(in_shape) + 1
+        if module.dim is None:
+            raise ValueError(f"layer {index} ({self.name}): an explicit dim expected (dim=None picks one "
+                             "implicitly), got dim=None")
+        dim = int(module.dim)
+        if not -nd <= dim < nd or dim % nd == 0:
+            raise ValueError(f"layer {index} ({self.name}): dim in 1..{nd - 1} (or its negative) expected "
+                             f"for per-sample input {tuple(in_shape)}; the batch dim 0 couples samples, got {dim}")
+        self.dim = dim % nd
+        self.log = isinstance(module, nn.LogSoftmax)
+        flat = np.arange(self.d_in, dtype=np.int64).reshape(in_shape)
+        slices = np.moveaxis(flat, self.dim - 1, -1).reshape(-1, in_shape[self.dim - 1])
+        rows, cols = _dense_blocks(slices)
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.slices = _IndexCache(slices.reshape(-1))
+        self.n_slice = slices.shape[1]
+        self.order = None if isinstance(order, slice) else _IndexCache(order)
+
+    def run(self, x, tensors):
+        fn = F.log_softmax if self.log else F.softmax
+        y = fn(x, self.dim)
+        return y, y
+
+    def fill(self, saved, tensors):
+        y = saved.detach().reshape(saved.shape[0], -1)
+        s = torch.index_select(y, 1, self.slices.on(y.device)).reshape(y.shape[0], -1, self.n_slice)
+        if self.log:
+            s = torch.exp(s)
+            eye = torch.eye(self.n_slice, dtype=y.dtype, device=y.device)
+            v = eye - s.unsqueeze(3)  # [b, slice, j, i] = δ_ij - s_j
+        else:
+            v = torch.diag_embed(s) - s.unsqueeze(3) * s.unsqueeze(2)
+        v = v.reshape(y.shape[0], -1)
+        return v if self.order is None else torch.index_select(v, 1, self.order.on(y.device))
+
+
+def _hardswish_derivative(x: torch.Tensor) -> torch.Tensor:
+    """As torch's hardswish_backward: 0 up to -3, x/3 + 1/2 on (-3, 3), 1 from 3."""
+    return torch.where(x <= -3, torch.zeros_like(x), torch.where(x < 3, x / 3 + 0.5, torch.ones_like(x)))
+
+
+def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
+    """As torch's mish_backward: tanh(softplus(x)) + x * sigmoid(x) * (1 - tanh(softplus(x))^2)."""
+    sig = torch.sigmoid(x)
+    t = torch.tanh(F.softplus(x))
+    return t + x * sig * (1 - t * t)
+
+
+class ElementwiseMoreUnit(LayerUnit):
+    """Hardswish, Hardsigmoid, Mish, SELU, CELU, Softsign: diagonal ``J^T``, per-sample ``f'(x)``
+    as torch's backward formulas compute it."""
+
+    shared = False
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        self.pattern = _identity_pattern(self.d_in)
+
+    def run(self, x, tensors):
+        return self.module(x), x
+
+    def fill(self, saved, tensors):
+        m = self.module
+        s = saved.detach().reshape(saved.shape[0], -1)
+        if isinstance(m, nn.Hardswish):
+            return _hardswish_derivative(s)
+        if isinstance(m, nn.Hardsigmoid):
+            # torch's kernel multiplies by 1.0f / 6.0f, a float32 constant, in every dtype
+            return ((s > -3) & (s < 3)).to(s.dtype) * float(np.float32(1.0) / np.float32(6.0))
+        if isinstance(m, nn.Mish):
+            return _mish_derivative(s)
+        if isinstance(m, nn.SELU):
+            scale, alpha = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+            return torch.where(s <= 0, scale * alpha * torch.exp(s), torch.full_like(s, scale))
+        if isinstance(m, nn.CELU):
+            # torch differentiates celu as elu with input scale 1.0 / alpha.toFloat(): alpha rounded to float32
+            inv = 1.0 / float(np.float32(m.alpha))
+            return torch.where(s <= 0, inv * m.alpha * torch.exp(s * inv), torch.ones_like(s))
+        d = 1 + s.abs()  # Softsign: 1 / (1 + |x|)^2
+        return 1 / (d * d)
+
+
+class PReLUUnit(LayerUnit):
+    """``nn.PReLU`` (one slope, or one per channel = per-sample dim 0): diagonal ``J^T``,
+    ``1`` where ``x > 0`` else the channel's slope (per sample); ``dl/dw = sum g x [x <= 0]``."""
+
+    shared = False
+    roles = ("weight",)
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        k = module.num_parameters
+        if len(in_shape) < 1:
+            raise ValueError(f"layer {index} (PReLU): expected per-sample input (C, ...), got {tuple(in_shape)}")
+        if k != 1 and k != in_shape[0]:
+            raise ValueError(f"layer {index} (PReLU): num_parameters 1 or {in_shape[0]} (channels) expected, "
+                             f"got {k}")
+        self.pattern = _identity_pattern(self.d_in)
+        self.per_channel = k != 1
+        per = self.d_in // in_shape[0]
+        ch = np.repeat(np.arange(in_shape[0], dtype=np.int64), per) if self.per_channel else np.zeros(self.d_in, np.int64)
+        self.channel_of = _IndexCache(ch)
+
+    def run(self, x, tensors):
+        return F.prelu(x, tensors[0]), x
+
+    def fill(self, saved, tensors):
+        s = saved.detach().reshape(saved.shape[0], -1)
+        slope = torch.index_select(tensors[0].detach().reshape(-1), 0, self.channel_of.on(s.device))
+        return torch.where(s > 0, torch.ones_like(s), slope.expand_as(s))
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        if needed is not None and not needed[0]:
+            return [None]
+        x = saved
+        c = self.in_shape[0]
+        contrib = torch.where(x > 0, torch.zeros_like(x), x) * g_out.reshape(x.shape)
+        per_channel = contrib.reshape(x.shape[0], c, -1).sum((0, 2))
+        return [per_channel if self.per_channel else per_channel.sum().reshape(1)]
+
+
+class UnflattenUnit(ReshapeUnit):
+    """``nn.Unflatten`` of a per-sample dim: the flattened activation is unchanged, ``J^T = I``."""
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        nd = len(in_shape) + 1
+        if isinstance(module.dim, int) and module.dim % nd == 0:
+            raise ValueError(f"layer {index} (Unflatten): dim >= 1 expected (the batch dim must stay), "
+                             f"got dim={module.dim}")
+        super().__init__(index, module, in_shape, out_shape)
+
+
+class SeparableResampleUnit(LayerUnit):
+    """Channel-wise linear maps that act on each spatial axis separately: ``nn.Upsample``
+    (``nearest``, ``nearest-exact``, ``linear``, ``bilinear``, ``bicubic``, ``area``),
+    ``nn.UpsamplingNearest2d`` / ``UpsamplingBilinear2d``, ``nn.AdaptiveAvgPool1d/2d``,
+    ``nn.ZeroPad1d/2d``, ``nn.ReflectionPad1d/2d``, ``nn.ReplicationPad1d/2d``.
+
+    ``J^T[(c, k...), (c, o...)] = prod_t A_t[o_t, k_t]``: shared values, the same for every
+    channel. The per-axis factors are read off the module itself at plan time (float64 probes:
+    a one-hot along one axis, ones along the others), so every option (``align_corners``,
+    ``scale_factor`` rounding, negative padding, ...) comes out as torch computes it; the result
+    is checked against the module on a random input before it is used. Exact zeros are left out.
+    """
+
+    shared = True
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = len(in_shape) - 1
+        if nd not in (1, 2):
+            raise ValueError(f"layer {index} ({self.name}): expected per-sample input (C, L) or (C, H, W), got "
+                             f"{tuple(in_shape)}")
+        c, s_in, s_out = in_shape[0], tuple(in_shape[1:]), tuple(out_shape[1:])
+        if out_shape[0] != c:
+            raise ValueError(f"layer {index} ({self.name}): channel count changed {c} -> {out_shape[0]}")
+        with torch.no_grad():
+            total = module(torch.ones((1, 1) + s_in, dtype=torch.float64))[0, 0].numpy()
+            probes = []
+            for t in range(nd):
+                p = torch.ones((s_in[t], 1) + s_in, dtype=torch.float64)
+                onehot = torch.eye(s_in[t], dtype=torch.float64).reshape((s_in[t], 1) + tuple(
+                    s_in[t] if u == t else 1 for u in range(nd)))
+                probes.append(module(p * onehot)[:, 0].numpy())  # (k_t, *s_out)
+        # per axis: the (k, o_t) pairs that can meet
+        pairs = []
+        for t in range(nd):
+            other = tuple(u + 1 for u in range(nd) if u != t)
+            nz = np.abs(probes[t]).max(axis=other) != 0 if other else probes[t] != 0
+            pairs.append(np.nonzero(nz))  # (k, o_t)
+        if nd == 1:
+            k1, o1 = pairs[0]
+            vals = probes[0][k1, o1]
+            rin, rout = k1, o1
+        else:
+            (k1, o1), (k2, o2) = pairs
+            a, b = np.meshgrid(np.arange(k1.size), np.arange(k2.size), indexing="ij")
+            a, b = a.reshape(-1), b.reshape(-1)
+            K1, O1, K2, O2 = k1[a], o1[a], k2[b], o2[b]
+            tot = total[O1, O2]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                vals = np.where(tot != 0, probes[0][K1, O1, O2] * probes[1][K2, O1, O2] / tot, 0.0)
+            rin, rout = K1 * s_in[1] + K2, O1 * s_out[1] + O2
+        keep = vals != 0
+        rin, rout, vals = rin[keep], rout[keep], vals[keep]
+        n_in, n_out = _prod(s_in), _prod(s_out)
+        ch = np.arange(c, dtype=np.int64)[:, None]
+        rows = (ch * n_in + rin[None, :]).reshape(-1)
+        cols = (ch * n_out + rout[None, :]).reshape(-1)
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.entry_values = np.array(np.broadcast_to(vals[None, :], (c, vals.size)).reshape(-1)[order])
+        self._values: dict[tuple, torch.Tensor] = {}
+        # the separability the construction relies on, checked on the module itself
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn((1, 1) + s_in, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            want = module(probe).reshape(-1).numpy()
+        plane = sp.csr_array((vals, (rin, rout)), shape=(n_in, n_out))
+        got = plane.T @ probe.reshape(-1).numpy()
+        if not np.allclose(got, want, rtol=1e-10, atol=1e-12):
+            raise ValueError(f"layer {index} ({self.name}): the module is not a separable channel-wise linear map "
+                             "with these options (got a mismatch of "
+                             f"{float(np.abs(got - want).max()):.3g}); not supported")
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        v = self._values.get(saved)
+        if v is None:
+            v = torch.from_numpy(self.entry_values).to(device=saved[1], dtype=saved[0])
+            self._values[saved] = v
+        return v
+
+
+class ConvTransposeUnit(_WeightGatherMixin, LayerUnit):
+    """``nn.ConvTranspose1d`` / ``nn.ConvTranspose2d`` (stride, padding, output_padding, dilation,
+    groups, bias), zero padding. A transposed convolution is the adjoint of the convolution with
+    the same weight from its output space to its input space, so its ``J^T`` is that convolution's
+    ``J``: the convolution's entries with rows and columns swapped. Values are shared."""
+
+    shared = True
+    roles = ("weight", "bias")
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = 1 if isinstance(module, nn.ConvTranspose1d) else 2
+        self.nd = nd
+        if module.padding_mode != "zeros":
+            raise ValueError(f"layer {index} ({self.name}): padding_mode 'zeros' expected, got {module.padding_mode!r}")
+        if len(in_shape) != nd + 1 or in_shape[0] != module.in_channels:
+            raise ValueError(f"layer {index} ({self.name}): expected per-sample input ({module.in_channels}, "
+                             f"{'L' if nd == 1 else 'H, W'}), got {tuple(in_shape)}")
+        k = _tuple(module.kernel_size, nd)
+        s = _tuple(module.stride, nd)
+        d = _tuple(module.dilation, nd)
+        p = _tuple(module.padding, nd)
+        op = _tuple(module.output_padding, nd)
+        self.stride, self.dilation, self.padding, self.output_padding = s, d, p, op
+        drop = self._drop_mask(module, prune_zeros)
+        # the adjoint convolution: (C_out, out spatial) -> (C_in, in spatial), weight (C_in, C_out/g, k)
+        rows_c, cols_c, widx = _conv_entries(module.out_channels, module.in_channels, module.groups,
+                                             tuple(out_shape[1:]), tuple(in_shape[1:]), k, s, d, p, drop)
+        self.pattern, order = coo_to_csr(cols_c, rows_c, (self.d_in, self.d_out))
+        self.weight_gather = _IndexCache(widx[order])
+        self.zero_weights = _IndexCache(np.flatnonzero(drop))
+
+    def run(self, x, tensors):
+        self._check_pruned_still_zero(tensors[0])
+        b = tensors[1] if len(tensors) > 1 else None
+        fn = F.conv_transpose1d if self.nd == 1 else F.conv_transpose2d
+        m = self.module
+        return fn(x, tensors[0], b, m.stride, m.padding, m.output_padding, m.groups, m.dilation), x
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        x = saved
+        needed = list(needed or [True] * len(self.roles))
+        g = g_out.reshape((x.shape[0],) + self.out_shape)
+        out: list[Optional[torch.Tensor]] = [None] * len(self.roles)
+        if needed[0]:
+            out[0] = torch.ops.aten.convolution_backward(
+                g, x, tensors[0].detach(), None, list(self.stride), list(self.padding), list(self.dilation),
+                True, list(self.output_padding), self.module.groups, [False, True, False])[1]
+        if len(self.roles) > 1 and needed[1]:
+            out[1] = g.sum(dim=[0] + list(range(2, g.dim())))
+        return out
+
+
+
 # ----------------------------------------------------------------------------- registry
 
 
@@ -888,6 +1308,31 @@ _REGISTRY: list[tuple[type, type]] = [
     (nn.ReLU6, ElementwiseUnit),
     (nn.Flatten, ReshapeUnit),
     (nn.Identity, ReshapeUnit),
+    (nn.Unflatten, UnflattenUnit),
+    (nn.LayerNorm, LayerNormUnit),
+    (nn.GroupNorm, GroupNormUnit),
+    (nn.Softmax, SoftmaxUnit),
+    (nn.LogSoftmax, SoftmaxUnit),
+    (nn.PReLU, PReLUUnit),
+    (nn.Hardswish, ElementwiseMoreUnit),
+    (nn.Hardsigmoid, ElementwiseMoreUnit),
+    (nn.Mish, ElementwiseMoreUnit),
+    (nn.SELU, ElementwiseMoreUnit),
+    (nn.CELU, ElementwiseMoreUnit),
+    (nn.Softsign, ElementwiseMoreUnit),
+    (nn.AdaptiveAvgPool1d, SeparableResampleUnit),
+    (nn.AdaptiveAvgPool2d, SeparableResampleUnit),
+    (nn.Upsample, SeparableResampleUnit),
+    (nn.UpsamplingNearest2d, SeparableResampleUnit),
+    (nn.UpsamplingBilinear2d, SeparableResampleUnit),
+    (nn.ZeroPad1d, SeparableResampleUnit),
+    (nn.ZeroPad2d, SeparableResampleUnit),
+    (nn.ReflectionPad1d, SeparableResampleUnit),
+    (nn.ReflectionPad2d, SeparableResampleUnit),
+    (nn.ReplicationPad1d, SeparableResampleUnit),
+    (nn.ReplicationPad2d, SeparableResampleUnit),
+    (nn.ConvTranspose1d, ConvTransposeUnit),
+    (nn.ConvTranspose2d, ConvTransposeUnit),
 ]
 
 

@@ -323,11 +323,21 @@ class RecurrentPlan:
         example_input: Optional[torch.Tensor] = None,
         *,
         layout: str = "auto",
+        forward: str = "sequential",
+        newton: Any = None,
         **plan_kwargs: Any,
     ) -> None:
+        from spscan.newton import FORWARD_MODES, NewtonOptions, NewtonSolver
+
         self.kind = _cell_kind(module)
         self.module = module
         self.layout = _resolve_layout(self.kind, layout)
+        if forward not in FORWARD_MODES:
+            raise ValueError(f"forward: expected 'sequential', 'newton' or 'auto', got {forward!r}")
+        self.forward_mode = forward
+        self.newton_options = NewtonOptions.coerce(newton)
+        self.newton = NewtonSolver(self)
+        self.last_forward = None  # NewtonInfo of the most recent Newton forward (None: none ran yet)
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
         self.state_size = _state_size(self.kind, module.hidden_size)
@@ -343,6 +353,9 @@ class RecurrentPlan:
                 self.plan_kwargs.setdefault("batch_size", int(x.shape[0 if module.batch_first else 1]))
             p = module.weight_hh_l0
             self.scan_plan(T, p.device, p.dtype)
+            if forward != "sequential" and T > 0:
+                # the forward-direction scan is planned and bound now too, not in the first forward
+                self.newton.prepare(T, p.device, p.dtype, self.newton_options.method)
 
     # -- plans
 
@@ -402,6 +415,11 @@ class RecurrentPlan:
         for key, plan in self._plans.items():
             s = plan.summary() if hasattr(plan, "summary") else repr(plan)
             lines.append(f"  T={key[0]} {key[1]} {key[2]}: " + str(s).replace("\n", "\n    "))
+        lines.append(f"  forward: {self.forward_mode} ({self.newton_options})")
+        for key, plan in self.newton.plans().items():
+            lines.append(f"  forward scan ({key[3]}) T={key[0]} {key[1]} {key[2]}: " + plan.summary().replace("\n", "\n    "))
+        if self.last_forward is not None:
+            lines.append(f"  last Newton forward: {self.last_forward}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -425,8 +443,79 @@ class RecurrentPlan:
         """
         self._check_input(x)
         with torch.no_grad():
-            outputs = self.module(x, hx)
-            return outputs, self._save(x, hx, outputs, need_values=True)
+            return self.run_forward(x, hx, need_saved=True)
+
+    def forward_method(self, seq_len: int, batch: int, device, dtype: torch.dtype) -> str:
+        """``"sequential"`` or ``"newton"``: the forward this plan runs for a ``(T, B)`` input.
+
+        ``forward="auto"`` compares the cost model's estimates (:meth:`NewtonSolver.estimate`), with
+        the iteration count of the last Newton forward on this plan once one has run.
+        """
+        if self.forward_mode != "auto":
+            return self.forward_mode
+        if seq_len < 2 or batch < 1:
+            return "sequential"
+        last = self.last_forward
+        est = self.newton.estimate(seq_len, batch, device, dtype, self.newton_options,
+                                   iterations=last.iterations if (last is not None and last.converged) else None)
+        return "newton" if est["newton"] < est["sequential"] else "sequential"
+
+    def run_forward(self, x: torch.Tensor, hx=None, need_saved: bool = True):
+        """The module's outputs by the plan's forward (sequential or Newton), and what the backward needs.
+
+        ``x`` / ``hx`` as the module takes them. Returns ``(outputs, saved)`` (``saved`` is ``None``
+        when ``need_saved`` is false). A Newton forward that does not converge warns
+        (:class:`spscan.newton.NewtonNotConverged`) and runs the sequential forward;
+        :attr:`last_forward` records the iterations either way.
+        """
+        m = self.module
+        unbatched = x.dim() == 2
+        T = x.shape[1 if (m.batch_first and not unbatched) else 0]
+        B = 1 if unbatched else x.shape[0 if m.batch_first else 1]
+        p = m.weight_hh_l0
+        if T > 0 and B > 0 and self.forward_method(T, B, x.device, x.dtype) == "newton":
+            if x.dtype != p.dtype or x.device != p.device:
+                raise TypeError(f"input: expected dtype {p.dtype} on {p.device} (the module's parameters), "
+                                f"got {x.dtype} on {x.device}")
+            hit = self._newton_forward(x, hx)
+            if hit is not None:
+                return hit if need_saved else (hit[0], None)
+        outputs = m(x, hx)
+        return outputs, (self._save(x, hx, outputs, need_values=True) if need_saved else None)
+
+    def _newton_forward(self, x: torch.Tensor, hx):
+        """Newton forward; ``(outputs, saved)`` with the converged iteration's Jacobians, or ``None`` (warned)."""
+        from spscan.newton import warn_fallback
+
+        m, H = self.module, self.hidden_size
+        unbatched = x.dim() == 2
+        xt = x.detach()
+        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
+        xt = xt.contiguous()
+        T, B, _ = xt.shape
+        params = [q.detach() for q in _params(m)]
+        h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        s0 = h0 if self.kind != "lstm" else torch.cat([h0, c0], dim=-1)
+        states, coefs, step_values, info = self.newton.solve(xt, s0, params, self.newton_options)
+        self.last_forward = info
+        if states is None:
+            warn_fallback(info, stacklevel=5)
+            return None
+        hs = states[..., :H]
+        if self.layout == "factored":
+            per_t = [(v,) * T if v.dim() == 1 else v.unbind(0) for v in step_values]
+            values = [v for vs in zip(*per_t) for v in vs]
+        else:
+            values = _jacobian_values(self.kind, self.layout, coefs, params[1], H)
+        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
+                       params=params, dtype=hs.dtype, device=hs.device)
+        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1) if m.batch_first else hs)
+        shape = (1, H) if unbatched else (1, B, H)
+        h_n = hs[-1].reshape(shape).clone()
+        if self.kind == "lstm":
+            return (out, (h_n, states[-1, :, H:].reshape(shape).clone())), saved
+        return (out, h_n), saved
 
     def _save(self, x: torch.Tensor, hx, outputs, need_values: bool) -> _Saved:
         m = self.module
@@ -617,10 +706,9 @@ class _RecurrentFunction(torch.autograd.Function):
         hx = None
         if h0 is not None:
             hx = (h0, c0) if plan.kind == "lstm" else h0
-        outputs = plan.module(x, hx)
         need = any(ctx.needs_input_grad[1:])
+        outputs, ctx.saved = plan.run_forward(x, hx, need_saved=need)
         ctx.plan = plan
-        ctx.saved = plan._save(x, hx, outputs, need_values=True) if need else None
         ctx.has_h0 = h0 is not None
         ctx.save_for_backward(x, h0, c0, *params)  # read only to refuse second derivatives
         out, state = outputs
@@ -680,8 +768,11 @@ class RecurrentWrapper(nn.Module):
             or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
         )
         empty = x.dim() == 3 and x.shape[0 if self.module.batch_first else 1] == 0
-        if not grad_on or empty or x.shape[-2 if x.dim() == 2 else (1 if self.module.batch_first else 0)] == 0:
-            return self.module(x, hx)  # nothing to scan (no grad, an empty batch or no time steps): plain torch
+        if empty or x.shape[-2 if x.dim() == 2 else (1 if self.module.batch_first else 0)] == 0:
+            return self.module(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
+        if not grad_on:
+            with torch.no_grad():
+                return self.plan.run_forward(x, hx, need_saved=False)[0]
         outs = _RecurrentFunction.apply(self.plan, x, h0, c0, *params)
         if self.plan.kind == "lstm":
             return outs[0], (outs[1], outs[2])
@@ -696,7 +787,10 @@ def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None,
 
     ``example_input``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or ``(T, I)``; its ``T`` is
     planned now, other lengths on first use. ``plan_kwargs``: ``layout`` ("auto" | "factored" |
-    "materialized") and whatever ``spscan.plan`` takes (``levels``, ``backend``, ...).
+    "materialized"), ``forward`` ("sequential" | "newton" | "auto": the module's own forward, or
+    Newton iterations over the forward-direction scan, :mod:`spscan.newton`), ``newton`` (a
+    :class:`spscan.newton.NewtonOptions` or a dict of its fields) and whatever ``spscan.plan``
+    takes (``levels``, ``backend``, ...).
     Raises ``ValueError`` for num_layers > 1, bidirectional or proj_size > 0.
     """
     return RecurrentPlan(rnn, example_input, **plan_kwargs)

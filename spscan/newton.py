@@ -1,0 +1,462 @@
+"""A parallel forward pass for recurrences: Newton iterations whose linear solve is the planned scan.
+
+The recurrence ``s_t = F(s_{t-1}, x_t)`` (``s_t = h_t``; for the LSTM the joint ``(h_t, c_t)``) is
+solved for all ``t`` at once (DEER, Lim et al. ICLR 2024; quasi-DEER/ELK, Gonzalez et al. 2024).
+Iteration ``k`` evaluates the cell on every step at the current guess (one batched GEMM), forms
+the Jacobians ``J_t = dF/ds (s_{t-1}^{(k)}, x_t)`` and solves the affine recurrence of the
+update
+
+    δ_t = J_t δ_{t-1} + r_t,    δ_0 = 0,    r_t = F(s_{t-1}^{(k)}, x_t) - s_t^{(k)},
+
+then ``s^{(k+1)} = s^{(k)} + δ``. This is the affine scan of the backward pass run in the other
+direction: the backward chain computes ``g_{i-1} = P_i g_i + e_{i-1}``; with ``g_i = δ_{T-i}``,
+``P_i = J_{T-i+1}``, ``e_{i-1} = r_{T-i+1}`` and ``g_T = δ_0 = 0`` one planned scan gives every
+``δ_t``. The planner plans it from the cell's backward patterns transposed symbolically once
+(:func:`transpose_pattern`; a factored step ``J_t^T = A_1 A_2 .. A_m`` becomes
+``J_t = A_m^T .. A_1^T``, so the RNN's step is a per-sample diagonal times the shared ``W_hh``),
+with the same depth choice and memory planning as the backward (:func:`spscan.plan.build_plan`).
+
+Methods (:class:`NewtonOptions`):
+
+* ``"newton"`` (DEER): the full ``J_t``. After ``k`` iterations the first ``k`` steps are exact
+  (for any ``J``: the residual of step ``k+1`` then involves only exact states), so it ends in at
+  most ``T`` iterations in exact arithmetic; near the solution convergence is quadratic, which is
+  what makes it fast: contractive recurrences (``||J_t|| < 1`` on average, e.g. trained or
+  moderately scaled tanh RNNs, GRUs, LSTMs) converge in a handful of iterations for any ``T``.
+  It can fail where the Jacobian products grow (chaotic or strongly expanding recurrences):
+  the linearization is then only trustworthy on a short prefix, the update overshoots and can
+  overflow; that is detected (non-finite update) and handled by the fallback.
+* ``"quasi"`` (quasi-DEER): only the diagonal part of ``J_t`` (for the LSTM the per-unit 2x2
+  block of ``(h, c)``), so each scan is a chain of diagonals that never fills in. Convergence is
+  linear, with a rate given by how much of ``J_t`` the diagonal leaves out: quick when the
+  recurrence is dominated by its diagonal (small off-diagonal ``W_hh``, gated units near
+  saturation), slow otherwise; it keeps the ``k`` exact steps after ``k`` iterations.
+* ``damping = λ >= 0`` (both): uses ``J_t / (1 + λ)``. The fixed point is the same (the
+  update is zero exactly when every residual is); ``λ -> ∞`` is the Picard/Jacobi sweep
+  ``s_t <- F(s_{t-1})``, whose iterates stay bounded for tanh/sigmoid cells (no overflow) but
+  advance only about one exact step per iteration. Damping trades speed for stability on
+  stiff or chaotic recurrences; it removes quadratic convergence.
+
+Stopping rule (``rtol``, default ``16 * eps`` of the dtype): with ``d_k = max|δ^{(k)}|``, the
+scale ``S = max(max|s^{(k+1)}|, tiny)`` and the contraction estimate ``q = d_k / d_{k-1}``, the
+iteration has converged when ``d_k <= rtol*S``, or when ``q < 1`` and the predicted remaining
+error ``d_k q / (1 - q)`` is ``<= rtol*S`` (superlinear: ``q -> 0``), or when it has stalled at
+rounding level (``d_k <= sqrt(eps)*S`` and ``q >= 1``: further iterations only reshuffle
+rounding errors). A final batched evaluation of the cell at the converged states gives the
+returned states ``F(s_{t-1}, x_t)`` and the Jacobian values the backward reuses. If the
+iteration budget ``max_iter`` runs out or an update is not finite, the sequential forward runs
+instead and a :class:`NewtonNotConverged` warning says so, with the iteration count.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from spscan.planner.cost import profile_for
+from spscan.plan import build_plan
+
+__all__ = [
+    "NewtonNotConverged",
+    "NewtonOptions",
+    "NewtonInfo",
+    "NewtonSolver",
+    "transpose_pattern",
+    "cell_eval",
+    "quasi_pattern",
+    "FORWARD_MODES",
+]
+
+FORWARD_MODES = ("sequential", "newton", "auto")
+_METHODS = ("newton", "quasi")
+
+
+class NewtonNotConverged(RuntimeWarning):
+    """The Newton forward did not converge within its budget (or diverged); the sequential forward ran."""
+
+
+@dataclass(frozen=True)
+class NewtonOptions:
+    """Options of the Newton forward.
+
+    Attributes:
+        method: ``"newton"`` (full ``J_t``, DEER) or ``"quasi"`` (diagonal part, quasi-DEER).
+        damping: ``λ >= 0``; the scan uses ``J_t / (1 + λ)`` (0: undamped).
+        max_iter: iteration budget (scans); ``T`` iterations always suffice in exact arithmetic.
+        rtol: stopping tolerance relative to the state's max-norm; ``None``: ``16 * eps`` of the dtype.
+        expected_iterations: the iteration count ``forward="auto"`` assumes before any Newton
+            forward has run on the plan (afterwards: the last observed count).
+    """
+
+    method: str = "newton"
+    damping: float = 0.0
+    max_iter: int = 64
+    rtol: Optional[float] = None
+    expected_iterations: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in _METHODS:
+            raise ValueError(f"newton method: expected 'newton' or 'quasi', got {self.method!r}")
+        if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not (
+                math.isfinite(self.damping) and self.damping >= 0):
+            raise ValueError(f"newton damping: expected a finite number >= 0, got {self.damping!r}")
+        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int) or self.max_iter < 1:
+            raise ValueError(f"newton max_iter: expected an int >= 1, got {self.max_iter!r}")
+        if self.rtol is not None and (isinstance(self.rtol, bool) or not isinstance(self.rtol, (int, float))
+                                      or not (math.isfinite(self.rtol) and self.rtol > 0)):
+            raise ValueError(f"newton rtol: expected None or a finite number > 0, got {self.rtol!r}")
+        if isinstance(self.expected_iterations, bool) or not isinstance(self.expected_iterations, int) \
+                or self.expected_iterations < 1:
+            raise ValueError(f"newton expected_iterations: expected an int >= 1, got {self.expected_iterations!r}")
+
+    @classmethod
+    def coerce(cls, value: Any) -> "NewtonOptions":
+        """``None`` (defaults), a :class:`NewtonOptions` or a dict of its fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"newton: unknown options {unknown}; expected some of "
+                                 f"{sorted(cls.__dataclass_fields__)}")
+            return cls(**value)
+        raise TypeError(f"newton: expected None, a dict or spscan.newton.NewtonOptions, got {type(value).__name__}")
+
+
+@dataclass
+class NewtonInfo:
+    """What one Newton forward did.
+
+    Attributes:
+        method, damping: as run.
+        iterations: scans run (``0`` if the sequence had no steps to solve).
+        converged: ``True`` if the stopping rule was met; ``False`` if the sequential forward ran.
+        reason: ``"tolerance"``, ``"predicted"``, ``"stalled"`` (rounding level), ``"budget"`` or
+            ``"non-finite"``.
+        deltas: ``max|δ|`` of each iteration.
+        seq_len, batch: the problem's size.
+    """
+
+    method: str
+    damping: float
+    iterations: int = 0
+    converged: bool = False
+    reason: str = ""
+    deltas: list = field(default_factory=list)
+    seq_len: int = 0
+    batch: int = 0
+
+
+# --------------------------------------------------------------------------- symbolic transpose
+
+
+def transpose_pattern(p: sp.csr_array) -> tuple[sp.csr_array, np.ndarray]:
+    """The canonical CSR pattern of ``p^T`` and the gather ``perm`` with ``vals(p^T) = vals(p)[perm]``.
+
+    Symbolic, once per pattern: ``perm`` has ``nnz`` entries.
+    """
+    n = int(p.nnz)
+    tagged = sp.csr_array((np.arange(1, n + 1, dtype=np.int64), p.indices, p.indptr), shape=p.shape)
+    t = sp.csr_array(tagged.T.tocsr())
+    t.sort_indices()
+    perm = t.data.astype(np.int64) - 1
+    pt = sp.csr_array((np.ones(n), t.indices.copy(), t.indptr.copy()), shape=t.shape)
+    return pt, perm
+
+
+def quasi_pattern(kind: str, hidden: int) -> sp.csr_array:
+    """Pattern of the quasi-Newton ``J_t``: diagonal ``(H, H)``; LSTM: per-unit 2x2 blocks of ``(h, c)``."""
+    H = hidden
+    ar = np.arange(H, dtype=np.int64)
+    if kind != "lstm":
+        return sp.csr_array((np.ones(H), ar, np.arange(H + 1, dtype=np.int64)), shape=(H, H))
+    row = np.stack([ar, ar + H], axis=1).reshape(-1)  # row j and row H+j both read columns (j, H+j)
+    indices = np.concatenate([row, row])
+    indptr = 2 * np.arange(2 * H + 1, dtype=np.int64)
+    return sp.csr_array((np.ones(4 * H), indices, indptr), shape=(2 * H, 2 * H))
+
+
+# --------------------------------------------------------------------------- the cell, batched
+
+
+def cell_eval(kind: str, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
+    """``F(s_{t-1}, x_t)`` and the derivative coefficients for all ``T*B`` steps at once.
+
+    ``gi`` (T, B, G*H): ``x W_ih^T + b_ih`` (fixed across iterations); ``s_prev`` (T, B, D), ``D = H``
+    (``2H`` for the LSTM, ``[h, c]``). Returns ``(s_new (T, B, D), coefs)`` with ``coefs`` as
+    :func:`spscan.recurrent._coefficients` defines them (the same formulas, so the backward reuses them).
+    """
+    w_hh = params[1]
+    b_hh = params[3] if len(params) > 2 else None
+    h_prev = s_prev[..., :H]
+    T, B = s_prev.shape[:2]
+    gh = torch.matmul(h_prev, w_hh.t()) if b_hh is None else \
+        torch.addmm(b_hh, h_prev.reshape(T * B, H), w_hh.t()).view(T, B, -1)
+    if kind.startswith("rnn"):
+        a = gi + gh
+        if kind == "rnn_tanh":
+            h = torch.tanh(a)
+            return h, {"d": 1.0 - h * h}
+        h = torch.relu(a)
+        return h, {"d": (h > 0).to(h.dtype)}
+    if kind == "gru":
+        ir, iz, in_ = gi.chunk(3, dim=-1)
+        hr, hz, hn = gh.chunk(3, dim=-1)
+        r = torch.sigmoid(ir + hr)
+        z = torch.sigmoid(iz + hz)
+        n = torch.tanh(in_ + r * hn)
+        h = torch.lerp(n, h_prev, z)  # (1 - z) n + z h
+        dn = (1.0 - z) * (1.0 - n * n)
+        return h, {"dr": dn * hn * r * (1.0 - r), "dz": (h_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
+    c_prev = s_prev[..., H:]
+    pi, pf, pg, po = (gi + gh).chunk(4, dim=-1)
+    i, f, g, o = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg), torch.sigmoid(po)
+    c = torch.addcmul(f * c_prev, i, g)
+    tc = torch.tanh(c)
+    s = torch.cat([o * tc, c], dim=-1)
+    coefs = {
+        "ci": g * i * (1.0 - i),
+        "cf": c_prev * f * (1.0 - f),
+        "cg": i * (1.0 - g * g),
+        "co": tc * o * (1.0 - o),
+        "k": o * (1.0 - tc * tc),
+        "f": f,
+    }
+    return s, coefs
+
+
+def _quasi_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
+    """Values ``(T, B, nnz)`` of the quasi-Newton ``J_t`` in :func:`quasi_pattern`'s CSR order."""
+    wd = torch.diagonal(w_hh.view(-1, H, H), dim1=-2, dim2=-1)  # (G, H): diagonal of each gate block
+    if kind.startswith("rnn"):
+        return coefs["d"] * wd[0]
+    if kind == "gru":
+        return coefs["dr"] * wd[0] + coefs["dz"] * wd[1] + coefs["dm"] * wd[2] + coefs["z"]
+    jch = coefs["ci"] * wd[0] + coefs["cf"] * wd[1] + coefs["cg"] * wd[2]
+    k, f = coefs["k"], coefs["f"]
+    jhh = k * jch + coefs["co"] * wd[3]
+    top = torch.stack([jhh, k * f], dim=-1).flatten(-2)
+    bottom = torch.stack([jch, f], dim=-1).flatten(-2)
+    return torch.cat([top, bottom], dim=-1)
+
+
+# --------------------------------------------------------------------------- cost model for "auto"
+
+# Seconds per step of the library's sequential recurrent forward (one GEMM + pointwise ops per
+# step), launch/dispatch-bound for small H: torch's CPU loop ~10 us, cuDNN ~4 us per step.
+_SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 4.0e-6}
+
+
+def _gate_count(kind: str) -> int:
+    return {"gru": 3, "lstm": 4}.get(kind, 1)
+
+
+# --------------------------------------------------------------------------- the solver
+
+
+class NewtonSolver:
+    """The forward-direction scans of one recurrent plan (one per ``(T, device, dtype, method)``) and the iteration.
+
+    ``owner`` is a :class:`spscan.recurrent.RecurrentPlan`: its cell kind, layout, hidden size and
+    planning options. The forward plans use the same options (depth choice, backend, memory limit).
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self._plans: dict[tuple, Any] = {}
+        self._bound: dict[tuple, Any] = {}
+        self._step: Optional[tuple] = None  # (forward step patterns, perms, shared flags), made once
+
+    # -- planning
+
+    def _forward_step(self):
+        """One step of the forward chain: the backward step's factors transposed and reversed."""
+        if self._step is None:
+            from spscan.recurrent import _factored_layout, recurrent_patterns
+
+            own = self.owner
+            step = recurrent_patterns(own.module, 1, own.layout)
+            if own.layout == "factored":
+                shared = [k == "shared" for k, _, _ in _factored_layout(own.kind, own.hidden_size)]
+            else:
+                shared = [False]
+            tp = [transpose_pattern(p) for p in step]
+            self._step = ([p for p, _ in reversed(tp)], [q for _, q in reversed(tp)], list(reversed(shared)))
+        return self._step
+
+    def forward_plan(self, seq_len: int, device, dtype: torch.dtype, method: str = "newton"):
+        """The planned forward scan for ``seq_len`` steps (made once per ``(T, device, dtype, method)``)."""
+        key = (seq_len, str(device), dtype, method)
+        hit = self._plans.get(key)
+        if hit is None:
+            own = self.owner
+            kw = {k: v for k, v in own.plan_kwargs.items() if v is not None}
+            kw["device"], kw["dtype"] = device, dtype
+            if method == "quasi":
+                pats = [quasi_pattern(own.kind, own.hidden_size)] * seq_len
+            else:
+                pats = self._forward_step()[0] * seq_len
+            hit = self._plans[key] = build_plan(pats, bind=None, **kw)
+        return hit
+
+    def _bind(self, seq_len: int, device, dtype: torch.dtype, method: str):
+        key = (seq_len, str(device), dtype, method)
+        hit = self._bound.get(key)
+        if hit is None:
+            plan = self.forward_plan(seq_len, device, dtype, method)
+            m = 1 if method == "quasi" else len(self._forward_step()[0])
+            shared = [False] * seq_len if method == "quasi" else self._forward_step()[2] * seq_len
+            has_extra = [False] * (m * seq_len + 1)
+            for j in range(seq_len):
+                has_extra[m * j] = True  # r_{T-j} enters at chain index m*j
+            hit = self._bound[key] = plan.bind(shared, has_extra, torch.device(device))
+        return hit
+
+    def prepare(self, seq_len: int, device, dtype: torch.dtype, method: str = "newton") -> None:
+        """Plan and bind the forward scan for ``seq_len`` ahead of the first forward."""
+        self._bind(seq_len, device, dtype, method)
+
+    def plans(self) -> dict[tuple, Any]:
+        """Every forward plan made so far, keyed by ``(T, device, dtype, method)``."""
+        return dict(self._plans)
+
+    # -- cost model
+
+    def estimate(self, seq_len: int, batch: int, device, dtype: torch.dtype, options: NewtonOptions,
+                 iterations: Optional[int] = None) -> dict[str, float]:
+        """Estimated seconds of the sequential and the Newton forward (``forward="auto"`` picks the smaller).
+
+        Newton: ``iterations * (scan + batched cell evaluation)``; the scan's estimate is the
+        forward plan's cost model (critical path at its batch hint, scaled to ``batch``).
+        """
+        own = self.owner
+        dev = torch.device(device)
+        prof = profile_for(dev.type)
+        H, G = own.hidden_size, _gate_count(own.kind)
+        it = iterations or options.expected_iterations
+        plan = self.forward_plan(seq_len, device, dtype, options.method)
+        hint = max(1, getattr(own, "plan_kwargs", {}).get("batch_size") or 16)
+        scan_s = sum(c.time_s for c in plan.step_costs()) * max(1.0, batch / hint)
+        gemm = seq_len * batch * G * H * H
+        eval_s = prof.gemm_time(gemm, 12) + 10 * seq_len * batch * G * H / prof.gemv_rate
+        seq_s = seq_len * (_SEQUENTIAL_STEP_S.get(dev.type, 1e-5) + batch * G * H * (H + own.module.input_size)
+                           / prof.gemm_rate)
+        return {"sequential": seq_s, "newton": it * (scan_s + eval_s), "iterations": float(it)}
+
+    # -- the iteration
+
+    def solve(self, x: torch.Tensor, s0: torch.Tensor, params: Sequence[torch.Tensor], options: NewtonOptions):
+        """Newton iterations for ``x`` (T, B, I) from ``s0`` (B, D).
+
+        Returns ``(states (T, B, D), coefs, step_values, info)`` where ``coefs``/``step_values`` are
+        the cell's derivative coefficients and backward Jacobian values at the returned states (for
+        the backward to reuse), or ``(None, None, None, info)`` when it did not converge.
+        """
+        from spscan.recurrent import _factored_step_values
+
+        own = self.owner
+        kind, H, layout = own.kind, own.hidden_size, own.layout
+        T, B, _ = x.shape
+        D = s0.shape[1]
+        dt, dev = x.dtype, x.device
+        info = NewtonInfo(options.method, float(options.damping), seq_len=T, batch=B)
+        eps = torch.finfo(dt).eps
+        tiny = torch.finfo(dt).tiny
+        rtol = options.rtol if options.rtol is not None else 16.0 * eps
+        stall = math.sqrt(eps)
+        quasi = options.method == "quasi"
+        scale_j = 1.0 / (1.0 + float(options.damping))
+        w_hh = params[1]
+        bound = self._bind(T, dev, dt, options.method)
+        w_ih = params[0]
+        gi = torch.matmul(x, w_ih.t()) if len(params) <= 2 else \
+            torch.addmm(params[2], x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)  # fixed across iterations
+        step_pats, perms, fshared = self._forward_step() if not quasi else (None, None, None)
+        m = 1 if quasi else len(step_pats)
+        zero = torch.zeros(B, D, dtype=dt, device=dev)
+        shared_cache: dict[int, torch.Tensor] = {}
+
+        s = torch.zeros(T, B, D, dtype=dt, device=dev)  # the initial guess
+        prev_d: Optional[float] = None
+        done = False
+        while True:
+            s_prev = torch.cat([s0.unsqueeze(0), s[:-1]], dim=0)
+            f, coefs = cell_eval(kind, gi, s_prev, params, H)
+            if done:
+                # the final evaluation: states and Jacobians at the converged guess
+                return f, coefs, (_factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
+            if info.iterations >= options.max_iter:
+                info.reason = "budget"
+                return None, None, None, info
+            r = f - s
+            if quasi:
+                vals = _quasi_values(kind, coefs, w_hh, H)
+                if scale_j != 1.0:
+                    vals = vals * scale_j
+                values: Any = vals.flip(0)
+            elif layout == "factored":
+                step = _factored_step_values(kind, coefs, w_hh, H)
+                fstep = []
+                for j, v in enumerate(reversed(step)):  # forward factor j is backward factor m-1-j, transposed
+                    if v.dim() == 1:
+                        hit = shared_cache.get(j)  # the weights do not change between iterations
+                        if hit is None:
+                            hit = shared_cache[j] = v[torch.as_tensor(perms[j], device=dev)].contiguous()
+                        fstep.append(hit)
+                    else:
+                        fstep.append(v)
+                # damping scales one per-sample diagonal factor: the product scales with it
+                first_diag = next(j for j, v in enumerate(fstep) if v.dim() == 3)
+                if scale_j != 1.0:
+                    fstep[first_diag] = fstep[first_diag] * scale_j
+                per_t = [(v,) * T if v.dim() == 1 else v.flip(0).unbind(0) for v in fstep]
+                values = [v for vs in zip(*per_t) for v in vs]
+            else:
+                from spscan.recurrent import _jacobian_values
+
+                bv = _jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
+                values = bv.flip(0).index_select(-1, torch.as_tensor(perms[0], device=dev))
+                if scale_j != 1.0:
+                    values = values * scale_j
+            ext: list = [None] * (m * T + 1)
+            for j, rt in enumerate(r.flip(0).unbind(0)):
+                ext[m * j] = rt
+            res = bound.run(values, zero, ext, check=False, scratch=True)
+            delta = res.stacked(range(0, m * T, m)).flip(0)  # δ_1 .. δ_T (flip copies)
+            info.iterations += 1
+            s = s + delta
+            d = float(delta.abs().max()) if delta.numel() else 0.0
+            info.deltas.append(d)
+            if not math.isfinite(d):
+                info.reason = "non-finite"
+                return None, None, None, info
+            S = max(float(s.abs().max()) if s.numel() else 0.0, tiny)
+            q = d / prev_d if prev_d else (0.0 if d == 0 else math.inf)
+            if d <= rtol * S:
+                info.reason, done = "tolerance", True
+            elif q < 1 and d * q / (1 - q) <= rtol * S:
+                info.reason, done = "predicted", True
+            elif d <= stall * S and q >= 1:
+                info.reason, done = "stalled", True
+            info.converged = done
+            prev_d = d
+
+
+def warn_fallback(info: NewtonInfo, stacklevel: int = 3) -> None:
+    """The :class:`NewtonNotConverged` warning for a forward that fell back to the sequential one."""
+    last = f"{info.deltas[-1]:.3g}" if info.deltas else "n/a"
+    warnings.warn(
+        f"Newton forward ({info.method}, damping={info.damping}) did not converge for T={info.seq_len}, "
+        f"B={info.batch}: {info.reason} after {info.iterations} iteration(s) (last max|update| {last}); "
+        f"ran the sequential forward instead",
+        NewtonNotConverged,
+        stacklevel=stacklevel,
+    )
