@@ -538,5 +538,5 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
         size_s=alloc[SHARED].size, size_p=alloc[SAMPLE].size, size_v=valloc.size,
         input_offsets=input_offsets, grad_slot=-1 if reduce else voff[GRAD], extra_slots=extra_slots,
         outputs=outputs, steps=[s for s in steps if s.ops], mat_kind=kind, mat_offset=offset,
-        root_mat=root_mat, root_vec=root_vec, operators=operators, skipped_first=outputs[0][0] < 0,
+        root_mat=root_mat, root_vec=root_vec, operators=operators, skipped_first=bool(outputs) and outputs[0][0] < 0,
     )
