@@ -370,7 +370,7 @@ def test_dropout_train_mask_is_the_value(kind, shape, p):
 
 
 def test_unsupported_layer_type():
-    run_errors(lambda: make_unit(3, nn.Softmax(dim=1), (4,), (4,)), TypeError, "layer 3", "Softmax", "supported")
+    run_errors(lambda: make_unit(3, nn.Softmin(dim=1), (4,), (4,)), TypeError, "layer 3", "Softmin", "supported")
 
     class MyReLU(nn.ReLU):
         def forward(self, x):
