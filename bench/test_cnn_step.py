@@ -1,0 +1,105 @@
+"""One training step of two CNN chains through ``spscan.wrap`` vs plain autograd, on one device.
+
+Run: ``pytest bench/test_cnn_step.py --benchmark-only``. Models: LeNet-5 (3x32x32, B = 64) and a
+small VGG (16-M-32-M-64-64-M + Linear, 3x32x32, B = 32), cross-entropy on random labels.
+``mode="forward"`` times forward + loss, ``"backward"`` times ``loss.backward()`` alone (its
+forward runs untimed just before), ``"step"`` times ``zero_grad`` + forward + loss + backward. Both
+sides are timed interleaved in the same test (one autograd run, then one spscan run, repeated), so
+a change in machine load hits both alike; ``extra_info`` carries both medians and
+``speedup_vs_autograd = autograd / spscan`` (> 1: spscan faster), the depth in use and the device.
+No denormal flushing is needed here (``flush_denormal=False``): the losses stay far from the
+float32 denormal range.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import spscan
+
+from conftest import device_name
+
+
+def lenet5() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10),
+    )
+
+
+def vgg_small() -> nn.Sequential:
+    layers: list[nn.Module] = []
+    c = 3
+    for v in [16, "M", 32, "M", 64, 64, "M"]:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU()]
+            c = v
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
+
+
+MODELS = {"lenet5": (lenet5, 64), "vgg_small": (vgg_small, 32)}
+
+
+def _setup(name: str, scan: bool):
+    make, batch = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    net = spscan.wrap(model, x) if scan else model
+    loss_fn = nn.CrossEntropyLoss()
+
+    def forward():
+        net.zero_grad(set_to_none=True)
+        return loss_fn(net(x), y)
+
+    return net, forward
+
+
+def _time(mode: str, forward) -> float:
+    if mode == "backward":
+        loss = forward()
+        t0 = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss = forward()
+    if mode == "step":
+        loss.backward()
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward", "step"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cnn_step_cpu(benchmark, name, mode):
+    benchmark.group = f"cnn-{name}-{mode}"
+    rounds = 7
+    _, a_fwd = _setup(name, scan=False)
+    net, s_fwd = _setup(name, scan=True)
+    for _ in range(2):  # warm-up: allocator, lowering for this batch size
+        _time(mode, a_fwd), _time(mode, s_fwd)
+    pairs = [(_time(mode, a_fwd), _time(mode, s_fwd)) for _ in range(rounds)]
+    base = statistics.median(p[0] for p in pairs)
+    ours = statistics.median(p[1] for p in pairs)
+    if mode == "backward":
+        benchmark.pedantic(lambda loss: loss.backward(), setup=lambda: ((s_fwd(),), {}), rounds=rounds)
+    elif mode == "step":
+        benchmark.pedantic(lambda: s_fwd().backward(), rounds=rounds)
+    else:
+        benchmark.pedantic(s_fwd, rounds=rounds)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    benchmark.extra_info.update(
+        device=device_name(), load_average_1min=load, model=name, batch=MODELS[name][1], mode=mode,
+        levels=net.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
+        median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=False,
+    )

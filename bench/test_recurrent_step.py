@@ -1,0 +1,139 @@
+"""Recurrent training steps through ``spscan.wrap`` vs autograd, and the compiled CPU middle chain vs NumPy.
+
+Run: ``pytest bench/test_recurrent_step.py --benchmark-only``.
+
+``test_recurrent_step_cpu``: ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (input 1, hidden 20,
+``batch_first``), T = 1000, 3000, 10000, B = 16, a linear head and cross-entropy on the last
+output. ``mode="step"`` times ``zero_grad`` + forward + loss + backward; ``mode="backward"`` times
+``loss.backward()`` alone (its forward runs untimed just before). Both sides run interleaved in
+the same test; ``extra_info`` has both medians and ``speedup_vs_autograd = autograd / spscan``.
+
+``test_middle_chain_compiled_vs_numpy``: the paper's RNN chain as the recurrent wrapper plans it
+(factored: shared ``W_hh^T`` and per-sample diagonal ``1 - h^2``, T = 1000, 3000, 10000, B = 16,
+H = 20, linear scan), ``spscan.backward`` with the compiled loop (kernels/cpu_chain.py) against the
+NumPy loop, interleaved: ``speedup_compiled_vs_numpy``.
+
+Denormals: over thousands of steps the gradient of a loss on the last output decays into the
+float32 denormal range, where x86 arithmetic slows down by ~100x on both sides alike and the
+timings measure the denormal penalty rather than the scan. Every row here runs with
+``torch.set_flush_denormal(True)`` (recorded as ``flush_denormal`` in ``extra_info``) and restores
+the default (off) afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from torch import nn
+
+import spscan
+from spscan.kernels import cpu_chain
+
+from conftest import device_name
+
+H, B = 20, 16
+CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
+ROUNDS = {1000: 5, 3000: 3, 10000: 2}
+
+
+@pytest.fixture
+def flush_denormal():
+    flushed = torch.set_flush_denormal(True)
+    yield flushed
+    torch.set_flush_denormal(False)
+
+
+def _setup(cell: str, T: int, scan: bool):
+    torch.manual_seed(0)
+    rnn = CELLS[cell](1, H, batch_first=True)
+    head = nn.Linear(H, 2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, 1, generator=g)
+    y = torch.randint(0, 2, (B,), generator=g)
+    if scan:
+        rnn = spscan.wrap(rnn, x)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def forward():
+        rnn.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+        out = rnn(x)[0]
+        return loss_fn(head(out[:, -1]), y)
+
+    return rnn, forward
+
+
+def _time(mode: str, forward) -> float:
+    if mode == "backward":
+        loss = forward()
+        t0 = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    forward().backward()
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("mode", ["step", "backward"])
+@pytest.mark.parametrize("T", [1000, 3000, 10000])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_recurrent_step_cpu(benchmark, flush_denormal, cell, T, mode):
+    benchmark.group = f"{cell}-cpu-T{T}-{mode}"
+    rounds = ROUNDS[T]
+    _, a_fwd = _setup(cell, T, scan=False)
+    wrapped, s_fwd = _setup(cell, T, scan=True)
+    _time(mode, a_fwd), _time(mode, s_fwd)  # warm-up: allocator, plan and lowering for this T
+    pairs = [(_time(mode, a_fwd), _time(mode, s_fwd)) for _ in range(rounds)]
+    base = statistics.median(p[0] for p in pairs)
+    ours = statistics.median(p[1] for p in pairs)
+    if mode == "backward":
+        benchmark.pedantic(lambda loss: loss.backward(), setup=lambda: ((s_fwd(),), {}), rounds=rounds)
+    else:
+        benchmark.pedantic(lambda: s_fwd().backward(), rounds=rounds)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    benchmark.extra_info.update(
+        device=device_name(), load_average_1min=load, cell=cell, T=T, B=B, H=H, mode=mode,
+        levels=wrapped.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
+        median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
+        compiled_middle=cpu_chain.available(),
+    )
+
+
+@pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
+@pytest.mark.parametrize("T", [1000, 3000, 10000])
+def test_middle_chain_compiled_vs_numpy(benchmark, flush_denormal, monkeypatch, T):
+    benchmark.group = f"middle-chain-T{T}"
+    pats = [sp.csr_array(np.ones((H, H))), sp.csr_array(np.eye(H))] * T
+    plan = spscan.plan(pats, levels=0, backend="torch")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(H * H, generator=g) / H ** 0.5
+    d = torch.rand(T, B, H, generator=g)  # 1 - h^2 in [0, 1)
+    values = [v for t in range(T) for v in (w, d[t])]  # as the recurrent wrapper passes them: views, no copies
+    grad = torch.randn(B, H, generator=g)
+    compiled = cpu_chain.available
+
+    def run(use_compiled: bool) -> float:
+        monkeypatch.setattr(cpu_chain, "available", compiled if use_compiled else (lambda: False))
+        t0 = time.perf_counter()
+        spscan.backward(plan, values, grad)
+        return time.perf_counter() - t0
+
+    run(True), run(False)
+    rounds = ROUNDS[T] * 2
+    pairs = [(run(False), run(True)) for _ in range(rounds)]
+    numpy_s = statistics.median(p[0] for p in pairs)
+    ours = statistics.median(p[1] for p in pairs)
+    monkeypatch.setattr(cpu_chain, "available", compiled)
+    benchmark.pedantic(lambda: spscan.backward(plan, values, grad), rounds=rounds)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    benchmark.extra_info.update(
+        device=device_name(), load_average_1min=load, T=T, B=B, H=H, chain="factored RNN (W_hh^T, diag)",
+        levels=plan.levels, numpy_median_s=numpy_s, compiled_median_s=ours, speedup_compiled_vs_numpy=numpy_s / ours,
+        median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
+    )
