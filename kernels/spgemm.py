@@ -18,7 +18,7 @@ import triton.language as tl
 from . import launch
 from .segments import SegmentTable, segment_block, segment_dot
 
-__all__ = ["spgemm_kernel", "spgemm"]
+__all__ = ["spgemm_kernel", "spgemm", "product_operands", "row_stride"]
 
 
 @triton.jit
@@ -39,8 +39,21 @@ def spgemm_kernel(
         tl.store(c_ptr + smp[:, None] * stride_c + o[None, :], c, mask=smp_ok[:, None] & seg_ok[None, :])
 
 
-def _row_stride(arena: torch.Tensor) -> int:
+def row_stride(arena: torch.Tensor) -> int:
+    """Row stride of a per-sample arena ``(B, N)``; 0 for a shared one ``(N,)``."""
     return arena.stride(0) if arena.dim() == 2 else 0
+
+
+def product_operands(name: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[bool, bool, bool, int]:
+    """``(a shared, b shared, c shared, batch)`` of a product's arenas ``(N,)`` / ``(B, N)``.
+
+    Raises ``ValueError`` naming ``name`` unless ``c`` is shared exactly when both factors are.
+    """
+    a_sh, b_sh, c_sh = a.dim() == 1, b.dim() == 1, c.dim() == 1
+    if c_sh != (a_sh and b_sh):
+        raise ValueError(f"{name}: output must be shared exactly when both factors are; got a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}, c {tuple(c.shape)}")
+    return a_sh, b_sh, c_sh, 1 if c_sh else c.shape[0]
 
 
 def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
@@ -53,17 +66,13 @@ def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     """
     if table.nseg == 0:
         return
-    a_sh, b_sh, c_sh = a.dim() == 1, b.dim() == 1, c.dim() == 1
-    if c_sh != (a_sh and b_sh):
-        raise ValueError(f"spgemm: output must be shared exactly when both factors are; got a {tuple(a.shape)}, "
-                         f"b {tuple(b.shape)}, c {tuple(c.shape)}")
-    batch = 1 if c_sh else c.shape[0]
+    a_sh, b_sh, c_sh, batch = product_operands("spgemm", a, b, c)
     cfg, grid = table.launch_config(batch, c.element_size())
     launch.launch(
         spgemm_kernel, grid,
         dict(a_ptr=a, b_ptr=b, c_ptr=c, seg_ptr=table.seg_ptr, pair_a=table.pair_a, pair_b=table.pair_b,
              out_idx=table.out, nseg=table.nseg, batch=batch,
-             stride_a=_row_stride(a), stride_b=_row_stride(b), stride_c=_row_stride(c)),
+             stride_a=row_stride(a), stride_b=row_stride(b), stride_c=row_stride(c)),
         dict(A_SHARED=a_sh, B_SHARED=b_sh, C_SHARED=c_sh,
              BLOCK_B=cfg.block_b, BLOCK_S=cfg.block_s, BLOCK_W=cfg.block_w),
         cfg.num_warps,
