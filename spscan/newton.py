@@ -38,12 +38,15 @@ Methods (:class:`NewtonOptions`):
   stiff or chaotic recurrences; it removes quadratic convergence.
 
 Stopping rule (``rtol``, default ``16 * eps`` of the dtype): with ``d_k = max|δ^{(k)}|``, the
-scale ``S = max(max|s^{(k+1)}|, tiny)`` and the contraction estimate ``q = d_k / d_{k-1}``, the
-iteration has converged when ``d_k <= rtol*S``, or when ``q < 1`` and the predicted remaining
-error ``d_k q / (1 - q)`` is ``<= rtol*S`` (superlinear: ``q -> 0``), or when it has stalled at
-rounding level (``d_k <= sqrt(eps)*S`` and ``q >= 1``: further iterations only reshuffle
-rounding errors). A final batched evaluation of the cell at the converged states gives the
-returned states ``F(s_{t-1}, x_t)`` and the Jacobian values the backward reuses. If the
+scale ``S = max|F(s^{(k)})|`` (the cell's outputs at the guess: bounded and meaningful even when a
+poor guess has blown up) and the contraction estimate ``q = d_k / d_{k-1}``, the iteration has
+converged after ``T`` iterations (every step exact), when ``d_k <= rtol*S``, or when ``q < 1`` and the predicted remaining error
+``d_k q / (1 - q)`` is ``<= rtol*S`` (superlinear convergence: ``q -> 0``), or when it has
+stalled at rounding level (``d_k <= sqrt(eps)*S`` and ``q >= 1``: further iterations only
+reshuffle rounding errors). A final batched evaluation of the cell at the converged states
+confirms it (its residual ``max|F(s) - s|`` must be ``<= sqrt(eps)*S``, else the iteration goes
+on) and gives the returned states ``F(s_{t-1}, x_t)`` and the Jacobian values the backward
+reuses. If the
 iteration budget ``max_iter`` runs out or an update is not finite, the sequential forward runs
 instead and a :class:`NewtonNotConverged` warning says so, with the iteration count.
 """
@@ -139,8 +142,8 @@ class NewtonInfo:
         method, damping: as run.
         iterations: scans run (``0`` if the sequence had no steps to solve).
         converged: ``True`` if the stopping rule was met; ``False`` if the sequential forward ran.
-        reason: ``"tolerance"``, ``"predicted"``, ``"stalled"`` (rounding level), ``"budget"`` or
-            ``"non-finite"``.
+        reason: ``"tolerance"``, ``"predicted"``, ``"stalled"`` (rounding level), ``"exact"`` (``T``
+            iterations: every step exact), ``"budget"`` or ``"non-finite"``.
         deltas: ``max|δ|`` of each iteration.
         seq_len, batch: the problem's size.
     """
@@ -390,13 +393,16 @@ class NewtonSolver:
         while True:
             s_prev = torch.cat([s0.unsqueeze(0), s[:-1]], dim=0)
             f, coefs = cell_eval(kind, gi, s_prev, params, H)
+            r = f - s
+            S = max(float(f.abs().max()), tiny)  # the scale: the cell's own outputs (bounded), not the guess
             if done:
-                # the final evaluation: states and Jacobians at the converged guess
-                return f, coefs, (_factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
+                # the final evaluation: states and Jacobians at the converged guess, once its residual confirms it
+                if float(r.abs().max()) <= stall * S:
+                    return f, coefs, (_factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
+                info.converged, done, info.reason = False, False, ""
             if info.iterations >= options.max_iter:
                 info.reason = "budget"
                 return None, None, None, info
-            r = f - s
             if quasi:
                 vals = _quasi_values(kind, coefs, w_hh, H)
                 if scale_j != 1.0:
@@ -438,9 +444,10 @@ class NewtonSolver:
             if not math.isfinite(d):
                 info.reason = "non-finite"
                 return None, None, None, info
-            S = max(float(s.abs().max()) if s.numel() else 0.0, tiny)
             q = d / prev_d if prev_d else (0.0 if d == 0 else math.inf)
-            if d <= rtol * S:
+            if info.iterations >= T:
+                info.reason, done = "exact", True  # k iterations make the first k steps exact: all T are
+            elif d <= rtol * S:
                 info.reason, done = "tolerance", True
             elif q < 1 and d * q / (1 - q) <= rtol * S:
                 info.reason, done = "predicted", True
