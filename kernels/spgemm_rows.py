@@ -61,11 +61,15 @@ def spgemm_rows_kernel(
     else:
         c_row = c_ptr + smp[:, None] * stride_c + c0
     zero = tl.zeros([BLOCK_B, BLOCK_J], dtype=c_ptr.dtype.element_ty)
-    for z0 in range(0, clen, BLOCK_J):
+    # run-time loop bounds are while loops: Triton 3.6's interpreter cannot take them in range()
+    z0 = 0
+    while z0 < clen:
         pos = z0 + lane
         tl.store(c_row + pos[None, :], zero, mask=smp_ok[:, None] & (pos < clen)[None, :])
+        z0 += BLOCK_J
     tl.debug_barrier()
-    for t in range(0, alen):
+    t = 0
+    while t < alen:
         e = a0 + t
         slot_a = tl.load(ae_val + e).to(tl.int64)
         g = tl.load(ae_brow + e).to(tl.int64)
@@ -76,7 +80,8 @@ def spgemm_rows_kernel(
             va = tl.load(a_ptr + slot_a + smp * 0)
         else:
             va = tl.load(a_ptr + smp * stride_a + slot_a, mask=smp_ok, other=0.0)
-        for j0 in range(0, blen, BLOCK_J):
+        j0 = 0
+        while j0 < blen:
             lj = j0 + lane
             ok = lj < blen
             col = tl.load(cols + bc0 + lj, mask=ok, other=0).to(tl.int64)
@@ -87,19 +92,23 @@ def spgemm_rows_kernel(
                              mask=smp_ok[:, None] & ok[None, :], other=0.0)
             lo = tl.zeros([BLOCK_J], dtype=tl.int64)
             hi = lo + clen
-            for _ in range(0, steps):  # lower bound of col in C's row (it is always there)
+            it = 0
+            while it < steps:  # lower bound of col in C's row (it is always there)
                 active = lo < hi
                 mid = (lo + hi) // 2
                 v = tl.load(cols + cc0 + mid, mask=ok & active, other=0)
                 right = v < col
                 lo = tl.where(active & right, mid + 1, lo)
                 hi = tl.where(active & (v >= col), mid, hi)
+                it += 1
             pos = tl.where(steps < 0, col, lo)
             ptrs = c_row + pos[None, :]
             m2 = smp_ok[:, None] & ok[None, :]
             cur = tl.load(ptrs, mask=m2, other=0.0)
             tl.store(ptrs, cur + va[:, None] * vb, mask=m2)
+            j0 += BLOCK_J
         tl.debug_barrier()  # the next k may add to the same entries
+        t += 1
 
 
 @dataclass(frozen=True)
