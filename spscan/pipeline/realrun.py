@@ -26,10 +26,10 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.pipeline.simulator import LayerCosts
+from spscan.pipeline.simulator import LayerCosts, Link, Timeline
 
 __all__ = ["build_mlp", "chain_patterns", "chain_values", "stage_bounds", "compare", "reference_grads",
-           "SINGLE_STAGE", "MULTI_STAGE"]
+           "calibrated_costs", "predicted_timeline", "SINGLE_STAGE", "MULTI_STAGE"]
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -302,7 +302,10 @@ class _ScanRunner:
         if self.update:
             self.opt.step()
         self.bytes_sent = fwd_sent + g.stats.bytes_sent
-        for key, val in (("recv_wait", t1 - t0), ("forward", t2 - t1), ("scan", t3 - t2), ("weight_grads", t4 - t3)):
+        # the slice's own backward inside the scan: the spine on the last rank, the finish elsewhere
+        own = g.stats.seconds.get("local" if self.rank == self.world - 1 else "finish", float("nan"))
+        for key, val in (("recv_wait", t1 - t0), ("forward", t2 - t1), ("scan", t3 - t2), ("weight_grads", t4 - t3),
+                         ("slice_backward", own)):
             self.phases.setdefault(key, []).append(val)
 
     def grads(self) -> dict[str, np.ndarray]:
@@ -325,6 +328,7 @@ class _ScanRunner:
                 vals.append(chain_values(m, h))
                 h = m(h)
         gy = torch.ones_like(h)
+        spscan.backward(local, vals, gy)  # first call binds the plan
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -340,6 +344,7 @@ def _compare_worker(rank: int, world: int, cfg: dict) -> dict:
     runners = {name: (_ScanRunner(rank, world, cfg, x, y) if name == "scan" else
                       _TorchRunner(name, rank, world, cfg, x, y)) for name in cfg["methods"]}
     reps = cfg.get("cost_reps", 5)
+    dist.barrier()  # every rank has built its runners: the ping-pong times the link, not set-up
     link = _ping_pong(rank, world)
     # per-module costs of one micro-batch, measured here under the same load as the steps
     model = build_mlp(cfg["dims"], cfg.get("seed", 0), cfg.get("dtype", torch.float32))
@@ -399,3 +404,66 @@ def compare(cfg: dict, methods: Sequence[str], world: int = 2, timeout: float = 
     if bad:
         raise RuntimeError(f"model-parallel comparison: a rank failed:\n{bad[0]}")
     return [res for _, res in out]
+
+
+def calibrated_costs(results: Sequence[dict], cfg: dict) -> tuple[LayerCosts, Link]:
+    """Per-module ``F``/``I``/``W`` of one micro-batch (median over the ranks' in-situ timings) and the
+    measured link, as simulator inputs. Activations and boundary bytes are per micro-batch."""
+    f = np.median([r["microbatch_costs"][0] for r in results], axis=0)
+    i_ = np.median([r["microbatch_costs"][1] for r in results], axis=0)
+    w = np.median([r["microbatch_costs"][2] for r in results], axis=0)
+    model = build_mlp(cfg["dims"], cfg.get("seed", 0))
+    elem = torch.empty((), dtype=cfg.get("dtype", torch.float32)).element_size()
+    mb = cfg["batch"] // cfg["microbatches"]
+    dims = _dims_at(model, cfg["dims"][0])
+    bb = tuple(float(mb * d * elem) for d in dims)
+    links = [r["link"] for r in results if r.get("link")]
+    link = Link(float(np.median([lk[0] for lk in links])), float(np.median([lk[1] for lk in links]))) if links else Link()
+    return LayerCosts(tuple(f), tuple(i_), tuple(w), bb[1:], bb), link
+
+
+def predicted_timeline(results: Sequence[dict], cfg: dict, method: str) -> Timeline:
+    """The simulator's timeline of ``method`` with the costs :func:`compare` measured.
+
+    torch schedules replay torch's own action lists (:func:`~spscan.pipeline.simulator.torch_schedule`;
+    ``1F1B`` uses :func:`~spscan.pipeline.simulator.one_f_one_b`, the same order); the scan uses the
+    real :class:`~spscan.distributed.DistributedPlan` with each slice's measured whole-batch costs,
+    its ``I`` scaled to the slice's backward as timed inside the scan's steps (``CommStats.seconds``).
+    """
+    from spscan.pipeline import simulator as S
+
+    world = len(results)
+    costs, link = calibrated_costs(results, cfg)
+    bounds = results[0]["methods"][method]["bounds"]
+    if method == "scan":
+        import spscan.distributed as D
+
+        model = build_mlp(cfg["dims"], cfg.get("seed", 0))
+        pats = chain_patterns(model)
+        f, i_, w = [], [], []
+        for r in results:
+            sc = r["scan_costs"]
+            ai = np.array(sc["backward_input"])
+            # the slice's backward as the scan ran it in the steps (spine or finish), else the
+            # separately timed local scan backward
+            own = r["methods"]["scan"]["phases"].get("slice_backward", float("nan"))
+            local = own if np.isfinite(own) else sc["local_backward"]
+            scale = local / ai.sum() if ai.sum() > 0 else 0.0
+            f += list(sc["forward"])
+            i_ += list(ai * scale)
+            w += list(sc["backward_weight"])
+        elem = torch.empty((), dtype=cfg.get("dtype", torch.float32)).element_size()
+        dims = _dims_at(model, cfg["dims"][0])
+        bb = tuple(float(cfg["batch"] * d * elem) for d in dims)
+        full = LayerCosts(tuple(f), tuple(i_), tuple(w), bb[1:], bb)
+        dplan = D.plan(pats, world, slices=bounds)
+        # composite products: time per multiply pair from the local backward's rate
+        nnz = sum(p.nnz for p in pats)
+        pair_time = float(np.median([r["scan_costs"]["local_backward"] for r in results])) / max(
+            1.0, nnz * cfg["batch"] / world)
+        return S.bppsa_scan(dplan, pats, full, 1, cfg["batch"], pair_time, link,
+                            element_bytes=elem)
+    if method == "1F1B":
+        return S.one_f_one_b(costs, world, cfg["microbatches"], link, bounds=bounds)
+    spr = 2 if method in MULTI_STAGE else None
+    return S.torch_schedule(method, costs, world, cfg["microbatches"], link, stages_per_rank=spr, bounds=bounds)
