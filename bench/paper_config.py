@@ -87,11 +87,13 @@ GRU_SETS = ["S", "M"] if QUICK else ["S", "M", "L"]
 GRU_BATCHES = [16] if QUICK else [16, 32, 64]
 
 # --- Figure 10: pruned VGG-11 conv chain on 32x32 inputs
-# quick mode divides every conv's channel count; SPSCAN_BENCH_VGG_DIVISOR overrides (full channels need
-# minutes and GiBs for the depth-3 symbolic walk on a small CPU)
+# quick mode divides every conv's channel count; SPSCAN_BENCH_VGG_DIVISOR overrides (full width: a few
+# minutes of training, planning and per-sample symbolic walks on a small CPU)
 VGG_CHANNEL_DIVISOR = int(os.environ.get("SPSCAN_BENCH_VGG_DIVISOR") or (4 if QUICK else 1))
 VGG_PRUNE_AMOUNT = 0.97
-VGG_PAPER_LEVELS = 3  # up-sweep L0-L2, linear scan, down-sweep (paper section 5.3)
+# the paper's "up-sweep L0-L2" (section 5.3): Figure 3 numbers the row of input matrices L0, so two
+# levels of products, then the linear scan and the down-sweep
+VGG_PAPER_LEVELS = 2
 
 # --- SpGEMM on VGG-11 Jacobian products
 SPGEMM_PRODUCTS = 4 if QUICK else 8  # first k consecutive pairs J_i^T . J_{i+1}^T of the chain

@@ -27,7 +27,7 @@ class DeviceProfile:
     chain_step_s: float  # fixed cost of one step of the fused middle chain (dense / diagonal)
     # a sparse product whose pair lists would exceed this many bytes runs row-wise over its output
     # pattern (O(nnz) index data, :mod:`spscan.planner.rowwise`) instead
-    pair_list_max_bytes: float = float(1 << 28)
+    pair_list_max_bytes: float = float(1 << 26)
 
     def sparse_time(self, pairs: float, launches: int) -> float:
         return launches * self.op_overhead_s + pairs / self.pair_rate
@@ -44,7 +44,7 @@ class DeviceProfile:
 # A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
 # caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_CHAIN_MAX_WORK.
 _CPU = DeviceProfile("cpu", 3.0e-5, 1.0e8, 4.0e9, 1.0e9, 0.35, 2.0e9, 2.0e-6)
-_CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9, 2.0e-6, float(1 << 30))
+_CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9, 2.0e-6, float(1 << 28))
 
 
 def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:
