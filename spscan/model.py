@@ -48,6 +48,25 @@ def _check_hooks(index: int, name: str, m: nn.Module) -> None:
             "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
 
 
+def _is_chain_model(model: nn.Module) -> bool:
+    """A supported layer, or a plain ``nn.Sequential`` (nested plain ones allowed) of torch.nn
+    layers: planned as a chain directly. Anything else (a module with its own forward, anywhere
+    in it) is traced with torch.fx (:mod:`spscan.graph`)."""
+    if type(model) in supported_layer_types():
+        return True
+    if not _is_plain_sequential(model):
+        return False
+    for child in model._modules.values():
+        if child is None:
+            continue
+        if isinstance(child, nn.Sequential):
+            if not _is_chain_model(child):
+                return False
+        elif not type(child).__module__.startswith("torch.nn"):
+            return False
+    return True
+
+
 def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of every layer of a (nested) ``nn.Sequential`` chain."""
     if not isinstance(model, nn.Module):
@@ -276,6 +295,10 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             model that is not a chain.
         ValueError: the example input does not fit a layer (names the layer and the shapes).
     """
+    if isinstance(model, nn.Module) and not _is_chain_model(model):
+        from spscan.graph import plan_graph  # a model with its own forward: trace it with torch.fx
+
+        return plan_graph(model, example_input, prune_zeros=prune_zeros, operators=operators, **kwargs)
     chain = _flatten_chain(model)
     if not chain:
         raise ValueError("model: expected at least one layer, got an empty nn.Sequential")
@@ -372,6 +395,8 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
     """
     if not isinstance(jacobians, Jacobians):
         raise TypeError(f"jacobians: expected the Jacobians returned by forward(), got {type(jacobians).__name__}")
+    if hasattr(plan, "unit_param_grads"):  # a traced graph with blocks: grads are per block
+        return plan.param_grads(jacobians, grads)
     if len(grads) != len(plan.units) + 1:
         raise ValueError(f"grads: expected {len(plan.units) + 1} tensors, got {len(grads)}")
     needed = [[p.requires_grad for _, p, _ in roles] for roles in plan.param_roles]
@@ -519,4 +544,9 @@ def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> S
     ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
     ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
     """
-    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs))
+    plan = plan_model(model, example_input, **plan_kwargs)
+    if hasattr(plan, "unit_param_grads"):  # a traced graph with blocks (spscan.graph.GraphPlan)
+        from spscan.graph import GraphSpscanModule
+
+        return GraphSpscanModule(model, plan)
+    return SpscanModule(model, plan)

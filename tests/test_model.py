@@ -262,9 +262,9 @@ def test_non_chain_models_refused():
             self.b = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.a(x) + self.b(x)  # a skip: not a chain
+            return self.a(x) * self.b(x)  # a product of branches: no unit for it (a sum is a planned block)
 
-    run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "nn.Sequential")
+    run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "operator.mul", "unsupported op")
 
     class Seq(nn.Sequential):
         def forward(self, x):
@@ -272,9 +272,9 @@ def test_non_chain_models_refused():
 
     run_errors(lambda: plan_model(Seq(nn.Linear(4, 4)), torch.zeros(1, 4)), TypeError, "Seq")
     run_errors(lambda: plan_model(nn.Sequential(nn.Linear(4, 4), Seq(nn.ReLU())), torch.zeros(1, 4)),
-               TypeError, "layer 1", "Seq")
+               TypeError, "module '1' (Seq)")
     run_errors(lambda: plan_model(nn.Sequential(nn.Linear(4, 4), Net()), torch.zeros(1, 4)),
-               TypeError, "layer 1", "Net")
+               TypeError, "module '1' (Net)")
     run_errors(lambda: plan_model(nn.Sequential(), torch.zeros(1, 4)), ValueError, "at least one layer")
     # a single supported layer is a chain of one
     assert len(plan_model(nn.Linear(4, 2), torch.zeros(1, 4), levels=0)) == 1

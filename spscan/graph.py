@@ -1,0 +1,785 @@
+"""Models ``torch.fx`` can trace: residual blocks, pre-activation blocks, channel concatenations
+and functional ops, planned for scan backprop.
+
+``plan_graph(model, example_input)`` traces ``model`` with ``torch.fx`` and maps every node to a
+layer unit through one registry (:data:`NODE_UNITS`: module types and functions/methods alike).
+
+* A straight chain of supported nodes keeps today's plan (a :class:`TracedChainPlan`, which is a
+  :class:`~spscan.model.ModelPlan`).
+* A graph with skips is decomposed into series-parallel blocks: a fork node ``x`` whose paths
+  meet again at a join ``y = a + b`` (add) or ``y = cat([a, b, ...], 1)`` (channel concatenation),
+  with ``x`` the join's immediate dominator. Each path from ``x`` to the join is a branch (a chain
+  of segments, possibly empty: the identity). The block's transposed Jacobian is
+  ``sum_b J_b^T`` for an add (``I + J_F^T`` for a residual block) or ``[J_1^T | J_2^T | ...]``
+  for a concatenation, where ``J_b^T`` is the branch's composite ``J_1^T ... J_m^T``, computed per
+  step by the engine's composite plan (:func:`spscan.plan.build_composite`). The block's pattern
+  (the union of the branch patterns) and the index maps that place each branch's values in it
+  are symbolic, made once (:mod:`spscan.planner.graph`). The graph is then a chain at block level,
+  planned by the ordinary scan. Inside a block, the gradients at the branch's own activations
+  (what its parameter gradients need) come from a scan over the branch with the block output's
+  gradient, after the block-level scan.
+
+Graphs that are not series-parallel this way (a node of one branch read by another branch, a
+join of something other than an add of two tensors or a concatenation along channels) are
+refused naming the node and its source line, and so are unsupported ops.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
+from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, refuse_functorch,
+                          refuse_second_derivative)
+from spscan.plan import build_composite, build_plan
+from spscan.planner.graph import identity_pattern, union_pattern
+
+__all__ = ["plan_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS", "supported_node_targets"]
+
+
+# ----------------------------------------------------------------------------- the node registry
+
+
+class _PerSampleReshape(nn.Module):
+    """``view``/``reshape``/``flatten`` that keeps the batch dim: ``(B, *a) -> (B, *shape)``."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape((x.shape[0],) + self.shape)
+
+
+class PerSampleReshapeUnit(ReshapeUnit):
+    """A traced ``view``/``reshape``/``flatten``/``contiguous`` keeping the batch dim: ``J^T = I``."""
+
+
+def _arg(args: Sequence[Any], kwargs: dict, i: int, name: str, default: Any) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _module_builder(mod_from_args: Callable[[Sequence[Any], dict], nn.Module]):
+    def build(index, args, kwargs, in_shape, out_shape, prune_zeros):
+        return make_unit(index, mod_from_args(args, kwargs), in_shape, out_shape, prune_zeros=prune_zeros)
+    return build
+
+
+def _reshape_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
+    return PerSampleReshapeUnit(index, _PerSampleReshape(out_shape), in_shape, out_shape)
+
+
+def _act(cls: type, *params: tuple[str, Any]):
+    """A functional activation ``f(x, p1, p2, ...)`` as the module ``cls(p1, p2, ...)``."""
+    def make(args, kwargs):
+        vals = [_arg(args, kwargs, 1 + i, n, d) for i, (n, d) in enumerate(params)]
+        if kwargs.get("inplace"):
+            pass  # the plan runs its own forward out of place; the values are the same
+        return cls(*vals)
+    return _module_builder(make)
+
+
+def _softmax(cls: type):
+    def make(args, kwargs):
+        if _arg(args, kwargs, 2, "_stacklevel", 3) not in (3,) or kwargs.get("dtype") is not None:
+            raise ValueError("a dtype argument is not supported")
+        return cls(dim=_arg(args, kwargs, 1, "dim", None))
+    return _module_builder(make)
+
+
+def _pool(cls: type, names: Sequence[tuple[str, Any]]):
+    def make(args, kwargs):
+        return cls(*[_arg(args, kwargs, 1 + i, n, d) for i, (n, d) in enumerate(names)])
+    return _module_builder(make)
+
+
+def _pad(args, kwargs) -> nn.Module:
+    pad = tuple(_arg(args, kwargs, 1, "pad", None))
+    mode = _arg(args, kwargs, 2, "mode", "constant")
+    value = _arg(args, kwargs, 3, "value", None)
+    if mode != "constant" or value not in (None, 0, 0.0):
+        raise ValueError(f"F.pad: zero padding (mode='constant', value=0) expected, got mode={mode!r}, value={value!r}")
+    if len(pad) == 2:
+        return nn.ZeroPad1d(pad)
+    if len(pad) == 4:
+        return nn.ZeroPad2d(pad)
+    raise ValueError(f"F.pad: 2 or 4 padding values expected (1-D or 2-D), got {len(pad)}")
+
+
+def _interpolate(args, kwargs) -> nn.Module:
+    return nn.Upsample(size=_arg(args, kwargs, 1, "size", None), scale_factor=_arg(args, kwargs, 2, "scale_factor", None),
+                       mode=_arg(args, kwargs, 3, "mode", "nearest"),
+                       align_corners=_arg(args, kwargs, 4, "align_corners", None),
+                       recompute_scale_factor=_arg(args, kwargs, 5, "recompute_scale_factor", None))
+
+
+_ADD = "add"
+_CAT = "cat"
+
+#: One registry from node target to what the node is. Keys: an ``nn.Module`` type (call_module),
+#: a function (call_function), or ``("method", name)`` (call_method). Values: a builder
+#: ``(index, args, kwargs, in_shape, out_shape, prune_zeros) -> LayerUnit`` (for modules the
+#: module itself is the first argument instead), or ``"add"`` / ``"cat"`` for joins.
+NODE_UNITS: dict[Any, Any] = {}
+
+for _t in supported_layer_types():
+    NODE_UNITS[_t] = "module"
+
+for _keys, _builder in [
+    ((F.relu, torch.relu, ("method", "relu")), _act(nn.ReLU)),
+    ((F.relu6,), _act(nn.ReLU6)),
+    ((F.leaky_relu,), _act(nn.LeakyReLU, ("negative_slope", 0.01))),
+    ((torch.tanh, F.tanh, ("method", "tanh")), _act(nn.Tanh)),
+    ((torch.sigmoid, F.sigmoid, ("method", "sigmoid")), _act(nn.Sigmoid)),
+    ((F.gelu,), _module_builder(lambda a, k: nn.GELU(approximate=k.get("approximate", "none")))),
+    ((F.silu,), _act(nn.SiLU)),
+    ((F.elu,), _act(nn.ELU, ("alpha", 1.0))),
+    ((F.selu, torch.selu), _act(nn.SELU)),
+    ((F.celu,), _act(nn.CELU, ("alpha", 1.0))),
+    ((F.softplus,), _act(nn.Softplus, ("beta", 1.0), ("threshold", 20.0))),
+    ((F.hardtanh,), _act(nn.Hardtanh, ("min_val", -1.0), ("max_val", 1.0))),
+    ((F.hardswish,), _act(nn.Hardswish)),
+    ((F.hardsigmoid,), _act(nn.Hardsigmoid)),
+    ((F.mish,), _act(nn.Mish)),
+    ((F.softsign,), _act(nn.Softsign)),
+    ((F.softmax, torch.softmax, ("method", "softmax")), _softmax(nn.Softmax)),
+    ((F.log_softmax, torch.log_softmax, ("method", "log_softmax")), _softmax(nn.LogSoftmax)),
+    ((F.max_pool2d,), _pool(nn.MaxPool2d, [("kernel_size", None), ("stride", None), ("padding", 0),
+                                           ("dilation", 1), ("ceil_mode", False)])),
+    ((F.max_pool1d,), _pool(nn.MaxPool1d, [("kernel_size", None), ("stride", None), ("padding", 0),
+                                           ("dilation", 1), ("ceil_mode", False)])),
+    ((F.avg_pool2d,), _pool(nn.AvgPool2d, [("kernel_size", None), ("stride", None), ("padding", 0),
+                                           ("ceil_mode", False), ("count_include_pad", True),
+                                           ("divisor_override", None)])),
+    ((F.avg_pool1d,), _pool(nn.AvgPool1d, [("kernel_size", None), ("stride", None), ("padding", 0),
+                                           ("ceil_mode", False), ("count_include_pad", True)])),
+    ((F.adaptive_avg_pool2d,), _pool(nn.AdaptiveAvgPool2d, [("output_size", None)])),
+    ((F.adaptive_avg_pool1d,), _pool(nn.AdaptiveAvgPool1d, [("output_size", None)])),
+    ((F.pad,), _module_builder(_pad)),
+    ((F.interpolate,), _module_builder(_interpolate)),
+    ((torch.flatten, torch.reshape, ("method", "flatten"), ("method", "view"), ("method", "reshape"),
+      ("method", "contiguous"), ("method", "unflatten"), torch.unflatten), _reshape_builder),
+    ((operator.add, operator.iadd, torch.add, ("method", "add")), _ADD),
+    ((torch.cat, torch.concat, torch.concatenate), _CAT),
+]:
+    for _k in _keys:
+        NODE_UNITS[_k] = _builder
+
+# nodes that compute shapes for a view/reshape (never tensors of the graph)
+_TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
+_SHAPE_QUERIES = _TENSOR_QUERIES | {operator.getitem, operator.mul, operator.floordiv, operator.add,
+                                    operator.sub}
+
+
+def supported_node_targets() -> list[str]:
+    """Readable names of every supported node target (module types, functions, methods)."""
+    out = []
+    for k in NODE_UNITS:
+        if isinstance(k, type):
+            out.append(k.__name__)
+        elif isinstance(k, tuple):
+            out.append(f"Tensor.{k[1]}")
+        else:
+            out.append(f"{getattr(k, '__module__', '') or ''}.{getattr(k, '__name__', repr(k))}".lstrip("."))
+    return out
+
+
+def _node_key(node: fx.Node, root: nn.Module) -> Any:
+    if node.op == "call_module":
+        return type(root.get_submodule(node.target))
+    if node.op == "call_method":
+        return ("method", node.target)
+    return node.target
+
+
+def _source(node: fx.Node) -> str:
+    """The innermost user frame that made ``node`` (``file:line in fn: code``), and the module it is in."""
+    frames, lines = [], (node.stack_trace or "").splitlines()
+    for i, ln in enumerate(lines):
+        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', ln)
+        if m:
+            nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            frames.append(m.groups() + ("" if nxt.startswith("File ") else nxt,))
+    user = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
+    where = "source line unknown"
+    if user:
+        f, line, fn, code = user[-1]
+        where = f"{f}:{line} in {fn}" + (f": {code.strip()}" if code else "")
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, cls = list(stack.values())[-1]
+        where += f", in module '{path}' ({getattr(cls, '__name__', cls)})"
+    return where
+
+
+def _refuse(node: fx.Node, why: str, exc: type = TypeError) -> Exception:
+    return exc(f"node {node.format_node()} (at {_source(node)}): {why}")
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+class _Leaf:
+    """One unit of the graph (flat index ``k``)."""
+
+    def __init__(self, unit: LayerUnit, k: int) -> None:
+        self.unit, self.k = unit, k
+        self.pattern = unit.pattern
+        self.d_in, self.d_out = unit.d_in, unit.d_out
+
+    @property
+    def shared(self) -> bool:
+        return self.unit.shared
+
+    def run(self, x, T):
+        return self.unit.run(x, T[self.k])
+
+    def fill(self, saved, T):
+        return self.unit.fill(saved, T[self.k]), None
+
+    def grads(self, saved, T, inner, g_out, out, needed) -> None:
+        if self.unit.roles and any(needed[self.k]):
+            out[self.k] = self.unit.param_grads(saved, T[self.k], g_out, needed[self.k])
+
+    def describe(self) -> str:
+        return self.unit.name
+
+
+class _Parallel:
+    """Branches from one fork joined by an add (``sum_b J_b^T``) or a channel concatenation."""
+
+    def __init__(self, join: str, branches: list[list[Any]], d_in: int, d_outs: list[int], opts: dict) -> None:
+        self.join, self.branches, self.d_in = join, branches, d_in
+        self.d_outs = d_outs
+        self.d_out = d_outs[0] if join == _ADD else sum(d_outs)
+        pats, self.composites, self.scans = [], [], []
+        for br, d in zip(branches, d_outs):
+            if not br:
+                pats.append(identity_pattern(d_in))
+                self.composites.append(None)
+                self.scans.append(None)
+            elif len(br) == 1:
+                pats.append(br[0].pattern)
+                self.composites.append(None)
+                self.scans.append(None)
+            else:
+                comp = build_composite([s.pattern for s in br], **opts)
+                pats.append(sp.csr_array(comp.composite_pattern))
+                self.composites.append(comp)
+                self.scans.append(build_plan([s.pattern for s in br], levels=0, bind=None, **opts))
+        offsets = None if join == _ADD else list(np.cumsum([0] + d_outs[:-1]))
+        self.pattern, maps = union_pattern(pats, offsets)
+        self.maps = [torch.from_numpy(m) for m in maps]
+        self.offsets = [0] * len(branches) if offsets is None else offsets
+        self._ones: dict = {}
+
+    @property
+    def shared(self) -> bool:
+        return all(s.shared for br in self.branches for s in br)
+
+    def run(self, x, T):
+        outs, saved = [], []
+        for br in self.branches:
+            h, ss = x, []
+            for s in br:
+                h, sv = s.run(h, T)
+                ss.append(sv)
+            outs.append(h)
+            saved.append(ss)
+        if self.join == _ADD:
+            y = outs[0]
+            for o in outs[1:]:
+                y = y + o
+        else:
+            y = torch.cat(outs, 1)
+        return y, (saved, x.shape[0], x.dtype, x.device)
+
+    def fill(self, saved, T):
+        saved_b, batch, dtype, device = saved
+        inner, parts = [], []
+        for br, sv, comp in zip(self.branches, saved_b, self.composites):
+            filled = [s.fill(v, T) for s, v in zip(br, sv)]
+            inner.append(filled)
+            if not br:
+                key = (dtype, device)
+                if key not in self._ones:
+                    self._ones[key] = torch.ones(self.d_in, dtype=dtype, device=device)
+                parts.append(self._ones[key])
+            elif comp is None:
+                parts.append(filled[0][0])
+            else:
+                vals = [v for v, _ in filled]
+                parts.append(comp.bind(shared=[v.dim() == 1 for v in vals], device=device).run(vals).composite)
+        shared = all(p.dim() == 1 for p in parts)
+        nnz = self.pattern.nnz
+        out = torch.zeros((nnz,) if shared else (batch, nnz), dtype=dtype, device=device)
+        for p, m in zip(parts, self.maps):
+            m = m.to(device)
+            if shared:
+                out.index_add_(0, m, p)
+            else:
+                out.index_add_(1, m, p.expand(batch, -1) if p.dim() == 1 else p)
+        return out, inner
+
+    def grads(self, saved, T, inner, g_out, out, needed) -> None:
+        saved_b = saved[0]
+        for br, sv, inn, scan, off, d in zip(self.branches, saved_b, inner, self.scans, self.offsets, self.d_outs):
+            if not br:
+                continue
+            g = g_out if self.join == _ADD else g_out[:, off:off + d]
+            if scan is None:
+                br[0].grads(sv[0], T, inn[0][1], g, out, needed)
+                continue
+            vals = [v for v, _ in inn]
+            gs = scan.bind(shared=[v.dim() == 1 for v in vals], device=g.device, first_output=False).run(
+                vals, g.contiguous()).grads
+            for i, s in enumerate(br):
+                s.grads(sv[i], T, inn[i][1], gs[i + 1], out, needed)
+
+    def describe(self) -> str:
+        inner = " ; ".join("I" if not br else " -> ".join(s.describe() for s in br) for br in self.branches)
+        return f"{self.join}[{inner}]"
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+class _Traced:
+    """The traced graph with per-node example values, units and the series-parallel parse."""
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor, prune_zeros: bool, opts: dict) -> None:
+        self.model, self.prune_zeros, self.opts = model, prune_zeros, opts
+        tracer = fx.Tracer()
+        tracer.record_stack_traces = True
+        try:
+            self.graph = tracer.trace(model)
+        except Exception as e:  # data-dependent control flow and the like
+            raise TypeError(f"{type(model).__name__}: torch.fx.symbolic_trace cannot capture its forward ({e}); "
+                            "spscan plans models whose graph fx can trace") from e
+        self.units: list[LayerUnit] = []
+        self.names: list[str] = []
+        self.module_backed: list[bool] = []
+        self.leaf_of: dict[fx.Node, _Leaf] = {}
+        self.kind: dict[fx.Node, str] = {}  # "input", "unit", "add", "cat"
+        self.tin: dict[fx.Node, list[fx.Node]] = {}
+        self._propagate(example_input)
+
+    def _propagate(self, example_input: torch.Tensor) -> None:
+        x = example_input.detach()
+        x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            raise TypeError(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
+                            f"{len(placeholders)} inputs ({', '.join(n.name for n in placeholders)})")
+        with torch.no_grad():
+            for node in self.graph.nodes:
+                if node.op == "placeholder":
+                    env[node] = x2
+                    self.kind[node] = "input"
+                    self.tin[node] = []
+                    self.input_node = node
+                    continue
+                if node.op == "output":
+                    res = node.args[0]
+                    if not isinstance(res, fx.Node) or not isinstance(env.get(res), torch.Tensor):
+                        raise _refuse(node, "expected the forward to return one tensor")
+                    self.output_node = res
+                    continue
+                if node.op == "get_attr":
+                    raise _refuse(node, "reads a module attribute (a parameter or buffer used functionally); "
+                                  "only parameters held by supported layer modules are planned")
+                key = _node_key(node, self.model)
+                args = fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                tensor_inputs = [n for n in node.all_input_nodes if isinstance(env.get(n), torch.Tensor)]
+                if node.op != "call_module" and (not tensor_inputs or key in _TENSOR_QUERIES):
+                    # shape arithmetic for a view/reshape: evaluated here, never part of the graph
+                    if key not in _SHAPE_QUERIES:
+                        raise _refuse(node, "unsupported op (outside the tensor graph only shape arithmetic is "
+                                      "supported)")
+                    env[node] = self._call(node, args, kwargs)
+                    if isinstance(env[node], torch.Tensor):
+                        raise _refuse(node, "an op creating a tensor outside the graph's input is not supported")
+                    continue
+                builder = NODE_UNITS.get(key)
+                if builder is None:
+                    if isinstance(key, type):
+                        kind = ("a container with its own forward that fx did not trace through"
+                                if list(self.model.get_submodule(node.target).children()) else "an unsupported layer type")
+                        raise _refuse(node, f"{key.__module__}.{key.__name__} is {kind}; supported layer types: "
+                                      f"{', '.join(t.__name__ for t in supported_layer_types())}")
+                    raise _refuse(node, "unsupported op (spscan.graph.supported_node_targets() lists the supported "
+                                  "functions and tensor methods)")
+                if builder in (_ADD, _CAT):
+                    y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
+                else:
+                    y = self._unit(node, key, builder, args, kwargs, tensor_inputs, env)
+                if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != 2:
+                    raise _refuse(node, f"expected a tensor (B, ...) keeping the batch dim; got "
+                                  f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
+                                  "an example batch of 2", ValueError)
+                env[node] = y
+        self.env = env
+
+    def _call(self, node, args, kwargs):
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            return self.model.get_submodule(node.target)(*args, **kwargs)
+        return node.target(*args, **kwargs)
+
+    def _join(self, node, key, builder, args, kwargs, tensor_inputs, env):
+        if builder == _ADD:
+            if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) or len(tensor_inputs) != 2 \
+                    or node.kwargs.get("alpha", 1) != 1 or len(node.kwargs) > (1 if "alpha" in node.kwargs else 0):
+                raise _refuse(node, "an add is supported between two tensors of the graph (the join of two "
+                              "branches), without alpha or scalars")
+            a, b = args[0], args[1]
+            if a.shape != b.shape:
+                raise _refuse(node, f"an add of two branches needs equal shapes (no broadcasting), got "
+                              f"{tuple(a.shape)} and {tuple(b.shape)}", ValueError)
+            self.tin[node] = [node.args[0], node.args[1]]
+        else:
+            seq = node.args[0] if node.args else node.kwargs.get("tensors")
+            dim = _arg(node.args, node.kwargs, 1, "dim", 0)
+            if not isinstance(seq, (list, tuple)) or not all(isinstance(a, fx.Node) for a in seq):
+                raise _refuse(node, "a concatenation of graph tensors expected")
+            nd = env[seq[0]].dim()
+            if dim % nd != 1:
+                raise _refuse(node, f"concatenation along dim 1 (channels/features) expected, got dim={dim}", ValueError)
+            self.tin[node] = list(seq)
+        self.kind[node] = builder
+        return self._call(node, args, kwargs)
+
+    def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
+        if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):
+            raise _refuse(node, "a layer reading one tensor of the graph (its first argument) expected")
+        src = tensor_inputs[0]
+        xin = env[src]
+        k = len(self.units)
+        if builder == "module":
+            m = self.model.get_submodule(node.target)
+            _check_hooks(k, node.target, m)
+            if len(node.args) != 1 or node.kwargs:
+                raise _refuse(node, "a module called with extra arguments is not supported")
+            shape_preserving = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.BatchNorm1d, nn.BatchNorm2d)
+            if isinstance(m, shape_preserving):
+                y = xin  # no call: dropout would draw random numbers, train-mode BN would update its statistics
+            else:
+                try:
+                    y = m(xin)
+                except Exception as e:
+                    raise _refuse(node, f"the example input reaching it has per-sample shape {tuple(xin.shape[1:])}, "
+                                  f"which it rejects: {e}", ValueError) from e
+            try:
+                unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{e} [node {node.format_node()} at {_source(node)}]") from e
+            name, backed = node.target, True
+        else:
+            y = self._call(node, args, kwargs)
+            if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != xin.shape[0]:
+                raise _refuse(node, "expected a tensor keeping the batch dim", ValueError)
+            try:
+                unit = builder(k, args, kwargs, tuple(xin.shape[1:]), tuple(y.shape[1:]), self.prune_zeros)
+            except (TypeError, ValueError) as e:
+                raise _refuse(node, str(e), type(e)) from e
+            name, backed = node.name, False
+        self.units.append(unit)
+        self.names.append(name)
+        self.module_backed.append(backed)
+        self.leaf_of[node] = _Leaf(unit, k)
+        self.kind[node] = "unit"
+        self.tin[node] = [src]
+        return y
+
+    # -- series-parallel parse
+    def parse(self) -> list[Any]:
+        nodes = [n for n in self.graph.nodes if n in self.kind]
+        users: dict[fx.Node, int] = {n: 0 for n in nodes}
+        for n in nodes:
+            for p in set(self.tin[n]):
+                users[p] += 1
+            if len(set(self.tin[n])) != len(self.tin[n]):
+                raise _refuse(n, "a join reading the same tensor twice is not supported")
+        dom: dict[fx.Node, set] = {}
+        for n in nodes:
+            preds = self.tin[n]
+            dom[n] = ({n} | set.intersection(*[dom[p] for p in preds])) if preds else {n}
+        order = {n: i for i, n in enumerate(nodes)}
+        self.consumed: dict[fx.Node, int] = {n: 0 for n in nodes}
+        self.visited: set = set()
+        segs = self._back(self.output_node, self.input_node, dom, order)
+        for n in nodes:
+            if n is not self.output_node and self.consumed[n] != users[n]:
+                raise _refuse(n, "its output is read across branches of different blocks (the graph is not a "
+                              "chain of series-parallel blocks); not supported")
+        return segs
+
+    def _back(self, end, start, dom, order) -> list[Any]:
+        segs: list[Any] = []
+        node = end
+        while node is not start:
+            if node in self.visited:
+                raise _refuse(node, "read by two branches of one block (not series-parallel); not supported")
+            self.visited.add(node)
+            kind = self.kind[node]
+            if kind == "unit":
+                segs.insert(0, self.leaf_of[node])
+                src = self.tin[node][0]
+                self.consumed[src] += 1
+                node = src
+            elif kind in (_ADD, _CAT):
+                fork = max(dom[node] - {node}, key=lambda n: order[n])
+                if order[fork] < order[start]:
+                    raise _refuse(node, f"this join's branches start before {start.format_node()}, outside the block "
+                                  "it belongs to (not series-parallel); not supported")
+                branches = []
+                for inp in self.tin[node]:
+                    if inp is fork:
+                        self.consumed[fork] += 1
+                        branches.append([])
+                    else:
+                        self.consumed[inp] += 1
+                        branches.append(self._back(inp, fork, dom, order))
+                d_in = int(np.prod(self.env[fork].shape[1:]))
+                d_outs = [int(np.prod(self.env[i].shape[1:])) for i in self.tin[node]]
+                segs.insert(0, _Parallel(kind, branches, d_in, d_outs, self.opts))
+                node = fork
+            else:
+                raise _refuse(node, "unexpected node in the graph")
+        return segs
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+class TracedChainPlan(ModelPlan):
+    """A traced model that is a straight chain: today's chain plan; functional nodes (``F.relu``,
+    ``x.view(...)``) have units that stand for them and no module in the model."""
+
+    def __init__(self, *args: Any, module_backed: Sequence[bool], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.module_backed = list(module_backed)
+
+    def _check_layers(self) -> None:
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        for k, (name, u, backed) in enumerate(zip(self.layer_names, self.units, self.module_backed)):
+            if backed and modules.get(name) is not u.module:
+                raise ValueError(f"layer {k} ({name}): the model's module was replaced after planning; "
+                                 "wrap the model again")
+
+
+class GraphPlan(ModelPlan):
+    """A traced model with skips or concatenations, planned as a chain of blocks.
+
+    Attributes:
+        segments: the top-level blocks: a unit, or a parallel block (``add``/``cat`` of branches).
+        units: every layer unit (flat, in trace order); ``layer_names`` their module names (or node names).
+        patterns: the block-level ``J^T`` patterns the core scan runs over.
+        core: the block-level scan plan.
+    """
+
+    def __init__(self, model: nn.Module, traced: _Traced, segments: list[Any], in_shape: tuple[int, ...],
+                 core: Any) -> None:
+        super().__init__(model, traced.units, traced.names, in_shape, core, operators=False)
+        self.segments = segments
+        self.module_backed = traced.module_backed
+        self.patterns = [s.pattern for s in segments]
+        out = traced.env[traced.output_node]
+        self.out_shape = tuple(out.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    _check_layers = TracedChainPlan._check_layers
+
+    def summary(self) -> str:
+        lines = [f"GraphPlan: {len(self.units)} layers in {len(self.segments)} blocks, input {self.in_shape} -> "
+                 f"output {self.out_shape}"]
+        for i, s in enumerate(self.segments):
+            lines.append(f"  [{i}] {s.describe():<60} J^T {s.d_in}x{s.d_out} nnz={s.pattern.nnz} "
+                         f"{'shared' if s.shared else 'per-sample'}")
+        lines.append(self.core.summary())
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    def _run(self, x, tensors):
+        saved = []
+        for s in self.segments:
+            x, sv = s.run(x, tensors)
+            saved.append(sv)
+        return x, saved
+
+    def _fill_all(self, saved, tensors):
+        filled = [s.fill(sv, tensors) for s, sv in zip(self.segments, saved)]
+        return [v for v, _ in filled], [inner for _, inner in filled]
+
+    def _fill(self, saved, tensors):
+        return self._fill_all(saved, tensors)[0]
+
+    def _values(self, saved, tensors):
+        return self._fill(saved, tensors)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Jacobians]:
+        """Run the model on ``x``; ``(output, jacobians)`` with one value tensor per block."""
+        self._check_input(x)
+        with torch.no_grad():
+            tensors = [[t.detach() for t in ts] for ts in self._tensors()]
+            y, saved = self._run(x.detach(), tensors)
+            values, inner = self._fill_all(saved, tensors)
+        jac = Jacobians(values, x.shape[0], saved, tensors)
+        jac.inner = inner  # type: ignore[attr-defined]
+        return y, jac
+
+    def backward(self, values, grad, extra=None, *, first_output: bool = True) -> list[torch.Tensor]:
+        """``[dl/dx_0, ..., dl/dx_n]`` at the block boundaries (``n`` blocks)."""
+        vals = list(values.values if isinstance(values, Jacobians) else values)
+        if len(vals) != len(self.segments):
+            raise ValueError(f"values: expected {len(self.segments)} tensors (one per block), got {len(vals)}")
+        if isinstance(grad, torch.Tensor) and grad.dim() != 2:
+            grad = grad.reshape(grad.shape[0], -1)
+        has_extra = None if extra is None else [e is not None for e in extra]
+        bound = self.core.bind([v.dim() == 1 for v in vals], has_extra, grad.device, None, first_output)
+        return bound.run(vals, grad, extra).grads
+
+    def unit_param_grads(self, saved, tensors, inner, grads, needed) -> list[list[Optional[torch.Tensor]]]:
+        """dl/dθ per unit and role from the block-boundary gradients ``grads`` (``n+1``)."""
+        out: list[Any] = [[None] * len(u.roles) for u in self.units]
+        for i, s in enumerate(self.segments):
+            s.grads(saved[i], tensors, inner[i], grads[i + 1], out, needed)
+        return out
+
+    def param_grads(self, jac: Jacobians, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{parameter name: gradient}`` from a step's ``forward`` result and the scan's block gradients."""
+        if len(grads) != len(self.segments) + 1:
+            raise ValueError(f"grads: expected {len(self.segments) + 1} tensors, got {len(grads)}")
+        needed = [[p.requires_grad for _, p, _ in roles] for roles in self.param_roles]
+        with torch.no_grad():
+            per_unit = self.unit_param_grads(jac.saved, jac.tensors, jac.inner, grads, needed)
+        result: dict[str, torch.Tensor] = {}
+        for roles, gs in zip(self.param_roles, per_unit):
+            for (name, p, mask), g in zip(roles, gs):
+                if g is None:
+                    continue
+                if mask is not None:
+                    g = g * mask
+                result[name] = result[name] + g if name in result else g
+        return result
+
+
+def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
+               operators: bool = True, **kwargs: Any) -> ModelPlan:
+    """Plan any model ``torch.fx`` can trace whose nodes are supported (see the module docstring).
+
+    Returns a :class:`TracedChainPlan` for a straight chain, else a :class:`GraphPlan`. ``kwargs``
+    go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
+
+    Raises:
+        TypeError: an unsupported node or a graph that is not a chain of series-parallel blocks
+            (names ``node.format_node()`` and its source line).
+        ValueError: the example input does not fit a layer.
+    """
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
+        raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
+                         f"{getattr(example_input, 'shape', type(example_input).__name__)}")
+    opts = {k: kwargs[k] for k in ("backend", "device", "dtype") if k in kwargs}
+    try:
+        traced = _Traced(model, example_input, prune_zeros, opts)
+        if not traced.units and traced.output_node is traced.input_node:
+            raise ValueError("the traced forward has no layers")
+        segments = traced.parse()
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{type(model).__name__}: {e}") from e
+    in_shape = tuple(example_input.shape[1:])
+    if all(isinstance(s, _Leaf) for s in segments):
+        from spscan import model as chain_model
+
+        adjust = getattr(chain_model, "_levels_for_coupled_layers", None)  # layers without CSR values
+        if adjust is not None:
+            kwargs = adjust(traced.units, kwargs)
+        core = build_plan([u.pattern for u in traced.units], bind=None, **kwargs)
+        plan: ModelPlan = TracedChainPlan(model, traced.units, traced.names, in_shape, core, operators=operators,
+                                          module_backed=traced.module_backed)
+        plan.bind_signatures()
+        return plan
+    for u, name in zip(traced.units, traced.names):
+        if not getattr(u, "has_csr_values", True):
+            raise ValueError(f"{type(model).__name__}: layer {u.index} ({name}: {u.name}) couples the samples of a "
+                             "batch (no per-sample J^T values) and is supported in straight chains only, not in a "
+                             "model with skips or concatenations; call model.eval()")
+    core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
+    return GraphPlan(model, traced, segments, in_shape, core)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class _GraphState:
+    def __init__(self, saved, tensors, x_shape) -> None:
+        self.saved, self.tensors, self.x_shape = saved, tensors, x_shape
+
+
+class _GraphScanFunction(torch.autograd.Function):
+    """Forward: the blocks. Backward: block values, the block-level scan, then every branch's
+    inner scan and all parameter gradients."""
+
+    @staticmethod
+    def forward(plan: GraphPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
+        tensors, pos = [], 0
+        for u in plan.units:
+            tensors.append([t.detach() for t in flat[pos:pos + len(u.roles)]])
+            pos += len(u.roles)
+        y, saved = plan._run(x.detach(), tensors)
+        return (y.clone() if y is x else y), _GraphState(saved, tensors, x.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.plan = inputs[0]
+        ctx.state = output[1]
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
+        plan: GraphPlan = ctx.plan
+        st: _GraphState = ctx.state
+        b = gy.shape[0]
+        with torch.no_grad():
+            values, inner = plan._fill_all(st.saved, st.tensors)
+            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
+            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
+            needed, pos = [], 2
+            for u in plan.units:
+                needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
+                pos += len(u.roles)
+            per_unit = plan.unit_param_grads(st.saved, st.tensors, inner, grads, needed)
+        out = (None, gx, *[g for gs in per_unit for g in gs])
+        if torch.is_grad_enabled():
+            out = refuse_second_derivative(list(ctx.saved_tensors) + [gy], out)
+        return out
+
+
+class GraphSpscanModule(SpscanModule):
+    """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        refuse_functorch()
+        self.plan._check_input(x)
+        self.plan._check_layers()
+        if x.shape[0] == 0:
+            return self.model(x)
+        flat = [t for u in self.plan.units for t in u.tensors()]
+        return _GraphScanFunction.apply(self.plan, x, *flat)[0]

@@ -1,0 +1,308 @@
+"""Models torch.fx traces (residual networks, pre-activation blocks, concatenations, functional ops)
+through spscan.wrap: every parameter's and the input's gradient equal autograd's (float64 ≤ 1e-9
+relative; float32 within 2x autograd's own float32 error against a float64 reference), and five
+SGD steps from the same initialization land on the same parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spscan
+from layer_checks import run_errors
+from spscan.graph import GraphPlan, TracedChainPlan
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class BasicBlock(nn.Module):
+    """He et al. 2016 CIFAR BasicBlock; option-B shortcut (1x1 conv + BN) where the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += self.shortcut(x)
+        return F.relu(out)
+
+
+class ResNet20(nn.Module):
+    """CIFAR ResNet-20: a 3x3 stem, 3 stages of 3 BasicBlocks (widths w, 2w, 4w), global average
+    pooling and a linear classifier (w = 16 in the paper; narrow here)."""
+
+    def __init__(self, width: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        layers, cin = [], width
+        for stage, w in enumerate((width, 2 * width, 4 * width)):
+            for b in range(3):
+                layers.append(BasicBlock(cin, w, 2 if (stage > 0 and b == 0) else 1))
+                cin = w
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        x = self.layers(x)
+        x = F.adaptive_avg_pool2d(x, 1)
+        x = x.view(x.size(0), -1)
+        return self.fc(x)
+
+
+class PreActBlock(nn.Module):
+    """Pre-activation residual block (He et al. 2016b): x + conv(relu(bn(conv(relu(bn(x))))))."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.bn1, self.conv1 = nn.BatchNorm2d(c), nn.Conv2d(c, c, 3, padding=1)
+        self.bn2, self.conv2 = nn.BatchNorm2d(c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        out = self.conv1(F.relu(self.bn1(x)))
+        out = self.conv2(F.relu(self.bn2(out)))
+        return x + out
+
+
+class PreActNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 3, 3, padding=1)
+        self.block1, self.block2 = PreActBlock(3), PreActBlock(3)
+        self.head = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4))
+
+    def forward(self, x):
+        return self.head(self.block2(self.block1(self.stem(x))))
+
+
+class NormMLP(nn.Module):
+    """An MLP with LayerNorm and GELU, one residual connection, written with functional ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln1 = nn.Linear(6, 8), nn.LayerNorm(8)
+        self.fc2, self.ln2 = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = F.gelu(self.ln1(self.fc1(x)))
+        h = h + F.gelu(self.ln2(self.fc2(h)))
+        return self.out(h)
+
+
+class Classifier(nn.Module):
+    """A small CNN classifier ending in LogSoftmax, with functional pooling and a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 3, 3, padding=1), nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 2 * 2, 5)
+        self.logp = nn.LogSoftmax(dim=1)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = torch.tanh(self.conv2(x))
+        x = x.view(x.size(0), -1)
+        return self.logp(self.fc(x))
+
+
+class DenseBlock(nn.Module):
+    """DenseNet-style: each layer's output concatenated to its input along channels."""
+
+    def __init__(self, c: int, growth: int) -> None:
+        super().__init__()
+        self.l1 = nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, growth, 3, padding=1))
+        self.l2 = nn.Sequential(nn.BatchNorm2d(c + growth), nn.ReLU(), nn.Conv2d(c + growth, growth, 3, padding=1))
+        self.fc = nn.Linear((c + 2 * growth) * 16, 3)
+
+    def forward(self, x):
+        x = torch.cat([x, self.l1(x)], 1)
+        x = torch.cat([x, self.l2(x)], 1)
+        return self.fc(torch.flatten(x, 1))
+
+
+def _init(model: nn.Module, seed: int) -> nn.Module:
+    """Random parameters and running statistics (so eval-mode BatchNorm is not the identity)."""
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            m.running_mean.normal_(0, 0.3)
+            m.running_var.uniform_(0.5, 1.5)
+            nn.init.normal_(m.weight, 1.0, 0.2)
+            nn.init.normal_(m.bias, 0.0, 0.2)
+    return model.eval()
+
+
+CASES = {
+    "resnet20": (lambda: ResNet20(width=2), (3, 3, 8, 8), GraphPlan),
+    "preact": (lambda: PreActNet(), (3, 2, 5, 5), GraphPlan),
+    "norm_mlp": (lambda: NormMLP(), (4, 6), GraphPlan),
+    "logsoftmax_classifier": (lambda: Classifier(), (3, 1, 8, 8), TracedChainPlan),
+    "dense_block": (lambda: DenseBlock(2, 2), (2, 2, 4, 4), GraphPlan),
+}
+
+
+def _loss(y: torch.Tensor) -> torch.Tensor:
+    w = torch.linspace(-1.0, 1.0, y[0].numel(), dtype=y.dtype).reshape(y.shape[1:])
+    return (y * w).sum() + 0.5 * (y * y).sum()
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    model.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    y = model(xi)
+    _loss(y).backward()
+    named = model.model if isinstance(model, spscan.SpscanModule) else model
+    return y.detach(), {n: p.grad.clone() for n, p in named.named_parameters()}, xi.grad.clone()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+# ----------------------------------------------------------------------------- float64
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_float64(name):
+    make, shape, kind = CASES[name]
+    model = _init(make(), 0).double()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    wrapped = spscan.wrap(model, x)
+    assert isinstance(wrapped.plan, kind)
+    y_ref, g_ref, gx_ref = _grads(model, x)
+    y, g, gx = _grads(wrapped, x)
+    assert torch.equal(y, y_ref)
+    assert _rel(gx, gx_ref) <= 1e-9
+    assert set(g) == set(g_ref)
+    for n in g_ref:
+        assert _rel(g[n], g_ref[n]) <= 1e-9, n
+
+
+@pytest.mark.parametrize("levels", [0, "full"])
+def test_resnet20_levels_and_explicit_api(levels):
+    """The block-level scan at both ends of the depth range, and spscan.forward/backward/param_grads."""
+    model = _init(ResNet20(width=2), 2).double()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plan = spscan.plan(model, x, levels=levels)
+    # blocks: stem conv, BN, ReLU; 9 residual blocks, each followed by its ReLU; pool, view, fc
+    assert len(plan) == 3 + 9 * 2 + 3
+    assert sum(isinstance(s, type(plan.segments[3])) for s in plan.segments) == 9
+    y, jac = spscan.forward(plan, x)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    gs = spscan.backward(plan, jac, grad)
+    pg = spscan.param_grads(plan, jac, gs)
+    model.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    (model(xi) * grad).sum().backward()
+    assert _rel(gs[0].reshape(x.shape), xi.grad) <= 1e-9
+    for n, p in model.named_parameters():
+        assert _rel(pg[n], p.grad) <= 1e-9, n
+
+
+# ----------------------------------------------------------------------------- float32
+
+
+@pytest.mark.parametrize("name", ["resnet20", "norm_mlp", "dense_block"])
+def test_gradients_float32(name):
+    make, shape, _ = CASES[name]
+    base = _init(make(), 5)
+    x64 = torch.randn(shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    _, g64, gx64 = _grads(copy.deepcopy(base).double(), x64)
+    m32 = copy.deepcopy(base).float()
+    x32 = x64.float()
+    _, ga, gxa = _grads(m32, x32)
+    _, gs, gxs = _grads(spscan.wrap(m32, x32), x32)
+
+    def check(got, auto, ref, what):
+        err_s = float((got.double() - ref).abs().max())
+        err_a = float((auto.double() - ref).abs().max())
+        # 2x autograd's own error; the floor of a few float32 ulps covers an autograd error that is exactly 0
+        floor = 4 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+        assert err_s <= 2 * err_a + floor, f"{what}: {err_s} vs autograd's {err_a}"
+
+    check(gxs, gxa, gx64, "input")
+    for n in g64:
+        check(gs[n], ga[n], g64[n], n)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("name", ["resnet20", "preact", "norm_mlp", "logsoftmax_classifier", "dense_block"])
+def test_sgd_steps_equal_autograd(name):
+    make, shape, _ = CASES[name]
+    ref = _init(make(), 7).double()
+    mine = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(5)]
+    wrapped = spscan.wrap(mine, xs[0])
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_mine = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+    for x in xs:
+        for model, opt in ((ref, opt_ref), (wrapped, opt_mine)):
+            opt.zero_grad()
+            _loss(model(x)).backward()
+            opt.step()
+    for (n, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        assert _rel(q.detach(), p.detach()) <= 1e-9, n
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * 2.0  # a product with a scalar: no unit for it
+
+
+class _Crossed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        a = self.f(x)
+        c = a + self.g(x)
+        return c + a  # `a` read by two blocks: not a chain of series-parallel blocks
+
+
+def test_refusals_name_the_node_and_line():
+    x = torch.zeros(2, 4)
+    run_errors(lambda: spscan.wrap(_Scaled(), x), TypeError, "_Scaled", "operator.mul", "test_graph_models.py",
+               "return self.fc(x) * 2.0", "unsupported op")
+    run_errors(lambda: spscan.wrap(_Crossed(), x), TypeError, "_Crossed", "%f", "series-parallel")
+    net = _init(PreActNet(), 0)
+    net.block1.bn1.train()
+    run_errors(lambda: spscan.wrap(net, torch.zeros(2, 2, 5, 5)), ValueError, "BatchNorm2d", "eval mode",
+               "block1.bn1")
+
+    class Sliced(nn.Module):
+        def forward(self, x):
+            return x[:, :2]
+
+    run_errors(lambda: spscan.wrap(Sliced(), x), TypeError, "getitem", "Sliced")
+
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return x.view(-1)
+
+    run_errors(lambda: spscan.wrap(Mixed(), x), ValueError, "batch dim")
