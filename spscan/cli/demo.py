@@ -139,6 +139,7 @@ def train_side_by_side(
     device: Optional[str] = None,
     levels="auto",
     chain: str = "auto",
+    forward: str = "sequential",
     progress: bool = True,
     check_gradients: bool = True,
     log: Callable[[str], None] = print,
@@ -154,7 +155,7 @@ def train_side_by_side(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x_all, y_all = bitstream_dataset(samples, seq_len, seed=seed)
     x_all, y_all = x_all.to(dev), y_all.to(dev)
-    plan_kwargs = dict(levels=levels, layout=chain)
+    plan_kwargs = dict(levels=levels, layout=chain, forward=forward)
     models, opts, logs = {}, {}, {}
     for name in ("autograd", "bppsa"):
         torch.manual_seed(seed)
@@ -320,6 +321,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--levels", default="auto", help="scan up-sweep depth: auto, full or an int (0 = linear scan)")
     p.add_argument("--chain", default="auto", choices=["auto", "factored", "materialized"],
                    help="chain layout: 2T factored elements (W_hh^T, diagonal) or T materialized H x H Jacobians")
+    p.add_argument("--forward", default="sequential", choices=["sequential", "newton", "auto"],
+                   help="forward of the BPPSA run: the module's own loop, Newton iterations over the planned scan "
+                        "(spscan.newton; falls back to the loop with a warning if it does not converge), or the cost "
+                        "model's choice (default sequential)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, initial weights and batch order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none unless a terminal)")
     return p
@@ -383,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"clip={clip if clip else 'off'} device={dev}", flush=True)
     auto, ours, summary = train_side_by_side(
         seq_len=T, samples=N, epochs=E, batch_size=B, hidden=args.hidden, lr=lr, clip=clip, seed=args.seed,
-        device=dev, levels=levels, chain=args.chain, progress=progress,
+        device=dev, levels=levels, chain=args.chain, forward=args.forward, progress=progress,
         log=lambda line: print(line, flush=True),
     )
     last = summary["epoch_log"][-1]
