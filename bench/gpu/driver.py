@@ -36,6 +36,7 @@ SUITES_FULL = [
     ("rnn", "bench/test_paper_rnn.py", "not training", 120),
     ("gru", "bench/test_paper_gru.py", None, 60),
     ("spgemm", "bench/test_paper_spgemm.py", None, 60),
+    ("newton", "bench/test_newton.py", "cuda", 60),  # the parallel (Newton) forward vs cuDNN
     ("core", "bench/test_core_bench.py", None, 45),
 ]
 SUITES_QUICK = [
