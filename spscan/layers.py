@@ -210,6 +210,12 @@ class LayerUnit(abc.ABC):
         """Whether :meth:`apply_transposed` is implemented (the unit has a structured operator)."""
         return type(self).apply_transposed is not LayerUnit.apply_transposed
 
+    @property
+    def has_csr_values(self) -> bool:
+        """Whether :meth:`fill` can give per-sample CSR values now (a layer that couples the samples
+        of a batch cannot: it runs as a structured operator only)."""
+        return True
+
     def operator(self, saved: Any, tensors: Sequence[torch.Tensor]) -> "UnitOperator":
         """This step's ``J^T`` as a :class:`~spscan.kernels.backend.StructuredOperator`."""
         return UnitOperator(self, saved, tensors)
@@ -805,17 +811,22 @@ class AvgPoolUnit(LayerUnit):
 
 
 class BatchNormUnit(LayerUnit):
-    """``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode with running statistics:
-    ``y = (x - mean) * w / sqrt(var + eps) + b``, diagonal ``J^T`` with shared values."""
+    """``nn.BatchNorm1d`` / ``nn.BatchNorm2d``, in both modes.
+
+    Eval mode (running statistics): ``y = (x - mean) * w / sqrt(var + eps) + b``, a diagonal ``J^T``
+    with shared values. Train mode (batch statistics, running statistics updated exactly as the
+    module updates them): the layer couples the samples of a batch, ``J^T g = (w * invstd) (g -
+    mean_B(g) - x_hat mean_B(g x_hat))`` per channel over batch and spatial positions — a per-channel
+    diagonal plus a rank-2 correction across the batch. That is not a per-sample matrix, so it has
+    no CSR values: the layer runs as a structured operator only, and a plan that would multiply it
+    into an up-sweep product (``levels >= 1``) is refused (``levels="auto"`` plans the linear scan).
+    """
 
     shared = True
     roles = ("weight", "bias")
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
-        if not module.track_running_stats or module.running_var is None:
-            raise ValueError(f"layer {index} ({self.name}): running statistics expected "
-                             "(track_running_stats=True); batch statistics couple the samples")
         if len(in_shape) not in ((1, 2) if isinstance(module, nn.BatchNorm1d) else (3,)):
             raise ValueError(f"layer {index} ({self.name}): unexpected per-sample input shape {tuple(in_shape)}")
         c = in_shape[0]
@@ -824,34 +835,63 @@ class BatchNormUnit(LayerUnit):
                              f"(num_features), got per-sample input {tuple(in_shape)}")
         self.pattern = _identity_pattern(self.d_in)
         self.channel_of = _IndexCache(np.repeat(np.arange(c, dtype=np.int64), self.d_in // c))
-        self._check_eval()  # refused when planned, not at the first forward
 
-    def _check_eval(self) -> None:
-        if self.module.training:
-            raise ValueError(f"layer {self.index} ({self.name}): eval mode expected, got train mode; "
-                             "batch statistics make J^T dense across the batch — call model.eval()")
+    @property
+    def batch_statistics(self) -> bool:
+        """Whether the forward normalizes with the batch's statistics (train mode, or no running stats)."""
+        m = self.module
+        return m.training or m.running_var is None
+
+    @property
+    def has_csr_values(self) -> bool:  # type: ignore[override]
+        return not self.batch_statistics
 
     def run(self, x, tensors):
-        self._check_eval()
         m = self.module
         w = tensors[self.roles.index("weight")] if "weight" in self.roles else None
         b = tensors[self.roles.index("bias")] if "bias" in self.roles else None
-        y = F.batch_norm(x, m.running_mean, m.running_var, w, b, False, 0.0, m.eps)
-        return y, x
+        if not self.batch_statistics:
+            y = F.batch_norm(x, m.running_mean, m.running_var, w, b, False, 0.0, m.eps)
+            return y, ("eval", x)
+        # the module's own train-mode arithmetic: momentum, cumulative average, num_batches_tracked
+        factor = 0.0 if m.momentum is None else m.momentum
+        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+            m.num_batches_tracked.add_(1)
+            factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+        track = m.track_running_stats and m.training
+        y = F.batch_norm(x, m.running_mean if track else None, m.running_var if track else None, w, b, True,
+                         factor, m.eps)
+        dims = [0] + list(range(2, x.dim()))
+        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+        return y, ("batch", x, mean, torch.rsqrt(var + m.eps))
+
+    def _scale(self, tensors, invstd: torch.Tensor) -> torch.Tensor:
+        return invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
 
     def fill(self, saved, tensors):
+        if saved[0] == "batch":
+            raise ValueError(f"layer {self.index} ({self.name}): in train mode the layer couples the samples of a "
+                             "batch and has no per-sample CSR values; it runs as a structured operator in the "
+                             "linear scan: plan with levels=0 (or 'auto'), or call model.eval()")
         m = self.module
         # per-channel w / sqrt(var + eps), spread to every element of the channel
-        invstd = torch.rsqrt(m.running_var.detach() + m.eps)
-        scale = invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
+        scale = self._scale(tensors, torch.rsqrt(m.running_var.detach() + m.eps))
         return torch.index_select(scale, 0, self.channel_of.on(scale.device))
 
     def apply_transposed(self, saved, tensors, g):
-        return g * self.fill(saved, tensors)
+        if saved[0] == "eval":
+            return g * self.fill(saved, tensors)
+        _, x, mean, invstd = saved
+        gy = g.reshape(x.shape)
+        dims = [0] + list(range(2, x.dim()))
+        xhat = (x - mean) * invstd
+        scale = self._scale(tensors, invstd.reshape(-1)).reshape(invstd.shape)
+        gx = scale * (gy - gy.mean(dims, keepdim=True) - xhat * (gy * xhat).mean(dims, keepdim=True))
+        return gx.reshape(g.shape[0], -1)
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         m = self.module
-        x = saved
+        x = saved[1]
         needed = needed or [True] * len(self.roles)
         g = g_out.reshape(x.shape)
         dims = [0] + list(range(2, x.dim()))
@@ -861,7 +901,10 @@ class BatchNormUnit(LayerUnit):
             if not need:
                 out.append(None)
             elif role == "weight":
-                xhat = (x - m.running_mean.reshape(shape)) * torch.rsqrt(m.running_var + m.eps).reshape(shape)
+                if saved[0] == "batch":
+                    xhat = (x - saved[2]) * saved[3]
+                else:
+                    xhat = (x - m.running_mean.reshape(shape)) * torch.rsqrt(m.running_var + m.eps).reshape(shape)
                 out.append((g * xhat).sum(dims))
             else:
                 out.append(g.sum(dims))

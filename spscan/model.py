@@ -266,12 +266,30 @@ class ModelPlan:
     @property
     def operator_flags(self) -> list[bool]:
         """Per layer: whether the wrapper passes its structured operator instead of CSR values."""
-        return [self.use_operators and u.has_operator for u in self.units]
+        return [(self.use_operators and u.has_operator) or not u.has_csr_values for u in self.units]
 
     def _values(self, saved: list[Any], tensors: list[list[torch.Tensor]]) -> list[Any]:
         """Per layer: its structured operator where :attr:`operator_flags` says so, else its CSR values."""
         return [u.operator(s, t) if op else u.fill(s, t)
                 for u, s, t, op in zip(self.units, saved, tensors, self.operator_flags)]
+
+
+def _levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
+    """A layer that couples the samples of a batch (train-mode BatchNorm) has no CSR values to
+    multiply into up-sweep products: ``levels="auto"`` becomes the linear scan; a deeper forced
+    depth is refused, naming the layer."""
+    coupled = [u for u in units if not u.has_csr_values]
+    if not coupled:
+        return kwargs
+    levels = kwargs.get("levels", "auto")
+    if levels == "auto":
+        return {**kwargs, "levels": 0}
+    if levels != 0:
+        u = coupled[0]
+        raise ValueError(f"layer {u.index} ({u.name}): in train mode it couples the samples of a batch and runs "
+                         f"as a structured operator only; levels={levels!r} would multiply it into up-sweep "
+                         "products: use levels=0 or 'auto', or model.eval()")
+    return kwargs
 
 
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
@@ -334,6 +352,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
+    kwargs = _levels_for_coupled_layers(units, kwargs)
     core = build_plan([u.pattern for u in units], bind=None, **kwargs)
     plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators)
     plan.bind_signatures()

@@ -324,14 +324,18 @@ def test_batchnorm_eval(kind, c, affine, seed):
     check_param_grads(m, u, x, seed)
 
 
-def test_batchnorm_train_mode_is_refused():
+def test_batchnorm_train_mode_has_no_csr_values():
+    """Batch statistics couple the samples: the unit runs (as the module does) but has no per-sample values."""
     m = _bn(nn.BatchNorm2d, 2, True, 0).train()
     x = seq(2, 2, 3, 3)
     u = build_unit(m.eval(), x)
     m.train()
-    run_errors(lambda: u.run(x, u.tensors()), ValueError, "layer 0", "BatchNorm2d", "eval")
-    m2 = nn.BatchNorm1d(3, track_running_stats=False).double().eval()
-    run_errors(lambda: make_unit(4, m2, (3,), (3,)), ValueError, "layer 4", "running statistics")
+    y, saved = u.run(x, u.tensors())
+    assert not u.has_csr_values and u.has_operator
+    run_errors(lambda: u.fill(saved, u.tensors()), ValueError, "layer 0", "BatchNorm2d", "train mode")
+    m2 = nn.BatchNorm1d(3, track_running_stats=False).double().eval()  # no running stats: batch statistics always
+    u2 = make_unit(4, m2, (3,), (3,))
+    assert not u2.has_csr_values
 
 
 @pytest.mark.parametrize("m", [nn.Flatten(), nn.Identity(), nn.Dropout(0.4).eval(), nn.Flatten(2)],

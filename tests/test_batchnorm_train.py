@@ -1,0 +1,77 @@
+"""Train-mode BatchNorm: exact, as a structured operator that couples the samples of a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import spscan
+
+
+def _net(momentum=0.1, track=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=momentum, track_running_stats=track),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6, momentum=momentum),
+                         nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def _close(a, b, scale):
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10 * scale)
+
+
+@pytest.mark.parametrize("momentum, track", [(0.1, True), (None, True), (0.1, False)])
+def test_sgd_steps_equal_autograd(momentum, track):
+    ref, ours = _net(momentum, track), _net(momentum, track)
+    w = spscan.wrap(ours, torch.randn(3, 2, 5, 5, dtype=torch.float64))
+    assert w.plan.levels == 0 and all(w.plan.operator_flags)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for step, batch in enumerate([7, 7, 4, 9, 2]):  # the batch size may change
+        x = torch.randn(batch, 2, 5, 5, generator=g, dtype=torch.float64)
+        xr, xo = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        opt_r.zero_grad()
+        opt_o.zero_grad()
+        lr_, lo = ref(xr).pow(2).sum(), w(xo).pow(2).sum()
+        _close(lo, lr_, 1.0)
+        lr_.backward()
+        lo.backward()
+        # relative to the largest gradient of the step: weights feeding a BatchNorm have gradients near 0
+        scale = max(float(t.abs().max()) for t in [xr.grad] + [p.grad for p in ref.parameters()])
+        _close(xo.grad, xr.grad, scale)
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            _close(q.grad, p.grad, scale)
+        opt_r.step()
+        opt_o.step()
+    for mr, mo in zip(ref.modules(), ours.modules()):
+        if isinstance(mr, nn.modules.batchnorm._BatchNorm) and mr.track_running_stats:
+            _close(mo.running_mean, mr.running_mean, 1.0)
+            _close(mo.running_var, mr.running_var, 1.0)
+            assert int(mo.num_batches_tracked) == int(mr.num_batches_tracked) == 5
+
+
+def test_float32_within_autograd_noise():
+    ref64 = _net()
+    ref, ours = _net().float(), _net().float()
+    w = spscan.wrap(ours, torch.randn(3, 2, 5, 5))
+    x = torch.randn(8, 2, 5, 5, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for m, inp in ((ref64, x.double()), (ref, x), (w, x)):
+        xi = inp.clone().requires_grad_(True)
+        m(xi).pow(2).sum().backward()
+        grads.append(xi.grad.double())
+    err_auto = float((grads[1] - grads[0]).abs().max())
+    err_ours = float((grads[2] - grads[0]).abs().max())
+    assert err_ours <= 2 * err_auto + 1e-6 * float(grads[0].abs().max())
+
+
+def test_deeper_plans_refused_and_eval_mode_planned_as_before():
+    with pytest.raises(ValueError, match=r"layer 1 \(BatchNorm2d\).*levels=1"):
+        spscan.wrap(_net(), torch.randn(3, 2, 5, 5, dtype=torch.float64), levels=1)
+    net = _net().eval()
+    w = spscan.wrap(net, torch.randn(3, 2, 5, 5, dtype=torch.float64), levels=1)
+    assert w.plan.levels == 1
+    net.train()  # switched after planning at depth 1: its values cannot enter the products
+    with pytest.raises(ValueError, match="train mode"):
+        w(torch.randn(3, 2, 5, 5, dtype=torch.float64)).sum().backward()
