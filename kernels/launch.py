@@ -28,7 +28,7 @@ import numpy as np
 __all__ = [
     "allow_tf32", "mode", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
-    "ChainConfig", "chain_config", "LaunchSpec", "launch", "recording",
+    "LinearRunConfig", "linear_run_config", "LaunchSpec", "launch", "recording",
 ]
 
 allow_tf32: bool = False
@@ -190,8 +190,8 @@ def gemv_config(m: int, k: int, nodes: int, batch: int, itemsize: int,
 
 
 @dataclass(frozen=True)
-class ChainConfig:
-    """Persistent GEMV chain: a program walks every step for ``block_b`` samples."""
+class LinearRunConfig:
+    """Persistent GEMV run (a linear run): a program walks every step for ``block_b`` samples."""
 
     block_b: int
     block_m: int
@@ -199,13 +199,13 @@ class ChainConfig:
     num_warps: int
 
 
-def chain_config(uniform_m: int, batch: int, all_shared: bool, itemsize: int,
-                 interpret: Optional[bool] = None) -> tuple[ChainConfig, bool]:
-    """Tiles for a chain of mat-vecs; also whether one register tile holds every matrix.
+def linear_run_config(uniform_m: int, batch: int, all_shared: bool, itemsize: int,
+                 interpret: Optional[bool] = None) -> tuple[LinearRunConfig, bool]:
+    """Tiles for a linear run of mat-vecs; also whether one register tile holds every matrix.
 
     ``uniform_m``: the common size when every step is a dense ``m x m`` block, else 0. Up to
     ``m = 64`` the running vector stays in registers. With per-sample matrices a GPU program
-    takes one sample (the chain is sequential: more programs stream more bandwidth); shared
+    takes one sample (the run is sequential: more programs stream more bandwidth); shared
     matrices are loaded once per step for as many samples as the tile budget allows.
     """
     interpret = interpreting() if interpret is None else interpret
@@ -223,7 +223,7 @@ def chain_config(uniform_m: int, batch: int, all_shared: bool, itemsize: int,
         block_b = 1
     block_b = max(1, min(block_b, budget // (bm * bk)))
     warps = 4 if interpret else _warps(block_b * bm * bk)
-    return ChainConfig(block_b, bm, bk, warps), one_tile
+    return LinearRunConfig(block_b, bm, bk, warps), one_tile
 
 
 # --- the one place kernels are launched -------------------------------------------------

@@ -25,7 +25,7 @@ from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
 from .spgemm_rows import RowsProduct, RowsTable, rows_table, spgemm_rows
 from .spmv import spmv
-from .vec_chain import chain_table, vec_chain
+from .linear_run import linear_run_table, linear_run
 
 __all__ = ["TritonTables", "TritonBackend", "make_tables", "run_program"]
 
@@ -69,14 +69,14 @@ class _ApplyLaunch:
 
 
 @dataclass
-class _ChainLaunch:
+class _LinearRunLaunch:
     op: LinearRun
     table: torch.Tensor
     uniform_m: int
     all_shared: bool
 
 
-Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _ChainLaunch]
+Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _LinearRunLaunch]
 
 
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
@@ -157,8 +157,8 @@ class TritonTables(Tables):
                     writes.append(("V", np.arange(op.out, op.out + op.rows)))
                 elif isinstance(op, LinearRun):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
-                    table, uniform_m = chain_table(op, index_dtype(limit), self.device)
-                    launches.append(_ChainLaunch(op, table, uniform_m, bool(np.all(op.shared))))
+                    table, uniform_m = linear_run_table(op, index_dtype(limit), self.device)
+                    launches.append(_LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared))))
                     # the chain reads its own outputs step by step: only y_0 and the adds come from outside
                     reads.append(("V", np.arange(op.vin0, op.vin0 + int(op.cols[0]))))
                     reads += [("V", np.arange(a, a + r)) for a, r in zip(op.add.tolist(), op.rows.tolist()) if a >= 0]
@@ -222,8 +222,8 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                      arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
             elif isinstance(item, _ApplyLaunch):
                 run_apply(item.op, vectors, inputs)
-            elif isinstance(item, _ChainLaunch):
-                vec_chain(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
+            elif isinstance(item, _LinearRunLaunch):
+                linear_run(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
                           vectors)
             else:
                 op = item.op

@@ -29,7 +29,7 @@ from spscan.kernels.triton_backend import _compiled
 
 DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recording launches nothing
 
-KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "vec_chain_kernel"}
+KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear_run_kernel"}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
 
 

@@ -274,7 +274,7 @@ def test_vec_chain(config_family, dtype, case):
     pats, shared, extra_every = CHAINS[case]
     check_case(pats, shared, dtype, 0, batch=3, extra_every=extra_every)
     rec = _record(pats, shared, dtype, 0, extra_every=extra_every)[1]
-    chains = [dict(s.constexprs) for s in rec if s.kernel == "vec_chain_kernel"]
+    chains = [dict(s.constexprs) for s in rec if s.kernel == "linear_run_kernel"]
     assert len(chains) == 1
     assert chains[0]["ONE_TILE"] == (case.split("-")[0] in ("20", "5"))
 
@@ -371,7 +371,7 @@ def test_every_variant_is_exercised():
             == {(True, True), (True, False), (False, True), (False, False)}
         assert {dict(f)["M_SHARED"] for k, d, f in seen if k == "gemv_kernel" and d == dt} == {True, False}
     # chain variants are covered by test_vec_chain's cases
-    assert "vec_chain_kernel" in {s.kernel for s in _record([full(20, 20)] * 4, [False] * 4, torch.float32, 0)[1]}
+    assert "linear_run_kernel" in {s.kernel for s in _record([full(20, 20)] * 4, [False] * 4, torch.float32, 0)[1]}
 
 
 # --- host-side layout and launch parameters ----------------------------------------------

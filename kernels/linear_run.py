@@ -1,17 +1,17 @@
 """The linear-scan middle as one persistent launch: ``y_j = M_j @ y_{j-1} + add_j`` for ``j = 1..steps``.
 
-A :class:`~spscan.planner.program.VecChain` is a run of dependent mat-vecs whose matrices are
+A :class:`~spscan.planner.program.LinearRun` is a run of dependent mat-vecs whose matrices are
 dense (row-major ``m_j x k_j``) or diagonal (``m_j`` entries), each shared (arena ``S``, no
 batch stride) or per sample (arena ``P``). A launch per step would cost more than the step,
-so each program walks the whole chain for ``BLOCK_B`` samples:
+so each program walks the whole run for ``BLOCK_B`` samples:
 
-* uniform chains (every step dense, square, the same ``m <= 64``): the running vector stays in
+* uniform runs (every step dense, square, the same ``m <= 64``): the running vector stays in
   registers between steps (``ONE_TILE``);
 * otherwise each step is tiled over rows and ``k``, reads ``y_{j-1}`` back from the vector
   arena, and a block barrier orders the steps.
 
 A step's matrix is read by two masked loads (shared / per sample), so one launch serves mixed
-chains and a shared matrix is loaded once for every sample of the program. Per-step metadata
+runs and a shared matrix is loaded once for every sample of the program. Per-step metadata
 is one ``(steps, 8)`` integer table. Sums are fixed-order ``tl.sum``: deterministic. Loops whose
 bound is a run-time value are ``while`` loops: Triton 3.6's interpreter cannot take a tensor as a
 ``range`` bound.
@@ -26,13 +26,13 @@ import triton.language as tl
 
 from . import launch
 
-__all__ = ["chain_table", "vec_chain_kernel", "vec_chain"]
+__all__ = ["linear_run_table", "linear_run_kernel", "linear_run"]
 
 FIELDS = 8  # dense, shared, rows, cols, mat_offset, add (-1: none), out, (pad)
 
 
 @triton.jit
-def vec_chain_kernel(
+def linear_run_kernel(
     s_ptr, p_ptr, v_ptr,  # shared values (N_S,), per-sample values (B, N_P), vectors (B, N_V)
     table,  # (steps, FIELDS) per-step metadata
     vin0, steps, batch, m, stride_p, stride_v,  # m: the common size when ONE_TILE
@@ -108,8 +108,8 @@ def vec_chain_kernel(
             j += 1
 
 
-def chain_table(op, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
-    """``(steps, FIELDS)`` metadata of a VecChain on ``device``, and the common size (0 if not uniform)."""
+def linear_run_table(op, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(steps, FIELDS)`` metadata of a LinearRun on ``device``, and the common size (0 if not uniform)."""
     steps = op.steps
     meta = np.zeros((steps, FIELDS), dtype=np.int64)
     meta[:, 0] = op.dense
@@ -124,12 +124,12 @@ def chain_table(op, dtype: torch.dtype, device: torch.device) -> tuple[torch.Ten
     return torch.as_tensor(meta, dtype=dtype, device=device), (m if uniform else 0)
 
 
-def vec_chain(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int, s: torch.Tensor, p: torch.Tensor,
+def linear_run(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int, s: torch.Tensor, p: torch.Tensor,
               v: torch.Tensor) -> None:
-    """Run a whole chain in one launch, in place on ``v``.
+    """Run a whole linear run in one launch, in place on ``v``.
 
     Args:
-        table: ``(steps, FIELDS)`` from :func:`chain_table`; ``uniform_m``: the common square size or 0;
+        table: ``(steps, FIELDS)`` from :func:`linear_run_table`; ``uniform_m``: the common square size or 0;
             ``all_shared``: every matrix is in ``s`` (a program then serves many samples).
         vin0: slot of ``y_0``. s: ``(N_S,)``; p: ``(B, N_P)``; v: ``(B, N_V)``.
     """
@@ -137,12 +137,12 @@ def vec_chain(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int, 
     if steps == 0:
         return
     if p.dim() != 2 or v.dim() != 2 or p.shape[0] != v.shape[0]:
-        raise ValueError(f"vec_chain: expected p (B, N_P) and v (B, N_V), got {tuple(p.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"linear_run: expected p (B, N_P) and v (B, N_V), got {tuple(p.shape)} and {tuple(v.shape)}")
     batch = v.shape[0]
-    cfg, one_tile = launch.chain_config(uniform_m, batch, all_shared, v.element_size())
+    cfg, one_tile = launch.linear_run_config(uniform_m, batch, all_shared, v.element_size())
     grid = (triton.cdiv(batch, cfg.block_b),)
     launch.launch(
-        vec_chain_kernel, grid,
+        linear_run_kernel, grid,
         dict(s_ptr=s, p_ptr=p, v_ptr=v, table=table, vin0=vin0, steps=steps, batch=batch, m=uniform_m,
              stride_p=p.stride(0), stride_v=v.stride(0)),
         dict(ONE_TILE=one_tile, NF=FIELDS, BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k),
