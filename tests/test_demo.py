@@ -30,6 +30,7 @@ def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
     assert len(summary["gradient_checks"]) == 2 and summary["gradient_max_rel_diff_float32"] < 1e-4
     assert summary["gradient_max_rel_diff_float64"] < 1e-12
     assert 0 <= summary["held_out_accuracy_autograd"] <= 1 and 0 <= summary["held_out_accuracy_bppsa"] <= 1
+    assert summary["steps_with_equal_loss"] == 6  # 2 epochs x 3 batches, T=40: far from float32 drift
     captured = capsys.readouterr()
     text = captured.out
     epochs = [ln for ln in text.splitlines() if ln.startswith("epoch ")]
@@ -37,6 +38,7 @@ def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
     assert all("autograd: loss" in ln and "bppsa: loss" in ln and "same-weights gradient diff" in ln for ln in epochs)
     assert re.search(r"backward: autograd [\d.]+s, BPPSA [\d.]+s -> [\d.]+x", text)
     assert re.search(r"-> [\d.]+x overall", text)
+    assert "agree to 4 digits at all 6 steps" in text
     assert "held-out accuracy" in text and re.search(r"float32 \S+ .*float64 \S+", text)
     assert f"wrote {out / 'summary.json'}" in text and f"wrote {png}" in text
     # output is not a terminal here: no progress bar on either stream
