@@ -720,7 +720,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         if not getattr(u, "has_csr_values", True):
             raise ValueError(f"{type(model).__name__}: layer {u.index} ({name}: {u.name}) couples the samples of a "
                              "batch (no per-sample J^T values) and is supported in straight chains only, not in a "
-                             "model with skips or concatenations; call model.eval()")
+                             "model with skips or concatenations; use eval mode (model.eval())")
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
     return GraphPlan(model, traced, segments, in_shape, core)
 

@@ -306,3 +306,82 @@ def test_refusals_name_the_node_and_line():
             return x.view(-1)
 
     run_errors(lambda: spscan.wrap(Mixed(), x), ValueError, "batch dim")
+
+
+# ----------------------------------------------------------------------------- random DAGs
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_KINDS = ["linear", "relu", "tanh", "layernorm", "gelu"]
+
+
+@st.composite
+def _chains(draw, depth: int, allow_empty: bool = False):
+    n = draw(st.integers(0 if allow_empty else 1, 3))
+    items = []
+    for _ in range(n):
+        if depth > 0 and draw(st.integers(0, 2)) == 0:
+            join = draw(st.sampled_from(["add", "cat"]))
+            items.append((join, draw(_chains(depth - 1, allow_empty=True)), draw(_chains(depth - 1))))
+        else:
+            items.append(("layer", draw(st.sampled_from(_KINDS))))
+    return items
+
+
+class RandomDAG(nn.Module):
+    """A model from a recipe: layers, adds of two branches and feature concatenations (followed by
+    a Linear back to the width), nested; forward is plain Python over the recipe (fx unrolls it)."""
+
+    def __init__(self, recipe, d: int) -> None:
+        super().__init__()
+        self.d = d
+        self.mods = nn.ModuleList()
+        self.program = self._build(recipe)
+
+    def _add(self, m: nn.Module) -> int:
+        self.mods.append(m)
+        return len(self.mods) - 1
+
+    def _build(self, chain):
+        prog = []
+        for item in chain:
+            if item[0] == "layer":
+                m = {"linear": lambda: nn.Linear(self.d, self.d), "relu": nn.ReLU, "tanh": nn.Tanh,
+                     "layernorm": lambda: nn.LayerNorm(self.d), "gelu": nn.GELU}[item[1]]()
+                prog.append(("layer", self._add(m)))
+            else:
+                a, b = self._build(item[1]), self._build(item[2])
+                proj = self._add(nn.Linear(2 * self.d, self.d)) if item[0] == "cat" else None
+                prog.append((item[0], a, b, proj))
+        return prog
+
+    def _run(self, prog, x):
+        for p in prog:
+            if p[0] == "layer":
+                x = self.mods[p[1]](x)
+            else:
+                a, b = self._run(p[1], x), self._run(p[2], x)
+                x = a + b if p[0] == "add" else self.mods[p[3]](torch.cat([a, b], 1))
+        return x
+
+    def forward(self, x):
+        return self._run(self.program, x)
+
+
+@settings(max_examples=12, deadline=None)
+@given(recipe=_chains(2), seed=st.integers(0, 2**16))
+def test_random_dags_equal_autograd(recipe, seed):
+    torch.manual_seed(seed)
+    model = RandomDAG(recipe, 3).double()
+    if not list(model.mods):
+        return
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    wrapped = spscan.wrap(model, x, levels=seed % 3)  # 0, 1 or 2 up-sweep levels at block level
+    y_ref, g_ref, gx_ref = _grads(model, x)
+    y, g, gx = _grads(wrapped, x)
+    assert torch.equal(y, y_ref)
+    assert _rel(gx, gx_ref) <= 1e-9
+    for n in g_ref:
+        assert _rel(g[n], g_ref[n]) <= 1e-9, n
