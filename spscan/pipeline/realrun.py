@@ -220,6 +220,12 @@ class _TorchRunner:
                          loss_fn=nn.functional.cross_entropy)
         self.opt = torch.optim.SGD([q for st in self.stages for q in st.submod.parameters()], lr=cfg.get("lr", 0.01))
         self.update = cfg.get("update", True)
+        # time every compute action the schedule runs (this process's stage objects only)
+        self.timing = False
+        self.action_times: dict[str, list[float]] = {}
+        for st in self.stages:
+            for attr in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                self._wrap(st, attr)
         dims = _dims_at(model, cfg["dims"][0])
         elem = x.element_size()
         # per step, every cut between stages on different ranks carries the activations of all
@@ -229,6 +235,24 @@ class _TorchRunner:
             if owner[st] != owner[st + 1]:
                 act = cfg["batch"] * dims[self.bounds[st + 1]] * elem
                 self.bytes_sent += act * ((owner[st] == rank) + (owner[st + 1] == rank))
+
+    def _wrap(self, stage: Any, attr: str) -> None:
+        orig = getattr(stage, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = orig(*args, **kwargs)
+            if self.timing:
+                if attr == "forward_one_chunk":
+                    kind = "F"
+                elif attr == "backward_weight_one_chunk":
+                    kind = "W"
+                else:
+                    kind = "B" if kwargs.get("full_backward", True) else "I"
+                self.action_times.setdefault(f"{kind}{stage.stage_index}", []).append(time.perf_counter() - t0)
+            return out
+
+        setattr(stage, attr, timed)
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -358,6 +382,8 @@ def _compare_worker(rank: int, world: int, cfg: dict) -> dict:
         for j in range(len(names)):
             name = names[(it + j) % len(names)]
             base = _clear_peak()
+            if hasattr(runners[name], "timing"):
+                runners[name].timing = it >= cfg["warmup"]
             dist.barrier()
             t0 = time.perf_counter()
             runners[name].step()
@@ -374,6 +400,7 @@ def _compare_worker(rank: int, world: int, cfg: dict) -> dict:
             "times": times[name], "bytes_sent": rn.bytes_sent, "peak_rss_growth": peak.get(name),
             "bounds": rn.bounds, "stages": getattr(rn, "mine", [rank]),
             "grads": rn.grads() if cfg.get("return_grads") else None,
+            "action_costs": {k: float(np.median(v)) for k, v in getattr(rn, "action_times", {}).items()},
             "phases": {k: float(np.median(v)) for k, v in getattr(rn, "phases", {}).items()}}
     return out
 
@@ -422,13 +449,35 @@ def calibrated_costs(results: Sequence[dict], cfg: dict) -> tuple[LayerCosts, Li
     return LayerCosts(tuple(f), tuple(i_), tuple(w), bb[1:], bb), link
 
 
-def predicted_timeline(results: Sequence[dict], cfg: dict, method: str) -> Timeline:
+def _stage_scaled(costs: LayerCosts, bounds: Sequence[int], actions: dict[str, float]) -> LayerCosts:
+    """Scale the per-module costs so that every stage's ``F``, ``I`` and ``W`` sum to the times its
+    actions took inside the steps (``"F3"``, ``"B3"`` or ``"I3"``/``"W3"`` -> seconds)."""
+    f, i_, w = np.array(costs.forward), np.array(costs.backward_input), np.array(costs.backward_weight)
+    i_[0] = 0.0  # the simulator never runs layer 1's input gradient
+    for s_ in range(len(bounds) - 1):
+        sl = slice(bounds[s_], bounds[s_ + 1])
+        if f"F{s_}" in actions and f[sl].sum() > 0:
+            f[sl] *= actions[f"F{s_}"] / f[sl].sum()
+        if f"B{s_}" in actions:
+            tot = i_[sl].sum() + w[sl].sum()
+            if tot > 0:
+                i_[sl] *= actions[f"B{s_}"] / tot
+                w[sl] *= actions[f"B{s_}"] / tot
+        for kind, arr in (("I", i_), ("W", w)):
+            if f"{kind}{s_}" in actions and arr[sl].sum() > 0:
+                arr[sl] *= actions[f"{kind}{s_}"] / arr[sl].sum()
+    return LayerCosts(tuple(f), tuple(i_), tuple(w), costs.activation, costs.boundary_bytes)
+
+
+def predicted_timeline(results: Sequence[dict], cfg: dict, method: str, in_step: bool = False) -> Timeline:
     """The simulator's timeline of ``method`` with the costs :func:`compare` measured.
 
     torch schedules replay torch's own action lists (:func:`~spscan.pipeline.simulator.torch_schedule`;
     ``1F1B`` uses :func:`~spscan.pipeline.simulator.one_f_one_b`, the same order); the scan uses the
     real :class:`~spscan.distributed.DistributedPlan` with each slice's measured whole-batch costs,
     its ``I`` scaled to the slice's backward as timed inside the scan's steps (``CommStats.seconds``).
+    ``in_step``: for torch schedules, scale each stage's costs to its actions' times measured inside
+    the steps (what the runtime's own F/B/I/W calls took), instead of the separately timed modules.
     """
     from spscan.pipeline import simulator as S
 
@@ -463,6 +512,11 @@ def predicted_timeline(results: Sequence[dict], cfg: dict, method: str) -> Timel
             1.0, nnz * cfg["batch"] / world)
         return S.bppsa_scan(dplan, pats, full, 1, cfg["batch"], pair_time, link,
                             element_bytes=elem)
+    if in_step:
+        actions: dict[str, float] = {}
+        for r in results:
+            actions.update(r["methods"][method].get("action_costs", {}))
+        costs = _stage_scaled(costs, bounds, actions)
     if method == "1F1B":
         return S.one_f_one_b(costs, world, cfg["microbatches"], link, bounds=bounds)
     spr = 2 if method in MULTI_STAGE else None
