@@ -37,6 +37,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from spscan.engine import check_inputs
+from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
 from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, refuse_functorch,
                           refuse_second_derivative)
@@ -237,6 +239,17 @@ class _Leaf:
         self.unit, self.k = unit, k
         self.pattern = unit.pattern
         self.d_in, self.d_out = unit.d_in, unit.d_out
+        self._entries: dict = {}
+
+    def entry_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, col) of every stored entry in CSR order, on ``device``."""
+        hit = self._entries.get(device)
+        if hit is None:
+            p = self.pattern
+            rows = np.repeat(np.arange(p.shape[0], dtype=np.int64), np.diff(p.indptr))
+            hit = (torch.from_numpy(rows).to(device), torch.from_numpy(p.indices.astype(np.int64)).to(device))
+            self._entries[device] = hit
+        return hit
 
     @property
     def shared(self) -> bool:
@@ -248,12 +261,62 @@ class _Leaf:
     def fill(self, saved, T):
         return self.unit.fill(saved, T[self.k]), None
 
-    def grads(self, saved, T, inner, g_out, out, needed) -> None:
+    def operator(self, saved, T) -> StructuredOperator:
+        if getattr(self.unit, "has_operator", False):
+            return self.unit.operator(saved, T[self.k])
+        return _FilledOperator(self, self.unit.fill(saved, T[self.k]))
+
+    def grads(self, saved, T, g_out, out, needed) -> None:
         if self.unit.roles and any(needed[self.k]):
             out[self.k] = self.unit.param_grads(saved, T[self.k], g_out, needed[self.k])
 
     def describe(self) -> str:
         return self.unit.name
+
+
+class _FilledOperator(StructuredOperator):
+    """``J^T g`` from a unit's CSR values (units without a matrix-free operator): gather and add."""
+
+    def __init__(self, leaf: "_Leaf", values: torch.Tensor) -> None:
+        self.leaf, self._values = leaf, values
+        self.shape = (leaf.d_in, leaf.d_out)
+        self.shared = values.dim() == 1
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.leaf.entry_index(g.device)
+        prod = torch.index_select(g, 1, cols) * self._values
+        return torch.zeros(g.shape[0], self.leaf.d_in, dtype=g.dtype, device=g.device).index_add_(1, rows, prod)
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+
+class _BlockOperator(StructuredOperator):
+    """A parallel block's ``J^T`` for one step, matrix-free: each branch's layers applied in turn
+    to ``g`` (its slice, for a concatenation), summed over the branches; the block's CSR values
+    (branch composites placed in the union pattern) only when a planned product asks."""
+
+    def __init__(self, block: "_Parallel", saved, T) -> None:
+        self.block, self.saved, self.T = block, saved, T
+        self.shape = (block.d_in, block.d_out)
+        self.shared = block.shared
+        self._ops: Optional[list] = None
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        blk = self.block
+        if self._ops is None:
+            self._ops = [[s.operator(v, self.T) for s, v in zip(br, sv)]
+                         for br, sv in zip(blk.branches, self.saved[0])]
+        total = None
+        for ops, off, d in zip(self._ops, blk.offsets, blk.d_outs):
+            h = g if blk.join == _ADD else g[:, off:off + d]
+            for op in reversed(ops):
+                h = op.apply(h)
+            total = h.clone() if total is None and h is g else (h if total is None else total + h)
+        return total
+
+    def values(self) -> torch.Tensor:
+        return self.block.fill(self.saved, self.T)[0]
 
 
 class _Parallel:
@@ -263,21 +326,18 @@ class _Parallel:
         self.join, self.branches, self.d_in = join, branches, d_in
         self.d_outs = d_outs
         self.d_out = d_outs[0] if join == _ADD else sum(d_outs)
-        pats, self.composites, self.scans = [], [], []
+        pats, self.composites = [], []
         for br, d in zip(branches, d_outs):
             if not br:
                 pats.append(identity_pattern(d_in))
                 self.composites.append(None)
-                self.scans.append(None)
             elif len(br) == 1:
                 pats.append(br[0].pattern)
                 self.composites.append(None)
-                self.scans.append(None)
             else:
                 comp = build_composite([s.pattern for s in br], **opts)
                 pats.append(sp.csr_array(comp.composite_pattern))
                 self.composites.append(comp)
-                self.scans.append(build_plan([s.pattern for s in br], levels=0, bind=None, **opts))
         offsets = None if join == _ADD else list(np.cumsum([0] + d_outs[:-1]))
         self.pattern, maps = union_pattern(pats, offsets)
         self.maps = [torch.from_numpy(m) for m in maps]
@@ -332,20 +392,19 @@ class _Parallel:
                 out.index_add_(1, m, p.expand(batch, -1) if p.dim() == 1 else p)
         return out, inner
 
-    def grads(self, saved, T, inner, g_out, out, needed) -> None:
-        saved_b = saved[0]
-        for br, sv, inn, scan, off, d in zip(self.branches, saved_b, inner, self.scans, self.offsets, self.d_outs):
-            if not br:
-                continue
+    def operator(self, saved, T) -> StructuredOperator:
+        return _BlockOperator(self, saved, T)
+
+    def grads(self, saved, T, g_out, out, needed) -> None:
+        """Parameter gradients inside the block from ``g_out = dl/dy``: each branch's own
+        activations' gradients by applying its layers' ``J^T`` back from the branch output (the
+        linear scan over the branch), then each layer's rule."""
+        for br, sv, off, d in zip(self.branches, saved[0], self.offsets, self.d_outs):
             g = g_out if self.join == _ADD else g_out[:, off:off + d]
-            if scan is None:
-                br[0].grads(sv[0], T, inn[0][1], g, out, needed)
-                continue
-            vals = [v for v, _ in inn]
-            gs = scan.bind(shared=[v.dim() == 1 for v in vals], device=g.device, first_output=False).run(
-                vals, g.contiguous()).grads
-            for i, s in enumerate(br):
-                s.grads(sv[i], T, inn[i][1], gs[i + 1], out, needed)
+            for i in range(len(br) - 1, -1, -1):
+                br[i].grads(sv[i], T, g, out, needed)
+                if i > 0:
+                    g = br[i].operator(sv[i], T).apply(g)
 
     def describe(self) -> str:
         inner = " ; ".join("I" if not br else " -> ".join(s.describe() for s in br) for br in self.branches)
@@ -593,8 +652,8 @@ class GraphPlan(ModelPlan):
     """
 
     def __init__(self, model: nn.Module, traced: _Traced, segments: list[Any], in_shape: tuple[int, ...],
-                 core: Any) -> None:
-        super().__init__(model, traced.units, traced.names, in_shape, core, operators=False)
+                 core: Any, operators: bool = True) -> None:
+        super().__init__(model, traced.units, traced.names, in_shape, core, operators=operators)
         self.segments = segments
         self.module_backed = traced.module_backed
         self.patterns = [s.pattern for s in segments]
@@ -632,6 +691,10 @@ class GraphPlan(ModelPlan):
         return self._fill_all(saved, tensors)[0]
 
     def _values(self, saved, tensors):
+        """Per block: a structured operator (the wrapper's default: CSR values only where a planned
+        product needs them) or CSR values (``operators=False``)."""
+        if self.use_operators:
+            return [s.operator(sv, tensors) for s, sv in zip(self.segments, saved)]
         return self._fill(saved, tensors)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Jacobians]:
@@ -652,15 +715,16 @@ class GraphPlan(ModelPlan):
             raise ValueError(f"values: expected {len(self.segments)} tensors (one per block), got {len(vals)}")
         if isinstance(grad, torch.Tensor) and grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
-        has_extra = None if extra is None else [e is not None for e in extra]
-        bound = self.core.bind([v.dim() == 1 for v in vals], has_extra, grad.device, None, first_output)
-        return bound.run(vals, grad, extra).grads
+        items, _, shared, has_extra, _, _, device, operators = check_inputs(
+            self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
+        bound = self.core.bind(shared, has_extra, device, operators, first_output)
+        return bound.run(items, grad, extra, check=False).grads
 
-    def unit_param_grads(self, saved, tensors, inner, grads, needed) -> list[list[Optional[torch.Tensor]]]:
+    def unit_param_grads(self, saved, tensors, grads, needed) -> list[list[Optional[torch.Tensor]]]:
         """dl/dθ per unit and role from the block-boundary gradients ``grads`` (``n+1``)."""
         out: list[Any] = [[None] * len(u.roles) for u in self.units]
         for i, s in enumerate(self.segments):
-            s.grads(saved[i], tensors, inner[i], grads[i + 1], out, needed)
+            s.grads(saved[i], tensors, grads[i + 1], out, needed)
         return out
 
     def param_grads(self, jac: Jacobians, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -669,7 +733,7 @@ class GraphPlan(ModelPlan):
             raise ValueError(f"grads: expected {len(self.segments) + 1} tensors, got {len(grads)}")
         needed = [[p.requires_grad for _, p, _ in roles] for roles in self.param_roles]
         with torch.no_grad():
-            per_unit = self.unit_param_grads(jac.saved, jac.tensors, jac.inner, grads, needed)
+            per_unit = self.unit_param_grads(jac.saved, jac.tensors, grads, needed)
         result: dict[str, torch.Tensor] = {}
         for roles, gs in zip(self.param_roles, per_unit):
             for (name, p, mask), g in zip(roles, gs):
@@ -722,7 +786,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                              "batch (no per-sample J^T values) and is supported in straight chains only, not in a "
                              "model with skips or concatenations; use eval mode (model.eval())")
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
-    return GraphPlan(model, traced, segments, in_shape, core)
+    return GraphPlan(model, traced, segments, in_shape, core, operators=operators)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -758,14 +822,14 @@ class _GraphScanFunction(torch.autograd.Function):
         st: _GraphState = ctx.state
         b = gy.shape[0]
         with torch.no_grad():
-            values, inner = plan._fill_all(st.saved, st.tensors)
+            values = plan._values(st.saved, st.tensors)
             grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
             gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
             needed, pos = [], 2
             for u in plan.units:
                 needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
                 pos += len(u.roles)
-            per_unit = plan.unit_param_grads(st.saved, st.tensors, inner, grads, needed)
+            per_unit = plan.unit_param_grads(st.saved, st.tensors, grads, needed)
         out = (None, gx, *[g for gs in per_unit for g in gs])
         if torch.is_grad_enabled():
             out = refuse_second_derivative(list(ctx.saved_tensors) + [gy], out)

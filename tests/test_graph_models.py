@@ -193,6 +193,21 @@ def test_gradients_float64(name):
         assert _rel(g[n], g_ref[n]) <= 1e-9, n
 
 
+@pytest.mark.parametrize("name", ["preact", "dense_block"])
+def test_csr_values_and_full_depth(name):
+    """The wrapper with CSR values everywhere (operators=False) and every block in up-sweep products."""
+    make, shape, _ = CASES[name]
+    model = _init(make(), 9).double()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    wrapped = spscan.wrap(model, x, operators=False, levels="full")
+    y_ref, g_ref, gx_ref = _grads(model, x)
+    y, g, gx = _grads(wrapped, x)
+    assert torch.equal(y, y_ref)
+    assert _rel(gx, gx_ref) <= 1e-9
+    for n in g_ref:
+        assert _rel(g[n], g_ref[n]) <= 1e-9, n
+
+
 @pytest.mark.parametrize("levels", [0, "full"])
 def test_resnet20_levels_and_explicit_api(levels):
     """The block-level scan at both ends of the depth range, and spscan.forward/backward/param_grads."""
