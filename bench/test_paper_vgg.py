@@ -213,34 +213,46 @@ def _average(walks: list[list[dict]]) -> list[dict]:
 
 # --- the study -----------------------------------------------------------------------------
 
+def _int_buffers(obj, seen: set, out: dict, depth: int = 0) -> None:
+    """Every distinct integer buffer (NumPy array or torch storage) reachable from ``obj``: address -> bytes."""
+    if depth > 8 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        base = obj
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if base.dtype.kind in "iu":
+            out[base.__array_interface__["data"][0]] = base.nbytes
+    elif isinstance(obj, torch.Tensor):
+        if obj.dtype in (torch.int32, torch.int64):
+            st = obj.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _int_buffers(v, seen, out, depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            _int_buffers(v, seen, out, depth + 1)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        for v in getattr(obj, "__dict__", {}).values():
+            _int_buffers(v, seen, out, depth + 1)
+        for name in getattr(obj, "__slots__", ()):
+            if hasattr(obj, name):
+                _int_buffers(getattr(obj, name), seen, out, depth + 1)
+
+
 def _index_bytes(plan) -> dict[str, int]:
-    """Index memory of a plan: the planner's estimate and what is really held (patterns + bound tables)."""
-    scan = plan._scan
-    pats = {}
-    for m in scan.mats.values():
-        pats[m.pattern.key] = m.pattern.indptr.nbytes + m.pattern.indices.nbytes
-    for p in scan.patterns:
-        pats[p.key] = p.indptr.nbytes + p.indices.nbytes
-    held = sum(pats.values())
-    for m in scan.mats.values():
-        if m.algo == "pairs":
-            held += m.sym.pair_ptr.nbytes + m.sym.pair_a.nbytes + m.sym.pair_b.nbytes
-    return {"estimate_plan_bytes": int(plan.memory().plan_bytes), "patterns_and_pair_lists_bytes": int(held)}
-
-
-def _tables_bytes(bound) -> int:
-    """Bytes of the bound run-time tables (device index tensors and row-wise tables) plus the lowered program."""
-
-    def count(obj) -> int:
-        if isinstance(obj, torch.Tensor):
-            return obj.numel() * obj.element_size()
-        if hasattr(obj, "index_bytes") and not isinstance(obj, type):
-            return int(obj.index_bytes())
-        if isinstance(obj, (list, tuple)):
-            return sum(count(x) for x in obj)
-        return 0
-
-    return int(bound.program.index_bytes()) + sum(count(t) for ops in bound.tables.steps for _, t in ops)
+    """Index memory of a plan: the planner's estimate, and the distinct index buffers really held by the
+    symbolic plan (patterns, pair lists, row-wise data) and by it plus every bound signature's tables."""
+    out: dict[int, int] = {}
+    _int_buffers(plan._scan, set(), out)
+    scan = sum(out.values())
+    for b in plan.bindings():
+        _int_buffers(b.program, set(), out)
+        _int_buffers(b.tables, set(), out)
+    return {"estimate_plan_bytes": int(plan.memory().plan_bytes), "held_scan_bytes": int(scan),
+            "held_bytes": int(sum(out.values())), "bindings": len(plan.bindings())}
 
 
 def _rss_gib() -> float:
@@ -315,8 +327,6 @@ def run_study(divisor: int = 1, scopes=("layer", "global"), train_steps: int = 6
             rows = walk_plan(plan.core)
             rec["spscan"][str(k)] = {"summary": summarize(rows, pruned_bp), "steps": rows}
             idx = _index_bytes(plan.core)
-            idx["bound_tables_bytes"] = sum(_tables_bytes(b) for b in plan.core.bindings())
-            idx["bindings"] = len(plan.core.bindings())
             idx["peak_rss_gib_so_far"] = _rss_gib()
             rec["index"][str(k)] = idx
             est_s = plan.core.candidates.get(k)
@@ -346,8 +356,7 @@ def run_study(divisor: int = 1, scopes=("layer", "global"), train_steps: int = 6
             rec["timing"][str(k)] = {"timed": True, "first_call_s": first, "backward_s": float(np.median(ts)),
                                      "linear_s": float(np.median(tl)),
                                      "ratio_vs_linear": float(np.median(tl) / np.median(ts)),
-                                     "max_abs_err_vs_levels0": err, "rel_err_vs_levels0": err / scale,
-                                     "tables_index_bytes": sum(_tables_bytes(b) for b in plan.core.bindings())}
+                                     "max_abs_err_vs_levels0": err, "rel_err_vs_levels0": err / scale}
             log(f"[{scope}] K={k} backward {rec['timing'][str(k)]}")
             del plan, g
             gc.collect()
@@ -394,7 +403,7 @@ def write_report(rec: dict[str, Any], out: Path) -> Path:
                   "Conv weight density kept: " + ", ".join(f"{k} {v:.3f}" for k, v in r["conv_density"].items()), "",
                   "| K | paper: largest step | paper: critical path | paper: largest / BP max (unpruned) "
                   "| spscan: largest step | spscan: critical path | spscan: largest / BP max (pruned) "
-                  "| plan time | index memory (planner's estimate / held: patterns, pair lists, bound tables) | backward, B=1 | linear scan | grads vs K=0 (rel) |",
+                  "| plan time | index memory (planner's estimate / distinct buffers held incl. bound tables) | backward, B=1 | linear scan | grads vs K=0 (rel) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for k in range(r["max_levels"] + 1):
             kk = str(k)
@@ -410,13 +419,15 @@ def write_report(rec: dict[str, Any], out: Path) -> Path:
             else:
                 cells += [_n(ss["max_step_flops"]), _n(ss["critical_path_flops"]), f"{ss['max_step_vs_bp_max']:.1f}x",
                           f"{r['plan_s'][kk]:.1f} s",
-                          f"{idx['estimate_plan_bytes'] / 2**30:.2f} / "
-                          f"{(idx['patterns_and_pair_lists_bytes'] + idx['bound_tables_bytes']) / 2**30:.2f} GiB"]
+                          f"{idx['estimate_plan_bytes'] / 2**30:.2f} / {idx['held_bytes'] / 2**30:.2f} GiB"
+                          if "held_bytes" in idx else f"{idx['estimate_plan_bytes'] / 2**30:.2f} GiB / see below"]
                 if tm.get("timed"):
                     cells += [f"{tm['backward_s']:.3g} s", f"{tm['linear_s']:.3g} s", f"{tm['rel_err_vs_levels0']:.1e}"]
                 else:
                     cells += [f"not timed ({tm.get('reason', '')})", "", ""]
             lines.append("| " + " | ".join(cells) + " |")
+        for note in r.get("index_measured", []):
+            lines += ["", note]
         a = r["auto"]
         lines += ["", f"Planner's own choice (`levels=\"auto\"`, CPU profile): K={a['levels']} "
                   f"(estimated critical path per depth: " + ", ".join(
