@@ -251,7 +251,8 @@ def _summary(auto: RunLog, ours: RunLog, dev: torch.device, model: BitstreamClas
     a_bwd, o_bwd = sum(auto.backward_s[skip:]), sum(ours.backward_s[skip:])
     a_step, o_step = sum(auto.step_s[skip:]), sum(ours.step_s[skip:])
     plan = getattr(model.rnn, "plan", None)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''})"
+    threads = torch.get_num_threads()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({threads} thread{'s' * (threads != 1)})"
     return {
         "device": name,
         "levels": getattr(plan, "levels", None),
