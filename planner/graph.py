@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["union_pattern", "identity_pattern"]
+__all__ = ["union_pattern", "identity_pattern", "product_pattern", "place"]
 
 
 def identity_pattern(d: int) -> sp.csr_array:
@@ -57,3 +57,32 @@ def union_pattern(patterns: Sequence[sp.csr_array],
     pattern = sp.csr_array((np.ones(union.size), cols, indptr), shape=(d_in, d_out))
     maps = [np.searchsorted(union, k).astype(np.int64) for k in keys]
     return pattern, maps
+
+
+def product_pattern(patterns: Sequence[sp.csr_array]) -> sp.csr_array:
+    """The canonical CSR pattern of ``P_1 @ P_2 @ ... @ P_n`` (structural: every path counts, no
+    cancellation), by SciPy's sparse product of the 0/1 patterns."""
+    acc = sp.csr_array(patterns[0], dtype=np.float64, copy=True)
+    acc.data[:] = 1.0
+    for p in patterns[1:]:
+        q = sp.csr_array(p, dtype=np.float64, copy=True)
+        q.data[:] = 1.0
+        acc = acc @ q
+        acc.data[:] = 1.0  # keep the numbers small; only the structure matters
+    acc = sp.csr_array(acc)
+    acc.sum_duplicates()
+    acc.sort_indices()
+    acc.data[:] = 1.0
+    return acc
+
+
+def place(union: sp.csr_array, pattern: sp.csr_array, col_offset: int = 0) -> np.ndarray:
+    """Position in ``union`` of each entry of ``pattern`` (CSR order), its columns shifted by
+    ``col_offset``; ``ValueError`` if an entry is not in ``union``."""
+    width = union.shape[1]
+    u = _keys(union, 0, width)
+    k = _keys(pattern, col_offset, width)
+    pos = np.searchsorted(u, k)
+    if k.size and (pos.max() >= u.size or not np.array_equal(u[np.minimum(pos, u.size - 1)], k)):
+        raise ValueError("pattern: an entry lies outside the union pattern")
+    return pos.astype(np.int64)

@@ -43,7 +43,7 @@ from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_typ
 from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, refuse_functorch,
                           refuse_second_derivative)
 from spscan.plan import build_composite, build_plan
-from spscan.planner.graph import identity_pattern, union_pattern
+from spscan.planner.graph import identity_pattern, place, product_pattern, union_pattern
 
 __all__ = ["plan_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS", "supported_node_targets"]
 
@@ -326,23 +326,36 @@ class _Parallel:
         self.join, self.branches, self.d_in = join, branches, d_in
         self.d_outs = d_outs
         self.d_out = d_outs[0] if join == _ADD else sum(d_outs)
-        pats, self.composites = [], []
-        for br, d in zip(branches, d_outs):
+        pats: list[sp.csr_array] = []
+        for br in branches:
             if not br:
                 pats.append(identity_pattern(d_in))
-                self.composites.append(None)
             elif len(br) == 1:
                 pats.append(br[0].pattern)
-                self.composites.append(None)
-            else:
-                comp = build_composite([s.pattern for s in br], **opts)
-                pats.append(sp.csr_array(comp.composite_pattern))
-                self.composites.append(comp)
-        offsets = None if join == _ADD else list(np.cumsum([0] + d_outs[:-1]))
+            else:  # the composite's structure now; its numeric plan on first use (operators rarely need it)
+                pats.append(product_pattern([s.pattern for s in br]))
+        self._opts = opts
+        self._composites: list[Any] = [None] * len(branches)
+        self._gathers: list[Optional[torch.Tensor]] = [None] * len(branches)
+        offsets = None if join == _ADD else [int(o) for o in np.cumsum([0] + d_outs[:-1])]
         self.pattern, maps = union_pattern(pats, offsets)
         self.maps = [torch.from_numpy(m) for m in maps]
+        self._branch_patterns = pats
         self.offsets = [0] * len(branches) if offsets is None else offsets
         self._ones: dict = {}
+
+    def _composite(self, b: int):
+        """Branch ``b``'s composite plan (made on first use), its values placed by ``maps[b]``."""
+        comp = self._composites[b]
+        if comp is None:
+            comp = build_composite([s.pattern for s in self.branches[b]], **self._opts)
+            got = sp.csr_array(comp.composite_pattern)
+            want = self._branch_patterns[b]
+            if not (np.array_equal(got.indptr, want.indptr) and np.array_equal(got.indices, want.indices)):
+                # the engine may store the product denser (e.g. dense): keep the structural entries only
+                self._gathers[b] = torch.from_numpy(place(got, want))
+            self._composites[b] = comp
+        return comp
 
     @property
     def shared(self) -> bool:
@@ -368,7 +381,7 @@ class _Parallel:
     def fill(self, saved, T):
         saved_b, batch, dtype, device = saved
         inner, parts = [], []
-        for br, sv, comp in zip(self.branches, saved_b, self.composites):
+        for br, sv in zip(self.branches, saved_b):
             filled = [s.fill(v, T) for s, v in zip(br, sv)]
             inner.append(filled)
             if not br:
@@ -376,11 +389,16 @@ class _Parallel:
                 if key not in self._ones:
                     self._ones[key] = torch.ones(self.d_in, dtype=dtype, device=device)
                 parts.append(self._ones[key])
-            elif comp is None:
+            elif len(br) == 1:
                 parts.append(filled[0][0])
             else:
                 vals = [v for v, _ in filled]
-                parts.append(comp.bind(shared=[v.dim() == 1 for v in vals], device=device).run(vals).composite)
+                b = len(parts)
+                comp = self._composite(b)
+                v = comp.bind(shared=[v.dim() == 1 for v in vals], device=device).run(vals).composite
+                if self._gathers[b] is not None:
+                    v = torch.index_select(v, v.dim() - 1, self._gathers[b].to(device))
+                parts.append(v)
         shared = all(p.dim() == 1 for p in parts)
         nnz = self.pattern.nnz
         out = torch.zeros((nnz,) if shared else (batch, nnz), dtype=dtype, device=device)

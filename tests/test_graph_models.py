@@ -400,3 +400,30 @@ def test_random_dags_equal_autograd(recipe, seed):
     assert _rel(gx, gx_ref) <= 1e-9
     for n in g_ref:
         assert _rel(g[n], g_ref[n]) <= 1e-9, n
+
+
+def test_block_pattern_symbolics():
+    """Union (sum and side by side), the structural product and placement, against dense arithmetic."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from spscan.planner.graph import place, product_pattern, union_pattern
+
+    pats = [sp.csr_array(sp.random(5, 4, density=0.4, random_state=i, format="csr")) for i in range(3)]
+    for p in pats:
+        p.data[:] = 1.0
+    u, maps = union_pattern(pats)
+    dense = sum(p.toarray() for p in pats) != 0
+    assert np.array_equal(u.toarray() != 0, dense)
+    for p, m in zip(pats, maps):
+        rows = np.repeat(np.arange(5), np.diff(p.indptr))
+        urows = np.repeat(np.arange(5), np.diff(u.indptr))
+        assert np.array_equal(urows[m], rows) and np.array_equal(u.indices[m], p.indices)
+    side, smaps = union_pattern(pats, [0, 4, 8])
+    assert np.array_equal(side.toarray() != 0, np.hstack([p.toarray() for p in pats]) != 0)
+    assert np.array_equal(smaps[1], place(side, pats[1], 4))
+    sq = [sp.csr_array(sp.random(4, 4, density=0.3, random_state=i, format="csr")) for i in range(3)]
+    prod = product_pattern(sq)
+    ref = (sq[0].toarray() != 0).astype(int) @ (sq[1].toarray() != 0) @ (sq[2].toarray() != 0)
+    assert np.array_equal(prod.toarray() != 0, ref != 0)
+    run_errors(lambda: place(pats[0], sp.csr_array(np.ones((5, 4)))), ValueError, "outside the union")
