@@ -42,13 +42,17 @@ scale ``S = max|F(s^{(k)})|`` (the cell's outputs at the guess: bounded and mean
 poor guess has blown up) and the contraction estimate ``q = d_k / d_{k-1}``, the iteration has
 converged after ``T`` iterations (every step exact), when ``d_k <= rtol*S``, or when ``q < 1`` and the predicted remaining error
 ``d_k q / (1 - q)`` is ``<= rtol*S`` (superlinear convergence: ``q -> 0``), or when it has
-stalled at rounding level (``d_k <= sqrt(eps)*S`` and ``q >= 1``: further iterations only
+stalled at rounding level (``d_k <= eps^(3/4)*S`` and ``q >= 1``: further iterations only
 reshuffle rounding errors). A final batched evaluation of the cell at the converged states
 confirms it (its residual ``max|F(s) - s|`` must be ``<= sqrt(eps)*S``, else the iteration goes
 on) and gives the returned states ``F(s_{t-1}, x_t)`` and the Jacobian values the backward
-reuses. If the
-iteration budget ``max_iter`` runs out or an update is not finite, the sequential forward runs
-instead and a :class:`NewtonNotConverged` warning says so, with the iteration count.
+reuses. Where the iteration showed signs of expanding Jacobian products (more than 16
+iterations, or an update above ``10 S``), one more scan measures how far rounding-sized errors
+``eps S`` travel; if they would grow beyond ``sqrt(eps) S`` the recurrence is chaotic at this
+length (any two implementations, the sequential loop included, disagree there) and the result is
+not used. If the iteration budget ``max_iter`` runs out, an update is not finite or the result is
+ill-conditioned, the sequential forward runs instead and a :class:`NewtonNotConverged` warning
+says so, with the iteration count.
 """
 
 from __future__ import annotations
@@ -143,8 +147,11 @@ class NewtonInfo:
         iterations: scans run (``0`` if the sequence had no steps to solve).
         converged: ``True`` if the stopping rule was met; ``False`` if the sequential forward ran.
         reason: ``"tolerance"``, ``"predicted"``, ``"stalled"`` (rounding level), ``"exact"`` (``T``
-            iterations: every step exact), ``"budget"`` or ``"non-finite"``.
+            iterations: every step exact), ``"budget"``, ``"non-finite"`` or ``"ill-conditioned"``.
         deltas: ``max|δ|`` of each iteration.
+        amplification: where measured, how much the recurrence amplifies rounding-sized errors
+            (``max|δ| / (eps S)`` of one scan with ``r_t = eps S``); above ``1/sqrt(eps)`` the result
+            counts as ``"ill-conditioned"``.
         seq_len, batch: the problem's size.
     """
 
@@ -154,6 +161,7 @@ class NewtonInfo:
     converged: bool = False
     reason: str = ""
     deltas: list = field(default_factory=list)
+    amplification: Optional[float] = None
     seq_len: int = 0
     batch: int = 0
 
@@ -374,7 +382,8 @@ class NewtonSolver:
         eps = torch.finfo(dt).eps
         tiny = torch.finfo(dt).tiny
         rtol = options.rtol if options.rtol is not None else 16.0 * eps
-        stall = math.sqrt(eps)
+        stall = eps ** 0.75  # "stalled" only this close to rounding level (a slow linear phase is not a stall)
+        confirm = math.sqrt(eps)
         quasi = options.method == "quasi"
         scale_j = 1.0 / (1.0 + float(options.damping))
         w_hh = params[1]
@@ -382,10 +391,45 @@ class NewtonSolver:
         w_ih = params[0]
         gi = torch.matmul(x, w_ih.t()) if len(params) <= 2 else \
             torch.addmm(params[2], x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)  # fixed across iterations
-        step_pats, perms, fshared = self._forward_step() if not quasi else (None, None, None)
-        m = 1 if quasi else len(step_pats)
+        _, fperms, _ = self._forward_step()
+        m = 1 if quasi else len(fperms)
         zero = torch.zeros(B, D, dtype=dt, device=dev)
         shared_cache: dict[int, torch.Tensor] = {}
+
+        def full_values(coefs: dict, scale: float):
+            """Values of the forward chain of the full ``J_t`` (times ``scale``), in chain order."""
+            if layout == "factored":
+                fstep = []
+                for j, v in enumerate(reversed(_factored_step_values(kind, coefs, w_hh, H))):
+                    if v.dim() == 1:  # forward factor j is backward factor m-1-j, transposed
+                        hit = shared_cache.get(j)  # the weights do not change between iterations
+                        if hit is None:
+                            hit = shared_cache[j] = v[torch.as_tensor(fperms[j], device=dev)].contiguous()
+                        fstep.append(hit)
+                    else:
+                        fstep.append(v)
+                if scale != 1.0:  # scale one per-sample diagonal factor: the product scales with it
+                    first_diag = next(j for j, v in enumerate(fstep) if v.dim() == 3)
+                    fstep[first_diag] = fstep[first_diag] * scale
+                per_t = [(v,) * T if v.dim() == 1 else v.flip(0).unbind(0) for v in fstep]
+                return [v for vs in zip(*per_t) for v in vs]
+            from spscan.recurrent import _jacobian_values
+
+            bv = _jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
+            vals = bv.flip(0).index_select(-1, torch.as_tensor(fperms[0], device=dev))
+            return vals * scale if scale != 1.0 else vals
+
+        def quasi_values(coefs: dict) -> torch.Tensor:
+            vals = _quasi_values(kind, coefs, w_hh, H)
+            return (vals * scale_j if scale_j != 1.0 else vals).flip(0)
+
+        def solve_affine(bnd, per: int, values, r: torch.Tensor) -> torch.Tensor:
+            """``δ_t = J_t δ_{t-1} + r_t``, ``δ_0 = 0``: one planned scan; ``(T, B, D)``."""
+            ext: list = [None] * (per * T + 1)
+            for j, rt in enumerate(r.flip(0).unbind(0)):
+                ext[per * j] = rt  # r_{T-j} enters at chain index per*j
+            res = bnd.run(values, zero, ext, check=False, scratch=True)
+            return res.stacked(range(0, per * T, per)).flip(0)  # δ_1 .. δ_T (flip copies)
 
         s = torch.zeros(T, B, D, dtype=dt, device=dev)  # the initial guess
         prev_d: Optional[float] = None
@@ -397,46 +441,22 @@ class NewtonSolver:
             S = max(float(f.abs().max()), tiny)  # the scale: the cell's own outputs (bounded), not the guess
             if done:
                 # the final evaluation: states and Jacobians at the converged guess, once its residual confirms it
-                if float(r.abs().max()) <= stall * S:
+                if float(r.abs().max()) <= confirm * S:
+                    if info.iterations > 16 or max(info.deltas) > 10 * S:
+                        # signs of expanding Jacobian products: how far do rounding-sized errors travel?
+                        amp = solve_affine(self._bind(T, dev, dt, "newton"), len(fperms), full_values(coefs, 1.0),
+                                           torch.full_like(f, eps * S))
+                        info.amplification = float(amp.abs().max()) / (eps * S)
+                        if not info.amplification * eps <= confirm:
+                            info.converged, info.reason = False, "ill-conditioned"
+                            return None, None, None, info
                     return f, coefs, (_factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
                 info.converged, done, info.reason = False, False, ""
             if info.iterations >= options.max_iter:
                 info.reason = "budget"
                 return None, None, None, info
-            if quasi:
-                vals = _quasi_values(kind, coefs, w_hh, H)
-                if scale_j != 1.0:
-                    vals = vals * scale_j
-                values: Any = vals.flip(0)
-            elif layout == "factored":
-                step = _factored_step_values(kind, coefs, w_hh, H)
-                fstep = []
-                for j, v in enumerate(reversed(step)):  # forward factor j is backward factor m-1-j, transposed
-                    if v.dim() == 1:
-                        hit = shared_cache.get(j)  # the weights do not change between iterations
-                        if hit is None:
-                            hit = shared_cache[j] = v[torch.as_tensor(perms[j], device=dev)].contiguous()
-                        fstep.append(hit)
-                    else:
-                        fstep.append(v)
-                # damping scales one per-sample diagonal factor: the product scales with it
-                first_diag = next(j for j, v in enumerate(fstep) if v.dim() == 3)
-                if scale_j != 1.0:
-                    fstep[first_diag] = fstep[first_diag] * scale_j
-                per_t = [(v,) * T if v.dim() == 1 else v.flip(0).unbind(0) for v in fstep]
-                values = [v for vs in zip(*per_t) for v in vs]
-            else:
-                from spscan.recurrent import _jacobian_values
-
-                bv = _jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
-                values = bv.flip(0).index_select(-1, torch.as_tensor(perms[0], device=dev))
-                if scale_j != 1.0:
-                    values = values * scale_j
-            ext: list = [None] * (m * T + 1)
-            for j, rt in enumerate(r.flip(0).unbind(0)):
-                ext[m * j] = rt
-            res = bound.run(values, zero, ext, check=False, scratch=True)
-            delta = res.stacked(range(0, m * T, m)).flip(0)  # δ_1 .. δ_T (flip copies)
+            values = quasi_values(coefs) if quasi else full_values(coefs, scale_j)
+            delta = solve_affine(bound, m, values, r)
             info.iterations += 1
             s = s + delta
             d = float(delta.abs().max()) if delta.numel() else 0.0

@@ -204,8 +204,32 @@ def test_chaotic_recurrence_does_not_converge_and_falls_back():
     with torch.no_grad():
         ref = m(x)[0]
     assert torch.equal(out, ref)
-    assert not p.last_forward.converged and p.last_forward.reason in ("budget", "non-finite")
+    assert not p.last_forward.converged and p.last_forward.reason in ("budget", "non-finite", "ill-conditioned")
     assert p.last_forward.iterations <= 30
+
+
+def test_ill_conditioned_recurrence_is_detected():
+    """Chaotic at this length: the iteration converges (residual at rounding level) to states that differ
+    from the sequential loop's, because rounding errors grow ~1e10-fold along the sequence. The
+    amplification scan sees it; the sequential forward runs and the warning names the cause."""
+    torch.manual_seed(0)
+    m = nn.RNN(1, 16).double()
+    with torch.no_grad():
+        m.weight_hh_l0.copy_(3.0 * torch.randn(16, 16, dtype=torch.float64) / 16**0.5)
+    x = torch.randn(150, 1, 1, dtype=torch.float64)
+    p = plan_recurrent(m, x, forward="newton", newton={"max_iter": 151})
+    with pytest.warns(NewtonNotConverged, match=r"ill-conditioned after \d+ iteration"):
+        (out, _), _ = p.forward(x)
+    with torch.no_grad():
+        assert torch.equal(out, m(x)[0])
+    info = p.last_forward
+    assert info.reason == "ill-conditioned" and info.amplification > 1 / torch.finfo(torch.float64).eps ** 0.5
+    # a milder one (shorter) passes the same check and equals the loop
+    x = x[:60]
+    out, _, info = newton_forward(m, x, None, newton={"max_iter": 61})
+    with torch.no_grad():
+        assert rel_err(out, m(x)[0]) <= 1e-10
+    assert info.amplification is not None and info.amplification < 1 / torch.finfo(torch.float64).eps ** 0.5
 
 
 @pytest.mark.parametrize("levels", [0, 2, "full"])
