@@ -34,6 +34,14 @@ Chain layouts (``layout=``):
   saves (GRU: about even at H=20, and the factored chain wins as H grows: at H=64 the
   materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
 
+The forward (``forward=``): ``"sequential"`` runs the module's own forward (cuDNN on GPU);
+``"newton"`` solves the recurrence for all steps at once by Newton iterations whose linear solve
+is the same planned scan in the forward direction (:mod:`spscan.newton`; the plan is built from
+this module's patterns transposed symbolically, with the same depth choice and memory
+planning), and the backward reuses the Jacobian values of the converged iteration; a Newton
+forward that does not converge warns (``spscan.newton.NewtonNotConverged``) and runs the
+sequential one. ``"auto"`` picks by the device's cost model.
+
 Every backward runs through the core engine: one plan per sequence length
 (:func:`spscan.plan.build_plan`), bound once for the step's value signature, run with the values
 built here (so the per-layer input checks are skipped) and read back as strided views of the
@@ -436,7 +444,7 @@ class RecurrentPlan:
             raise ValueError(f"expected input feature size {self.module.input_size}, got {x.shape[-1]}")
 
     def forward(self, x: torch.Tensor, hx=None):
-        """Run the module (no autograd) and save what the scan needs.
+        """Run the forward (no autograd; the module's own or Newton's, per ``forward=``) and save what the scan needs.
 
         ``x``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or unbatched ``(T, I)``; ``hx`` as the
         module takes it. Returns ``(outputs, saved)`` with ``outputs`` exactly what the module returns.
@@ -799,7 +807,8 @@ def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None,
 def wrap_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> RecurrentWrapper:
     """``nn.Module`` around ``rnn`` (same parameter objects) whose backward is the BPPSA scan.
 
-    Forward returns exactly what ``rnn`` returns; ``loss.backward()`` fills ``.grad`` of the
-    input, the initial state and every parameter as autograd would.
+    Forward returns exactly what ``rnn`` returns (``forward="newton"``: computed by Newton
+    iterations over the planned scan, equal to the module's up to rounding); ``loss.backward()``
+    fills ``.grad`` of the input, the initial state and every parameter as autograd would.
     """
     return RecurrentWrapper(rnn, example_input, **plan_kwargs)
