@@ -408,10 +408,13 @@ class NewtonSolver:
                         fstep.append(hit)
                     else:
                         fstep.append(v)
-                if scale != 1.0:  # scale one per-sample diagonal factor: the product scales with it
-                    first_diag = next(j for j, v in enumerate(fstep) if v.dim() == 3)
-                    fstep[first_diag] = fstep[first_diag] * scale
-                per_t = [(v,) * T if v.dim() == 1 else v.flip(0).unbind(0) for v in fstep]
+                first_diag = next(j for j, v in enumerate(fstep) if v.dim() == 3)
+                per_t = []
+                for j, v in enumerate(fstep):
+                    if v.dim() == 1:
+                        per_t.append((v,) * T)
+                    else:  # scale one per-sample diagonal factor: the product scales with it
+                        per_t.append(reversed_views(f"diag{j}", v, scale if j == first_diag else 1.0))
                 return [v for vs in zip(*per_t) for v in vs]
             from spscan.recurrent import _jacobian_values
 
@@ -423,10 +426,25 @@ class NewtonSolver:
             vals = _quasi_values(kind, coefs, w_hh, H)
             return (vals * scale_j if scale_j != 1.0 else vals).flip(0)
 
+        views_cache: dict[str, tuple] = {}
+
+        def reversed_views(name: str, src: torch.Tensor, scale: float = 1.0) -> list:
+            """``src`` (T, B, d) times ``scale`` in a buffer kept across iterations, as its ``T`` step views
+            last step first (the views are made once per solve, not per iteration)."""
+            hit = views_cache.get(name)
+            if hit is None:
+                buf = torch.empty_like(src)
+                hit = views_cache[name] = (buf, buf.unbind(0)[::-1])
+            if scale != 1.0:
+                torch.mul(src, scale, out=hit[0])
+            else:
+                hit[0].copy_(src)
+            return hit[1]
+
         def solve_affine(bnd, per: int, values, r: torch.Tensor) -> torch.Tensor:
             """``δ_t = J_t δ_{t-1} + r_t``, ``δ_0 = 0``: one planned scan; ``(T, B, D)``."""
             ext: list = [None] * (per * T + 1)
-            for j, rt in enumerate(r.flip(0).unbind(0)):
+            for j, rt in enumerate(reversed_views("residual", r)):
                 ext[per * j] = rt  # r_{T-j} enters at chain index per*j
             res = bnd.run(values, zero, ext, check=False, scratch=True)
             return res.stacked(range(0, per * T, per)).flip(0)  # δ_1 .. δ_T (flip copies)
