@@ -50,7 +50,10 @@ def union_pattern(patterns: Sequence[sp.csr_array],
         offsets = [int(o) for o in col_offsets]
         d_out = offsets[-1] + patterns[-1].shape[1]
     keys = [_keys(p, o, d_out) for p, o in zip(patterns, offsets)]
-    union = np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
+    union = np.concatenate(keys)
+    union.sort(kind="stable")  # each branch's keys are already sorted: merging runs is cheap
+    if union.size:
+        union = union[np.concatenate(([True], union[1:] != union[:-1]))]
     rows, cols = np.divmod(union, np.int64(d_out))
     indptr = np.zeros(d_in + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
