@@ -798,11 +798,19 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                           module_backed=traced.module_backed)
         plan.bind_signatures()
         return plan
-    for u, name in zip(traced.units, traced.names):
-        if not getattr(u, "has_csr_values", True):
+    coupled = [(u, name) for u, name in zip(traced.units, traced.names) if not getattr(u, "has_csr_values", True)]
+    if coupled:
+        # train-mode BatchNorm: its J^T couples the batch and exists only as an operator, so every block
+        # runs matrix-free and the block-level scan stays linear (no composite values are ever formed)
+        u, name = coupled[0]
+        levels = kwargs.get("levels", "auto")
+        if not operators or levels not in ("auto", 0):
             raise ValueError(f"{type(model).__name__}: layer {u.index} ({name}: {u.name}) couples the samples of a "
-                             "batch (no per-sample J^T values) and is supported in straight chains only, not in a "
-                             "model with skips or concatenations; use eval mode (model.eval())")
+                             "batch (no per-sample J^T values): in a model with skips or concatenations it runs "
+                             f"only as a structured operator at block depth 0; got operators={operators}, "
+                             f"levels={levels!r}; use levels=0 or 'auto' with operators=True, or eval mode "
+                             "(model.eval())")
+        kwargs = {**kwargs, "levels": 0}
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
     return GraphPlan(model, traced, segments, in_shape, core, operators=operators)
 

@@ -1,5 +1,5 @@
-"""Models torch.fx traces (residual networks, pre-activation blocks, concatenations, functional ops)
-through spscan.wrap: every parameter's and the input's gradient equal autograd's (float64 ≤ 1e-9
+"""Models torch.fx traces (residual networks with BatchNorm in eval and train mode, pre-activation
+blocks, concatenations, functional ops) through spscan.wrap: every parameter's and the input's gradient equal autograd's (float64 ≤ 1e-9
 relative; float32 within 2x autograd's own float32 error against a float64 reference), and five
 SGD steps from the same initialization land on the same parameters."""
 
@@ -277,6 +277,33 @@ def test_sgd_steps_equal_autograd(name):
         assert _rel(q.detach(), p.detach()) <= 1e-9, n
 
 
+def test_resnet20_train_mode_batchnorm():
+    """BatchNorm in train mode (batch statistics couple the samples): gradients, running statistics
+    and 5 SGD steps equal autograd's, the blocks run as structured operators at block depth 0."""
+    ref = _init(ResNet20(width=2), 11).double().train()
+    mine = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(12)
+    xs = [torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) for _ in range(5)]
+    wrapped = spscan.wrap(mine, xs[0])
+    assert isinstance(wrapped.plan, GraphPlan) and wrapped.plan.levels == 0
+    y_ref, g_ref, gx_ref = _grads(ref, xs[0])
+    y, g, gx = _grads(wrapped, xs[0])
+    assert torch.equal(y, y_ref) and _rel(gx, gx_ref) <= 1e-9
+    for n in g_ref:
+        assert _rel(g[n], g_ref[n]) <= 1e-9, n
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_mine = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+    for x in xs:
+        for model, opt in ((ref, opt_ref), (wrapped, opt_mine)):
+            opt.zero_grad()
+            _loss(model(x)).backward()
+            opt.step()
+    for (n, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        assert _rel(q.detach(), p.detach()) <= 1e-9, n
+    for (n, a), (_, b) in zip(ref.named_buffers(), mine.named_buffers()):
+        assert torch.equal(a, b) if not a.dtype.is_floating_point else _rel(b, a) <= 1e-9, n
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
@@ -306,9 +333,11 @@ def test_refusals_name_the_node_and_line():
                "return self.fc(x) * 2.0", "unsupported op")
     run_errors(lambda: spscan.wrap(_Crossed(), x), TypeError, "_Crossed", "%f", "series-parallel")
     net = _init(PreActNet(), 0)
-    net.block1.bn1.train()
-    run_errors(lambda: spscan.wrap(net, torch.zeros(2, 2, 5, 5)), ValueError, "BatchNorm2d", "eval mode",
-               "block1.bn1")
+    net.block1.bn1.train()  # couples the batch: planned matrix-free at block depth 0 only
+    run_errors(lambda: spscan.wrap(net, torch.zeros(2, 2, 5, 5), levels="full"), ValueError, "BatchNorm2d",
+               "block1.bn1", "block depth 0", "levels='full'")
+    run_errors(lambda: spscan.wrap(net, torch.zeros(2, 2, 5, 5), operators=False), ValueError, "block1.bn1",
+               "operators=False")
 
     class Sliced(nn.Module):
         def forward(self, x):
