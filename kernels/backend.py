@@ -45,6 +45,11 @@ class StructuredOperator(ABC):
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         """``(B, d_out) -> (B, d_in)``: ``J^T g`` for every sample (``g`` may be a strided view)."""
 
+    def apply_into(self, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply`, writing into ``out`` (a ``(B, d_in)`` view) where the operator can; returns the
+        tensor holding the result (``out``, or a new one the caller copies)."""
+        return self.apply(g)
+
     @abstractmethod
     def values(self) -> torch.Tensor:
         """The CSR values of ``J^T`` in its pattern's order, ``(nnz,)`` or ``(B, nnz)``."""
@@ -53,11 +58,12 @@ class StructuredOperator(ABC):
 def run_apply(op, vectors: torch.Tensor, inputs: Callable[[int], StructuredOperator]) -> None:
     """One :class:`~spscan.planner.program.Apply` op, the same on every backend (the operator is
     torch code on the vectors' device): ``V[:, out] = J^T V[:, vin] (+ V[:, add])``."""
-    y = inputs(op.layer).apply(vectors[:, op.vin : op.vin + op.cols])
     dst = vectors[:, op.out : op.out + op.rows]
+    operator, g = inputs(op.layer), vectors[:, op.vin : op.vin + op.cols]
+    y = operator.apply(g) if op.add >= 0 else operator.apply_into(g, dst)
     if op.add >= 0:
         torch.add(y, vectors[:, op.add : op.add + op.rows], out=dst)
-    else:
+    elif y is not dst:
         dst.copy_(y)
 
 

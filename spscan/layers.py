@@ -216,9 +216,12 @@ class LayerUnit(abc.ABC):
         of a batch cannot: it runs as a structured operator only)."""
         return True
 
-    def operator(self, saved: Any, tensors: Sequence[torch.Tensor]) -> "UnitOperator":
-        """This step's ``J^T`` as a :class:`~spscan.kernels.backend.StructuredOperator`."""
-        return UnitOperator(self, saved, tensors)
+    def operator(self, saved: Any, tensors: Sequence[torch.Tensor],
+                 needed: Optional[Sequence[bool]] = None) -> "UnitOperator":
+        """This step's ``J^T`` as a :class:`~spscan.kernels.backend.StructuredOperator`. ``needed``: the
+        roles whose parameter gradients the operator may compute along with ``J^T g`` when that is
+        cheaper (it is then applied to ``g = dl/d output`` exactly once, as in the linear scan)."""
+        return UnitOperator(self, saved, tensors, needed)
 
     @property
     def nnz(self) -> int:
@@ -238,12 +241,26 @@ class UnitOperator(StructuredOperator):
     transposed convolution with the shared weight, a mask multiply for ReLU, a matmul for Linear,
     the pooling backward for max-pool); :meth:`values` fills the CSR values only when asked."""
 
-    def __init__(self, unit: LayerUnit, saved: Any, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, unit: LayerUnit, saved: Any, tensors: Sequence[torch.Tensor],
+                 needed: Optional[Sequence[bool]] = None) -> None:
         self.unit, self.saved, self.tensors = unit, saved, tensors
         self.shape = (unit.d_in, unit.d_out)
         self.shared = bool(unit.shared)
+        self.needed = needed
+        self.param_grads: Optional[list] = None  # set when apply() computed them on the way
+        self.applied = 0
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
+        return self.apply_into(g, None)
+
+    def apply_into(self, g: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        self.applied += 1
+        fused = getattr(self.unit, "apply_transposed_and_param_grads", None)
+        if fused is not None and self.needed is not None and any(self.needed):
+            gi, self.param_grads = fused(self.saved, self.tensors, g, self.needed)
+            return gi
+        if out is not None and hasattr(self.unit, "apply_transposed_into"):
+            return self.unit.apply_transposed_into(self.saved, self.tensors, g, out)
         return self.unit.apply_transposed(self.saved, self.tensors, g)
 
     def values(self) -> torch.Tensor:
@@ -482,14 +499,24 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         return F.pad(x, pads), [0] * self.nd
 
     def apply_transposed(self, saved, tensors, g):
+        return self.apply_transposed_and_param_grads(saved, tensors, g, [False] * len(self.roles))[0]
+
+    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
+        """``J^T g`` and the parameter gradients for ``g = dl/dy`` from one ``convolution_backward`` (the
+        input and weight gradients share its work, as autograd's conv backward does)."""
         x = saved
         xin, pad = self._padded_input(x)
-        gi = torch.ops.aten.convolution_backward(
-            g.reshape((g.shape[0],) + self.out_shape), xin, tensors[0].detach(), None, list(self.stride), pad,
-            list(self.dilation), False, [0] * self.nd, self.module.groups, [True, False, False])[0]
+        gy = g.reshape((g.shape[0],) + self.out_shape)
+        want_w = bool(needed[0]) if needed else False
+        gi, gw, _ = torch.ops.aten.convolution_backward(
+            gy, xin, tensors[0].detach(), None, list(self.stride), pad, list(self.dilation), False,
+            [0] * self.nd, self.module.groups, [True, want_w, False])
         if xin is not x:  # crop the explicit padding back off
             gi = gi[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for lo, n in zip(self.pad_lo, x.shape[2:]))]
-        return gi.reshape(g.shape[0], -1)
+        params: list[Optional[torch.Tensor]] = [gw if want_w else None]
+        if len(self.roles) > 1:
+            params.append(gy.sum(dim=[0] + list(range(2, gy.dim()))) if needed[1] else None)
+        return gi.reshape(g.shape[0], -1), params
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
@@ -583,7 +610,15 @@ class ElementwiseUnit(LayerUnit):
         return ((s > m.min_val) & (s < m.max_val)).to(s.dtype)
 
     def apply_transposed(self, saved, tensors, g):
+        if isinstance(self.module, nn.ReLU):  # autograd's own op: one pass, no mask tensor
+            return torch.ops.aten.threshold_backward(g, saved.reshape(saved.shape[0], -1), 0)
         return g * self.fill(saved, tensors)
+
+    def apply_transposed_into(self, saved, tensors, g, out):
+        if isinstance(self.module, nn.ReLU):
+            return torch.ops.aten.threshold_backward.grad_input(g, saved.reshape(saved.shape[0], -1), 0,
+                                                                grad_input=out)
+        return torch.mul(g, self.fill(saved, tensors), out=out)
 
 
 class ReshapeUnit(LayerUnit):
@@ -732,11 +767,15 @@ class MaxPoolUnit(LayerUnit):
         return self.disjoint_windows
 
     def apply_transposed(self, saved, tensors, g):
+        return self.apply_transposed_into(saved, tensors, g, g.new_empty(g.shape[0], self.d_in))
+
+    def apply_transposed_into(self, saved, tensors, g, out):
         idx, _ = saved
         b, c = idx.shape[0], idx.shape[1]
-        out = g.new_zeros(b, c, self.d_in // c)
-        out.scatter_(2, idx.reshape(b, c, -1), g.reshape(b, c, -1))
-        return out.reshape(b, -1)
+        dst = out.view(b, c, self.d_in // c)
+        dst.zero_()
+        dst.scatter_(2, idx.reshape(b, c, -1), g.reshape(b, c, -1))
+        return out
 
     def run(self, x, tensors):
         m = self.module

@@ -268,10 +268,14 @@ class ModelPlan:
         """Per layer: whether the wrapper passes its structured operator instead of CSR values."""
         return [(self.use_operators and u.has_operator) or not u.has_csr_values for u in self.units]
 
-    def _values(self, saved: list[Any], tensors: list[list[torch.Tensor]]) -> list[Any]:
-        """Per layer: its structured operator where :attr:`operator_flags` says so, else its CSR values."""
-        return [u.operator(s, t) if op else u.fill(s, t)
-                for u, s, t, op in zip(self.units, saved, tensors, self.operator_flags)]
+    def _values(self, saved: list[Any], tensors: list[list[torch.Tensor]],
+                needed: Optional[list[list[bool]]] = None) -> list[Any]:
+        """Per layer: its structured operator where :attr:`operator_flags` says so, else its CSR values.
+        ``needed``: per layer, the parameter gradients an operator may compute while it is applied
+        (only at depth 0, where each layer's ``J^T`` is applied once, to ``dl/dx_k``)."""
+        fuse = needed is not None and self.levels == 0
+        return [(u.operator(s, t, needed[k] if fuse else None) if op else u.fill(s, t))
+                for k, (u, s, t, op) in enumerate(zip(self.units, saved, tensors, self.operator_flags))]
 
 
 def _levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
@@ -522,15 +526,22 @@ class _ScanFunction(torch.autograd.Function):
         st: _ForwardState = ctx.state
         b = gy.shape[0]
         with torch.no_grad():
-            values = plan._values(st.saved, st.tensors)
-            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
-            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
             needed, pos = [], 2
             for u in plan.units:
                 needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
                 pos += len(u.roles)
+            values = plan._values(st.saved, st.tensors, needed)
+            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
+            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
+            # parameter gradients an operator computed while the scan applied it (one conv backward each)
+            done = [getattr(v, "param_grads", None) if getattr(v, "applied", 0) == 1 else None for v in values]
+            rest = [[n and (d is None or d[r] is None) for r, n in enumerate(nd)] for nd, d in zip(needed, done)]
             jac = Jacobians(values, b, st.saved, st.tensors)
-            per_unit = _unit_param_grads(plan, jac, grads, needed)
+            per_unit = _unit_param_grads(plan, jac, grads, rest)
+            for k, d in enumerate(done):
+                for r, v in enumerate(d or ()):
+                    if v is not None and needed[k][r]:
+                        per_unit[k][r] = v
         return (None, gx, *[g for gs in per_unit for g in gs])
 
 
