@@ -24,7 +24,7 @@ def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seq_len"] == 40 and summary["backward_speedup"] > 0 and summary["overall_speedup"] > 0
-    assert summary["chain"] == "factored" and isinstance(summary["levels"], int) and "engine" not in summary
+    assert summary["layout"] == "factored" and isinstance(summary["levels"], int) and "engine" not in summary
     assert summary["clip"] == 1.0 and len(summary["epoch_log"]) == 2
     # exactness on the same weights: float32 rounding, and float64 to a few ulps
     assert len(summary["gradient_checks"]) == 2 and summary["gradient_max_rel_diff_float32"] < 1e-4

@@ -138,7 +138,7 @@ def train_side_by_side(
     seed: int = 0,
     device: Optional[str] = None,
     levels="auto",
-    chain: str = "auto",
+    layout: str = "auto",
     forward: str = "sequential",
     progress: bool = True,
     check_gradients: bool = True,
@@ -155,7 +155,7 @@ def train_side_by_side(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x_all, y_all = bitstream_dataset(samples, seq_len, seed=seed)
     x_all, y_all = x_all.to(dev), y_all.to(dev)
-    plan_kwargs = dict(levels=levels, layout=chain, forward=forward)
+    plan_kwargs = dict(levels=levels, layout=layout, forward=forward)
     models, opts, logs = {}, {}, {}
     for name in ("autograd", "bppsa"):
         torch.manual_seed(seed)
@@ -256,7 +256,7 @@ def _summary(auto: RunLog, ours: RunLog, dev: torch.device, model: BitstreamClas
     return {
         "device": name,
         "levels": getattr(plan, "levels", None),
-        "chain": getattr(plan, "layout", None),
+        "layout": getattr(plan, "layout", None),
         "autograd_backward_s": a_bwd,
         "bppsa_backward_s": o_bwd,
         "autograd_step_s": a_step,
@@ -328,8 +328,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=CLIP,
                    help=f"gradient-norm clipping threshold for both runs (default {CLIP}; 0 turns it off)")
     p.add_argument("--levels", default="auto", help="scan up-sweep depth: auto, full or an int (0 = linear scan)")
-    p.add_argument("--chain", default="auto", choices=["auto", "factored", "materialized"],
-                   help="chain layout: 2T factored elements (W_hh^T, diagonal) or T materialized H x H Jacobians")
+    p.add_argument("--layout", default="auto", choices=["auto", "factored", "materialized"],
+                   help="the recurrent chain's layout: 2T factored elements (W_hh^T, diagonal) or T materialized "
+                        "H x H Jacobians")
     p.add_argument("--forward", default="sequential", choices=["sequential", "newton", "auto"],
                    help="forward of the BPPSA run: the module's own loop, Newton iterations over the planned scan "
                         "(spscan.newton; falls back to the loop with a warning if it does not converge), or the cost "
@@ -397,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"clip={clip if clip else 'off'} device={dev}", flush=True)
     auto, ours, summary = train_side_by_side(
         seq_len=T, samples=N, epochs=E, batch_size=B, hidden=args.hidden, lr=lr, clip=clip, seed=args.seed,
-        device=dev, levels=levels, chain=args.chain, forward=args.forward, progress=progress,
+        device=dev, levels=levels, layout=args.layout, forward=args.forward, progress=progress,
         log=lambda line: print(line, flush=True),
     )
     last = summary["epoch_log"][-1]
@@ -423,7 +424,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(
         f"training step: autograd {summary['autograd_step_s']:.3f}s, BPPSA {summary['bppsa_step_s']:.3f}s "
         f"-> {summary['overall_speedup']:.2f}x overall  (device: {summary['device']}, "
-        f"chain: {summary['chain']}, levels: {summary['levels']})"
+        f"layout: {summary['layout']}, levels: {summary['levels']})"
     )
     os.makedirs(args.out, exist_ok=True)
     png = plot_curves(
