@@ -26,11 +26,12 @@ import triton
 import triton.language as tl
 
 from spscan.planner.patterns import Pattern
+from spscan.planner.program import RowProduct
 
 from . import launch
 from .segments import index_dtype
 
-__all__ = ["spgemm_rows_kernel", "RowsProduct", "RowsTable", "rows_table", "rows_config", "spgemm_rows",
+__all__ = ["spgemm_rows_kernel", "RowsTable", "rows_table", "rows_config", "spgemm_rows",
            "spgemm_rows_product"]
 
 
@@ -111,18 +112,6 @@ def spgemm_rows_kernel(
         t += 1
 
 
-@dataclass(frozen=True)
-class RowsProduct:
-    """One product of a step: patterns and where its values live in the arenas."""
-
-    a: Pattern
-    b: Pattern
-    c: Pattern
-    a_offset: int
-    b_offset: int
-    c_offset: int
-
-
 @dataclass
 class RowsTable:
     """Device index tables of a step's row-wise products (see the module docstring for the fields)."""
@@ -157,7 +146,7 @@ def _search_steps(lengths: np.ndarray) -> np.ndarray:
     return steps
 
 
-def rows_table(products: Sequence[RowsProduct], arena_sizes: Sequence[int], device: torch.device) -> RowsTable:
+def rows_table(products: Sequence[RowProduct], arena_sizes: Sequence[int], device: torch.device) -> RowsTable:
     """Concatenate a step's products into one long-first :class:`RowsTable` on ``device``.
 
     ``arena_sizes``: sizes of the arenas indexed (int32 tables when every index fits).
@@ -281,6 +270,6 @@ def spgemm_rows_product(a: Pattern, b: Pattern, c: Pattern, a_vals: torch.Tensor
     shared = a_vals.dim() == 1 and b_vals.dim() == 1
     batch = 1 if shared else max(v.shape[0] for v in (a_vals, b_vals) if v.dim() == 2)
     out = torch.empty((c.nnz,) if shared else (batch, c.nnz), dtype=a_vals.dtype, device=a_vals.device)
-    table = rows_table([RowsProduct(a, b, c, 0, 0, 0)], (a.nnz, b.nnz, c.nnz), a_vals.device)
+    table = rows_table([RowProduct(a, b, c, 0, 0, 0)], (a.nnz, b.nnz, c.nnz), a_vals.device)
     spgemm_rows(table, a_vals.contiguous(), b_vals.contiguous(), out)
     return out

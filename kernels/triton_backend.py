@@ -23,7 +23,7 @@ from .gemm import gemm
 from .gemv import gemv
 from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
-from .spgemm_rows import RowsProduct, RowsTable, rows_table, spgemm_rows
+from .spgemm_rows import RowsTable, rows_table, spgemm_rows
 from .spmv import spmv
 from .linear_run import linear_run_table, linear_run
 
@@ -120,8 +120,7 @@ class TritonTables(Tables):
                         reads += [(op.kind_a, b.a.ravel()), (op.kind_b, b.b.ravel())]
                         writes.append((op.kind_out, b.out.ravel()))
                 elif isinstance(op, RowSpGEMM):
-                    prods = [RowsProduct(pr.a, pr.b, pr.c, pr.a_offset, pr.b_offset, pr.c_offset) for pr in op.products]
-                    table = rows_table(prods, (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device)
+                    table = rows_table(op.products, (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device)
                     launches.append(_RowsLaunch(op, table))
                     for pr in op.products:
                         reads += [(op.kind_a, np.arange(pr.a_offset, pr.a_offset + pr.a.nnz)),

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import spscan  # noqa: F401  (sets up Triton's interpreter on CPU-only machines before triton is imported)
 from spscan.kernels import launch
 from spscan.kernels.aot import specs_to_json
-from spscan.kernels.spgemm_rows import RowsProduct, rows_table, spgemm_rows, spgemm_rows_product
+from spscan.kernels.spgemm_rows import RowProduct, rows_table, spgemm_rows, spgemm_rows_product
 from spscan.kernels.spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 from spscan.kernels.triton_backend import _compiled
 from spscan.planner.patterns import Pattern, full_pattern, make_pattern
@@ -214,8 +214,8 @@ def test_triton_rowwise_step_of_several_products(mode):
     A = torch.randn(batch, size_a, dtype=dtype)
     B = torch.randn(size_b, dtype=dtype)  # shared right factor
     C = torch.full((batch, size_c), 9.0, dtype=dtype)
-    prods = [RowsProduct(a1, b1, s1.pattern, off["a1"], off["b1"], off["c1"]),
-             RowsProduct(a2, b2, s2.pattern, off["a2"], off["b2"], off["c2"])]
+    prods = [RowProduct(a1, b1, s1.pattern, off["a1"], off["b1"], off["c1"]),
+             RowProduct(a2, b2, s2.pattern, off["a2"], off["b2"], off["c2"])]
     table = rows_table(prods, (size_a, size_b, size_c), DEVICE)
     saved = launch.mode
     launch.mode = mode
@@ -245,12 +245,12 @@ def test_triton_rowwise_step_of_several_products(mode):
 def test_triton_rowwise_rejects_mismatched_sharing():
     a = full_pattern(2, 2)
     s = rowwise_symbolic(a, a)
-    table = rows_table([RowsProduct(a, a, s.pattern, 0, 0, 0)], (4, 4, 4), DEVICE)
+    table = rows_table([RowProduct(a, a, s.pattern, 0, 0, 0)], (4, 4, 4), DEVICE)
     with pytest.raises(ValueError, match="shared exactly when"):
         spgemm_rows(table, torch.zeros(4, device=DEVICE), torch.zeros(4, device=DEVICE),
                     torch.zeros(1, 4, device=DEVICE))
     with pytest.raises(ValueError, match="do not chain"):
-        rows_table([RowsProduct(a, full_pattern(3, 2), s.pattern, 0, 0, 0)], (4, 4, 4), DEVICE)
+        rows_table([RowProduct(a, full_pattern(3, 2), s.pattern, 0, 0, 0)], (4, 4, 4), DEVICE)
 
 
 # --- ahead-of-time compilation for sm_80 / sm_90 ---------------------------------------
@@ -266,7 +266,7 @@ def _record_specs() -> list:
     launch.mode = "device"
     try:
         for sizes in ((100, 1000, 1000), (1 << 32, 1000, 1000)):  # int32 and int64 index tables
-            table = rows_table([RowsProduct(a, b, s.pattern, 0, 0, 0)], sizes, torch.device("cpu"))
+            table = rows_table([RowProduct(a, b, s.pattern, 0, 0, 0)], sizes, torch.device("cpu"))
             for dtype in (torch.float32, torch.float64):
                 for a_sh, b_sh, batch in ((False, False, 16), (True, False, 16), (False, True, 3), (True, True, 1)):
                     mk = lambda shared, n: torch.zeros((n,) if shared else (batch, n), dtype=dtype)  # noqa: E731
