@@ -2,7 +2,7 @@
 sum of branch composites (a residual block, ``I + J_F^T``) or their side-by-side concatenation
 (a channel concatenation), and the index maps that place each branch's values in it.
 
-Done once at plan time; per step the block's values are one ``index_add`` per branch.
+Done once at plan time; per step the block's values are one indexed add per branch (distinct entries).
 """
 
 from __future__ import annotations

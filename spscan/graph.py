@@ -239,17 +239,10 @@ class _Leaf:
         self.unit, self.k = unit, k
         self.pattern = unit.pattern
         self.d_in, self.d_out = unit.d_in, unit.d_out
-        self._entries: dict = {}
-
-    def entry_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, col) of every stored entry in CSR order, on ``device``."""
-        hit = self._entries.get(device)
-        if hit is None:
-            p = self.pattern
-            rows = np.repeat(np.arange(p.shape[0], dtype=np.int64), np.diff(p.indptr))
-            hit = (torch.from_numpy(rows).to(device), torch.from_numpy(p.indices.astype(np.int64)).to(device))
-            self._entries[device] = hit
-        return hit
+        # units without a matrix-free operator apply their CSR values through a one-layer plan on the
+        # engine: its planned segment sums are deterministic on every device (no index_add_ atomics)
+        self.spmv_plan = None if getattr(unit, "has_operator", False) else build_plan([unit.pattern], levels=0,
+                                                                                       bind=None)
 
     @property
     def shared(self) -> bool:
@@ -283,9 +276,8 @@ class _FilledOperator(StructuredOperator):
         self.shared = values.dim() == 1
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
-        rows, cols = self.leaf.entry_index(g.device)
-        prod = torch.index_select(g, 1, cols) * self._values
-        return torch.zeros(g.shape[0], self.leaf.d_in, dtype=g.dtype, device=g.device).index_add_(1, rows, prod)
+        bound = self.leaf.spmv_plan.bind((self._values.dim() == 1,), None, g.device)
+        return bound.run([self._values], g.contiguous(), check=False)[0]
 
     def values(self) -> torch.Tensor:
         return self._values
@@ -403,11 +395,11 @@ class _Parallel:
         nnz = self.pattern.nnz
         out = torch.zeros((nnz,) if shared else (batch, nnz), dtype=dtype, device=device)
         for p, m in zip(parts, self.maps):
-            m = m.to(device)
+            m = m.to(device)  # a branch's entries map to distinct union entries: plain indexed adds, no atomics
             if shared:
-                out.index_add_(0, m, p)
+                out[m] += p
             else:
-                out.index_add_(1, m, p.expand(batch, -1) if p.dim() == 1 else p)
+                out[:, m] += p
         return out, inner
 
     def operator(self, saved, T) -> StructuredOperator:
