@@ -19,7 +19,7 @@ import torch
 from spscan.kernels.backend import Backend, StructuredOperator
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
-from spscan.planner.program import Program, lower
+from spscan.planner.program import Apply, Program, lower
 
 __all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "StructuredOperator", "check_inputs", "fmt_bytes"]
 
@@ -126,6 +126,34 @@ class ScanResult:
             return None
         off, d = root
         return self._vectors[:, off : off + d]
+
+
+class _ListResult(ScanResult):
+    """A :class:`ScanResult` whose gradients are separate tensors (a linear scan of structured operators)."""
+
+    def __init__(self, grads: list[Optional[torch.Tensor]]) -> None:
+        self._list = grads
+        self.composite = None
+
+    def __len__(self) -> int:
+        return len(self._list)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = self._list[i]
+        if g is None:
+            raise ValueError(f"dl/dx_{i} was not computed: the plan was bound without it (first_output=False)")
+        return g
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return list(self._list)
+
+    def stacked(self, idx: range, copy: bool = False) -> torch.Tensor:
+        return torch.stack([self[i] for i in idx])
+
+    @property
+    def composite_vector(self) -> Optional[torch.Tensor]:
+        return None
 
 
 def _fail(kind, msg: str):
@@ -297,6 +325,40 @@ class BoundPlan:
         self._arena_key: Optional[tuple] = None
         self._arenas: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._scratch: dict[str, torch.Tensor] = {}
+        self._operator_chain = self._find_operator_chain()
+
+    # -- a linear scan of structured operators only ---------------------------------------
+    def _find_operator_chain(self) -> Optional[list[int]]:
+        """Layers (top first) when the program is a plain linear scan of structured operators.
+
+        Then the vector arena only relays each operator's output to the next one's input: the run
+        calls the operators on their own contiguous tensors instead (no copies in and out of the
+        arena's strided columns), in the same order, so results are identical.
+        """
+        prog = self.program
+        ops = [op for st in prog.steps for op in st.ops]
+        if self.kind != "scan" or not ops or any(self.has_extra) or len(ops) != sum(len(st.ops) for st in prog.steps):
+            return None
+        if not all(isinstance(op, Apply) and op.add < 0 for op in ops) or any(len(st.ops) != 1 for st in prog.steps):
+            return None
+        layers = [op.layer for op in ops]
+        expect = list(range(self.n - 1, self.n - 1 - len(ops), -1))
+        if layers != expect or len(ops) < self.n - 1:
+            return None
+        vin = prog.grad_slot
+        for op in ops:  # each operator reads what the previous one wrote
+            if op.vin != vin:
+                return None
+            vin = op.out
+        return layers
+
+    def _run_operator_chain(self, items, grad: torch.Tensor) -> list[Optional[torch.Tensor]]:
+        out: list[Optional[torch.Tensor]] = [None] * (self.n + 1)
+        out[self.n] = g = grad.clone()
+        for layer in self._operator_chain:
+            g = items[layer].apply(g)
+            out[layer] = g
+        return out
 
     # -- buffers --------------------------------------------------------------------------
     def _get_arenas(self, batch: int, dtype: torch.dtype):
@@ -374,6 +436,9 @@ class BoundPlan:
         if self.max_memory is not None and batch * self._peak_per_sample > self.max_memory:
             raise ValueError(f"max_memory={fmt_bytes(self.max_memory)}: backward at batch {batch} needs "
                              f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
+        if self._operator_chain is not None and not stacked:
+            with torch.no_grad():
+                return _ListResult(self._run_operator_chain(items, grad))
         with torch.no_grad():
             vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch)
         composite = None

@@ -90,3 +90,22 @@ def test_operators_on_the_triton_backend():
     w = spscan.wrap(net, x, levels=1, backend="triton")
     for u, r in zip(_grads(net, w, x), _grads(net, net, x)):
         torch.testing.assert_close(u, r, rtol=1e-10, atol=1e-12)
+
+
+def test_operator_chain_runs_without_the_vector_arena():
+    """A depth-0 scan of operators only calls them on their own tensors; the arena path gives the same."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                        nn.Linear(3 * 4 * 4, 4)).double()
+    x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
+    w = spscan.wrap(net, x, levels=0)
+    bound = w.plan.core.bind([u.shared for u in w.plan.units], None, None, w.plan.operator_flags)
+    assert bound._operator_chain == [4, 3, 2, 1, 0]
+    fast = _grads(net, w, x)
+    for b in w.plan.core.bindings():
+        b._operator_chain = None  # force the arena path
+    slow = _grads(net, w, x)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for a, r in zip(fast, _grads(net, net, x)):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
