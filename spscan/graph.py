@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from spscan.engine import check_inputs
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
-from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, refuse_functorch,
-                          refuse_second_derivative)
+from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, _ForwardState, _ScanFunction,
+                          refuse_functorch, refuse_second_derivative)
 from spscan.plan import build_composite, build_plan
 from spscan.planner.graph import identity_pattern, place, product_pattern, union_pattern
 
@@ -810,34 +810,14 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 # ----------------------------------------------------------------------------- autograd
 
 
-class _GraphState:
-    def __init__(self, saved, tensors, x_shape) -> None:
-        self.saved, self.tensors, self.x_shape = saved, tensors, x_shape
-
-
-class _GraphScanFunction(torch.autograd.Function):
-    """Forward: the blocks. Backward: block values, the block-level scan, then every branch's
-    inner scan and all parameter gradients."""
-
-    @staticmethod
-    def forward(plan: GraphPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
-        tensors, pos = [], 0
-        for u in plan.units:
-            tensors.append([t.detach() for t in flat[pos:pos + len(u.roles)]])
-            pos += len(u.roles)
-        y, saved = plan._run(x.detach(), tensors)
-        return (y.clone() if y is x else y), _GraphState(saved, tensors, x.shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.plan = inputs[0]
-        ctx.state = output[1]
-        ctx.save_for_backward(*inputs[1:])
+class _GraphScanFunction(_ScanFunction):
+    """Forward: the blocks (the chain function's forward and context, unit by unit). Backward: block
+    values, the block-level scan, then every branch's inner scan and all parameter gradients."""
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
         plan: GraphPlan = ctx.plan
-        st: _GraphState = ctx.state
+        st: _ForwardState = ctx.state
         b = gy.shape[0]
         with torch.no_grad():
             values = plan._values(st.saved, st.tensors)
