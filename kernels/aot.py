@@ -84,5 +84,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRITON_INTERPRET", "0")
     sys.exit(main(sys.argv[1:]))

@@ -30,6 +30,7 @@ from spscan.planner.program import RowProduct
 
 from . import launch
 from .segments import index_dtype
+from .spgemm import product_operands, row_stride
 
 __all__ = ["spgemm_rows_kernel", "RowsTable", "rows_table", "rows_config", "spgemm_rows",
            "spgemm_rows_product"]
@@ -224,10 +225,6 @@ def rows_config(max_b_row: int, batch: int, interpret: bool) -> RowsConfig:
     return RowsConfig(block_b, block_j, warps)
 
 
-def _row_stride(arena: torch.Tensor) -> int:
-    return arena.stride(0) if arena.dim() == 2 else 0
-
-
 def spgemm_rows(table: RowsTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     """Numeric row-wise SpGEMM of one step, in place on ``c``.
 
@@ -238,11 +235,7 @@ def spgemm_rows(table: RowsTable, a: torch.Tensor, b: torch.Tensor, c: torch.Ten
     """
     if table.nrows == 0:
         return
-    a_sh, b_sh, c_sh = a.dim() == 1, b.dim() == 1, c.dim() == 1
-    if c_sh != (a_sh and b_sh):
-        raise ValueError(f"spgemm_rows: output must be shared exactly when both factors are; got a "
-                         f"{tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}")
-    batch = 1 if c_sh else c.shape[0]
+    a_sh, b_sh, c_sh, batch = product_operands("spgemm_rows", a, b, c)
     cfg = rows_config(table.max_b_row, batch, launch.interpreting())
     grid = (table.nrows, triton.cdiv(batch, cfg.block_b))
     launch.launch(
@@ -250,8 +243,8 @@ def spgemm_rows(table: RowsTable, a: torch.Tensor, b: torch.Tensor, c: torch.Ten
         dict(a_ptr=a, b_ptr=b, c_ptr=c, row_a=table.row_a, row_alen=table.row_alen, row_c=table.row_c,
              row_ccol=table.row_ccol, row_clen=table.row_clen, row_steps=table.row_steps, ae_val=table.ae_val,
              ae_brow=table.ae_brow, br_val=table.br_val, br_col=table.br_col, br_len=table.br_len,
-             cols=table.cols, batch=batch, stride_a=_row_stride(a), stride_b=_row_stride(b),
-             stride_c=_row_stride(c)),
+             cols=table.cols, batch=batch, stride_a=row_stride(a), stride_b=row_stride(b),
+             stride_c=row_stride(c)),
         dict(A_SHARED=a_sh, B_SHARED=b_sh, C_SHARED=c_sh, BLOCK_B=cfg.block_b, BLOCK_J=cfg.block_j),
         cfg.num_warps,
     )

@@ -37,7 +37,6 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.engine import check_inputs
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
 from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, _ForwardState, _ScanFunction,
@@ -661,6 +660,8 @@ class GraphPlan(ModelPlan):
         core: the block-level scan plan.
     """
 
+    element_name = "block"
+
     def __init__(self, model: nn.Module, traced: _Traced, segments: list[Any], in_shape: tuple[int, ...],
                  core: Any, operators: bool = True) -> None:
         super().__init__(model, traced.units, traced.names, in_shape, core, operators=operators)
@@ -717,18 +718,6 @@ class GraphPlan(ModelPlan):
         jac = Jacobians(values, x.shape[0], saved, tensors)
         jac.inner = inner  # type: ignore[attr-defined]
         return y, jac
-
-    def backward(self, values, grad, extra=None, *, first_output: bool = True) -> list[torch.Tensor]:
-        """``[dl/dx_0, ..., dl/dx_n]`` at the block boundaries (``n`` blocks)."""
-        vals = list(values.values if isinstance(values, Jacobians) else values)
-        if len(vals) != len(self.segments):
-            raise ValueError(f"values: expected {len(self.segments)} tensors (one per block), got {len(vals)}")
-        if isinstance(grad, torch.Tensor) and grad.dim() != 2:
-            grad = grad.reshape(grad.shape[0], -1)
-        items, _, shared, has_extra, _, _, device, operators = check_inputs(
-            self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
-        bound = self.core.bind(shared, has_extra, device, operators, first_output)
-        return bound.run(items, grad, extra, check=False).grads
 
     def unit_param_grads(self, saved, tensors, grads, needed) -> list[list[Optional[torch.Tensor]]]:
         """dl/dθ per unit and role from the block-boundary gradients ``grads`` (``n+1``)."""

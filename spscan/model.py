@@ -161,6 +161,8 @@ class ModelPlan:
         self.param_roles: list[list[tuple[str, nn.Parameter, Optional[torch.Tensor]]]] = [
             [(names[id(p)], p, mask) for p, mask in u.parameters_for_roles()] for u in units]
 
+    element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
+
     # -- contract attributes
     @property
     def levels(self) -> int:
@@ -247,8 +249,8 @@ class ModelPlan:
         layer's :class:`~spscan.kernels.backend.StructuredOperator` instead of its CSR values;
         ``first_output=False`` leaves ``dl/dx_0`` out (``None``)."""
         vals = list(values.values if isinstance(values, Jacobians) else values)
-        if len(vals) != len(self.units):
-            raise ValueError(f"values: expected {len(self.units)} tensors (one per layer), got {len(vals)}")
+        if len(vals) != self.core.n:
+            raise ValueError(f"values: expected {self.core.n} tensors (one per {self.element_name}), got {len(vals)}")
         if isinstance(grad, torch.Tensor) and grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
         items, _, shared, has_extra, _, _, device, operators = check_inputs(

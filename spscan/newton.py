@@ -68,6 +68,7 @@ import torch
 
 from spscan.planner.cost import profile_for
 from spscan.plan import build_plan
+from spscan.recurrent import cell_step
 
 __all__ = [
     "NewtonNotConverged",
@@ -75,7 +76,6 @@ __all__ = [
     "NewtonInfo",
     "NewtonSolver",
     "transpose_pattern",
-    "cell_eval",
     "quasi_pattern",
     "FORWARD_MODES",
 ]
@@ -196,52 +196,6 @@ def quasi_pattern(kind: str, hidden: int) -> sp.csr_array:
 
 
 # --------------------------------------------------------------------------- the cell, batched
-
-
-def cell_eval(kind: str, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
-    """``F(s_{t-1}, x_t)`` and the derivative coefficients for all ``T*B`` steps at once.
-
-    ``gi`` (T, B, G*H): ``x W_ih^T + b_ih`` (fixed across iterations); ``s_prev`` (T, B, D), ``D = H``
-    (``2H`` for the LSTM, ``[h, c]``). Returns ``(s_new (T, B, D), coefs)`` with ``coefs`` as
-    :func:`spscan.recurrent._coefficients` defines them (the same formulas, so the backward reuses them).
-    """
-    w_hh = params[1]
-    b_hh = params[3] if len(params) > 2 else None
-    h_prev = s_prev[..., :H]
-    T, B = s_prev.shape[:2]
-    gh = torch.matmul(h_prev, w_hh.t()) if b_hh is None else \
-        torch.addmm(b_hh, h_prev.reshape(T * B, H), w_hh.t()).view(T, B, -1)
-    if kind.startswith("rnn"):
-        a = gi + gh
-        if kind == "rnn_tanh":
-            h = torch.tanh(a)
-            return h, {"d": 1.0 - h * h}
-        h = torch.relu(a)
-        return h, {"d": (h > 0).to(h.dtype)}
-    if kind == "gru":
-        ir, iz, in_ = gi.chunk(3, dim=-1)
-        hr, hz, hn = gh.chunk(3, dim=-1)
-        r = torch.sigmoid(ir + hr)
-        z = torch.sigmoid(iz + hz)
-        n = torch.tanh(in_ + r * hn)
-        h = torch.lerp(n, h_prev, z)  # (1 - z) n + z h
-        dn = (1.0 - z) * (1.0 - n * n)
-        return h, {"dr": dn * hn * r * (1.0 - r), "dz": (h_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
-    c_prev = s_prev[..., H:]
-    pi, pf, pg, po = (gi + gh).chunk(4, dim=-1)
-    i, f, g, o = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg), torch.sigmoid(po)
-    c = torch.addcmul(f * c_prev, i, g)
-    tc = torch.tanh(c)
-    s = torch.cat([o * tc, c], dim=-1)
-    coefs = {
-        "ci": g * i * (1.0 - i),
-        "cf": c_prev * f * (1.0 - f),
-        "cg": i * (1.0 - g * g),
-        "co": tc * o * (1.0 - o),
-        "k": o * (1.0 - tc * tc),
-        "f": f,
-    }
-    return s, coefs
 
 
 def _quasi_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
@@ -454,7 +408,7 @@ class NewtonSolver:
         done = False
         while True:
             s_prev = torch.cat([s0.unsqueeze(0), s[:-1]], dim=0)
-            f, coefs = cell_eval(kind, gi, s_prev, params, H)
+            f, coefs = cell_step(kind, gi, s_prev, params, H)
             r = f - s
             S = max(float(f.abs().max()), tiny)  # the scale: the cell's own outputs (bounded), not the guess
             if done:

@@ -193,11 +193,10 @@ def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[to
 
     ``x`` (T, B, I), ``h_prev`` (T, B, H) → two ``(T, B, G*H)`` tensors.
     """
-    w_ih, w_hh = params[0], params[1]
-    b_ih = params[2] if len(params) > 2 else None
+    w_hh = params[1]
     b_hh = params[3] if len(params) > 2 else None
     T, B, _ = x.shape
-    gi = torch.matmul(x, w_ih.t()) if b_ih is None else torch.addmm(b_ih, x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
+    gi = _input_gates(x, params)
     gh = (
         torch.matmul(h_prev, w_hh.t())
         if b_hh is None
@@ -206,7 +205,7 @@ def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[to
     return gi, gh
 
 
-def _coefficients(kind: str, x, h_prev, c_prev, hs, cs, params) -> dict[str, torch.Tensor]:
+def _coefficients(kind: str, x, h_prev, c_prev, hs, params) -> dict[str, torch.Tensor]:
     """Elementwise derivative coefficients of one step, all ``(T, B, H)``.
 
     RNN: ``d`` = d h_t / d a_t. GRU: ``dr, dz, dn, dm`` = d h_t / d(R, Z, N, M)_t and ``z``.
@@ -217,21 +216,56 @@ def _coefficients(kind: str, x, h_prev, c_prev, hs, cs, params) -> dict[str, tor
         return {"d": 1.0 - hs * hs}
     if kind == "rnn_relu":
         return {"d": (hs > 0).to(hs.dtype)}
-    gi, gh = _gates(kind, x, h_prev, params)
+    H = h_prev.shape[-1]
+    s_prev = h_prev if kind == "gru" else torch.cat([h_prev, c_prev], dim=-1)
+    return cell_step(kind, _input_gates(x, params), s_prev, params, H)[1]
+
+
+def _input_gates(x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``x W_ih^T + b_ih`` for all ``T*B`` steps at once: ``(T, B, I) -> (T, B, G*H)``."""
+    w_ih = params[0]
+    b_ih = params[2] if len(params) > 2 else None
+    T, B, _ = x.shape
+    return torch.matmul(x, w_ih.t()) if b_ih is None else torch.addmm(b_ih, x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
+
+
+def cell_step(kind: str, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
+    """``F(s_{t-1}, x_t)`` and the derivative coefficients for all ``T*B`` steps at once.
+
+    ``gi`` (T, B, G*H): ``x W_ih^T + b_ih`` (fixed across iterations); ``s_prev`` (T, B, D), ``D = H``
+    (``2H`` for the LSTM, ``[h, c]``). Returns ``(s_new (T, B, D), coefs)`` with the coefficients of
+    :func:`_coefficients` (the one place their formulas live: the Newton forward's converged values
+    are what the backward reuses).
+    """
+    w_hh = params[1]
+    b_hh = params[3] if len(params) > 2 else None
+    h_prev = s_prev[..., :H]
+    T, B = s_prev.shape[:2]
+    gh = torch.matmul(h_prev, w_hh.t()) if b_hh is None else \
+        torch.addmm(b_hh, h_prev.reshape(T * B, H), w_hh.t()).view(T, B, -1)
+    if kind.startswith("rnn"):
+        a = gi + gh
+        if kind == "rnn_tanh":
+            h = torch.tanh(a)
+            return h, {"d": 1.0 - h * h}
+        h = torch.relu(a)
+        return h, {"d": (h > 0).to(h.dtype)}
     if kind == "gru":
         ir, iz, in_ = gi.chunk(3, dim=-1)
         hr, hz, hn = gh.chunk(3, dim=-1)
         r = torch.sigmoid(ir + hr)
         z = torch.sigmoid(iz + hz)
         n = torch.tanh(in_ + r * hn)
+        h = torch.lerp(n, h_prev, z)  # (1 - z) n + z h
         dn = (1.0 - z) * (1.0 - n * n)
-        return {"dr": dn * hn * r * (1.0 - r), "dz": (h_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
-    # lstm
-    pre = gi + gh
-    pi, pf, pg, po = pre.chunk(4, dim=-1)
+        return h, {"dr": dn * hn * r * (1.0 - r), "dz": (h_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
+    c_prev = s_prev[..., H:]
+    pi, pf, pg, po = (gi + gh).chunk(4, dim=-1)
     i, f, g, o = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg), torch.sigmoid(po)
-    tc = torch.tanh(cs)
-    return {
+    c = torch.addcmul(f * c_prev, i, g)
+    tc = torch.tanh(c)
+    s = torch.cat([o * tc, c], dim=-1)
+    coefs = {
         "ci": g * i * (1.0 - i),
         "cf": c_prev * f * (1.0 - f),
         "cg": i * (1.0 - g * g),
@@ -239,6 +273,9 @@ def _coefficients(kind: str, x, h_prev, c_prev, hs, cs, params) -> dict[str, tor
         "k": o * (1.0 - tc * tc),
         "f": f,
     }
+    return s, coefs
+
+
 
 
 def _weighted_wt(out: torch.Tensor, w_blocks: torch.Tensor, coefs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -545,7 +582,7 @@ class RecurrentPlan:
             # the module returns only c_T: recompute c_1..c_T from the batched gates (no time loop on h)
             cs = _lstm_cells(x, h_prev, c0, params)
             c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]], dim=0)
-        coefs = _coefficients(self.kind, x, h_prev, c_prev, hs, cs, params) if T > 0 else {}
+        coefs = _coefficients(self.kind, x, h_prev, c_prev, hs, params) if T > 0 else {}
         values = _jacobian_values(self.kind, self.layout, coefs, params[1], H) if (need_values and T > 0) else None
         return _Saved(
             x=x.detach(), h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
