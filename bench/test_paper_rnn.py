@@ -93,7 +93,7 @@ def test_rnn_sweep_B(benchmark, B):
 
 
 def test_rnn_training_curves(benchmark):
-    """A short side-by-side training run (spscan.demo): loss vs wall-clock for both (Figure 7)."""
+    """A short side-by-side training run (as the demo, ``spscan.cli.demo``): loss vs wall-clock for both (Figure 7)."""
     benchmark.group = "paper-rnn-training"
     result = {}
 

@@ -6,8 +6,8 @@ relu1^T.pool1^T, pool1^T.conv2^T, ...). One matrix (values shared, as one sample
 
 * ``planned``: the numeric half only (``spscan.plan_composite`` of the two layers: gather-multiply-
   segment-sum over the pair lists of ``spscan.planner.symbolic.spgemm_symbolic``, computed once);
-  the benchmark's own statistics. On CUDA this is the same torch path on the GPU, not the Triton
-  scan kernels (those run inside whole scan programs).
+  the benchmark's own statistics. The plan's backend is the device's default: the torch gather-multiply-
+  segment-sum on CPU, the Triton SpGEMM kernels on CUDA (the row ``backend`` says which ran).
 * ``torch.sparse``: CSR @ CSR, symbolic + numeric every call;
 * ``scipy``: ``csr_array @ csr_array`` (CPU rows only).
 * ``copy``: ``torch.clone`` of a float32 tensor as large as the planned product's traffic,
@@ -26,7 +26,6 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-import spscan
 import spscan
 
 import paper_config as cfg
@@ -103,6 +102,6 @@ def test_spgemm_vgg11(benchmark, i):
         copy_gbs=2 * buf.numel() * 4 / t_copy / 1e9,
         speedup_vs_torch_sparse=t_torch / t_planned, speedup_vs_scipy=t_scipy / t_planned,
         fraction_of_copy_bw=(planned_bytes / t_planned) / (2 * buf.numel() * 4 / t_copy),
-        backend="torch gather-multiply-segment-sum (plan_composite)",
+        backend=f"{cplan.backend} (plan_composite)",
     )
     assert c.shape[-1] == nnz_c
