@@ -65,6 +65,78 @@ class PerSampleReshapeUnit(ReshapeUnit):
     """A traced ``view``/``reshape``/``flatten``/``contiguous`` keeping the batch dim: ``J^T = I``."""
 
 
+class _Selection(nn.Module):
+    """A traced basic-indexing slice ``x[key]`` or a constant zero ``F.pad(x, pad)`` (any dims, channels too)."""
+
+    def __init__(self, kind: str, arg: Any) -> None:
+        super().__init__()
+        self.kind, self.arg = kind, arg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.arg] if self.kind == "slice" else F.pad(x, self.arg)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.arg!r}"
+
+
+class SelectionUnit(LayerUnit):
+    """A per-sample selection: every output entry is one input entry or a zero, each input entry
+    read at most once. ``x[:, :, ::2, ::2]`` (a strided slice: ``J^T`` scatters the gradient into
+    zeros) and ``F.pad(x, (0, 0, 0, 0, p, p))`` (zero padding, here of channels: ``J^T`` crops), the
+    two halves of He et al.'s option-A shortcut. ``J^T`` is a 0/1 matrix with at most one entry per
+    row and column (shared by the batch); its operator is the scatter or the crop itself."""
+
+    shared = True
+
+    def __init__(self, index: int, module: _Selection, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
+        super().__init__(index, module, in_shape, out_shape)
+        d_in = self.d_in
+        with torch.no_grad():
+            if module.kind == "slice":
+                probe = torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + self.in_shape)[module.arg]
+                if probe.dim() < 1 or probe.shape[0] != 2 or not bool((probe[1] - probe[0] == d_in).all()):
+                    raise ValueError(f"index {module.arg!r}: the batch dim must be kept whole (first index ':')")
+                src = probe[0].reshape(-1)
+            else:
+                src = F.pad(torch.arange(d_in, dtype=torch.int64).reshape((1,) + self.in_shape), module.arg,
+                            value=-1).reshape(-1)
+        src = src.numpy()
+        if src.size != self.d_out:
+            raise ValueError(f"{module.kind}: {src.size} selected entries for an output of {self.d_out}")
+        cols = np.flatnonzero(src >= 0)
+        rows = src[cols]
+        order = np.argsort(rows, kind="stable")
+        rows, cols = rows[order], cols[order]
+        if rows.size > 1 and not bool((rows[1:] != rows[:-1]).all()):
+            raise ValueError(f"{module.kind}: an input entry is read twice (not a selection)")
+        indptr = np.zeros(d_in + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
+        self.pattern = sp.csr_array((np.ones(rows.size), cols.astype(np.int64), indptr), shape=(d_in, self.d_out))
+        self._ones: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def name(self) -> str:
+        return "getitem" if self.module.kind == "slice" else "pad"
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        key = saved
+        if key not in self._ones:
+            self._ones[key] = torch.ones(self.nnz, dtype=key[0], device=key[1])
+        return self._ones[key]
+
+    def apply_transposed(self, saved, tensors, g):
+        b = g.shape[0]
+        gy = g.reshape((b,) + self.out_shape)
+        if self.module.kind == "pad":
+            return F.pad(gy, tuple(-p for p in self.module.arg)).reshape(b, self.d_in)
+        gi = gy.new_zeros((b,) + self.in_shape)
+        gi[self.module.arg] = gy
+        return gi.reshape(b, self.d_in)
+
+
 def _arg(args: Sequence[Any], kwargs: dict, i: int, name: str, default: Any) -> Any:
     if len(args) > i:
         return args[i]
@@ -105,17 +177,37 @@ def _pool(cls: type, names: Sequence[tuple[str, Any]]):
     return _module_builder(make)
 
 
-def _pad(args, kwargs) -> nn.Module:
-    pad = tuple(_arg(args, kwargs, 1, "pad", None))
+def _pad_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
+    """``F.pad`` with zeros: ``nn.ZeroPad1d/2d``'s unit for the last one or two dims of a 2-D..4-D input,
+    else (channel padding, as in the option-A shortcut) a :class:`SelectionUnit`."""
+    pad = tuple(int(p) for p in _arg(args, kwargs, 1, "pad", None))
     mode = _arg(args, kwargs, 2, "mode", "constant")
     value = _arg(args, kwargs, 3, "value", None)
     if mode != "constant" or value not in (None, 0, 0.0):
         raise ValueError(f"F.pad: zero padding (mode='constant', value=0) expected, got mode={mode!r}, value={value!r}")
-    if len(pad) == 2:
-        return nn.ZeroPad1d(pad)
-    if len(pad) == 4:
-        return nn.ZeroPad2d(pad)
-    raise ValueError(f"F.pad: 2 or 4 padding values expected (1-D or 2-D), got {len(pad)}")
+    nd = len(in_shape) + 1
+    if len(pad) % 2 or not 2 <= len(pad) <= 2 * len(in_shape):
+        raise ValueError(f"F.pad: an even number of padding values for at most the {len(in_shape)} per-sample dims "
+                         f"expected, got {len(pad)}")
+    if len(pad) == 2 and nd in (2, 3):
+        return make_unit(index, nn.ZeroPad1d(pad), in_shape, out_shape, prune_zeros=prune_zeros)
+    if len(pad) == 4 and nd in (3, 4):
+        return make_unit(index, nn.ZeroPad2d(pad), in_shape, out_shape, prune_zeros=prune_zeros)
+    return SelectionUnit(index, _Selection("pad", pad), in_shape, out_shape)
+
+
+def _slice_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
+    """``x[key]`` with basic indexing (slices with any step, integers, ``...``, ``None``), batch dim kept whole."""
+    key = args[1] if len(args) > 1 else None
+    items = key if isinstance(key, tuple) else (key,)
+    if kwargs or not all(k is None or k is Ellipsis or isinstance(k, (slice, int)) and not isinstance(k, bool)
+                         for k in items):
+        raise TypeError(f"indexing with {key!r}: only basic indexing (slices, integers, '...', None) is supported, "
+                        "not tensors, lists or masks")
+    for k in items:
+        if isinstance(k, slice) and not all(v is None or isinstance(v, int) for v in (k.start, k.stop, k.step)):
+            raise TypeError(f"indexing with {key!r}: slice bounds must be Python integers")
+    return SelectionUnit(index, _Selection("slice", key), in_shape, out_shape)
 
 
 def _interpolate(args, kwargs) -> nn.Module:
@@ -167,7 +259,8 @@ for _keys, _builder in [
                                            ("ceil_mode", False), ("count_include_pad", True)])),
     ((F.adaptive_avg_pool2d,), _pool(nn.AdaptiveAvgPool2d, [("output_size", None)])),
     ((F.adaptive_avg_pool1d,), _pool(nn.AdaptiveAvgPool1d, [("output_size", None)])),
-    ((F.pad,), _module_builder(_pad)),
+    ((F.pad,), _pad_builder),
+    ((operator.getitem,), _slice_builder),
     ((F.interpolate,), _module_builder(_interpolate)),
     ((torch.flatten, torch.reshape, ("method", "flatten"), ("method", "view"), ("method", "reshape"),
       ("method", "contiguous"), ("method", "unflatten"), torch.unflatten), _reshape_builder),

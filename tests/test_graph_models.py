@@ -341,9 +341,10 @@ def test_refusals_name_the_node_and_line():
 
     class Sliced(nn.Module):
         def forward(self, x):
-            return x[:, :2]
+            return x[:, [0, 1]]  # advanced indexing (basic slicing is a supported selection)
 
-    run_errors(lambda: spscan.wrap(Sliced(), x), TypeError, "getitem", "Sliced")
+    run_errors(lambda: spscan.wrap(Sliced(), x), TypeError, "getitem", "Sliced", "test_graph_models.py",
+               "return x[:, [0, 1]]", "basic indexing")
 
     class Mixed(nn.Module):
         def forward(self, x):
