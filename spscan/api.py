@@ -15,6 +15,7 @@ from spscan.engine import check_inputs
 from spscan.model import ModelPlan, plan_model
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
 from spscan.recurrent import RecurrentPlan, plan_recurrent
+from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked
 
 __all__ = ["plan", "backward", "plan_composite", "load_plan"]
 
@@ -37,8 +38,9 @@ def plan(
     Args:
         patterns: ``n`` patterns in layer order, ``patterns[i-1]`` the structure of ``J_i^T``
             (shape ``(d_{i-1}, d_i)``), each a canonical SciPy CSR matrix/array or torch sparse
-            CSR tensor (values ignored). An ``nn.Sequential`` or single-layer ``nn.RNN``/``GRU``/
-            ``LSTM`` followed by an example input plans that model instead.
+            CSR tensor (values ignored). An ``nn.Sequential`` or an ``nn.RNN``/``GRU``/``LSTM``
+            (stacked and bidirectional ones through :mod:`spscan.stacked`) followed by an
+            example input plans that model instead.
         levels: ``"auto"`` (cost model of the critical path), ``"full"`` (pure Blelloch) or an int
             ``K >= 0`` (0 = linear scan; clamped to the chain's maximum depth).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
@@ -56,6 +58,8 @@ def plan(
         opts = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
                     batch_size=batch_size, **kwargs)
         if isinstance(patterns, _RECURRENT):
+            if is_stacked(patterns):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
+                return plan_stacked(patterns, *args, **opts)
             return plan_recurrent(patterns, *args, **opts)
         return plan_model(patterns, *args, **opts)
     if args or kwargs:
@@ -112,7 +116,7 @@ def backward(
     """
     if isinstance(plan, ModelPlan):
         return plan.backward(values, grad, extra)
-    if isinstance(plan, RecurrentPlan):
+    if isinstance(plan, (RecurrentPlan, StackedRecurrentPlan)):
         raise TypeError("spscan.backward returns the n+1 chain gradients dl/dx_i; a recurrent plan's backward "
                         "returns input, initial-state and parameter gradients instead: call "
                         "plan.backward(saved, grad_output, grad_h_n[, grad_c_n]) with the saved state from "
