@@ -952,9 +952,10 @@ class BatchNormUnit(LayerUnit):
 
 # ----------------------------------------------------------------------------- more layers
 #
-# Normalization and softmax units store a dense block per normalized group (LayerNorm,
-# GroupNorm) or per softmax slice: the exact ``J^T`` is "diagonal plus low rank" inside each
-# block, and a CSR pattern cannot hold a low-rank term without its product's support.
+# Normalization and softmax: the exact ``J^T`` of each normalized group / softmax slice is a
+# diagonal plus a rank-1 or rank-2 term. The structured operator applies it in O(N) per slice with
+# the layer's own backward kernel (as autograd does); the CSR values, needed only where a planned
+# product multiplies the layer into an up-sweep (levels >= 1), write each slice's block densely.
 
 
 def _dense_blocks(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -972,10 +973,16 @@ class _GroupNormalizeUnit(LayerUnit):
     contiguous groups of ``N`` elements, each normalized by its own mean and (biased) variance,
     then scaled by a gain read from ``weight`` and shifted by ``bias``.
 
-    ``J^T`` is block-diagonal with one dense ``N x N`` block per group (stored as such, per
-    sample): ``J^T[j, i] = gain_i * rstd * (δ_ij - 1/N - x̂_i x̂_j / N)``, the diagonal-plus-rank-2
-    structure written out. Dense blocks cost ``G N^2`` entries per sample, so this suits
-    normalized groups of up to a few hundred elements.
+    Per group, ``J^T = rstd (I - 1/N 11^T - 1/N x̂ x̂^T) diag(gain)``: a diagonal plus rank 2.
+
+    * Structured operator (the linear scan, the down-sweep): ``J^T g = rstd (w⊙g - mean(w⊙g) -
+      x̂ mean(x̂⊙w⊙g))`` per group, O(N), through the layer's own backward kernel
+      (``native_layer_norm_backward`` / ``native_group_norm_backward``, which autograd calls), with the
+      weight and bias gradients from the same call when the scan applies the layer once (depth 0).
+    * CSR values (up-sweep products only): one dense ``N x N`` block per group, per sample,
+      ``J^T[j, i] = gain_i * rstd * (δ_ij - 1/N - x̂_i x̂_j / N)``.
+
+    The run saves ``(x, mean, rstd)`` from the forward kernel, so neither path recomputes statistics.
     """
 
     shared = False
@@ -994,17 +1001,22 @@ class _GroupNormalizeUnit(LayerUnit):
     def _tensor(self, tensors: Sequence[torch.Tensor], role: str) -> Optional[torch.Tensor]:
         return tensors[self.roles.index(role)] if role in self.roles else None
 
-    def _normalized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x̂ (B, G, N), rstd (B, G, 1))`` recomputed from the saved input."""
-        xg = x.detach().reshape(x.shape[0], self.groups, self.group_size)
-        var, mean = torch.var_mean(xg, dim=2, unbiased=False, keepdim=True)
-        rstd = torch.rsqrt(var + self.module.eps)
-        return (xg - mean) * rstd, rstd
+    def _detached(self, tensors: Sequence[torch.Tensor], role: str) -> Optional[torch.Tensor]:
+        t = self._tensor(tensors, role)
+        return None if t is None else t.detach()
+
+    def _normalized(self, saved: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x̂ (B, G, N), rstd (B, G, 1))`` from the saved input and statistics."""
+        x, mean, rstd = saved
+        b = x.shape[0]
+        rstd = rstd.detach().reshape(b, self.groups, 1)
+        xg = x.detach().reshape(b, self.groups, self.group_size)
+        return (xg - mean.detach().reshape(b, self.groups, 1)) * rstd, rstd
 
     def fill(self, saved, tensors):
-        x = saved
+        x = saved[0]
         b, n = x.shape[0], self.group_size
-        xhat, rstd = self._normalized(x)
+        xhat, rstd = self._normalized(saved)
         eye = torch.eye(n, dtype=x.dtype, device=x.device)
         blk = eye - 1.0 / n - xhat.unsqueeze(3) * xhat.unsqueeze(2) / n  # (B, G, j, i), symmetric
         scale = rstd.unsqueeze(3)  # (B, G, 1, 1)
@@ -1014,20 +1026,37 @@ class _GroupNormalizeUnit(LayerUnit):
             scale = scale * gain.reshape(1, self.groups, 1, n)
         return (blk * scale).reshape(b, -1)
 
-    def _param_grads(self, x, g_out, needed, reduce_dims: Sequence[int], view: Sequence[int]):
-        needed = needed or [True] * len(self.roles)
-        xhat, _ = self._normalized(x)
-        g = g_out.reshape(view)
-        xh = xhat.reshape(view)
-        out: list[Optional[torch.Tensor]] = []
-        for role, need in zip(self.roles, needed):
-            if not need:
-                out.append(None)
-            elif role == "weight":
-                out.append((g * xh).sum(list(reduce_dims)))
-            else:
-                out.append(g.sum(list(reduce_dims)))
-        return out
+    @abc.abstractmethod
+    def _backward(self, saved: Any, tensors: Sequence[torch.Tensor], g: torch.Tensor,
+                  mask: list[bool]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The layer's backward kernel on ``g`` ``(B, d_out)``: ``(dl/dx, dl/dweight, dl/dbias)``, each
+        computed only where ``mask`` says so."""
+
+    def apply_transposed(self, saved, tensors, g):
+        return self._backward(saved, tensors, g, [True, False, False])[0].reshape(g.shape[0], -1)
+
+    def _role_mask(self, needed: Optional[Sequence[bool]]) -> list[bool]:
+        """``[weight wanted, bias wanted]`` (the kernels' output mask) from ``needed`` per role."""
+        need = dict(zip(self.roles, needed if needed is not None else [True] * len(self.roles)))
+        return [bool(need.get("weight", False)), bool(need.get("bias", False))]
+
+    def _by_role(self, gw: Optional[torch.Tensor], gb: Optional[torch.Tensor],
+                 mask: list[bool]) -> list[Optional[torch.Tensor]]:
+        got = {"weight": gw if mask[0] else None, "bias": gb if mask[1] else None}
+        return [got[r] for r in self.roles]
+
+    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
+        """``J^T g`` and the weight/bias gradients for ``g = dl/dy`` from one backward-kernel call."""
+        mask = self._role_mask(needed)
+        gi, gw, gb = self._backward(saved, tensors, g, [True] + mask)
+        return gi.reshape(g.shape[0], -1), self._by_role(gw, gb, mask)
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        mask = self._role_mask(needed)
+        if not any(mask):
+            return [None] * len(self.roles)
+        _, gw, gb = self._backward(saved, tensors, g_out, [False] + mask)
+        return self._by_role(gw, gb, mask)
 
 
 class LayerNormUnit(_GroupNormalizeUnit):
@@ -1040,21 +1069,23 @@ class LayerNormUnit(_GroupNormalizeUnit):
         if len(ns) > len(in_shape) or tuple(in_shape[len(in_shape) - len(ns):]) != ns:
             raise ValueError(f"layer {index} (LayerNorm): expected per-sample input ending in normalized_shape "
                              f"{ns}, got {tuple(in_shape)}")
+        self.normalized_shape = list(ns)
         self.group_size = _prod(ns)
         self.groups = self.d_in // self.group_size
         gain = np.tile(np.arange(self.group_size, dtype=np.int64), self.groups) if "weight" in self.roles else None
         self._setup(gain)
 
     def run(self, x, tensors):
-        m = self.module
-        return F.layer_norm(x, m.normalized_shape, self._tensor(tensors, "weight"), self._tensor(tensors, "bias"),
-                            m.eps), x
+        # the kernel F.layer_norm calls, keeping its statistics for the backward
+        y, mean, rstd = torch.native_layer_norm(x, self.normalized_shape, self._tensor(tensors, "weight"),
+                                                self._tensor(tensors, "bias"), self.module.eps)
+        return y, (x, mean, rstd)
 
-    def param_grads(self, saved, tensors, g_out, needed=None):
-        x = saved
-        ns = tuple(self.module.normalized_shape)
-        view = (-1,) + ns
-        return self._param_grads(x, g_out, needed, [0], view)
+    def _backward(self, saved, tensors, g, mask):
+        x, mean, rstd = saved
+        return torch.ops.aten.native_layer_norm_backward(
+            g.reshape(x.shape), x.detach(), self.normalized_shape, mean.detach(), rstd.detach(),
+            self._detached(tensors, "weight"), self._detached(tensors, "bias"), mask)
 
 
 class GroupNormUnit(_GroupNormalizeUnit):
@@ -1068,26 +1099,35 @@ class GroupNormUnit(_GroupNormalizeUnit):
                              f"(num_channels), got {tuple(in_shape)}")
         self.groups = int(module.num_groups)
         self.group_size = self.d_in // self.groups
-        per_channel = self.d_in // in_shape[0]
-        gain = np.repeat(np.arange(in_shape[0], dtype=np.int64), per_channel) if "weight" in self.roles else None
+        self.hxw = self.d_in // in_shape[0]
+        gain = np.repeat(np.arange(in_shape[0], dtype=np.int64), self.hxw) if "weight" in self.roles else None
         self._setup(gain)
 
     def run(self, x, tensors):
-        m = self.module
-        return F.group_norm(x, m.num_groups, self._tensor(tensors, "weight"), self._tensor(tensors, "bias"),
-                            m.eps), x
+        # what F.group_norm runs (aten::group_norm: a contiguous input, then native_group_norm)
+        xc = x.contiguous()
+        y, mean, rstd = torch.native_group_norm(xc, self._tensor(tensors, "weight"), self._tensor(tensors, "bias"),
+                                                x.shape[0], self.in_shape[0], self.hxw, self.groups,
+                                                self.module.eps)
+        return y, (xc, mean, rstd)
 
-    def param_grads(self, saved, tensors, g_out, needed=None):
-        x = saved
-        c = self.in_shape[0]
-        return self._param_grads(x, g_out, needed, [0, 2], (x.shape[0], c, -1))
+    def _backward(self, saved, tensors, g, mask):
+        x, mean, rstd = saved
+        return torch.ops.aten.native_group_norm_backward(
+            g.reshape(x.shape).contiguous(), x.detach(), mean.detach(), rstd.detach(),
+            self._detached(tensors, "weight"), x.shape[0], self.in_shape[0], self.hxw, self.groups, mask)
 
 
 class SoftmaxUnit(LayerUnit):
-    """``nn.Softmax`` / ``nn.LogSoftmax`` along ``dim`` (not the batch dim): one dense ``N x N``
-    block per slice along ``dim`` (``N`` its length), per sample. Softmax:
-    ``J^T[j, i] = s_i δ_ij - s_i s_j``; LogSoftmax: ``J^T[j, i] = δ_ij - s_j`` (``s`` the softmax),
-    the diagonal-minus-rank-1 structure written out densely per slice."""
+    """``nn.Softmax`` / ``nn.LogSoftmax`` along ``dim`` (not the batch dim). Per slice along ``dim``
+    (``N`` its length, ``s`` the softmax): Softmax ``J^T = diag(s) - s s^T``, LogSoftmax
+    ``J^T = I - s 1^T`` (``J^T[j, i] = δ_ij - s_j``), a diagonal minus rank 1.
+
+    * Structured operator: ``J^T g = s⊙(g - <s, g>)`` (Softmax) or ``g - s Σg`` (LogSoftmax) per
+      slice, O(N), through the layer's own backward kernel (``_softmax_backward_data`` /
+      ``_log_softmax_backward_data``, which autograd calls).
+    * CSR values (up-sweep products only): one dense ``N x N`` block per slice, per sample.
+    """
 
     shared = False
 
@@ -1127,6 +1167,11 @@ class SoftmaxUnit(LayerUnit):
             v = torch.diag_embed(s) - s.unsqueeze(3) * s.unsqueeze(2)
         v = v.reshape(y.shape[0], -1)
         return v if self.order is None else torch.index_select(v, 1, self.order.on(y.device))
+
+    def apply_transposed(self, saved, tensors, g):
+        y = saved.detach()
+        back = torch.ops.aten._log_softmax_backward_data if self.log else torch.ops.aten._softmax_backward_data
+        return back(g.reshape(y.shape), y, self.dim, y.dtype).reshape(g.shape[0], -1)
 
 
 def _hardswish_derivative(x: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,12 @@ from layer_checks import (
     build_unit,
     check_param_grads,
     check_values,
+    filled,
     jacobian_support,
     run_errors,
     seq,
 )
+import spscan
 from spscan.layers import make_unit, supported_layer_types
 
 FAST = settings(max_examples=10, deadline=None)
@@ -207,3 +209,161 @@ def test_registry_lists_the_new_layers():
     for n in ("LayerNorm", "GroupNorm", "Softmax", "LogSoftmax", "AdaptiveAvgPool2d", "ZeroPad2d", "Upsample",
               "ConvTranspose2d", "PReLU", "Hardswish", "Mish", "SELU", "Unflatten"):
         assert n in names
+
+
+# ----------------------------------------------------------------------------- structured operators
+#
+# LayerNorm, GroupNorm, Softmax and LogSoftmax apply J^T matrix-free (O(N) per normalized group or
+# softmax slice); their CSR values (dense blocks) are formed only for up-sweep products.
+
+
+def _norm_cases():
+    """(id, module factory, per-sample input shape): odd sizes, a group of one element, 4-D softmax."""
+    return [
+        ("ln_affine", lambda: nn.LayerNorm(5), (5,)),
+        ("ln_plain", lambda: nn.LayerNorm(5, elementwise_affine=False), (3, 5)),
+        ("ln_no_bias", lambda: nn.LayerNorm([2, 3], bias=False), (4, 2, 3)),
+        ("ln_d1", lambda: nn.LayerNorm(1), (1,)),
+        ("ln_d1_lead", lambda: nn.LayerNorm(1), (3, 1)),
+        ("gn_affine", lambda: nn.GroupNorm(3, 6), (6, 2, 3)),
+        ("gn_plain", lambda: nn.GroupNorm(2, 4, affine=False), (4, 3)),
+        ("gn_one_channel_per_group", lambda: nn.GroupNorm(3, 3), (3, 5)),
+        ("gn_flat", lambda: nn.GroupNorm(1, 5), (5,)),
+        ("softmax_last", lambda: nn.Softmax(dim=-1), (7,)),
+        ("softmax_dim1_4d", lambda: nn.Softmax(dim=1), (3, 2, 4)),
+        ("logsoftmax_dim2", lambda: nn.LogSoftmax(dim=2), (3, 5)),
+        ("logsoftmax_dim1_4d", lambda: nn.LogSoftmax(dim=1), (4, 3, 2)),
+        ("softmax_d1", lambda: nn.Softmax(dim=1), (1,)),
+    ]
+
+
+NORM_CASES = {name: (make, shape) for name, make, shape in _norm_cases()}
+
+
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_norm_operator_equals_csr_values_and_autograd(name):
+    """Per unit, float64: J^T g from the operator = the CSR values times g = autograd's vjp, on a
+    strided g (the engine passes views of its vector arena); the fused weight and bias gradients
+    equal autograd's; batch 3 then batch 1 with one unit."""
+    make, shape = NORM_CASES[name]
+    m = _seeded(make(), 7)
+    u = build_unit(m, seq(2, *shape))
+    assert u.has_operator and not u.shared
+    for b in (3, 1):
+        x = seq(b, *shape, seed=b)
+        tensors = [t.detach().clone().requires_grad_(True) for t in u.tensors()]
+        plain = [t.detach() for t in tensors]
+        xr = x.clone().requires_grad_(True)
+        with torch.enable_grad():
+            y_ref, _ = u.run(xr, tensors)
+        assert torch.equal(y_ref.detach(), m(x).detach())
+        g = seq(b, 2 * u.d_out, seed=11)[:, ::2]  # a strided (B, d_out) view
+        ref = torch.autograd.grad(y_ref, [xr] + tensors, g.reshape(y_ref.shape))
+        ref_x, ref_p = ref[0].reshape(b, -1), ref[1:]
+        _, saved = u.run(x, plain)
+        torch.testing.assert_close(u.operator(saved, plain).apply(g), ref_x, rtol=1e-12, atol=1e-12)
+        vals = u.fill(saved, plain)
+        assert vals.shape == (b, u.nnz)
+        via_csr = torch.stack([torch.from_numpy(filled(u, vals, k) @ g[k].numpy()) for k in range(b)])
+        torch.testing.assert_close(via_csr, ref_x, rtol=1e-10, atol=1e-12)
+        if not u.roles:
+            continue
+        op = u.operator(saved, plain, [True] * len(u.roles))  # fused: one backward-kernel call
+        torch.testing.assert_close(op.apply(g), ref_x, rtol=1e-12, atol=1e-12)
+        for got in (op.param_grads, u.param_grads(saved, plain, g)):
+            for role, a, r in zip(u.roles, got, ref_p):
+                torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=role)
+        if "bias" in u.roles:
+            only_bias = u.operator(saved, plain, [r == "bias" for r in u.roles])
+            only_bias.apply(g)
+            assert [a is None for a in only_bias.param_grads] == [r != "bias" for r in u.roles]
+
+
+def _norm_chains():
+    """Chains through every normalization/softmax unit (name -> (model factory, per-sample input shape))."""
+    return {
+        "mlp_layernorm_logsoftmax": (lambda: nn.Sequential(
+            nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 5), nn.LogSoftmax(dim=1)), (6,)),
+        "cnn_groupnorm_softmax": (lambda: nn.Sequential(
+            nn.Conv2d(2, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.ReLU(), nn.Conv2d(6, 4, 1), nn.Softmax(dim=1),
+            nn.Flatten(), nn.Linear(4 * 3 * 3, 3)), (2, 3, 3)),
+        "odd_sizes": (lambda: nn.Sequential(
+            nn.Linear(4, 3), nn.LayerNorm(3, elementwise_affine=False), nn.Tanh(), nn.Linear(3, 1), nn.LayerNorm(1),
+            nn.Linear(1, 2), nn.GroupNorm(1, 2), nn.Softmax(dim=-1)), (4,)),
+    }
+
+
+NORM_CHAINS = _norm_chains()
+
+
+def _step(model, x, seed):
+    xr = x.clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    y = model(xr)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    (y * w).sum().backward()
+    return [xr.grad] + [p.grad.clone() for p in model.parameters()]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max error relative to the reference's largest entry; a reference that is zero up to rounding
+    (everything before a LayerNorm(1) gets no gradient) is compared at 1e-12 absolute."""
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-3)
+
+
+@pytest.mark.parametrize("levels", [0, 1, "full"])
+@pytest.mark.parametrize("name", list(NORM_CHAINS))
+def test_norm_chains_equal_autograd(name, levels):
+    """spscan.wrap at depth 0 (operators), 1 and full (dense blocks in the products), with and without
+    operators, float64: input and parameter gradients equal autograd's (≤ 1e-9 relative), batch 3,
+    then 1, then 5 on the same wrapper."""
+    make, shape = NORM_CHAINS[name]
+    torch.manual_seed(0)
+    net = make().double()
+    for p in net.parameters():
+        with torch.no_grad():
+            p.add_(0.3 * torch.randn_like(p))  # gains and biases away from 1 and 0
+    wrappers = [spscan.wrap(net, seq(3, *shape), levels=levels, operators=ops) for ops in (True, False)]
+    for b in (3, 1, 5):
+        x = seq(b, *shape, seed=b)
+        ref = _step(net, x, b)
+        for w in wrappers:
+            got = _step(w, x, b)
+            for k, (a, r) in enumerate(zip(got, ref)):
+                assert _rel(a, r) <= 1e-9, (k, _rel(a, r))
+
+
+@pytest.mark.parametrize("name", ["mlp_layernorm_logsoftmax", "cnn_groupnorm_softmax"])
+def test_norm_chain_depth0_forms_no_dense_block(name):
+    """At depth 0 every normalization/softmax layer is applied as its operator: no CSR values are filled."""
+    make, shape = NORM_CHAINS[name]
+    net = make().double()
+    x = seq(4, *shape)
+    w = spscan.wrap(net, x, levels=0)
+    norm = [u for u in w.plan.units if type(u).__name__ in ("LayerNormUnit", "GroupNormUnit", "SoftmaxUnit")]
+    assert norm and all(w.plan.operator_flags[u.index] for u in norm)
+    calls = []
+    for u in norm:
+        u.fill = lambda *a, _u=u: calls.append(_u.index)  # would return None: the step would fail
+    _step(w, x, 0)
+    assert calls == []
+
+
+@pytest.mark.parametrize("levels", [0, "full"])
+@pytest.mark.parametrize("name", ["mlp_layernorm_logsoftmax", "cnn_groupnorm_softmax"])
+def test_norm_chains_float32_within_autograd_error(name, levels):
+    """float32: spscan's error against a float64 reference is at most 2x autograd's own float32 error."""
+    make, shape = NORM_CHAINS[name]
+    torch.manual_seed(1)
+    net32 = make()
+    net64 = make().double()
+    net64.load_state_dict({k: v.double() for k, v in net32.state_dict().items()})
+    x = seq(6, *shape, seed=2, dtype=torch.float32)
+    w = spscan.wrap(net32, x, levels=levels)
+    ref = _step(net64, x.double(), 3)
+    ag = _step(net32, x, 3)
+    got = _step(w, x, 3)
+    for k, (s, a, r) in enumerate(zip(got, ag, ref)):
+        floor = 1e-6 * float(r.abs().max())
+        err_s, err_a = float((s.double() - r).abs().max()), float((a.double() - r).abs().max())
+        assert err_s <= 2 * err_a + floor, (k, err_s, err_a)
