@@ -245,12 +245,12 @@ class NewtonSolver:
     def _forward_step(self):
         """One step of the forward chain: the backward step's factors transposed and reversed."""
         if self._step is None:
-            from spscan.recurrent import _factored_layout, recurrent_patterns
+            from spscan.recurrent import _shared_flags, recurrent_patterns
 
             own = self.owner
             step = recurrent_patterns(own.module, 1, own.layout)
             if own.layout == "factored":
-                shared = [k == "shared" for k, _, _ in _factored_layout(own.kind, own.hidden_size)]
+                shared = _shared_flags(own.kind, own.hidden_size)
             else:
                 shared = [False]
             tp = [transpose_pattern(p) for p in step]
@@ -347,6 +347,9 @@ class NewtonSolver:
             torch.addmm(params[2], x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)  # fixed across iterations
         _, fperms, _ = self._forward_step()
         m = 1 if quasi else len(fperms)
+        # a per-sample factor's transpose gathers its values, unless it is its own transpose (diagonal)
+        sample_perms = [None if np.array_equal(q, np.arange(q.shape[0])) else torch.as_tensor(q, device=dev)
+                        for q in fperms]
         zero = torch.zeros(B, D, dtype=dt, device=dev)
         shared_cache: dict[int, torch.Tensor] = {}
 
@@ -362,13 +365,14 @@ class NewtonSolver:
                         fstep.append(hit)
                     else:
                         fstep.append(v)
-                first_diag = next(j for j, v in enumerate(fstep) if v.dim() == 3)
+                first_sample = next(j for j, v in enumerate(fstep) if v.dim() == 3)
                 per_t = []
                 for j, v in enumerate(fstep):
                     if v.dim() == 1:
                         per_t.append((v,) * T)
-                    else:  # scale one per-sample diagonal factor: the product scales with it
-                        per_t.append(reversed_views(f"diag{j}", v, scale if j == first_diag else 1.0))
+                    else:  # scale one per-sample factor (the product scales with it); permute a non-diagonal one
+                        per_t.append(reversed_views(f"sample{j}", v, scale if j == first_sample else 1.0,
+                                                    sample_perms[j]))
                 return [v for vs in zip(*per_t) for v in vs]
             from spscan.recurrent import _jacobian_values
 
@@ -382,14 +386,20 @@ class NewtonSolver:
 
         views_cache: dict[str, tuple] = {}
 
-        def reversed_views(name: str, src: torch.Tensor, scale: float = 1.0) -> list:
-            """``src`` (T, B, d) times ``scale`` in a buffer kept across iterations, as its ``T`` step views
-            last step first (the views are made once per solve, not per iteration)."""
+        def reversed_views(name: str, src: torch.Tensor, scale: float = 1.0,
+                           perm: Optional[torch.Tensor] = None) -> list:
+            """``src`` (T, B, d) (its last axis gathered by ``perm`` if given) times ``scale`` in a buffer
+            kept across iterations, as its ``T`` step views last step first (the views are made once
+            per solve, not per iteration)."""
             hit = views_cache.get(name)
             if hit is None:
                 buf = torch.empty_like(src)
                 hit = views_cache[name] = (buf, buf.unbind(0)[::-1])
-            if scale != 1.0:
+            if perm is not None:
+                torch.index_select(src, -1, perm, out=hit[0])
+                if scale != 1.0:
+                    hit[0].mul_(scale)
+            elif scale != 1.0:
                 torch.mul(src, scale, out=hit[0])
             else:
                 hit[0].copy_(src)

@@ -128,34 +128,81 @@ def _lstm_pattern(hidden: int) -> sp.csr_array:
     return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(2 * H, 2 * H))
 
 
+def _lstm_weight_pattern(hidden: int) -> sp.csr_array:
+    """LSTM element 1, ``(2H, 5H)``, shared: ``[[W_hh^T, 0], [0, I_H]]`` (``nnz = 4H^2 + H``).
+
+    Maps the 5H vector ``(da_i, da_f, da_g, da_o, f*dc)`` to ``(dh_{t-1}, dc_{t-1})``.
+    """
+    H = hidden
+    top = np.tile(np.arange(4 * H, dtype=np.int64), H)
+    indices = np.concatenate([top, 4 * H + np.arange(H, dtype=np.int64)])
+    indptr = np.concatenate([np.arange(H + 1, dtype=np.int64) * 4 * H, 4 * H * H + np.arange(1, H + 1, dtype=np.int64)])
+    return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(2 * H, 5 * H))
+
+
+def _lstm_gate_pattern(hidden: int) -> sp.csr_array:
+    """LSTM element 2, ``(5H, 2H)``, per sample (``nnz = 9H``): ``(gh, gc) -> (da_i, da_f, da_g, da_o, f*dc)``.
+
+    With ``dc = k*gh + gc``: rows ``da_q = c_q*dc`` (``q = i, f, g``) and ``f*dc`` read columns
+    ``(j, H+j)``; row ``da_o = co*gh`` reads column ``j``. CSR values per unit ``j``:
+    ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]`` (blocks of ``2H``), ``co`` (``H``), ``[f k, f]`` (``2H``).
+    """
+    H = hidden
+    ar = np.arange(H, dtype=np.int64)
+    pair = np.stack([ar, ar + H], axis=1).reshape(-1)
+    indices = np.concatenate([pair, pair, pair, ar, pair])
+    lengths = np.concatenate([np.full(3 * H, 2), np.ones(H), np.full(H, 2)]).astype(np.int64)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(5 * H, 2 * H))
+
+
+# element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``
+_SHARED_KINDS = ("shared", "lstm_weight")
+
+
 def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
-    """Elements of one time step of the factored chain: ``("shared", rows, cols)`` dense shared by
-    the batch, or ``("diag", d, d)`` per sample. Element 1 is always the gate pre-activations.
+    """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``:
+    ``"shared"`` dense shared by the batch, ``"diag"`` per-sample diagonal, ``"lstm_weight"``
+    (:func:`_lstm_weight_pattern`, shared) and ``"lstm_gate"`` (:func:`_lstm_gate_pattern`, per
+    sample). The gradients after element 1 are always the gate pre-activations' (first ``G*H`` entries).
 
     RNN: ``h -> a`` (``W_hh^T``), ``a -> h`` (diag). GRU: ``h -> (R, Z, M, h)`` (``[W_hh^T | I]``),
-    scale by ``(dr, dz, dm, z)``, sum the four blocks. LSTM: ``(h, c) -> (P_i, P_f, P_g, P_o, c)``,
-    scale by ``(ci, cf, cg, co, f)``, sum into ``(dc, dc, o)``, scale by ``(k, 1, 1)``, sum into ``(h, c)``.
+    scale by ``(dr, dz, dm, z)``, sum the four blocks. LSTM: ``(h, c) -> (a_i, a_f, a_g, a_o, c')``
+    (``[[W_hh^T, 0], [0, I]]``), then the gate derivatives and the cell path in one sparse element.
     """
     H = hidden
     if kind.startswith("rnn"):
         return [("shared", H, H), ("diag", H, H)]
     if kind == "gru":
         return [("shared", H, 4 * H), ("diag", 4 * H, 4 * H), ("shared", 4 * H, H)]
-    return [("shared", 2 * H, 5 * H), ("diag", 5 * H, 5 * H), ("shared", 5 * H, 3 * H), ("diag", 3 * H, 3 * H), ("shared", 3 * H, 2 * H)]
+    return [("lstm_weight", 2 * H, 5 * H), ("lstm_gate", 5 * H, 2 * H)]
+
+
+def _shared_flags(kind: str, hidden: int) -> list[bool]:
+    """Per element of one factored step: whether its values are shared by the batch."""
+    return [k in _SHARED_KINDS for k, _, _ in _factored_layout(kind, hidden)]
+
+
+def _element_pattern(element: str, rows: int, cols: int, hidden: int) -> sp.csr_array:
+    if element == "shared":
+        return _dense_pattern(rows, cols)
+    if element == "diag":
+        return _diag_pattern(rows)
+    return _lstm_weight_pattern(hidden) if element == "lstm_weight" else _lstm_gate_pattern(hidden)
 
 
 def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") -> list[sp.csr_array]:
     """The chain's transposed-Jacobian patterns for a sequence of ``seq_len`` steps, in layer order.
 
     Materialized: ``T`` patterns ``(D, D)`` (``D = H``, or ``2H`` for the LSTM). Factored: ``m*T``
-    patterns, ``m`` per step as in ``_factored_layout`` (2 RNN, 3 GRU, 5 LSTM). The same SciPy
+    patterns, ``m`` per step as in ``_factored_layout`` (2 RNN, 3 GRU, 2 LSTM). The same SciPy
     objects are repeated so the planner interns them.
     """
     kind = _cell_kind(module)
     layout = _resolve_layout(kind, layout)
     H = module.hidden_size
     if layout == "factored":
-        step = [_dense_pattern(r, c) if k == "shared" else _diag_pattern(r) for k, r, c in _factored_layout(kind, H)]
+        step = [_element_pattern(k, r, c, H) for k, r, c in _factored_layout(kind, H)]
         return step * seq_len
     pat = _lstm_pattern(H) if kind == "lstm" else _dense_pattern(H, H)
     return [pat] * seq_len
@@ -340,15 +387,28 @@ def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) ->
         a = torch.cat([w_hh.t(), eye], dim=1).reshape(-1)
         d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
         return [a, d, blocks([[1], [1], [1], [1]])]
-    a = torch.zeros(2 * H, 5 * H, dtype=dt, device=dev)
-    a[:H, : 4 * H] = w_hh.t()
-    a[H:, 4 * H :] = eye
-    d1 = torch.cat([coefs["ci"], coefs["cf"], coefs["cg"], coefs["co"], coefs["f"]], dim=-1)
-    k = coefs["k"]
-    d2 = torch.cat([k, torch.ones_like(k), torch.ones_like(k)], dim=-1)
-    s1 = blocks([[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 0, 1], [1, 1, 0]])
-    s2 = blocks([[1, 0], [0, 1], [1, 0]])
-    return [a.reshape(-1), d1, s1, d2, s2]
+    return [_lstm_weight_values(w_hh, H), _lstm_gate_values(coefs)]
+
+
+def _lstm_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
+    """Values ``(4H^2 + H,)`` of :func:`_lstm_weight_pattern`: row ``k`` of ``W_hh^T``, then ones."""
+    return torch.cat([w_hh.t().reshape(-1), torch.ones(H, dtype=w_hh.dtype, device=w_hh.device)])
+
+
+def _lstm_gate_values(coefs: dict) -> torch.Tensor:
+    """Values ``(T, B, 9H)`` of :func:`_lstm_gate_pattern` from the coefficients of :func:`cell_step`."""
+    k, f = coefs["k"], coefs["f"]
+    T, B, H = k.shape
+    vals = torch.empty(T, B, 9 * H, dtype=k.dtype, device=k.device)
+    gates = vals[..., : 6 * H].view(T, B, 3, H, 2)
+    for q, name in enumerate(("ci", "cf", "cg")):
+        torch.mul(coefs[name], k, out=gates[:, :, q, :, 0])
+        gates[:, :, q, :, 1].copy_(coefs[name])
+    vals[..., 6 * H : 7 * H].copy_(coefs["co"])
+    cell = vals[..., 7 * H :].view(T, B, H, 2)
+    torch.mul(f, k, out=cell[..., 0])
+    cell[..., 1].copy_(f)
+    return vals
 
 
 # --------------------------------------------------------------------------- the plan
@@ -436,7 +496,7 @@ class RecurrentPlan:
             for t in range(seq_len - 1):  # extra[t] (the loss on s_{t+1}) enters at chain index per*(t+1)
                 has_extra[per * (t + 1)] = True
         if self.layout == "factored":
-            shared = [k == "shared" for k, _, _ in _factored_layout(self.kind, self.hidden_size)] * seq_len
+            shared = _shared_flags(self.kind, self.hidden_size) * seq_len
         else:
             shared = [False] * n
         return plan.bind(shared, has_extra, torch.device(device))
