@@ -6,9 +6,13 @@ For steps ``j = 0 .. steps-1``::
     y_j    = M_j y_{j-1}  (+ vectors[:, add[j] : add[j] + rows[j]]  if add[j] >= 0)
     vectors[:, out[j] : out[j] + rows[j]] = y_j
 
-``M_j`` is diagonal (``code 0``: ``rows[j]`` values) or dense (``code 1``/``2``: a row-major
-``(rows[j], cols[j])`` block). Its values for sample ``b`` start at element
-``offset[j] + b * bstride[j]`` of ``sources[src[j]]`` (``bstride 0``: shared by the batch).
+``M_j`` is diagonal (``code 0``: ``rows[j]`` values), dense (``code 1`` shared / ``2`` per sample:
+a row-major ``(rows[j], cols[j])`` block) or CSR (``code 3`` shared / ``4`` per sample: ``nnz``
+values in the order of its pattern, whose row starts are ``csr_indptr[csr_ptr[j] : csr_ptr[j] +
+rows[j] + 1]`` and whose columns are ``csr_indices[csr_indptr[...]]``; the indptr entries are global
+positions in ``csr_indices``, so a pattern shared by many steps is stored once). Its values for
+sample ``b`` start at element ``offset[j] + b * bstride[j]`` of ``sources[src[j]]`` (``bstride 0``:
+shared by the batch); entry ``p`` of a CSR step is at that start plus ``p - csr_indptr[csr_ptr[j]]``.
 
 Why numba: the run is thousands of tiny dependent mat-vecs (the paper's RNN: 20x20, B = 16), so
 NumPy's and torch's per-call overhead, not arithmetic, bounds it (~2 us per step against ~0.3 us
@@ -16,13 +20,15 @@ of work). A compiled loop over the whole run removes that overhead. ``numba`` (`
 compiles on first use, caches the machine code on disk, needs no compiler at install time (a torch
 C++ extension would) and no tracing per chain length (``torch.compile`` would specialize or guard
 on the step count). No ``fastmath`` and no ``parallel``: every output is summed in ascending inner
-index, so results are bitwise reproducible run to run. The values of a step are read where they
-lie (arena or the caller's tensor), nothing is copied. Without numba the NumPy loop in
+index (dense: column; CSR: stored position), so results are bitwise reproducible run to run. The
+values of a step are read where they lie (arena or the caller's tensor), nothing is copied. A CSR
+step costs O(nnz * B) multiply-adds, never O(rows * cols). Without numba the NumPy loop in
 :mod:`spscan.kernels.torch_ops` runs instead (:func:`available`).
 
-Loop order: the running vector is kept feature-major (``(k, B)``), so a shared dense step is
-``rows x cols`` scalar-times-vector updates over the batch (vectorizable without reordering any
-sum); a per-sample dense step is a dot product per sample and row.
+Loop order: the running vector is kept feature-major (``(k, B)``), so a shared dense or CSR step
+is, per stored entry, a scalar-times-vector update over the batch (vectorizable without reordering
+any sum); a per-sample dense step is a dot product per sample and row, and a per-sample CSR step
+the same entry-outer update with the value read per sample.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ def available() -> bool:
     return bool(_load())
 
 
-def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, sources, vectors, cur, nxt):  # pragma: no cover - compiled
+def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
+                  csr_ptr, csr_indptr, csr_indices):  # pragma: no cover - compiled
     batch = vectors.shape[0]
     for kk in range(cols[0]):
         for b in range(batch):
@@ -65,10 +72,28 @@ def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, source
         s = sources[src[j]]
         o = offset[j]
         bs = bstride[j]
-        if code[j] == 0:
+        cj = code[j]
+        if cj == 0:
             for i in range(m):
                 for b in range(batch):
                     nxt[i, b] = s[o + b * bs + i] * cur[i, b]
+        elif cj >= 3:  # CSR: entries of row i in ascending stored order
+            cp = csr_ptr[j]
+            o -= csr_indptr[cp]  # value of global entry p: s[o + p (+ b * bs)]
+            for i in range(m):
+                for b in range(batch):
+                    nxt[i, b] = 0
+                if bs == 0:
+                    for p in range(csr_indptr[cp + i], csr_indptr[cp + i + 1]):
+                        w = s[o + p]
+                        c = csr_indices[p]
+                        for b in range(batch):
+                            nxt[i, b] += w * cur[c, b]
+                else:
+                    for p in range(csr_indptr[cp + i], csr_indptr[cp + i + 1]):
+                        c = csr_indices[p]
+                        for b in range(batch):
+                            nxt[i, b] += s[o + p + b * bs] * cur[c, b]
         elif bs == 0:
             for i in range(m):
                 for b in range(batch):
@@ -106,20 +131,27 @@ def _kernel():
     return _compiled
 
 
+_NO_CSR = np.zeros(1, dtype=np.int64)
+
+
 def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np.ndarray, rows: np.ndarray,
               cols: np.ndarray, add: np.ndarray, out: np.ndarray, vin0: int, sources: Sequence[np.ndarray],
-              vectors: np.ndarray) -> None:
+              vectors: np.ndarray, csr_ptr: Optional[np.ndarray] = None, csr_indptr: Optional[np.ndarray] = None,
+              csr_indices: Optional[np.ndarray] = None) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
         code, src, offset, bstride, rows, cols, add, out: ``(steps,)`` int64 arrays describing the
-            steps (``code`` 0 diagonal, 1 or 2 dense; ``add[j] = -1`` for no affine term).
+            steps (``code`` 0 diagonal, 1/2 dense, 3/4 CSR; ``add[j] = -1`` for no affine term).
         vin0: column of ``y_{-1}`` in ``vectors``.
         sources: 1-D C-contiguous arrays holding the matrices' values, of ``vectors``' dtype.
         vectors: ``(B, size_v)`` C-contiguous float32/float64 array, read and written in place.
+        csr_ptr: ``(steps,)`` int64, where each CSR step's row starts begin in ``csr_indptr`` (any value
+            for other steps); csr_indptr, csr_indices: the run's CSR tables (1-D int64, see
+            :class:`~spscan.planner.program.LinearRun`). Needed only when a step is CSR.
 
     Raises ``RuntimeError`` without numba, ``TypeError``/``ValueError`` on mismatched arrays. Bounds
-    are the caller's contract (the plan's offsets); they are not re-checked per element.
+    are the caller's contract (the plan's offsets and patterns); they are not re-checked per element.
     """
     if not available():
         raise RuntimeError("spscan.kernels.cpu_chain needs numba (pip install numba); use the NumPy loop instead")
@@ -133,6 +165,19 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
                       ("add", add), ("out", out)):
         if arr.shape != (steps,) or arr.dtype != np.int64:
             raise ValueError(f"{name}: expected ({steps},) int64, got {arr.shape} {arr.dtype}")
+    if code.dtype != np.int64 or code.min() < 0 or code.max() > 4:
+        raise ValueError(f"code: expected int64 codes 0..4, got {code.dtype} in [{code.min()}, {code.max()}]")
+    if code.max() >= 3:
+        for name, arr, shape in (("csr_ptr", csr_ptr, (steps,)), ("csr_indptr", csr_indptr, None),
+                                 ("csr_indices", csr_indices, None)):
+            if (arr is None or arr.dtype != np.int64 or arr.ndim != 1 or not arr.flags.c_contiguous
+                    or (shape is not None and arr.shape != shape)):
+                got = "None" if arr is None else f"{arr.shape} {arr.dtype}"
+                raise ValueError(f"{name}: a run with CSR steps needs a C-contiguous 1-D int64 array"
+                                 f"{f' of shape {shape}' if shape else ''}, got {got}")
+    else:
+        csr_ptr = np.zeros(steps, dtype=np.int64)
+        csr_indptr = csr_indices = _NO_CSR
     for i, s in enumerate(sources):
         if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
@@ -142,10 +187,12 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     while n < len(sources):
         n *= 2
     srcs = tuple(sources) + (sources[0],) * (n - len(sources))
+    # the running vector and the next one: every y_j has rows[j] entries and y_{-1} has cols[0]
     width = int(max(rows.max(), cols[0]))
     cur = np.empty((width, vectors.shape[0]), dtype=vectors.dtype)
     nxt = np.empty((width, vectors.shape[0]), dtype=vectors.dtype)
-    _kernel()(code, src, offset, bstride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt)
+    _kernel()(code, src, offset, bstride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
+              csr_ptr, csr_indptr, csr_indices)
 
 
 MAX_SOURCES = 16
@@ -171,7 +218,7 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     bst = np.zeros(steps, dtype=np.int64)
     lay = np.asarray(layers, dtype=np.int64)
     code_a = np.asarray(code, dtype=np.int64)
-    per_sample = (code_a == 2) | ((code_a == 0) & ~np.asarray(shared, dtype=bool))
+    per_sample = (code_a == 2) | (code_a == 4) | ((code_a == 0) & ~np.asarray(shared, dtype=bool))
     src[per_sample] = 1
     bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
     sources = [arena_s.reshape(-1), arena_p.reshape(-1)]

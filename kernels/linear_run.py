@@ -1,20 +1,24 @@
 """The linear-scan middle as one persistent launch: ``y_j = M_j @ y_{j-1} + add_j`` for ``j = 1..steps``.
 
 A :class:`~spscan.planner.program.LinearRun` is a run of dependent mat-vecs whose matrices are
-dense (row-major ``m_j x k_j``) or diagonal (``m_j`` entries), each shared (arena ``S``, no
-batch stride) or per sample (arena ``P``). A launch per step would cost more than the step,
-so each program walks the whole run for ``BLOCK_B`` samples:
+dense (row-major ``m_j x k_j``), diagonal (``m_j`` entries) or CSR (``nnz_j`` entries in the order
+of one of the run's patterns), each shared (arena ``S``, no batch stride) or per sample (arena
+``P``). A launch per step would cost more than the step, so each program walks the whole run for
+``BLOCK_B`` samples:
 
 * uniform runs (every step dense, square, the same ``m <= 64``): the running vector stays in
   registers between steps (``ONE_TILE``);
 * otherwise each step is tiled over rows and ``k``, reads ``y_{j-1}`` back from the vector
-  arena, and a block barrier orders the steps.
+  arena, and a block barrier orders the steps. A CSR step's row tile walks its rows' stored
+  entries ``BLOCK_K`` at a time (up to the tile's longest row), gathering ``y_{j-1}`` at their
+  columns: O(nnz) loads, never ``m x k``.
 
 A step's matrix is read by two masked loads (shared / per sample), so one launch serves mixed
 runs and a shared matrix is loaded once for every sample of the program. Per-step metadata
-is one ``(steps, 8)`` integer table. Sums are fixed-order ``tl.sum``: deterministic. Loops whose
-bound is a run-time value are ``while`` loops: Triton 3.6's interpreter cannot take a tensor as a
-``range`` bound.
+is one ``(steps, 8)`` integer table; the CSR patterns' row starts and columns are two flat
+integer tables, each distinct pattern stored once. Sums are fixed-order ``tl.sum``: deterministic.
+Loops whose bound is a run-time value are ``while`` loops: Triton 3.6's interpreter cannot take a
+tensor as a ``range`` bound.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from . import launch
 
 __all__ = ["linear_run_table", "linear_run_kernel", "linear_run"]
 
-FIELDS = 8  # dense, shared, rows, cols, mat_offset, add (-1: none), out, (pad)
+FIELDS = 8  # kind (0 diagonal, 1 dense, 2 CSR), shared, rows, cols, mat_offset, add (-1: none), out, csr_ptr
+DIAG, DENSE, CSR = 0, 1, 2
 
 
 @triton.jit
 def linear_run_kernel(
     s_ptr, p_ptr, v_ptr,  # shared values (N_S,), per-sample values (B, N_P), vectors (B, N_V)
     table,  # (steps, FIELDS) per-step metadata
+    csr_indptr, csr_indices,  # the CSR patterns' row starts (global entry positions) and columns
     vin0, steps, batch, m, stride_p, stride_v,  # m: the common size when ONE_TILE
     ONE_TILE: tl.constexpr, NF: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -70,13 +76,14 @@ def linear_run_kernel(
         j = 0
         while j < steps:
             meta = table + j * NF
-            dense = tl.load(meta) != 0
+            kind = tl.load(meta)
             sh = tl.load(meta + 1)
             mj = tl.load(meta + 2)
             kj = tl.load(meta + 3)
             off = tl.load(meta + 4).to(tl.int64)
             add = tl.load(meta + 5).to(tl.int64)
             out = tl.load(meta + 6).to(tl.int64)
+            cp = tl.load(meta + 7).to(tl.int64)
             prev = tl.load(table + tl.maximum(j - 1, 0) * NF + 6).to(tl.int64)
             src = tl.where(j == 0, vin0, prev)
             r0 = 0
@@ -84,7 +91,7 @@ def linear_run_kernel(
                 r = r0 + rows
                 keep = smp_ok[:, None] & (r[None, :] < mj)
                 acc = tl.zeros([BLOCK_B, BLOCK_M], dtype=v_ptr.dtype.element_ty)
-                if dense:
+                if kind == 1:  # dense
                     k0 = 0
                     while k0 < kj:
                         kk = k0 + ks
@@ -95,6 +102,26 @@ def linear_run_kernel(
                                       mask=smp_ok[:, None, None] & tile_ok[None, :, :] & (sh == 0), other=0.0)
                         x = tl.load(vrow + src + kk[None, :], mask=smp_ok[:, None] & (kk[None, :] < kj), other=0.0)
                         acc += tl.sum(a * x[:, None, :], axis=2)
+                        k0 += BLOCK_K
+                elif kind == 2:  # CSR: each row's stored entries, BLOCK_K at a time in stored order
+                    row_ok = r < mj
+                    first = tl.load(csr_indptr + cp).to(tl.int64)  # the pattern's first entry
+                    start = tl.load(csr_indptr + cp + r, mask=row_ok, other=0).to(tl.int64)
+                    length = tl.load(csr_indptr + cp + r + 1, mask=row_ok, other=0).to(tl.int64) - start
+                    longest = tl.max(length, axis=0)
+                    k0 = 0
+                    while k0 < longest:
+                        t = k0 + ks
+                        ent_ok = t[None, :] < length[:, None]  # (BLOCK_M, BLOCK_K)
+                        pos = start[:, None] + t[None, :]
+                        col = tl.load(csr_indices + pos, mask=ent_ok, other=0).to(tl.int64)
+                        loc = off + (pos - first)
+                        a = tl.load(s_ptr + loc, mask=ent_ok & (sh != 0), other=0.0)[None, :, :] \
+                            + tl.load(prow + loc[None, :, :],
+                                      mask=smp_ok[:, None, None] & ent_ok[None, :, :] & (sh == 0), other=0.0)
+                        x = tl.load(vrow[:, :, None] + src + col[None, :, :],
+                                    mask=smp_ok[:, None, None] & ent_ok[None, :, :], other=0.0)
+                        acc += tl.sum(a * x, axis=2)
                         k0 += BLOCK_K
                 else:  # diagonal: m_j == k_j entries scale the vector
                     d = tl.load(s_ptr + off + r, mask=(r < mj) & (sh != 0), other=0.0)[None, :] \
@@ -108,43 +135,55 @@ def linear_run_kernel(
             j += 1
 
 
-def linear_run_table(op, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
-    """``(steps, FIELDS)`` metadata of a LinearRun on ``device``, and the common size (0 if not uniform)."""
+def linear_run_table(op, dtype: torch.dtype, device: torch.device) \
+        -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """A LinearRun's tables on ``device`` as ``dtype`` integers: the ``(steps, FIELDS)`` metadata, the
+    common size (0 if not uniform), and the CSR row starts and columns (one zero entry each when the
+    run has no CSR step, so the kernel always gets valid pointers)."""
     steps = op.steps
     meta = np.zeros((steps, FIELDS), dtype=np.int64)
-    meta[:, 0] = op.dense
+    meta[:, 0] = np.where(op.sparse, CSR, np.where(op.dense, DENSE, DIAG))
     meta[:, 1] = op.shared
     meta[:, 2] = op.rows
     meta[:, 3] = op.cols
     meta[:, 4] = op.mat_offset
     meta[:, 5] = op.add
     meta[:, 6] = op.out
+    meta[:, 7] = op.csr_ptr
     m = int(op.rows[0]) if steps else 0
-    uniform = bool(steps and np.all(op.dense) and np.all(op.rows == m) and np.all(op.cols == m))
-    return torch.as_tensor(meta, dtype=dtype, device=device), (m if uniform else 0)
+    uniform = bool(steps and np.all(meta[:, 0] == DENSE) and np.all(op.rows == m) and np.all(op.cols == m))
+    indptr = op.csr_indptr if op.csr_indptr.size else np.zeros(1, dtype=np.int64)
+    indices = op.csr_indices if op.csr_indices.size else np.zeros(1, dtype=np.int64)
+    return (torch.as_tensor(meta, dtype=dtype, device=device), (m if uniform else 0),
+            torch.as_tensor(indptr, dtype=dtype, device=device), torch.as_tensor(indices, dtype=dtype, device=device))
 
 
 def linear_run(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int, s: torch.Tensor, p: torch.Tensor,
-              v: torch.Tensor) -> None:
+              v: torch.Tensor, csr_indptr: torch.Tensor, csr_indices: torch.Tensor) -> None:
     """Run a whole linear run in one launch, in place on ``v``.
 
     Args:
         table: ``(steps, FIELDS)`` from :func:`linear_run_table`; ``uniform_m``: the common square size or 0;
             ``all_shared``: every matrix is in ``s`` (a program then serves many samples).
         vin0: slot of ``y_0``. s: ``(N_S,)``; p: ``(B, N_P)``; v: ``(B, N_V)``.
+        csr_indptr, csr_indices: the run's CSR tables from :func:`linear_run_table` (1-D, ``table``'s dtype).
     """
     steps = int(table.shape[0])
     if steps == 0:
         return
     if p.dim() != 2 or v.dim() != 2 or p.shape[0] != v.shape[0]:
         raise ValueError(f"linear_run: expected p (B, N_P) and v (B, N_V), got {tuple(p.shape)} and {tuple(v.shape)}")
+    if csr_indptr.dim() != 1 or csr_indices.dim() != 1 or csr_indptr.dtype != table.dtype \
+            or csr_indices.dtype != table.dtype:
+        raise ValueError(f"linear_run: expected 1-D {table.dtype} CSR tables, got {tuple(csr_indptr.shape)} "
+                         f"{csr_indptr.dtype} and {tuple(csr_indices.shape)} {csr_indices.dtype}")
     batch = v.shape[0]
     cfg, one_tile = launch.linear_run_config(uniform_m, batch, all_shared, v.element_size())
     grid = (triton.cdiv(batch, cfg.block_b),)
     launch.launch(
         linear_run_kernel, grid,
-        dict(s_ptr=s, p_ptr=p, v_ptr=v, table=table, vin0=vin0, steps=steps, batch=batch, m=uniform_m,
-             stride_p=p.stride(0), stride_v=v.stride(0)),
+        dict(s_ptr=s, p_ptr=p, v_ptr=v, table=table, csr_indptr=csr_indptr, csr_indices=csr_indices, vin0=vin0,
+             steps=steps, batch=batch, m=uniform_m, stride_p=p.stride(0), stride_v=v.stride(0)),
         dict(ONE_TILE=one_tile, NF=FIELDS, BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k),
         cfg.num_warps,
     )

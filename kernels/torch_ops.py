@@ -121,7 +121,7 @@ class TorchTables(Tables):
                 elif isinstance(op, RowSpGEMM):
                     ops.append((op, [rows_torch_table(pr.a, pr.b, pr.c, device) for pr in op.products]))
                 elif isinstance(op, LinearRun):
-                    ops.append((op, _run_plan(op)))
+                    ops.append((op, _run_plan(op, device)))
                 elif isinstance(op, Apply):
                     ops.append((op, None))
                 else:
@@ -174,18 +174,65 @@ def _segment_sum(x: torch.Tensor, dst: torch.Tensor, idx: Index) -> None:
 
 
 @dataclass
+class _CsrSteps:
+    """One CSR pattern of a linear run as gather tables: ``y_out[:, rows] = (vals * y[:, cols])[:, idx].sum(-1)``.
+
+    Rows are grouped by padded length (:func:`~spscan.planner.planning.bin_widths`: at most 2x padding);
+    ``idx`` pads with ``nnz``, the zero column after the products, so the sum of a row is over its
+    stored entries only (empty rows sum to zero). O(nnz) work per step, no atomics.
+    """
+
+    nnz: int
+    cols: Index  # (nnz,) column of each stored entry
+    bins: list[tuple[Index, Index]]  # (output rows, (rows_in_bin, width) positions in the products)
+
+
+def _csr_steps(indptr: np.ndarray, indices: np.ndarray, torch_device: Optional[torch.device]) -> _CsrSteps:
+    """Gather tables of one pattern, as NumPy arrays (``torch_device=None``) or index tensors."""
+    from spscan.planner.planning import bin_widths
+
+    lengths = np.diff(indptr)
+    nnz = int(indptr[-1] - indptr[0])
+    widths = bin_widths(lengths.copy())
+    bins = []
+    for w in sorted(np.unique(widths).tolist(), reverse=True):
+        sel = np.flatnonzero(widths == w)
+        t = np.arange(w, dtype=np.int64)
+        pos = (indptr[sel] - indptr[0])[:, None] + t[None, :]
+        pos = np.where(t[None, :] < lengths[sel][:, None], pos, nnz)
+        if torch_device is None:
+            rows = _progression(sel)
+            bins.append((rows if rows is not None else sel, pos))
+        else:
+            bins.append((_as_index(sel, torch_device), torch.as_tensor(pos, device=torch_device)))
+    cols = np.asarray(indices, dtype=np.int64)
+    return _CsrSteps(nnz, cols if torch_device is None else torch.as_tensor(cols, device=torch_device), bins)
+
+
+@dataclass
 class _RunPlan:
     """A :class:`LinearRun` unpacked into Python lists once (the per-step loop is overhead bound)."""
 
-    code: list[int]  # 0 diagonal, 1 shared dense, 2 per-sample dense
+    code: list[int]  # 0 diagonal, 1 shared dense, 2 per-sample dense, 3 shared CSR, 4 per-sample CSR
     layer: list[int]
     offset: list[int]
     rows: list[int]
     cols: list[int]
     add: list[int]
     uniform_out: bool
-    max_block: int  # largest rows*cols of a dense step (1 if all diagonal)
+    max_block: int  # largest stored entries (rows*cols dense, nnz CSR) of a non-diagonal step (1 if none)
     period: int  # outputs are contiguous and their sizes repeat every ``period`` steps (0: neither)
+    pattern: list[int]  # index of a CSR step's pattern in ``csr_np``/``csr_dev``, -1 otherwise
+    csr_np: list[_CsrSteps]  # per distinct pattern: NumPy gather tables (the NumPy loop)
+    csr_dev: list[_CsrSteps]  # the same as index tensors on the tables' device (the torch loop)
+    nnz: list[int]  # stored entries of each step's matrix
+
+
+def _run_codes(op: LinearRun) -> np.ndarray:
+    """``(steps,)`` int64 step codes of :mod:`.cpu_chain` (0 diagonal, 1/2 dense, 3/4 CSR; shared/per sample)."""
+    shared = np.asarray(op.shared, dtype=bool)
+    return np.where(op.sparse, np.where(shared, 3, 4),
+                    np.where(op.dense, np.where(shared, 1, 2), 0)).astype(np.int64)
 
 
 def _out_period(rows: np.ndarray, out: np.ndarray) -> int:
@@ -199,13 +246,22 @@ def _out_period(rows: np.ndarray, out: np.ndarray) -> int:
     return 0
 
 
-def _run_plan(op: LinearRun) -> _RunPlan:
-    code = [0 if not d else (1 if s else 2) for d, s in zip(op.dense.tolist(), op.shared.tolist())]
+def _run_plan(op: LinearRun, device: Optional[torch.device] = None) -> _RunPlan:
+    code = _run_codes(op).tolist()
     rows = op.rows.tolist()
     period = _out_period(op.rows, op.out)
-    dense = op.rows * op.cols * op.dense
+    nnz = op.nnz
+    block = np.where(np.asarray(code) == 0, 0, nnz)
+    bounds = [(int(op.csr_indptr[s]), int(op.csr_indptr[s + p.rows])) for s, p in
+              zip(np.cumsum([0] + [p.rows + 1 for p in op.csr]).tolist(), op.csr)]
+    ptrs = [op.csr_indptr[s : s + p.rows + 1] for s, p in
+            zip(np.cumsum([0] + [p.rows + 1 for p in op.csr]).tolist(), op.csr)]
+    idxs = [op.csr_indices[a:b] for a, b in bounds]
+    dev = torch.device("cpu") if device is None else torch.device(device)
     return _RunPlan(code, op.layers.tolist(), op.mat_offset.tolist(), rows, op.cols.tolist(), op.add.tolist(),
-                      period == 1, max(1, int(dense.max())) if dense.size else 1, period)
+                    period == 1, max(1, int(block.max())) if block.size else 1, period, op.pattern.tolist(),
+                    [_csr_steps(p, i, None) for p, i in zip(ptrs, idxs)],
+                    [_csr_steps(p, i, dev) for p, i in zip(ptrs, idxs)], nnz.tolist())
 
 
 # A CPU linear-run step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
@@ -230,7 +286,7 @@ def _run_compiled(op: LinearRun, arenas: dict[str, torch.Tensor], vectors: torch
     apply (no numba, or an input matrix that is not a strided view of a contiguous tensor)."""
     if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
         return False
-    code = np.where(op.dense, np.where(op.shared, 1, 2), 0).astype(np.int64)
+    code = _run_codes(op)
     where = cpu_chain.resolve_steps(code, op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
                                     _as_numpy(arenas["P"]), inputs, vectors.dtype)
     if where is None:
@@ -238,13 +294,33 @@ def _run_compiled(op: LinearRun, arenas: dict[str, torch.Tensor], vectors: torch
     src, off, bst, sources = where
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), i64(op.out), op.vin0,
-                        sources, _as_numpy(vectors))
+                        sources, _as_numpy(vectors), i64(op.csr_ptr), i64(op.csr_indptr), i64(op.csr_indices))
     return True
+
+
+def _csr_step(y, vals, out, tab: _CsrSteps, prod, use_np: bool) -> None:
+    """``out = M y`` for a CSR ``M``: ``prod[:, :nnz] = vals * y[:, cols]`` (``prod[:, nnz]`` stays zero),
+    then each bin of rows sums its gathered products (stored order; padding reads the zero)."""
+    if use_np:
+        np.multiply(y[:, tab.cols], vals, out=prod[:, : tab.nnz])
+        for sel, pos in tab.bins:
+            if isinstance(sel, slice):
+                np.sum(prod[:, pos], axis=-1, out=out[:, sel])
+            else:
+                out[:, sel] = prod[:, pos].sum(-1)
+    else:
+        torch.mul(y[:, tab.cols], vals, out=prod[:, : tab.nnz])
+        for sel, pos in tab.bins:
+            if isinstance(sel, slice):
+                torch.sum(prod[:, pos], -1, out=out[:, sel])
+            else:
+                out[:, sel] = prod[:, pos].sum(-1)
 
 
 def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
                inputs) -> None:
-    """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term).
+    """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term), or
+    for a CSR step one gather-multiply and a padded gather-sum per row bin (:class:`_CsrSteps`).
 
     Vectors are ``(B, m)`` blocks of one contiguous buffer written with ``out=``: the least
     per-step overhead eager torch allows on a sequential run (NumPy's, on the CPU, when the
@@ -288,7 +364,7 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
             hit = seen.get(id(raw))
             if hit is None:  # shared dense blocks are kept transposed: the step is y @ M^T
                 r = conv(raw) if use_np else raw
-                if c == 0:
+                if c == 0 or c >= 3:
                     mat = r
                 elif c == 1:
                     mat = r.reshape(m, k).T if use_np else r.view(m, k).t()
@@ -299,9 +375,9 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
             mats.append(hit[1])
         else:
             off = cp.offset[j]
-            src = arena["S"] if c == 1 or (c == 0 and op.shared[j]) else arena["P"]
-            vals = src[..., off : off + (m * k if c else m)]
-            if c == 0:
+            src = arena["S"] if op.shared[j] else arena["P"]
+            vals = src[..., off : off + cp.nnz[j]]
+            if c == 0 or c >= 3:
                 mats.append(vals)
             elif c == 1:
                 mats.append(vals.reshape(m, k).T if use_np else vals.view(m, k).t())
@@ -310,20 +386,30 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
     y = vec[:, op.vin0 : op.vin0 + cols[0]]
     adds = [None if a < 0 else vec[:, a : a + rows[j]] for j, a in enumerate(cp.add)]
     no_adds = all(a is None for a in adds)
+    # per CSR pattern: the products of a step and one zero column the padded gathers read
+    tabs = cp.csr_np if use_np else cp.csr_dev
+    if use_np:
+        prods = [np.empty((batch, t.nnz + 1), dtype=nbuf.dtype) for t in tabs]
+    else:
+        prods = [torch.empty(batch, t.nnz + 1, dtype=vectors.dtype, device=vectors.device) for t in tabs]
+    for prod in prods:
+        prod[:, -1] = 0
     if use_np:
         dot, mul, matmul, add_ = np.dot, np.multiply, np.matmul, np.add
         with np.errstate(all="ignore"):  # inf/NaN propagate silently, as in torch
-            for c, mat, out, a in zip(code, mats, ys, adds):
+            for c, mat, out, a, pat in zip(code, mats, ys, adds, cp.pattern):
                 if c == 1:
                     dot(y, mat, out=out)
                 elif c == 0:
                     mul(y, mat, out=out)
-                else:  # per-sample dense: (B, m, k) @ (B, k, 1)
+                elif c == 2:  # per-sample dense: (B, m, k) @ (B, k, 1)
                     matmul(mat, y[:, :, None], out=out[:, :, None])
+                else:
+                    _csr_step(y, mat, out, tabs[pat], prods[pat], True)
                 if a is not None:
                     add_(out, a, out=out)
                 y = out
-    elif no_adds and 2 not in code:
+    elif no_adds and all(c in (0, 1) for c in code):
         # the common middle (shared dense and diagonal steps, no affine terms): the tightest loop
         mm, mul = torch.mm, torch.mul
         for c, mat, out in zip(code, mats, ys):
@@ -333,11 +419,15 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
                 mul(y, mat, out=out)
             y = out
     else:
-        for c, mat, out, add in zip(code, mats, ys, adds):
+        for c, mat, out, add, pat in zip(code, mats, ys, adds, cp.pattern):
             if c == 0:
                 torch.mul(y, mat, out=out) if add is None else torch.addcmul(add, y, mat, out=out)
             elif c == 1:
                 torch.mm(y, mat, out=out) if add is None else torch.addmm(add, y, mat, out=out)
+            elif c >= 3:
+                _csr_step(y, mat, out, tabs[pat], prods[pat], False)
+                if add is not None:
+                    out.add_(add)
             elif add is None:  # per-sample dense
                 torch.bmm(mat, y.unsqueeze(-1), out=out.unsqueeze(-1))
             else:

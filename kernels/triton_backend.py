@@ -74,6 +74,8 @@ class _LinearRunLaunch:
     table: torch.Tensor
     uniform_m: int
     all_shared: bool
+    csr_indptr: torch.Tensor
+    csr_indices: torch.Tensor
 
 
 Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _LinearRunLaunch]
@@ -156,8 +158,9 @@ class TritonTables(Tables):
                     writes.append(("V", np.arange(op.out, op.out + op.rows)))
                 elif isinstance(op, LinearRun):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
-                    table, uniform_m = linear_run_table(op, index_dtype(limit), self.device)
-                    launches.append(_LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared))))
+                    limit = max(limit, int(op.csr_indices.size) + 1)
+                    table, uniform_m, indptr, indices = linear_run_table(op, index_dtype(limit), self.device)
+                    launches.append(_LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared)), indptr, indices))
                     # the chain reads its own outputs step by step: only y_0 and the adds come from outside
                     reads.append(("V", np.arange(op.vin0, op.vin0 + int(op.cols[0]))))
                     reads += [("V", np.arange(a, a + r)) for a, r in zip(op.add.tolist(), op.rows.tolist()) if a >= 0]
@@ -223,7 +226,7 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                 run_apply(item.op, vectors, inputs)
             elif isinstance(item, _LinearRunLaunch):
                 linear_run(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
-                          vectors)
+                          vectors, item.csr_indptr, item.csr_indices)
             else:
                 op = item.op
                 gemv(item.m_off, item.vin, item.add, op.mats, op.out_offset, arenas[op.kind_m], vectors)

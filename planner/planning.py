@@ -176,19 +176,39 @@ _BINS: dict[tuple[str, int], int] = {}
 
 
 def linear_run_kind(p: Pattern) -> Optional[str]:
-    """``"dense"`` / ``"diag"`` for matrices a fused linear run (the scan's middle) takes, else ``None``."""
+    """How a fused linear run (the scan's middle) takes a matrix of pattern ``p``: ``"dense"``
+    (full pattern: a row-major block), ``"diag"`` (the identity pattern: ``m`` scale factors),
+    ``"sparse"`` (any other pattern: a CSR step over its ``indptr``/``indices``), or ``None`` (the
+    step stays a standalone SpMV; see :func:`_linear_run_kind`)."""
     if p.key in _RUN_KIND:
         return _RUN_KIND[p.key]
     _RUN_KIND[p.key] = kind = _linear_run_kind(p)
     return kind
 
 
+# Largest pattern (stored entries) a run takes as a CSR step; see :func:`_linear_run_kind`.
+RUN_SPARSE_MAX_NNZ = 1 << 16
+
+
 def _linear_run_kind(p: Pattern) -> Optional[str]:
+    """The run kind of one pattern.
+
+    * Full patterns are ``"dense"`` and identity patterns ``"diag"`` (no index read at all).
+    * Every other pattern is ``"sparse"``, nearly dense ones included: their values arrive in CSR
+      order, so a dense step would need a scatter of the values into a block on every call, while
+      the CSR step reads them in place at one index per entry (at most twice the dense step's reads).
+    * A sparse pattern with more than :data:`RUN_SPARSE_MAX_NNZ` entries stays out of runs: its
+      own work (``nnz * B`` multiply-adds, ~1 ms on one CPU core at ``B = 16``) dwarfs the per-step
+      overhead a run removes (microseconds), while a standalone SpMV launch spreads its rows over
+      the whole device (a run walks them in one program per block of samples).
+    """
     if p.is_full:
         return "dense"
     if (p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows))
             and np.array_equal(p.indptr, np.arange(p.rows + 1))):
         return "diag"
+    if p.nnz <= RUN_SPARSE_MAX_NNZ:
+        return "sparse"
     return None
 
 

@@ -135,13 +135,17 @@ class Gemv:
 class LinearRun:
     """A run of dependent mat-vecs (the linear-scan middle): ``y_j = M_j y_{j-1} + add_j``.
 
-    Every ``M_j`` is dense (row-major ``(m_j, k_j)`` block) or diagonal (``m_j`` entries), shared
-    or per sample; ``y_0`` is read at ``vin0`` and ``y_j`` written at ``out[j]`` (contiguous).
-    Backends run the whole run from one call (torch: one ``mm``/``bmm``/``mul`` per step into
-    contiguous buffers; Triton: one persistent launch), never one launch per step.
+    Every ``M_j`` is dense (row-major ``(m_j, k_j)`` block), diagonal (``m_j`` entries) or CSR
+    (``nnz`` entries in its pattern's order), shared (``(nnz,)``) or per sample (``(B, nnz)``);
+    ``y_0`` is read at ``vin0`` and ``y_j`` written at ``out[j]`` (contiguous). The values stay where
+    they are (arena or the caller's tensor); a CSR step's structure is one of the run's distinct
+    patterns (``csr``, interned by pattern key: a long RNN chain repeats a few), stored once as
+    ``csr_indptr``/``csr_indices``. Backends run the whole run from one call (torch: one
+    ``mm``/``bmm``/``mul``/gather-sum per step into contiguous buffers; CPU: one compiled loop;
+    Triton: one persistent launch), never one launch per step.
     """
 
-    dense: np.ndarray  # (steps,) bool: dense block, else diagonal
+    dense: np.ndarray  # (steps,) bool: dense block (else diagonal, or CSR where pattern >= 0)
     shared: np.ndarray  # (steps,) bool: matrix values in the shared arena
     rows: np.ndarray  # (steps,) m_j
     cols: np.ndarray  # (steps,) k_j
@@ -150,10 +154,44 @@ class LinearRun:
     vin0: int
     add: np.ndarray  # (steps,) vector offset of add_j, or -1
     out: np.ndarray  # (steps,) vector offset of y_j
+    pattern: Optional[np.ndarray] = None  # (steps,) index into ``csr`` of a CSR step, -1 otherwise
+    csr: tuple[Pattern, ...] = ()  # the run's distinct CSR patterns
+    # the CSR tables: each pattern's indptr, shifted to where its columns start in ``csr_indices``,
+    # concatenated ((sum(rows_p + 1),)); the columns concatenated ((sum(nnz_p),)); and per step where
+    # its indptr starts in ``csr_indptr`` (-1 for a dense/diagonal step)
+    csr_indptr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    csr_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    csr_ptr: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        if self.pattern is None:
+            self.pattern = np.full(self.steps, -1, dtype=np.int64)
+        if self.csr_ptr is None:
+            self.csr_ptr = np.full(self.steps, -1, dtype=np.int64)
+            if self.csr:
+                starts = np.cumsum([0] + [p.rows + 1 for p in self.csr])[:-1].astype(np.int64)
+                self.csr_ptr = np.where(self.pattern >= 0, starts[np.maximum(self.pattern, 0)], -1).astype(np.int64)
+                base = np.cumsum([0] + [p.nnz for p in self.csr])[:-1]
+                self.csr_indptr = np.concatenate([p.indptr + b for p, b in zip(self.csr, base)]).astype(np.int64)
+                self.csr_indices = np.concatenate([p.indices for p in self.csr]).astype(np.int64)
 
     @property
     def steps(self) -> int:
         return int(self.rows.shape[0])
+
+    @property
+    def sparse(self) -> np.ndarray:
+        """``(steps,)`` bool: CSR steps."""
+        return self.pattern >= 0
+
+    @property
+    def nnz(self) -> np.ndarray:
+        """``(steps,)`` stored entries of each step's matrix (its values per sample or shared)."""
+        nnz = np.where(self.dense, self.rows * self.cols, self.rows)
+        if self.csr:
+            per_pattern = np.array([p.nnz for p in self.csr], dtype=np.int64)
+            nnz = np.where(self.sparse, per_pattern[np.maximum(self.pattern, 0)], nnz)
+        return nnz.astype(np.int64)
 
 
 @dataclass
@@ -266,6 +304,10 @@ def _arrays(op):
         yield op.mat_offset
         yield op.add
         yield op.out
+        yield op.pattern
+        yield op.csr_ptr
+        yield op.csr_indptr
+        yield op.csr_indices
 
 
 def _binned(lengths: np.ndarray, first: np.ndarray, a_src: np.ndarray, b_src: np.ndarray,
@@ -482,9 +524,14 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
         elif what == "run":
             ops = payload
             pats_ = [mats[o.mat].pattern for o in ops]
+            csr_ids: dict[str, int] = {}  # distinct CSR patterns, by key, in order of first use
+            for p in pats_:
+                if linear_run_kind(p) == "sparse":
+                    csr_ids.setdefault(p.key, len(csr_ids))
+            by_key = {p.key: p for p in pats_}
             pstep.ops.append(LinearRun(
-                dense=np.array([p.is_full for p in pats_]),
-                shared=np.array([kind[o.mat] == SHARED for o in ops]),
+                dense=np.array([p.is_full for p in pats_], dtype=bool),
+                shared=np.array([kind[o.mat] == SHARED for o in ops], dtype=bool),
                 rows=np.array([p.rows for p in pats_], dtype=np.int64),
                 cols=np.array([p.cols for p in pats_], dtype=np.int64),
                 mat_offset=np.array([offset[o.mat] for o in ops], dtype=np.int64),
@@ -492,6 +539,8 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
                 vin0=voff[ops[0].vin],
                 add=np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64),
                 out=np.array([voff[o.out] for o in ops], dtype=np.int64),
+                pattern=np.array([csr_ids.get(p.key, -1) for p in pats_], dtype=np.int64),
+                csr=tuple(by_key[k] for k in csr_ids),
             ))
         elif what == "apply":
             op = payload

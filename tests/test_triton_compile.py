@@ -62,6 +62,16 @@ def _cases():
         ([_full(70, 70)] * 5, [True] * 5, 0, 3, 2), ([_full(70, 70)] * 4, [False] * 4, 0, 3, None),
         ([_full(5, 5)] * 6, [False] * 5 + [True], 0, 3, 3),
     ]
+    # the LSTM step as two sparse elements (shared [[W_hh^T, 0], [0, I]] and a per-sample 9H-entry
+    # factor): a linear run of CSR steps, B = 16
+    h = 20
+    lstm_shared = _csr(np.block([[np.ones((h, 4 * h), dtype=bool), np.zeros((h, h), dtype=bool)],
+                                 [np.zeros((h, 4 * h), dtype=bool), np.eye(h, dtype=bool)]]))
+    eye = np.eye(h, dtype=bool)
+    lstm_sample = _csr(np.block([[eye, eye], [eye, eye], [eye, eye], [eye, np.zeros((h, h), dtype=bool)],
+                                 [eye, eye]]))
+    cases.append(([lstm_shared, lstm_sample] * 4, [True, False] * 4, 0, 16, None))
+    cases.append(([lstm_shared, lstm_sample] * 4, [True, False] * 4, 0, 16, 2))
     for h in (20, 64):  # the paper's RNN: a chain of dense per-sample Jacobians, B = 16 (configs do not depend on T)
         for levels in ("auto", "full", 0, 2):
             cases.append(([_full(h, h)] * 16, [False] * 16, levels, 16, None))
