@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .planning import INDEX_BYTES, ScanPlan
+from .planning import INDEX_BYTES, ScanPlan, linear_run_kind
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -34,6 +34,7 @@ def estimate_memory(plan: ScanPlan) -> MemoryEstimate:
     plan_bytes = sum((p.indptr.nbytes + p.indices.nbytes) for p in {id(p): p for p in plan.patterns}.values())
     values = sum(p.nnz for p in plan.patterns)
     temp = 0
+    run_patterns: set[str] = set()
     for st in sched.steps:
         step_pairs = 0
         for op in st.mm:
@@ -51,10 +52,18 @@ def estimate_memory(plan: ScanPlan) -> MemoryEstimate:
             else:
                 step_pairs += info.pattern.nnz
         vec = 0
+        in_run = st.phase == "mid" and len(st.mv) == 1 and linear_run_kind(mats[st.mv[0].mat].pattern) == "sparse"
         for op in st.mv:
             p = mats[op.mat].pattern
             vec += p.rows
-            if not p.is_full:
+            if in_run:
+                # a CSR step of a fused linear run: its pattern's tables once per distinct pattern (a long
+                # RNN chain repeats a few): columns, row starts and the CPU loop's padded gather (<= 2 nnz)
+                if p.key not in run_patterns:
+                    run_patterns.add(p.key)
+                    plan_bytes += 3 * INDEX_BYTES * p.nnz + 2 * INDEX_BYTES * (p.rows + 1)
+                step_pairs += 2 * p.nnz
+            elif not p.is_full:
                 plan_bytes += 2 * 2 * INDEX_BYTES * p.nnz + 2 * INDEX_BYTES * p.rows
                 step_pairs += 2 * p.nnz
             else:

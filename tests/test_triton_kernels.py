@@ -254,6 +254,22 @@ def diag(n: int) -> sp.csr_array:
     return _csr(np.eye(n, dtype=bool))
 
 
+def _lstm_step(h: int) -> tuple[sp.csr_array, sp.csr_array]:
+    """The LSTM step's two elements: shared ``(2H, 5H)`` (nnz 4H^2 + H), per-sample ``(5H, 2H)`` (nnz 9H)."""
+    eye, zero = np.eye(h, dtype=bool), np.zeros((h, h), dtype=bool)
+    shared = _csr(np.block([[np.ones((h, 4 * h), dtype=bool), zero], [np.zeros((h, 4 * h), dtype=bool), eye]]))
+    sample = _csr(np.block([[eye, eye], [eye, eye], [eye, eye], [eye, zero], [eye, eye]]))
+    return shared, sample
+
+
+_RNG = np.random.default_rng(23)
+CSR_A = random_pattern(_RNG, 7, 7, 0.3, empty_rows=2, long_row=True)  # (7, 7)
+CSR_B = random_pattern(_RNG, 9, 40, 0.2, empty_rows=3, long_row=True)  # (9, 40)
+CSR_C = random_pattern(_RNG, 40, 1, 0.5, empty_rows=5)  # (40, 1)
+CSR_D = random_pattern(_RNG, 5, 3, 0.5)  # (5, 3)
+CSR_A2 = random_pattern(_RNG, 3, 9, 0.4, empty_rows=1)  # (3, 9)
+LSTM_SHARED, LSTM_SAMPLE = _lstm_step(5)
+
 CHAINS = {
     # uniform dense square chains up to 64 keep the vector in registers (ONE_TILE)
     "20-sample-affine": ([full(20, 20)] * 6, [False] * 6, 2),
@@ -264,6 +280,14 @@ CHAINS = {
     "70-sample": ([full(70, 70)] * 4, [False] * 4, None),
     "rect-diag-mixed": ([full(9, 30), diag(30), full(30, 17), diag(17), full(17, 17), diag(17)],
                         [False, True, True, False, False, True], 2),
+    # CSR steps (general patterns) in the same launch: empty rows, a long row, an all-empty 1 x 1,
+    # rectangular, repeated patterns; shared and per sample, with and without affine terms
+    "csr-mixed-affine": ([CSR_A, full(7, 9), CSR_B, diag(40), CSR_C, _csr(np.zeros((1, 1), dtype=bool)),
+                          _csr(np.ones((1, 5), dtype=bool) & (np.arange(5) % 2 == 0)), CSR_D, CSR_A2],
+                         [False, True, True, False, False, True, False, True, False], 2),
+    "csr-sample": ([CSR_A, CSR_A, full(7, 9), CSR_B, diag(40)], [False] * 5, None),
+    # the LSTM step as two sparse elements: shared [[W_hh^T, 0], [0, I]] and a per-sample 9H-entry factor
+    "lstm-two-elements": ([LSTM_SHARED, LSTM_SAMPLE] * 3, [True, False] * 3, 1),
 }
 
 
@@ -275,7 +299,7 @@ def test_vec_chain(config_family, dtype, case):
     check_case(pats, shared, dtype, 0, batch=3, extra_every=extra_every)
     rec = _record(pats, shared, dtype, 0, extra_every=extra_every)[1]
     chains = [dict(s.constexprs) for s in rec if s.kernel == "linear_run_kernel"]
-    assert len(chains) == 1
+    assert len(chains) == 1 and len(rec) == 1  # every element, CSR ones included, inside the one launch
     assert chains[0]["ONE_TILE"] == (case.split("-")[0] in ("20", "5"))
 
 
