@@ -1,8 +1,10 @@
-"""Models ``torch.fx`` can trace: residual blocks, pre-activation blocks, channel concatenations
-and functional ops, planned for scan backprop.
+"""Models ``torch.fx`` can trace: residual blocks, pre-activation blocks, channel concatenations,
+functional ops and any DAG of supported nodes, planned for scan backprop.
 
 ``plan_graph(model, example_input)`` traces ``model`` with ``torch.fx`` and maps every node to a
-layer unit through one registry (:data:`NODE_UNITS`: module types and functions/methods alike).
+layer unit through one registry (:data:`NODE_UNITS`: module types and functions/methods alike;
+basic-indexing slices ``x[:, :, ::2, ::2]`` and zero padding of any dims, ``F.pad(x, (0, 0, 0, 0,
+p, p))``, are selection units, so He et al.'s option-A shortcut in a ``LambdaLayer`` plans).
 
 * A straight chain of supported nodes keeps today's plan (a :class:`TracedChainPlan`, which is a
   :class:`~spscan.model.ModelPlan`).
@@ -18,10 +20,31 @@ layer unit through one registry (:data:`NODE_UNITS`: module types and functions/
   planned by the ordinary scan. Inside a block, the gradients at the branch's own activations
   (what its parameter gradients need) come from a scan over the branch with the block output's
   gradient, after the block-level scan.
+* Any other DAG (a node of one branch read by another branch, crossing skips, a tensor read by
+  several later joins, ``u + u``) is planned as the **live-set chain**, the block-triangular
+  system of Naumov's formulation written as a chain: over fx's topological order, the state
+  after node ``n`` is the live set (the tensors produced so far that a later node still reads,
+  plus ``n``'s output), and each node is one chain step whose ``J^T`` is a block matrix
+  (:class:`_LiveStep`): identity blocks for the tensors passing through, the node's own ``J^T``
+  from its output's columns to its inputs' rows (added to the identity where an input stays
+  live), and no identity for the tensors whose last use it is. A node reading the whole live set
+  alone stays a plain unit step. Patterns are placed blocks, unioned once
+  (:func:`spscan.planner.graph.block_union`); per step the values are a constant (the identity
+  entries) plus the node's unit values at planned positions, and the structured operator copies
+  the passing tensors and applies the node's own operator to its slice, so train-mode BatchNorm
+  runs matrix-free at depth 0 as in the block path.
 
-Graphs that are not series-parallel this way (a node of one branch read by another branch, a
-join of something other than an add of two tensors or a concatenation along channels) are
-refused naming the node and its source line, and so are unsupported ops.
+  Cost: the scan keeps one gradient per step boundary, ``B * sum_s d_live(s)`` values, against
+  ``B * sum_n d_n`` for a chain of the same nodes; a step's ``J^T`` holds ``d_live`` identity
+  entries besides the node's. A graph whose live-set chain would carry more than
+  :data:`LIVE_STATE_LIMIT` (16) times the values of its own tensors is refused with the numbers,
+  naming the node with the widest live set (e.g. ``n`` tensors all read again by the last node:
+  ``~n^2/2`` against ``2n``); ``max_memory`` bounds the rest as for any plan. Series-parallel
+  graphs keep the block path (its live-set form would carry the skip through every node of the
+  branch).
+
+Unsupported ops (and joins other than an add of two tensors without ``alpha`` or a
+concatenation along channels) are refused naming the node and its source line.
 """
 
 from __future__ import annotations
@@ -42,9 +65,10 @@ from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_typ
 from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, _ForwardState, _ScanFunction,
                           refuse_functorch, refuse_second_derivative)
 from spscan.plan import build_composite, build_plan
-from spscan.planner.graph import identity_pattern, place, product_pattern, union_pattern
+from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
 
-__all__ = ["plan_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS", "supported_node_targets"]
+__all__ = ["plan_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS", "supported_node_targets",
+           "SelectionUnit", "LIVE_STATE_LIMIT"]
 
 
 # ----------------------------------------------------------------------------- the node registry
@@ -178,8 +202,8 @@ def _pool(cls: type, names: Sequence[tuple[str, Any]]):
 
 
 def _pad_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
-    """``F.pad`` with zeros: ``nn.ZeroPad1d/2d``'s unit for the last one or two dims of a 2-D..4-D input,
-    else (channel padding, as in the option-A shortcut) a :class:`SelectionUnit`."""
+    """``F.pad`` with zeros: ``nn.ZeroPad1d/2d``'s unit for the last dims of a ``(B, C, L)`` / ``(B, C, H, W)``
+    input, else (e.g. channel padding, as in the option-A shortcut) a :class:`SelectionUnit`."""
     pad = tuple(int(p) for p in _arg(args, kwargs, 1, "pad", None))
     mode = _arg(args, kwargs, 2, "mode", "constant")
     value = _arg(args, kwargs, 3, "value", None)
@@ -189,9 +213,9 @@ def _pad_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
     if len(pad) % 2 or not 2 <= len(pad) <= 2 * len(in_shape):
         raise ValueError(f"F.pad: an even number of padding values for at most the {len(in_shape)} per-sample dims "
                          f"expected, got {len(pad)}")
-    if len(pad) == 2 and nd in (2, 3):
+    if len(pad) == 2 and nd == 3:
         return make_unit(index, nn.ZeroPad1d(pad), in_shape, out_shape, prune_zeros=prune_zeros)
-    if len(pad) == 4 and nd in (3, 4):
+    if len(pad) == 4 and nd == 4:
         return make_unit(index, nn.ZeroPad2d(pad), in_shape, out_shape, prune_zeros=prune_zeros)
     return SelectionUnit(index, _Selection("pad", pad), in_shape, out_shape)
 
@@ -315,6 +339,10 @@ def _source(node: fx.Node) -> str:
         path, cls = list(stack.values())[-1]
         where += f", in module '{path}' ({getattr(cls, '__name__', cls)})"
     return where
+
+
+class _NotSeriesParallel(TypeError):
+    """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
 
 
 def _refuse(node: fx.Node, why: str, exc: type = TypeError) -> Exception:
@@ -513,6 +541,139 @@ class _Parallel:
         return f"{self.join}[{inner}]"
 
 
+# ----------------------------------------------------------------------------- general DAGs: the live-set chain
+
+#: A general DAG is refused when its live-set chain would carry more than this many times the values
+#: of the graph's own tensors (``sum_s d_live(s) > LIVE_STATE_LIMIT * sum_n d_n``, per sample).
+LIVE_STATE_LIMIT = 16
+
+
+class _LiveStep:
+    """One node of a general DAG as one step of a chain over the live set.
+
+    The chain's state before the step is the live set ``L = [t_1, ..., t_p]`` (tensors produced so far
+    and still read later, in production order, flattened and stacked per sample); after it,
+    ``L' = [the t_i still read later] + [y]``, ``y`` the node's output. Its transposed Jacobian, shape
+    ``(d(L), d(L'))``, is a block matrix: an identity block for every tensor passing through, the
+    node's ``J^T`` blocks in ``y``'s columns (``J_unit^T`` in its input's rows; for an add ``I`` in
+    each input's rows; for a concatenation ``I`` at the input's channel offset) and nothing else: a
+    tensor whose last use is this node has its row filled only by the node's ``J^T``. An input that
+    also passes through gets both in its row (different columns), so ``g_t = g'_t + J^T g'_y``.
+    """
+
+    def __init__(self, kind: str, leaf: Optional[_Leaf], before: list[int], keep: list[int], inputs: list[int],
+                 cat_offsets: list[int], node_name: str, names: list[str]) -> None:
+        self.kind, self.leaf, self.node_name = kind, leaf, node_name
+        self.dims_before = before
+        self.keep, self.inputs, self.names = keep, inputs, names
+        b_off = [int(o) for o in np.cumsum([0] + before[:-1])]
+        after = [before[i] for i in keep]
+        self.d_new = leaf.d_out if leaf is not None else (before[inputs[0]] if kind == _ADD else
+                                                          sum(before[i] for i in inputs))
+        a_off = [int(o) for o in np.cumsum([0] + after)]
+        self.new_off = a_off[-1]
+        self.d_in, self.d_out = int(sum(before)), self.new_off + self.d_new
+        # pass-through copies, merged into contiguous runs: (row offset, column offset, width)
+        runs: list[list[int]] = []
+        for i, j in zip(keep, a_off):
+            if runs and runs[-1][0] + runs[-1][2] == b_off[i] and runs[-1][1] + runs[-1][2] == j:
+                runs[-1][2] += before[i]
+            else:
+                runs.append([b_off[i], j, before[i]])
+        self.copies = [tuple(r) for r in runs]
+        # the node's J^T blocks: (row offset, column offset within y, width of the input)
+        self.in_rows = [(b_off[i], c, before[i]) for i, c in zip(inputs, cat_offsets)]
+        blocks = [(r, c, identity_pattern(d)) for r, c, d in self.copies]
+        for (r, c, d) in self.in_rows:
+            blocks.append((r, self.new_off + c, leaf.pattern if leaf is not None else identity_pattern(d)))
+        self.pattern, maps = block_union((self.d_in, self.d_out), blocks)
+        const = np.zeros(self.pattern.nnz)
+        for m in maps[:len(self.copies)] + ([] if leaf is not None else maps[len(self.copies):]):
+            const[m] += 1.0  # identity entries (an input read twice gets 2 on its diagonal)
+        self._const_np = const
+        self._unit_map = torch.from_numpy(maps[-1]) if leaf is not None else None
+        self._const: dict = {}
+
+    @property
+    def shared(self) -> bool:
+        return self.leaf is None or self.leaf.shared
+
+    def run(self, x, T):
+        live = x if isinstance(x, list) else [x]
+        sv = None
+        if self.leaf is not None:
+            y, sv = self.leaf.run(live[self.inputs[0]], T)
+        elif self.kind == _ADD:
+            y = live[self.inputs[0]] + live[self.inputs[1]]
+        else:
+            y = torch.cat([live[i] for i in self.inputs], 1)
+        new = [live[i] for i in self.keep] + [y]
+        return (new[0] if len(new) == 1 else new), (sv, y.shape[0], y.dtype, y.device)
+
+    def _constant(self, dtype, device) -> torch.Tensor:
+        key = (dtype, device)
+        if key not in self._const:
+            self._const[key] = torch.from_numpy(self._const_np).to(dtype=dtype, device=device)
+        return self._const[key]
+
+    def fill(self, saved, T):
+        sv, batch, dtype, device = saved
+        c = self._constant(dtype, device)
+        if self.leaf is None:
+            return c, None
+        v = self.leaf.fill(sv, T)[0]
+        m = self._unit_map.to(device)  # distinct entries: a plain indexed add, no atomics
+        if v.dim() == 1:
+            out = c.clone()
+            out[m] += v
+        else:
+            out = c.expand(v.shape[0], c.numel()).clone()
+            out[:, m] += v
+        return out, None
+
+    def operator(self, saved, T) -> StructuredOperator:
+        return _LiveOperator(self, saved, T)
+
+    def grads(self, saved, T, g_out, out, needed) -> None:
+        if self.leaf is not None:
+            g = g_out if self.new_off == 0 else g_out[:, self.new_off:].contiguous()
+            self.leaf.grads(saved[0], T, g, out, needed)
+
+    def describe(self) -> str:
+        what = self.leaf.describe() if self.leaf is not None else self.kind
+        return f"{self.node_name} ({what}) over live [{', '.join(self.names)}]"
+
+
+class _LiveOperator(StructuredOperator):
+    """A live-set step's ``J^T`` applied matrix-free: copy the tensors passing through, apply the
+    node's operator to ``y``'s slice and add it into its inputs' rows."""
+
+    def __init__(self, step: _LiveStep, saved, T) -> None:
+        self.step, self.saved, self.T = step, saved, T
+        self.shape = (step.d_in, step.d_out)
+        self.shared = step.shared
+        self._op: Optional[StructuredOperator] = None
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        st = self.step
+        out = g.new_zeros((g.shape[0], st.d_in))
+        for r, c, d in st.copies:
+            out[:, r:r + d] = g[:, c:c + d]
+        h = g[:, st.new_off:]
+        if st.leaf is not None:
+            if self._op is None:
+                self._op = st.leaf.operator(self.saved[0], self.T)
+            r, _, d = st.in_rows[0]
+            out[:, r:r + d] += self._op.apply(h)
+        else:
+            for r, c, d in st.in_rows:
+                out[:, r:r + d] += h[:, c:c + d]
+        return out
+
+    def values(self) -> torch.Tensor:
+        return self.step.fill(self.saved, self.T)[0]
+
+
 # ----------------------------------------------------------------------------- tracing
 
 
@@ -603,7 +764,8 @@ class _Traced:
 
     def _join(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if builder == _ADD:
-            if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) or len(tensor_inputs) != 2 \
+            if len(node.args) != 2 or not all(isinstance(a, fx.Node) and isinstance(env.get(a), torch.Tensor)
+                                              for a in node.args) \
                     or node.kwargs.get("alpha", 1) != 1 or len(node.kwargs) > (1 if "alpha" in node.kwargs else 0):
                 raise _refuse(node, "an add is supported between two tensors of the graph (the join of two "
                               "branches), without alpha or scalars")
@@ -666,6 +828,48 @@ class _Traced:
         self.tin[node] = [src]
         return y
 
+    # -- the live-set chain (any DAG)
+    def live_steps(self) -> list[Any]:
+        """The graph as a chain over its live set (see :class:`_LiveStep`), in fx's topological order.
+        A node whose only input is the whole live set and is read by nothing else stays a plain unit.
+        Nodes the output does not depend on are left out (their parameters get no gradient, as in autograd).
+        """
+        nodes = [n for n in self.graph.nodes if n in self.kind]
+        alive = {self.output_node}
+        for n in reversed(nodes):
+            if n in alive:
+                alive.update(self.tin[n])
+        if self.input_node not in alive:
+            raise _refuse(self.output_node, "the output does not depend on the input", ValueError)
+        nodes = [n for n in nodes if n in alive]
+        last = {p: i for i, n in enumerate(nodes) for p in self.tin[n]}
+        dim = {n: int(np.prod(self.env[n].shape[1:])) for n in nodes}
+        live, steps = [self.input_node], []
+        widths = []
+        for i, n in enumerate(nodes[1:], 1):
+            keep = [j for j, t in enumerate(live) if last.get(t, -1) > i]
+            inputs = [live.index(p) for p in self.tin[n]]
+            kind = self.kind[n]
+            leaf = self.leaf_of.get(n)
+            if kind == "unit" and len(live) == 1 and not keep:
+                steps.append(leaf)
+            else:
+                offs = [0] * len(inputs)
+                if kind == _CAT:
+                    offs = [int(o) for o in np.cumsum([0] + [dim[p] for p in self.tin[n][:-1]])]
+                steps.append(_LiveStep(kind, leaf, [dim[t] for t in live], keep, inputs, offs, n.name,
+                                       [t.name for t in live]))
+            live = [live[j] for j in keep] + [n]
+            widths.append((sum(dim[t] for t in live), n, list(live)))
+        total, own = sum(w for w, _, _ in widths), sum(dim[n] for n in nodes[1:])
+        if total > LIVE_STATE_LIMIT * own:
+            w, n, ts = max(widths, key=lambda t: t[0])
+            raise _refuse(n, f"not series-parallel, and as a live-set chain it would carry {total} values per sample "
+                          f"over its {len(steps)} steps, more than {LIVE_STATE_LIMIT}x the {own} of the graph's own "
+                          f"tensors (widest after this node: {len(ts)} live tensors, {w} values: "
+                          f"{', '.join(t.name for t in ts)})", ValueError)
+        return steps
+
     # -- series-parallel parse
     def parse(self) -> list[Any]:
         nodes = [n for n in self.graph.nodes if n in self.kind]
@@ -674,7 +878,7 @@ class _Traced:
             for p in set(self.tin[n]):
                 users[p] += 1
             if len(set(self.tin[n])) != len(self.tin[n]):
-                raise _refuse(n, "a join reading the same tensor twice is not supported")
+                raise _refuse(n, "a join reading the same tensor twice", _NotSeriesParallel)
         dom: dict[fx.Node, set] = {}
         for n in nodes:
             preds = self.tin[n]
@@ -686,7 +890,7 @@ class _Traced:
         for n in nodes:
             if n is not self.output_node and self.consumed[n] != users[n]:
                 raise _refuse(n, "its output is read across branches of different blocks (the graph is not a "
-                              "chain of series-parallel blocks); not supported")
+                              "chain of series-parallel blocks)", _NotSeriesParallel)
         return segs
 
     def _back(self, end, start, dom, order) -> list[Any]:
@@ -694,7 +898,7 @@ class _Traced:
         node = end
         while node is not start:
             if node in self.visited:
-                raise _refuse(node, "read by two branches of one block (not series-parallel); not supported")
+                raise _refuse(node, "read by two branches of one block (not series-parallel)", _NotSeriesParallel)
             self.visited.add(node)
             kind = self.kind[node]
             if kind == "unit":
@@ -706,7 +910,7 @@ class _Traced:
                 fork = max(dom[node] - {node}, key=lambda n: order[n])
                 if order[fork] < order[start]:
                     raise _refuse(node, f"this join's branches start before {start.format_node()}, outside the block "
-                                  "it belongs to (not series-parallel); not supported")
+                                  "it belongs to (not series-parallel)", _NotSeriesParallel)
                 branches = []
                 for inp in self.tin[node]:
                     if inp is fork:
@@ -747,7 +951,8 @@ class GraphPlan(ModelPlan):
     """A traced model with skips or concatenations, planned as a chain of blocks.
 
     Attributes:
-        segments: the top-level blocks: a unit, or a parallel block (``add``/``cat`` of branches).
+        segments: the top-level blocks: a unit, a parallel block (``add``/``cat`` of branches) or,
+            for a graph that is not series-parallel, a live-set step (one node over the live set).
         units: every layer unit (flat, in trace order); ``layer_names`` their module names (or node names).
         patterns: the block-level ``J^T`` patterns the core scan runs over.
         core: the block-level scan plan.
@@ -839,15 +1044,15 @@ class GraphPlan(ModelPlan):
 
 def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
                operators: bool = True, **kwargs: Any) -> ModelPlan:
-    """Plan any model ``torch.fx`` can trace whose nodes are supported (see the module docstring).
+    """Plan any model ``torch.fx`` can trace whose nodes are supported, any DAG (see the module docstring).
 
     Returns a :class:`TracedChainPlan` for a straight chain, else a :class:`GraphPlan`. ``kwargs``
     go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
 
     Raises:
-        TypeError: an unsupported node or a graph that is not a chain of series-parallel blocks
-            (names ``node.format_node()`` and its source line).
-        ValueError: the example input does not fit a layer.
+        TypeError: an unsupported node (names ``node.format_node()`` and its source line).
+        ValueError: the example input does not fit a layer, or a general DAG's live-set chain exceeds
+            :data:`LIVE_STATE_LIMIT` (names the node and the numbers).
     """
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
@@ -855,9 +1060,12 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     opts = {k: kwargs[k] for k in ("backend", "device", "dtype") if k in kwargs}
     try:
         traced = _Traced(model, example_input, prune_zeros, opts)
-        if not traced.units and traced.output_node is traced.input_node:
-            raise ValueError("the traced forward has no layers")
-        segments = traced.parse()
+        if not traced.units:
+            raise ValueError("the traced forward has no layers (nothing but adds or concatenations of the input)")
+        try:
+            segments = traced.parse()
+        except _NotSeriesParallel:
+            segments = traced.live_steps()  # any DAG: a chain over the live set
     except (TypeError, ValueError) as e:
         raise type(e)(f"{type(model).__name__}: {e}") from e
     in_shape = tuple(example_input.shape[1:])

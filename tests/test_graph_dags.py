@@ -194,3 +194,286 @@ def test_selection_refusals_name_the_node():
     run_errors(lambda: spscan.wrap(Batch(), torch.zeros(3, 4)), ValueError, "getitem", "batch dim", "Batch")
     run_errors(lambda: spscan.wrap(Reflect(), torch.zeros(3, 2, 4, 4)), ValueError, "pad", "mode='reflect'",
                "test_graph_dags.py")
+
+
+# ----------------------------------------------------------------------------- general DAGs
+
+
+class TwoJoins(nn.Module):
+    """``t`` feeds two later joins, ``x`` three branches: not series-parallel."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.out = nn.Linear(2 * d, 3)
+
+    def forward(self, x):
+        t = torch.tanh(self.f(x))
+        a = self.g(x) + t
+        b = F.gelu(self.h(x)) + t
+        return self.out(torch.cat([a, b], 1))
+
+
+class ThreeWayAdd(nn.Module):
+    """``f(x) + g(x) + x`` and a join reading one tensor twice (``u + u``)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        u = torch.sigmoid(self.f(x)) + self.g(x) + x
+        return self.h(u + u)
+
+
+class Crossing(nn.Module):
+    """Crossing skips: ``y = f(x); z = g(y) + x; w = h(z) + y``."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        y = torch.tanh(self.f(x))
+        z = self.g(y) + x
+        return self.h(z) + y
+
+
+class ConvCrossing(nn.Module):
+    """Crossing skips over convolutions with BatchNorm, a concatenation of three tensors, one of which
+    (``y``) is also read by a later add."""
+
+    def __init__(self, c: int = 2) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.conv3, self.bn3 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.mix = nn.Conv2d(3 * c, c, 1)
+        self.fc = nn.Linear(c * 4 * 4, 3)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        z = self.conv2(y) + x
+        w = self.bn3(self.conv3(z)) + y
+        m = self.mix(torch.cat([w, y, z], 1)) + y
+        return self.fc(torch.flatten(F.relu(m), 1))
+
+
+DAGS = {
+    "two_joins": (TwoJoins, (3, 4)),
+    "three_way_add": (ThreeWayAdd, (3, 4)),
+    "crossing": (Crossing, (3, 4)),
+    "conv_crossing": (ConvCrossing, (3, 2, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(DAGS))
+def test_dag_gradients_float64(name):
+    make, shape = DAGS[name]
+    model = _init(make(), 31).double()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    for kw in ({}, {"levels": "full", "operators": False}, {"levels": 1}):
+        plan = _check_float64(model, x, **kw).plan
+        assert isinstance(plan, GraphPlan)
+    if name != "three_way_add":  # nested binary adds of one fork are series-parallel blocks
+        assert any(type(s).__name__ == "_LiveStep" for s in plan.segments), plan.summary()
+
+
+@pytest.mark.parametrize("name", ["two_joins", "conv_crossing"])
+def test_dag_float32_and_sgd(name):
+    make, shape = DAGS[name]
+    _check_float32(_init(make(), 33), shape, 34)
+    _check_sgd(_init(make(), 35).double(), shape, 36)
+
+
+def test_dag_train_mode_batchnorm():
+    """Train-mode BatchNorm in a non-series-parallel graph: matrix-free live-set steps at depth 0."""
+    model = _init(ConvCrossing(), 37).double().train()
+    x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(38), dtype=torch.float64)
+    assert _check_float64(model, x).plan.levels == 0
+    _check_sgd(model, (4, 2, 4, 4), 39)
+    run_errors(lambda: spscan.wrap(model, x, levels="full"), ValueError, "bn1", "block depth 0")
+
+
+def test_dag_explicit_api_and_pattern():
+    """spscan.forward/backward/param_grads over a live-set chain, and its J^T against autograd's
+    dense Jacobian of each step (identity blocks, the node's block, dropped tensors)."""
+    model = _init(Crossing(), 40).double()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(41), dtype=torch.float64)
+    plan = spscan.plan(model, x, levels=0)
+    y, jac = spscan.forward(plan, x)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(42), dtype=torch.float64)
+    gs = spscan.backward(plan, jac, grad)
+    pg = spscan.param_grads(plan, jac, gs)
+    xi = x.clone().requires_grad_(True)
+    model.zero_grad()
+    (model(xi) * grad).sum().backward()
+    assert _rel(gs[0], xi.grad) <= 1e-9
+    for n, p in model.named_parameters():
+        assert _rel(pg[n], p.grad) <= 1e-9, n
+    # the step over live [x, tanh] producing g: rows (x, tanh), columns (x, tanh, g)
+    step = plan.segments[2]
+    dense = torch.zeros(step.d_in, step.d_out, dtype=torch.float64)
+    pat = step.pattern
+    rows = torch.repeat_interleave(torch.arange(pat.shape[0]), torch.tensor(pat.indptr).diff())
+    dense[rows, torch.tensor(pat.indices)] = jac[2]
+    w = model.g.weight.detach()
+    expect = torch.zeros(8, 12, dtype=torch.float64)
+    expect[:4, :4] = torch.eye(4)
+    expect[4:, 4:8] = torch.eye(4)
+    expect[4:, 8:] = w.T
+    assert torch.equal(dense, expect)
+    # the operator applies the same matrix
+    g = torch.randn(2, 12, dtype=torch.float64)
+    op = plan._values(jac.saved, jac.tensors)[2]
+    assert torch.allclose(op.apply(g), g @ expect.T, rtol=0, atol=1e-14)
+
+
+def test_live_state_limit_refusal():
+    """A graph whose live set keeps growing (every tensor read again by the last node) is refused
+    with the numbers, naming the node; a plain unsupported op still names the node and its line."""
+    from spscan.graph import LIVE_STATE_LIMIT
+
+    n = 2 * LIVE_STATE_LIMIT + 4
+
+    class Fan(nn.Module):
+        def forward(self, x):
+            hs = [x]
+            for _ in range(n):
+                hs.append(torch.tanh(hs[-1]))
+            out = hs[-1]
+            for h in hs[:-1]:  # oldest first: every hs[i] stays live to the end (not series-parallel)
+                out = out + h
+            return out
+
+    run_errors(lambda: spscan.wrap(Fan(), torch.zeros(2, 3)), ValueError, "Fan", "live-set chain",
+               f"more than {LIVE_STATE_LIMIT}x", "values per sample", "test_graph_dags.py")
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.f(x)
+            z = torch.tanh(y) + x
+            return z * y  # a product of two tensors: no unit for it
+
+    run_errors(lambda: spscan.wrap(Scaled(), torch.zeros(2, 3)), TypeError, "Scaled", "operator.mul",
+               "test_graph_dags.py", "return z * y", "unsupported op")
+
+
+# ----------------------------------------------------------------------------- random DAGs
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_UNITS = ["linear", "tanh", "relu", "layernorm", "sigmoid", "subsample"]
+
+
+@st.composite
+def _dags(draw):
+    """A recipe: each node reads earlier tensors (0 is the input) with no series-parallel constraint:
+    a unit of one tensor, an add of two (possibly the same one twice) or a concatenation of 2-3
+    (then a Linear back to the width). The output adds up every tensor nothing else reads."""
+    ops = []
+    for i in range(draw(st.integers(1, 7))):
+        n = i + 1  # tensors available: the input and the i nodes so far
+        kind = draw(st.sampled_from(["unit", "unit", "add", "cat"]))
+        if kind == "unit":
+            ops.append(("unit", draw(st.sampled_from(_UNITS)), draw(st.integers(0, n - 1))))
+        elif kind == "add":
+            ops.append(("add", draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))))
+        else:
+            k = draw(st.integers(2, 3))
+            ops.append(("cat", draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k))))
+    return ops
+
+
+class DrawnDAG(nn.Module):
+    def __init__(self, ops, d: int) -> None:
+        super().__init__()
+        self.ops = ops
+        self.mods = nn.ModuleList()
+        self.index = []
+        for op in ops:
+            m = None
+            if op[0] == "unit" and op[1] == "linear":
+                m = nn.Linear(d, d)
+            elif op[0] == "unit" and op[1] == "layernorm":
+                m = nn.LayerNorm(d)
+            elif op[0] == "cat":
+                m = nn.Linear(len(op[1]) * d, d)
+            self.index.append(len(self.mods) if m is not None else None)
+            if m is not None:
+                self.mods.append(m)
+        read = {s for op in ops for s in (op[2:] if op[0] == "unit" else op[1:] if op[0] == "add" else op[1])}
+        self.sinks = [i for i in range(len(ops) + 1) if i not in read]
+
+    def forward(self, x):
+        hs = [x]
+        for op, k in zip(self.ops, self.index):
+            if op[0] == "unit":
+                h = hs[op[2]]
+                if k is not None:
+                    h = self.mods[k](h)
+                elif op[1] == "subsample":
+                    h = F.pad(h[:, ::2], (0, 1))  # 3 -> 2 -> 3 features
+                else:
+                    h = {"tanh": torch.tanh, "relu": F.relu, "sigmoid": torch.sigmoid}[op[1]](h)
+            elif op[0] == "add":
+                h = hs[op[1]] + hs[op[2]]
+            else:
+                h = self.mods[k](torch.cat([hs[j] for j in op[1]], 1))
+            hs.append(h)
+        out = hs[self.sinks[-1]]
+        for i in self.sinks[-2::-1]:
+            out = out + hs[i]
+        return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=_dags(), seed=st.integers(0, 2**16), operators=st.booleans())
+def test_random_dags_equal_autograd(ops, seed, operators):
+    torch.manual_seed(seed)
+    model = DrawnDAG(ops, 3).double()
+    if model.sinks == [0] or all(op[0] == "add" for op in ops):
+        return  # the input alone, or sums of it: no layer to plan (refused)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    wrapped = spscan.wrap(model, x, levels=[0, 1, "full"][seed % 3], operators=operators)
+    y_ref, g_ref, gx_ref = _grads(model, x)
+    y, g, gx = _grads(wrapped, x)
+    assert torch.equal(y, y_ref)
+    assert _rel(gx, gx_ref) <= 1e-9
+    for n in g_ref:
+        assert _rel(g[n], g_ref[n]) <= 1e-9, n
+
+
+def test_block_union_against_dense():
+    """Placed blocks (row and column offsets, overlapping ones summed) against dense arithmetic."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from spscan.planner.graph import block_union, identity_pattern
+
+    rng = np.random.default_rng(0)
+    blocks = [(0, 0, identity_pattern(3)), (3, 2, sp.csr_array(sp.random(4, 5, density=0.4, random_state=1,
+                                                                         format="csr"))),
+              (1, 1, identity_pattern(3)), (0, 4, sp.csr_array((rng.random((3, 3)) < 0.5).astype(float)))]
+    for _, _, p in blocks:
+        p.data[:] = 1.0
+    pat, maps = block_union((7, 7), blocks)
+    vals = [rng.standard_normal(p.nnz) for _, _, p in blocks]
+    dense = np.zeros((7, 7))
+    for (r, c, p), v in zip(blocks, vals):
+        q = p.copy()
+        q.data = v
+        dense[r:r + p.shape[0], c:c + p.shape[1]] += q.toarray()
+    data = np.zeros(pat.nnz)
+    for m, v in zip(maps, vals):
+        np.add.at(data, m, v)
+    got = sp.csr_array((data, pat.indices, pat.indptr), shape=(7, 7)).toarray()
+    assert np.allclose(got, dense, rtol=0, atol=1e-15)
+    assert pat.has_canonical_format
+    run_errors(lambda: block_union((3, 3), [(1, 1, identity_pattern(3))]), ValueError, "blocks[0]", "does not fit")

@@ -316,22 +316,10 @@ class _Scaled(nn.Module):
         return self.fc(x) * 2.0  # a product with a scalar: no unit for it
 
 
-class _Crossed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.f, self.g = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x):
-        a = self.f(x)
-        c = a + self.g(x)
-        return c + a  # `a` read by two blocks: not a chain of series-parallel blocks
-
-
 def test_refusals_name_the_node_and_line():
     x = torch.zeros(2, 4)
     run_errors(lambda: spscan.wrap(_Scaled(), x), TypeError, "_Scaled", "operator.mul", "test_graph_models.py",
                "return self.fc(x) * 2.0", "unsupported op")
-    run_errors(lambda: spscan.wrap(_Crossed(), x), TypeError, "_Crossed", "%f", "series-parallel")
     net = _init(PreActNet(), 0)
     net.block1.bn1.train()  # couples the batch: planned matrix-free at block depth 0 only
     run_errors(lambda: spscan.wrap(net, torch.zeros(2, 2, 5, 5), levels="full"), ValueError, "BatchNorm2d",
