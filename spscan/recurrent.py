@@ -585,8 +585,62 @@ class RecurrentPlan:
             hit = self._newton_forward(x, hx)
             if hit is not None:
                 return hit if need_saved else (hit[0], None)
+        if need_saved and self._compiled_forward_applies(x, hx):
+            return self._lstm_compiled_forward(x, hx)
         outputs = m(x, hx)
         return outputs, (self._save(x, hx, outputs, need_values=True) if need_saved else None)
+
+    def _compiled_forward_applies(self, x: torch.Tensor, hx) -> bool:
+        """Whether the factored LSTM's forward runs in one compiled pass (:mod:`spscan.recurrent_cpu`):
+        CPU, float32/float64 input and state of the parameters' dtype, well-formed shapes; anything
+        else runs the module (whose own checks then speak)."""
+        from spscan import recurrent_cpu
+
+        if self.kind != "lstm" or self.layout != "factored" or not recurrent_cpu.available():
+            return False
+        m, p = self.module, self.module.weight_hh_l0
+        if x.device.type != "cpu" or p.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) \
+                or any(q.dtype != x.dtype for q in _params(m)):
+            return False
+        unbatched = x.dim() == 2
+        T = x.shape[1 if (m.batch_first and not unbatched) else 0]
+        B = 1 if unbatched else x.shape[0 if m.batch_first else 1]
+        if T == 0 or B == 0:
+            return False
+        if hx is not None:
+            want = (1, self.hidden_size) if unbatched else (1, B, self.hidden_size)
+            if not (isinstance(hx, (tuple, list)) and len(hx) == 2 and all(
+                    isinstance(h, torch.Tensor) and tuple(h.shape) == want and h.dtype == x.dtype
+                    and h.device.type == "cpu" for h in hx)):
+                return False
+        return True
+
+    def _lstm_compiled_forward(self, x: torch.Tensor, hx):
+        """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
+        are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
+        from spscan.recurrent_cpu import lstm_forward
+
+        m, H = self.module, self.hidden_size
+        unbatched = x.dim() == 2
+        xt = x.detach()
+        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
+        T, B, _ = xt.shape
+        params = [q.detach() for q in _params(m)]
+        h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        w_ih = params[0]
+        if m.bias:  # both biases enter every gate pre-activation: added to the input part once
+            gi = torch.addmm(params[2] + params[3], xt.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
+        else:
+            gi = torch.matmul(xt, w_ih.t())
+        hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0)
+        shared = _lstm_weight_values(params[1], H)
+        values = [v for vs in zip((shared,) * T, gate_values.unbind(0)) for v in vs]
+        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
+                       params=params, dtype=hs.dtype, device=hs.device)
+        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
+        shape = (1, H) if unbatched else (1, B, H)
+        return (out, (hs[-1].reshape(shape).clone(), c_n.reshape(shape))), saved
 
     def _newton_forward(self, x: torch.Tensor, hx):
         """Newton forward; ``(outputs, saved)`` with the converged iteration's Jacobians, or ``None`` (warned)."""

@@ -370,3 +370,96 @@ def test_triton_backend_equals_autograd(kind, levels):
         assert torch.equal(a, again[i]), i  # deterministic, and the reused arena does not leak between calls
         bound = 2 * (b.double() - r).abs().max().item() + 1e-6 * max(r.abs().max().item(), 1.0)
         assert (a.double() - r).abs().max().item() <= bound, (kind, levels, i)
+
+
+# --------------------------------------------------------------------------- the LSTM's compiled CPU forward
+
+
+def _no_compiled_forward(monkeypatch):
+    import spscan.recurrent_cpu as rc
+
+    monkeypatch.setattr(rc, "available", lambda: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", ["batched", "batch_first", "unbatched", "batch1_T1"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_lstm_compiled_forward_equals_module_path(monkeypatch, dtype, shape, bias, with_h0):
+    """The one-pass compiled forward (outputs, c_T, the gate element's values) gives the module's outputs
+    and the same gradients as the module's forward followed by the batched recomputation."""
+    pytest.importorskip("numba")
+    T, B = {"batch1_T1": (1, 1)}.get(shape, (13, 3))
+    m = make_module("lstm", 3, 6, batch_first=shape == "batch_first", bias=bias, dtype=dtype)
+    x, hx = make_inputs(m, T, B, with_h0=with_h0, dtype=dtype)
+    if shape == "unbatched":
+        x = x[:, 0]
+        hx = None if hx is None else tuple(h[:, 0] for h in hx)
+    plan = plan_recurrent(m, x)
+    assert plan._compiled_forward_applies(x, hx)
+    (out, (h_n, c_n)), saved = plan.forward(x, hx)
+    with torch.no_grad():
+        want_out, (want_h, want_c) = m(x, hx)
+    tol = 1e-13 if dtype == torch.float64 else 2e-6
+    for a, b in ((out, want_out), (h_n, want_h), (c_n, want_c)):
+        assert a.shape == b.shape and a.dtype == b.dtype and rel_err(a, b) <= tol
+    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    _no_compiled_forward(monkeypatch)
+    assert not plan._compiled_forward_applies(x, hx)
+    _, ref_saved = plan.forward(x, hx)
+    for a, b in zip(saved.values, ref_saved.values):
+        assert a.shape == b.shape and rel_err(a, b) <= tol
+    want = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5), i
+
+
+def test_lstm_compiled_forward_saturated_gates():
+    """Large pre-activations (saturated sigmoid/tanh, the expm1 clamp) and tiny ones (tanh near 0)."""
+    pytest.importorskip("numba")
+    for scale in (60.0, 1e-6):
+        m = make_module("lstm", 2, 5, batch_first=False, bias=True)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(scale)
+        x, hx = make_inputs(m, 20, 3, with_h0=True, dtype=torch.float64)
+        x = x * scale
+        (out, (h_n, c_n)), _ = plan_recurrent(m, x).forward(x, hx)
+        with torch.no_grad():
+            want_out, (want_h, want_c) = m(x, hx)
+        for a, b in ((out, want_out), (h_n, want_h), (c_n, want_c)):
+            assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-13 * b.abs().max() + 1e-300
+        want = grads_of(m, m, x, hx, "both")
+        got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert rel_err(a, b) <= 1e-9, (scale, i)
+
+
+@pytest.mark.parametrize("np_dtype", ["float64", "float32"])
+def test_compiled_expm1_within_a_few_ulp(np_dtype):
+    """The vectorizable expm1 behind the compiled sigmoid/tanh against a float64 (resp. extended) reference."""
+    pytest.importorskip("numba")
+    import numpy as np
+
+    import spscan.recurrent_cpu as rc
+
+    assert rc.available()
+    rc._kernel()
+    dt = np.dtype(np_dtype).type
+    itype, magic_bits, bias, shift = rc._INT[dt]
+    cst = np.array(rc._CONSTS[dt] + rc._TAYLOR + [1.0], dtype=dt)
+    icst = np.array([magic_bits, bias, shift], dtype=itype)
+    g = np.random.default_rng(0)
+    y = np.concatenate([g.uniform(-80, 80, 4000), g.uniform(-1, 1, 4000), g.uniform(-1e-6, 1e-6, 1000),
+                        [0.0, -0.0, 1e-30, -1e-30, 0.34657, -0.34657, 0.5, -0.5, 80.0, -80.0]]).astype(dt)
+    buf = y.copy()
+    bits = np.empty(buf.shape[0], dtype=itype)
+    rc._vexpm1_c(buf, bits, bits.view(dt), cst, icst)
+    ref = np.expm1(y.astype(np.longdouble))
+    ulp = np.finfo(dt).eps
+    err = np.abs(buf.astype(np.longdouble) - ref) / np.abs(ref).clip(np.finfo(dt).tiny)
+    assert float(err.max()) <= 4 * ulp, float(err.max() / ulp)
+    # the clamp keeps 2^k a normal number: far outside the range the result saturates, finite
+    far = np.array([-1e4, 1e4 if np_dtype == "float64" else 88.0], dtype=dt)
+    rc._vexpm1_c(far, bits[:2], bits[:2].view(dt), cst, icst)
+    assert far[0] == -1.0 and np.isfinite(far[1])

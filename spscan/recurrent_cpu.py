@@ -1,0 +1,218 @@
+"""The LSTM forward on CPU in one compiled pass: outputs, final cell and the chain's Jacobian values.
+
+:class:`spscan.recurrent.RecurrentPlan` (factored layout, sequential forward, CPU tensors, numba
+importable) runs the recurrence here instead of running the module and then recomputing the
+gates and ``c_t`` from its outputs. One time loop computes, per step,
+
+    a_t = (x_t W_ih^T + b_ih + b_hh) + h_{t-1} W_hh^T          (input part: one GEMM for all t, before)
+    i, f, o = sigmoid(a_i, a_f, a_o),  g = tanh(a_g),  c_t = f c_{t-1} + i g,  h_t = o tanh(c_t)
+
+and writes ``h_t`` and the per-sample values of the step's gate element
+(:func:`spscan.recurrent._lstm_gate_pattern`: ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]``,
+``co``, ``[f k, f]`` per unit), so the gates are evaluated once and ``c_t`` comes from the forward.
+
+Why compiled, and why its own ``exp``: the step is tiny (B x 4H x H multiply-adds, B*5H
+transcendentals), so a loop of torch calls is bound by per-call overhead; and a compiled loop
+calling libm's ``exp``/``tanh`` per element spends ~10-40 ns on each (they do not vectorize), which
+at B = 16, H = 20 is most of the step. ``sigmoid`` and ``tanh`` are therefore computed from an
+``expm1`` made of arithmetic only (Cody-Waite reduction ``y = k ln2 + r``, ``|r| <= ln2/2``, a
+degree-13 Taylor polynomial for ``expm1(r)``, ``2^k`` from its exponent bits), which the compiler
+vectorizes; its error is a few units in the last place in float32 and float64 (the tests compare
+with the module's forward). ``sigmoid(x) = 1 / (2 + expm1(-x))``, ``tanh(|x|) = -e / (2 + e)`` with
+``e = expm1(-2|x|)`` (no cancellation for small ``x``). Every sum runs in a fixed order: results
+are bitwise reproducible run to run. No ``fastmath``, no ``parallel``.
+"""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import torch
+
+__all__ = ["available", "lstm_forward"]
+
+_numba = None  # the numba module once imported; False if it is not installed
+
+
+def available() -> bool:
+    """Whether the compiled forward can run (numba importable)."""
+    global _numba
+    if _numba is None:
+        try:
+            import numba
+        except ImportError:
+            _numba = False
+        else:
+            _numba = numba
+    return bool(_numba)
+
+
+# expm1 constants, per dtype: clamp range (2^k stays a normal number), Cody-Waite ln2 split, the
+# rounding constant 1.5 * 2^mantissa_bits, then the Taylor coefficients 1/2!, 1/3!, ..., 1/13!, then 1
+_TAYLOR = [1.0 / math.factorial(n) for n in range(2, 14)]
+_CONSTS = {
+    np.float64: [-708.0, 709.0, 1.0 / math.log(2.0), 6.93147180369123816490e-01, 1.90821492927058770002e-10,
+                 1.5 * 2.0 ** 52],
+    np.float32: [-87.0, 88.0, 1.0 / math.log(2.0), 0.693359375, -2.12194440e-4, 1.5 * 2.0 ** 23],
+}
+# integer view of the float: bits of the rounding constant, exponent bias, mantissa bits
+_INT = {np.float64: (np.int64, 1075 << 52 | 1 << 51, 1023, 52), np.float32: (np.int32, 150 << 23 | 1 << 22, 127, 23)}
+
+
+def _vexpm1(buf, bits, bitsf, cst, icst):  # pragma: no cover - compiled
+    """``buf[:] = expm1(buf[:])`` in place (1-D); ``bits`` (int) and ``bitsf`` (the same memory as float) scratch.
+
+    ``k = round(y / ln2)`` by adding ``1.5 * 2^m`` (its low bits then hold ``k``), ``2^k`` from exponent bits.
+    """
+    lo, hi, log2e, ln2hi, ln2lo, magic = cst[0], cst[1], cst[2], cst[3], cst[4], cst[5]
+    c2, c3, c4, c5, c6, c7 = cst[6], cst[7], cst[8], cst[9], cst[10], cst[11]
+    c8, c9, c10, c11, c12, c13 = cst[12], cst[13], cst[14], cst[15], cst[16], cst[17]
+    one = cst[18]
+    magic_bits, bias, shift = icst[0], icst[1], icst[2]
+    for q in range(buf.shape[0]):
+        y = min(max(buf[q], lo), hi)
+        kf = y * log2e + magic
+        k = kf - magic
+        r = (y - k * ln2hi) - k * ln2lo
+        p = c13
+        p = p * r + c12
+        p = p * r + c11
+        p = p * r + c10
+        p = p * r + c9
+        p = p * r + c8
+        p = p * r + c7
+        p = p * r + c6
+        p = p * r + c5
+        p = p * r + c4
+        p = p * r + c3
+        p = p * r + c2
+        buf[q] = r + r * r * p  # expm1(r)
+        bitsf[q] = kf
+    for q in range(buf.shape[0]):
+        bits[q] = (bits[q] - magic_bits + bias) << shift
+    for q in range(buf.shape[0]):
+        s = bitsf[q]  # 2^k
+        buf[q] = s * buf[q] + (s - one)  # expm1(k ln2 + r) = 2^k expm1(r) + (2^k - 1)
+
+
+def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf):  # pragma: no cover - compiled
+    T, B, G = gi.shape
+    H = G // 4
+    n = B * H
+    one = cst[18]
+    two = one + one
+    ei, ef, eg, eo, ec = e[0], e[1], e[2], e[3], e[4]  # (B*H,) each; then the activations i, f, g, o in place
+    ag, ci, cf, cg = w[0], w[1], w[2], w[3]
+    e4 = e[:4].reshape(-1)
+    for t in range(T):
+        # a_t = gi_t + h_{t-1} W_hh^T, summed over k in ascending order
+        hp = h0 if t == 0 else hs[t - 1]
+        for b in range(B):
+            for j in range(G):
+                acc[b, j] = gi[t, b, j]
+            for kk in range(H):
+                hv = hp[b, kk]
+                for j in range(G):
+                    acc[b, j] += hv * wt[kk, j]
+        # expm1 arguments: -a for the sigmoid gates (i, f, o), -2|a| for g
+        for b in range(B):
+            for j in range(H):
+                p = b * H + j
+                ei[p] = -acc[b, j]
+                ef[p] = -acc[b, H + j]
+                ag[p] = acc[b, 2 * H + j]
+                eg[p] = -two * abs(acc[b, 2 * H + j])
+                eo[p] = -acc[b, 3 * H + j]
+        _vexpm1_c(e4, bits, bitsf, cst, icst)
+        cp = c0.reshape(-1) if t == 0 else c
+        for p in range(n):
+            i = one / (two + ei[p])
+            f = one / (two + ef[p])
+            ga = -eg[p] / (two + eg[p])
+            g = ga if ag[p] >= 0 else -ga
+            o = one / (two + eo[p])
+            cn = f * cp[p] + i * g
+            ci[p] = g * i * (one - i)
+            cf[p] = cp[p] * f * (one - f)
+            cg[p] = i * (one - g * g)
+            c[p] = cn
+            ec[p] = -two * abs(cn)
+            ef[p] = f
+            eo[p] = o
+        _vexpm1_c(ec, bits, bitsf, cst, icst)
+        ht = hs[t].reshape(-1)
+        for p in range(n):
+            ta = -ec[p] / (two + ec[p])
+            tc = ta if c[p] >= 0 else -ta
+            o = eo[p]
+            ht[p] = o * tc
+            ei[p] = o * (one - tc * tc)  # k
+            eg[p] = tc * o * (one - o)  # c_o
+        vt = vals[t]
+        for b in range(B):
+            v = vt[b]
+            for j in range(H):
+                p = b * H + j
+                k = ei[p]
+                v[2 * j] = ci[p] * k
+                v[2 * j + 1] = ci[p]
+                v[2 * H + 2 * j] = cf[p] * k
+                v[2 * H + 2 * j + 1] = cf[p]
+                v[4 * H + 2 * j] = cg[p] * k
+                v[4 * H + 2 * j + 1] = cg[p]
+                v[6 * H + j] = eg[p]
+                v[7 * H + 2 * j] = ef[p] * k
+                v[7 * H + 2 * j + 1] = ef[p]
+
+
+_vexpm1_c = None
+_kernel_c = None
+
+
+def _kernel():
+    global _vexpm1_c, _kernel_c
+    if _kernel_c is None:
+        njit = _numba.njit
+        _vexpm1_c = njit(cache=True, nogil=True)(_vexpm1)
+        _kernel_c = njit(cache=True, nogil=True)(_lstm_kernel)
+    return _kernel_c
+
+
+def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LSTM recurrence on CPU in one compiled pass.
+
+    Args:
+        gi: ``(T, B, 4H)`` input part of the gate pre-activations, ``x W_ih^T + b_ih + b_hh``.
+        w_hh: ``(4H, H)`` the module's ``weight_hh_l0``.
+        h0, c0: ``(B, H)`` initial state.
+    Returns:
+        ``(hs (T, B, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
+        the gate element's values in :func:`spscan.recurrent._lstm_gate_pattern`'s CSR order. All of
+        ``gi``'s dtype (float32 or float64).
+
+    Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
+    """
+    if not available():
+        raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
+    dt = gi.dtype
+    if dt not in (torch.float32, torch.float64) or any(
+            t.dtype != dt or t.device.type != "cpu" for t in (gi, w_hh, h0, c0)):
+        raise TypeError(f"lstm_forward: expected float32/float64 CPU tensors of one dtype, got gi {gi.dtype} on "
+                        f"{gi.device}, w_hh {w_hh.dtype}, h0 {h0.dtype}, c0 {c0.dtype}")
+    T, B, G = gi.shape
+    H = G // 4
+    np_dt = np.float32 if dt == torch.float32 else np.float64
+    itype, magic_bits, bias, shift = _INT[np_dt]
+    cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
+    icst = np.array([magic_bits, bias, shift], dtype=itype)
+    hs = torch.empty(T, B, H, dtype=dt)
+    vals = torch.empty(T, B, 9 * H, dtype=dt)
+    c = torch.empty(B, H, dtype=dt)
+    acc = np.empty((B, G), dtype=np_dt)
+    e = np.empty((5, B * H), dtype=np_dt)
+    w = np.empty((4, B * H), dtype=np_dt)
+    bits = np.empty(4 * B * H, dtype=itype)
+    _kernel()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
+              h0.detach().contiguous().numpy(), c0.detach().contiguous().numpy(), cst, icst,
+              hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
+    return hs, c, vals
