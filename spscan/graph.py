@@ -1043,11 +1043,13 @@ class GraphPlan(ModelPlan):
 
 
 def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
-               operators: bool = True, **kwargs: Any) -> ModelPlan:
+               operators: bool = True, dag: str = "auto", **kwargs: Any) -> ModelPlan:
     """Plan any model ``torch.fx`` can trace whose nodes are supported, any DAG (see the module docstring).
 
-    Returns a :class:`TracedChainPlan` for a straight chain, else a :class:`GraphPlan`. ``kwargs``
-    go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
+    Returns a :class:`TracedChainPlan` for a straight chain, else a :class:`GraphPlan`. ``dag``:
+    ``"auto"`` plans a chain of series-parallel blocks where the graph is one and the live-set chain
+    otherwise; ``"live"`` plans the live-set chain always (the same gradients; for comparison).
+    ``kwargs`` go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
 
     Raises:
         TypeError: an unsupported node (names ``node.format_node()`` and its source line).
@@ -1057,13 +1059,15 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
+    if dag not in ("auto", "live"):
+        raise ValueError(f"dag: expected 'auto' or 'live', got {dag!r}")
     opts = {k: kwargs[k] for k in ("backend", "device", "dtype") if k in kwargs}
     try:
         traced = _Traced(model, example_input, prune_zeros, opts)
         if not traced.units:
             raise ValueError("the traced forward has no layers (nothing but adds or concatenations of the input)")
         try:
-            segments = traced.parse()
+            segments = traced.parse() if dag == "auto" else traced.live_steps()
         except _NotSeriesParallel:
             segments = traced.live_steps()  # any DAG: a chain over the live set
     except (TypeError, ValueError) as e:

@@ -150,6 +150,11 @@ def test_resnet20_option_a_eval_full_depth():
     model = _init(ResNet20A(width=2), 26).double()
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(27), dtype=torch.float64)
     _check_float64(model, x, levels="full", operators=False)
+    # the same series-parallel graph as a live-set chain (dag="live"): one step per node
+    for kw in ({"levels": 0}, {"levels": 2, "operators": False}):
+        plan = _check_float64(model, x, dag="live", **kw).plan
+        assert len(plan) == sum(1 for _ in plan.segments) > len(plan.units)
+    run_errors(lambda: spscan.plan(model, x, dag="sp"), ValueError, "dag", "'auto' or 'live'", "'sp'")
 
 
 @pytest.mark.parametrize("op", [
