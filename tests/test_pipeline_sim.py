@@ -14,7 +14,7 @@ import pytest
 import scipy.sparse as sp
 
 from spscan.pipeline.simulator import (
-    LayerCosts, Link, Task, bppsa_scan, dualpipe, gpipe, list_schedule, one_f_one_b, ooo_pipe, pipedream,
+    LayerCosts, Link, Overheads, Task, bppsa_scan, dualpipe, gpipe, list_schedule, one_f_one_b, ooo_pipe, pipedream,
     torch_schedule, zero_bubble,
 )
 
@@ -258,3 +258,50 @@ def test_draw_writes_png(tmp_path):
     with open(path, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 10_000
+
+
+# ----------------------------------------------------------------------------- runtime costs
+
+
+def test_overheads_per_action_and_per_step():
+    # two layers, one per stage; layer 1's I is never run, so stage 0: F = 1, B = W = 1; stage 1: F = 1, B = 2.
+    # 1F1B, p = 2, m = 2, by hand: rank 1 runs F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]; rank 0 F0 F1 [0,2],
+    # B0 [4,5], B1 [7,8] -> 8.
+    c = LayerCosts.uniform(2)
+    assert one_f_one_b(c, 2, 2).step_time == pytest.approx(8.0)
+    # + 0.5 per F, 0.25 per B, 1 before rank 0's first action, 2 after each rank's last: stage 0 F 1.5 B 1.25,
+    # stage 1 F 1.5 B 2.25. rank 0: S [0,1] F0 [1,2.5] F1 [2.5,4]; rank 1: F0 [2.5,4] B0 [4,6.25] F1 [6.25,7.75]
+    # B1 [7.75,10] U [10,12]; rank 0: B0 [6.25,7.5] B1 [10,11.25] U [11.25,13.25] -> 13.25.
+    ov = Overheads(action={"F": 0.5, "B": 0.25}, step_start=[1.0, 0.0], step_end=2.0)
+    tl = one_f_one_b(c, 2, 2, overheads=ov)
+    assert tl.step_time == pytest.approx(13.25)
+    assert [str(a) for a in tl.actions[0]][0] == "-1S" and tl.actions[0][-1].kind == "U"
+    assert tl.actions[0][-1].start == pytest.approx(11.25)
+    # torch's own GPipe list, the same overheads: every action of a kind longer by the same amount
+    base, more = torch_schedule("GPipe", c, 2, 2), torch_schedule("GPipe", c, 2, 2, overheads=Overheads({"F": 0.5}))
+    fb = {str(a): a.end - a.start for a in base.actions[1]}
+    fm = {str(a): a.end - a.start for a in more.actions[1]}
+    assert all(fm[k] == pytest.approx(fb[k] + (0.5 if "F" in k else 0.0)) for k in fb)
+    with pytest.raises(ValueError, match="Overheads.action\\['F'\\]"):
+        Overheads(action={"F": -1.0})
+    with pytest.raises(ValueError, match="step_start: expected 2 values"):
+        one_f_one_b(c, 2, 2, overheads=Overheads(step_start=[1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="Link.bandwidth"):
+        Link(bandwidth=0.0)
+
+
+def test_blocking_link_holds_the_sender():
+    # two ranks, two layers each, F = 1 per layer, no backward compute, link latency 1, m = 2.
+    # Overlapped sends: rank 0 F0 [0,2] F1 [2,4]; rank 1 F0 [3,5] F1 [5,7]; its spine at 7 reaches rank 0 at 8.
+    # Blocking sends: rank 0 F0 [0,3] F1 [3,6] (each holds the send); rank 1 F0 [3,5] F1 [6,8];
+    # round 0 on rank 1 sends for 1 [8,9]: rank 0 has it at 9.
+    import spscan.distributed as D
+
+    pats = [sp.csr_array(sp.eye(4)) for _ in range(4)]
+    dplan = D.plan(pats, 2, slices=[0, 2, 4])
+    c = LayerCosts.uniform(4, 1.0, 0.0, 0.0)
+    free = bppsa_scan(dplan, pats, c, 2, batch=2, pair_time=0.0, link=Link(latency=1.0))
+    held = bppsa_scan(dplan, pats, c, 2, batch=2, pair_time=0.0, link=Link(latency=1.0, blocking=True))
+    assert free.step_time == pytest.approx(8.0)
+    assert held.step_time == pytest.approx(9.0)
+    assert [(a.start, a.end) for a in held.actions[0] if a.kind == "F"] == [(0.0, 3.0), (3.0, 6.0)]

@@ -10,6 +10,6 @@ Nothing here is imported by ``import spscan``.
 """
 
 from spscan.pipeline.simulator import (  # noqa: F401
-    SCHEDULES, Action, LayerCosts, Link, Timeline, bppsa_scan, contiguous_bounds, dualpipe, gpipe, list_schedule,
-    one_f_one_b, ooo_pipe, pipedream, torch_schedule, zero_bubble,
+    SCHEDULES, Action, LayerCosts, Link, Overheads, Timeline, bppsa_scan, contiguous_bounds, dualpipe, gpipe,
+    list_schedule, one_f_one_b, ooo_pipe, pipedream, torch_schedule, zero_bubble,
 )

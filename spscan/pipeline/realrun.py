@@ -10,14 +10,21 @@ set of processes, interleaved step by step. spscan's step: forward of the whole 
 slice, the model-parallel scan (:func:`spscan.distributed.backward`) for every ``dl/dx_i``, then
 each layer's weight gradient from its own ``dl/dx_i`` (``g^T x`` for a linear layer).
 
-It returns, per rank and method, the measured step times, the bytes sent per step, the peak
-resident memory growth during a step and the parameter gradients of the last step as NumPy
-arrays keyed like ``model.named_parameters()`` (to compare against single-process autograd),
-plus per-module costs measured in the same processes, to calibrate the simulator.
+It returns, per rank and method, the measured step times with a trace of every call the step
+made (wall and CPU time: compute actions, message posts and waits, loss, optimizer), the bytes
+sent per step, the peak resident memory growth during a step and the parameter gradients of the
+last step as NumPy arrays keyed like ``model.named_parameters()`` (to compare against
+single-process autograd), plus the calibration measurements of the simulator, taken in the same
+processes between the timed steps: isolated stage costs, optimizer steps and Gloo ping-pong.
+
+:func:`predicted_timeline` turns the calibration (and :func:`runtime_overheads` of a run of a
+negligible-compute model) into the simulator's prediction of each method's step;
+:func:`step_times` gives the measured ones.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -26,10 +33,12 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.pipeline.simulator import LayerCosts, Link, Timeline
+from spscan.pipeline.simulator import LayerCosts, Link, Overheads, Timeline
 
-__all__ = ["build_mlp", "chain_patterns", "chain_values", "stage_bounds", "compare", "reference_grads",
-           "calibrated_costs", "predicted_timeline", "SINGLE_STAGE", "MULTI_STAGE"]
+__all__ = ["build_mlp", "chain_patterns", "chain_values", "stage_bounds", "compare", "reference_grads", "fit_link",
+           "step_times", "step_breakdown", "runtime_overheads", "calibrated_link", "calibrated_costs",
+           "calibrated_overheads", "round_loads", "busy_per_device", "measured_cpu", "predicted_step_times",
+           "predicted_timeline", "SINGLE_STAGE", "MULTI_STAGE"]
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -128,58 +137,175 @@ def _weight_grads(mod: nn.Module, x_in: torch.Tensor, g_out: torch.Tensor) -> li
     return []
 
 
-def _time_modules(mods: Sequence[nn.Module], x: torch.Tensor, reps: int) -> tuple[list[float], list[float], list[float]]:
-    """Median seconds of ``F``, ``I`` (autograd input gradient) and ``W`` of each module on input ``x``."""
-    f, i_, w = [], [], []
-    h = x
-    for mod in mods:
-        xin = h.detach().requires_grad_(True)
-        tf, ti, tw = [], [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                mod(xin)
-            tf.append(time.perf_counter() - t0)
-            yv = mod(xin)
-            gy = torch.ones_like(yv)
-            t0 = time.perf_counter()
-            torch.autograd.grad(yv, xin, gy)
-            ti.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                _weight_grads(mod, xin, gy)
-            tw.append(time.perf_counter() - t0)
-        f.append(float(np.median(tf)))
-        i_.append(float(np.median(ti)))
-        w.append(float(np.median(tw)) if list(mod.parameters()) else 0.0)
+def _schedstat() -> tuple[Optional[int], Optional[int]]:
+    """This thread's ``(cpu ns, run-queue wait ns)`` from ``/proc/thread-self/schedstat``, or Nones."""
+    try:
+        with open("/proc/thread-self/schedstat") as fh:
+            cpu, wait = fh.read().split()[:2]
+        return int(cpu), int(wait)
+    except (OSError, ValueError):
+        return None, None
+
+
+class _Trace:
+    """Wall and CPU time of the calls a step makes, while ``on``: ``(label, start, end, cpu, cpu_start)``
+    with ``start``/``end`` on the system-wide monotonic clock (comparable between the processes),
+    ``cpu`` the calling thread's CPU seconds in the call and ``cpu_start`` its CPU clock at the start."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.events: list[tuple[str, float, float, float, float]] = []
+
+    def wrap(self, label: Any, fn: Any) -> Any:
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = fn(*args, **kwargs)
+            if self.on:
+                name = label(args, kwargs) if callable(label) else label
+                self.events.append((name, t0, time.perf_counter(), time.thread_time() - c0, c0))
+            return out
+
+        return traced
+
+    def mark(self, label: str, t0: float, c0: float) -> None:
+        if self.on:
+            self.events.append((label, t0, time.perf_counter(), time.thread_time() - c0, c0))
+
+
+class _TracedComms:
+    """Within the block, ``torch.distributed.pipelining``'s point-to-point helpers record into ``trace``
+    (``post``: posting ``isend``/``irecv``; ``wait``: waiting for them); restored on exit. Used only in
+    the worker processes :func:`compare` starts."""
+
+    def __init__(self, trace: _Trace) -> None:
+        self.trace = trace
+
+    def __enter__(self) -> "_TracedComms":
+        from torch.distributed.pipelining import schedules as sch
+
+        self.saved = (sch._wait_batch_p2p, sch._batch_p2p)
+        sch._wait_batch_p2p = self.trace.wrap("wait", self.saved[0])
+        sch._batch_p2p = self.trace.wrap("post", self.saved[1])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.distributed.pipelining import schedules as sch
+
+        sch._wait_batch_p2p, sch._batch_p2p = self.saved
+
+
+def _median(ts: Sequence[float]) -> float:
+    return float(np.median(ts)) if len(ts) else float("nan")
+
+
+def _time_stage(mods: Sequence[nn.Module], x: torch.Tensor, y: Optional[torch.Tensor], first: bool
+                ) -> dict[str, float]:
+    """One sample (CPU seconds of this thread) of a pipeline stage's actions on micro-batch input ``x``,
+    made with the calls ``torch.distributed.pipelining`` makes: ``F`` forward with autograd recording
+    (plus the loss on the last stage, ``y`` given), ``B`` one ``autograd.backward`` through the stage (from the loss, or from
+    an output gradient), ``I`` the input gradient alone (none on the first stage, whose input needs no
+    gradient), ``W`` the weight gradients ``g^T x`` of every layer from its output gradient."""
+    sub = nn.Sequential(*mods)
+    inp = x.detach().requires_grad_(not first)
+
+    def fwd() -> torch.Tensor:
+        out = sub(inp)
+        return nn.functional.cross_entropy(out, y) if y is not None else out
+
+    clock = time.thread_time
+    t0 = clock()
+    out = fwd()
+    tf = clock() - t0
+    g = None if y is not None else torch.ones_like(out)
+    t0 = clock()
+    torch.autograd.backward(out, g)
+    tb = clock() - t0
+    ti = 0.0
+    if not first:
+        out = fwd()
+        t0 = clock()
+        torch.autograd.grad(out, inp, g)
+        ti = clock() - t0
+    # W: every layer's g^T x from its own input and output gradient (what torch's weight step runs)
+    with torch.no_grad():
+        hs = [x]
+        for m_ in mods:
+            hs.append(m_(hs[-1]))
+    tw = 0.0
+    for k, m_ in enumerate(mods):
+        gk = torch.ones_like(hs[k + 1])
+        t0 = clock()
         with torch.no_grad():
-            h = mod(h)
-    return f, i_, w
+            _weight_grads(m_, hs[k], gk)
+        tw += clock() - t0
+    for q in sub.parameters():
+        q.grad = None
+    return {"F": tf, "B": tb, "I": ti, "W": tw}
 
 
-def _ping_pong(rank: int, world: int, reps: int = 10) -> Optional[tuple[float, float]]:
-    """One-way ``(latency s, bandwidth B/s)`` between ranks 0 and 1 (measured on both)."""
+def _burst_share(mods: Sequence[nn.Module], x: torch.Tensor, bursts: int = 8, pause: float = 5e-4
+                 ) -> tuple[float, float]:
+    """``(CPU s, wall s)`` of ``bursts`` forwards of ``mods`` on ``x``, each after a ``pause`` asleep: the
+    share of a core a thread gets when, like a pipeline rank, it computes for a millisecond or two at a
+    time between waits (a scheduler favours such threads over ones that never sleep)."""
+    cpu = wall = 0.0
+    for _ in range(bursts):
+        time.sleep(pause)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with torch.no_grad():
+            h = x
+            for m_ in mods:
+                h = m_(h)
+        cpu += time.thread_time() - c0
+        wall += time.perf_counter() - t0
+    return cpu, wall
+
+
+def _ping_pong(rank: int, sizes: Sequence[int], reps: int, blocking: bool) -> Optional[dict[int, list[float]]]:
+    """One-way seconds per message of ``n`` bytes between ranks 0 and 1 (``reps`` round trips / 2), with
+    ``isend``/``irecv`` + ``wait`` (as torch's schedules) or blocking ``send``/``recv`` (as spscan's
+    scan). Ranks above 1 return None."""
     import torch.distributed as dist
 
-    if world < 2 or rank > 1:
+    if rank > 1:
         return None
-    out = []
-    for numel in (1, 1 << 18):
-        buf = torch.zeros(numel)
+    peer = 1 - rank
+    out = {}
+    for n in sizes:
+        buf = torch.zeros(max(1, n // 4))
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
+            if blocking:
+                if rank == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
             else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+                if rank == 0:
+                    dist.isend(buf, peer).wait()
+                    dist.irecv(buf, peer).wait()
+                else:
+                    dist.irecv(buf, peer).wait()
+                    dist.isend(buf, peer).wait()
             ts.append((time.perf_counter() - t0) / 2)
-        out.append(float(np.median(ts)))
-    lat = out[0]
-    bw = (4 * (1 << 18)) / max(out[1] - lat, 1e-9)
-    return lat, bw
+        out[int(n)] = ts
+    return out
+
+
+def fit_link(one_way: dict[int, float], blocking: bool = False) -> Link:
+    """``latency + bytes / bandwidth`` least-squares fit to ping-pong one-way times ``{bytes: seconds}``
+    (latency and bandwidth kept positive)."""
+    n = np.array(sorted(one_way), dtype=np.float64)
+    t = np.array([one_way[int(k)] for k in n])
+    if len(n) < 2 or np.ptp(n) == 0:
+        return Link(float(max(t.min(), 0.0)), blocking=blocking)
+    slope, icept = np.polyfit(n, t, 1)
+    if slope <= 1e-15:  # no measurable size dependence (above a petabyte per second): latency only
+        return Link(float(max(t.mean(), 0.0)), blocking=blocking)
+    return Link(float(max(icept, 0.0)), float(1.0 / slope), blocking=blocking)
 
 
 def _dims_at(model: nn.Sequential, d0: int) -> list[int]:
@@ -220,51 +346,55 @@ class _TorchRunner:
                          loss_fn=nn.functional.cross_entropy)
         self.opt = torch.optim.SGD([q for st in self.stages for q in st.submod.parameters()], lr=cfg.get("lr", 0.01))
         self.update = cfg.get("update", True)
-        # time every compute action the schedule runs (this process's stage objects only)
-        self.timing = False
-        self.action_times: dict[str, list[float]] = {}
+        # every compute action the schedule runs, every p2p post and wait, the loss and the optimizer
+        self.trace = _Trace()
         for st in self.stages:
-            for attr in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                self._wrap(st, attr)
+            st.forward_one_chunk = self.trace.wrap(_action_label(st.stage_index, "F"), st.forward_one_chunk)
+            st.backward_one_chunk = self.trace.wrap(_action_label(st.stage_index, "B"), st.backward_one_chunk)
+            st.backward_weight_one_chunk = self.trace.wrap(_action_label(st.stage_index, "W"),
+                                                           st.backward_weight_one_chunk)
+        self.sched._compute_loss = self.trace.wrap("loss", self.sched._compute_loss)
         dims = _dims_at(model, cfg["dims"][0])
         elem = x.element_size()
         # per step, every cut between stages on different ranks carries the activations of all
         # micro-batches forward and their gradients back
         self.bytes_sent = 0
+        self.message_bytes = set()
         for st in range(self.n_stages - 1):
             if owner[st] != owner[st + 1]:
                 act = cfg["batch"] * dims[self.bounds[st + 1]] * elem
                 self.bytes_sent += act * ((owner[st] == rank) + (owner[st + 1] == rank))
-
-    def _wrap(self, stage: Any, attr: str) -> None:
-        orig = getattr(stage, attr)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = orig(*args, **kwargs)
-            if self.timing:
-                if attr == "forward_one_chunk":
-                    kind = "F"
-                elif attr == "backward_weight_one_chunk":
-                    kind = "W"
-                else:
-                    kind = "B" if kwargs.get("full_backward", True) else "I"
-                self.action_times.setdefault(f"{kind}{stage.stage_index}", []).append(time.perf_counter() - t0)
-            return out
-
-        setattr(stage, attr, timed)
+                self.message_bytes.add(act // cfg["microbatches"])
 
     def step(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        args = (self.x,) if 0 in self.mine else ()
-        kw: dict[str, Any] = {"target": self.y, "losses": []} if self.n_stages - 1 in self.mine else {}
-        self.sched.step(*args, **kw)
-        if self.update:
-            self.opt.step()
+        with _TracedComms(self.trace):
+            self.opt.zero_grad(set_to_none=True)
+            args = (self.x,) if 0 in self.mine else ()
+            kw: dict[str, Any] = {"target": self.y, "losses": []} if self.n_stages - 1 in self.mine else {}
+            self.sched.step(*args, **kw)
+            if self.update:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                self.opt.step()
+                self.trace.mark("opt", t0, c0)
+
+    def params(self) -> list[torch.Tensor]:
+        return [q for st in self.stages for q in st.submod.parameters()]
 
     def grads(self) -> dict[str, np.ndarray]:
         return {f"{self.bounds[s] + int(k.split('.')[0])}.{k.split('.', 1)[1]}": q.grad.detach().numpy().copy()
                 for st, s in zip(self.stages, self.mine) for k, q in st.submod.named_parameters()}
+
+
+def _action_label(stage: int, kind: str) -> Any:
+    """Label of a traced stage call in torch's action form ``"{stage}{kind}{microbatch}"`` (``B`` with
+    ``full_backward=False`` is torch's ``I``)."""
+
+    def label(args: tuple, kwargs: dict) -> str:
+        mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", ""))
+        k = "I" if kind == "B" and not kwargs.get("full_backward", True) else kind
+        return f"{stage}{k}{mb}"
+
+    return label
 
 
 class _ScanRunner:
@@ -288,77 +418,201 @@ class _ScanRunner:
         self.dims = _dims_at(model, cfg["dims"][0])
         self.batch = cfg["batch"]
         self.bytes_sent = 0
-        self.phases: dict[str, list[float]] = {}
+        self.trace = _Trace()
+        self.seconds: list[dict] = []
+        elem = x.element_size()
+        self.message_bytes = {self.batch * self.dims[b] * elem for b in self.bounds[1:-1]}
 
     def step(self) -> None:
         import torch.distributed as dist
 
-        t0 = time.perf_counter()
+        tr = self.trace
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.rank == 0:
             h = self.x
         else:
             h = torch.empty(self.batch, self.dims[self.lo], dtype=self.dtype)
             dist.recv(h, self.rank - 1)
-        t1 = time.perf_counter()
+            tr.mark("wait", t0, c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         inputs, values = [], []
         with torch.no_grad():
             for m in self.mods:
                 inputs.append(h)
                 values.append(chain_values(m, h))
                 h = m(h)
+        tr.mark(f"{self.rank}F", t0, c0)
         fwd_sent, grad = 0, None
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.rank < self.world - 1:
             dist.send(h.contiguous(), self.rank + 1)
             fwd_sent = h.numel() * h.element_size()
+            tr.mark("send", t0, c0)
         else:
             out = h.detach().requires_grad_(True)
             (grad,) = torch.autograd.grad(nn.functional.cross_entropy(out, self.y), out)
-        t2 = time.perf_counter()
+            tr.mark("loss", t0, c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         g = self.D.backward(self.dplan, values, grad)
-        t3 = time.perf_counter()
+        tr.mark(f"{self.rank}S", t0, c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         for p_ in self.opt.param_groups[0]["params"]:
             p_.grad = None
         with torch.no_grad():
             for k, m in enumerate(self.mods):  # g[k + 1] is dl/dx at module k's output
                 for p_, gp in zip(m.parameters(), _weight_grads(m, inputs[k], g[k + 1])):
                     p_.grad = gp
-        t4 = time.perf_counter()
+        tr.mark(f"{self.rank}W", t0, c0)
         if self.update:
+            t0, c0 = time.perf_counter(), time.thread_time()
             self.opt.step()
+            tr.mark("opt", t0, c0)
         self.bytes_sent = fwd_sent + g.stats.bytes_sent
-        # the slice's own backward inside the scan: the spine on the last rank, the finish elsewhere
-        own = g.stats.seconds.get("local" if self.rank == self.world - 1 else "finish", float("nan"))
-        for key, val in (("recv_wait", t1 - t0), ("forward", t2 - t1), ("scan", t3 - t2), ("weight_grads", t4 - t3),
-                         ("slice_backward", own)):
-            self.phases.setdefault(key, []).append(val)
+        if tr.on:
+            self.seconds.append(dict(g.stats.seconds))
+
+    def params(self) -> list[torch.Tensor]:
+        return [q for m in self.mods for q in m.parameters()]
 
     def grads(self) -> dict[str, np.ndarray]:
         return {f"{self.lo + k}.{n}": q.grad.detach().numpy().copy() for k, m in enumerate(self.mods)
                 for n, q in m.named_parameters()}
 
-    def slice_costs(self, reps: int) -> dict:
-        """This slice's ``F``/``I``/``W`` per module on the whole batch and its local scan backward."""
+    def slice_sample(self, local: Any) -> dict[str, float]:
+        """One sample (CPU seconds of this thread) of this slice's costs on the whole batch, made with
+        the step's own calls:
+        ``F`` the forward with the Jacobian values, ``loss`` (last rank), ``I`` the slice's local scan
+        backward (``local``: a one-rank plan of the slice), ``W`` every layer's ``g^T x``."""
         import spscan
 
         with torch.no_grad():
             h = self.x
             for m in list(self.model)[:self.lo]:
                 h = m(h)
-        f, i_, w = _time_modules(self.mods, h, reps)
-        local = spscan.plan(self.pats[self.lo:self.hi], levels=0, backend="torch")
+        t0 = time.thread_time()
+        inputs, vals = [], []
         with torch.no_grad():
-            vals = []
             for m in self.mods:
+                inputs.append(h)
                 vals.append(chain_values(m, h))
                 h = m(h)
+        tf = time.thread_time() - t0
+        tl = 0.0
         gy = torch.ones_like(h)
-        spscan.backward(local, vals, gy)  # first call binds the plan
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            spscan.backward(local, vals, gy)
-            ts.append(time.perf_counter() - t0)
-        return {"forward": f, "backward_input": i_, "backward_weight": w, "local_backward": float(np.median(ts))}
+        if self.rank == self.world - 1:
+            t0 = time.thread_time()
+            out = h.detach().requires_grad_(True)
+            (gy,) = torch.autograd.grad(nn.functional.cross_entropy(out, self.y), out)
+            tl = time.thread_time() - t0
+        t0 = time.thread_time()
+        g = spscan.backward(local, vals, gy)
+        ti = time.thread_time() - t0
+        t0 = time.thread_time()
+        with torch.no_grad():
+            for k, m in enumerate(self.mods):
+                _weight_grads(m, inputs[k], g[k + 1])
+        tw = time.thread_time() - t0
+        return {"F": tf, "loss": tl, "I": ti, "W": tw}
+
+
+def _opt_sample(params: Sequence[torch.Tensor], lr: float) -> float:
+    """One SGD step (and gradient reset) over copies of ``params`` with gradients: CPU seconds."""
+    qs = [q.detach().clone().requires_grad_(True) for q in params]
+    for q in qs:
+        q.grad = torch.ones_like(q)
+    opt = torch.optim.SGD(qs, lr=lr)
+    t0 = time.thread_time()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.thread_time() - t0
+
+
+class _Calibration:
+    """The measurements that calibrate the simulator, taken between the timed steps (one sample per
+    round) and never from the steps themselves: every owned pipeline stage's ``F``/``B``/``I``/``W``
+    on one micro-batch, the scan slice's costs on the whole batch and the optimizer step of every
+    method, in CPU seconds of the calling thread (what they cost on a core of their own, whatever
+    else the machine runs), and Gloo ping-pong at the run's message sizes (wall time)."""
+
+    def __init__(self, rank: int, world: int, cfg: dict, runners: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+        import spscan
+
+        self.rank, self.world, self.cfg, self.runners = rank, world, cfg, runners
+        self.model = build_mlp(cfg["dims"], cfg.get("seed", 0), cfg.get("dtype", torch.float32))
+        mb = cfg["batch"] // cfg["microbatches"]
+        self.x_mb, self.y_mb = x[:mb], y[:mb]
+        with torch.no_grad():
+            hs = [self.x_mb]
+            for m in self.model:
+                hs.append(m(hs[-1]))
+        self.h_mb = hs
+        self.stages: dict[str, tuple[int, int, bool, bool]] = {}
+        for name, rn in runners.items():
+            if name == "scan":
+                continue
+            for s in rn.mine:
+                lo, hi = rn.bounds[s], rn.bounds[s + 1]
+                self.stages[_stage_key(rn.bounds, s)] = (lo, hi, s == 0, s == rn.n_stages - 1)
+        sizes = {4}
+        for rn in runners.values():
+            sizes |= {int(b) for b in rn.message_bytes}
+        self.sizes = sorted(sizes)
+        self.local = None
+        if "scan" in runners:
+            sc = runners["scan"]
+            self.local = spscan.plan(sc.pats[sc.lo:sc.hi], levels=0, backend="torch")
+        self.samples: dict[str, list] = {"stage": [], "scan": [], "opt": [], "async": [], "blocking": [], "share": [],
+                                         "burst": []}
+
+    def sample(self, reps: int = 3) -> None:
+        # the compute probes also give this round's CPU share: their CPU time over their wall time
+        t0, c0 = time.perf_counter(), time.thread_time()
+        st = {}
+        for key, (lo, hi, first, last) in self.stages.items():
+            st[key] = _time_stage(list(self.model)[lo:hi], self.h_mb[lo], self.y_mb if last else None, first)
+        self.samples["stage"].append(st)
+        if self.local is not None:
+            self.samples["scan"].append(self.runners["scan"].slice_sample(self.local))
+        lr = self.cfg.get("lr", 0.01)
+        self.samples["opt"].append({n: _opt_sample(rn.params(), lr) for n, rn in self.runners.items()})
+        self.samples["share"].append((time.thread_time() - c0, time.perf_counter() - t0))
+        lo, hi, _, _ = next(iter(self.stages.values())) if self.stages else (0, len(self.model), True, True)
+        self.samples["burst"].append(_burst_share(list(self.model)[lo:hi], self.h_mb[lo]))
+        if self.world > 1:
+            self.samples["async"].append(_ping_pong(self.rank, self.sizes, reps, blocking=False))
+            if "scan" in self.runners:
+                self.samples["blocking"].append(_ping_pong(self.rank, self.sizes, reps, blocking=True))
+
+    def result(self) -> dict:
+        def med(rows: list[dict]) -> dict:
+            return {k: _median([r[k] for r in rows]) for k in rows[0]} if rows else {}
+
+        out: dict[str, Any] = {"sizes": self.sizes}
+        out["stage"] = {k: med([r[k] for r in self.samples["stage"]]) for k in self.stages} \
+            if self.samples["stage"] else {}
+        out["stage_spread"] = {k: {a: [float(np.percentile([r[k][a] for r in self.samples["stage"]], q))
+                                       for q in (10, 90)] for a in "FBIW"} for k in self.stages} \
+            if self.samples["stage"] else {}
+        out["scan"] = med(self.samples["scan"])
+        # per round: (CPU s, wall s) of the compute probes, and one-way seconds per message size
+        out["rounds"] = {"share": self.samples["share"], "burst": self.samples["burst"],
+                         "async": [None if r is None else {n: _median(v) for n, v in r.items()}
+                                   for r in self.samples["async"]],
+                         "blocking": [None if r is None else {n: _median(v) for n, v in r.items()}
+                                      for r in self.samples["blocking"]]}
+        out["opt"] = med(self.samples["opt"])
+        for kind in ("async", "blocking"):
+            rows = [r for r in self.samples[kind] if r is not None]
+            # the fastest message of each size: the link itself, as little of the machine's load as seen
+            out[kind] = {n: float(min(t for r in rows for t in r[n])) for n in self.sizes} if rows else None
+            out[kind + "_median"] = {n: _median([t for r in rows for t in r[n]]) for n in self.sizes} \
+                if rows else None
+        return out
+
+
+def _stage_key(bounds: Sequence[int], s: int) -> str:
+    """``"0,4,8,11,15/2"``: stage ``s`` of the cut ``bounds``."""
+    return ",".join(str(b) for b in bounds) + f"/{s}"
 
 
 def _compare_worker(rank: int, world: int, cfg: dict) -> dict:
@@ -367,59 +621,85 @@ def _compare_worker(rank: int, world: int, cfg: dict) -> dict:
     x, y = _data(cfg)
     runners = {name: (_ScanRunner(rank, world, cfg, x, y) if name == "scan" else
                       _TorchRunner(name, rank, world, cfg, x, y)) for name in cfg["methods"]}
-    reps = cfg.get("cost_reps", 5)
-    dist.barrier()  # every rank has built its runners: the ping-pong times the link, not set-up
-    link = _ping_pong(rank, world)
-    # per-module costs of one micro-batch, measured here under the same load as the steps
-    model = build_mlp(cfg["dims"], cfg.get("seed", 0), cfg.get("dtype", torch.float32))
-    mb_costs = _time_modules(list(model), x[: cfg["batch"] // cfg["microbatches"]], reps)
-    scan_costs = runners["scan"].slice_costs(reps) if "scan" in runners else None
-    times: dict[str, list[float]] = {n: [] for n in runners}
-    peak: dict[str, Optional[int]] = {}
+    calib = _Calibration(rank, world, cfg, runners, x, y)
+    dist.barrier()  # every rank has built its runners
+    steps: dict[str, list[dict]] = {n: [] for n in runners}
     names = list(runners)
     for it in range(cfg["warmup"] + cfg["steps"]):
+        timed = it >= cfg["warmup"]
         # rotate the order every round so that no method always runs first
         for j in range(len(names)):
             name = names[(it + j) % len(names)]
-            base = _clear_peak()
-            if hasattr(runners[name], "timing"):
-                runners[name].timing = it >= cfg["warmup"]
+            rn = runners[name]
+            rn.trace.events = []
+            rn.trace.on = timed
             dist.barrier()
-            t0 = time.perf_counter()
-            runners[name].step()
+            cpu0, wait0 = _schedstat()
+            t0, tc0 = time.perf_counter(), time.thread_time()
+            rn.step()
+            t1 = time.perf_counter()
+            cpu1, wait1 = _schedstat()
+            rn.trace.on = False
             dist.barrier()
-            dt = time.perf_counter() - t0
-            hwm = _status("VmHWM")
-            if it >= cfg["warmup"]:
-                times[name].append(dt)
-                if base is not None and hwm is not None:
-                    peak[name] = max(peak.get(name) or 0, hwm - base)
-    out = {"rank": rank, "link": link, "microbatch_costs": mb_costs, "scan_costs": scan_costs, "methods": {}}
+            if timed:
+                steps[name].append({"start": t0, "end": t1, "cpu_start": tc0, "events": rn.trace.events,
+                                    "cpu": (cpu1 - cpu0) * 1e-9 if cpu0 is not None else None,
+                                    "run_wait": (wait1 - wait0) * 1e-9 if wait0 is not None else None})
+        if timed:
+            dist.barrier()
+            calib.sample()
+    if not calib.samples["opt"]:
+        calib.sample()
+    # peak memory: one more step of every method, untimed (the RSS reset stays out of the timed steps)
+    peak: dict[str, Optional[int]] = {}
+    for name in names:
+        dist.barrier()
+        base = _clear_peak()
+        runners[name].step()
+        hwm = _status("VmHWM")
+        peak[name] = hwm - base if base is not None and hwm is not None else None
+    dist.barrier()
+    cal = calib.result()
+    link = None
+    if cal.get("async"):
+        lk = fit_link(cal["async"])
+        link = (lk.latency, lk.bandwidth)
+    out = {"rank": rank, "link": link, "calibration": cal, "methods": {}}
     for name, rn in runners.items():
         out["methods"][name] = {
-            "times": times[name], "bytes_sent": rn.bytes_sent, "peak_rss_growth": peak.get(name),
+            "times": [s["end"] - s["start"] for s in steps[name]], "steps": steps[name],
+            "bytes_sent": rn.bytes_sent, "peak_rss_growth": peak.get(name),
             "bounds": rn.bounds, "stages": getattr(rn, "mine", [rank]),
-            "grads": rn.grads() if cfg.get("return_grads") else None,
-            "action_costs": {k: float(np.median(v)) for k, v in getattr(rn, "action_times", {}).items()},
-            "phases": {k: float(np.median(v)) for k, v in getattr(rn, "phases", {}).items()}}
+            "scan_seconds": getattr(rn, "seconds", None),
+            "grads": rn.grads() if cfg.get("return_grads") else None}
     return out
 
 
 def compare(cfg: dict, methods: Sequence[str], world: int = 2, timeout: float = 600.0) -> list[dict]:
     """Train the MLP with every method in ``methods`` (torch schedule class names and ``"scan"``) on
     ``world`` Gloo processes, interleaved round by round (each round runs one step of every
-    method, in a rotating order), so that all methods see the same machine load.
+    method, in a rotating order, then one sample of every calibration measurement), so that all
+    methods and the calibration see the same machine load.
 
     ``cfg``: ``dims`` (layer widths), ``batch``, ``microbatches``, ``warmup``, ``steps``; optional
     ``seed``, ``lr``, ``update`` (default True: SGD step after each step), ``return_grads``,
-    ``dtype``, ``threads`` (per process, default 1), ``cost_reps``, ``levels`` (scan).
+    ``dtype``, ``threads`` (per process, default 1), ``levels`` (scan).
 
-    Returns, per rank: ``link`` (one-way latency s, bandwidth B/s between ranks 0 and 1),
-    ``microbatch_costs`` (``F``, ``I``, ``W`` seconds of every module on one micro-batch),
-    ``scan_costs`` (the rank's slice on the whole batch and its local scan backward) and
-    ``methods[name]``: ``times`` (seconds per step), ``bytes_sent`` per step, ``peak_rss_growth``
-    (bytes; the process's peak resident memory over one step minus its size before it),
-    ``bounds``/``stages`` and ``grads`` (of the last step).
+    Returns, per rank: ``link`` (one-way latency s, bandwidth B/s between ranks 0 and 1, fitted to
+    the ``isend``/``irecv`` ping-pong), ``calibration`` (medians over the rounds, CPU seconds:
+    ``stage``: every owned pipeline stage's ``F``/``B``/``I``/``W`` on one micro-batch keyed by
+    ``"bounds/stage"``; ``scan``: the scan slice's ``F``/``loss``/``I``/``W`` on the whole batch;
+    ``opt``: each method's optimizer step; ``async``/``blocking``: one-way wall seconds per message
+    size, the fastest, and ``async_median``/``blocking_median``; ``rounds``: per round, ``share``
+    and ``burst`` ``(CPU s, wall s)`` of the compute probes and the ping-pong medians) and
+    ``methods[name]``: ``times`` (this rank's seconds per step), ``steps`` (per step: ``start``/``end``
+    on the monotonic clock shared by the processes, ``cpu_start`` this thread's CPU clock then,
+    ``events`` ``(label, start, end, cpu, cpu_start)`` of every traced call (torch's actions as
+    ``"{stage}{kind}{microbatch}"``, ``post``, ``wait``, ``loss``, ``opt``; the scan's ``"{rank}F"``,
+    ``"{rank}S"`` (its distributed backward), ``"{rank}W"``, ``send``, ``wait``, ``loss``, ``opt``),
+    ``cpu`` and ``run_wait``: this rank's main-thread CPU time and run-queue wait in the step),
+    ``bytes_sent`` per step, ``peak_rss_growth`` (bytes, from one extra untimed step),
+    ``bounds``/``stages``, ``scan_seconds`` (the scan's phases per step) and ``grads`` (last step).
     """
     from spscan.distributed import run_local
 
@@ -433,91 +713,276 @@ def compare(cfg: dict, methods: Sequence[str], world: int = 2, timeout: float = 
     return [res for _, res in out]
 
 
-def calibrated_costs(results: Sequence[dict], cfg: dict) -> tuple[LayerCosts, Link]:
-    """Per-module ``F``/``I``/``W`` of one micro-batch (median over the ranks' in-situ timings) and the
-    measured link, as simulator inputs. Activations and boundary bytes are per micro-batch."""
-    f = np.median([r["microbatch_costs"][0] for r in results], axis=0)
-    i_ = np.median([r["microbatch_costs"][1] for r in results], axis=0)
-    w = np.median([r["microbatch_costs"][2] for r in results], axis=0)
+# ----------------------------------------------------------------------------- measured step times
+
+
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+def step_times(results: Sequence[dict], method: str, contention_removed: bool = False) -> np.ndarray:
+    """Seconds of every timed step of ``method``: from the first rank's start to the last rank's end
+    (all ranks read one monotonic clock).
+
+    ``contention_removed``: minus the largest run-queue wait of a rank's main thread in that step (the
+    time it was ready to run while every core ran something else, from ``/proc/thread-self/schedstat``):
+    the step as it would have run had the machine run nothing else, exact when the waits fall on the
+    step's critical path one rank at a time."""
+    steps = [r["methods"][method]["steps"] for r in results]
+    out = []
+    for k in range(len(steps[0])):
+        t = max(s[k]["end"] for s in steps) - min(s[k]["start"] for s in steps)
+        if contention_removed:
+            t -= max((s[k]["run_wait"] or 0.0) for s in steps)
+        out.append(t)
+    return np.array(out)
+
+
+def step_breakdown(results: Sequence[dict], method: str) -> list[dict]:
+    """Per rank, medians over the timed steps of where the rank's step time went (seconds):
+    ``compute`` (the schedule's F/B/I/W calls, or the scan step's forward, scan and weight phases),
+    ``wait`` (blocked on a receive), ``post`` (posting sends and receives), ``loss``, ``opt``, ``other``
+    (the rest: the runtime between the calls), ``cpu`` (the main thread's CPU time) and ``run_wait``
+    (time it was ready to run but waited for a core), plus ``actions``: calls per step."""
+    out = []
+    for r in results:
+        rows = []
+        for st in r["methods"][method]["steps"]:
+            acc = {"compute": 0.0, "wait": 0.0, "post": 0.0, "loss": 0.0, "opt": 0.0, "send": 0.0, "actions": 0}
+            for label, t0, t1, *_ in st["events"]:
+                if _ACTION.match(label) or re.match(r"^\d+[FSW]$", label):
+                    acc["compute"] += t1 - t0
+                    acc["actions"] += 1
+                elif label in acc:
+                    acc[label] += t1 - t0
+            acc["wall"] = st["end"] - st["start"]
+            acc["other"] = acc["wall"] - sum(acc[k] for k in ("compute", "wait", "post", "loss", "opt", "send"))
+            acc["cpu"] = st["cpu"] if st["cpu"] is not None else float("nan")
+            acc["run_wait"] = st["run_wait"] if st["run_wait"] is not None else float("nan")
+            rows.append(acc)
+        out.append({k: _median([row[k] for row in rows]) for k in rows[0]} if rows else {})
+    return out
+
+
+def runtime_overheads(results: Sequence[dict], method: str) -> dict:
+    """The runtime's costs outside the compute, in CPU seconds of each rank's main thread, from a run
+    of a model so narrow that its compute is negligible (e.g. 8 wide), per call of its trace (never
+    from step times):
+
+    * ``in_action[kind]``: over the calls of kind ``F``/``B``/``I``/``W``, the call's CPU time minus the
+      same stage's isolated cost in that run's calibration (torch's bookkeeping inside the call); for
+      the scan ``F``/``S``/``W`` (forward, distributed backward, weight phase);
+    * ``gap``: per call, the rank's CPU time in the step outside every traced call but the message
+      posts, divided by its calls (the schedule executor between the calls, posting messages);
+    * ``start``: per rank, its CPU time from the step's start to its first traced call.
+
+    Each is the median over a rank's steps (and calls), then (but ``start``) the median over the ranks.
+    """
+    per_rank: list[dict[str, float]] = []
+    gaps, starts = [], []
+    for r in results:
+        kinds: dict[str, list[float]] = {}
+        cal = r["calibration"]
+        bounds = r["methods"][method]["bounds"]
+        g_r, s_r = [], []
+        for st in r["methods"][method]["steps"]:
+            ev = sorted(st["events"], key=lambda e: e[1])
+            n_act, traced = 0, 0.0
+            for label, t0, t1, cpu, _ in ev:
+                m_ = _ACTION.match(label)
+                if m_:
+                    stage, kind = int(m_.group(1)), m_.group(2)
+                    iso = cal["stage"].get(_stage_key(bounds, stage), {})
+                    base = iso.get("B" if kind == "W" and stage == 0 else kind, 0.0)
+                    kinds.setdefault(kind, []).append(max(0.0, cpu - base))
+                    n_act += 1
+                    traced += cpu
+                elif re.match(r"^\d+[FSW]$", label):
+                    kind = label[-1]
+                    base = cal["scan"].get({"S": "I"}.get(kind, kind), 0.0)
+                    kinds.setdefault(kind, []).append(max(0.0, cpu - base))
+                    n_act += 1
+                    traced += cpu
+                elif label != "post":
+                    traced += cpu
+            first = ev[0][4] - st["cpu_start"] if ev else 0.0
+            s_r.append(max(0.0, first))
+            if n_act and st["cpu"] is not None:
+                g_r.append(max(0.0, st["cpu"] - traced - first) / n_act)
+        gaps.append(_median(g_r))
+        starts.append(_median(s_r))
+        per_rank.append({k: _median(v) for k, v in kinds.items()})
+    in_action = {k: _median([d[k] for d in per_rank if k in d]) for k in sorted({k for d in per_rank for k in d})}
+    return {"in_action": in_action, "gap": _median(gaps), "start": starts}
+
+
+# ----------------------------------------------------------------------------- predictions
+
+
+def calibrated_link(results: Sequence[dict], blocking: bool = False) -> Link:
+    """The link fitted to the ping-pong one-way times (median over ranks 0 and 1), ``latency + bytes /
+    bandwidth``; ``blocking``: the blocking ``send``/``recv`` ping-pong (spscan's scan) instead of
+    ``isend``/``irecv`` (torch's schedules)."""
+    kind = "blocking" if blocking else "async"
+    rows = [r["calibration"][kind] for r in results if r["calibration"].get(kind)]
+    if not rows:
+        return Link(blocking=blocking)
+    sizes = rows[0].keys()
+    return fit_link({int(n): _median([row[n] for row in rows]) for n in sizes}, blocking=blocking)
+
+
+def calibrated_costs(results: Sequence[dict], cfg: dict, method: str) -> LayerCosts:
+    """Per-layer costs of one micro-batch for a torch schedule, from the isolated stage timings
+    (:func:`compare`'s calibration, the runtime's own calls on every stage): each stage's ``F``,
+    ``I`` and ``W`` on its last layer (stage-level schedules only use the sums), the first stage's
+    ``I`` zero and its ``W`` its whole backward (torch runs nothing in the first stage's input step);
+    without a split (``GPipe``, ``1F1B``, ``Interleaved1F1B``) ``I + W`` is the measured ``B``."""
+    bounds = results[0]["methods"][method]["bounds"]
+    stage: dict[str, dict] = {}
+    for r in results:
+        stage.update(r["calibration"]["stage"])
+    n = bounds[-1]
+    f, i_, w = np.zeros(n), np.zeros(n), np.zeros(n)
+    split = method in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    for s in range(len(bounds) - 1):
+        c = stage[_stage_key(bounds, s)]
+        last = bounds[s + 1] - 1
+        f[last] = c["F"]
+        if s == 0:
+            w[last] = c["B"]
+        elif split:
+            i_[last], w[last] = c["I"], c["W"]
+        else:
+            # B split in the measured I : W proportion
+            tot = c["I"] + c["W"]
+            i_[last] = c["B"] * c["I"] / tot if tot > 0 else c["B"]
+            w[last] = c["B"] - i_[last]
     model = build_mlp(cfg["dims"], cfg.get("seed", 0))
     elem = torch.empty((), dtype=cfg.get("dtype", torch.float32)).element_size()
     mb = cfg["batch"] // cfg["microbatches"]
-    dims = _dims_at(model, cfg["dims"][0])
-    bb = tuple(float(mb * d * elem) for d in dims)
-    links = [r["link"] for r in results if r.get("link")]
-    link = Link(float(np.median([lk[0] for lk in links])), float(np.median([lk[1] for lk in links]))) if links else Link()
-    return LayerCosts(tuple(f), tuple(i_), tuple(w), bb[1:], bb), link
+    bb = tuple(float(mb * d * elem) for d in _dims_at(model, cfg["dims"][0]))
+    return LayerCosts(tuple(f), tuple(i_), tuple(w), bb[1:], bb)
 
 
-def _stage_scaled(costs: LayerCosts, bounds: Sequence[int], actions: dict[str, float]) -> LayerCosts:
-    """Scale the per-module costs so that every stage's ``F``, ``I`` and ``W`` sum to the times its
-    actions took inside the steps (``"F3"``, ``"B3"`` or ``"I3"``/``"W3"`` -> seconds)."""
-    f, i_, w = np.array(costs.forward), np.array(costs.backward_input), np.array(costs.backward_weight)
-    i_[0] = 0.0  # the simulator never runs layer 1's input gradient
-    for s_ in range(len(bounds) - 1):
-        sl = slice(bounds[s_], bounds[s_ + 1])
-        if f"F{s_}" in actions and f[sl].sum() > 0:
-            f[sl] *= actions[f"F{s_}"] / f[sl].sum()
-        if f"B{s_}" in actions:
-            tot = i_[sl].sum() + w[sl].sum()
-            if tot > 0:
-                i_[sl] *= actions[f"B{s_}"] / tot
-                w[sl] *= actions[f"B{s_}"] / tot
-        for kind, arr in (("I", i_), ("W", w)):
-            if f"{kind}{s_}" in actions and arr[sl].sum() > 0:
-                arr[sl] *= actions[f"{kind}{s_}"] / arr[sl].sum()
-    return LayerCosts(tuple(f), tuple(i_), tuple(w), costs.activation, costs.boundary_bytes)
+def calibrated_overheads(results: Sequence[dict], method: str, floor: Optional[dict] = None) -> Overheads:
+    """:class:`~spscan.pipeline.simulator.Overheads` of ``method``: per action, ``floor``'s
+    (:func:`runtime_overheads` of a negligible-compute run) in-call overhead plus its per-call gap;
+    per rank, ``floor``'s time to the first event before the step, and the isolated optimizer step
+    (``results``' calibration) after it. Without ``floor`` only the optimizer step."""
+    world = len(results)
+    end = [r["calibration"]["opt"][method] for r in results]
+    if floor is None:
+        return Overheads(step_end=end)
+    act = {k: v + floor["gap"] for k, v in floor["in_action"].items()}
+    return Overheads(action=act, step_start=[float(v) for v in floor["start"][:world]], step_end=end)
 
 
-def predicted_timeline(results: Sequence[dict], cfg: dict, method: str, in_step: bool = False) -> Timeline:
-    """The simulator's timeline of ``method`` with the costs :func:`compare` measured.
+def _slowed(costs: LayerCosts, ov: Overheads, factor: float) -> tuple[LayerCosts, Overheads]:
+    """Compute and runtime costs ``factor`` times longer (a CPU share of ``1 / factor``)."""
+    c = LayerCosts(tuple(v * factor for v in costs.forward), tuple(v * factor for v in costs.backward_input),
+                   tuple(v * factor for v in costs.backward_weight), costs.activation, costs.boundary_bytes)
 
-    torch schedules replay torch's own action lists (:func:`~spscan.pipeline.simulator.torch_schedule`;
-    ``1F1B`` uses :func:`~spscan.pipeline.simulator.one_f_one_b`, the same order); the scan uses the
-    real :class:`~spscan.distributed.DistributedPlan` with each slice's measured whole-batch costs,
-    its ``I`` scaled to the slice's backward as timed inside the scan's steps (``CommStats.seconds``).
-    ``in_step``: for torch schedules, scale each stage's costs to its actions' times measured inside
-    the steps (what the runtime's own F/B/I/W calls took), instead of the separately timed modules.
+    def sc(v: Any) -> Any:
+        return [x * factor for x in v] if isinstance(v, (list, tuple)) else v * factor
+
+    return c, Overheads({k: v * factor for k, v in ov.action.items()}, sc(ov.step_start), sc(ov.step_end))
+
+
+def round_loads(results: Sequence[dict], blocking: bool = False, probe: str = "burst") -> list[tuple[float, Link]]:
+    """Per calibration round: the CPU share a computing rank got (a probe's CPU time over its wall time,
+    summed over the ranks; ``probe="burst"``: short forwards between short sleeps, as a pipeline rank
+    computes; ``"share"``: the calibration's long uninterrupted compute) and the link fitted to that
+    round's ping-pong (median one-way times: what a message took under that round's load, the
+    receiver's wake-up included)."""
+    kind = "blocking" if blocking else "async"
+    n = len(results[0]["calibration"]["rounds"][probe])
+    out = []
+    for k in range(n):
+        cpu = sum(r["calibration"]["rounds"][probe][k][0] for r in results)
+        wall = sum(r["calibration"]["rounds"][probe][k][1] for r in results)
+        rows = [r["calibration"]["rounds"][kind][k] for r in results
+                if len(r["calibration"]["rounds"][kind]) > k and r["calibration"]["rounds"][kind][k]]
+        lk = fit_link({int(sz): _median([row[sz] for row in rows]) for sz in rows[0]}, blocking) if rows \
+            else Link(blocking=blocking)
+        out.append((min(1.0, cpu / wall) if wall > 0 else 1.0, lk))
+    return out
+
+
+def predicted_step_times(results: Sequence[dict], cfg: dict, method: str, floor: Optional[dict] = None
+                         ) -> tuple[float, np.ndarray]:
+    """``(dedicated, loaded)``: the simulated step of ``method`` on a machine running nothing else
+    (CPU costs, least-contended link), and one simulated step per calibration round under that
+    round's measured load (:func:`round_loads`: every compute and runtime cost divided by the CPU
+    share, the link as measured then). Their median predicts the median measured step."""
+    dedicated = predicted_timeline(results, cfg, method, floor).step_time
+    loaded = [predicted_timeline(results, cfg, method, floor, share=a, link=lk).step_time
+              for a, lk in round_loads(results, blocking=method == "scan")]
+    return dedicated, np.array(loaded)
+
+
+def busy_per_device(tl: Timeline) -> list[float]:
+    """Time each device of a simulated step spends in its actions (overheads included): on a machine
+    running nothing else, the CPU time each rank's main thread spends in the step."""
+    return [float(sum(a.end - a.start for a in acts)) for acts in tl.actions]
+
+
+def measured_cpu(results: Sequence[dict], method: str) -> list[float]:
+    """Per rank, the median over the timed steps of its main thread's CPU seconds in the step."""
+    return [_median([s["cpu"] for s in r["methods"][method]["steps"] if s["cpu"] is not None]) for r in results]
+
+
+def predicted_timeline(results: Sequence[dict], cfg: dict, method: str, floor: Optional[dict] = None,
+                       link: Any = True, share: float = 1.0) -> Timeline:
+    """The simulator's timeline of ``method`` calibrated with measurements other than its step times:
+
+    * compute: the isolated stage costs of :func:`calibrated_costs` (torch), or for the scan each
+      slice's isolated forward (with the Jacobian values, and the loss on the last rank), local scan
+      backward (as the spine's ``I`` on the last rank, as the finish's ``I`` elsewhere) and ``g^T x``
+      weight gradients, all on the whole batch;
+    * link (``link=True``): ``latency + bytes / bandwidth`` fitted to the ping-pong at the run's message
+      sizes (the fastest of each size: the least-contended messages), overlapped for torch (``isend``/
+      ``irecv``), blocking the sender for the scan (``send``); ``False``: none; a :class:`Link`: that one;
+    * ``share``: the CPU share a busy rank gets (1: a core of its own); costs are divided by it;
+    * ``floor``: :func:`runtime_overheads` of the same method on a negligible-compute model, the
+      per-action and per-step runtime costs (without it, only the optimizer step is added).
     """
     from spscan.pipeline import simulator as S
 
     world = len(results)
-    costs, link = calibrated_costs(results, cfg)
     bounds = results[0]["methods"][method]["bounds"]
+    ov = calibrated_overheads(results, method, floor)
     if method == "scan":
         import spscan.distributed as D
 
         model = build_mlp(cfg["dims"], cfg.get("seed", 0))
         pats = chain_patterns(model)
-        f, i_, w = [], [], []
+        n = len(pats)
+        f, i_, w = np.zeros(n), np.zeros(n), np.zeros(n)
         for r in results:
-            sc = r["scan_costs"]
-            ai = np.array(sc["backward_input"])
-            # the slice's backward as the scan ran it in the steps (spine or finish), else the
-            # separately timed local scan backward
-            own = r["methods"]["scan"]["phases"].get("slice_backward", float("nan"))
-            local = own if np.isfinite(own) else sc["local_backward"]
-            scale = local / ai.sum() if ai.sum() > 0 else 0.0
-            f += list(sc["forward"])
-            i_ += list(ai * scale)
-            w += list(sc["backward_weight"])
+            sc = r["calibration"]["scan"]
+            last = bounds[r["rank"] + 1] - 1
+            f[last] = sc["F"] + sc["loss"]
+            i_[last] = sc["I"]
+            w[last] = sc["W"]
         elem = torch.empty((), dtype=cfg.get("dtype", torch.float32)).element_size()
-        dims = _dims_at(model, cfg["dims"][0])
-        bb = tuple(float(cfg["batch"] * d * elem) for d in dims)
+        bb = tuple(float(cfg["batch"] * d * elem) for d in _dims_at(model, cfg["dims"][0]))
         full = LayerCosts(tuple(f), tuple(i_), tuple(w), bb[1:], bb)
         dplan = D.plan(pats, world, slices=bounds)
-        # composite products: time per multiply pair from the local backward's rate
+        # composite products (p > 2): time per multiply pair from the local backward's rate
         nnz = sum(p.nnz for p in pats)
-        pair_time = float(np.median([r["scan_costs"]["local_backward"] for r in results])) / max(
+        pair_time = float(np.median([r["calibration"]["scan"]["I"] for r in results])) / max(
             1.0, nnz * cfg["batch"] / world)
-        return S.bppsa_scan(dplan, pats, full, 1, cfg["batch"], pair_time, link,
-                            element_bytes=elem)
-    if in_step:
-        actions: dict[str, float] = {}
-        for r in results:
-            actions.update(r["methods"][method].get("action_costs", {}))
-        costs = _stage_scaled(costs, bounds, actions)
+        lk = link if isinstance(link, Link) else calibrated_link(results, blocking=True) if link \
+            else Link(blocking=True)
+        if floor is not None:
+            # the scan's step is one action of each kind per rank: its overheads are per step
+            ov = Overheads(action={{"S": "I"}.get(k, k): v for k, v in ov.action.items()},
+                           step_start=ov.step_start, step_end=ov.step_end)
+        full, ov = _slowed(full, ov, 1.0 / share)
+        return S.bppsa_scan(dplan, pats, full, 1, cfg["batch"], pair_time, lk, element_bytes=elem, overheads=ov)
+    costs, ov = _slowed(calibrated_costs(results, cfg, method), ov, 1.0 / share)
+    lk = link if isinstance(link, Link) else calibrated_link(results) if link else Link()
     if method == "1F1B":
-        return S.one_f_one_b(costs, world, cfg["microbatches"], link, bounds=bounds)
+        return S.one_f_one_b(costs, world, cfg["microbatches"], lk, bounds=bounds, overheads=ov)
     spr = 2 if method in MULTI_STAGE else None
-    return S.torch_schedule(method, costs, world, cfg["microbatches"], link, stages_per_rank=spr, bounds=bounds)
+    return S.torch_schedule(method, costs, world, cfg["microbatches"], lk, stages_per_rank=spr, bounds=bounds,
+                            overheads=ov)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["LayerCosts", "Link", "Action", "Timeline", "Task", "list_schedule", "contiguous_bounds",
+__all__ = ["LayerCosts", "Link", "Overheads", "Action", "Timeline", "Task", "list_schedule", "contiguous_bounds",
            "gpipe", "one_f_one_b", "zero_bubble", "ooo_pipe", "pipedream", "dualpipe", "torch_schedule",
            "bppsa_scan", "SCHEDULES"]
 
@@ -108,13 +108,84 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class Link:
-    """A message between two devices takes ``latency + bytes / bandwidth`` (devices stay free meanwhile)."""
+    """A message between two devices takes ``latency + bytes / bandwidth``.
+
+    ``blocking=False``: the devices stay free meanwhile (an asynchronous send, as
+    ``torch.distributed.pipelining`` posts ``isend``/``irecv``); ``blocking=True``: the sender is
+    busy until the message is delivered (a synchronous ``send``, as spscan's scan sends), which
+    :func:`bppsa_scan` adds to the sending task.
+    """
 
     latency: float = 0.0
     bandwidth: float = math.inf
+    blocking: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency) and self.latency >= 0):
+            raise ValueError(f"Link.latency: expected a finite non-negative time, got {self.latency!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link.bandwidth: expected a positive rate (bytes per time unit), got {self.bandwidth!r}")
 
     def time(self, nbytes: float) -> float:
         return self.latency + (nbytes / self.bandwidth if nbytes and math.isfinite(self.bandwidth) else 0.0)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Runtime costs outside the layers' compute, each on the device that pays it (it is busy meanwhile).
+
+    Attributes:
+        action: per action kind (``"F"``, ``"B"``, ``"I"``, ``"W"``, ``"R"``, ``"X"``), a fixed time added
+            to every action of that kind (the runtime's bookkeeping around the compute: the schedule
+            executor's step from one action to the next, posting sends and receives, autograd set-up).
+        step_start: per device (or one value for all), time before its first action (splitting the
+            batch into micro-batches, clearing the previous step's state): shown as an ``S`` action.
+        step_end: per device (or one value for all), time after its last action (the optimizer step
+            and gradient reset): shown as a ``U`` action; the step ends when every device's ``U`` does.
+    """
+
+    action: dict[str, float] = field(default_factory=dict)
+    step_start: Any = 0.0
+    step_end: Any = 0.0
+
+    def __post_init__(self) -> None:
+        for k, v in self.action.items():
+            if not (math.isfinite(float(v)) and float(v) >= 0):
+                raise ValueError(f"Overheads.action[{k!r}]: expected a finite non-negative time, got {v!r}")
+        for name in ("step_start", "step_end"):
+            vals = getattr(self, name)
+            vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+            if not all(math.isfinite(float(v)) and float(v) >= 0 for v in vals):
+                raise ValueError(f"Overheads.{name}: expected finite non-negative times, got {getattr(self, name)!r}")
+
+    def per_device(self, name: str, devices: int) -> list[float]:
+        vals = getattr(self, name)
+        if isinstance(vals, (list, tuple)):
+            if len(vals) != devices:
+                raise ValueError(f"Overheads.{name}: expected {devices} values (one per device), got {len(vals)}")
+            return [float(v) for v in vals]
+        return [float(vals)] * devices
+
+
+def _apply_overheads(tasks: list["Task"], devices: int, ov: Optional[Overheads]) -> None:
+    """Add ``ov`` to a task graph in place: per-kind action overheads, then one ``S`` task per device
+    that all its tasks follow and one ``U`` task per device that follows all of them."""
+    if ov is None:
+        return
+    for t in tasks:
+        if t.kind in ov.action and t.kind != "-":
+            t.duration += float(ov.action[t.kind])
+    n0 = len(tasks)
+    start, end = ov.per_device("step_start", devices), ov.per_device("step_end", devices)
+    for d in range(devices):
+        mine = [i for i in range(n0) if tasks[i].device == d]
+        if start[d] > 0:
+            tasks.append(Task(d, -1, "S", None, (0, 0), start[d], (-1,)))
+            s_id = len(tasks) - 1
+            for i in mine:
+                tasks[i].deps.append((s_id, 0.0))
+        if end[d] > 0:
+            tasks.append(Task(d, -1, "U", None, (0, 0), end[d], (math.inf,), [(i, 0.0) for i in mine]))
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -439,7 +510,8 @@ def _layers_placement(costs: LayerCosts, p: int, modulo: bool, bounds: Optional[
 
 
 def _flush_schedule(name: str, costs: LayerCosts, p: int, m: int, link: Link, modulo: bool, fast_forward: bool,
-                    bounds: Optional[Sequence[int]], flush: bool = True) -> Timeline:
+                    bounds: Optional[Sequence[int]], flush: bool = True, overheads: Optional[Overheads] = None
+                    ) -> Timeline:
     device_of, stage_of, _ = _layers_placement(costs, p, modulo, bounds)
     g = _LayerGraph(costs, m, device_of, stage_of, link)
     n = costs.n
@@ -467,6 +539,7 @@ def _flush_schedule(name: str, costs: LayerCosts, p: int, m: int, link: Link, mo
                     if device_of[l - 1] == d:
                         g.tasks[g.I[l, j]].deps.append((barrier, 0.0))
                         g.tasks[g.W[l, j]].deps.append((barrier, 0.0))
+    _apply_overheads(g.tasks, p, overheads)
     start, end = list_schedule(g.tasks, p)
     acts, span, bubble, peaks = _timeline(name, g.tasks, start, end, p, m)
     return Timeline(name, p, m, acts, span, bubble, peaks,
@@ -474,11 +547,13 @@ def _flush_schedule(name: str, costs: LayerCosts, p: int, m: int, link: Link, mo
                     extra={"placement": device_of})
 
 
-def gpipe(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Optional[Sequence[int]] = None) -> Timeline:
+def gpipe(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Optional[Sequence[int]] = None,
+          overheads: Optional[Overheads] = None) -> Timeline:
     """GPipe: every device runs all its forwards, then conventional backprop per micro-batch
-    (per layer ``W`` then ``I``, as the out-of-order paper's baseline), then the step ends (flush)."""
+    (per layer ``W`` then ``I``, as the out-of-order paper's baseline), then the step ends (flush).
+    ``overheads``: runtime costs outside the compute (:class:`Overheads`; per-layer actions here)."""
     _check_pm(costs, p, m)
-    return _flush_schedule("GPipe", costs, p, m, link, False, False, bounds)
+    return _flush_schedule("GPipe", costs, p, m, link, False, False, bounds, overheads=overheads)
 
 
 def ooo_pipe(costs: LayerCosts, p: int, m: int, link: Link = Link(), modulo: bool = False,
@@ -581,23 +656,25 @@ def _one_f_one_b_order(s: int, p: int, m: int, first: int, warmup: int, bkind: s
     return order
 
 
-def one_f_one_b(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Optional[Sequence[int]] = None
-                ) -> Timeline:
+def one_f_one_b(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Optional[Sequence[int]] = None,
+                overheads: Optional[Overheads] = None) -> Timeline:
     """Synchronous 1F1B with flush (PipeDream-flush; ``torch`` ``Schedule1F1B``): stage ``s`` runs
-    ``p - s`` warm-up forwards, then alternates one backward and one forward, then drains."""
+    ``p - s`` warm-up forwards, then alternates one backward and one forward, then drains.
+    ``overheads``: runtime costs outside the compute (:class:`Overheads`)."""
     _check_pm(costs, p, m)
     _, _, b = _layers_placement(costs, p, False, bounds)
     g = _StageGraph(costs, b, list(range(p)), link, split_w=False)
     g.build(m)
     for s in range(p):
         g.chain(_one_f_one_b_order(s, p, m, 0, p - s, "B"))
+    _apply_overheads(g.tasks, p, overheads)
     start, end = list_schedule(g.tasks, p)
     acts, span, bubble, peaks = _timeline("1F1B", g.tasks, start, end, p, m)
     return Timeline("1F1B", p, m, acts, span, bubble, peaks, {(j, s): (0, 0) for j in range(m) for s in range(p)})
 
 
-def zero_bubble(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Optional[Sequence[int]] = None
-                ) -> Timeline:
+def zero_bubble(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Optional[Sequence[int]] = None,
+                overheads: Optional[Overheads] = None) -> Timeline:
     """Zero-bubble-style B/W split (ZB-H1-like): 1F1B's order of ``F`` and ``I`` (input gradient only,
     so the gradient reaches the previous stage sooner) with every ``W`` deferred: a device runs a
     ready ``W`` only when its next ``F``/``I`` is not ready, and the rest after its last ``I``."""
@@ -609,6 +686,7 @@ def zero_bubble(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: 
         g.chain(_one_f_one_b_order(s, p, m, 0, p - s, "I"))
         for j in range(m):
             g.tasks[g.ids["W", s, j]].key = (1, j)
+    _apply_overheads(g.tasks, p, overheads)
     start, end = list_schedule(g.tasks, p)
     acts, span, bubble, peaks = _timeline("ZB-H1", g.tasks, start, end, p, m)
     return Timeline("ZB-H1", p, m, acts, span, bubble, peaks, {(j, s): (0, 0) for j in range(m) for s in range(p)})
@@ -758,14 +836,16 @@ def dualpipe(costs: LayerCosts, p: int, m: int, link: Link = Link(), bounds: Opt
 
 
 def torch_schedule(name: str, costs: LayerCosts, p: int, m: int, link: Link = Link(),
-                   stages_per_rank: Optional[int] = None, bounds: Optional[Sequence[int]] = None) -> Timeline:
+                   stages_per_rank: Optional[int] = None, bounds: Optional[Sequence[int]] = None,
+                   overheads: Optional[Overheads] = None) -> Timeline:
     """Simulate a schedule of ``torch.distributed.pipelining`` from its own per-rank action lists.
 
     ``name`` is what ``torch.distributed.pipelining.schedules.get_schedule_class`` accepts (e.g.
     ``"GPipe"``, ``"Interleaved1F1B"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
     ``"DualPipeV"``). Multi-stage schedules place stage ``s`` on the rank whose list runs it; the
     layers are cut into ``p * stages_per_rank`` stages. Each rank runs its compute actions strictly
-    in torch's order (``OVERLAP_F_B`` runs its two sub-actions back to back).
+    in torch's order (``OVERLAP_F_B`` runs its two sub-actions back to back). ``overheads``: the
+    runtime's costs outside the compute (:class:`Overheads`: per action, per step).
     """
     _check_pm(costs, p, m)
     try:
@@ -805,6 +885,7 @@ def torch_schedule(name: str, costs: LayerCosts, p: int, m: int, link: Link = Li
                 exp.extend([("I", s, j), ("W", s, j)] if k == "B" else [(k, s, j)])
             order = exp
         g.chain(order)
+    _apply_overheads(g.tasks, p, overheads)
     start, end = list_schedule(g.tasks, p)
     acts, span, bubble, peaks = _timeline(name, g.tasks, start, end, p, m)
     return Timeline(name, p, m, acts, span, bubble, peaks, {(j, s): (0, 0) for j in range(m) for s in range(S)},
@@ -852,7 +933,7 @@ def _tree_cost(pats: list) -> float:
 
 def bppsa_scan(dplan: Any, patterns: Sequence[Any], costs: LayerCosts, m: int, batch: int,
                pair_time: float, link: Link = Link(), element_bytes: int = 4, shared: Optional[Sequence[bool]] = None,
-               matvec_time: Optional[float] = None) -> Timeline:
+               matvec_time: Optional[float] = None, overheads: Optional[Overheads] = None) -> Timeline:
     """spscan's model-parallel scan as a timeline, from a real :class:`spscan.distributed.DistributedPlan`.
 
     Forward: the batch's ``m`` micro-batches flow through the ranks as in GPipe (``F``; the cost
@@ -871,6 +952,8 @@ def bppsa_scan(dplan: Any, patterns: Sequence[Any], costs: LayerCosts, m: int, b
         pair_time: time per multiply pair of a composite product per sample (``× B`` for per-sample values).
         matvec_time: time per nonzero of a matrix-vector product per sample (default ``pair_time``).
         shared: per rank, every layer of the rank has batch-shared values ``(nnz,)`` (default all False).
+        link: with ``blocking=True`` a sender is busy for each message's link time (its ``F`` or ``X``).
+        overheads: the runtime's costs outside the compute (:class:`Overheads`; per action and per step).
     """
     p = dplan.world_size
     if len(patterns) != costs.n:
@@ -888,7 +971,10 @@ def bppsa_scan(dplan: Any, patterns: Sequence[Any], costs: LayerCosts, m: int, b
         for s in range(p):
             i = g.add("F", s, j, (0, j))
             if s > 0:
-                g.tasks[i].deps.append((g.ids["F", s - 1, j], g.delay(s - 1, s, bounds[s])))
+                # a blocking send ends with the delivery: the sender's F already holds the link time
+                g.tasks[i].deps.append((g.ids["F", s - 1, j], 0.0 if link.blocking else g.delay(s - 1, s, bounds[s])))
+            if s < p - 1 and link.blocking:
+                g.tasks[i].duration += g.delay(s, s + 1, bounds[s + 1])
     tasks = g.tasks
     last = p - 1
     mult = lambda r: 1.0 if shared[r] else float(batch)  # noqa: E731
@@ -914,6 +1000,8 @@ def bppsa_scan(dplan: Any, patterns: Sequence[Any], costs: LayerCosts, m: int, b
             dst = dplan.send_peer(r, k)
             deps = [(state[r, k], 0.0)]
             dur = 0.0
+            if dst is not None and link.blocking:
+                dur += link.time(dplan.message_numel(r, k, batch, shared, has_extra) * element_bytes)
             if src is not None:
                 nbytes = dplan.message_numel(src, k, batch, shared, has_extra) * element_bytes
                 msg_bytes[src, k] = nbytes
@@ -943,6 +1031,7 @@ def bppsa_scan(dplan: Any, patterns: Sequence[Any], costs: LayerCosts, m: int, b
         w_id = len(tasks) - 1
         # the slice's Jacobian values (activations of all m micro-batches) live until its W is done
         tasks[g.ids["F", r, 0]].memory = (act_total[r], [w_id])
+    _apply_overheads(tasks, p, overheads)
     start, end = list_schedule(tasks, p)
     acts, span, bubble, peaks = _timeline("BPPSA scan", tasks, start, end, p, m)
     sent = [sum(v for (src, _), v in msg_bytes.items() if src == r) for r in range(p)]
