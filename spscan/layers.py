@@ -849,6 +849,21 @@ class AvgPoolUnit(LayerUnit):
 # ----------------------------------------------------------------------------- BatchNorm
 
 
+def _affine_mask(roles: Sequence[str], needed: Optional[Sequence[bool]]) -> list[bool]:
+    """``[weight wanted, bias wanted]`` (a normalization backward kernel's output mask) from ``needed``
+    per role (``None``: every role)."""
+    need = dict(zip(roles, needed if needed is not None else [True] * len(roles)))
+    return [bool(need.get("weight", False)), bool(need.get("bias", False))]
+
+
+def _by_role(roles: Sequence[str], gw: Optional[torch.Tensor], gb: Optional[torch.Tensor],
+             mask: list[bool]) -> list[Optional[torch.Tensor]]:
+    """A kernel's weight and bias gradients in ``roles`` order (``None`` where ``mask`` left one out)."""
+    got = {"weight": gw if mask[0] else None, "bias": gb if mask[1] else None}
+    return [got[r] for r in roles]
+
+
+
 class BatchNormUnit(LayerUnit):
     """``nn.BatchNorm1d`` / ``nn.BatchNorm2d``, in both modes.
 
@@ -898,11 +913,12 @@ class BatchNormUnit(LayerUnit):
             m.num_batches_tracked.add_(1)
             factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
         track = m.track_running_stats and m.training
-        y = F.batch_norm(x, m.running_mean if track else None, m.running_var if track else None, w, b, True,
-                         factor, m.eps)
-        dims = [0] + list(range(2, x.dim()))
-        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
-        return y, ("batch", x, mean, torch.rsqrt(var + m.eps))
+        if x.numel() == x.shape[1]:  # F.batch_norm's own check
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()}")
+        # the kernel F.batch_norm runs, keeping its batch mean and 1/std (C,) for the backward
+        y, mean, invstd = torch.native_batch_norm(x, w, b, m.running_mean if track else None,
+                                                  m.running_var if track else None, True, factor, m.eps)
+        return y, ("batch", x, mean, invstd)
 
     def _scale(self, tensors, invstd: torch.Tensor) -> torch.Tensor:
         return invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
@@ -917,21 +933,37 @@ class BatchNormUnit(LayerUnit):
         scale = self._scale(tensors, torch.rsqrt(m.running_var.detach() + m.eps))
         return torch.index_select(scale, 0, self.channel_of.on(scale.device))
 
+    def _batch_backward(self, saved, tensors, g, mask: list[bool]):
+        """Train mode: ``(dl/dx, dl/dweight, dl/dbias)`` from autograd's own kernel, where ``mask`` says."""
+        _, x, mean, invstd = saved
+        w = tensors[self.roles.index("weight")].detach() if "weight" in self.roles else None
+        return torch.ops.aten.native_batch_norm_backward(g.reshape(x.shape), x, w, None, None, mean, invstd, True,
+                                                         self.module.eps, mask)
+
     def apply_transposed(self, saved, tensors, g):
         if saved[0] == "eval":
             return g * self.fill(saved, tensors)
-        _, x, mean, invstd = saved
-        gy = g.reshape(x.shape)
-        dims = [0] + list(range(2, x.dim()))
-        xhat = (x - mean) * invstd
-        scale = self._scale(tensors, invstd.reshape(-1)).reshape(invstd.shape)
-        gx = scale * (gy - gy.mean(dims, keepdim=True) - xhat * (gy * xhat).mean(dims, keepdim=True))
-        return gx.reshape(g.shape[0], -1)
+        return self._batch_backward(saved, tensors, g, [True, False, False])[0].reshape(g.shape[0], -1)
+
+    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
+        """``J^T g`` and the weight/bias gradients for ``g = dl/dy``; in train mode from one
+        ``native_batch_norm_backward`` call (as autograd's batch-norm backward)."""
+        if saved[0] == "eval":
+            return g * self.fill(saved, tensors), self.param_grads(saved, tensors, g, needed)
+        mask = _affine_mask(self.roles, needed)
+        gi, gw, gb = self._batch_backward(saved, tensors, g, [True] + mask)
+        return gi.reshape(g.shape[0], -1), _by_role(self.roles, gw, gb, mask)
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         m = self.module
         x = saved[1]
         needed = needed or [True] * len(self.roles)
+        if saved[0] == "batch":
+            mask = _affine_mask(self.roles, needed)
+            if not any(mask):
+                return [None] * len(self.roles)
+            _, gw, gb = self._batch_backward(saved, tensors, g_out, [False] + mask)
+            return _by_role(self.roles, gw, gb, mask)
         g = g_out.reshape(x.shape)
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
@@ -940,10 +972,7 @@ class BatchNormUnit(LayerUnit):
             if not need:
                 out.append(None)
             elif role == "weight":
-                if saved[0] == "batch":
-                    xhat = (x - saved[2]) * saved[3]
-                else:
-                    xhat = (x - m.running_mean.reshape(shape)) * torch.rsqrt(m.running_var + m.eps).reshape(shape)
+                xhat = (x - m.running_mean.reshape(shape)) * torch.rsqrt(m.running_var + m.eps).reshape(shape)
                 out.append((g * xhat).sum(dims))
             else:
                 out.append(g.sum(dims))
@@ -1035,28 +1064,18 @@ class _GroupNormalizeUnit(LayerUnit):
     def apply_transposed(self, saved, tensors, g):
         return self._backward(saved, tensors, g, [True, False, False])[0].reshape(g.shape[0], -1)
 
-    def _role_mask(self, needed: Optional[Sequence[bool]]) -> list[bool]:
-        """``[weight wanted, bias wanted]`` (the kernels' output mask) from ``needed`` per role."""
-        need = dict(zip(self.roles, needed if needed is not None else [True] * len(self.roles)))
-        return [bool(need.get("weight", False)), bool(need.get("bias", False))]
-
-    def _by_role(self, gw: Optional[torch.Tensor], gb: Optional[torch.Tensor],
-                 mask: list[bool]) -> list[Optional[torch.Tensor]]:
-        got = {"weight": gw if mask[0] else None, "bias": gb if mask[1] else None}
-        return [got[r] for r in self.roles]
-
     def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
         """``J^T g`` and the weight/bias gradients for ``g = dl/dy`` from one backward-kernel call."""
-        mask = self._role_mask(needed)
+        mask = _affine_mask(self.roles, needed)
         gi, gw, gb = self._backward(saved, tensors, g, [True] + mask)
-        return gi.reshape(g.shape[0], -1), self._by_role(gw, gb, mask)
+        return gi.reshape(g.shape[0], -1), _by_role(self.roles, gw, gb, mask)
 
     def param_grads(self, saved, tensors, g_out, needed=None):
-        mask = self._role_mask(needed)
+        mask = _affine_mask(self.roles, needed)
         if not any(mask):
             return [None] * len(self.roles)
         _, gw, gb = self._backward(saved, tensors, g_out, [False] + mask)
-        return self._by_role(gw, gb, mask)
+        return _by_role(self.roles, gw, gb, mask)
 
 
 class LayerNormUnit(_GroupNormalizeUnit):
