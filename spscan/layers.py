@@ -985,6 +985,18 @@ class BatchNormUnit(LayerUnit):
 # diagonal plus a rank-1 or rank-2 term. The structured operator applies it in O(N) per slice with
 # the layer's own backward kernel (as autograd does); the CSR values, needed only where a planned
 # product multiplies the layer into an up-sweep (levels >= 1), write each slice's block densely.
+#
+# Why dense blocks, not the factored form ``J^T = D - U V^T`` as two chain elements ``[D | -U]``
+# (N x (N+r)) and ``[I ; V^T]`` ((N+r) x N), for those products: measured with the core API
+# (bench/test_norm_factored.py: float32, B = 8, one thread, both in the same run), the factors win next
+# to sparse neighbours (conv 3x3 -> GroupNorm(64-element groups) -> ReLU, twice: level-1 backward 13 ms
+# vs 71-105 ms, planned memory 37 vs 318 MiB) but lose next to dense ones (Linear(256) -> LayerNorm(256)
+# -> GELU, twice: 14-21 ms vs 11-13 ms, 81 vs 44 MiB), since a product with a dense weight is a dense
+# per-sample matrix either way. The choice depends on the neighbours (a planning decision), and one
+# layer contributing two chain elements is not in the chain and graph front ends yet. Depth 0, what
+# ``levels="auto"`` picks for such models, never forms the blocks: LayerNorm(1024) MLP, B = 64: 5.9 ms
+# backward with the operator vs 1356 ms through the dense blocks (autograd 5.1 ms), same run,
+# bench/test_norm_step.py.
 
 
 def _dense_blocks(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
