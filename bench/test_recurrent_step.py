@@ -4,9 +4,16 @@ Run: ``pytest bench/test_recurrent_step.py --benchmark-only``.
 
 ``test_recurrent_step_cpu``: ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (input 1, hidden 20,
 ``batch_first``), T = 1000, 3000, 10000, B = 16, a linear head and cross-entropy on the last
-output. ``mode="step"`` times ``zero_grad`` + forward + loss + backward; ``mode="backward"`` times
-``loss.backward()`` alone (its forward runs untimed just before). Both sides run interleaved in
-the same test; ``extra_info`` has both medians and ``speedup_vs_autograd = autograd / spscan``.
+output (``loss="last"``; for the LSTM also ``loss="every"``: the head and cross-entropy on every
+step's output). ``mode="step"`` times ``zero_grad`` + forward + loss + backward;
+``mode="backward"`` times ``loss.backward()`` alone (its forward runs untimed just before);
+``mode="forward"`` times ``zero_grad`` + forward + loss alone (with autograd recording; its
+backward runs untimed just after). Both sides run interleaved in the same test, one thread
+(``torch.set_num_threads(1)``, restored afterwards), 11 pairs per row, timed with
+``time.process_time`` (the CPU time of this process: with one thread it is the work done, and it
+is far less disturbed than wall time when other processes share the cores); ``extra_info`` has
+both medians and ``speedup_vs_autograd = autograd / spscan``. Autograd's ``nn.LSTM`` on CPU runs
+oneDNN's fused LSTM forward and backward (float32).
 
 ``test_middle_chain_compiled_vs_numpy``: the paper's RNN chain as the recurrent wrapper plans it
 (factored: shared ``W_hh^T`` and per-sample diagonal ``1 - h^2``, T = 1000, 3000, 10000, B = 16,
@@ -39,7 +46,8 @@ from conftest import device_name
 
 H, B = 20, 16
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
-ROUNDS = {1000: 5, 3000: 3, 10000: 2}
+ROUNDS = {1000: 11, 3000: 11, 10000: 11}  # interleaved pairs per row (medians)
+CLOCK = time.process_time
 
 
 @pytest.fixture
@@ -49,7 +57,15 @@ def flush_denormal():
     torch.set_flush_denormal(False)
 
 
-def _setup(cell: str, T: int, scan: bool):
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(before)
+
+
+def _setup(cell: str, T: int, scan: bool, loss: str = "last"):
     torch.manual_seed(0)
     rnn = CELLS[cell](1, H, batch_first=True)
     head = nn.Linear(H, 2)
@@ -64,6 +80,8 @@ def _setup(cell: str, T: int, scan: bool):
         rnn.zero_grad(set_to_none=True)
         head.zero_grad(set_to_none=True)
         out = rnn(x)[0]
+        if loss == "every":
+            return loss_fn(head(out).reshape(B * T, 2), y.repeat_interleave(T))
         return loss_fn(head(out[:, -1]), y)
 
     return rnn, forward
@@ -72,36 +90,50 @@ def _setup(cell: str, T: int, scan: bool):
 def _time(mode: str, forward) -> float:
     if mode == "backward":
         loss = forward()
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         loss.backward()
-        return time.perf_counter() - t0
-    t0 = time.perf_counter()
+        return CLOCK() - t0
+    if mode == "forward":
+        t0 = CLOCK()
+        loss = forward()
+        t = CLOCK() - t0
+        loss.backward()
+        return t
+    t0 = CLOCK()
     forward().backward()
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
-@pytest.mark.parametrize("mode", ["step", "backward"])
+@pytest.mark.parametrize("loss", ["last", "every"])
+@pytest.mark.parametrize("mode", ["step", "backward", "forward"])
 @pytest.mark.parametrize("T", [1000, 3000, 10000])
 @pytest.mark.parametrize("cell", list(CELLS))
-def test_recurrent_step_cpu(benchmark, flush_denormal, cell, T, mode):
-    benchmark.group = f"{cell}-cpu-T{T}-{mode}"
+def test_recurrent_step_cpu(benchmark, flush_denormal, one_thread, cell, T, mode, loss):
+    if loss == "every" and cell != "lstm":
+        pytest.skip("per-step loss rows: LSTM only")
+    if mode == "forward" and cell != "lstm":
+        pytest.skip("forward rows: LSTM only")
+    benchmark.group = f"{cell}-cpu-T{T}-{mode}-{loss}"
     rounds = ROUNDS[T]
-    _, a_fwd = _setup(cell, T, scan=False)
-    wrapped, s_fwd = _setup(cell, T, scan=True)
+    _, a_fwd = _setup(cell, T, scan=False, loss=loss)
+    wrapped, s_fwd = _setup(cell, T, scan=True, loss=loss)
     _time(mode, a_fwd), _time(mode, s_fwd)  # warm-up: allocator, plan and lowering for this T
     pairs = [(_time(mode, a_fwd), _time(mode, s_fwd)) for _ in range(rounds)]
     base = statistics.median(p[0] for p in pairs)
     ours = statistics.median(p[1] for p in pairs)
     if mode == "backward":
         benchmark.pedantic(lambda loss: loss.backward(), setup=lambda: ((s_fwd(),), {}), rounds=rounds)
+    elif mode == "forward":
+        benchmark.pedantic(s_fwd, rounds=rounds)
     else:
         benchmark.pedantic(lambda: s_fwd().backward(), rounds=rounds)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     benchmark.extra_info.update(
-        device=device_name(), load_average_1min=load, cell=cell, T=T, B=B, H=H, mode=mode,
+        device=device_name(), load_average_1min=load, cell=cell, T=T, B=B, H=H, mode=mode, loss=loss,
         levels=wrapped.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
-        compiled_middle=cpu_chain.available(),
+        compiled_middle=cpu_chain.available(), clock=CLOCK.__name__, threads=torch.get_num_threads(),
+        pairs=rounds,
     )
 
 

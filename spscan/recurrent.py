@@ -8,31 +8,40 @@ The chain is the recurrence over time. With state ``s_t`` (``h_t``; for the LSTM
 with ``J_t = ds_t/ds_{t-1}``: an *affine* scan (a loss on every time step enters through
 ``extra``). The transposed Jacobians are built analytically for all ``t`` at once from the
 gates, which are recomputed in one batched GEMM from ``x`` and ``h_{t-1}`` after the module's
-own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11). Parameter
-gradients have no dependency along time and come out of one GEMM over all ``T*B`` steps.
+own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11) — except for the
+factored LSTM on CPU, whose forward runs in one compiled pass (:mod:`spscan.recurrent_cpu`) that
+evaluates the gates once and writes ``h_t``, ``c_T`` and the step's Jacobian values as it goes
+(``c_t`` comes from the recurrence itself, not from a recomputation). Parameter gradients have
+no dependency along time and come out of one GEMM over all ``T*B`` steps.
 
 Chain layouts (``layout=``):
 
-* ``"factored"`` (default): each time step is a few elements, every one either dense and
-  shared by the batch (``W_hh^T`` or a 0/1 block-sum matrix, values ``(rows*cols,)``) or a
-  per-sample diagonal (values ``(B, d)``); nothing ``H x H`` per sample is materialized.
-  RNN: ``W_hh^T``, ``diag(1 - h_t^2)`` (2 per step). GRU: ``[W_hh^T | I]``,
-  ``diag(dr, dz, dm, z)``, a 4-block sum (3 per step; eq. 11 as a product). LSTM:
-  ``[[W_hh^T, 0], [0, I]]``, ``diag(ci, cf, cg, co, f)``, a block sum into ``(dc, dc, o)``,
-  ``diag(k, 1, 1)``, a block sum into ``(h, c)`` (5 per step). The gradients at each step's
-  first element are the gate pre-activation gradients the weight GEMMs need.
+* ``"factored"`` (default): each time step is a few elements, shared by the batch (``W_hh^T``
+  and friends, values ``(nnz,)``) or per sample (values ``(B, nnz)``); nothing ``H x H`` per
+  sample is materialized. RNN: ``W_hh^T``, ``diag(1 - h_t^2)`` (2 per step). GRU: ``[W_hh^T | I]``,
+  ``diag(dr, dz, dm, z)``, a 4-block sum (3 per step; eq. 11 as a product). LSTM (2 per step, the
+  work the math needs: one shared product with ``W_hh`` plus ``9H`` multiply-adds per sample):
+  ``[[W_hh^T, 0], [0, I]]`` (``(2H, 5H)``, sparse, shared, ``4H^2 + H`` entries), and the gate
+  element (``(5H, 2H)``, sparse, per sample, ``9H`` entries) that maps ``(g_h, g_c)`` of ``s_t`` to
+  ``(da_i, da_f, da_g, da_o, f*dc)`` with ``dc = k g_h + g_c``: ``da_q = c_q dc`` (``q = i, f, g``),
+  ``da_o = c_o g_h``. The gradients at each step's first element are the gate pre-activation
+  gradients the weight GEMMs need.
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored. Measured on a 2-core CPU (B=16, H=20, input size 4 (GRU 24), a loss on
-  every step, one thread, ``time.process_time``, min of 11 runs; levels "auto", which picks the
-  linear scan here): factored vs materialized, forward+values / backward (scan and parameter
-  GEMMs) in ms — RNN T=1000 ~8 / ~12 vs ~12 / ~18; GRU T=517 ~13 / ~13 vs ~20 / ~11; LSTM
-  T=1000 ~29 / ~42 vs ~75 / ~123. The core runs the factored chain's alternating shared-dense
-  and diagonal elements as one fused linear scan (one small product per element); materializing
-  writes ``T*B*D*D`` values per forward, which costs more than having fewer elements per step
-  saves (GRU: about even at H=20, and the factored chain wins as H grows: at H=64 the
+* ``"auto"``: factored. Measured on a 2-core CPU shared with other work (B=16, H=20, input size 4
+  (GRU 24), a loss on every step, one thread, ``time.process_time``, min of 11 runs; levels "auto",
+  which picks the linear scan here): factored vs materialized, forward+values / backward (scan and
+  parameter GEMMs) in ms — RNN T=1000 ~5 / ~6 vs ~7 / ~10; GRU T=517 ~9 / ~11 vs ~15 / ~6; LSTM
+  T=1000 ~6 / ~23 vs ~57 / ~24. The core runs the factored chain's elements as one fused linear
+  scan (one small product per element); materializing writes ``T*B*nnz`` values per forward, which
+  costs more than having fewer elements per step saves (GRU: about even in total at H=20, the
+  materialized backward faster and its forward slower; the factored chain wins as H grows: at H=64 the
   materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
+  Against autograd (``bench/test_recurrent_step.py``, ``nn.LSTM(1, 20)``, B=16, one thread): the
+  LSTM forward is ~0.5x of autograd's and the step ~0.25x at T=1000 — autograd's CPU LSTM is
+  oneDNN's fused kernel, and the scan's per-sample sparse element is the larger part of the
+  backward.
 
 The forward (``forward=``): ``"sequential"`` runs the module's own forward (cuDNN on GPU);
 ``"newton"`` solves the recurrence for all steps at once by Newton iterations whose linear solve
@@ -373,7 +382,7 @@ def _jacobian_values(kind: str, layout: str, coefs: dict, w_hh: torch.Tensor, H:
 
 
 def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
-    """Values of one step's elements (``_factored_layout``): ``(rows*cols,)`` shared, ``(T, B, d)`` diagonal."""
+    """Values of one step's elements (``_factored_layout``): ``(nnz,)`` shared, ``(T, B, nnz)`` per sample."""
     dt, dev = w_hh.dtype, w_hh.device
     eye = torch.eye(H, dtype=dt, device=dev)
 

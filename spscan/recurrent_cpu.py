@@ -96,14 +96,16 @@ def _vexpm1(buf, bits, bitsf, cst, icst):  # pragma: no cover - compiled
 
 
 def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf):  # pragma: no cover - compiled
+    # e rows: expm1 arguments/results of i, f, g, o, tanh(c), then the activations in place;
+    # w rows: a_g (its sign), c_i, c_f, c_g. Indexed as 2-D arrays (one base each), which the
+    # compiler vectorizes more readily than a dozen separate row views.
     T, B, G = gi.shape
     H = G // 4
     n = B * H
     one = cst[18]
     two = one + one
-    ei, ef, eg, eo, ec = e[0], e[1], e[2], e[3], e[4]  # (B*H,) each; then the activations i, f, g, o in place
-    ag, ci, cf, cg = w[0], w[1], w[2], w[3]
     e4 = e[:4].reshape(-1)
+    ec = e[4]
     for t in range(T):
         # a_t = gi_t + h_{t-1} W_hh^T, summed over k in ascending order
         hp = h0 if t == 0 else hs[t - 1]
@@ -118,51 +120,52 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
         for b in range(B):
             for j in range(H):
                 p = b * H + j
-                ei[p] = -acc[b, j]
-                ef[p] = -acc[b, H + j]
-                ag[p] = acc[b, 2 * H + j]
-                eg[p] = -two * abs(acc[b, 2 * H + j])
-                eo[p] = -acc[b, 3 * H + j]
+                e[0, p] = -acc[b, j]
+                e[1, p] = -acc[b, H + j]
+                w[0, p] = acc[b, 2 * H + j]
+                e[2, p] = -two * abs(acc[b, 2 * H + j])
+                e[3, p] = -acc[b, 3 * H + j]
         _vexpm1_c(e4, bits, bitsf, cst, icst)
         cp = c0.reshape(-1) if t == 0 else c
         for p in range(n):
-            i = one / (two + ei[p])
-            f = one / (two + ef[p])
-            ga = -eg[p] / (two + eg[p])
-            g = ga if ag[p] >= 0 else -ga
-            o = one / (two + eo[p])
-            cn = f * cp[p] + i * g
-            ci[p] = g * i * (one - i)
-            cf[p] = cp[p] * f * (one - f)
-            cg[p] = i * (one - g * g)
+            i = one / (two + e[0, p])
+            f = one / (two + e[1, p])
+            ga = -e[2, p] / (two + e[2, p])
+            g = ga if w[0, p] >= 0 else -ga
+            o = one / (two + e[3, p])
+            cpp = cp[p]
+            cn = f * cpp + i * g
+            w[1, p] = g * i * (one - i)  # c_i
+            w[2, p] = cpp * f * (one - f)  # c_f
+            w[3, p] = i * (one - g * g)  # c_g
             c[p] = cn
-            ec[p] = -two * abs(cn)
-            ef[p] = f
-            eo[p] = o
+            e[4, p] = -two * abs(cn)
+            e[1, p] = f
+            e[3, p] = o
         _vexpm1_c(ec, bits, bitsf, cst, icst)
         ht = hs[t].reshape(-1)
         for p in range(n):
-            ta = -ec[p] / (two + ec[p])
+            ta = -e[4, p] / (two + e[4, p])
             tc = ta if c[p] >= 0 else -ta
-            o = eo[p]
+            o = e[3, p]
             ht[p] = o * tc
-            ei[p] = o * (one - tc * tc)  # k
-            eg[p] = tc * o * (one - o)  # c_o
+            e[0, p] = o * (one - tc * tc)  # k
+            e[2, p] = tc * o * (one - o)  # c_o
         vt = vals[t]
         for b in range(B):
             v = vt[b]
             for j in range(H):
                 p = b * H + j
-                k = ei[p]
-                v[2 * j] = ci[p] * k
-                v[2 * j + 1] = ci[p]
-                v[2 * H + 2 * j] = cf[p] * k
-                v[2 * H + 2 * j + 1] = cf[p]
-                v[4 * H + 2 * j] = cg[p] * k
-                v[4 * H + 2 * j + 1] = cg[p]
-                v[6 * H + j] = eg[p]
-                v[7 * H + 2 * j] = ef[p] * k
-                v[7 * H + 2 * j + 1] = ef[p]
+                k = e[0, p]
+                v[2 * j] = w[1, p] * k
+                v[2 * j + 1] = w[1, p]
+                v[2 * H + 2 * j] = w[2, p] * k
+                v[2 * H + 2 * j + 1] = w[2, p]
+                v[4 * H + 2 * j] = w[3, p] * k
+                v[4 * H + 2 * j + 1] = w[3, p]
+                v[6 * H + j] = e[2, p]
+                v[7 * H + 2 * j] = e[1, p] * k
+                v[7 * H + 2 * j + 1] = e[1, p]
 
 
 _vexpm1_c = None
@@ -173,8 +176,9 @@ def _kernel():
     global _vexpm1_c, _kernel_c
     if _kernel_c is None:
         njit = _numba.njit
-        _vexpm1_c = njit(cache=True, nogil=True)(_vexpm1)
-        _kernel_c = njit(cache=True, nogil=True)(_lstm_kernel)
+        # error_model="numpy": IEEE division (no zero-division branch, which would keep the loops scalar)
+        _vexpm1_c = njit(cache=True, nogil=True, error_model="numpy")(_vexpm1)
+        _kernel_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_kernel)
     return _kernel_c
 
 
