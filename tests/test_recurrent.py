@@ -323,11 +323,13 @@ def test_core_stacked_values_match_list(levels):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_retain_graph_backward_twice_accumulates():
-    m = make_module("gru", 2, 3, batch_first=False, bias=True)
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_retain_graph_backward_twice_accumulates(kind):
+    m = make_module(kind, 2, 3, batch_first=False, bias=True)
     x = torch.randn(5, 2, 2, dtype=torch.float64)
     w = wrap_recurrent(m, x)
     out, h = w(x)
+    h = h[0] if isinstance(h, tuple) else h
     loss = out.sum() + h.pow(2).sum()
     loss.backward(retain_graph=True)
     once = m.weight_hh_l0.grad.clone()
@@ -463,3 +465,16 @@ def test_compiled_expm1_within_a_few_ulp(np_dtype):
     far = np.array([-1e4, 1e4 if np_dtype == "float64" else 88.0], dtype=dt)
     rc._vexpm1_c(far, bits[:2], bits[:2].view(dt), cst, icst)
     assert far[0] == -1.0 and np.isfinite(far[1])
+
+
+def test_lstm_changing_batch_and_length_equals_autograd():
+    """One wrapper, inputs of changing batch size and length (plans cached per length): autograd's gradients."""
+    m = make_module("lstm", 3, 5, batch_first=True, bias=True)
+    w = wrap_recurrent(m, torch.randn(4, 7, 3, dtype=torch.float64))
+    for seed, (B, T, with_h0, loss) in enumerate(((4, 7, True, "both"), (1, 7, False, "step"), (6, 1, True, "final"),
+                                                  (2, 11, True, "both"), (4, 7, False, "final"))):
+        x, hx = make_inputs(m, T, B, with_h0=with_h0, dtype=torch.float64, seed=seed + 10)
+        want = grads_of(m, m, x, hx, loss)
+        got = grads_of(w, m, x, hx, loss)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and rel_err(a, b) <= 1e-12, (B, T, i)
