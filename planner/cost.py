@@ -3,8 +3,8 @@
 Each scan step is a handful of launches (one per primitive group) that run one after another,
 so a step costs ``launches * op_overhead + work / rate``. The linear-scan middle part costs one
 launch per reduced block; the up-sweep buys a shorter middle with more (and denser) work. The
-constants are per device class; they decide ``levels="auto"`` and sparse-vs-dense storage and
-never affect results.
+constants are per device class; they decide ``levels="auto"`` and sparse-vs-dense storage of
+every planned product (by the cost of what reads it) and never affect results.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ class DeviceProfile:
     pair_rate: float  # gather-multiply-accumulate pairs per second (sparse, per sample)
     gemm_rate: float  # multiply-adds per second in batched small dense GEMM
     gemv_rate: float  # multiply-adds per second in batched dense GEMV
-    dense_threshold: float  # pair-list products at least this dense are stored (and multiplied) densely
     bytes_budget: float  # symbolic exploration stops when a level's index data would exceed this
     chain_step_s: float  # fixed cost of one step of the fused middle chain (dense / diagonal)
     # a sparse product whose pair lists would exceed this many bytes runs row-wise over its output
     # pattern (O(nnz) index data, :mod:`spscan.planner.rowwise`) instead
     pair_list_max_bytes: float = float(1 << 26)
+    # ``None`` (default): every planned product is stored dense or sparse by the cost of what reads
+    # it (:class:`spscan.planner.planning.StorageRule`). A density in (0, 1] overrides that: products
+    # at least this dense are stored densely (the fixed rule of plan file version 2, where it was 0.35)
+    dense_threshold: Optional[float] = None
 
     def sparse_time(self, pairs: float, launches: int) -> float:
         return launches * self.op_overhead_s + pairs / self.pair_rate
@@ -43,10 +46,21 @@ class DeviceProfile:
 # on a recent datacenter GPU (launch-latency bound for small levels, bandwidth bound for big ones).
 # A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
 # caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_CHAIN_MAX_WORK.
-_CPU = DeviceProfile("cpu", 3.0e-5, 1.0e8, 4.0e9, 1.0e9, 0.35, 2.0e9, 2.0e-6)
-_CUDA = DeviceProfile("cuda", 6.0e-6, 6.0e10, 3.0e12, 6.0e11, 0.35, 8.0e9, 2.0e-6, float(1 << 28))
+_CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0e9, gemv_rate=1.0e9,
+                     bytes_budget=2.0e9, chain_step_s=2.0e-6)
+_CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
+                      bytes_budget=8.0e9, chain_step_s=2.0e-6, pair_list_max_bytes=float(1 << 28))
 
 
 def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:
+    """The cost-model constants of a device class, with ``overrides`` (field name -> value) applied.
+
+    ``{"dense_threshold": 0.35}`` restores the former fixed storage rule; any other value must be a
+    density in (0, 1].
+    """
     base = _CUDA if device_type == "cuda" else _CPU
-    return replace(base, **overrides) if overrides else base
+    prof = replace(base, **overrides) if overrides else base
+    thr = prof.dense_threshold
+    if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 < thr <= 1):
+        raise ValueError(f"dense_threshold: expected None (storage by cost) or a density in (0, 1], got {thr!r}")
+    return prof

@@ -1,4 +1,4 @@
-"""Symbolic planning of a whole scan: products per level, dense/sparse storage, depth choice, memory.
+"""Symbolic planning of a whole scan: products per level, dense/sparse storage by cost, depth choice.
 
 Everything here is deterministic index work on the CPU: the same patterns and options give the
 same plan on every machine and every rank.
@@ -6,19 +6,20 @@ same plan on every machine and every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from .cost import DeviceProfile
 from .patterns import Pattern, PatternTable, full_pattern, make_pattern
-from .schedule import ScanSchedule, Step, blelloch_schedule, max_levels
+from .schedule import MMOp, ScanSchedule, Step, blelloch_schedule, max_levels
 from .rowwise import (RowwiseProduct, estimate_product_nnz, pair_list_bytes, rowwise_symbolic,
                       structural_product)
 from .symbolic import ProductSymbolic, product_counts, product_pattern, spgemm_symbolic
 
-__all__ = ["MatInfo", "ScanPlan", "LevelCost", "plan_scan"]
+__all__ = ["MatInfo", "ScanPlan", "LevelCost", "StorageRule", "Uses", "matrix_uses", "plan_scan"]
 
 INDEX_BYTES = 8
 
@@ -27,7 +28,7 @@ INDEX_BYTES = 8
 class MatInfo:
     """How one matrix of the scan is stored and computed (shared by all nodes with the same operands)."""
 
-    pattern: Pattern
+    pattern: Pattern  # the stored pattern: the product's own pattern, or the full one when stored densely
     # "input" | "pairs" (gather-multiply-segment-sum) | "gemm" (both operands dense) | "rows" (row-wise
     # over the output pattern, O(nnz) index data: products whose pair lists would be too large)
     algo: str
@@ -39,6 +40,8 @@ class MatInfo:
         return self.pattern.is_full
 
     gemm_macs: int = 0  # multiply-adds per sample of a "gemm" product
+    # the storage rule stored this product densely although its own pattern is not full
+    densified: bool = False
 
     @property
     def work(self) -> int:
@@ -79,21 +82,168 @@ class ScanPlan:
         return len(self.patterns)
 
 
+class Uses(NamedTuple):
+    """What reads one matrix of a schedule: the phases of its mat-vecs, and the product that takes it."""
+
+    mv: tuple[str, ...]
+    mm: Optional[MMOp]
+
+
+def matrix_uses(sched: ScanSchedule) -> dict[int, Uses]:
+    """Readers of every matrix of ``sched`` (up-sweep products, middle and down-sweep mat-vecs).
+
+    Each matrix is an operand of at most one product. The composite of a reduction schedule counts
+    one mat-vec (``"root"``): whatever takes the composite applies it to vectors.
+    """
+    mv: dict[int, list[str]] = {}
+    mm: dict[int, MMOp] = {}
+    for st in sched.steps:
+        for op in st.mm:
+            mm[op.left] = op
+            mm[op.right] = op
+        for op in st.mv:
+            mv.setdefault(op.mat, []).append(st.phase)
+    if sched.kind == "reduce" and sched.root is not None and sched.root[0] is not None:
+        mv.setdefault(sched.root[0], []).append("root")
+    return {m: Uses(tuple(mv.get(m, ())), mm.get(m)) for m in set(mv) | set(mm)}
+
+
+_NO_USES = Uses((), None)
+
+
+class StorageRule:
+    """Dense-or-sparse storage of a planned product, chosen by the cost of what consumes it.
+
+    A product ``X`` with its own pattern of ``s`` entries out of ``S = rows * cols`` is stored either
+    with that pattern (CSR) or densely (the full pattern; entries no pair reaches are computed
+    zeros). Computing ``X`` takes the same multiply-adds either way. What differs, in the cost
+    model's units (seconds for ``batch`` samples at the device profile's rates):
+
+    * writing it: ``s`` or ``S`` entries (at ``gemv_rate``, a streaming rate);
+    * each mat-vec that reads it (down-sweep, middle, spine): ``s`` gather-multiply-adds at
+      ``pair_rate`` or ``S`` multiply-adds at ``gemv_rate``; in the middle, a fused linear-run
+      step or a launch of its own (:func:`linear_run_kind`);
+    * the product ``P`` that takes ``X`` as an operand (one level up, if the depth has it): a dense
+      operand's pattern is full, so ``P`` has ``rows(X) * nnz(R)`` pairs (``X`` on the left) or
+      ``nnz(L) * cols(X)`` (on the right) instead of the pair count of the two sparse patterns, and
+      a GEMM at ``gemm_rate`` when both operands are dense.
+
+    The two operands of ``P`` are decided together (at most four combinations); a product no
+    planned product reads is decided by its own writes and mat-vecs. Ties go to the sparse storage.
+    ``profile.dense_threshold``, when set, overrides the cost model: dense exactly when the own
+    pattern's density is at least the threshold (the rule of plan file version 2).
+    """
+
+    def __init__(self, profile: DeviceProfile, batch: int):
+        self.profile = profile
+        self.batch = max(1, int(batch))
+
+    def _reads(self, x: Optional[Pattern], nnz: int, size: int, dense: bool, mv: Sequence[str]) -> float:
+        """Writing ``X`` and the mat-vecs ``mv`` reading it; ``x`` its own pattern (``None``: only ``nnz`` known)."""
+        pr, b = self.profile, self.batch
+        t = b * (size if dense else nnz) / pr.gemv_rate
+        for phase in mv:
+            if dense:
+                t += b * size / pr.gemv_rate
+            else:
+                t += b * nnz / pr.pair_rate
+            if phase == "mid":  # one mat-vec per middle step: a fused run step, or a launch of its own
+                kind = "dense" if dense else (linear_run_kind(x) if x is not None else None)
+                if kind is not None:
+                    t += pr.chain_step_s
+                else:
+                    t += pr.op_overhead_s * (_row_bins(x) if x is not None else 1)
+        return t
+
+    def _threshold(self, nnz: int, size: int) -> bool:
+        return nnz < size and nnz >= self.profile.dense_threshold * size
+
+    def alone(self, shape: tuple[int, int], own: Optional[Pattern], nnz: int, mv: Sequence[str]) -> bool:
+        """Whether a product read by no planned product (only by the mat-vecs ``mv``) is stored densely."""
+        size = shape[0] * shape[1]
+        if nnz >= size:
+            return False
+        if self.profile.dense_threshold is not None:
+            return self._threshold(nnz, size)
+        return self._reads(own, nnz, size, True, mv) < self._reads(own, nnz, size, False, mv)
+
+    def joint(self, left: Pattern, right: Pattern, left_uses: Optional[Uses], right_uses: Optional[Uses],
+              sparse_pairs: int) -> tuple[bool, bool]:
+        """Storage (dense?) of the operands of ``P = left @ right``: own patterns ``left``/``right``;
+        ``*_uses`` the mat-vecs of an operand still to decide, ``None`` for one already stored (an
+        input or a decided product). ``sparse_pairs``: pairs of ``P`` over the two given patterns."""
+        pr, b = self.profile, self.batch
+        opts = []
+        for p, uses in ((left, left_uses), (right, right_uses)):
+            free = uses is not None and not p.is_full
+            if free and pr.dense_threshold is not None:
+                opts.append((self._threshold(p.nnz, p.rows * p.cols),))
+            else:
+                opts.append((False, True) if free else (False,))
+        best, choice = math.inf, (False, False)
+        for dl in opts[0]:
+            for dr in opts[1]:
+                t = 0.0
+                if left_uses is not None:
+                    t += self._reads(left, left.nnz, left.rows * left.cols, dl, left_uses.mv)
+                if right_uses is not None:
+                    t += self._reads(right, right.nnz, right.rows * right.cols, dr, right_uses.mv)
+                lf, rf = dl or left.is_full, dr or right.is_full
+                if lf and rf:
+                    t += b * left.rows * left.cols * right.cols / pr.gemm_rate
+                else:
+                    pairs = left.rows * right.nnz if lf else left.nnz * right.cols if rf else sparse_pairs
+                    t += b * pairs / pr.pair_rate
+                if t < best:
+                    best, choice = t, (dl, dr)
+        return choice
+
+
+def decide_alone(rule: StorageRule, a: Pattern, b: Pattern, mv: Sequence[str], rowwise: bool,
+                 estimate: Callable[[], int], own: Callable[[], Pattern]) -> bool:
+    """Whether ``A @ B``, read by the mat-vecs ``mv`` and no product, is stored densely.
+
+    A row-wise product is first judged by its sampled nnz (``estimate()``), which settles clear
+    dense cases without forming its own pattern (``own()``, which may cost as much as the product).
+    """
+    if a.is_full and b.is_full:
+        return False
+    shape = (a.rows, b.cols)
+    if rowwise and rule.alone(shape, None, estimate(), mv):
+        return True
+    p = own()
+    return rule.alone(shape, p, p.nnz, mv)
+
+
+def dense_pairs(sym: ProductSymbolic, pattern: Pattern) -> ProductSymbolic:
+    """The pair lists of a product stored densely (``pattern`` full), from those of its own pattern:
+    the same pairs in the same order, every unreached position an empty segment."""
+    own = sym.pattern
+    counts = np.zeros(own.rows * own.cols, dtype=np.int64)
+    counts[own.row_of_entry() * own.cols + own.indices] = np.diff(sym.pair_ptr)
+    ptr = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    return ProductSymbolic(pattern, ptr, sym.pair_a, sym.pair_b)
+
+
 class _Products:
     """Per-pattern-pair symbolic products, computed once (interned by pattern content).
 
     A sparse product runs on planned pair lists (O(pairs) index data) unless those would exceed
-    ``profile.pair_list_max_bytes``; then it runs row-wise over its output pattern (O(nnz)), and
-    its storage — the exact pattern or dense — is chosen by the cost model: the work and bytes of
-    the mat-vec that consumes it (:func:`dense_storage_by_cost`). Pair-list products keep the
-    profile's ``dense_threshold`` (the rule plan files are checked against).
+    ``profile.pair_list_max_bytes``; then it runs row-wise over its output pattern (O(nnz)). Its
+    storage — its own pattern or dense — is decided by :class:`StorageRule` once the products and
+    mat-vecs reading it are known (:class:`_Levels`); ``product(a, b, dense)`` forms either.
     """
 
-    def __init__(self, table: PatternTable, profile: DeviceProfile):
+    def __init__(self, table: PatternTable, profile: DeviceProfile, batch: int = 16):
         self.table = table
         self.profile = profile
-        self.cache: dict[tuple[str, str], MatInfo] = {}
+        self.rule = StorageRule(profile, batch)
+        self.cache: dict[tuple[str, str, bool], MatInfo] = {}
         self._npairs: dict[tuple[str, str], int] = {}
+        self._own: dict[tuple[str, str], Pattern] = {}
+        self._syms: dict[tuple[str, str], ProductSymbolic] = {}
+        self._estimates: dict[tuple[str, str], int] = {}
 
     def npairs(self, a: Pattern, b: Pattern) -> int:
         key = (a.key, b.key)
@@ -118,8 +268,47 @@ class _Products:
             return 8 * (2 * a.nnz + 3 * b.rows + b.nnz + nnz_c + 6 * a.rows)
         return 2 * INDEX_BYTES * n
 
-    def product(self, a: Pattern, b: Pattern) -> MatInfo:
+    def _sym(self, a: Pattern, b: Pattern) -> ProductSymbolic:
         key = (a.key, b.key)
+        sym = self._syms.get(key)
+        if sym is None:
+            sym = spgemm_symbolic(a, b)
+            sym = self._syms[key] = ProductSymbolic(self.table.intern(sym.pattern), sym.pair_ptr, sym.pair_a,
+                                                    sym.pair_b)
+        return sym
+
+    def own(self, a: Pattern, b: Pattern) -> Pattern:
+        """The product's own pattern (every position some pair reaches; full for a GEMM)."""
+        key = (a.key, b.key)
+        hit = self._own.get(key)
+        if hit is None:
+            if a.is_full and b.is_full:
+                hit = full_pattern(a.rows, b.cols)
+            elif self.rowwise(a, b):
+                hit = structural_product(a, b)
+            else:
+                hit = self._sym(a, b).pattern
+            hit = self._own[key] = self.table.intern(hit)
+        return hit
+
+    def own_estimate(self, a: Pattern, b: Pattern) -> int:
+        """nnz of the own pattern of a row-wise product, sampled (:func:`estimate_product_nnz`)."""
+        key = (a.key, b.key)
+        if key not in self._estimates:
+            self._estimates[key] = estimate_product_nnz(a, b)
+        return self._estimates[key]
+
+    def decide_alone(self, a: Pattern, b: Pattern, mv: Sequence[str]) -> bool:
+        """Storage of ``A @ B`` read only by the mat-vecs ``mv`` (:func:`decide_alone`)."""
+        return decide_alone(self.rule, a, b, mv, self.rowwise(a, b), lambda: self.own_estimate(a, b),
+                            lambda: self.own(a, b))
+
+    def product(self, a: Pattern, b: Pattern, dense: Optional[bool] = None) -> MatInfo:
+        """``A @ B`` stored densely (``dense``) or with its own pattern; ``None``: as the storage rule
+        stores a product read by one down-sweep mat-vec and no product."""
+        if dense is None:
+            dense = self.decide_alone(a, b, ("down",))
+        key = (a.key, b.key, bool(dense))
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -127,36 +316,25 @@ class _Products:
             info = MatInfo(self.table.intern(full_pattern(a.rows, b.cols)), "gemm")
             info.gemm_macs = a.rows * a.cols * b.cols
         elif self.rowwise(a, b):
-            m, p = a.rows, b.cols
-            # the sampled estimate settles clear dense cases without forming the product's pattern
-            dense = dense_storage_by_cost(m, p, estimate_product_nnz(a, b), self.profile)
-            if dense:
-                out = full_pattern(m, p)
-            else:
-                out = structural_product(a, b)
-                if dense_storage_by_cost(m, p, out.nnz, self.profile):
-                    out = full_pattern(m, p)
-            rw = rowwise_symbolic(a, b, out=self.table.intern(out))
-            info = MatInfo(rw.pattern, "rows", rw=rw)
+            out = self.table.intern(full_pattern(a.rows, b.cols)) if dense else self.own(a, b)
+            rw = rowwise_symbolic(a, b, out=out)
+            info = MatInfo(rw.pattern, "rows", rw=rw, densified=bool(dense))
         else:
-            sym = spgemm_symbolic(a, b)
-            if sym.pattern.density >= self.profile.dense_threshold and not sym.pattern.is_full:
-                sym = spgemm_symbolic(a, b, dense_out=True)
-            sym = ProductSymbolic(self.table.intern(sym.pattern), sym.pair_ptr, sym.pair_a, sym.pair_b)
-            info = MatInfo(sym.pattern, "pairs", sym=sym)
+            sym = self._sym(a, b)
+            if dense and not sym.pattern.is_full:
+                sym = dense_pairs(sym, self.table.intern(full_pattern(a.rows, b.cols)))
+                info = MatInfo(sym.pattern, "pairs", sym=sym, densified=True)
+            else:
+                info = MatInfo(sym.pattern, "pairs", sym=sym)
         self.cache[key] = info
         return info
 
 
 def dense_storage_by_cost(rows: int, cols: int, nnz: int, profile: DeviceProfile) -> bool:
-    """Store a row-wise product densely when the scan's use of it is cheaper that way.
-
-    Every product is consumed by mat-vecs (down-sweep, middle): sparse, ``nnz`` gather-multiply-adds
-    at ``pair_rate``; dense, ``rows * cols`` multiply-adds at ``gemv_rate`` plus as many written
-    entries (the zeros the product does not reach). Computing it costs the same pairs either way.
-    """
-    size = rows * cols
-    return 2 * size / profile.gemv_rate < nnz / profile.pair_rate
+    """:class:`StorageRule` for a product read by one mat-vec and no product (batch-independent):
+    dense when writing and reading ``rows * cols`` entries at ``gemv_rate`` beats writing ``nnz`` and
+    gathering them at ``pair_rate``."""
+    return nnz >= rows * cols or StorageRule(profile, 1).alone((rows, cols), None, nnz, ("down",))
 
 
 def bin_widths(lengths: np.ndarray) -> np.ndarray:
@@ -305,14 +483,16 @@ class _DepthSearch:
     A product is first known by its pair count (:func:`product_counts`, O(nnz(A))), which bounds
     its level's cost from below; then by its pattern and pairs per entry
     (:func:`~.symbolic.product_pattern`, compiled, no pair lists), which gives the cost model's
-    exact inputs: the same output pattern, storage and pair count as :meth:`_Products.product`.
+    exact inputs: the same own pattern, storage and pair count as :class:`_Products`.
     Pair lists are built only for the depth finally chosen.
     """
 
     def __init__(self, products: _Products):
         self.products = products
+        self.rule = products.rule
         self.counts: dict[tuple[str, str], int] = {}
-        self.cache: dict[tuple[str, str], MatInfo] = {}
+        self._own: dict[tuple[str, str], tuple[Pattern, np.ndarray]] = {}
+        self.cache: dict[tuple[str, str, bool], MatInfo] = {}
 
     def npairs(self, a: Pattern, b: Pattern) -> int:
         key = (a.key, b.key)
@@ -321,23 +501,47 @@ class _DepthSearch:
             hit = self.counts[key] = product_counts(a, b)
         return hit
 
-    def product(self, a: Pattern, b: Pattern) -> MatInfo:
-        """``MatInfo`` of ``A @ B`` equal to ``_Products.product`` in pattern, algo and pairs per entry."""
+    def _counted(self, a: Pattern, b: Pattern) -> tuple[Pattern, np.ndarray]:
         key = (a.key, b.key)
-        hit = self.cache.get(key) or self.products.cache.get(key)
+        hit = self._own.get(key)
+        if hit is None:
+            indptr, indices, counts = product_pattern(a, b)
+            hit = self._own[key] = (self.products.table.intern(make_pattern((a.rows, b.cols), indptr, indices)),
+                                    counts)
+        return hit
+
+    def _planned_like(self, a: Pattern, b: Pattern) -> bool:
+        """A GEMM or a row-wise product plans no pair lists: formed as the planner forms it (as cheap)."""
+        return (a.is_full and b.is_full) or self.products.rowwise(a, b)
+
+    def own(self, a: Pattern, b: Pattern) -> Pattern:
+        return self.products.own(a, b) if self._planned_like(a, b) else self._counted(a, b)[0]
+
+    def decide_alone(self, a: Pattern, b: Pattern, mv: Sequence[str]) -> bool:
+        if self._planned_like(a, b):
+            return self.products.decide_alone(a, b, mv)
+        own = self.own(a, b)
+        return self.rule.alone((a.rows, b.cols), own, own.nnz, mv)
+
+    def product(self, a: Pattern, b: Pattern, dense: Optional[bool] = None) -> MatInfo:
+        """``MatInfo`` of ``A @ B`` equal to ``_Products.product`` in pattern, algo and pairs per entry."""
+        if dense is None:
+            dense = self.decide_alone(a, b, ("down",))
+        key = (a.key, b.key, bool(dense))
+        hit = self.cache.get(key)
         if hit is not None:
             return hit
-        if (a.is_full and b.is_full) or self.products.rowwise(a, b):
-            info = self.products.product(a, b)  # a GEMM or a row-wise product plans no pair lists: as cheap
+        if self._planned_like(a, b):
+            info = self.products.product(a, b, dense)
         else:
-            indptr, indices, counts = product_pattern(a, b)
-            pattern = make_pattern((a.rows, b.cols), indptr, indices)
-            if pattern.density >= self.products.profile.dense_threshold and not pattern.is_full:
-                dense = np.zeros(a.rows * b.cols, dtype=np.int64)
-                dense[np.repeat(np.arange(a.rows, dtype=np.int64), np.diff(indptr)) * b.cols + indices] = counts
-                pattern, counts = full_pattern(a.rows, b.cols), dense
-            pattern = self.products.table.intern(pattern)
-            info = MatInfo(pattern, "pairs", sym=_PairCounts(pattern, counts))
+            pattern, counts = self._counted(a, b)
+            if dense and not pattern.is_full:
+                full = np.zeros(a.rows * b.cols, dtype=np.int64)
+                full[pattern.row_of_entry() * b.cols + pattern.indices] = counts
+                pattern = self.products.table.intern(full_pattern(a.rows, b.cols))
+                info = MatInfo(pattern, "pairs", sym=_PairCounts(pattern, full), densified=True)
+            else:
+                info = MatInfo(pattern, "pairs", sym=_PairCounts(pattern, counts))
         self.cache[key] = info
         return info
 
@@ -385,6 +589,72 @@ class _DepthSearch:
         return t
 
 
+class _Levels:
+    """Up-sweep products formed level by level, each stored as :class:`StorageRule` decides once the
+    schedule shows what reads it: when the product taking it as an operand is formed (jointly with
+    that product's other operand), when a spine mat-vec takes it, or, for products no planned
+    product reads, at the end (:meth:`finalize`) by their mat-vecs alone.
+
+    ``provider`` is :class:`_Products` (pair lists) or :class:`_DepthSearch` (pair counts): both give
+    the same own patterns, pair counts and therefore the same decisions.
+    """
+
+    def __init__(self, pats: Sequence[Pattern], provider, sched: Optional[ScanSchedule] = None):
+        self.provider = provider
+        self.mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+        self.pending: dict[int, tuple[Pattern, Pattern]] = {}  # product id -> its operands' stored patterns
+        self.schedule(sched)
+
+    def schedule(self, sched: Optional[ScanSchedule]) -> None:
+        """The schedule whose readers decide storage (the uses are computed only if a decision needs them)."""
+        self._sched = sched
+        self._uses: Optional[dict[int, Uses]] = None
+
+    def uses(self, m: int) -> Uses:
+        if self._uses is None:
+            self._uses = matrix_uses(self._sched)
+        return self._uses.get(m, _NO_USES)
+
+    def _store(self, m: int, dense: bool) -> None:
+        a, b = self.pending.pop(m)
+        self.mats[m] = self.provider.product(a, b, dense)
+
+    def decide(self, step: Step) -> None:
+        """Store the pending matrices ``step`` reads (its products' operands, its mat-vecs' matrices)."""
+        prov = self.provider
+        for op in step.mm:
+            pl, pr = op.left in self.pending, op.right in self.pending
+            if not (pl or pr):
+                continue
+            lp = prov.own(*self.pending[op.left]) if pl else self.mats[op.left].pattern
+            rp = prov.own(*self.pending[op.right]) if pr else self.mats[op.right].pattern
+            dl = dr = False
+            if (pl and not lp.is_full) or (pr and not rp.is_full):
+                dl, dr = prov.rule.joint(lp, rp, self.uses(op.left) if pl else None,
+                                         self.uses(op.right) if pr else None, prov.npairs(lp, rp))
+            if pl:
+                self._store(op.left, dl)
+            if pr:
+                self._store(op.right, dr)
+        for op in step.mv:
+            if op.mat in self.pending:
+                a, b = self.pending[op.mat]
+                self._store(op.mat, prov.decide_alone(a, b, self.uses(op.mat).mv))
+
+    def form(self, step: Step) -> None:
+        """The products of ``step`` (operands already stored), pending until their readers are known."""
+        for op in step.mm:
+            self.pending[op.out] = (self.mats[op.left].pattern, self.mats[op.right].pattern)
+
+    def finalize(self) -> dict[int, MatInfo]:
+        """Every matrix, the pending products stored by their mat-vecs alone (``self`` is unchanged)."""
+        out = dict(self.mats)
+        prov = self.provider
+        for m, (a, b) in self.pending.items():
+            out[m] = prov.product(a, b, prov.decide_alone(a, b, self.uses(m).mv))
+        return out
+
+
 class _Steps(NamedTuple):
     steps: list[Step]
 
@@ -397,23 +667,24 @@ def _costs_of(steps: Sequence[Step], mats: dict[int, MatInfo], profile: DevicePr
 def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], products: _Products,
                   profile: DeviceProfile, what: str,
                   advice: str = "choose fewer levels") -> dict[int, MatInfo]:
-    """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists.
+    """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists and storage.
 
     ``what`` names the request in the error raised when a level's pair indices exceed the budget.
     """
-    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+    lv = _Levels(pats, products, sched)
     for d, st in enumerate(sched.steps[:levels]):
+        lv.decide(st)
         est_bytes = 0
         for op in st.mm:
-            a, b = mats[op.left].pattern, mats[op.right].pattern
+            a, b = lv.mats[op.left].pattern, lv.mats[op.right].pattern
             est_bytes += products.index_estimate(a, b)
             if est_bytes > profile.bytes_budget:
                 raise ValueError(
                     f"{what}: up-sweep level {d} needs ~{est_bytes / 2**30:.1f} GiB of product index data, over the "
                     f"planning budget of {profile.bytes_budget / 2**30:.1f} GiB; {advice}"
                 )
-        for op in st.mm:
-            mats[op.out] = products.product(mats[op.left].pattern, mats[op.right].pattern)
+        lv.form(st)
+    mats = lv.finalize()
     return {i: mats[i] for i in range(sched.num_mats) if i in mats}
 
 
@@ -432,6 +703,10 @@ def plan_scan(
     products fit the exploration budget and ``memory_limit``), an int (clamped to the chain's
     maximum depth) or ``"full"``. ``memory_of(plan) -> bytes`` evaluates a candidate's peak.
 
+    Every product's storage (dense or its own pattern) is chosen by :class:`StorageRule` from what
+    reads it at the depth planned, so a product of the deepest level (read by mat-vecs only) may be
+    stored otherwise than the same product one level below the top of a deeper plan.
+
     ``"auto"`` evaluates ``K = 0, 1, ...`` in order and stops at the first depth that cannot win:
     its up-sweep alone (bounded below from pair counts before the level's products are
     formed) costs at least the best estimate so far, the estimate has risen twice, or the level's
@@ -442,7 +717,7 @@ def plan_scan(
     table = PatternTable()
     pats = [table.intern(p) for p in patterns]
     kmax = max_levels(n)
-    products = _Products(table, profile)
+    products = _Products(table, profile, batch_hint)
     if levels != "auto":
         k = kmax if levels == "full" else min(int(levels), kmax)
         sched = blelloch_schedule(n, k)
@@ -457,31 +732,37 @@ def plan_scan(
         return plan
 
     search = _DepthSearch(products)
-    mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+    lv = _Levels(pats, search)
     candidates: dict[int, float] = {}
     best: Optional[tuple[int, ScanSchedule]] = None
-    up_cost = [0.0]  # cumulative cost of the first K up-sweep levels (the same for every depth)
+    up_prev = 0.0  # up-sweep cost of the last depth costed (its levels are the next depth's first ones)
     worse = 0
     explored = 0
     for k in range(kmax + 1):
         sched = blelloch_schedule(n, k)
+        lv.schedule(sched)
         if k > 0:
             if best is not None and worse >= 2:
                 break  # the cost has turned up twice
             level = sched.steps[k - 1]
-            if search.index_bytes(level, mats, profile.bytes_budget) > profile.bytes_budget:
+            lv.decide(level)  # the operands of this level: their readers are known now
+            if search.index_bytes(level, lv.mats, profile.bytes_budget) > profile.bytes_budget:
                 break  # this level's fill-in is never expanded symbolically
-            if best is not None and (up_cost[-1] + search.level_lower_bound(level, mats, profile, batch_hint)
+            if best is not None and (up_prev + search.level_lower_bound(level, lv.mats, profile, batch_hint)
                                      >= candidates[best[0]]):
                 break  # deeper plans only add up-sweep work: none can win
-            for op in level.mm:
-                mats[op.out] = search.product(mats[op.left].pattern, mats[op.right].pattern)
+            lv.form(level)
             explored = k
-            up_cost.append(up_cost[-1] + _costs_of([level], mats, profile, batch_hint, elem_bytes)[0].time_s)
-            if best is not None and up_cost[k] >= candidates[best[0]]:
-                break
+        mats = lv.finalize()
         sub = {i: mats[i] for i in range(sched.num_mats) if i in mats}
-        t = up_cost[k] + sum(c.time_s for c in _costs_of(sched.steps[k:], sub, profile, batch_hint, elem_bytes))
+        costs = _costs_of(sched.steps, sub, profile, batch_hint, elem_bytes)
+        up = 0.0
+        for c in costs[:k]:
+            up += c.time_s
+        up_prev = up
+        if k > 0 and best is not None and up >= candidates[best[0]]:
+            break
+        t = up + sum(c.time_s for c in costs[k:])
         if memory_limit is not None and memory_of is not None:
             if memory_of(ScanPlan(pats, k, sub, sched, profile, batch_hint, elem_bytes)) > memory_limit:
                 continue
@@ -493,7 +774,7 @@ def plan_scan(
             worse += 1
     if best is None:
         k, sched = 0, blelloch_schedule(n, 0)
-        mats0 = {i: mats[i] for i in range(n)}
+        mats0 = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
         candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, mats0, profile, batch_hint, elem_bytes))
     else:
         k, sched = best
@@ -519,15 +800,16 @@ def plan_reduction(
     pairwise product tree of :func:`~spscan.planner.schedule.reduction_schedule`.
 
     The products are planned exactly as up-sweep products (same symbolic SpGEMM, same storage
-    rule, interned patterns), so a model-parallel slice reduction runs on the same engine as a
-    scan. Raises ``ValueError`` when a level's pair indices exceed the device profile's budget.
+    rule over the tree's readers, interned patterns), so a model-parallel slice reduction runs on
+    the same engine as a scan. Raises ``ValueError`` when a level's pair indices exceed the device
+    profile's budget.
     """
     from .schedule import reduction_schedule
 
     table = PatternTable()
     pats = [table.intern(p) for p in patterns]
     sched = reduction_schedule(len(pats))
-    products = _Products(table, profile)
+    products = _Products(table, profile, batch_hint)
     mats = _planned_mats(sched, sched.levels, pats, products, profile, f"composite of {len(pats)} layers",
                          "cut the chain where the composites stay small")
     plan = ScanPlan(pats, sched.levels, mats, sched, profile, batch_hint, elem_bytes)

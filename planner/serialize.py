@@ -14,7 +14,11 @@ plan whose indices could leave their arrays:
   pattern (or dense) and its index data is recomputed from the patterns; a planned pair list is bounds-checked and verified to be
   exactly the pair list :func:`~spscan.planner.symbolic.spgemm_symbolic` gives (every pair feeds
   the entry it is listed under, pairs in inner-index order without repeats, as many as the
-  product has), and its storage (sparse or dense output) is the one the planner's rule picks;
+  product has);
+* every product records its storage decision (dense, or its own pattern); the stored pattern must
+  match it, and the decision must be the one the planner's storage rule
+  (:class:`~spscan.planner.planning.StorageRule`: the cost of what reads the product at this
+  depth, or the profile's explicit ``dense_threshold``) makes from the file's own patterns;
 * the header's numbers and the options have the right types and values.
 
 The verification is linear in the number of pairs (no sort), so loading stays cheaper than
@@ -33,17 +37,27 @@ import numpy as np
 
 from .cost import DeviceProfile
 from .patterns import Pattern, PatternTable, validated_pattern
-from .planning import MatInfo, ScanPlan
+from .planning import MatInfo, ScanPlan, StorageRule, decide_alone, matrix_uses
+from .patterns import full_pattern, make_pattern
+from .rowwise import estimate_product_nnz, pair_list_bytes, structural_product
 from .schedule import blelloch_schedule, max_levels
 from .symbolic import ProductSymbolic, product_counts
 
 __all__ = ["save_scan", "load_scan", "FORMAT", "VERSION"]
 
 FORMAT = "spscan-plan"
-VERSION = 2  # 2: SHA-256 digest, verified pair lists (version 1 files had no digest)
+# 3: each product records its storage decision, made by the cost model (version 2: a fixed density
+# threshold, not recorded; version 1: no digest)
+VERSION = 3
+_OLD_VERSIONS = {
+    1: "version 1 files have no digest",
+    2: "version 2 files store pair-list products by a fixed density threshold and do not record the decision",
+}
 OPTION_KEYS = ("backend", "device", "dtype", "max_memory", "requested_levels")
 #: product storage kinds as stored: a dense GEMM, planned pair lists, or row-wise over the output pattern
 _ALGO_CODES = {"gemm": 0, "pairs": 1, "rows": 2}
+#: per product: id, stored pattern id, storage kind, GEMM work, pair list id, stored densely by the rule
+_PRODUCT_FIELDS = 6
 _HEADER_KEYS = {"format", "version", "n", "levels", "explored", "batch_hint", "elem_bytes", "profile",
                 "candidates", "options"}
 
@@ -94,7 +108,7 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
             continue
         if info.algo not in _ALGO_CODES:
             raise ValueError(f"product {mid}: {info.algo!r} products cannot be saved in plan file version {VERSION}")
-        rec = [mid, pid(info.pattern), _ALGO_CODES[info.algo], info.gemm_macs, -1]
+        rec = [mid, pid(info.pattern), _ALGO_CODES[info.algo], info.gemm_macs, -1, int(info.densified)]
         if info.sym is not None:
             if id(info.sym) not in syms:
                 s = len(syms)
@@ -117,7 +131,7 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
         "options": options,
     }
     arrays["layers"] = layers
-    arrays["products"] = np.asarray(products, dtype=np.int64).reshape(-1, 5)
+    arrays["products"] = np.asarray(products, dtype=np.int64).reshape(-1, _PRODUCT_FIELDS)
     arrays["header"] = np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)
     _write(path, arrays)
 
@@ -169,11 +183,13 @@ def _profile(raw: Any) -> DeviceProfile:
         raise ValueError(f"header field 'profile.name': expected a string, got {raw['name']!r}")
     for k in names[1:]:
         v = raw[k]
+        if k == "dense_threshold":
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1):
+                raise ValueError(f"header field 'profile.dense_threshold': expected null (storage by cost) or a "
+                                 f"density in (0, 1], got {v!r}")
+            continue
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"header field 'profile.{k}': expected a finite positive number, got {v!r}")
-    if raw["dense_threshold"] > 1:
-        raise ValueError(f"header field 'profile.dense_threshold': expected a density in (0, 1], "
-                         f"got {raw['dense_threshold']!r}")
     return DeviceProfile(**raw)
 
 
@@ -255,20 +271,19 @@ def _check_pair_entries(where: str, a: Pattern, b: Pattern, c: Pattern, ptr: np.
         c0 = c1
 
 
-def _check_pairs(where: str, a: Pattern, b: Pattern, c: Pattern, sym: ProductSymbolic,
-                 threshold: float, cache: dict) -> None:
+def _check_pairs(where: str, a: Pattern, b: Pattern, c: Pattern, sym: ProductSymbolic, cache: dict) -> Pattern:
     """Prove that ``sym`` is what the planner gives for ``C = A @ B`` (pattern ``c``).
 
     Bounds first (so no index below can leave its array), then: each pair ``(pa, pb)`` listed under
     entry ``(i, j)`` of ``C`` has ``A``'s entry in row ``i``, ``B``'s entry in column ``j`` and the
     same inner index ``k``; within an entry the ``k`` strictly increase (no repeats, the planner's
-    summation order); the count equals the product's pair count, so no pair is missing. The
-    output storage must be the planner's: the exact product pattern while its density is below
-    ``threshold``, else the dense pattern.
+    summation order); the count equals the product's pair count, so no pair is missing. A sparse
+    ``c`` must be the product's own pattern (every entry reached). Returns the own pattern (the
+    reached positions of a dense ``c``).
     """
     key = (id(sym), a.key, b.key, c.key)
     if key in cache:
-        return
+        return cache[key]
     ptr, pa, pb = sym.pair_ptr, sym.pair_a, sym.pair_b
     nnz_c = c.nnz
     if ptr.shape != (nnz_c + 1,):
@@ -286,34 +301,47 @@ def _check_pairs(where: str, a: Pattern, b: Pattern, c: Pattern, sym: ProductSym
     if npairs:
         _check_pair_entries(where, a, b, c, ptr, pa, pb, seg, cache)
     reached = int(np.count_nonzero(seg))
-    size = c.rows * c.cols
+    own = c
     if c.is_full:
-        if reached < size and reached / size < threshold:
-            raise ValueError(f"{where}: stored dense, but its product pattern has density {reached / size:.3g} "
-                             f"< the dense threshold {threshold}")
-    else:
-        if reached != nnz_c:
-            raise ValueError(f"{where}: {nnz_c - reached} stored entries receive no pair (not the product's pattern)")
-        if c.density >= threshold:
-            raise ValueError(f"{where}: stored sparse at density {c.density:.3g} >= the dense threshold {threshold}")
-    cache[key] = True
+        if reached < nnz_c:
+            pos = np.flatnonzero(seg)
+            indptr = np.zeros(c.rows + 1, dtype=np.int64)
+            np.cumsum(np.bincount(pos // c.cols, minlength=c.rows), out=indptr[1:])
+            own = make_pattern(c.shape, indptr, pos % c.cols)
+    elif reached != nnz_c:
+        raise ValueError(f"{where}: {nnz_c - reached} stored entries receive no pair (not the product's pattern)")
+    cache[key] = own
+    return own
 
 
-def _rowwise(where: str, a: Pattern, b: Pattern, c: Pattern, macs: int, sidx: int, cache: dict) -> MatInfo:
+def _rowwise(where: str, a: Pattern, b: Pattern, c: Pattern, macs: int, sidx: int, dense: bool,
+             cache: dict) -> MatInfo:
     """A row-wise product: no stored indices; its output pattern must be the product's or the dense one
     (either computes the same values), and its index data is recomputed from the three patterns."""
     if macs != 0 or sidx != -1:
         raise ValueError(f"{where}: a row-wise product stores no GEMM work or pair list, got {macs} and {sidx}")
-    key = (a.key, b.key, c.key)
+    key = (a.key, b.key, c.key, dense)
     if key not in cache:
-        from .rowwise import rowwise_symbolic, structural_product
+        from .rowwise import rowwise_symbolic
 
-        if not c.is_full and structural_product(a, b).key != c.key:
+        if not c.is_full and _own_rows(a, b, cache).key != c.key:
             raise ValueError(f"{where}: row-wise product stored with a pattern that is neither its operands' "
                              f"product pattern nor dense")
         rw = rowwise_symbolic(a, b, out=c)
-        cache[key] = MatInfo(rw.pattern, "rows", rw=rw)
+        cache[key] = MatInfo(rw.pattern, "rows", rw=rw, densified=dense)
     return cache[key]
+
+
+def _own_rows(a: Pattern, b: Pattern, cache: dict) -> Pattern:
+    """The own pattern of a row-wise product (formed once per operand pair)."""
+    key = ("own", a.key, b.key)
+    if key not in cache:
+        cache[key] = structural_product(a, b)
+    return cache[key]
+
+
+def _storage_name(dense: bool) -> str:
+    return "densely" if dense else "with its own pattern"
 
 
 def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
@@ -332,8 +360,9 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
     if header.get("format") != FORMAT:
         raise ValueError(f"header field 'format' is {header.get('format')!r}, expected {FORMAT!r}")
     if header.get("version") != VERSION:
-        raise ValueError(f"header field 'version' is {header.get('version')!r}; this spscan reads version "
-                         f"{VERSION} (re-plan and save again)")
+        why = _OLD_VERSIONS.get(header.get("version")) if _is_int(header.get("version")) else None
+        raise ValueError(f"header field 'version' is {header.get('version')!r}; this spscan reads plan file version "
+                         f"{VERSION}" + (f" ({why})" if why else "") + ": re-plan and save again")
     if set(header) != _HEADER_KEYS:
         raise ValueError(f"header: expected the fields {sorted(_HEADER_KEYS)}, got {sorted(header)}")
     digest = arrays["digest"]
@@ -402,8 +431,8 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
     # products: exactly the schedule's, each consistent with its operands
     sched = blelloch_schedule(n, levels)
     prod = _index_array(arrays, "products", ndim=2)
-    if prod.shape[1:] != (5,):
-        raise ValueError(f"array 'products': expected rows of 5 fields, got shape {prod.shape}")
+    if prod.shape[1:] != (_PRODUCT_FIELDS,):
+        raise ValueError(f"array 'products': expected rows of {_PRODUCT_FIELDS} fields, got shape {prod.shape}")
     rows = prod.tolist()
     mids = sorted(r[0] for r in rows)
     if mids != sorted(sched.products):
@@ -415,42 +444,102 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
     checked: dict = {}
     rowwise_cache: dict = {}
     used_syms = set()
+    # storage decisions, re-made as the planner makes them: a product's storage is settled when the
+    # step reading it comes (jointly with the other operand of the product taking it), else at the end
+    rule = StorageRule(profile, batch_hint)
+    rule_name = ("the cost of what reads it" if profile.dense_threshold is None
+                 else f"the dense threshold {profile.dense_threshold}")
+    uses = matrix_uses(sched) if sched.products else {}
+    no_uses = ((), None)
+    pending: dict[int, tuple[Pattern, Pattern, Any]] = {}  # product id -> operands' patterns, own pattern getter
+    flags: dict[int, bool] = {}
+
+    def settle(mid: int, dense: bool) -> None:
+        pending.pop(mid)
+        if flags[mid] != dense:
+            raise ValueError(f"product {mid}: stored {_storage_name(flags[mid])}, but the planner's storage rule "
+                             f"({rule_name}, batch hint {batch_hint}) stores it {_storage_name(dense)}")
+
+    def alone(mid: int) -> bool:
+        a, b, own = pending[mid]
+        rw = not (a.is_full and b.is_full) and pair_list_bytes(product_counts(a, b), 0) > profile.pair_list_max_bytes
+        return decide_alone(rule, a, b, uses.get(mid, no_uses)[0], rw, lambda: estimate_product_nnz(a, b), own)
+
     for st in sched.steps:  # operands are always products of earlier steps (or inputs)
         for op in st.mm:
-            mid, pidx, algo, macs, sidx = by_mid[op.out]
+            pl, pr = op.left in pending, op.right in pending
+            if not (pl or pr):
+                continue
+            lp = pending[op.left][2]() if pl else mats[op.left].pattern
+            rp = pending[op.right][2]() if pr else mats[op.right].pattern
+            dl = dr = False
+            if (pl and not lp.is_full) or (pr and not rp.is_full):
+                dl, dr = rule.joint(lp, rp, uses[op.left] if pl else None, uses[op.right] if pr else None,
+                                    product_counts(lp, rp))
+            if pl:
+                settle(op.left, dl)
+            if pr:
+                settle(op.right, dr)
+        for op in st.mv:
+            if op.mat in pending:
+                settle(op.mat, alone(op.mat))
+        for op in st.mm:
+            mid, pidx, algo, macs, sidx, dense = by_mid[op.out]
             where = f"product {mid}"
             if not 0 <= pidx < npat:
                 raise ValueError(f"{where}: pattern id {pidx} not in [0, {npat})")
+            if dense not in (0, 1):
+                raise ValueError(f"{where}: storage decision {dense} is not 0 (own pattern) or 1 (dense)")
+            dense = bool(dense)
             c, a, b = pats[pidx], mats[op.left].pattern, mats[op.right].pattern
             if c.shape != (a.rows, b.cols):
                 raise ValueError(f"{where}: pattern has shape {c.shape}, its operands give {(a.rows, b.cols)}")
+            if dense and not c.is_full:
+                raise ValueError(f"{where}: recorded as stored densely, but its stored pattern is not the full one")
             dense_pair = a.is_full and b.is_full
+            flags[mid] = dense
             if algo == 0:
                 if not (dense_pair and c.is_full):
                     raise ValueError(f"{where}: stored as a dense GEMM, but its operands or output are not dense")
                 if macs != a.rows * a.cols * b.cols or sidx != -1:
                     raise ValueError(f"{where}: GEMM work {macs} / pair list {sidx}, expected "
                                      f"{a.rows * a.cols * b.cols} / -1")
+                if dense:
+                    raise ValueError(f"{where}: a GEMM product is dense by its operands, recorded as densified")
                 mats[mid] = MatInfo(c, "gemm", gemm_macs=macs)
+                pending[mid] = (a, b, lambda c=c: c)
                 continue
             if algo not in (1, 2):
                 raise ValueError(f"{where}: storage kind {algo} is not 0 (GEMM), 1 (pairs) or 2 (row-wise)")
             if dense_pair:
                 raise ValueError(f"{where}: both operands are dense, the planner multiplies them as a GEMM")
+            rowwise = pair_list_bytes(product_counts(a, b), 0) > profile.pair_list_max_bytes
+            if rowwise != (algo == 2):
+                raise ValueError(f"{where}: stored {'row-wise' if algo == 2 else 'with pair lists'}, but the planner "
+                                 f"runs it {'row-wise' if rowwise else 'with pair lists'} (pair-list limit "
+                                 f"{profile.pair_list_max_bytes:.0f} bytes)")
             if algo == 2:
-                mats[mid] = _rowwise(where, a, b, c, macs, sidx, rowwise_cache)
-                continue
-            if macs != 0 or not 0 <= sidx < nsym:
-                raise ValueError(f"{where}: expected GEMM work 0 and a pair list id in [0, {nsym}), "
-                                 f"got {macs} and {sidx}")
-            sym = syms.get((sidx, c.key))
-            if sym is None:
-                sym = ProductSymbolic(c, _index_array(arrays, f"sym{sidx}_ptr"), _index_array(arrays, f"sym{sidx}_a"),
-                                      _index_array(arrays, f"sym{sidx}_b"))
-                syms[(sidx, c.key)] = sym
-            _check_pairs(where, a, b, c, sym, profile.dense_threshold, checked)
-            used_syms.add(sidx)
-            mats[mid] = MatInfo(c, "pairs", sym=sym)
+                mats[mid] = _rowwise(where, a, b, c, macs, sidx, dense, rowwise_cache)
+                own = (lambda c=c: c) if not c.is_full else (lambda a=a, b=b: _own_rows(a, b, rowwise_cache))
+            else:
+                if macs != 0 or not 0 <= sidx < nsym:
+                    raise ValueError(f"{where}: expected GEMM work 0 and a pair list id in [0, {nsym}), "
+                                     f"got {macs} and {sidx}")
+                sym = syms.get((sidx, c.key))
+                if sym is None:
+                    sym = ProductSymbolic(c, _index_array(arrays, f"sym{sidx}_ptr"),
+                                          _index_array(arrays, f"sym{sidx}_a"), _index_array(arrays, f"sym{sidx}_b"))
+                    syms[(sidx, c.key)] = sym
+                own_pattern = _check_pairs(where, a, b, c, sym, checked)
+                used_syms.add(sidx)
+                mats[mid] = MatInfo(c, "pairs", sym=sym, densified=dense)
+                own = lambda p=own_pattern: p  # noqa: E731
+            if not dense and c.is_full and not own().is_full:
+                raise ValueError(f"{where}: recorded as stored with its own pattern, but stored dense while its own "
+                                 f"pattern is not full")
+            pending[mid] = (a, b, own)
+    for mid in sorted(pending):
+        settle(mid, alone(mid))
     if len(used_syms) != nsym:
         raise ValueError(f"pair lists {sorted(set(range(nsym)) - used_syms)[:5]} are stored but no product uses them")
     used = set(layers.tolist()) | {r[1] for r in rows}

@@ -323,3 +323,66 @@ def test_rowwise_products_round_trip_and_are_checked(tmp_path):
     serialize._write(path, arrays)
     with pytest.raises(ValueError, match="product"):
         spscan.load_plan(path)
+
+
+def _densified_plan(threshold=None):
+    """A plan in which the storage rule densifies some products (the level-1 products, ~0.3 dense,
+    read only by mat-vecs) and keeps others sparse (the level-0 products the level-1 products read)."""
+    from spscan.plan import Plan
+    from spscan.planner.cost import profile_for
+    from spscan.planner.patterns import as_chain
+    from spscan.planner.planning import plan_scan
+
+    rng = np.random.default_rng(7)
+    chain = [sp.csr_array((rng.random((20, 20)) < 0.12).astype(float)) if i % 2 else sp.csr_array(np.eye(20))
+             for i in range(20)]
+    prof = profile_for("cpu", None if threshold is None else {"dense_threshold": threshold})
+    scan = plan_scan(as_chain(chain), 2, prof, batch_hint=1, elem_bytes=8)
+    return Plan(scan, "torch", None, torch.float64, None, 2)
+
+
+def test_storage_decisions_round_trip_and_are_checked(tmp_path):
+    plan = _densified_plan()
+    flags = {m: i.densified for m, i in plan._scan.mats.items() if i.algo != "input"}
+    assert any(flags.values()) and not all(flags.values())
+    path = tmp_path / "plan.npz"
+    plan.save(path)
+    loaded = spscan.load_plan(path)
+    assert {m: i.densified for m, i in loaded._scan.mats.items() if i.algo != "input"} == flags
+    assert {m: i.pattern.key for m, i in loaded._scan.mats.items()} == {m: i.pattern.key for m, i in plan._scan.mats.items()}
+    vals, grad = _values(plan.patterns)
+    for x, y in zip(spscan.backward(plan, vals, grad), spscan.backward(loaded, vals, grad)):
+        assert torch.equal(x, y)
+    # a densified product recorded as stored with its own pattern: its stored (full) pattern disagrees
+    arrays = _arrays(path.read_bytes())
+    prod = arrays["products"]
+    row = int(np.flatnonzero(prod[:, 5] == 1)[0])
+    prod[row, 5] = 0
+    serialize._write(path, arrays)
+    with pytest.raises(ValueError, match=f"product {prod[row, 0]}"):
+        spscan.load_plan(path)
+    # a sparse product recorded as densified and stored densely (pairs rewritten to the dense layout):
+    # consistent in itself, but not the storage rule's decision
+    plan2 = _densified_plan(threshold=1e-9)  # every product densified by the explicit override
+    plan2.save(path)
+    arrays2 = _arrays(path.read_bytes())
+    header = json.loads(arrays2["header"].tobytes().decode())
+    assert header["profile"]["dense_threshold"] == 1e-9
+    assert spscan.load_plan(path).levels == 2  # the override is recorded and the decisions follow it
+    header["profile"]["dense_threshold"] = None  # the same products under the cost rule: some must differ
+    arrays2["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    serialize._write(path, arrays2)
+    with pytest.raises(ValueError, match="storage rule"):
+        spscan.load_plan(path)
+
+
+def test_version_2_file_is_refused_naming_the_version(tmp_path):
+    arrays = _arrays(_original("full")[0])
+    header = json.loads(arrays["header"].tobytes().decode())
+    header["version"] = 2
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    arrays["products"] = arrays["products"][:, :5].copy()
+    path = tmp_path / "plan.npz"
+    serialize._write(path, arrays)
+    with pytest.raises(ValueError, match="version 2 files store pair-list products by a fixed density"):
+        spscan.load_plan(path)
