@@ -913,12 +913,16 @@ class BatchNormUnit(LayerUnit):
             m.num_batches_tracked.add_(1)
             factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
         track = m.track_running_stats and m.training
-        if x.numel() == x.shape[1]:  # F.batch_norm's own check
+        if x.numel() == x.shape[1]:  # F.batch_norm's own checks
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()}")
-        # the kernel F.batch_norm runs, keeping its batch mean and 1/std (C,) for the backward
-        y, mean, invstd = torch.native_batch_norm(x, w, b, m.running_mean if track else None,
-                                                  m.running_var if track else None, True, factor, m.eps)
-        return y, ("batch", x, mean, invstd)
+        if m.eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {m.eps}")
+        # what F.batch_norm runs (the same kernel choice on every device), keeping the kernel's batch
+        # statistics and workspace for its own backward
+        y, mean, var_t, reserve, impl = torch.ops.aten._batch_norm_impl_index(
+            x, w, b, m.running_mean if track else None, m.running_var if track else None, True, factor, m.eps,
+            torch.backends.cudnn.enabled)
+        return y, ("batch", x, mean, var_t, reserve, impl)
 
     def _scale(self, tensors, invstd: torch.Tensor) -> torch.Tensor:
         return invstd * tensors[self.roles.index("weight")].detach() if "weight" in self.roles else invstd
@@ -935,10 +939,10 @@ class BatchNormUnit(LayerUnit):
 
     def _batch_backward(self, saved, tensors, g, mask: list[bool]):
         """Train mode: ``(dl/dx, dl/dweight, dl/dbias)`` from autograd's own kernel, where ``mask`` says."""
-        _, x, mean, invstd = saved
+        _, x, mean, var_t, reserve, impl = saved
         w = tensors[self.roles.index("weight")].detach() if "weight" in self.roles else None
-        return torch.ops.aten.native_batch_norm_backward(g.reshape(x.shape), x, w, None, None, mean, invstd, True,
-                                                         self.module.eps, mask)
+        return torch.ops.aten._batch_norm_impl_index_backward(impl, x, g.reshape(x.shape), w, None, None, mean, var_t,
+                                                              True, self.module.eps, mask, reserve)
 
     def apply_transposed(self, saved, tensors, g):
         if saved[0] == "eval":
@@ -946,8 +950,8 @@ class BatchNormUnit(LayerUnit):
         return self._batch_backward(saved, tensors, g, [True, False, False])[0].reshape(g.shape[0], -1)
 
     def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
-        """``J^T g`` and the weight/bias gradients for ``g = dl/dy``; in train mode from one
-        ``native_batch_norm_backward`` call (as autograd's batch-norm backward)."""
+        """``J^T g`` and the weight/bias gradients for ``g = dl/dy``; in train mode from one call of the
+        forward kernel's own backward (as autograd's batch-norm backward)."""
         if saved[0] == "eval":
             return g * self.fill(saved, tensors), self.param_grads(saved, tensors, g, needed)
         mask = _affine_mask(self.roles, needed)
