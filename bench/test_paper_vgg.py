@@ -13,8 +13,10 @@ of products: ``levels=2``. Every depth ``K = 0 .. max`` is reported.
 Two conventions of counting FLOPs per node (mm: 2 x multiply pairs; mv: 2 x stored entries):
 
 * **spscan (plan once)**: the architecture's patterns, fixed for all samples and steps (a ReLU's
-  or max-pool's possible zeros stay stored), with the planner's own storage (dense or sparse) and
-  algorithm per product; BP's gradient operators are the pruned layers' SpMVs (``levels=0``).
+  or max-pool's possible zeros stay stored), with the planner's own storage and algorithm per
+  product: dense or its own pattern, chosen by the cost of what reads the product (the next level's
+  product and the mat-vecs), pair lists or row-wise; BP's gradient operators are the pruned layers'
+  SpMVs (``levels=0``).
 * **paper**: per-sample patterns with the possible zeros eliminated (only active ReLUs, only each
   pooling window's argmax), products kept in CSR, FLOPs averaged over a batch; BP's gradient
   operators are the *unpruned* network's (2 x stored entries of its plan-once ``J^T``).
@@ -161,7 +163,8 @@ def walk_plan(plan) -> list[dict]:
         for op in st.mm:
             info, a, b = scan.mats[op.out], scan.mats[op.left].pattern, scan.mats[op.right].pattern
             rows.append(dict(phase=st.phase, level=st.level, step=si, kind="mm", flops=2 * info.work,
-                             dense_flops=2 * a.rows * a.cols * b.cols, algo=info.algo, dense=info.pattern.is_full))
+                             dense_flops=2 * a.rows * a.cols * b.cols, algo=info.algo, dense=info.pattern.is_full,
+                             densified=info.densified))
         for op in st.mv:
             m = scan.mats[op.mat].pattern
             rows.append(dict(phase=st.phase, level=st.level, step=si, kind="mv", flops=2 * m.nnz,
@@ -429,6 +432,16 @@ def write_report(rec: dict[str, Any], out: Path) -> Path:
         for note in r.get("index_measured", []):
             lines += ["", note]
         a = r["auto"]
+        stored = []
+        for k in range(r["max_levels"] + 1):
+            steps = r["spscan"].get(str(k), {}).get("steps")
+            if steps:
+                mm = [s for s in steps if s["kind"] == "mm"]
+                stored.append(f"K={k}: {sum(bool(s.get('densified')) for s in mm)} of {len(mm)} products dense "
+                              f"({sum(s.get('algo') == 'gemm' for s in mm)} GEMM)")
+        if stored:
+            lines += ["", "Storage (each product dense or its own pattern, by the cost of the product and mat-vecs "
+                      "that read it): " + "; ".join(stored) + "."]
         lines += ["", f"Planner's own choice (`levels=\"auto\"`, CPU profile): K={a['levels']} "
                   f"(estimated critical path per depth: " + ", ".join(
                       f"K={k}: {v:.3g} s" for k, v in a["candidates_s"].items()) + f"; planned in {a['plan_s']:.1f} s).", ""]
