@@ -13,7 +13,8 @@ process's load does not count), interleaved (one autograd step, then one spscan 
 and compared by their medians; ``extra_info`` carries both medians, ``speedup_vs_autograd =
 autograd / spscan`` (> 1: spscan faster), the median of the per-pair ratios, the planned depth
 (``plan.levels``), the first line of ``plan.summary()``, the planning time and the device.
-The plan is made once per module (about 20 s on a 2-core CPU); the whole file runs in about a minute.
+The plan is made once per module (tens of seconds on a 2-core CPU: the block patterns of the full-width
+model); the whole file runs in one to two minutes.
 """
 
 from __future__ import annotations
