@@ -844,30 +844,32 @@ class _Traced:
         nodes = [n for n in nodes if n in alive]
         last = {p: i for i, n in enumerate(nodes) for p in self.tin[n]}
         dim = {n: int(np.prod(self.env[n].shape[1:])) for n in nodes}
-        live, steps = [self.input_node], []
-        widths = []
+        # the live sets first (cheap), so that a graph past the limit is refused before any pattern is built
+        live, plan, widths = [self.input_node], [], []
         for i, n in enumerate(nodes[1:], 1):
             keep = [j for j, t in enumerate(live) if last.get(t, -1) > i]
-            inputs = [live.index(p) for p in self.tin[n]]
-            kind = self.kind[n]
-            leaf = self.leaf_of.get(n)
-            if kind == "unit" and len(live) == 1 and not keep:
-                steps.append(leaf)
-            else:
-                offs = [0] * len(inputs)
-                if kind == _CAT:
-                    offs = [int(o) for o in np.cumsum([0] + [dim[p] for p in self.tin[n][:-1]])]
-                steps.append(_LiveStep(kind, leaf, [dim[t] for t in live], keep, inputs, offs, n.name,
-                                       [t.name for t in live]))
+            plan.append((n, list(live), keep))
             live = [live[j] for j in keep] + [n]
-            widths.append((sum(dim[t] for t in live), n, list(live)))
+            widths.append((sum(dim[t] for t in live), n, live))
         total, own = sum(w for w, _, _ in widths), sum(dim[n] for n in nodes[1:])
         if total > LIVE_STATE_LIMIT * own:
             w, n, ts = max(widths, key=lambda t: t[0])
-            raise _refuse(n, f"not series-parallel, and as a live-set chain it would carry {total} values per sample "
-                          f"over its {len(steps)} steps, more than {LIVE_STATE_LIMIT}x the {own} of the graph's own "
-                          f"tensors (widest after this node: {len(ts)} live tensors, {w} values: "
+            raise _refuse(n, f"as a live-set chain (the graph is not series-parallel) it would carry {total} values per "
+                          f"sample over its {len(plan)} steps, more than {LIVE_STATE_LIMIT}x the {own} of the graph's "
+                          f"own tensors (widest after this node: {len(ts)} live tensors, {w} values: "
                           f"{', '.join(t.name for t in ts)})", ValueError)
+        steps: list[Any] = []
+        for n, before, keep in plan:
+            inputs = [before.index(p) for p in self.tin[n]]
+            kind, leaf = self.kind[n], self.leaf_of.get(n)
+            if kind == "unit" and len(before) == 1 and not keep:
+                steps.append(leaf)
+                continue
+            offs = [0] * len(inputs)
+            if kind == _CAT:
+                offs = [int(o) for o in np.cumsum([0] + [dim[p] for p in self.tin[n][:-1]])]
+            steps.append(_LiveStep(kind, leaf, [dim[t] for t in before], keep, inputs, offs, n.name,
+                                   [t.name for t in before]))
         return steps
 
     # -- series-parallel parse
@@ -975,7 +977,8 @@ class GraphPlan(ModelPlan):
     _check_layers = TracedChainPlan._check_layers
 
     def summary(self) -> str:
-        lines = [f"GraphPlan: {len(self.units)} layers in {len(self.segments)} blocks, input {self.in_shape} -> "
+        what = "live-set steps" if any(isinstance(s, _LiveStep) for s in self.segments) else "blocks"
+        lines = [f"GraphPlan: {len(self.units)} layers in {len(self.segments)} {what}, input {self.in_shape} -> "
                  f"output {self.out_shape}"]
         for i, s in enumerate(self.segments):
             lines.append(f"  [{i}] {s.describe():<60} J^T {s.d_in}x{s.d_out} nnz={s.pattern.nnz} "

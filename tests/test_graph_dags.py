@@ -284,7 +284,7 @@ def test_dag_gradients_float64(name):
         assert any(type(s).__name__ == "_LiveStep" for s in plan.segments), plan.summary()
 
 
-@pytest.mark.parametrize("name", ["two_joins", "conv_crossing"])
+@pytest.mark.parametrize("name", list(DAGS))
 def test_dag_float32_and_sgd(name):
     make, shape = DAGS[name]
     _check_float32(_init(make(), 33), shape, 34)
