@@ -33,12 +33,11 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert R.fit_link({4: 2e-4}, blocking=True) == S.Link(2e-4, blocking=True)
 
 
-def test_step_times_span_the_ranks_and_remove_run_queue_waits():
-    s0 = [{"start": 10.0, "end": 10.5, "run_wait": 0.1}, {"start": 20.0, "end": 20.2, "run_wait": 0.0}]
-    s1 = [{"start": 10.1, "end": 10.7, "run_wait": 0.3}, {"start": 20.0, "end": 20.3, "run_wait": None}]
+def test_step_times_span_the_ranks():
+    s0 = [{"start": 10.0, "end": 10.5}, {"start": 20.0, "end": 20.2}]
+    s1 = [{"start": 10.1, "end": 10.7}, {"start": 20.0, "end": 20.3}]
     res = [{"methods": {"m": {"steps": s0}}}, {"methods": {"m": {"steps": s1}}}]
     np.testing.assert_allclose(R.step_times(res, "m"), [0.7, 0.3])
-    np.testing.assert_allclose(R.step_times(res, "m", contention_removed=True), [0.4, 0.3])
 
 
 def test_runtime_overheads_from_a_trace():
@@ -77,3 +76,16 @@ def test_prediction_uses_the_calibration_and_scales_with_the_cpu_share():
     assert dedicated == pytest.approx(R.predicted_timeline(res, CFG, "GPipe").step_time)
     # round 2 ran at half a core with 1 ms messages: slower than round 1
     assert len(loaded) == 2 and loaded[1] > 2 * loaded[0] - 1e-9
+
+
+def test_explained_steps_divide_by_the_cpu_share_the_ranks_got():
+    # step 1: both ranks never waited for a core (share 1); step 2: rank 0 got 1/2, rank 1 1/4 (mean 3/8)
+    s0 = [{"cpu": 2e-3, "run_wait": 0.0}, {"cpu": 2e-3, "run_wait": 2e-3}]
+    s1 = [{"cpu": 1e-3, "run_wait": 0.0}, {"cpu": 1e-3, "run_wait": 3e-3}]
+    res = [_rank(0, s0), _rank(1, s1)]
+    np.testing.assert_allclose(R.step_cpu_shares(res, "GPipe"), [1.0, 0.375])
+    ex = R.explained_step_times(res, CFG, "GPipe")
+    ded = R.predicted_timeline(res, CFG, "GPipe").step_time
+    assert ex[0] == pytest.approx(ded)
+    # compute and overheads stretch by 1 / 0.375, the (fastest) link does not
+    assert ded / 0.375 * 0.98 < ex[1] <= ded / 0.375 + 1e-12

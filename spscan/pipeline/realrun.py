@@ -37,7 +37,8 @@ from spscan.pipeline.simulator import LayerCosts, Link, Overheads, Timeline
 
 __all__ = ["build_mlp", "chain_patterns", "chain_values", "stage_bounds", "compare", "reference_grads", "fit_link",
            "step_times", "step_breakdown", "runtime_overheads", "calibrated_link", "calibrated_costs",
-           "calibrated_overheads", "round_loads", "busy_per_device", "measured_cpu", "predicted_step_times",
+           "calibrated_overheads", "round_loads", "busy_per_device", "measured_cpu", "step_cpu_shares",
+           "explained_step_times", "predicted_step_times",
            "predicted_timeline", "SINGLE_STAGE", "MULTI_STAGE"]
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -201,43 +202,37 @@ def _median(ts: Sequence[float]) -> float:
 def _time_stage(mods: Sequence[nn.Module], x: torch.Tensor, y: Optional[torch.Tensor], first: bool
                 ) -> dict[str, float]:
     """One sample (CPU seconds of this thread) of a pipeline stage's actions on micro-batch input ``x``,
-    made with the calls ``torch.distributed.pipelining`` makes: ``F`` forward with autograd recording
-    (plus the loss on the last stage, ``y`` given), ``B`` one ``autograd.backward`` through the stage (from the loss, or from
-    an output gradient), ``I`` the input gradient alone (none on the first stage, whose input needs no
-    gradient), ``W`` the weight gradients ``g^T x`` of every layer from its output gradient."""
+    made with the functions ``torch.distributed.pipelining`` runs for them: ``F`` the forward with
+    autograd recording (plus the loss on the last stage, ``y`` given), ``B`` its full backward
+    (``stage_backward``), ``I`` its input step (``stage_backward_input``; none on the first stage, whose
+    input needs no gradient) and ``W`` its weight step (``stage_backward_weight``, from what ``I`` kept)."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
     sub = nn.Sequential(*mods)
     inp = x.detach().requires_grad_(not first)
-
-    def fwd() -> torch.Tensor:
-        out = sub(inp)
-        return nn.functional.cross_entropy(out, y) if y is not None else out
-
     clock = time.thread_time
+
+    def fwd() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+        out = sub(inp)
+        if y is not None:
+            return nn.functional.cross_entropy(out, y), None
+        return out, [torch.ones_like(out)]
+
     t0 = clock()
-    out = fwd()
+    out, g = fwd()
     tf = clock() - t0
-    g = None if y is not None else torch.ones_like(out)
     t0 = clock()
-    torch.autograd.backward(out, g)
+    stage_backward(out if g is None else [out], g, [inp])
     tb = clock() - t0
-    ti = 0.0
+    ti = tw = 0.0
     if not first:
-        out = fwd()
+        out, g = fwd()
         t0 = clock()
-        torch.autograd.grad(out, inp, g)
+        _, groups = stage_backward_input([out], g, [inp], sub.parameters())
         ti = clock() - t0
-    # W: every layer's g^T x from its own input and output gradient (what torch's weight step runs)
-    with torch.no_grad():
-        hs = [x]
-        for m_ in mods:
-            hs.append(m_(hs[-1]))
-    tw = 0.0
-    for k, m_ in enumerate(mods):
-        gk = torch.ones_like(hs[k + 1])
         t0 = clock()
-        with torch.no_grad():
-            _weight_grads(m_, hs[k], gk)
-        tw += clock() - t0
+        stage_backward_weight(sub.parameters(), groups)
+        tw = clock() - t0
     for q in sub.parameters():
         q.grad = None
     return {"F": tf, "B": tb, "I": ti, "W": tw}
@@ -719,22 +714,12 @@ def compare(cfg: dict, methods: Sequence[str], world: int = 2, timeout: float = 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-def step_times(results: Sequence[dict], method: str, contention_removed: bool = False) -> np.ndarray:
+def step_times(results: Sequence[dict], method: str) -> np.ndarray:
     """Seconds of every timed step of ``method``: from the first rank's start to the last rank's end
-    (all ranks read one monotonic clock).
-
-    ``contention_removed``: minus the largest run-queue wait of a rank's main thread in that step (the
-    time it was ready to run while every core ran something else, from ``/proc/thread-self/schedstat``):
-    the step as it would have run had the machine run nothing else, exact when the waits fall on the
-    step's critical path one rank at a time."""
+    (all ranks read one monotonic clock)."""
     steps = [r["methods"][method]["steps"] for r in results]
-    out = []
-    for k in range(len(steps[0])):
-        t = max(s[k]["end"] for s in steps) - min(s[k]["start"] for s in steps)
-        if contention_removed:
-            t -= max((s[k]["run_wait"] or 0.0) for s in steps)
-        out.append(t)
-    return np.array(out)
+    return np.array([max(s[k]["end"] for s in steps) - min(s[k]["start"] for s in steps)
+                     for k in range(len(steps[0]))])
 
 
 def step_breakdown(results: Sequence[dict], method: str) -> list[dict]:
@@ -832,7 +817,7 @@ def calibrated_link(results: Sequence[dict], blocking: bool = False) -> Link:
 
 def calibrated_costs(results: Sequence[dict], cfg: dict, method: str) -> LayerCosts:
     """Per-layer costs of one micro-batch for a torch schedule, from the isolated stage timings
-    (:func:`compare`'s calibration, the runtime's own calls on every stage): each stage's ``F``,
+    (:func:`compare`'s calibration, the runtime's own functions on every stage): each stage's ``F``,
     ``I`` and ``W`` on its last layer (stage-level schedules only use the sums), the first stage's
     ``I`` zero and its ``W`` its whole backward (torch runs nothing in the first stage's input step);
     without a split (``GPipe``, ``1F1B``, ``Interleaved1F1B``) ``I + W`` is the measured ``B``."""
@@ -917,6 +902,29 @@ def predicted_step_times(results: Sequence[dict], cfg: dict, method: str, floor:
     loaded = [predicted_timeline(results, cfg, method, floor, share=a, link=lk).step_time
               for a, lk in round_loads(results, blocking=method == "scan")]
     return dedicated, np.array(loaded)
+
+
+def step_cpu_shares(results: Sequence[dict], method: str) -> np.ndarray:
+    """Per timed step of ``method``, the CPU share its ranks got: the mean over the ranks of the main
+    thread's CPU time over its CPU time plus its run-queue wait in that step (1: never waited for a
+    core). Read from the scheduler's counters, not from the step times."""
+    steps = [r["methods"][method]["steps"] for r in results]
+    out = []
+    for k in range(len(steps[0])):
+        sh = [s[k]["cpu"] / (s[k]["cpu"] + s[k]["run_wait"]) for s in steps
+              if s[k]["cpu"] is not None and s[k]["run_wait"] is not None and s[k]["cpu"] > 0]
+        out.append(float(np.mean(sh)) if sh else 1.0)
+    return np.array(out)
+
+
+def explained_step_times(results: Sequence[dict], cfg: dict, method: str, floor: Optional[dict] = None
+                         ) -> np.ndarray:
+    """Per timed step, the dedicated-machine simulation (:func:`predicted_timeline`) with every compute
+    and runtime cost divided by the CPU share the ranks got in that step (:func:`step_cpu_shares`).
+    Not an independent prediction (the share is read from the steps themselves), but no parameter is
+    fitted to a step time: it tests whether the cost model plus the machine's load explain the steps."""
+    return np.array([predicted_timeline(results, cfg, method, floor, share=a).step_time
+                     for a in step_cpu_shares(results, method)])
 
 
 def busy_per_device(tl: Timeline) -> list[float]:

@@ -25,7 +25,10 @@ Schedules:
 
 Every schedule is run by one list scheduler (:func:`list_schedule`): non-preemptive devices,
 each picking its ready task of smallest priority key; a dependency between devices waits the
-link time. Everything is deterministic (ties broken by task creation order).
+link time (:class:`Link`: ``latency + bytes / bandwidth``, the sender free meanwhile or, blocking,
+busy). A runtime's costs outside the compute (:class:`Overheads`: per action of each kind, before
+and after each device's step) are added as measured. Everything is deterministic (ties broken by
+task creation order).
 """
 
 from __future__ import annotations
