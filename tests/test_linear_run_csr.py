@@ -416,3 +416,21 @@ def test_run_chain_rejects_missing_csr_tables():
         cpu_chain.run_chain(sources=sources, vectors=vectors, **{**desc, "csr_ptr": desc["csr_ptr"][:1]})
     with pytest.raises(ValueError, match="code"):
         cpu_chain.run_chain(sources=sources, vectors=vectors, **{**desc, "code": desc["code"] + 5})
+
+
+@pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_run_chain_csr_sample_loops_agree(dtype):
+    """A small batch takes the sample-outer CSR loop, a larger one the entry-outer loop: both sum each
+    output in stored order, so a sample's result does not depend on the loop taken (to rounding)."""
+    rng = np.random.default_rng(12)
+    batch = cpu_chain.CSR_SAMPLE_OUTER_MAX_BATCH + 3
+    desc, sources, vectors, _ = _random_csr_run(rng, 25, batch, dtype)
+    together = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=together, **desc)
+    for b in range(batch):
+        one = vectors[b:b + 1].copy()
+        srcs = [sources[0], sources[1].reshape(batch, -1)[b].copy(), sources[2]]
+        cpu_chain.run_chain(sources=srcs, vectors=one, **desc)
+        np.testing.assert_allclose(one[0], together[b], rtol=1e-5 if dtype == np.float32 else 1e-13,
+                                   atol=1e-6 if dtype == np.float32 else 1e-14)
