@@ -112,7 +112,7 @@ def test_dropout_in_train_mode_uses_torchs_masks(kind, bidirectional):
     masks are torch's), the gradients equal autograd's and the RNG state afterwards is the same."""
     m = make(kind, 2, 6, num_layers=3, dropout=0.4, bidirectional=bidirectional)
     m.train()
-    x, hx = make_inputs(m, 17, 4, with_h0=True)
+    x, hx = make_inputs(m, 13, 3, with_h0=True)
     w = assert_equal_autograd(m, x, hx)
     torch.manual_seed(11)
     m(x, hx)
@@ -149,7 +149,7 @@ def test_every_depth_equals_autograd(levels):
 def test_float32_error_within_twice_autograd(kind, arch):
     m64 = make(kind, 4, 20, **arch, batch_first=True)
     m32 = make(kind, 4, 20, **arch, batch_first=True, dtype=torch.float32)
-    x, hx = make_inputs(m64, 150, 4, with_h0=True)
+    x, hx = make_inputs(m64, 100, 4, with_h0=True)
     ref = run(m64, m64, x, hx)
     x32 = x.float()
     hx32 = tuple(h.float() for h in hx) if isinstance(hx, tuple) else hx.float()

@@ -1,0 +1,111 @@
+"""Stacked recurrent training steps through ``spscan.wrap`` vs autograd (one scan per layer and direction).
+
+Run: ``pytest bench/test_stacked_step.py --benchmark-only``.
+
+``test_stacked_step_cpu``: ``nn.GRU(1, 20, num_layers=2)`` and a bidirectional 2-layer
+``nn.LSTM(1, 20)`` (``batch_first``), B = 16, T = 1000 and 3000, a linear head and cross-entropy on
+the last output (``loss="last"``, as ``bench/test_recurrent_step.py``) or on every step's output
+(``loss="every"``). ``mode="step"`` times ``zero_grad`` + forward + loss + backward;
+``mode="backward"`` times ``loss.backward()`` alone (its forward runs untimed just before). Both
+sides run interleaved in the same test; ``extra_info`` has both medians,
+``speedup_vs_autograd = autograd / spscan`` and the depth the planner chose for each (layer,
+direction) scan (``levels``, index ``layer * directions + direction``).
+
+Every row runs with ``torch.set_flush_denormal(True)`` (see ``bench/test_recurrent_step.py``: over
+thousands of steps a last-output gradient decays into float32 denormals, whose ~100x arithmetic
+penalty would be measured on both sides instead of the scan) and restores the default afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import spscan
+from spscan.kernels import cpu_chain
+
+from conftest import device_name
+
+H, B = 20, 16
+MODELS = {
+    "gru-2layer": lambda: nn.GRU(1, H, num_layers=2, batch_first=True),
+    "lstm-2layer-bidirectional": lambda: nn.LSTM(1, H, num_layers=2, bidirectional=True, batch_first=True),
+}
+ROUNDS = {1000: 5, 3000: 3}
+
+
+@pytest.fixture
+def flush_denormal():
+    flushed = torch.set_flush_denormal(True)
+    yield flushed
+    torch.set_flush_denormal(False)
+
+
+def _setup(name: str, T: int, loss: str, scan: bool):
+    torch.manual_seed(0)
+    rnn = MODELS[name]()
+    width = H * (2 if rnn.bidirectional else 1)
+    head = nn.Linear(width, 2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, 1, generator=g)
+    y = torch.randint(0, 2, (B,) if loss == "last" else (B * T,), generator=g)
+    if scan:
+        rnn = spscan.wrap(rnn, x)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def forward():
+        rnn.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+        out = rnn(x)[0]
+        logits = head(out[:, -1]) if loss == "last" else head(out).reshape(B * T, 2)
+        return loss_fn(logits, y)
+
+    return rnn, forward
+
+
+def _time(mode: str, forward) -> float:
+    if mode == "backward":
+        loss = forward()
+        t0 = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    forward().backward()
+    return time.perf_counter() - t0
+
+
+CASES = [
+    ("gru-2layer", 1000, "last"),
+    ("gru-2layer", 3000, "last"),
+    ("gru-2layer", 1000, "every"),
+    ("lstm-2layer-bidirectional", 1000, "every"),
+]
+
+
+@pytest.mark.parametrize("mode", ["step", "backward"])
+@pytest.mark.parametrize("name, T, loss", CASES)
+def test_stacked_step_cpu(benchmark, flush_denormal, name, T, loss, mode):
+    benchmark.group = f"{name}-cpu-T{T}-{loss}-{mode}"
+    rounds = ROUNDS[T]
+    _, a_fwd = _setup(name, T, loss, scan=False)
+    wrapped, s_fwd = _setup(name, T, loss, scan=True)
+    _time(mode, a_fwd), _time(mode, s_fwd)  # warm-up: allocator, plans and lowering for this T
+    pairs = [(_time(mode, a_fwd), _time(mode, s_fwd)) for _ in range(rounds)]
+    base = statistics.median(p[0] for p in pairs)
+    ours = statistics.median(p[1] for p in pairs)
+    if mode == "backward":
+        benchmark.pedantic(lambda loss: loss.backward(), setup=lambda: ((s_fwd(),), {}), rounds=rounds)
+    else:
+        benchmark.pedantic(lambda: s_fwd().backward(), rounds=rounds)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    benchmark.extra_info.update(
+        device=device_name(), load_average_1min=load, model=name, T=T, B=B, H=H, loss=loss, mode=mode,
+        levels=wrapped.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
+        median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
+        compiled_middle=cpu_chain.available(),
+    )
