@@ -28,7 +28,8 @@ step costs O(nnz * B) multiply-adds, never O(rows * cols). Without numba the Num
 Loop order: the running vector is kept feature-major (``(k, B)``), so a shared dense or CSR step
 is, per stored entry, a scalar-times-vector update over the batch (vectorizable without reordering
 any sum); a per-sample dense step is a dot product per sample and row, and a per-sample CSR step
-the same entry-outer update with the value read per sample. With at most
+the same entry-outer update, its values first copied entry-major (``(nnz, B)``, read sample by
+sample) so that both operands of the loop over the batch are contiguous. With at most
 ``CSR_SAMPLE_OUTER_MAX_BATCH`` samples a CSR step is a dot product per sample and row instead
 (the same sums in the same order).
 """
@@ -69,7 +70,7 @@ CSR_SAMPLE_OUTER_MAX_BATCH = 4
 
 
 def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                  csr_ptr, csr_indptr, csr_indices):  # pragma: no cover - compiled
+                  csr_ptr, csr_indptr, csr_indices, tv):  # pragma: no cover - compiled
     batch = vectors.shape[0]
     for kk in range(cols[0]):
         for b in range(batch):
@@ -100,21 +101,53 @@ def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, source
                     nxt[i, b] = acc
         elif cj >= 3:  # CSR: entries of row i in ascending stored order, each over the batch
             cp = csr_ptr[j]
-            o -= csr_indptr[cp]  # value of global entry p: s[o + p (+ b * bs)]
-            for i in range(m):
-                for b in range(batch):
-                    nxt[i, b] = 0
-                if bs == 0:
-                    for p in range(csr_indptr[cp + i], csr_indptr[cp + i + 1]):
+            g0 = csr_indptr[cp]  # global position of the step's first entry
+            if bs == 0:
+                o -= g0  # value of global entry p: s[o + p]
+                for i in range(m):
+                    for b in range(batch):
+                        nxt[i, b] = 0
+                    p = csr_indptr[cp + i]
+                    end = csr_indptr[cp + i + 1]
+                    while p + 4 <= end:  # four entries per pass over the batch, added in stored order
+                        w0, w1, w2, w3 = s[o + p], s[o + p + 1], s[o + p + 2], s[o + p + 3]
+                        c0, c1, c2, c3 = csr_indices[p], csr_indices[p + 1], csr_indices[p + 2], csr_indices[p + 3]
+                        for b in range(batch):
+                            nxt[i, b] = (((nxt[i, b] + w0 * cur[c0, b]) + w1 * cur[c1, b]) + w2 * cur[c2, b]) \
+                                + w3 * cur[c3, b]
+                        p += 4
+                    while p < end:
                         w = s[o + p]
                         c = csr_indices[p]
                         for b in range(batch):
                             nxt[i, b] += w * cur[c, b]
-                else:
-                    for p in range(csr_indptr[cp + i], csr_indptr[cp + i + 1]):
-                        c = csr_indices[p]
+                        p += 1
+            else:
+                # per-sample values, read sample by sample (contiguous) into entry-major ``tv`` so the
+                # loop over the batch below reads them contiguously too
+                nnz = csr_indptr[cp + m] - g0
+                for b in range(batch):
+                    ob = o + b * bs
+                    for q in range(nnz):
+                        tv[q, b] = s[ob + q]
+                for i in range(m):
+                    for b in range(batch):
+                        nxt[i, b] = 0
+                    p = csr_indptr[cp + i]
+                    end = csr_indptr[cp + i + 1]
+                    while p + 4 <= end:
+                        q = p - g0
+                        c0, c1, c2, c3 = csr_indices[p], csr_indices[p + 1], csr_indices[p + 2], csr_indices[p + 3]
                         for b in range(batch):
-                            nxt[i, b] += s[o + p + b * bs] * cur[c, b]
+                            nxt[i, b] = (((nxt[i, b] + tv[q, b] * cur[c0, b]) + tv[q + 1, b] * cur[c1, b])
+                                         + tv[q + 2, b] * cur[c2, b]) + tv[q + 3, b] * cur[c3, b]
+                        p += 4
+                    while p < end:
+                        c = csr_indices[p]
+                        q = p - g0
+                        for b in range(batch):
+                            nxt[i, b] += tv[q, b] * cur[c, b]
+                        p += 1
         elif bs == 0:
             for i in range(m):
                 for b in range(batch):
@@ -210,10 +243,19 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     srcs = tuple(sources) + (sources[0],) * (n - len(sources))
     # the running vector and the next one: every y_j has rows[j] entries and y_{-1} has cols[0]
     width = int(max(rows.max(), cols[0]))
-    cur = np.empty((width, vectors.shape[0]), dtype=vectors.dtype)
-    nxt = np.empty((width, vectors.shape[0]), dtype=vectors.dtype)
+    batch = vectors.shape[0]
+    cur = np.empty((width, batch), dtype=vectors.dtype)
+    nxt = np.empty((width, batch), dtype=vectors.dtype)
+    # entry-major copy of one per-sample CSR step's values (the entry-outer loop, more than
+    # CSR_SAMPLE_OUTER_MAX_BATCH samples): as many rows as the largest such step has entries
+    sample_csr = np.flatnonzero(code == 4) if batch > CSR_SAMPLE_OUTER_MAX_BATCH else np.zeros(0, dtype=np.int64)
+    most = 0
+    if sample_csr.size:
+        starts = csr_ptr[sample_csr]
+        most = int((csr_indptr[starts + rows[sample_csr]] - csr_indptr[starts]).max())
+    tv = np.empty((max(most, 1), batch), dtype=vectors.dtype)
     _kernel()(code, src, offset, bstride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-              csr_ptr, csr_indptr, csr_indices)
+              csr_ptr, csr_indptr, csr_indices, tv)
 
 
 MAX_SOURCES = 16
