@@ -374,9 +374,11 @@ class _Leaf:
     def fill(self, saved, T):
         return self.unit.fill(saved, T[self.k]), None
 
-    def operator(self, saved, T) -> StructuredOperator:
+    def operator(self, saved, T, needed: Optional[Sequence[bool]] = None) -> StructuredOperator:
+        """``needed``: the roles whose parameter gradients the unit's operator may compute while it is
+        applied (depth 0, where it is applied once, to this unit's output gradient)."""
         if getattr(self.unit, "has_operator", False):
-            return self.unit.operator(saved, T[self.k])
+            return self.unit.operator(saved, T[self.k], needed)
         return _FilledOperator(self, self.unit.fill(saved, T[self.k]))
 
     def grads(self, saved, T, g_out, out, needed) -> None:
@@ -522,8 +524,8 @@ class _Parallel:
                 out[:, m] += p
         return out, inner
 
-    def operator(self, saved, T) -> StructuredOperator:
-        return _BlockOperator(self, saved, T)
+    def operator(self, saved, T, needed=None) -> StructuredOperator:
+        return _BlockOperator(self, saved, T)  # its branches' gradients are recomputed for their parameters
 
     def grads(self, saved, T, g_out, out, needed) -> None:
         """Parameter gradients inside the block from ``g_out = dl/dy``: each branch's own
@@ -631,8 +633,8 @@ class _LiveStep:
             out[:, m] += v
         return out, None
 
-    def operator(self, saved, T) -> StructuredOperator:
-        return _LiveOperator(self, saved, T)
+    def operator(self, saved, T, needed: Optional[Sequence[bool]] = None) -> StructuredOperator:
+        return _LiveOperator(self, saved, T, needed)
 
     def grads(self, saved, T, g_out, out, needed) -> None:
         if self.leaf is not None:
@@ -648,8 +650,8 @@ class _LiveOperator(StructuredOperator):
     """A live-set step's ``J^T`` applied matrix-free: copy the tensors passing through, apply the
     node's operator to ``y``'s slice and add it into its inputs' rows."""
 
-    def __init__(self, step: _LiveStep, saved, T) -> None:
-        self.step, self.saved, self.T = step, saved, T
+    def __init__(self, step: _LiveStep, saved, T, needed: Optional[Sequence[bool]] = None) -> None:
+        self.step, self.saved, self.T, self.needed = step, saved, T, needed
         self.shape = (step.d_in, step.d_out)
         self.shared = step.shared
         self._op: Optional[StructuredOperator] = None
@@ -662,7 +664,7 @@ class _LiveOperator(StructuredOperator):
         h = g[:, st.new_off:]
         if st.leaf is not None:
             if self._op is None:
-                self._op = st.leaf.operator(self.saved[0], self.T)
+                self._op = st.leaf.operator(self.saved[0], self.T, self.needed)
             r, _, d = st.in_rows[0]
             out[:, r:r + d] += self._op.apply(h)
         else:
@@ -1002,12 +1004,33 @@ class GraphPlan(ModelPlan):
     def _fill(self, saved, tensors):
         return self._fill_all(saved, tensors)[0]
 
-    def _values(self, saved, tensors):
+    def _leaf_of(self, s: Any) -> Optional[_Leaf]:
+        return s if isinstance(s, _Leaf) else (s.leaf if isinstance(s, _LiveStep) else None)
+
+    def _values(self, saved, tensors, needed: Optional[list[list[bool]]] = None):
         """Per block: a structured operator (the wrapper's default: CSR values only where a planned
-        product needs them) or CSR values (``operators=False``)."""
+        product needs them) or CSR values (``operators=False``). ``needed`` (per unit): at depth 0 a
+        unit step's operator may compute those parameter gradients while it is applied
+        (:meth:`fused_param_grads` collects them)."""
         if self.use_operators:
-            return [s.operator(sv, tensors) for s, sv in zip(self.segments, saved)]
+            fuse = needed is not None and self.levels == 0
+            out = []
+            for s, sv in zip(self.segments, saved):
+                leaf = self._leaf_of(s)
+                out.append(s.operator(sv, tensors, needed[leaf.k] if fuse and leaf is not None else None))
+            return out
         return self._fill(saved, tensors)
+
+    def fused_param_grads(self, values: Sequence[Any]) -> dict[int, list[Optional[torch.Tensor]]]:
+        """``{unit index: parameter gradients}`` that unit operators computed while the scan applied them
+        (each exactly once, to the unit's output gradient)."""
+        done: dict[int, list[Optional[torch.Tensor]]] = {}
+        for s, v in zip(self.segments, values):
+            leaf = self._leaf_of(s)
+            op = v._op if isinstance(v, _LiveOperator) else v
+            if leaf is not None and getattr(op, "applied", 0) == 1 and getattr(op, "param_grads", None) is not None:
+                done[leaf.k] = op.param_grads
+        return done
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Jacobians]:
         """Run the model on ``x``; ``(output, jacobians)`` with one value tensor per block."""
@@ -1117,14 +1140,22 @@ class _GraphScanFunction(_ScanFunction):
         st: _ForwardState = ctx.state
         b = gy.shape[0]
         with torch.no_grad():
-            values = plan._values(st.saved, st.tensors)
-            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
-            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
             needed, pos = [], 2
             for u in plan.units:
                 needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
                 pos += len(u.roles)
-            per_unit = plan.unit_param_grads(st.saved, st.tensors, grads, needed)
+            values = plan._values(st.saved, st.tensors, needed)
+            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
+            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
+            # parameter gradients a unit's operator computed while the scan applied it (one conv backward each)
+            done = plan.fused_param_grads(values)
+            rest = [[n and (k not in done or done[k][r] is None) for r, n in enumerate(nd)]
+                    for k, nd in enumerate(needed)]
+            per_unit = plan.unit_param_grads(st.saved, st.tensors, grads, rest)
+            for k, d in done.items():
+                for r, v in enumerate(d):
+                    if v is not None and needed[k][r]:
+                        per_unit[k][r] = v
         out = (None, gx, *[g for gs in per_unit for g in gs])
         if torch.is_grad_enabled():
             out = refuse_second_derivative(list(ctx.saved_tensors) + [gy], out)
