@@ -352,12 +352,29 @@ class BoundPlan:
             vin = op.out
         return layers
 
-    def _run_operator_chain(self, items, grad: torch.Tensor) -> list[Optional[torch.Tensor]]:
+    @property
+    def operator_chain(self) -> Optional[tuple[int, ...]]:
+        """The layers (top first) whose operators a run applies, each once and in this order, when the
+        program is a plain linear scan of structured operators; ``None`` otherwise."""
+        chain = self._operator_chain
+        return None if chain is None else tuple(chain)
+
+    def _run_operator_chain(self, items, grad: torch.Tensor,
+                            keep: Optional[Sequence[bool]] = None) -> list[Optional[torch.Tensor]]:
         out: list[Optional[torch.Tensor]] = [None] * (self.n + 1)
-        out[self.n] = g = grad.clone()
-        for layer in self._operator_chain:
+        if keep is None:
+            out[self.n] = g = grad.clone()
+            for layer in self._operator_chain:
+                g = items[layer].apply(g)
+                out[layer] = g
+            return out
+        g = grad
+        if keep[self.n]:
+            out[self.n] = g = grad.clone()
+        for layer in self._operator_chain:  # a gradient not kept is freed once the next layer has read it
             g = items[layer].apply(g)
-            out[layer] = g
+            if keep[layer]:
+                out[layer] = g
         return out
 
     # -- buffers --------------------------------------------------------------------------
@@ -399,7 +416,8 @@ class BoundPlan:
     # -- the run --------------------------------------------------------------------------
     def run(self, values: Any, grad: Optional[torch.Tensor] = None,
             extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *, check: bool = True,
-            check_finite: bool = False, scratch: bool = False) -> ScanResult:
+            check_finite: bool = False, scratch: bool = False,
+            keep: Optional[Sequence[bool]] = None) -> ScanResult:
         """Run the bound program on one step's values.
 
         Args:
@@ -411,6 +429,9 @@ class BoundPlan:
             check_finite: also refuse NaN/Inf (a device sync).
             scratch: the result views the bound plan's working buffer (valid until the next run)
                 instead of a new one.
+            keep: ``n+1`` flags, the ``dl/dx_i`` the caller reads (default: all). A linear scan of
+                structured operators (:attr:`operator_chain`) then holds only those, freeing each other
+                one as soon as the next operator has read it; the others are ``None`` in the result.
         """
         if check:
             items, stacked, shared, has_extra, batch, dtype, device, operators = check_inputs(
@@ -438,7 +459,7 @@ class BoundPlan:
                              f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
         if self._operator_chain is not None and not stacked:
             with torch.no_grad():
-                return _ListResult(self._run_operator_chain(items, grad))
+                return _ListResult(self._run_operator_chain(items, grad, keep))
         with torch.no_grad():
             vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch)
         composite = None

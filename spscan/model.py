@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from spscan.engine import check_inputs
-from spscan.layers import LayerUnit, LinearUnit, make_unit, supported_layer_types
+from spscan.layers import (AvgPoolUnit, ConvUnit, ElementwiseUnit, LayerUnit, LinearUnit, MaxPoolUnit, ReshapeUnit,
+                           UnitOperator, make_unit, supported_layer_types)
 from spscan.plan import build_plan
 
 __all__ = ["ModelPlan", "Jacobians", "plan_model", "param_grads", "wrap", "SpscanModule"]
@@ -133,6 +134,9 @@ class Jacobians(Sequence[torch.Tensor]):
 
 # ----------------------------------------------------------------------------- the plan
 
+# unit types whose sharedness and operator flag never change after planning (no mode-dependent state)
+_STATIC_UNITS = frozenset({ConvUnit, LinearUnit, ElementwiseUnit, ReshapeUnit, MaxPoolUnit, AvgPoolUnit})
+
 
 class ModelPlan:
     """A plan for an ``nn.Sequential`` chain: the layer units, their patterns and the core scan plan.
@@ -160,6 +164,11 @@ class ModelPlan:
         # (unit k, role r) -> (qualified parameter name, parameter, pruning mask or None)
         self.param_roles: list[list[tuple[str, nn.Parameter, Optional[torch.Tensor]]]] = [
             [(names[id(p)], p, mask) for p, mask in u.parameters_for_roles()] for u in units]
+        # per-step bookkeeping decided once (see _flat_tensors, _check_layers, _step_backward)
+        self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
+        self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
+        self._static_units = [type(u) in _STATIC_UNITS for u in units]
+        self._steps: dict[tuple, _StepBackward] = {}
 
     element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
 
@@ -186,27 +195,51 @@ class ModelPlan:
     __str__ = summary
 
     # -- per step
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, flat: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Refuse an input of the wrong per-sample shape, or of another dtype/device than the parameters.
+        ``flat``: the step's effective tensors (:meth:`_flat_tensors`), read instead of the modules."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"expected a tensor input of shape (B, *{self.in_shape}), got {type(x).__name__}")
         if x.dim() != len(self.in_shape) + 1 or tuple(x.shape[1:]) != self.in_shape:
             raise ValueError(f"input: expected shape (B, {', '.join(map(str, self.in_shape))}) as in the "
                              f"example input, got {tuple(x.shape)}")
+        if flat is not None:
+            if not flat:
+                return
+            t, k = flat[0], self._role_layer[0]
+            if t.dtype == x.dtype and t.device == x.device:
+                return
+            self._input_mismatch(x, k, t)
         for k, u in enumerate(self.units):
             t = next(u.module.parameters(), None)
             if t is None:
                 continue
-            if t.dtype != x.dtype:
-                raise TypeError(f"input: dtype {x.dtype}, but layer {k} ({self.layer_names[k] or '-'}: "
-                                f"{type(u.module).__name__}) has {t.dtype} parameters; convert the input "
-                                f"(x.to({t.dtype})) or the model")
-            if t.device != x.device:
-                raise ValueError(f"input: on {x.device}, but layer {k} ({self.layer_names[k] or '-'}: "
-                                 f"{type(u.module).__name__}) has parameters on {t.device}")
+            self._input_mismatch(x, k, t)
             return
+
+    def _input_mismatch(self, x: torch.Tensor, k: int, t: torch.Tensor) -> None:
+        u = self.units[k]
+        if t.dtype != x.dtype:
+            raise TypeError(f"input: dtype {x.dtype}, but layer {k} ({self.layer_names[k] or '-'}: "
+                            f"{type(u.module).__name__}) has {t.dtype} parameters; convert the input "
+                            f"(x.to({t.dtype})) or the model")
+        if t.device != x.device:
+            raise ValueError(f"input: on {x.device}, but layer {k} ({self.layer_names[k] or '-'}: "
+                             f"{type(u.module).__name__}) has parameters on {t.device}")
 
     def _check_layers(self) -> None:
         """Refuse a model whose planned layers were replaced after planning (the old ones would run)."""
+        model = self.model
+        for path, u in zip(self._layer_paths, self.units):  # walk each layer's path: no module listing
+            m = model
+            for key in path:
+                m = m._modules.get(key)
+                if m is None:
+                    break
+            if m is not u.module:
+                break
+        else:
+            return
         modules = dict(self.model.named_modules(remove_duplicate=False))
         for k, (name, u) in enumerate(zip(self.layer_names, self.units)):
             now = modules.get(name) if name else self.model
@@ -224,6 +257,25 @@ class ModelPlan:
 
     def _tensors(self) -> list[list[torch.Tensor]]:
         return [u.tensors() for u in self.units]
+
+    def _flat_tensors(self) -> list[torch.Tensor]:
+        """Every unit's effective tensors (:meth:`LayerUnit.tensors`), flat, in unit and role order.
+
+        A role held as a plain parameter is read from the module's parameter dict (the common case:
+        no attribute lookups that miss); anything else (a pruned weight, ``orig * mask``, built here
+        with grad enabled so the mask stays in the autograd graph) goes through the unit.
+        """
+        flat: list[torch.Tensor] = []
+        for u in self.units:
+            roles = u.roles
+            if not roles:
+                continue
+            params = u.module._parameters
+            got = [params.get(r) for r in roles]
+            if any(t is None for t in got) or any(r + "_orig" in params for r in roles):
+                got = u.tensors()
+            flat += got
+        return flat
 
     def _fill(self, saved: list[Any], tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         return [u.fill(s, t) for u, s, t in zip(self.units, saved, tensors)]
@@ -278,6 +330,18 @@ class ModelPlan:
         fuse = needed is not None and self.levels == 0
         return [(u.operator(s, t, needed[k] if fuse else None) if op else u.fill(s, t))
                 for k, (u, s, t, op) in enumerate(zip(self.units, saved, tensors, self.operator_flags))]
+
+    def _step_backward(self, needs_input_grad: tuple, device: torch.device) -> "_StepBackward":
+        """The wrapper's backward for one signature, decided once and cached: which inputs need
+        gradients (``needs_input_grad`` of the autograd function), the device, and the state of the
+        units whose sharedness or operator flag follows the module's mode (dropout, batch-norm)."""
+        dynamic = tuple((u.shared, (self.use_operators and u.has_operator) or not u.has_csr_values)
+                        for u, static in zip(self.units, self._static_units) if not static)
+        key = (needs_input_grad, device, dynamic)
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._steps[key] = _StepBackward(self, needs_input_grad, device)
+        return hit
 
 
 def _levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
@@ -495,25 +559,27 @@ class _ForwardState:
 class _ScanFunction(torch.autograd.Function):
     """Forward: the chain. Backward: values, scan, then all parameter gradients.
 
-    ``forward`` takes no ``ctx`` (``setup_context`` keeps the state with the graph, so repeated
-    backwards over a retained graph work). A second derivative is refused with a clear error, and so
-    are ``torch.func`` transforms (:func:`refuse_functorch`).
+    ``forward`` keeps the plan and the forward's state on ``ctx`` (kept with the graph, so repeated
+    backwards over a retained graph work) and returns ``(output, state)``. It takes ``ctx`` itself
+    rather than defining ``setup_context``: with that, every ``apply`` binds the arguments through
+    ``inspect.signature`` (tens of microseconds a step), and the ``torch.func`` support it would
+    buy is refused anyway (:func:`refuse_functorch`). A second derivative is refused with a clear
+    error.
     """
 
     @staticmethod
-    def forward(plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
         tensors, pos = [], 0
         for u in plan.units:
-            tensors.append([t.detach() for t in flat[pos:pos + len(u.roles)]])
-            pos += len(u.roles)
+            n = len(u.roles)
+            tensors.append([t.detach() for t in flat[pos:pos + n]] if n else [])
+            pos += n
         y, saved = plan._run(x.detach(), tensors)
-        return (y.clone() if y is x else y), _ForwardState(saved, tensors, x.shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.plan = inputs[0]
-        ctx.state = output[1]  # kept with the graph: backward(retain_graph=True) can run again
-        ctx.save_for_backward(*inputs[1:])  # read only to attach the refusal of second derivatives
+        state = _ForwardState(saved, tensors, x.shape)
+        ctx.plan = plan
+        ctx.state = state  # kept with the graph: backward(retain_graph=True) can run again
+        ctx.save_for_backward(x, *flat)  # read only to attach the refusal of second derivatives
+        return (y.clone() if y is x else y), state
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
@@ -524,26 +590,91 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gy: torch.Tensor):
-        plan: ModelPlan = ctx.plan
         st: _ForwardState = ctx.state
-        b = gy.shape[0]
+        step = ctx.plan._step_backward(ctx.needs_input_grad, gy.device)
         with torch.no_grad():
-            needed, pos = [], 2
-            for u in plan.units:
-                needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
-                pos += len(u.roles)
-            values = plan._values(st.saved, st.tensors, needed)
-            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
-            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
-            # parameter gradients an operator computed while the scan applied it (one conv backward each)
-            done = [getattr(v, "param_grads", None) if getattr(v, "applied", 0) == 1 else None for v in values]
-            rest = [[n and (d is None or d[r] is None) for r, n in enumerate(nd)] for nd, d in zip(needed, done)]
-            jac = Jacobians(values, b, st.saved, st.tensors)
-            per_unit = _unit_param_grads(plan, jac, grads, rest)
-            for k, d in enumerate(done):
-                for r, v in enumerate(d or ()):
-                    if v is not None and needed[k][r]:
-                        per_unit[k][r] = v
+            return step.run(st, gy.reshape(gy.shape[0], -1).contiguous())
+
+
+class _FusedOperator(UnitOperator):
+    """A unit's ``J^T`` in the wrapper's depth-0 scan: applied once, to ``g = dl/dy``, it also computes
+    the parameter gradients ``needed`` from that ``g`` — in the same call where the unit has one
+    (a conv's ``convolution_backward``), else right after — as autograd does for each layer while
+    the gradient is hot, so the scan need not keep every ``dl/dx_i`` for a second pass."""
+
+    def apply_into(self, g: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        unit = self.unit
+        if self.needed is None or hasattr(unit, "apply_transposed_and_param_grads"):
+            return super().apply_into(g, out)
+        self.applied += 1
+        if out is not None and hasattr(unit, "apply_transposed_into"):
+            gi = unit.apply_transposed_into(self.saved, self.tensors, g, out)
+        else:
+            gi = unit.apply_transposed(self.saved, self.tensors, g)
+        self.param_grads = unit.param_grads(self.saved, self.tensors, g, self.needed)
+        return gi
+
+
+class _StepBackward:
+    """The wrapper's backward for one signature (see :meth:`ModelPlan._step_backward`), decided once:
+    the bound plan, each layer's operator flag and wanted parameter gradients, and which ``dl/dx_i``
+    the scan must keep (at depth 0 the operators compute their parameter gradients as they are
+    applied, so only ``dl/dx_0`` and the inputs of the rest are kept)."""
+
+    def __init__(self, plan: ModelPlan, needs: tuple, device: torch.device) -> None:
+        units = plan.units
+        self.plan = plan
+        self.first = bool(needs[1])
+        needed, pos = [], 2
+        for u in units:
+            needed.append([bool(f) for f in needs[pos:pos + len(u.roles)]])
+            pos += len(u.roles)
+        self.needed = needed
+        flags = plan.operator_flags
+        self.bound = plan.core.bind([u.shared for u in units], None, device, flags, self.first)
+        fuse = plan.levels == 0
+        # per layer: (unit, its operator flag, the roles its operator computes while applied, or None)
+        self.layers = [(u, op, nd if (op and fuse and any(nd)) else None)
+                       for u, op, nd in zip(units, flags, needed)]
+        chain = self.bound.operator_chain
+        self.keep: Optional[list[bool]] = None
+        if chain is not None:
+            applied = set(chain)
+            keep = [False] * (len(units) + 1)
+            keep[0] = self.first
+            for k, (u, op, fused) in enumerate(self.layers):
+                if any(needed[k]) and (fused is None or k not in applied):
+                    keep[k + 1] = True
+            self.keep = keep
+        self.has_roles = any(u.roles for u in units)
+
+    def run(self, st: _ForwardState, g: torch.Tensor) -> tuple:
+        """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy`` ``(B, d_n)``."""
+        plan = self.plan
+        values = [(_FusedOperator(u, s, t, fused) if op else u.fill(s, t))
+                  for (u, op, fused), s, t in zip(self.layers, st.saved, st.tensors)]
+        grads = self.bound.run(values, g, check=False, keep=self.keep).grads
+        gx = grads[0].reshape(st.x_shape) if self.first else None
+        if not self.has_roles:
+            return (None, gx)
+        needed = self.needed
+        per_unit: list[list[Optional[torch.Tensor]]] = []
+        rest: Optional[list[list[bool]]] = None
+        for k, ((u, op, fused), v) in enumerate(zip(self.layers, values)):
+            done = v.param_grads if fused is not None and v.applied == 1 else None
+            if done is None:
+                per_unit.append([None] * len(u.roles))
+                if any(needed[k]):
+                    if rest is None:
+                        rest = [[False] * len(w.roles) for w in plan.units]
+                    rest[k] = needed[k]
+            else:
+                per_unit.append([d if n else None for d, n in zip(done, needed[k])])
+        if rest is not None:
+            jac = Jacobians(values, g.shape[0], st.saved, st.tensors)
+            for k, gs in enumerate(_unit_param_grads(plan, jac, grads, rest)):
+                if any(rest[k]):
+                    per_unit[k] = gs
         return (None, gx, *[g for gs in per_unit for g in gs])
 
 
@@ -561,13 +692,14 @@ class SpscanModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         refuse_functorch()
-        self.plan._check_input(x)
-        self.plan._check_layers()
+        plan = self.plan
+        # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
+        flat = plan._flat_tensors()
+        plan._check_input(x, flat)
+        plan._check_layers()
         if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
             return self.model(x)
-        # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
-        flat = [t for u in self.plan.units for t in u.tensors()]
-        return _ScanFunction.apply(self.plan, x, *flat)[0]
+        return _ScanFunction.apply(plan, x, *flat)[0]
 
 
 def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
