@@ -475,3 +475,60 @@ def test_module_repeated_in_chain():
     r = torch.autograd.grad(net(xr).sum(), [xr, lin.weight, lin.bias])
     assert set(pg) == {"0.weight", "0.bias"}
     assert _rel(pg["0.weight"], r[1]) <= 1e-9 and _rel(pg["0.bias"], r[2]) <= 1e-9
+
+
+@pytest.mark.parametrize("operators", [True, False])
+def test_step_signature_changes_on_one_wrapper(operators):
+    """The wrapper decides its backward once per signature (inputs needing gradients, device, module
+    modes): switching between them on one wrapper — batch size, an input with and without
+    ``requires_grad``, a frozen then unfrozen weight, train/eval (dropout masks, batch-norm statistics),
+    float32/float64, a repeated backward over a retained graph — always gives autograd's gradients."""
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Dropout(0.25), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(net)
+    w = wrap(net, torch.zeros(2, 2, 4, 4, dtype=torch.float64), operators=operators)
+    assert w.plan.levels == 0
+
+    def check(b: int, x_grad: bool, train: bool, dtype: torch.dtype, frozen: bool, twice: bool = False) -> None:
+        for m in (w, ref):
+            m.train(train)
+            m.to(dtype)
+            m.zero_grad(set_to_none=True)
+        net[6].weight.requires_grad_(not frozen)
+        ref[6].weight.requires_grad_(not frozen)
+        x = torch.randn(b, 2, 4, 4, dtype=dtype)
+        t = torch.randn(b, 3, dtype=dtype)
+        grads = []
+        for m in (w, ref):
+            xi = x.clone().requires_grad_(x_grad)
+            torch.manual_seed(11)  # the same dropout mask on both sides
+            y = m(xi)
+            loss = ((y - t) ** 2).sum()
+            loss.backward(retain_graph=twice)
+            if twice:
+                loss.backward()  # accumulates a second, equal gradient
+            grads.append((xi.grad, {n.removeprefix("model."): p.grad for n, p in m.named_parameters()}))
+        (gx, gp), (gx_ref, gp_ref) = grads
+        tol = 1e-9 if dtype == torch.float64 else 1e-4
+        assert (gx is None) == (not x_grad)
+        if x_grad:
+            assert _rel(gx, gx_ref) <= tol
+        for n, g in gp_ref.items():
+            if g is None:
+                assert gp[n] is None, n
+            else:
+                # absolute floor: a conv bias before train-mode batch norm has a zero gradient (rounding only)
+                err = float((gp[n].double() - g.double()).abs().max())
+                assert err <= tol * max(1.0, float(g.double().abs().max())), (n, b, x_grad, train, dtype, frozen)
+        assert torch.allclose(net[1].running_mean, ref[1].running_mean, rtol=tol, atol=tol)
+
+    check(4, True, True, torch.float64, False)
+    check(3, False, True, torch.float64, False)
+    check(5, True, False, torch.float64, False)
+    check(4, False, True, torch.float64, True)
+    check(2, True, True, torch.float64, False, twice=True)
+    check(6, True, True, torch.float32, False)
+    check(4, True, False, torch.float32, True)
+    check(4, True, True, torch.float64, False)
+    assert len(w.plan._steps) >= 4  # one cached backward per signature seen
