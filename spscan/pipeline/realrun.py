@@ -291,16 +291,16 @@ def _ping_pong(rank: int, sizes: Sequence[int], reps: int, blocking: bool) -> Op
 
 
 def fit_link(one_way: dict[int, float], blocking: bool = False) -> Link:
-    """``latency + bytes / bandwidth`` least-squares fit to ping-pong one-way times ``{bytes: seconds}``
-    (latency and bandwidth kept positive)."""
+    """``latency + bytes / bandwidth`` fitted to ping-pong one-way times ``{bytes: seconds}``: the line
+    through the smallest message's time (mostly latency) closest, in least squares, to the larger
+    messages' (Hockney's model; a free intercept goes negative on noisy timings)."""
     n = np.array(sorted(one_way), dtype=np.float64)
     t = np.array([one_way[int(k)] for k in n])
-    if len(n) < 2 or np.ptp(n) == 0:
-        return Link(float(max(t.min(), 0.0)), blocking=blocking)
-    slope, icept = np.polyfit(n, t, 1)
+    dn, dt = n[1:] - n[0], t[1:] - t[0]
+    slope = float(dn @ dt / (dn @ dn)) if len(n) > 1 and dn @ dn > 0 else 0.0
     if slope <= 1e-15:  # no measurable size dependence (above a petabyte per second): latency only
-        return Link(float(max(t.mean(), 0.0)), blocking=blocking)
-    return Link(float(max(icept, 0.0)), float(1.0 / slope), blocking=blocking)
+        return Link(float(max(t[0], 0.0)), blocking=blocking)
+    return Link(float(max(t[0] - slope * n[0], 0.0)), float(1.0 / slope), blocking=blocking)
 
 
 def _dims_at(model: nn.Sequential, d0: int) -> list[int]:
