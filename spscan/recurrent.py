@@ -38,10 +38,12 @@ Chain layouts (``layout=``):
   costs more than having fewer elements per step saves (GRU: about even in total at H=20, the
   materialized backward faster and its forward slower; the factored chain wins as H grows: at H=64 the
   materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
-  Against autograd (``bench/test_recurrent_step.py``, ``nn.LSTM(1, 20)``, B=16, one thread): the
-  LSTM forward is ~0.5x of autograd's and the step ~0.25x at T=1000 — autograd's CPU LSTM is
-  oneDNN's fused kernel, and the scan's per-sample sparse element is the larger part of the
-  backward.
+  Against autograd (``bench/test_recurrent_step.py``: ``nn.LSTM(1, 20)``, B=16, loss on the last
+  output, one thread, ``process_time``, medians of 11 interleaved pairs, load ~15-19 on the 2
+  cores), autograd time / spscan time for forward, backward, step: T=1000 0.48, 0.26, 0.31;
+  T=3000 0.96, 0.53, 0.51; T=10000 0.76, 0.45, 0.50. Autograd's CPU LSTM is oneDNN's fused
+  forward and backward; here the linear scan over the two elements per step is most of the
+  backward (its per-sample sparse element above all).
 
 The forward (``forward=``): ``"sequential"`` runs the module's own forward (cuDNN on GPU);
 ``"newton"`` solves the recurrence for all steps at once by Newton iterations whose linear solve
