@@ -22,7 +22,9 @@ index. This module solves it **exactly, block by block from the top layer down**
 Why this formulation and not one scan over the whole grid: every block solve is a scan the
 single-layer front end already plans (factored Jacobians, adaptive depth, the compiled CPU
 middle), so the stacked module adds no new pattern and no approximation; the critical path is
-``L`` scans of depth ``O(log T)``, i.e. ``O(L log T)`` instead of backprop's ``O(L T)``. A scan
+``L`` scans one after another, each of depth ``O(log T)`` at full up-sweep depth, i.e.
+``O(L log T)`` instead of backprop's ``O(L T)`` (each scan's depth is its own planner's choice,
+``plan.levels``; on a 2-core CPU the cost model picks the fused linear scan, ``K = 0``). A scan
 over layers as well (``O(log L log T)``, Naumov's cyclic reduction) would need the products of
 whole-sequence blocks across layers, dense in time, which costs ``O(T)`` times more work for
 the small ``L`` of practical stacks.
