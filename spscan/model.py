@@ -554,6 +554,7 @@ class _ForwardState:
 
     def __init__(self, saved: list[Any], tensors: list[list[torch.Tensor]], x_shape: torch.Size) -> None:
         self.saved, self.tensors, self.x_shape = saved, tensors, x_shape
+        self.released = False  # the wrapper's backward freed the activations (graph not retained)
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -596,22 +597,39 @@ class _ScanFunction(torch.autograd.Function):
             return step.run(st, gy.reshape(gy.shape[0], -1).contiguous())
 
 
+def _keep_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``); ``True`` where unknown."""
+    get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if get is None:
+        return True
+    try:
+        return bool(get())
+    except RuntimeError:
+        return True
+
+
 class _FusedOperator(UnitOperator):
     """A unit's ``J^T`` in the wrapper's depth-0 scan: applied once, to ``g = dl/dy``, it also computes
     the parameter gradients ``needed`` from that ``g`` — in the same call where the unit has one
     (a conv's ``convolution_backward``), else right after — as autograd does for each layer while
     the gradient is hot, so the scan need not keep every ``dl/dx_i`` for a second pass."""
 
+    release: Optional[tuple[list, int]] = None  # (the forward's saved list, this layer): drop once applied
+
     def apply_into(self, g: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         unit = self.unit
         if self.needed is None or hasattr(unit, "apply_transposed_and_param_grads"):
-            return super().apply_into(g, out)
-        self.applied += 1
-        if out is not None and hasattr(unit, "apply_transposed_into"):
-            gi = unit.apply_transposed_into(self.saved, self.tensors, g, out)
+            gi = super().apply_into(g, out)
         else:
-            gi = unit.apply_transposed(self.saved, self.tensors, g)
-        self.param_grads = unit.param_grads(self.saved, self.tensors, g, self.needed)
+            self.applied += 1
+            if out is not None and hasattr(unit, "apply_transposed_into"):
+                gi = unit.apply_transposed_into(self.saved, self.tensors, g, out)
+            else:
+                gi = unit.apply_transposed(self.saved, self.tensors, g)
+            self.param_grads = unit.param_grads(self.saved, self.tensors, g, self.needed)
+        if self.release is not None:  # as autograd frees a node's saved tensors once it has run
+            saved, k = self.release
+            saved[k] = self.saved = None
         return gi
 
 
@@ -646,13 +664,29 @@ class _StepBackward:
                 if any(needed[k]) and (fused is None or k not in applied):
                     keep[k + 1] = True
             self.keep = keep
+        # layers whose saved activations nothing reads after their operator ran (not fused operators whose
+        # parameter gradients come after the scan, which read them)
+        self.release: list[int] = []
+        if chain is not None:
+            self.release = [k for k in chain if self.layers[k][1] and not (any(needed[k]) and self.layers[k][2] is None)]
         self.has_roles = any(u.roles for u in units)
 
     def run(self, st: _ForwardState, g: torch.Tensor) -> tuple:
         """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy`` ``(B, d_n)``."""
         plan = self.plan
+        if st.released:
+            raise RuntimeError("Trying to backward through the graph a second time (or directly access saved "
+                               "tensors after they have already been freed): the spscan-wrapped module's saved "
+                               "activations were freed by the first backward; specify retain_graph=True there")
         values = [(_FusedOperator(u, s, t, fused) if op else u.fill(s, t))
                   for (u, op, fused), s, t in zip(self.layers, st.saved, st.tensors)]
+        if self.release and not _keep_graph():
+            # the graph is freed after this backward: each layer's activations can go once its operator
+            # has run (the peak and the pages touched stay near autograd's); a retained graph keeps them
+            st.released = True
+            saved = st.saved = list(st.saved)
+            for k in self.release:
+                values[k].release = (saved, k)
         grads = self.bound.run(values, g, check=False, keep=self.keep).grads
         gx = grads[0].reshape(st.x_shape) if self.first else None
         if not self.has_roles:
