@@ -532,3 +532,23 @@ def test_step_signature_changes_on_one_wrapper(operators):
     check(4, True, False, torch.float32, True)
     check(4, True, True, torch.float64, False)
     assert len(w.plan._steps) >= 4  # one cached backward per signature seen
+
+
+def test_second_backward_without_retain_graph_refused_like_autograd():
+    """The wrapper frees each layer's activations as its backward runs (the graph is not retained),
+    so a second backward over the same graph raises as autograd's does; with ``retain_graph=True``
+    the second one adds the same gradients again."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    w = wrap(net, torch.zeros(3, 4, dtype=torch.float64))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = w(x).sum()  # sum keeps no tensors: the second backward reaches the wrapper's node
+    y.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+    x.grad = None
+    y = w(x).sum()
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    y.backward()
+    assert torch.allclose(x.grad, 2 * first)
