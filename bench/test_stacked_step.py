@@ -7,7 +7,9 @@ Run: ``pytest bench/test_stacked_step.py --benchmark-only``.
 the last output (``loss="last"``, as ``bench/test_recurrent_step.py``) or on every step's output
 (``loss="every"``). ``mode="step"`` times ``zero_grad`` + forward + loss + backward;
 ``mode="backward"`` times ``loss.backward()`` alone (its forward runs untimed just before). Both
-sides run interleaved in the same test; ``extra_info`` has both medians,
+sides run interleaved in the same test, one thread (``torch.set_num_threads(1)``, restored
+afterwards), wall time (``time.perf_counter``: on a quiet machine one thread's wall time is its CPU
+time); ``extra_info`` has both medians,
 ``speedup_vs_autograd = autograd / spscan`` and the depth the planner chose for each (layer,
 direction) scan (``levels``, index ``layer * directions + direction``).
 
@@ -36,7 +38,15 @@ MODELS = {
     "gru-2layer": lambda: nn.GRU(1, H, num_layers=2, batch_first=True),
     "lstm-2layer-bidirectional": lambda: nn.LSTM(1, H, num_layers=2, bidirectional=True, batch_first=True),
 }
-ROUNDS = {1000: 5, 3000: 3}
+ROUNDS = {1000: 7, 3000: 5}
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -89,7 +99,7 @@ CASES = [
 
 @pytest.mark.parametrize("mode", ["step", "backward"])
 @pytest.mark.parametrize("name, T, loss", CASES)
-def test_stacked_step_cpu(benchmark, flush_denormal, name, T, loss, mode):
+def test_stacked_step_cpu(benchmark, flush_denormal, one_thread, name, T, loss, mode):
     benchmark.group = f"{name}-cpu-T{T}-{loss}-{mode}"
     rounds = ROUNDS[T]
     _, a_fwd = _setup(name, T, loss, scan=False)
@@ -107,5 +117,5 @@ def test_stacked_step_cpu(benchmark, flush_denormal, name, T, loss, mode):
         device=device_name(), load_average_1min=load, model=name, T=T, B=B, H=H, loss=loss, mode=mode,
         levels=wrapped.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
-        compiled_middle=cpu_chain.available(),
+        compiled_middle=cpu_chain.available(), threads=torch.get_num_threads(), pairs=rounds,
     )
