@@ -25,7 +25,7 @@ from spscan.stacked import StackedRecurrentPlan, is_stacked as _is_stacked, wrap
 from spscan.reference import reference_backward
 
 __version__ = "0.1.0"
-__all__ = ["plan", "backward", "plan_composite", "load_plan", "Plan", "BoundPlan", "ScanResult", "ModelPlan",
+__all__ = ["plan", "backward", "plan_composite", "load_plan", "Plan", "BoundPlan", "ScanResult", "ModelPlan", "SpscanModule",
            "RecurrentPlan", "StackedRecurrentPlan", "reference_backward", "forward", "wrap", "param_grads", "__version__"]
 
 

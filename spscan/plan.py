@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
 import scipy.sparse as sp
 import torch
 

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from spscan.model import refuse_functorch, refuse_second_derivative
-from spscan.recurrent import RecurrentPlan
+from spscan.recurrent import RecurrentPlan, _RecurrentFunction
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
@@ -229,7 +229,7 @@ class StackedRecurrentPlan:
         """The module's outputs layer by layer, and (``need_saved``) what the backward needs."""
         m = self.module
         _check_module(m)
-        L, D, H = self.num_layers, self.num_directions, self.hidden_size
+        L, D = self.num_layers, self.num_directions
         unbatched = x.dim() == 2
         inp = x.unsqueeze(1) if unbatched else (x.transpose(0, 1) if m.batch_first else x)
         T, B = inp.shape[:2]
@@ -348,24 +348,9 @@ class StackedRecurrentPlan:
 # --------------------------------------------------------------------------- torch integration
 
 
-class _StackedFunction(torch.autograd.Function):
-    """Forward: the layers' own forwards (and torch's dropout masks). Backward: one scan per (layer, direction), top down."""
-
-    @staticmethod
-    def forward(ctx, plan: StackedRecurrentPlan, x: torch.Tensor, h0, c0, *params: torch.Tensor):
-        ctx.set_materialize_grads(False)
-        hx = None
-        if h0 is not None:
-            hx = (h0, c0) if plan.kind == "lstm" else h0
-        need = any(ctx.needs_input_grad[1:])
-        outputs, ctx.saved = plan.run_forward(x, hx, need_saved=need)
-        ctx.plan = plan
-        ctx.has_h0 = h0 is not None
-        ctx.save_for_backward(x, h0, c0, *params)  # read only to refuse second derivatives
-        out, state = outputs
-        if plan.kind == "lstm":
-            return out, state[0], state[1]
-        return out, state
+class _StackedFunction(_RecurrentFunction):
+    """Forward: the single-layer function's (the plan's ``run_forward``: the layers' own forwards and
+    torch's dropout masks). Backward: one scan per (layer, direction), top down."""
 
     @staticmethod
     def backward(ctx, grad_out, grad_hn, grad_cn=None):
