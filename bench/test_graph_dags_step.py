@@ -19,66 +19,15 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import spscan
+from spscan.models import ResNet20
 
 from conftest import device_name
 
 BATCH = 16
 ROUNDS = 7
-
-
-class LambdaLayer(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-class BlockA(nn.Module):
-    """BasicBlock with the option-A shortcut."""
-
-    def __init__(self, cin: int, planes: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != planes:
-            self.shortcut = LambdaLayer(lambda x: F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, planes // 4, planes // 4),
-                                                        "constant", 0))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += self.shortcut(x)
-        return F.relu(out)
-
-
-class ResNet20A(nn.Module):
-    def __init__(self, width: int = 16, classes: int = 10) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        self.bn = nn.BatchNorm2d(width)
-        layers, cin = [], width
-        for stage, w in enumerate((width, 2 * width, 4 * width)):
-            for b in range(3):
-                layers.append(BlockA(cin, w, 2 if (stage > 0 and b == 0) else 1))
-                cin = w
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn(self.conv(x)))
-        x = self.layers(x)
-        x = F.adaptive_avg_pool2d(x, 1)
-        x = x.view(x.size(0), -1)
-        return self.fc(x)
 
 
 def _step(net: nn.Module, x, y, loss_fn) -> float:
@@ -94,13 +43,13 @@ def test_resnet20_option_a_step_cpu(benchmark):
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        plain = ResNet20A().train()
+        plain = ResNet20(shortcut="A").train()
         g = torch.Generator().manual_seed(1)
         x = torch.randn(BATCH, 3, 32, 32, generator=g)
         y = torch.randint(0, 10, (BATCH,), generator=g)
         nets, planning = {}, {}
         for dag in ("auto", "live"):
-            m = ResNet20A().train()
+            m = ResNet20(shortcut="A").train()
             m.load_state_dict(plain.state_dict())
             t0 = time.perf_counter()
             nets[dag] = spscan.wrap(m, x, dag=dag)

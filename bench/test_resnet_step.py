@@ -25,58 +25,15 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import spscan
+from spscan.models import ResNet20
 
 from conftest import device_name
 
 BATCH = 16
 ROUNDS = 7
-
-
-class BasicBlock(nn.Module):
-    """He et al. 2016 CIFAR BasicBlock; option-B shortcut (1x1 conv + BN) where the shape changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += self.shortcut(x)
-        return F.relu(out)
-
-
-class ResNet20(nn.Module):
-    """CIFAR ResNet-20 (widths 16, 32, 64)."""
-
-    def __init__(self, width: int = 16, classes: int = 10) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        self.bn = nn.BatchNorm2d(width)
-        layers, cin = [], width
-        for stage, w in enumerate((width, 2 * width, 4 * width)):
-            for b in range(3):
-                layers.append(BasicBlock(cin, w, 2 if (stage > 0 and b == 0) else 1))
-                cin = w
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn(self.conv(x)))
-        x = self.layers(x)
-        x = F.adaptive_avg_pool2d(x, 1)
-        x = x.view(x.size(0), -1)
-        return self.fc(x)
 
 
 @pytest.fixture(scope="module")

@@ -21,65 +21,11 @@ import torch.nn.functional as F
 import spscan
 from layer_checks import run_errors
 from spscan.graph import GraphPlan
+from spscan.models import ResNet20
 from test_graph_models import _grads, _init, _loss, _rel
 
 
 # ----------------------------------------------------------------------------- option-A ResNet-20
-
-
-class LambdaLayer(nn.Module):
-    """The wrapper the CIFAR ResNet code uses for its option-A shortcut; fx traces through it."""
-
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-class BlockA(nn.Module):
-    """BasicBlock with the option-A shortcut: identity, or subsample by 2 and pad channels with zeros."""
-
-    def __init__(self, cin: int, planes: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != planes:
-            pad = (planes - cin) // 2
-            self.shortcut = LambdaLayer(lambda x: F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, pad, pad), "constant", 0))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += self.shortcut(x)
-        return F.relu(out)
-
-
-class ResNet20A(nn.Module):
-    """CIFAR ResNet-20 (widths w, 2w, 4w; w = 16 in the paper) with option-A shortcuts."""
-
-    def __init__(self, width: int = 4, classes: int = 5) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        self.bn = nn.BatchNorm2d(width)
-        layers, cin = [], width
-        for stage, w in enumerate((width, 2 * width, 4 * width)):
-            for b in range(3):
-                layers.append(BlockA(cin, w, 2 if (stage > 0 and b == 0) else 1))
-                cin = w
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn(self.conv(x)))
-        x = self.layers(x)
-        x = F.adaptive_avg_pool2d(x, 1)
-        x = x.view(x.size(0), -1)
-        return self.fc(x)
 
 
 def _check_float64(model: nn.Module, x: torch.Tensor, **kw) -> spscan.SpscanModule:
@@ -135,19 +81,19 @@ def _check_sgd(model: nn.Module, shape: tuple[int, ...], seed: int, **kw) -> Non
 
 def test_resnet20_option_a_train_mode():
     """Train-mode BatchNorm and option-A shortcuts: gradients, float32 error, 5 SGD steps, running stats."""
-    model = _init(ResNet20A(width=2), 21).double().train()
+    model = _init(ResNet20(width=2, classes=5, shortcut="A"), 21).double().train()
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
     wrapped = _check_float64(model, x)
     plan = wrapped.plan
     assert isinstance(plan, GraphPlan) and plan.levels == 0
     assert sum(u.name in ("getitem", "pad") for u in plan.units) == 4  # two downsampling shortcuts
-    _check_float32(_init(ResNet20A(width=2), 23).train(), (4, 3, 8, 8), 24)
+    _check_float32(_init(ResNet20(width=2, classes=5, shortcut="A"), 23).train(), (4, 3, 8, 8), 24)
     _check_sgd(model, (4, 3, 8, 8), 25)
 
 
 def test_resnet20_option_a_eval_full_depth():
     """Eval mode: the shortcut's slice and pad have CSR values, so every block depth works."""
-    model = _init(ResNet20A(width=2), 26).double()
+    model = _init(ResNet20(width=2, classes=5, shortcut="A"), 26).double()
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(27), dtype=torch.float64)
     _check_float64(model, x, levels="full", operators=False)
     # the same series-parallel graph as a live-set chain (dag="live"): one step per node
@@ -482,3 +428,15 @@ def test_block_union_against_dense():
     assert np.allclose(got, dense, rtol=0, atol=1e-15)
     assert pat.has_canonical_format
     run_errors(lambda: block_union((3, 3), [(1, 1, identity_pattern(3))]), ValueError, "blocks[0]", "does not fit")
+
+
+def test_reference_resnet_shortcut_arguments():
+    """``spscan.models``: the shortcut is 'A' or 'B'; option A needs stride 2 and an even channel growth."""
+    from spscan.models import BasicBlock
+
+    with pytest.raises(ValueError, match="shortcut: expected 'A' or 'B', got 'C'"):
+        ResNet20(width=2, shortcut="C")
+    with pytest.raises(ValueError, match="option-A shortcut needs stride 2"):
+        BasicBlock(2, 5, 2, shortcut="A")
+    y = ResNet20(width=2, classes=3, shortcut="A")(torch.randn(2, 3, 8, 8))
+    assert y.shape == (2, 3)

@@ -15,53 +15,10 @@ import torch.nn.functional as F
 import spscan
 from layer_checks import run_errors
 from spscan.graph import GraphPlan, TracedChainPlan
+from spscan.models import ResNet20
 
 
 # ----------------------------------------------------------------------------- models
-
-
-class BasicBlock(nn.Module):
-    """He et al. 2016 CIFAR BasicBlock; option-B shortcut (1x1 conv + BN) where the shape changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += self.shortcut(x)
-        return F.relu(out)
-
-
-class ResNet20(nn.Module):
-    """CIFAR ResNet-20: a 3x3 stem, 3 stages of 3 BasicBlocks (widths w, 2w, 4w), global average
-    pooling and a linear classifier (w = 16 in the paper; narrow here)."""
-
-    def __init__(self, width: int = 2, classes: int = 5) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        self.bn = nn.BatchNorm2d(width)
-        layers, cin = [], width
-        for stage, w in enumerate((width, 2 * width, 4 * width)):
-            for b in range(3):
-                layers.append(BasicBlock(cin, w, 2 if (stage > 0 and b == 0) else 1))
-                cin = w
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn(self.conv(x)))
-        x = self.layers(x)
-        x = F.adaptive_avg_pool2d(x, 1)
-        x = x.view(x.size(0), -1)
-        return self.fc(x)
 
 
 class PreActBlock(nn.Module):
@@ -148,7 +105,7 @@ def _init(model: nn.Module, seed: int) -> nn.Module:
 
 
 CASES = {
-    "resnet20": (lambda: ResNet20(width=2), (3, 3, 8, 8), GraphPlan),
+    "resnet20": (lambda: ResNet20(width=2, classes=5), (3, 3, 8, 8), GraphPlan),
     "preact": (lambda: PreActNet(), (3, 2, 5, 5), GraphPlan),
     "norm_mlp": (lambda: NormMLP(), (4, 6), GraphPlan),
     "logsoftmax_classifier": (lambda: Classifier(), (3, 1, 8, 8), TracedChainPlan),
@@ -211,7 +168,7 @@ def test_csr_values_and_full_depth(name):
 @pytest.mark.parametrize("levels", [0, "full"])
 def test_resnet20_levels_and_explicit_api(levels):
     """The block-level scan at both ends of the depth range, and spscan.forward/backward/param_grads."""
-    model = _init(ResNet20(width=2), 2).double()
+    model = _init(ResNet20(width=2, classes=5), 2).double()
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     plan = spscan.plan(model, x, levels=levels)
     # blocks: stem conv, BN, ReLU; 9 residual blocks, each followed by its ReLU; pool, view, fc
@@ -280,7 +237,7 @@ def test_sgd_steps_equal_autograd(name):
 def test_resnet20_train_mode_batchnorm():
     """BatchNorm in train mode (batch statistics couple the samples): gradients, running statistics
     and 5 SGD steps equal autograd's, the blocks run as structured operators at block depth 0."""
-    ref = _init(ResNet20(width=2), 11).double().train()
+    ref = _init(ResNet20(width=2, classes=5), 11).double().train()
     mine = copy.deepcopy(ref)
     gen = torch.Generator().manual_seed(12)
     xs = [torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) for _ in range(5)]
