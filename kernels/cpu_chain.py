@@ -304,6 +304,8 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
         bst[from_input] = owner.stride(1) if owner.dim() == 3 else 0
         sources.append(base.detach().numpy().reshape(-1))
         return src, off, bst, sources
+    if hasattr(owner, "elements") and hasattr(owner, "periods"):
+        return _resolve_periodic(owner, lay, from_input, src, off, bst, sources, dtype)
     get = owner.__getitem__ if isinstance(owner, (list, tuple)) else inputs
     tensors = [get(i) for i in lay[from_input].tolist()]
     # distinct tensors once (a shared matrix repeats along the run), then distinct base tensors once
@@ -329,4 +331,38 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     src[from_input] = u_src[inverse]
     off[from_input] = u_ptr[inverse] // sources[-1].itemsize
     bst[from_input] = u_bst[inverse]
+    return src, off, bst, sources
+
+
+def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, src: np.ndarray, off: np.ndarray,
+                      bst: np.ndarray, sources: list, dtype):
+    """:func:`resolve_steps` for periodic values: element ``k`` (``(nnz,)`` shared or ``(T, B, nnz)``
+    per sample) of period ``t`` starts at ``start_k + t * stride_k``, sample ``b`` ``b * bstride_k`` later."""
+    elements = owner.elements
+    per = len(elements)
+    e_src = np.zeros(per, dtype=np.int64)
+    e_start = np.zeros(per, dtype=np.int64)
+    e_tstride = np.zeros(per, dtype=np.int64)
+    e_bst = np.zeros(per, dtype=np.int64)
+    slots: dict[int, int] = {}
+    for k, e in enumerate(elements):
+        base = e if e._base is None else e._base
+        if (e.dtype != dtype or e.device.type != "cpu" or e.dim() not in (1, 3) or e.stride(-1) != 1
+                or not base.is_contiguous()):
+            return None
+        slot = slots.get(id(base))
+        if slot is None:
+            if len(sources) >= MAX_SOURCES:
+                return None
+            slot = slots[id(base)] = len(sources)
+            sources.append(base.detach().numpy().reshape(-1))
+        e_src[k] = slot
+        e_start[k] = (e.data_ptr() - base.data_ptr()) // e.element_size()
+        if e.dim() == 3:
+            e_tstride[k], e_bst[k] = e.stride(0), e.stride(1)
+    which = lay[from_input]
+    t, k = np.divmod(which, per)
+    src[from_input] = e_src[k]
+    off[from_input] = e_start[k] + t * e_tstride[k]
+    bst[from_input] = e_bst[k]
     return src, off, bst, sources

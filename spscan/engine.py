@@ -11,7 +11,8 @@ none of them reads arenas or work tables.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -21,7 +22,8 @@ from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
 from spscan.planner.program import Apply, Program, lower
 
-__all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "StructuredOperator", "check_inputs", "fmt_bytes"]
+__all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "PeriodicValues", "StackedExtra", "StructuredOperator",
+           "check_inputs", "fmt_bytes"]
 
 _FLOATS = (torch.float32, torch.float64)
 
@@ -55,6 +57,76 @@ class ValuesBuffer(list):
         if self.shared[0]:
             return s_arena[: n * k].view(n, k)
         return p_arena[:, : n * k].view(p_arena.shape[0], n, k).transpose(0, 1)
+
+
+class PeriodicValues(Sequence):
+    """The values of a chain that repeats ``len(elements)`` layers ``periods`` times, as a few tensors.
+
+    ``elements[k]`` is either ``(nnz_k,)``, shared by the batch and the same in every period, or
+    ``(periods, B, nnz_k)``, per sample, row ``t`` for period ``t``. Layer ``i`` (0-based, ``values[i]``)
+    is element ``i % len(elements)`` of period ``i // len(elements)``: the object reads as the list of
+    ``n = len(elements) * periods`` tensors (``len``, indexing, iteration), so every path that takes a
+    list takes it. :meth:`BoundPlan.run` hands it to the backend as it is; the compiled CPU linear run
+    (:func:`spscan.kernels.cpu_chain.resolve_steps`) then locates all ``n`` layers' values with a few
+    array operations instead of one Python look-up per layer (the recurrent front ends: ``n`` in the
+    thousands). With ``check=True`` it is validated as the list it stands for.
+    """
+
+    def __init__(self, elements: Sequence[torch.Tensor], periods: int) -> None:
+        self.elements = tuple(elements)
+        self.periods = int(periods)
+        for k, e in enumerate(self.elements):
+            if not isinstance(e, torch.Tensor) or e.dim() not in (1, 3) or (e.dim() == 3 and e.shape[0] != self.periods):
+                got = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+                raise ValueError(f"elements[{k}]: expected a (nnz,) shared or ({self.periods}, B, nnz) per-sample "
+                                 f"tensor, got {got}")
+
+    def __len__(self) -> int:
+        return len(self.elements) * self.periods
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"layer index {i} out of range for {n} layers")
+        t, k = divmod(i, len(self.elements))
+        e = self.elements[k]
+        return e if e.dim() == 1 else e[t]
+
+
+class StackedExtra(Sequence):
+    """The ``n+1`` affine terms of a scan, given at evenly spaced positions by one stacked tensor.
+
+    ``terms`` ``(K, B, d)``; ``index`` a ``range`` of ``K`` chain positions; entry ``i`` is
+    ``terms[index.index(i)]`` where ``i`` is in ``index``, ``None`` elsewhere; ``length = n + 1``.
+    Reads as that list; :meth:`BoundPlan.run` loads all ``K`` terms with one copy instead of gathering
+    ``K`` tensors (a loss on every step of a long recurrence).
+    """
+
+    def __init__(self, terms: torch.Tensor, index: range, length: int) -> None:
+        if not isinstance(index, range) or len(index) != terms.shape[0] or terms.dim() != 3:
+            raise ValueError(f"terms/index: expected a (K, B, d) tensor and a range of K positions, got "
+                             f"{tuple(terms.shape)} and {index!r}")
+        if len(index) and (min(index) < 0 or max(index) >= length):
+            raise ValueError(f"index: positions must lie in [0, {length}), got {index!r}")
+        self.terms = terms
+        self.index = index
+        self.length = int(length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += self.length
+        if not 0 <= i < self.length:
+            raise IndexError(f"position {i} out of range for {self.length} entries")
+        return self.terms[self.index.index(i)] if i in self.index else None
 
 
 class ScanResult:
@@ -322,6 +394,12 @@ class BoundPlan:
         cols = [np.arange(off, off + self._dims[i]) for i, off in self.program.extra_slots.items()]
         # one index_put of the concatenated extras instead of a copy per layer (long chains with a loss per step)
         self._extra_cols = torch.as_tensor(np.concatenate(cols), dtype=torch.int64, device=device) if cols else None
+        # the extra positions as a range when evenly spaced (a StackedExtra over them loads with one copy)
+        slots = list(self.program.extra_slots)
+        step = slots[1] - slots[0] if len(slots) > 1 else 1
+        self._extra_range = range(slots[0], slots[-1] + step, step) if slots and step > 0 else None
+        if self._extra_range is not None and list(self._extra_range) != slots:
+            self._extra_range = None
         self._arena_key: Optional[tuple] = None
         self._arenas: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._scratch: dict[str, torch.Tensor] = {}
@@ -434,6 +512,11 @@ class BoundPlan:
                 one as soon as the next operator has read it; the others are ``None`` in the result.
         """
         if check:
+            # the compact forms are validated as the lists they stand for
+            if isinstance(values, PeriodicValues):
+                values = list(values)
+            if isinstance(extra, StackedExtra):
+                extra = list(extra)
             items, stacked, shared, has_extra, batch, dtype, device, operators = check_inputs(
                 self.n, self._nnz, self._dims, self.dtype, None, values, grad, extra, check_finite,
                 needs_grad=self.kind == "scan")
@@ -523,7 +606,11 @@ class BoundPlan:
             if extra is not None and extra[n] is not None:
                 g.add_(extra[n])
         if self._extra_cols is not None:
-            vectors[:, self._extra_cols] = torch.cat([extra[i] for i in prog.extra_slots], dim=1)
+            if isinstance(extra, StackedExtra) and extra.index == self._extra_range:
+                # (K, B, d) -> (B, K*d): the same columns, in the same order, as the concatenation below
+                vectors[:, self._extra_cols] = extra.terms.transpose(0, 1).reshape(batch, -1)
+            else:
+                vectors[:, self._extra_cols] = torch.cat([extra[i] for i in prog.extra_slots], dim=1)
         layer = items[0].__getitem__ if stacked else items.__getitem__
         arenas = {"S": s_arena, "P": p_arena}
         if self.tables.run_scratch:

@@ -68,7 +68,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.engine import ScanResult
+from spscan.engine import PeriodicValues, ScanResult, StackedExtra
 from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
 
@@ -354,9 +354,8 @@ def _jacobian_values(kind: str, layout: str, coefs: dict, w_hh: torch.Tensor, H:
     if layout == "factored":
         step = _factored_step_values(kind, coefs, w_hh, H)
         T = next(iter(coefs.values())).shape[0]
-        # shared elements are the same tensor object every step (the core caches them by id)
-        per_t = [(v,) * T if v.dim() == 1 else v.unbind(0) for v in step]
-        return [v for vs in zip(*per_t) for v in vs]
+        # reads as the list of m*T tensors; the engine locates them per element, not per step
+        return PeriodicValues(step, T)
     T, B = next(iter(coefs.values())).shape[:2]
     dt, dev = w_hh.dtype, w_hh.device
     if kind.startswith("rnn"):
@@ -645,7 +644,7 @@ class RecurrentPlan:
             gi = torch.matmul(xt, w_ih.t())
         hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0)
         shared = _lstm_weight_values(params[1], H)
-        values = [v for vs in zip((shared,) * T, gate_values.unbind(0)) for v in vs]
+        values = PeriodicValues([shared, gate_values], T)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
@@ -673,8 +672,7 @@ class RecurrentPlan:
             return None
         hs = states[..., :H]
         if self.layout == "factored":
-            per_t = [(v,) * T if v.dim() == 1 else v.unbind(0) for v in step_values]
-            values = [v for vs in zip(*per_t) for v in vs]
+            values = PeriodicValues(step_values, T)
         else:
             values = _jacobian_values(self.kind, self.layout, coefs, params[1], H)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
@@ -727,13 +725,12 @@ class RecurrentPlan:
         bound = self._bound(T, saved.device, saved.dtype, extra is not None)
         per = len(_factored_layout(self.kind, self.hidden_size)) if self.layout == "factored" else 1
         n = per * T
-        ext: Optional[list] = None
+        ext: Optional[StackedExtra] = None
         if extra is not None:
-            ext = [None] * (n + 1)
-            for t in range(T - 1):
-                ext[per * (t + 1)] = extra[t]
+            # extra[t] (the loss on s_{t+1}) enters at chain position per*(t+1), t < T-1: one stacked tensor
+            ext = StackedExtra(extra[: T - 1], range(per, n, per), n + 1)
             top = top + extra[T - 1]
-        # factored: a list of m*T tensors; materialized: one stacked (T, B, nnz) tensor
+        # factored: PeriodicValues (m elements, T periods); materialized: one stacked (T, B, nnz) tensor
         return bound.run(saved.values, top, ext, check=False, scratch=True)
 
     def backward(

@@ -210,3 +210,82 @@ def test_engine_compiled_and_numpy_loops_agree_in_float32(monkeypatch):
         err_c = (c.double() - r).abs().max()
         err_n = (n.double() - r).abs().max()
         assert err_c <= 2 * err_n + 1e-6 * r.abs().max()
+
+
+# --------------------------------------------------------------------------- periodic values, stacked extras
+
+from spscan.engine import PeriodicValues, StackedExtra  # noqa: E402
+
+
+def _periodic_chain(T: int, H: int, batch: int, dtype, seed: int):
+    """A GRU-shaped period (shared dense, per-sample diagonal, shared dense) repeated ``T`` times, as
+    :class:`PeriodicValues` whose per-sample element is a strided view into a larger tensor."""
+    g = torch.Generator().manual_seed(seed)
+    pats = [sp.csr_array(np.ones((H, H))), sp.csr_array(np.eye(H)), sp.csr_array(np.ones((H, H)))] * T
+    w1 = torch.randn(H * H, generator=g, dtype=dtype) / H ** 0.5
+    w2 = torch.randn(H * H, generator=g, dtype=dtype) / H ** 0.5
+    big = torch.randn(T, batch, 2 * H + 1, generator=g, dtype=dtype)  # the diagonal is columns 1 .. H
+    d = big[..., 1 : H + 1]
+    return pats, PeriodicValues([w1, d, w2], T)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+@pytest.mark.parametrize("check", [False, True])
+def test_periodic_values_and_stacked_extra_equal_lists(cpu_loop, extra, check):
+    """The compact forms give the same gradients as the lists they stand for (both CPU loops)."""
+    T, H, batch, per = 7, 4, 3, 3
+    pats, vals = _periodic_chain(T, H, batch, torch.float64, seed=11)
+    n = per * T
+    terms = torch.randn(T - 1, batch, H, dtype=torch.float64)
+    ext = StackedExtra(terms, range(per, n, per), n + 1) if extra else None
+    ext_list = [None] * (n + 1)
+    for t in range(T - 1):
+        ext_list[per * (t + 1)] = terms[t]
+    grad = torch.randn(batch, H, dtype=torch.float64)
+    plan = spscan.plan(pats, levels=0, backend="torch")
+    bound = plan.bind([True, False, True] * T, [e is not None for e in ext_list] if extra else None)
+    got = bound.run(vals, grad, ext, check=check).grads
+    want = reference_backward(pats, list(vals), grad, extra=ext_list if extra else None)
+    assert len(got) == len(want) == n + 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    lists = bound.run(list(vals), grad, ext_list if extra else None, check=check).grads
+    for a, b in zip(got, lists):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("levels", [1, "full"])
+def test_periodic_values_through_products(levels):
+    """A plan with products (not only the linear run) reads PeriodicValues as the list of tensors."""
+    T, H, batch = 6, 3, 2
+    pats, vals = _periodic_chain(T, H, batch, torch.float64, seed=12)
+    grad = torch.randn(batch, H, dtype=torch.float64)
+    plan = spscan.plan(pats, levels=levels, backend="torch")
+    got = plan.bind([True, False, True] * T).run(vals, grad, check=False).grads
+    want = reference_backward(pats, list(vals), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_periodic_values_and_stacked_extra_read_as_lists():
+    w = torch.arange(4.0)
+    d = torch.arange(30.0).view(5, 2, 3)
+    v = PeriodicValues([w, d], 5)
+    assert len(v) == 10
+    assert v[0] is w and v[8] is w and torch.equal(v[3], d[1]) and torch.equal(v[-1], d[4])
+    assert [x.shape for x in v[1:5:2]] == [(2, 3), (2, 3)]
+    assert sum(1 for _ in v) == 10
+    with pytest.raises(IndexError):
+        v[10]
+    with pytest.raises(ValueError, match=r"elements\[1\].*\(5, B, nnz\)"):
+        PeriodicValues([w, d[:4]], 5)
+    terms = torch.arange(12.0).view(2, 2, 3)
+    e = StackedExtra(terms, range(2, 6, 3), 7)
+    assert len(e) == 7 and e[0] is None and torch.equal(e[2], terms[0]) and torch.equal(e[5], terms[1])
+    assert e[-2] is not None and e[6] is None
+    with pytest.raises(IndexError):
+        e[7]
+    with pytest.raises(ValueError, match="range of K positions"):
+        StackedExtra(terms, range(2, 9, 3), 10)
+    with pytest.raises(ValueError, match=r"\[0, 7\)"):
+        StackedExtra(terms, range(4, 8, 3), 7)
