@@ -187,7 +187,11 @@ class ScanResult:
                 view = v.as_strided((offs.size, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
                                     v.storage_offset() + first * v.stride(1))
                 if step < 0:
-                    return view.flip(0)  # flip copies
+                    # flip copies; with copy=True the copy is contiguous (a plain flip keeps the batch-major
+                    # layout of the view, and a reshape of it would copy again)
+                    if copy:
+                        return view.index_select(0, torch.arange(offs.size - 1, -1, -1, device=v.device))
+                    return view.flip(0)
                 return view.clone(memory_format=torch.contiguous_format) if copy else view
         return torch.stack([v[:, o : o + d] for o in offs.tolist()])
 
@@ -400,6 +404,15 @@ class BoundPlan:
         self._extra_range = range(slots[0], slots[-1] + step, step) if slots and step > 0 else None
         if self._extra_range is not None and list(self._extra_range) != slots:
             self._extra_range = None
+        # ... and, when their columns in V are evenly spaced too, (first column, spacing, size): then the
+        # stacked terms go in with one strided copy (no gather and no index tensor)
+        self._extra_block: Optional[tuple[int, int, int]] = None
+        if self._extra_range is not None:
+            offs = [self.program.extra_slots[i] for i in slots]
+            sizes = {self._dims[i] for i in slots}
+            gap = offs[1] - offs[0] if len(offs) > 1 else max(sizes)
+            if len(sizes) == 1 and gap >= max(sizes) and all(b - a == gap for a, b in zip(offs, offs[1:])):
+                self._extra_block = (offs[0], gap, sizes.pop())
         self._arena_key: Optional[tuple] = None
         self._arenas: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._scratch: dict[str, torch.Tensor] = {}
@@ -606,7 +619,13 @@ class BoundPlan:
             if extra is not None and extra[n] is not None:
                 g.add_(extra[n])
         if self._extra_cols is not None:
-            if isinstance(extra, StackedExtra) and extra.index == self._extra_range:
+            if isinstance(extra, StackedExtra) and extra.index == self._extra_range and self._extra_block is not None:
+                # term k goes to columns first + k*gap ... + d: one strided copy of the (K, B, d) stack
+                first, gap, d = self._extra_block
+                K = extra.terms.shape[0]
+                block = vectors.as_strided((batch, K, d), (vectors.stride(0), gap, 1), vectors.storage_offset() + first)
+                block.copy_(extra.terms.transpose(0, 1))
+            elif isinstance(extra, StackedExtra) and extra.index == self._extra_range:
                 # (K, B, d) -> (B, K*d): the same columns, in the same order, as the concatenation below
                 vectors[:, self._extra_cols] = extra.terms.transpose(0, 1).reshape(batch, -1)
             else:
