@@ -170,8 +170,8 @@ class ScanResult:
         """``(len(idx), B, d)`` for chain indices whose gradients all have size ``d``.
 
         The linear scan writes its outputs at evenly spaced offsets, so this is usually one
-        strided view (no copy); otherwise one stack. ``copy=True`` always returns a new,
-        contiguous tensor (one copy at most).
+        strided view (no copy; a reversed run: one copy); otherwise one gather of the columns.
+        ``copy=True`` always returns a new, contiguous tensor (one copy, two after a gather).
         """
         outs = self._program.outputs
         offs = np.fromiter((outs[i][0] for i in idx), dtype=np.int64, count=len(idx))
@@ -193,7 +193,10 @@ class ScanResult:
                         return view.index_select(0, torch.arange(offs.size - 1, -1, -1, device=v.device))
                     return view.flip(0)
                 return view.clone(memory_format=torch.contiguous_format) if copy else view
-        return torch.stack([v[:, o : o + d] for o in offs.tolist()])
+        # irregular offsets: one gather of all the columns ((B, K*d), the batch outermost), not K slices
+        cols = torch.as_tensor((offs[:, None] + np.arange(d)).reshape(-1), device=v.device)
+        out = v.index_select(1, cols).view(v.shape[0], offs.size, d).transpose(0, 1)
+        return out.contiguous() if copy else out
 
     @property
     def composite_vector(self) -> Optional[torch.Tensor]:

@@ -19,7 +19,8 @@ Chain layouts (``layout=``):
 * ``"factored"`` (default): each time step is a few elements, shared by the batch (``W_hh^T``
   and friends, values ``(nnz,)``) or per sample (values ``(B, nnz)``); nothing ``H x H`` per
   sample is materialized. RNN: ``W_hh^T``, ``diag(1 - h_t^2)`` (2 per step). GRU: ``[W_hh^T | I]``,
-  ``diag(dr, dz, dm, z)``, a 4-block sum (3 per step; eq. 11 as a product). LSTM (2 per step, the
+  ``diag(dr, dz, dm, z)``, a 4-block sum (3 per step; eq. 11 as a product; the sum is sparse, ``4H``
+  entries, one per row). LSTM (2 per step, the
   work the math needs: one shared product with ``W_hh`` plus ``9H`` multiply-adds per sample):
   ``[[W_hh^T, 0], [0, I]]`` (``(2H, 5H)``, sparse, shared, ``4H^2 + H`` entries), and the gate
   element (``(5H, 2H)``, sparse, per sample, ``9H`` entries) that maps ``(g_h, g_c)`` of ``s_t`` to
@@ -128,6 +129,17 @@ def _diag_pattern(d: int) -> sp.csr_array:
     return sp.csr_array((np.ones(d), ar, np.arange(d + 1, dtype=np.int64)), shape=(d, d))
 
 
+def _blocksum_pattern(blocks: int, d: int) -> sp.csr_array:
+    """``(blocks*d, d)``: ``blocks`` identities stacked (one entry per row, values all ones).
+
+    As a chain element it sums the ``blocks`` blocks of a ``blocks*d`` vector (its transpose
+    replicates one): ``blocks*d`` multiply-adds per sample, not ``blocks*d^2`` as a dense block would.
+    """
+    rows = blocks * d
+    return sp.csr_array((np.ones(rows), np.arange(rows, dtype=np.int64) % d, np.arange(rows + 1, dtype=np.int64)),
+                        shape=(rows, d))
+
+
 def _lstm_pattern(hidden: int) -> sp.csr_array:
     """``J_t^T`` of the LSTM joint state, ``(2H, 2H)``: rows of ``h_{t-1}`` dense, rows of ``c_{t-1}`` two entries."""
     H = hidden
@@ -168,12 +180,13 @@ def _lstm_gate_pattern(hidden: int) -> sp.csr_array:
 
 
 # element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``
-_SHARED_KINDS = ("shared", "lstm_weight")
+_SHARED_KINDS = ("shared", "lstm_weight", "blocksum")
 
 
 def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
     """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``:
-    ``"shared"`` dense shared by the batch, ``"diag"`` per-sample diagonal, ``"lstm_weight"``
+    ``"shared"`` dense shared by the batch, ``"diag"`` per-sample diagonal, ``"blocksum"``
+    (:func:`_blocksum_pattern`, shared, all ones), ``"lstm_weight"``
     (:func:`_lstm_weight_pattern`, shared) and ``"lstm_gate"`` (:func:`_lstm_gate_pattern`, per
     sample). The gradients after element 1 are always the gate pre-activations' (first ``G*H`` entries).
 
@@ -185,7 +198,7 @@ def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
     if kind.startswith("rnn"):
         return [("shared", H, H), ("diag", H, H)]
     if kind == "gru":
-        return [("shared", H, 4 * H), ("diag", 4 * H, 4 * H), ("shared", 4 * H, H)]
+        return [("shared", H, 4 * H), ("diag", 4 * H, 4 * H), ("blocksum", 4 * H, H)]
     return [("lstm_weight", 2 * H, 5 * H), ("lstm_gate", 5 * H, 2 * H)]
 
 
@@ -199,6 +212,8 @@ def _element_pattern(element: str, rows: int, cols: int, hidden: int) -> sp.csr_
         return _dense_pattern(rows, cols)
     if element == "diag":
         return _diag_pattern(rows)
+    if element == "blocksum":
+        return _blocksum_pattern(rows // cols, cols)
     return _lstm_weight_pattern(hidden) if element == "lstm_weight" else _lstm_gate_pattern(hidden)
 
 
@@ -386,17 +401,12 @@ def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) ->
     """Values of one step's elements (``_factored_layout``): ``(nnz,)`` shared, ``(T, B, nnz)`` per sample."""
     dt, dev = w_hh.dtype, w_hh.device
     eye = torch.eye(H, dtype=dt, device=dev)
-
-    def blocks(incidence: list[list[int]]) -> torch.Tensor:
-        # block 0/1 matrix: input block b feeds output block c when incidence[b][c] = 1
-        return torch.kron(torch.tensor(incidence, dtype=dt, device=dev), eye).reshape(-1)
-
     if kind.startswith("rnn"):
         return [w_hh.t().contiguous().reshape(-1), coefs["d"]]
     if kind == "gru":
         a = torch.cat([w_hh.t(), eye], dim=1).reshape(-1)
         d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
-        return [a, d, blocks([[1], [1], [1], [1]])]
+        return [a, d, torch.ones(4 * H, dtype=dt, device=dev)]
     return [_lstm_weight_values(w_hh, H), _lstm_gate_values(coefs)]
 
 
