@@ -129,6 +129,16 @@ def _diag_pattern(d: int) -> sp.csr_array:
     return sp.csr_array((np.ones(d), ar, np.arange(d + 1, dtype=np.int64)), shape=(d, d))
 
 
+def _gru_weight_pattern(hidden: int) -> sp.csr_array:
+    """GRU element 1, ``(H, 4H)``, shared: ``[W_hh^T | I]`` stored sparse (``3H^2 + H`` entries): row ``i``
+    holds ``3H`` entries of ``W_hh^T`` then the identity's ``1`` at column ``3H + i``."""
+    H = hidden
+    ar = np.arange(H, dtype=np.int64)
+    indices = np.concatenate([np.tile(np.arange(3 * H, dtype=np.int64), (H, 1)), (3 * H + ar)[:, None]], axis=1)
+    indptr = np.arange(H + 1, dtype=np.int64) * (3 * H + 1)
+    return sp.csr_array((np.ones(H * (3 * H + 1)), indices.reshape(-1), indptr), shape=(H, 4 * H))
+
+
 def _blocksum_pattern(blocks: int, d: int) -> sp.csr_array:
     """``(blocks*d, d)``: ``blocks`` identities stacked (one entry per row, values all ones).
 
@@ -180,13 +190,14 @@ def _lstm_gate_pattern(hidden: int) -> sp.csr_array:
 
 
 # element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``
-_SHARED_KINDS = ("shared", "lstm_weight", "blocksum")
+_SHARED_KINDS = ("shared", "lstm_weight", "blocksum", "gru_weight")
 
 
 def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
     """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``:
     ``"shared"`` dense shared by the batch, ``"diag"`` per-sample diagonal, ``"blocksum"``
-    (:func:`_blocksum_pattern`, shared, all ones), ``"lstm_weight"``
+    (:func:`_blocksum_pattern`, shared, all ones), ``"gru_weight"`` (:func:`_gru_weight_pattern`, shared),
+    ``"lstm_weight"``
     (:func:`_lstm_weight_pattern`, shared) and ``"lstm_gate"`` (:func:`_lstm_gate_pattern`, per
     sample). The gradients after element 1 are always the gate pre-activations' (first ``G*H`` entries).
 
@@ -198,7 +209,7 @@ def _factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
     if kind.startswith("rnn"):
         return [("shared", H, H), ("diag", H, H)]
     if kind == "gru":
-        return [("shared", H, 4 * H), ("diag", 4 * H, 4 * H), ("blocksum", 4 * H, H)]
+        return [("gru_weight", H, 4 * H), ("diag", 4 * H, 4 * H), ("blocksum", 4 * H, H)]
     return [("lstm_weight", 2 * H, 5 * H), ("lstm_gate", 5 * H, 2 * H)]
 
 
@@ -212,6 +223,8 @@ def _element_pattern(element: str, rows: int, cols: int, hidden: int) -> sp.csr_
         return _dense_pattern(rows, cols)
     if element == "diag":
         return _diag_pattern(rows)
+    if element == "gru_weight":
+        return _gru_weight_pattern(cols // 4)
     if element == "blocksum":
         return _blocksum_pattern(rows // cols, cols)
     return _lstm_weight_pattern(hidden) if element == "lstm_weight" else _lstm_gate_pattern(hidden)
@@ -400,11 +413,10 @@ def _jacobian_values(kind: str, layout: str, coefs: dict, w_hh: torch.Tensor, H:
 def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
     """Values of one step's elements (``_factored_layout``): ``(nnz,)`` shared, ``(T, B, nnz)`` per sample."""
     dt, dev = w_hh.dtype, w_hh.device
-    eye = torch.eye(H, dtype=dt, device=dev)
     if kind.startswith("rnn"):
         return [w_hh.t().contiguous().reshape(-1), coefs["d"]]
     if kind == "gru":
-        a = torch.cat([w_hh.t(), eye], dim=1).reshape(-1)
+        a = torch.cat([w_hh.t(), torch.ones(H, 1, dtype=dt, device=dev)], dim=1).reshape(-1)
         d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
         return [a, d, torch.ones(4 * H, dtype=dt, device=dev)]
     return [_lstm_weight_values(w_hh, H), _lstm_gate_values(coefs)]
