@@ -610,6 +610,7 @@ class RecurrentPlan:
         T = x.shape[1 if (m.batch_first and not unbatched) else 0]
         B = 1 if unbatched else x.shape[0 if m.batch_first else 1]
         p = m.weight_hh_l0
+        fell_back = False
         if T > 0 and B > 0 and self.forward_method(T, B, x.device, x.dtype) == "newton":
             if x.dtype != p.dtype or x.device != p.device:
                 raise TypeError(f"input: expected dtype {p.dtype} on {p.device} (the module's parameters), "
@@ -617,8 +618,11 @@ class RecurrentPlan:
             hit = self._newton_forward(x, hx)
             if hit is not None:
                 return hit if need_saved else (hit[0], None)
-        if need_saved and self._compiled_forward_applies(x, hx):
-            return self._lstm_compiled_forward(x, hx)
+            fell_back = True  # the module's own forward, as the warning says (not the compiled pass)
+        if need_saved and not fell_back and self._compiled_forward_applies(x, hx):
+            if self.kind == "lstm":
+                return self._lstm_compiled_forward(x, hx)
+            return self._rnn_compiled_forward(x, hx)
         outputs = m(x, hx)
         return outputs, (self._save(x, hx, outputs, need_values=True) if need_saved else None)
 
@@ -628,7 +632,8 @@ class RecurrentPlan:
         else runs the module (whose own checks then speak)."""
         from spscan import recurrent_cpu
 
-        if self.kind != "lstm" or self.layout != "factored" or not recurrent_cpu.available():
+        if self.kind not in ("lstm", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
+                or not recurrent_cpu.available():
             return False
         m, p = self.module, self.module.weight_hh_l0
         if x.device.type != "cpu" or p.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) \
@@ -641,6 +646,9 @@ class RecurrentPlan:
             return False
         if hx is not None:
             want = (1, self.hidden_size) if unbatched else (1, B, self.hidden_size)
+            if self.kind != "lstm":
+                return (isinstance(hx, torch.Tensor) and tuple(hx.shape) == want and hx.dtype == x.dtype
+                        and hx.device.type == "cpu")
             if not (isinstance(hx, (tuple, list)) and len(hx) == 2 and all(
                     isinstance(h, torch.Tensor) and tuple(h.shape) == want and h.dtype == x.dtype
                     and h.device.type == "cpu" for h in hx)):
@@ -673,6 +681,31 @@ class RecurrentPlan:
         out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
         shape = (1, H) if unbatched else (1, B, H)
         return (out, (hs[-1].reshape(shape).clone(), c_n.reshape(shape))), saved
+
+    def _rnn_compiled_forward(self, x: torch.Tensor, hx):
+        """The RNN forward on CPU in one compiled pass that also writes the diagonal element's values
+        (:func:`spscan.recurrent_cpu.rnn_forward`). Returns ``(outputs, saved)``."""
+        from spscan.recurrent_cpu import rnn_forward
+
+        m, H = self.module, self.hidden_size
+        unbatched = x.dim() == 2
+        xt = x.detach()
+        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
+        T, B, _ = xt.shape
+        params = [q.detach() for q in _params(m)]
+        h0, _ = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        if m.bias:  # both biases enter the pre-activation: added to the input part once
+            gi = torch.addmm(params[2] + params[3], xt.reshape(T * B, -1), params[0].t()).view(T, B, -1)
+        else:
+            gi = torch.matmul(xt, params[0].t())
+        hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu")
+        values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
+        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
+                       params=params, dtype=hs.dtype, device=hs.device)
+        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
+        shape = (1, H) if unbatched else (1, B, H)
+        return (out, hs[-1].reshape(shape).clone()), saved
 
     def _newton_forward(self, x: torch.Tensor, hx):
         """Newton forward; ``(outputs, saved)`` with the converged iteration's Jacobians, or ``None`` (warned)."""

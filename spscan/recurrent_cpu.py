@@ -1,4 +1,8 @@
-"""The LSTM forward on CPU in one compiled pass: outputs, final cell and the chain's Jacobian values.
+"""The LSTM and RNN forwards on CPU in one compiled pass: outputs (and final cell) and the chain's Jacobian values.
+
+:func:`rnn_forward` does the same for ``nn.RNN`` (tanh or relu): ``h_t = act(gi_t + h_{t-1} W_hh^T)``
+and the diagonal ``dh_t/da_t`` the factored chain's second element holds, in one time loop (tanh
+through the ``expm1`` below).
 
 :class:`spscan.recurrent.RecurrentPlan` (factored layout, sequential forward, CPU tensors, numba
 importable) runs the recurrence here instead of running the module and then recomputing the
@@ -30,7 +34,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["available", "lstm_forward"]
+__all__ = ["available", "lstm_forward", "rnn_forward"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -169,8 +173,47 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
                 v[7 * H + 2 * j + 1] = e[1, p]
 
 
+def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, acc, e, bits, bitsf):  # pragma: no cover - compiled
+    # h_t = act(gi_t + h_{t-1} W_hh^T) and d_t = act'(.) (tanh: 1 - h_t^2; relu: 1 where h_t > 0)
+    T, B, H = gi.shape
+    one = cst[18]
+    two = one + one
+    zero = one - one
+    for t in range(T):
+        hp = h0 if t == 0 else hs[t - 1]
+        for b in range(B):
+            for j in range(H):
+                acc[b, j] = gi[t, b, j]
+            for kk in range(H):
+                hv = hp[b, kk]
+                for j in range(H):
+                    acc[b, j] += hv * wt[kk, j]
+        ht = hs[t]
+        dt = d[t]
+        if relu:
+            for b in range(B):
+                for j in range(H):
+                    a = acc[b, j]
+                    h = zero if a <= zero else a  # NaN stays NaN, as torch.relu
+                    ht[b, j] = h
+                    dt[b, j] = one if h > zero else zero
+        else:
+            for b in range(B):
+                for j in range(H):
+                    e[b * H + j] = -two * abs(acc[b, j])
+            _vexpm1_c(e, bits, bitsf, cst, icst)
+            for b in range(B):
+                for j in range(H):
+                    q = e[b * H + j]
+                    ta = -q / (two + q)
+                    h = ta if acc[b, j] >= zero else -ta
+                    ht[b, j] = h
+                    dt[b, j] = one - h * h
+
+
 _vexpm1_c = None
 _kernel_c = None
+_rnn_kernel_c = None
 
 
 def _kernel():
@@ -181,6 +224,51 @@ def _kernel():
         _vexpm1_c = njit(cache=True, nogil=True, error_model="numpy")(_vexpm1)
         _kernel_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_kernel)
     return _kernel_c
+
+
+def _rnn_kernel_compiled():
+    global _rnn_kernel_c
+    if _rnn_kernel_c is None:
+        _kernel()  # compiles _vexpm1 first (the RNN kernel calls it)
+        _rnn_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_rnn_kernel)
+    return _rnn_kernel_c
+
+
+def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Elman RNN recurrence (tanh or relu) on CPU in one compiled pass.
+
+    Args:
+        gi: ``(T, B, H)`` input part of the pre-activations, ``x W_ih^T + b_ih + b_hh``.
+        w_hh: ``(H, H)`` the module's ``weight_hh_l0``.
+        h0: ``(B, H)`` initial state.
+        relu: ``nonlinearity="relu"`` (else tanh, through the same ``expm1`` as the LSTM's).
+    Returns:
+        ``(hs (T, B, H), d (T, B, H))``: the outputs ``h_1..h_T`` and the diagonal of each step's
+        ``dh_t/da_t`` (tanh: ``1 - h_t^2``; relu: ``1`` where ``h_t > 0``), the per-sample values of
+        the factored chain's second element. Of ``gi``'s dtype.
+
+    Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
+    """
+    if not available():
+        raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
+    dt = gi.dtype
+    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in (gi, w_hh, h0)):
+        raise TypeError(f"rnn_forward: expected float32/float64 CPU tensors of one dtype, got gi {gi.dtype} on "
+                        f"{gi.device}, w_hh {w_hh.dtype}, h0 {h0.dtype}")
+    T, B, H = gi.shape
+    np_dt = np.float32 if dt == torch.float32 else np.float64
+    itype, magic_bits, bias, shift = _INT[np_dt]
+    cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
+    icst = np.array([magic_bits, bias, shift], dtype=itype)
+    hs = torch.empty(T, B, H, dtype=dt)
+    d = torch.empty(T, B, H, dtype=dt)
+    acc = np.empty((B, H), dtype=np_dt)
+    e = np.empty(B * H, dtype=np_dt)
+    bits = np.empty(B * H, dtype=itype)
+    _rnn_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
+                           h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(), acc, e,
+                           bits, bits.view(np_dt))
+    return hs, d
 
 
 def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

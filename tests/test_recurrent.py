@@ -374,7 +374,7 @@ def test_triton_backend_equals_autograd(kind, levels):
         assert (a.double() - r).abs().max().item() <= bound, (kind, levels, i)
 
 
-# --------------------------------------------------------------------------- the LSTM's compiled CPU forward
+# --------------------------------------------------------------------------- the LSTM's and RNN's compiled CPU forwards
 
 
 def _no_compiled_forward(monkeypatch):
@@ -435,6 +435,71 @@ def test_lstm_compiled_forward_saturated_gates():
         got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
         for i, (a, b) in enumerate(zip(got, want)):
             assert rel_err(a, b) <= 1e-9, (scale, i)
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", ["batched", "batch_first", "unbatched", "batch1_T1"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_rnn_compiled_forward_equals_module_path(monkeypatch, kind, dtype, shape, bias, with_h0):
+    """The RNN's one-pass compiled forward (outputs and the diagonal element's values) gives the module's
+    outputs and the same gradients as the module's forward followed by the batched recomputation."""
+    pytest.importorskip("numba")
+    T, B = {"batch1_T1": (1, 1)}.get(shape, (13, 3))
+    m = make_module(kind, 3, 6, batch_first=shape == "batch_first", bias=bias, dtype=dtype)
+    x, hx = make_inputs(m, T, B, with_h0=with_h0, dtype=dtype)
+    if shape == "unbatched":
+        x = x[:, 0]
+        hx = None if hx is None else hx[:, 0]
+    plan = plan_recurrent(m, x)
+    assert plan._compiled_forward_applies(x, hx)
+    (out, h_n), saved = plan.forward(x, hx)
+    with torch.no_grad():
+        want_out, want_h = m(x, hx)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for a, b in ((out, want_out), (h_n, want_h)):
+        assert a.shape == b.shape and a.dtype == b.dtype and rel_err(a, b) <= tol
+    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    _no_compiled_forward(monkeypatch)
+    assert not plan._compiled_forward_applies(x, hx)
+    _, ref_saved = plan.forward(x, hx)
+    assert len(saved.values) == len(ref_saved.values)
+    for a, b in zip(saved.values, ref_saved.values):
+        assert a.shape == b.shape and rel_err(a, b) <= tol
+    want = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5), i
+
+
+def test_rnn_compiled_forward_saturated_and_tiny():
+    """tanh at large pre-activations (the expm1 clamp) and tiny ones (no cancellation near 0); relu's NaN."""
+    pytest.importorskip("numba")
+    for scale in (60.0, 1e-6):
+        m = make_module("rnn_tanh", 2, 5, batch_first=False, bias=True)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(scale)
+        x, hx = make_inputs(m, 20, 3, with_h0=True, dtype=torch.float64)
+        x = x * scale
+        (out, h_n), _ = plan_recurrent(m, x).forward(x, hx)
+        with torch.no_grad():
+            want_out, want_h = m(x, hx)
+        for a, b in ((out, want_out), (h_n, want_h)):
+            assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-13 * b.abs().max() + 1e-300
+        want = grads_of(m, m, x, hx, "both")
+        got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert rel_err(a, b) <= 1e-9, (scale, i)
+    m = make_module("rnn_relu", 2, 5, batch_first=False, bias=True)
+    x, hx = make_inputs(m, 6, 2, with_h0=True, dtype=torch.float64)
+    x[2, 1, 0] = float("nan")
+    (out, _), _ = plan_recurrent(m, x).forward(x, hx)
+    with torch.no_grad():
+        want_out, _ = m(x, hx)
+    assert torch.equal(out.isnan(), want_out.isnan()) and out.isnan().any()
+    keep = ~want_out.isnan()
+    assert (out[keep] - want_out[keep]).abs().max() <= 1e-13 * want_out[keep].abs().max()
 
 
 @pytest.mark.parametrize("np_dtype", ["float64", "float32"])
