@@ -9,9 +9,10 @@ with ``J_t = ds_t/ds_{t-1}``: an *affine* scan (a loss on every time step enters
 ``extra``). The transposed Jacobians are built analytically for all ``t`` at once from the
 gates, which are recomputed in one batched GEMM from ``x`` and ``h_{t-1}`` after the module's
 own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11) — except for the
-factored LSTM on CPU, whose forward runs in one compiled pass (:mod:`spscan.recurrent_cpu`) that
-evaluates the gates once and writes ``h_t``, ``c_T`` and the step's Jacobian values as it goes
-(``c_t`` comes from the recurrence itself, not from a recomputation). Parameter gradients have
+factored LSTM and RNN on CPU, whose forwards run in one compiled pass (:mod:`spscan.recurrent_cpu`)
+that evaluates the gates once and writes ``h_t`` (LSTM: ``c_T``) and the step's Jacobian values as
+it goes (``c_t`` comes from the recurrence itself, not from a recomputation). A Newton forward that
+falls back runs the module's own forward. Parameter gradients have
 no dependency along time and come out of one GEMM over all ``T*B`` steps.
 
 Chain layouts (``layout=``):
@@ -57,7 +58,10 @@ sequential one. ``"auto"`` picks by the device's cost model.
 Every backward runs through the core engine: one plan per sequence length
 (:func:`spscan.plan.build_plan`), bound once for the step's value signature, run with the values
 built here (so the per-layer input checks are skipped) and read back as strided views of the
-result (:class:`spscan.engine.ScanResult`).
+result (:class:`spscan.engine.ScanResult`). The factored values go in as one
+:class:`spscan.engine.PeriodicValues` (the step's few element tensors, not ``m*T`` views) and the
+per-step losses as one :class:`spscan.engine.StackedExtra`, so no part of the backward's Python
+work grows with ``T``.
 """
 
 from __future__ import annotations
