@@ -9,7 +9,7 @@ a change in machine load hits both alike; ``extra_info`` carries both medians an
 ``speedup_vs_autograd = autograd / spscan`` (> 1: spscan faster), the depth in use and the device.
 Times are wall time (``time.perf_counter``) on one thread (``torch.set_num_threads(1)`` for the
 test, restored after). Not process CPU time: where the kernel accounts it per scheduler tick (as in
-some sandboxes), a 2 ms backward reads as 2 or 6 ms at random; on a quiet machine one thread's
+some virtual machines), a 2 ms backward reads as 2 or 6 ms at random; on a quiet machine one thread's
 wall time is its CPU time. ``extra_info`` also carries the spread of the per-pair ratios
 (quartiles). No denormal
 flushing is needed here (``flush_denormal=False``): the losses stay far from the float32 denormal
