@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
 from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, _ForwardState, _ScanFunction,
-                          refuse_functorch, refuse_second_derivative)
+                          collect_param_grads, refuse_functorch, refuse_second_derivative)
 from spscan.plan import build_composite, build_plan
 from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
 
@@ -1056,16 +1056,7 @@ class GraphPlan(ModelPlan):
             raise ValueError(f"grads: expected {len(self.segments) + 1} tensors, got {len(grads)}")
         needed = [[p.requires_grad for _, p, _ in roles] for roles in self.param_roles]
         with torch.no_grad():
-            per_unit = self.unit_param_grads(jac.saved, jac.tensors, grads, needed)
-        result: dict[str, torch.Tensor] = {}
-        for roles, gs in zip(self.param_roles, per_unit):
-            for (name, p, mask), g in zip(roles, gs):
-                if g is None:
-                    continue
-                if mask is not None:
-                    g = g * mask
-                result[name] = result[name] + g if name in result else g
-        return result
+            return collect_param_grads(self.param_roles, self.unit_param_grads(jac.saved, jac.tensors, grads, needed))
 
 
 def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,

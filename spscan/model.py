@@ -490,15 +490,20 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
         raise ValueError(f"grads: expected {len(plan.units) + 1} tensors, got {len(grads)}")
     needed = [[p.requires_grad for _, p, _ in roles] for roles in plan.param_roles]
     with torch.no_grad():
-        per_unit = _unit_param_grads(plan, jacobians, grads, needed)
-        result: dict[str, torch.Tensor] = {}
-        for roles, gs in zip(plan.param_roles, per_unit):
-            for (name, p, mask), g in zip(roles, gs):
-                if g is None:
-                    continue
-                if mask is not None:
-                    g = g * mask
-                result[name] = result[name] + g if name in result else g
+        return collect_param_grads(plan.param_roles, _unit_param_grads(plan, jacobians, grads, needed))
+
+
+def collect_param_grads(param_roles, per_unit) -> dict[str, torch.Tensor]:
+    """``{parameter name: gradient}`` from per-unit role gradients: pruning masks applied, a parameter
+    read by several units (shared weights) summed, roles not computed (``None``) left out."""
+    result: dict[str, torch.Tensor] = {}
+    for roles, gs in zip(param_roles, per_unit):
+        for (name, _, mask), g in zip(roles, gs):
+            if g is None:
+                continue
+            if mask is not None:
+                g = g * mask
+            result[name] = result[name] + g if name in result else g
     return result
 
 

@@ -966,6 +966,29 @@ class _RecurrentFunction(torch.autograd.Function):
         return (None, gx, gh0, gc0, *gparams)
 
 
+def run_wrapped(function, plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor]):
+    """A recurrent wrapper's forward once its inputs are checked: the module's own outputs.
+
+    An empty batch or sequence runs the module itself (nothing to scan); without anything needing a
+    gradient the plan's forward runs without saving; otherwise ``function`` (the autograd function of
+    ``plan``) records the scan backward. Shared by the single-layer and the stacked wrappers.
+    """
+    grad_on = torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in params)
+        or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
+    )
+    empty = x.dim() == 3 and x.shape[0 if module.batch_first else 1] == 0
+    if empty or x.shape[-2 if x.dim() == 2 else (1 if module.batch_first else 0)] == 0:
+        return module(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
+    if not grad_on:
+        with torch.no_grad():
+            return plan.run_forward(x, hx, need_saved=False)[0]
+    outs = function.apply(plan, x, h0, c0, *params)
+    if plan.kind == "lstm":
+        return outs[0], (outs[1], outs[2])
+    return outs[0], outs[1]
+
+
 class RecurrentWrapper(nn.Module):
     """A single-layer ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through the BPPSA scan.
 
@@ -988,21 +1011,7 @@ class RecurrentWrapper(nn.Module):
         h0 = c0 = None
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
-        params = _params(self.module)
-        grad_on = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for p in params)
-            or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
-        )
-        empty = x.dim() == 3 and x.shape[0 if self.module.batch_first else 1] == 0
-        if empty or x.shape[-2 if x.dim() == 2 else (1 if self.module.batch_first else 0)] == 0:
-            return self.module(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
-        if not grad_on:
-            with torch.no_grad():
-                return self.plan.run_forward(x, hx, need_saved=False)[0]
-        outs = _RecurrentFunction.apply(self.plan, x, h0, c0, *params)
-        if self.plan.kind == "lstm":
-            return outs[0], (outs[1], outs[2])
-        return outs[0], outs[1]
+        return run_wrapped(_RecurrentFunction, self.plan, self.module, x, hx, h0, c0, _params(self.module))
 
     def extra_repr(self) -> str:
         return f"layout={self.plan.layout!r}"

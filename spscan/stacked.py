@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from spscan.model import refuse_functorch, refuse_second_derivative
-from spscan.recurrent import RecurrentPlan, _RecurrentFunction
+from spscan.recurrent import RecurrentPlan, _RecurrentFunction, run_wrapped
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
@@ -408,22 +408,7 @@ class StackedRecurrentWrapper(nn.Module):
             else:
                 h0 = hx
         params = [getattr(self.module, n) for n in self.plan.param_names()]
-        grad_on = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for p in params)
-            or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
-        )
-        m = self.module
-        T = x.shape[1 if (m.batch_first and x.dim() == 3) else 0]
-        B = 1 if x.dim() == 2 else x.shape[0 if m.batch_first else 1]
-        if T == 0 or B == 0:
-            return m(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
-        if not grad_on:
-            with torch.no_grad():
-                return self.plan.run_forward(x, hx, need_saved=False)[0]
-        outs = _StackedFunction.apply(self.plan, x, h0, c0, *params)
-        if self.plan.kind == "lstm":
-            return outs[0], (outs[1], outs[2])
-        return outs[0], outs[1]
+        return run_wrapped(_StackedFunction, self.plan, self.module, x, hx, h0, c0, params)
 
     def extra_repr(self) -> str:
         return f"layers={self.plan.num_layers}, directions={self.plan.num_directions}"
