@@ -103,7 +103,7 @@ def copy_gbps(nbytes: int, device: torch.device) -> float:
         dst.copy_(src)
         sync()
 
-    return 2 * 4 * n / median_time(run, reps=20)
+    return 2 * 4 * n / median_time(run, reps=20) / 1e9
 
 
 def _index_bytes(table) -> int:

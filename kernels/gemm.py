@@ -7,7 +7,9 @@ launch for all of them. Blocks sit row-major at ``BlockRef.offsets`` in their ar
 ``m x p`` blocks from ``out_offset``. A program computes one ``BLOCK_M x BLOCK_P`` tile of one
 node for ``BLOCK_B`` samples, loading a shared factor once when ``k`` fits one tile. Tiles of
 16 or more in every dimension use ``tl.dot`` (``input_precision="ieee"`` unless
-``launch.allow_tf32``); smaller nodes use a broadcast multiply and a fixed-order sum.
+``launch.allow_tf32``); smaller nodes accumulate ``k`` rank-1 updates in order (two 2-D tiles;
+a 3-D broadcast-multiply-sum of small float32 tiles compiled wrong under Triton 3.6 on sm_90,
+e.g. ``12 x 12 x 12`` and ``11 x 2 x 9`` nodes).
 Accumulation is in the arena dtype. The inner size ``k`` is a compile-time constant (one
 variant per size): the k loop is then a ``range`` loop that Triton software-pipelines and that
 Triton 3.6's interpreter runs (it cannot take a run-time value as a ``range`` bound).
@@ -24,16 +26,6 @@ from spscan.planner.program import BlockRef
 from . import launch
 
 __all__ = ["gemm_kernel", "gemm", "node_batch_tile"]
-
-
-@triton.jit
-def _mac(acc, a, b, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc + a @ b`` for one ``(BLOCK_M, BLOCK_K) x (BLOCK_K, BLOCK_P)`` tile pair."""
-    if USE_DOT:
-        acc += tl.dot(a, b, input_precision=PRECISION)
-    else:
-        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    return acc
 
 
 @triton.jit
@@ -61,40 +53,56 @@ def gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < m
     col_ok = cols < p
-    a_tile = a_ptr + tl.load(a_off + node).to(tl.int64) + rows[:, None] * k + ks[None, :]
-    b_tile = b_ptr + tl.load(b_off + node).to(tl.int64) + ks[:, None] * p + cols[None, :]
-    c_tile = c_ptr + out_offset + node.to(tl.int64) * m * p + rows[:, None] * p + cols[None, :]
-    a_mask = row_ok[:, None] & (ks[None, :] < k)
-    b_mask = (ks[:, None] < k) & col_ok[None, :]
-    if ONE_K:
-        # a shared factor is the same for every sample: load it once
-        if A_SHARED:
-            a_fix = tl.load(a_tile, mask=a_mask, other=0.0)
-        if B_SHARED:
-            b_fix = tl.load(b_tile, mask=b_mask, other=0.0)
-    for i in range(BLOCK_B):
-        s = bblk * BLOCK_B + i
-        s_ok = s < batch
-        s64 = s.to(tl.int64)
-        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=c_ptr.dtype.element_ty)
+    if not USE_DOT:
+        # small nodes: k rank-1 updates of the (BLOCK_M, BLOCK_P) tile, in order (2-D tensors only)
+        a_col = a_ptr + tl.load(a_off + node).to(tl.int64) + rows * k
+        b_row = b_ptr + tl.load(b_off + node).to(tl.int64) + cols
+        c_tile = c_ptr + out_offset + node.to(tl.int64) * m * p + rows[:, None] * p + cols[None, :]
+        for i in range(BLOCK_B):
+            s = bblk * BLOCK_B + i
+            s_ok = s < batch
+            s64 = s.to(tl.int64)
+            acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=c_ptr.dtype.element_ty)
+            for kk in range(k):
+                av = tl.load(a_col + s64 * stride_a + kk, mask=row_ok & s_ok, other=0.0)
+                bv = tl.load(b_row + s64 * stride_b + kk * p, mask=col_ok & s_ok, other=0.0)
+                acc += av[:, None] * bv[None, :]
+            tl.store(c_tile + s64 * stride_c, acc, mask=row_ok[:, None] & col_ok[None, :] & s_ok)
+    else:
+        a_tile = a_ptr + tl.load(a_off + node).to(tl.int64) + rows[:, None] * k + ks[None, :]
+        b_tile = b_ptr + tl.load(b_off + node).to(tl.int64) + ks[:, None] * p + cols[None, :]
+        c_tile = c_ptr + out_offset + node.to(tl.int64) * m * p + rows[:, None] * p + cols[None, :]
+        a_mask = row_ok[:, None] & (ks[None, :] < k)
+        b_mask = (ks[:, None] < k) & col_ok[None, :]
         if ONE_K:
+            # a shared factor is the same for every sample: load it once
             if A_SHARED:
-                a = a_fix
-            else:
-                a = tl.load(a_tile + s64 * stride_a, mask=a_mask & s_ok, other=0.0)
+                a_fix = tl.load(a_tile, mask=a_mask, other=0.0)
             if B_SHARED:
-                b = b_fix
+                b_fix = tl.load(b_tile, mask=b_mask, other=0.0)
+        for i in range(BLOCK_B):
+            s = bblk * BLOCK_B + i
+            s_ok = s < batch
+            s64 = s.to(tl.int64)
+            acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=c_ptr.dtype.element_ty)
+            if ONE_K:
+                if A_SHARED:
+                    a = a_fix
+                else:
+                    a = tl.load(a_tile + s64 * stride_a, mask=a_mask & s_ok, other=0.0)
+                if B_SHARED:
+                    b = b_fix
+                else:
+                    b = tl.load(b_tile + s64 * stride_b, mask=b_mask & s_ok, other=0.0)
+                acc += tl.dot(a, b, input_precision=PRECISION)
             else:
-                b = tl.load(b_tile + s64 * stride_b, mask=b_mask & s_ok, other=0.0)
-            acc = _mac(acc, a, b, USE_DOT, PRECISION)
-        else:
-            for k0 in range(0, k, BLOCK_K):
-                a = tl.load(a_tile + s64 * stride_a + k0,
-                            mask=row_ok[:, None] & (k0 + ks[None, :] < k) & s_ok, other=0.0)
-                b = tl.load(b_tile + s64 * stride_b + k0 * p,
-                            mask=(k0 + ks[:, None] < k) & col_ok[None, :] & s_ok, other=0.0)
-                acc = _mac(acc, a, b, USE_DOT, PRECISION)
-        tl.store(c_tile + s64 * stride_c, acc, mask=row_ok[:, None] & col_ok[None, :] & s_ok)
+                for k0 in range(0, k, BLOCK_K):
+                    a = tl.load(a_tile + s64 * stride_a + k0,
+                                mask=row_ok[:, None] & (k0 + ks[None, :] < k) & s_ok, other=0.0)
+                    b = tl.load(b_tile + s64 * stride_b + k0 * p,
+                                mask=(k0 + ks[:, None] < k) & col_ok[None, :] & s_ok, other=0.0)
+                    acc += tl.dot(a, b, input_precision=PRECISION)
+            tl.store(c_tile + s64 * stride_c, acc, mask=row_ok[:, None] & col_ok[None, :] & s_ok)
 
 
 def gemm(a_off: torch.Tensor, b_off: torch.Tensor, a_ref: BlockRef, b_ref: BlockRef, out_offset: int,

@@ -141,7 +141,7 @@ def gemm_config(m: int, k: int, p: int, batch: int, itemsize: int,
     """Tiles for ``(m, k) @ (k, p)`` node blocks over ``batch`` samples; also whether k fits one tile.
 
     ``tl.dot`` needs every tile dimension ``>= 16``: it is used when ``m, k, p >= 16`` (tiles are
-    powers of two, so 20 pads to 32); smaller nodes take a broadcast-multiply-sum path.
+    powers of two, so 20 pads to 32); smaller nodes accumulate rank-1 updates (no k tile).
     """
     interpret = interpreting() if interpret is None else interpret
     use_dot = min(m, k, p) >= 16
@@ -150,16 +150,10 @@ def gemm_config(m: int, k: int, p: int, batch: int, itemsize: int,
         bm, bp = min(next_pow2(m), cap_mp), min(next_pow2(p), cap_mp)
         bk = min(next_pow2(k), 64 if itemsize <= 4 else 32)
     else:
-        bm, bp = min(next_pow2(m), 32), min(next_pow2(p), 32)
-        budget = (1 << 15) if interpret else 4096  # the 3-D broadcast product lives in registers
-        bk = max(1, min(next_pow2(k), budget // (bm * bp)))
-        while bm * bp * bk > budget and max(bm, bp) > 1:  # only reachable with bk == 1
-            if bm >= bp:
-                bm //= 2
-            else:
-                bp //= 2
+        # rank-1 updates of a (bm, bp) tile, one k at a time: no k tile
+        bm, bp, bk = min(next_pow2(m), 32), min(next_pow2(p), 32), 1
     block_b = min(next_pow2(batch), 16 if interpret else 4)
-    warps = 4 if use_dot or interpret else _warps(bm * bp * bk)
+    warps = 4 if use_dot or interpret else _warps(bm * bp)
     return GemmConfig(block_b, bm, bk, bp, use_dot, warps), k <= bk
 
 

@@ -28,6 +28,18 @@ __all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "PeriodicValues", "Stacked
 _FLOATS = (torch.float32, torch.float64)
 
 
+_MAX_GRAPHS = 4  # CUDA graphs a bound plan keeps (one per batch size and dtype in use)
+
+
+def canonical_device(device) -> torch.device:
+    """``device`` with its index filled in: ``cuda`` means the current CUDA device, as a tensor's
+    ``.device`` would name it (``cuda:0``), so plan and tensor devices compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def fmt_bytes(b: float) -> str:
     """``1536 -> '1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -97,6 +109,29 @@ class PeriodicValues(Sequence):
         return e if e.dim() == 1 else e[t]
 
 
+def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch.Tensor, batch: int) -> None:
+    """Load a periodic chain's values into the input arenas as the layer-order concatenation
+    would (shared layers back to back in ``S``, per-sample layers in ``P``), with one strided
+    copy per element instead of a Python look-up and a concatenation over ``n`` layers."""
+    T = values.periods
+    shared = [e for e in values.elements if e.dim() == 1]
+    per = [e for e in values.elements if e.dim() == 3]
+    if shared:
+        width = sum(int(e.shape[0]) for e in shared)
+        block = s_arena[: T * width].view(T, width)
+        off = 0
+        for e in shared:
+            block[:, off : off + e.shape[0]].copy_(e.unsqueeze(0).expand(T, -1))
+            off += int(e.shape[0])
+    if per:
+        width = sum(int(e.shape[2]) for e in per)
+        block = p_arena[:, : T * width].view(batch, T, width)
+        off = 0
+        for e in per:
+            block[:, :, off : off + e.shape[2]].copy_(e.transpose(0, 1))
+            off += int(e.shape[2])
+
+
 class StackedExtra(Sequence):
     """The ``n+1`` affine terms of a scan, given at evenly spaced positions by one stacked tensor.
 
@@ -142,9 +177,12 @@ class ScanResult:
     next run.
     """
 
-    def __init__(self, vectors: torch.Tensor, program: Program, composite: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, vectors: torch.Tensor, program: Program, composite: Optional[torch.Tensor] = None,
+                 index_cache: Optional[dict] = None) -> None:
         self._vectors = vectors
         self._program = program
+        # the bound plan's: device column indices of irregular ``stacked`` blocks, uploaded once
+        self._index_cache = {} if index_cache is None else index_cache
         self._grads: Optional[list[torch.Tensor]] = None
         self.composite = composite
 
@@ -172,31 +210,44 @@ class ScanResult:
         The linear scan writes its outputs at evenly spaced offsets, so this is usually one
         strided view (no copy; a reversed run: one copy); otherwise one gather of the columns.
         ``copy=True`` always returns a new, contiguous tensor (one copy, two after a gather).
+        The layout of each ``idx`` is worked out once per bound plan (and its gather indices
+        uploaded once), so a repeated call does no host work proportional to ``len(idx)``.
         """
+        key = (idx.start, idx.stop, idx.step)
+        layout = self._index_cache.get(key)
+        if layout is None:
+            layout = self._index_cache[key] = self._stacked_layout(idx)
+        v = self._vectors
+        if layout[0] == "view":
+            _, count, first, step, d = layout
+            view = v.as_strided((count, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
+                                v.storage_offset() + first * v.stride(1))
+            if step < 0:
+                # flip copies; with copy=True the copy is contiguous (a plain flip keeps the batch-major
+                # layout of the view, and a reshape of it would copy again)
+                if copy:
+                    return view.index_select(0, torch.arange(count - 1, -1, -1, device=v.device))
+                return view.flip(0)
+            return view.clone(memory_format=torch.contiguous_format) if copy else view
+        # irregular offsets: one gather of all the columns ((B, K*d), the batch outermost), not K slices
+        _, count, cols, d = layout
+        out = v.index_select(1, cols).view(v.shape[0], count, d).transpose(0, 1)
+        return out.contiguous() if copy else out
+
+    def _stacked_layout(self, idx: range) -> tuple:
+        """``("view", K, first, step, d)`` for evenly spaced outputs, else ``("gather", K, cols, d)``."""
         outs = self._program.outputs
         offs = np.fromiter((outs[i][0] for i in idx), dtype=np.int64, count=len(idx))
         dims = {outs[i][1] for i in idx}
         if len(dims) != 1:
             raise ValueError(f"stacked: the gradients at {idx} have different sizes {sorted(dims)}")
         d = dims.pop()
-        v = self._vectors
         if offs.size > 1:
             step = int(offs[1] - offs[0])
             if step != 0 and abs(step) >= d and bool(np.all(np.diff(offs) == step)):
-                first = int(offs.min())
-                view = v.as_strided((offs.size, v.shape[0], d), (abs(step) * v.stride(1), v.stride(0), v.stride(1)),
-                                    v.storage_offset() + first * v.stride(1))
-                if step < 0:
-                    # flip copies; with copy=True the copy is contiguous (a plain flip keeps the batch-major
-                    # layout of the view, and a reshape of it would copy again)
-                    if copy:
-                        return view.index_select(0, torch.arange(offs.size - 1, -1, -1, device=v.device))
-                    return view.flip(0)
-                return view.clone(memory_format=torch.contiguous_format) if copy else view
-        # irregular offsets: one gather of all the columns ((B, K*d), the batch outermost), not K slices
-        cols = torch.as_tensor((offs[:, None] + np.arange(d)).reshape(-1), device=v.device)
-        out = v.index_select(1, cols).view(v.shape[0], offs.size, d).transpose(0, 1)
-        return out.contiguous() if copy else out
+                return ("view", int(offs.size), int(offs.min()), step, d)
+        cols = torch.as_tensor((offs[:, None] + np.arange(d)).reshape(-1), device=self._vectors.device)
+        return ("gather", int(offs.size), cols, d)
 
     @property
     def composite_vector(self) -> Optional[torch.Tensor]:
@@ -381,12 +432,15 @@ class BoundPlan:
     def __init__(self, scan: ScanPlan, shared: tuple, has_extra: tuple, device: torch.device, backend: Backend,
                  dtype: Optional[torch.dtype], max_memory: Optional[int], operators: Optional[tuple] = None,
                  first_output: bool = True) -> None:
+        device = canonical_device(device)
         backend.check_device(device)
         self.shared = shared
         self.has_extra = has_extra
         self.operators = (False,) * scan.n if operators is None else operators
         self.first_output = first_output
         self.device = device
+        self._index_cache: dict = {}
+        self._graphs: dict = {}  # run(graph=True): CUDA graphs by (batch, dtype, buffer addresses)
         self.backend = backend
         self.dtype = dtype
         self.max_memory = max_memory
@@ -397,6 +451,9 @@ class BoundPlan:
         self._dims = [p.rows for p in pats] + [pats[-1].cols]
         self.program = lower(scan, shared, has_extra, self.operators, first_output)
         self.tables = backend.make_tables(self.program, device)
+        # run(graph=True) applies: launches only, on this plan's buffers (no caller tensor read by a launch)
+        self._graphable = (device.type == "cuda" and backend.capabilities.graph_capturable
+                           and self.tables.reads_arena_inputs and not any(self.operators))
         self._peak_per_sample = estimate_memory(scan).backward_peak(1) if max_memory is not None else 0
         cols = [np.arange(off, off + self._dims[i]) for i, off in self.program.extra_slots.items()]
         # one index_put of the concatenated extras instead of a copy per layer (long chains with a loss per step)
@@ -491,7 +548,8 @@ class BoundPlan:
         return hit[:numel]
 
     def release_buffers(self) -> None:
-        """Free the arenas and working buffers kept between calls (tables stay)."""
+        """Free the arenas, working buffers and CUDA graphs kept between calls (tables stay)."""
+        self._graphs.clear()
         self._arena_key = self._arenas = None
         self._scratch.clear()
 
@@ -511,7 +569,7 @@ class BoundPlan:
     def run(self, values: Any, grad: Optional[torch.Tensor] = None,
             extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *, check: bool = True,
             check_finite: bool = False, scratch: bool = False,
-            keep: Optional[Sequence[bool]] = None) -> ScanResult:
+            keep: Optional[Sequence[bool]] = None, graph: bool = False) -> ScanResult:
         """Run the bound program on one step's values.
 
         Args:
@@ -526,6 +584,12 @@ class BoundPlan:
             keep: ``n+1`` flags, the ``dl/dx_i`` the caller reads (default: all). A linear scan of
                 structured operators (:attr:`operator_chain`) then holds only those, freeing each other
                 one as soon as the next operator has read it; the others are ``None`` in the result.
+            graph: on a CUDA device with a graph-capturable backend, capture the program's kernel
+                launches in a CUDA graph the first time a batch size and dtype is seen (after an eager
+                run that gives this call's result) and replay it on later calls: the loads of the
+                values, ``grad`` and ``extra`` stay eager copies into the plan's own buffers, so new
+                values go through the same graph. Removes the per-launch host cost (tens of launches
+                per backward). Ignored where it does not apply (CPU, structured operators).
         """
         if check:
             # the compact forms are validated as the lists they stand for
@@ -560,7 +624,7 @@ class BoundPlan:
             with torch.no_grad():
                 return _ListResult(self._run_operator_chain(items, grad, keep))
         with torch.no_grad():
-            vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch)
+            vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch, graph and self._graphable)
         composite = None
         root = self.program.root_mat
         if root is not None:
@@ -568,20 +632,22 @@ class BoundPlan:
             s_arena, p_arena = self._arenas
             src = s_arena[off : off + nnz] if arena == "S" else p_arena[:, off : off + nnz]
             composite = src.clone() if not scratch else src
-        return ScanResult(vectors, self.program, composite)
+        return ScanResult(vectors, self.program, composite, self._index_cache)
 
     def _execute(self, items, stacked: bool, batch: int, dtype: torch.dtype, grad: Optional[torch.Tensor],
-                 extra, scratch: bool) -> torch.Tensor:
+                 extra, scratch: bool, graph: bool = False) -> torch.Tensor:
         """Load the arenas from the caller's tensors (copies), run the program, return the vector arena."""
         prog, n, device = self.program, self.n, self.device
         s_arena, p_arena = self._get_arenas(batch, dtype)
-        if scratch:
+        if scratch or graph:  # a captured graph writes to the same vector buffer every replay
             vectors = self._scratch_buffer("vectors", batch * prog.size_v, dtype).view(batch, prog.size_v)
         else:
             vectors = torch.empty(batch, prog.size_v, dtype=dtype, device=device)
-        s_arena[prog.zero_s] = 0
-        p_arena[:, prog.zero_p] = 0
-        vectors[:, prog.zero_v] = 0
+        # narrow + zero_: a device fill (assigning a Python scalar through indexing copies a host
+        # scalar, which CUDA-graph capture refuses)
+        s_arena.narrow(0, prog.zero_s, 1).zero_()
+        p_arena.narrow(1, prog.zero_p, 1).zero_()
+        vectors.narrow(1, prog.zero_v, 1).zero_()
         in_place = (isinstance(items, ValuesBuffer) and items.bound is self
                     and items.arenas[0] is s_arena and items.arenas[1] is p_arena)
         nnz0 = self._nnz[0]
@@ -609,6 +675,8 @@ class BoundPlan:
                 s_arena[: sum(t.shape[0] for t in sh)] = torch.cat(sh)
             if ps:
                 p_arena[:, : sum(t.shape[1] for t in ps)] = torch.cat(ps, dim=1)
+        elif isinstance(items, PeriodicValues):
+            _load_periodic(items, s_arena, p_arena, batch)
         else:
             sh = [v.reshape(-1) for v, s in zip(items, prog.shared) if s]
             ps = [v for v, s in zip(items, prog.shared) if not s]
@@ -637,5 +705,30 @@ class BoundPlan:
         arenas = {"S": s_arena, "P": p_arena}
         if self.tables.run_scratch:
             arenas["C"] = self._scratch_buffer("run", batch * self.tables.run_scratch, dtype)
+        if graph:
+            self._run_graphed(arenas, vectors, batch, dtype)
+            return vectors if scratch else vectors.clone()
         self.backend.run(self.tables, arenas, vectors, layer)
         return vectors
+
+    def _run_graphed(self, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, batch: int,
+                     dtype: torch.dtype) -> None:
+        """The program's launches through a CUDA graph kept per buffer set (see ``run(graph=True)``)."""
+        if torch.cuda.is_current_stream_capturing():  # inside the caller's capture: record the launches there
+            self.backend.run(self.tables, arenas, vectors, None)
+            return
+        key = (batch, dtype, vectors.data_ptr(), *(t.data_ptr() for _, t in sorted(arenas.items())))
+        g = self._graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        # eager first: compiles the kernels and gives this call's result; the capture below only
+        # records launches (nothing runs), so the buffers keep that result
+        self.backend.run(self.tables, arenas, vectors, None)
+        torch.cuda.current_stream(self.device).synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.backend.run(self.tables, arenas, vectors, None)
+        if len(self._graphs) >= _MAX_GRAPHS:  # buffers of old batch sizes are gone: drop their graphs
+            self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = g

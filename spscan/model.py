@@ -308,7 +308,7 @@ class ModelPlan:
         items, _, shared, has_extra, _, _, device, operators = check_inputs(
             self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
         bound = self.core.bind(shared, has_extra, device, operators, first_output)
-        return bound.run(items, grad, extra, check=False).grads
+        return bound.run(items, grad, extra, check=False, graph=True).grads
 
     def bind_signatures(self, device=None) -> None:
         """Bind the core plan for what the wrapper's backward passes (shared flags, operators, with and

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 import scipy.sparse as sp
 import torch
 
-from spscan.engine import BoundPlan, ValuesBuffer, fmt_bytes
+from spscan.engine import BoundPlan, ValuesBuffer, canonical_device, fmt_bytes
 from spscan.kernels.backend import backend_names, default_backend, get_backend
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
@@ -256,6 +256,16 @@ def resolve_device(device) -> Optional[torch.device]:
             raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: expected a CPU or CUDA device")
+    return canonical_device(dev)
+
+
+def backend_device(backend: str, dev: Optional[torch.device]) -> Optional[torch.device]:
+    """The plan's device: ``dev``, or where ``backend`` must run when it cannot run on the CPU
+    (compiled Triton kernels: the current CUDA device). ``ValueError`` if ``backend`` cannot run on it."""
+    impl = get_backend(backend)
+    if dev is None and "cpu" not in impl.capabilities.device_types and torch.cuda.is_available():
+        dev = resolve_device(impl.capabilities.device_types[0])
+    impl.check_device(dev or torch.device("cpu"))  # without CUDA: the backend says why it cannot run
     return dev
 
 
@@ -290,7 +300,7 @@ def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str 
     dev = resolve_device(device)
     if backend == "auto":
         backend = default_backend(dev)
-    get_backend(backend).check_device(dev or torch.device("cpu"))
+    dev = backend_device(backend, dev)
     pats = as_chain(patterns)
     elem = 8 if dtype == torch.float64 else 4
     profile = profile_for(dev.type if dev is not None else "cpu")
@@ -323,7 +333,7 @@ def build_composite(patterns: Any, *, backend: str = "auto", device=None, dtype:
     dev = resolve_device(device)
     if backend == "auto":
         backend = default_backend(dev)
-    get_backend(backend).check_device(dev or torch.device("cpu"))
+    dev = backend_device(backend, dev)
     pats: list[Pattern] = as_chain(patterns)
     elem = 8 if dtype == torch.float64 else 4
     profile = profile_for(dev.type if dev is not None else "cpu",

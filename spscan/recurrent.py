@@ -790,7 +790,7 @@ class RecurrentPlan:
             ext = StackedExtra(extra[: T - 1], range(per, n, per), n + 1)
             top = top + extra[T - 1]
         # factored: PeriodicValues (m elements, T periods); materialized: one stacked (T, B, nnz) tensor
-        return bound.run(saved.values, top, ext, check=False, scratch=True)
+        return bound.run(saved.values, top, ext, check=False, scratch=True, graph=True)
 
     def backward(
         self,

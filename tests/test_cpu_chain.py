@@ -254,17 +254,25 @@ def test_periodic_values_and_stacked_extra_equal_lists(cpu_loop, extra, check):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("levels", [1, "full"])
-def test_periodic_values_through_products(levels):
-    """A plan with products (not only the linear run) reads PeriodicValues as the list of tensors."""
+def test_periodic_values_through_products(levels, backend):
+    """A plan with products (not only the linear run) loads PeriodicValues into its arenas as the
+    list of tensors it stands for: same gradients as the reference, bitwise those of the list."""
     T, H, batch = 6, 3, 2
     pats, vals = _periodic_chain(T, H, batch, torch.float64, seed=12)
     grad = torch.randn(batch, H, dtype=torch.float64)
-    plan = spscan.plan(pats, levels=levels, backend="torch")
-    got = plan.bind([True, False, True] * T).run(vals, grad, check=False).grads
-    want = reference_backward(pats, list(vals), grad)
+    dev = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    vals = PeriodicValues([e.to(dev) for e in vals.elements], T)
+    plan = spscan.plan(pats, levels=levels, backend=backend, device=dev)
+    bound = plan.bind([True, False, True] * T)
+    got = [g.cpu() for g in bound.run(vals, grad.to(dev), check=False).grads]
+    want = reference_backward(pats, [v.cpu() for v in vals], grad)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    lists = bound.run(list(vals), grad.to(dev), check=False).grads
+    for a, b in zip(got, lists):
+        assert torch.equal(a, b.cpu())
 
 
 def test_periodic_values_and_stacked_extra_read_as_lists():

@@ -205,6 +205,51 @@ def test_cuda_graph_replay_equals_eager(case, api):
         assert rel_err(replayed, ref) <= 2 * seq + F32_FLOOR
 
 
+@pytest.mark.parametrize("case", ["dense20-dot", "sparse-mixed", "band-empty-segments"])
+def test_bound_run_graph_equals_eager(case):
+    """``BoundPlan.run(graph=True)``: the first call per batch size runs eagerly and captures, later
+    calls replay with new values loaded into the plan's buffers; bitwise what ``graph=False`` gives,
+    across new values and a change of batch size and back, with and without ``scratch``."""
+    pats, shared, levels, batch, every = CASES[case]
+    plan = spscan.plan(pats, levels=levels, backend="triton", device=CUDA, dtype=torch.float32, batch_size=batch)
+    for seed, b, scratch in [(0, batch, False), (1, batch, True), (2, batch + 3, False), (3, batch + 3, True),
+                             (4, batch, False)]:
+        vals, grad, extra = (_cuda(x) for x in _inputs(pats, shared, b, torch.float32, every, seed=seed))
+        bound = plan.bind(shared=shared, has_extra=None if extra is None else [e is not None for e in extra],
+                          device=CUDA)
+        got = [g.clone() for g in bound.run(vals, grad, extra, check=False, scratch=scratch, graph=True).grads]
+        want = bound.run(vals, grad, extra, check=False).grads
+        assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{case} seed {seed}: graph differs from eager"
+
+
+def test_gemm_small_nodes_direct():
+    """The dense-node GEMM on the device for small and odd node shapes (the rank-1-update path) and
+    ``tl.dot`` sizes, every shared/per-sample mix, float32 and float64, against float64 torch."""
+    from spscan.kernels.gemm import gemm
+    from spscan.planner.program import BlockRef
+
+    g = torch.Generator().manual_seed(5)
+    batch, nodes = 3, 5
+    for (m, k, p) in [(7, 3, 5), (12, 12, 12), (11, 2, 9), (1, 7, 1), (12, 40, 3), (20, 20, 20), (17, 70, 33)]:
+        for a_sh in (False, True):
+            for b_sh in (False, True):
+                A = torch.randn(*(() if a_sh else (batch,)), nodes * m * k + 3, generator=g, dtype=torch.float64)
+                Bm = torch.randn(*(() if b_sh else (batch,)), nodes * k * p + 5, generator=g, dtype=torch.float64)
+                a_ref = BlockRef(m, k, np.arange(nodes) * m * k + 3)
+                b_ref = BlockRef(k, p, np.arange(nodes) * k * p + 5)
+                want = ((A if not a_sh else A.expand(batch, -1))[:, 3:].reshape(batch, nodes, m, k)
+                        @ (Bm if not b_sh else Bm.expand(batch, -1))[:, 5:].reshape(batch, nodes, k, p))
+                for dt, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+                    c_sh = a_sh and b_sh
+                    c = torch.full((*(() if c_sh else (batch,)), nodes * m * p), float("nan"), dtype=dt, device=CUDA)
+                    gemm(torch.as_tensor(a_ref.offsets, device=CUDA), torch.as_tensor(b_ref.offsets, device=CUDA),
+                         a_ref, b_ref, 0, A.to(dt).to(CUDA), Bm.to(dt).to(CUDA), c)
+                    got = c.double().cpu()
+                    got = (got if not c_sh else got.expand(batch, -1)).reshape(batch, nodes, m, p)
+                    err = float((got - want).abs().max() / want.abs().max())
+                    assert err <= tol, f"({m}, {k}, {p}) a_sh={a_sh} b_sh={b_sh} {dt}: relative error {err:.2e}"
+
+
 def test_wrap_rnn_on_gpu_matches_autograd():
     """``spscan.wrap`` of an ``nn.RNN`` (T = 64, B = 16, H = 20) on the GPU vs float64 autograd."""
     torch.manual_seed(0)
@@ -223,11 +268,15 @@ def test_wrap_rnn_on_gpu_matches_autograd():
         (out * weights.to(out.dtype)).sum().backward()
         return [inp.grad.detach().clone()] + [p.grad.detach().clone() for p in module.parameters()]
 
-    got = grads(w, rnn, x)
-    again = grads(w, rnn, x)
+    got = grads(w, rnn, x)  # eager scan, then the scan's launches are captured
+    again = grads(w, rnn, x)  # replayed
     want = grads(ref, ref, x.double())
     auto32 = grads(rnn, rnn, x)
     for i, (a, b, r, c) in enumerate(zip(got, again, want, auto32)):
         assert torch.equal(a, b), i
+        bound = 2 * float((c.double() - r).abs().max()) + 1e-6 * max(float(r.abs().max()), 1.0)
+        assert float((a.double() - r).abs().max()) <= bound, i
+    x2 = torch.randn(64, 16, 20, device=CUDA)  # new values through the replayed graph
+    for i, (a, r, c) in enumerate(zip(grads(w, rnn, x2), grads(ref, ref, x2.double()), grads(rnn, rnn, x2))):
         bound = 2 * float((c.double() - r).abs().max()) + 1e-6 * max(float(r.abs().max()), 1.0)
         assert float((a.double() - r).abs().max()) <= bound, i

@@ -224,7 +224,7 @@ def test_dense_dot_path(config_family, dtype, sharing):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 def test_dense_small_fallback(config_family, dtype):
-    """Odd rectangular nodes below 16: broadcast-multiply-sum path; mixed operand kinds."""
+    """Odd rectangular nodes below 16: the rank-1-update path; mixed operand kinds."""
     dims = [7, 3, 5, 11, 2, 9, 6]
     pats = [full(dims[i], dims[i + 1]) for i in range(len(dims) - 1)]
     check_case(pats, [False, True, True, False, False, True], dtype, "full", batch=3, extra_every=2)
