@@ -29,7 +29,7 @@ import torch
 import spscan
 
 import paper_config as cfg
-from test_paper_vgg import pruned_vgg11_convs
+from test_paper_vgg import magnitude_prune, vgg11
 
 DEV = cfg.DEVICE
 _CHAIN: dict[str, list] = {}
@@ -38,7 +38,8 @@ _CHAIN: dict[str, list] = {}
 def _patterns() -> tuple[list[sp.csr_array], list[str]]:
     """The pruned VGG-11 chain's patterns and layer kinds (computed once per session)."""
     if not _CHAIN:
-        model = pruned_vgg11_convs(cfg.VGG_CHANNEL_DIVISOR)
+        model = vgg11(cfg.VGG_CHANNEL_DIVISOR)[0]  # the conv/ReLU/max-pool features
+        magnitude_prune(model, cfg.VGG_PRUNE_AMOUNT, "layer")
         plan = spscan.plan(model, torch.randn(1, 3, 32, 32), prune_zeros=True, levels=0)
         _CHAIN["patterns"] = [sp.csr_array(p) for p in plan.patterns]
         kinds, counts = [], {}
