@@ -36,7 +36,7 @@ SUITES_FULL = [  # the targets' rows first: later suites are cut when the budget
     ("spgemm", "bench/test_paper_spgemm.py", None, 60),
     ("rnn", "bench/test_paper_rnn.py", "not training", 120),
     ("gru", "bench/test_paper_gru.py", None, 60),
-    ("newton", "bench/test_newton.py", "cuda", 60),  # the parallel (Newton) forward vs cuDNN
+    ("newton", "bench/test_newton.py", "cuda and 30000-20", 90),  # the parallel (Newton) forward vs cuDNN at T = 30000
     ("core", "bench/test_core_bench.py", None, 45),
 ]
 SUITES_QUICK = [
