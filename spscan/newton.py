@@ -66,6 +66,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from spscan.engine import PeriodicValues, StackedExtra
 from spscan.planner.cost import profile_for
 from spscan.plan import build_plan
 from spscan.recurrent import cell_step
@@ -366,14 +367,14 @@ class NewtonSolver:
                     else:
                         fstep.append(v)
                 first_sample = next(j for j, v in enumerate(fstep) if v.dim() == 3)
-                per_t = []
+                elements = []
                 for j, v in enumerate(fstep):
                     if v.dim() == 1:
-                        per_t.append((v,) * T)
+                        elements.append(v)
                     else:  # scale one per-sample factor (the product scales with it); permute a non-diagonal one
-                        per_t.append(reversed_views(f"sample{j}", v, scale if j == first_sample else 1.0,
-                                                    sample_perms[j]))
-                return [v for vs in zip(*per_t) for v in vs]
+                        elements.append(reversed_stack(f"sample{j}", v, scale if j == first_sample else 1.0,
+                                                       sample_perms[j]))
+                return PeriodicValues(elements, T)  # element j of period t: step T-t's factor j
             from spscan.recurrent import _jacobian_values
 
             bv = _jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
@@ -384,33 +385,28 @@ class NewtonSolver:
             vals = _quasi_values(kind, coefs, w_hh, H)
             return (vals * scale_j if scale_j != 1.0 else vals).flip(0)
 
-        views_cache: dict[str, tuple] = {}
+        stacks: dict[str, torch.Tensor] = {}
+        last_first = torch.arange(T - 1, -1, -1, device=dev)
 
-        def reversed_views(name: str, src: torch.Tensor, scale: float = 1.0,
-                           perm: Optional[torch.Tensor] = None) -> list:
-            """``src`` (T, B, d) (its last axis gathered by ``perm`` if given) times ``scale`` in a buffer
-            kept across iterations, as its ``T`` step views last step first (the views are made once
-            per solve, not per iteration)."""
-            hit = views_cache.get(name)
-            if hit is None:
-                buf = torch.empty_like(src)
-                hit = views_cache[name] = (buf, buf.unbind(0)[::-1])
+        def reversed_stack(name: str, src: torch.Tensor, scale: float = 1.0,
+                           perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+            """``src`` (T, B, d) last step first (its last axis gathered by ``perm`` if given) times
+            ``scale``, in a buffer kept across iterations: a few device ops, no work per time step."""
             if perm is not None:
-                torch.index_select(src, -1, perm, out=hit[0])
-                if scale != 1.0:
-                    hit[0].mul_(scale)
-            elif scale != 1.0:
-                torch.mul(src, scale, out=hit[0])
-            else:
-                hit[0].copy_(src)
-            return hit[1]
+                src = src.index_select(-1, perm)
+            buf = stacks.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = stacks[name] = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            torch.index_select(src, 0, last_first, out=buf)
+            if scale != 1.0:
+                buf.mul_(scale)
+            return buf
 
         def solve_affine(bnd, per: int, values, r: torch.Tensor) -> torch.Tensor:
             """``δ_t = J_t δ_{t-1} + r_t``, ``δ_0 = 0``: one planned scan; ``(T, B, D)``."""
-            ext: list = [None] * (per * T + 1)
-            for j, rt in enumerate(reversed_views("residual", r)):
-                ext[per * j] = rt  # r_{T-j} enters at chain index per*j
-            res = bnd.run(values, zero, ext, check=False, scratch=True)
+            # r_{T-j} enters at chain index per*j: one stacked term, loaded by one strided copy
+            ext = StackedExtra(reversed_stack("residual", r), range(0, per * T, per), per * T + 1)
+            res = bnd.run(values, zero, ext, check=False, scratch=True, graph=True)
             return res.stacked(range(0, per * T, per)).flip(0)  # δ_1 .. δ_T (flip copies)
 
         s = torch.zeros(T, B, D, dtype=dt, device=dev)  # the initial guess
