@@ -9,7 +9,7 @@ with ``J_t = ds_t/ds_{t-1}``: an *affine* scan (a loss on every time step enters
 ``extra``). The transposed Jacobians are built analytically for all ``t`` at once from the
 gates, which are recomputed in one batched GEMM from ``x`` and ``h_{t-1}`` after the module's
 own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11) — except for the
-factored LSTM and RNN on CPU, whose forwards run in one compiled pass (:mod:`spscan.recurrent_cpu`)
+factored RNN, GRU and LSTM on CPU, whose forwards run in one compiled pass (:mod:`spscan.recurrent_cpu`)
 that evaluates the gates once and writes ``h_t`` (LSTM: ``c_T``) and the step's Jacobian values as
 it goes (``c_t`` comes from the recurrence itself, not from a recomputation). A Newton forward that
 falls back runs the module's own forward. Parameter gradients have
@@ -420,10 +420,14 @@ def _factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) ->
     if kind.startswith("rnn"):
         return [w_hh.t().contiguous().reshape(-1), coefs["d"]]
     if kind == "gru":
-        a = torch.cat([w_hh.t(), torch.ones(H, 1, dtype=dt, device=dev)], dim=1).reshape(-1)
         d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
-        return [a, d, torch.ones(4 * H, dtype=dt, device=dev)]
+        return [_gru_weight_values(w_hh, H), d, torch.ones(4 * H, dtype=dt, device=dev)]
     return [_lstm_weight_values(w_hh, H), _lstm_gate_values(coefs)]
+
+
+def _gru_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
+    """Values ``(3H^2 + H,)`` of :func:`_gru_weight_pattern`: row ``k`` of ``W_hh^T``, then its identity's one."""
+    return torch.cat([w_hh.t(), torch.ones(H, 1, dtype=w_hh.dtype, device=w_hh.device)], dim=1).reshape(-1)
 
 
 def _lstm_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
@@ -626,17 +630,19 @@ class RecurrentPlan:
         if need_saved and not fell_back and self._compiled_forward_applies(x, hx):
             if self.kind == "lstm":
                 return self._lstm_compiled_forward(x, hx)
+            if self.kind == "gru":
+                return self._gru_compiled_forward(x, hx)
             return self._rnn_compiled_forward(x, hx)
         outputs = m(x, hx)
         return outputs, (self._save(x, hx, outputs, need_values=True) if need_saved else None)
 
     def _compiled_forward_applies(self, x: torch.Tensor, hx) -> bool:
-        """Whether the factored LSTM's forward runs in one compiled pass (:mod:`spscan.recurrent_cpu`):
-        CPU, float32/float64 input and state of the parameters' dtype, well-formed shapes; anything
-        else runs the module (whose own checks then speak)."""
+        """Whether the factored RNN's, GRU's or LSTM's forward runs in one compiled pass
+        (:mod:`spscan.recurrent_cpu`): CPU, float32/float64 input and state of the parameters' dtype,
+        well-formed shapes; anything else runs the module (whose own checks then speak)."""
         from spscan import recurrent_cpu
 
-        if self.kind not in ("lstm", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
+        if self.kind not in ("lstm", "gru", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
                 or not recurrent_cpu.available():
             return False
         m, p = self.module, self.module.weight_hh_l0
@@ -706,6 +712,35 @@ class RecurrentPlan:
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = _Saved(x=xt, h_prev=h_prev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
+                       params=params, dtype=hs.dtype, device=hs.device)
+        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
+        shape = (1, H) if unbatched else (1, B, H)
+        return (out, hs[-1].reshape(shape).clone()), saved
+
+    def _gru_compiled_forward(self, x: torch.Tensor, hx):
+        """The GRU forward on CPU in one compiled pass that also writes the diagonal element's values
+        ``(dr, dz, dm, z)`` and ``dn`` (:func:`spscan.recurrent_cpu.gru_forward`): the gates are evaluated
+        once, not recomputed from the module's outputs. Returns ``(outputs, saved)``."""
+        from spscan.recurrent_cpu import gru_forward
+
+        m, H = self.module, self.hidden_size
+        unbatched = x.dim() == 2
+        xt = x.detach()
+        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
+        T, B, _ = xt.shape
+        params = [q.detach() for q in _params(m)]
+        h0, _ = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        b_hn = None
+        if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
+            b = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
+            gi = torch.addmm(b, xt.reshape(T * B, -1), params[0].t()).view(T, B, -1)
+            b_hn = params[3][2 * H:]
+        else:
+            gi = torch.matmul(xt, params[0].t())
+        hs, d, dn = gru_forward(gi, params[1], b_hn, h0)
+        values = PeriodicValues([_gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
+        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
         shape = (1, H) if unbatched else (1, B, H)

@@ -1,8 +1,14 @@
-"""The LSTM and RNN forwards on CPU in one compiled pass: outputs (and final cell) and the chain's Jacobian values.
+"""The RNN, GRU and LSTM forwards on CPU in one compiled pass: outputs (and final cell) and the chain's Jacobian values.
 
 :func:`rnn_forward` does the same for ``nn.RNN`` (tanh or relu): ``h_t = act(gi_t + h_{t-1} W_hh^T)``
 and the diagonal ``dh_t/da_t`` the factored chain's second element holds, in one time loop (tanh
 through the ``expm1`` below).
+
+:func:`gru_forward` does it for ``nn.GRU`` (PyTorch's equations, gates ``r, z, n``): per step one
+product with ``W_hh``, then ``r, z`` (sigmoids), ``n = tanh(gi_n + r (W_hn h + b_hn))`` and
+``h' = (h - n) z + n`` as PyTorch's CPU cell writes it, and the values of the factored chain's
+diagonal element ``(dr, dz, dm, z)`` plus ``dn`` (the input side of ``n``, for ``W_in``'s gradient),
+so the gates are evaluated once instead of being recomputed from the module's outputs.
 
 :class:`spscan.recurrent.RecurrentPlan` (factored layout, sequential forward, CPU tensors, numba
 importable) runs the recurrence here instead of running the module and then recomputing the
@@ -30,11 +36,12 @@ are bitwise reproducible run to run. No ``fastmath``, no ``parallel``.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
 
-__all__ = ["available", "lstm_forward", "rnn_forward"]
+__all__ = ["available", "gru_forward", "lstm_forward", "rnn_forward"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -211,9 +218,66 @@ def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, acc, e, bits, bitsf):  # pra
                     dt[b, j] = one - h * h
 
 
+def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, dn, acc, e, w, bits, bitsf):  # pragma: no cover - compiled
+    # acc: (r, z, hn) pre-activations; e rows: expm1 arguments/results of r, z, then of n (-2|a_n|),
+    # row 0 holds r once it is known; w: a_n (its sign, as tanh is odd)
+    T, B, G = gi.shape
+    H = G // 3
+    one = cst[18]
+    two = one + one
+    e2 = e[:2].reshape(-1)
+    en = e[2]
+    for t in range(T):
+        # (r, z): gi_t + h_{t-1} W_hh^T; hn = b_hn + h_{t-1} W_hn^T; summed over k in ascending order
+        hp = h0 if t == 0 else hs[t - 1]
+        for b in range(B):
+            for j in range(2 * H):
+                acc[b, j] = gi[t, b, j]
+            for j in range(H):
+                acc[b, 2 * H + j] = bhn[j]
+            for kk in range(H):
+                hv = hp[b, kk]
+                for j in range(G):
+                    acc[b, j] += hv * wt[kk, j]
+        for b in range(B):
+            for j in range(H):
+                p = b * H + j
+                e[0, p] = -acc[b, j]
+                e[1, p] = -acc[b, H + j]
+        _vexpm1_c(e2, bits, bitsf, cst, icst)
+        for b in range(B):
+            for j in range(H):
+                p = b * H + j
+                r = one / (two + e[0, p])
+                a = gi[t, b, 2 * H + j] + r * acc[b, 2 * H + j]  # as torch: i_n + (h_n * r)
+                e[0, p] = r
+                w[p] = a
+                e[2, p] = -two * abs(a)
+        _vexpm1_c(en, bits, bitsf, cst, icst)
+        ht = hs[t]
+        dt = d[t]
+        dnt = dn[t]
+        for b in range(B):
+            for j in range(H):
+                p = b * H + j
+                r = e[0, p]
+                z = one / (two + e[1, p])
+                ta = -e[2, p] / (two + e[2, p])
+                nv = ta if w[p] >= 0 else -ta
+                diff = hp[b, j] - nv
+                ht[b, j] = diff * z + nv  # as torch's CPU cell: (h - n) * z + n
+                dnv = (one - z) * (one - nv * nv)
+                dt[b, j] = dnv * acc[b, 2 * H + j] * r * (one - r)  # dr
+                dt[b, H + j] = diff * z * (one - z)  # dz
+                dt[b, 2 * H + j] = dnv * r  # dm
+                dt[b, 3 * H + j] = z
+                dnt[b, j] = dnv
+
+
 _vexpm1_c = None
 _kernel_c = None
 _rnn_kernel_c = None
+_gru_kernel_c = None
 
 
 def _kernel():
@@ -232,6 +296,14 @@ def _rnn_kernel_compiled():
         _kernel()  # compiles _vexpm1 first (the RNN kernel calls it)
         _rnn_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_rnn_kernel)
     return _rnn_kernel_c
+
+
+def _gru_kernel_compiled():
+    global _gru_kernel_c
+    if _gru_kernel_c is None:
+        _kernel()  # compiles _vexpm1 first (the GRU kernel calls it)
+        _gru_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_gru_kernel)
+    return _gru_kernel_c
 
 
 def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,3 +381,60 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
               h0.detach().contiguous().numpy(), c0.detach().contiguous().numpy(), cst, icst,
               hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
     return hs, c, vals
+
+
+def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
+                h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GRU recurrence (PyTorch's equations, gate order r, z, n) on CPU in one compiled pass.
+
+    Per step, with ``(W_hr; W_hz; W_hn) = W_hh``::
+
+        r = sigmoid(gi_r + h W_hr^T),  z = sigmoid(gi_z + h W_hz^T),  M = b_hn + h W_hn^T
+        n = tanh(gi_n + r * M),        h' = (h - n) * z + n            (= (1 - z) n + z h)
+
+    Args:
+        gi: ``(T, B, 3H)`` input part of the pre-activations: ``x W_ih^T + b_ih`` plus ``b_hr``, ``b_hz``
+            on the ``r`` and ``z`` blocks (``b_hn`` is not added there: it sits inside ``r * M``).
+        w_hh: ``(3H, H)`` the module's ``weight_hh_l0``.
+        b_hn: ``(H,)`` the ``n`` block of ``bias_hh_l0``, or ``None`` (no biases).
+        h0: ``(B, H)`` initial state.
+    Returns:
+        ``(hs (T, B, H), d (T, B, 4H), dn (T, B, H))``: the outputs ``h_1..h_T``; the per-sample values
+        of the factored chain's diagonal element, ``(dr, dz, dm, z)`` per step (``dn = (1 - z)(1 - n^2)``,
+        ``dr = dn M r (1 - r)``, ``dz = (h - n) z (1 - z)``, ``dm = dn r``: ``dh'`` with respect to the
+        pre-activations of ``r``, ``z`` and to ``M``); and ``dn`` (``dh'`` with respect to the input side
+        of ``n``, which the input-weight gradients need). All of ``gi``'s dtype (float32 or float64).
+
+    Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
+    """
+    if not available():
+        raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
+    dt = gi.dtype
+    ts = (gi, w_hh, h0) + (() if b_hn is None else (b_hn,))
+    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in ts):
+        raise TypeError(f"gru_forward: expected float32/float64 CPU tensors of one dtype, got gi {gi.dtype} on "
+                        f"{gi.device}, w_hh {w_hh.dtype}, h0 {h0.dtype}"
+                        + ("" if b_hn is None else f", b_hn {b_hn.dtype}"))
+    T, B, G = gi.shape
+    H = G // 3
+    if G != 3 * H or tuple(w_hh.shape) != (3 * H, H) or tuple(h0.shape) != (B, H) or (
+            b_hn is not None and tuple(b_hn.shape) != (H,)):
+        raise ValueError(f"gru_forward: expected gi (T, B, 3H), w_hh (3H, H), h0 (B, H), b_hn (H,), got gi "
+                         f"{tuple(gi.shape)}, w_hh {tuple(w_hh.shape)}, h0 {tuple(h0.shape)}"
+                         + ("" if b_hn is None else f", b_hn {tuple(b_hn.shape)}"))
+    np_dt = np.float32 if dt == torch.float32 else np.float64
+    itype, magic_bits, bias, shift = _INT[np_dt]
+    cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
+    icst = np.array([magic_bits, bias, shift], dtype=itype)
+    hs = torch.empty(T, B, H, dtype=dt)
+    d = torch.empty(T, B, 4 * H, dtype=dt)
+    dn = torch.empty(T, B, H, dtype=dt)
+    bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
+    acc = np.empty((B, G), dtype=np_dt)
+    e = np.empty((3, B * H), dtype=np_dt)
+    w = np.empty(B * H, dtype=np_dt)
+    bits = np.empty(2 * B * H, dtype=itype)
+    _gru_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), bhn,
+                           h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(), dn.numpy(), acc, e,
+                           w, bits, bits.view(np_dt))
+    return hs, d, dn

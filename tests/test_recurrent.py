@@ -208,7 +208,9 @@ def test_forward_outputs_equal_module_and_no_grad_path():
     x = torch.randn(6, 2, 3, dtype=torch.float64)
     o1, h1 = m(x)
     o2, h2 = w(x)
-    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    # the GRU's CPU forward is spscan.recurrent_cpu's compiled pass (its own summation order): rounding may differ
+    assert o2.shape == o1.shape and h2.shape == h1.shape
+    assert (o1 - o2).abs().max() <= 1e-14 * o1.abs().max() and (h1 - h2).abs().max() <= 1e-14 * h1.abs().max()
     with torch.no_grad():
         o3, _ = w(x)
     assert torch.equal(o1, o3)
