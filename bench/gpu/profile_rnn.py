@@ -12,16 +12,14 @@ import cProfile
 import pstats
 import statistics
 import sys
+from pathlib import Path
 
 import torch
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import spscan
-from spscan.cli.datasets import bitstream_dataset
-from spscan.cli.demo import BitstreamClassifier
-
-H, B = 20, 16
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_rnn_step import B, H  # noqa: E402
+from test_rnn_step import _setup as rnn_step_setup  # noqa: E402
 
 
 def _median_ms(fn, reps: int = 10) -> float:
@@ -36,20 +34,8 @@ def _median_ms(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def _setup(T: int, scan: bool, **kw):
-    dev = torch.device("cuda")
-    x, y = bitstream_dataset(B, T, seed=0)
-    x, y = x.to(dev), y.to(dev)
-    torch.manual_seed(0)
-    model = BitstreamClassifier(H).to(dev)
-    if scan:
-        model.rnn = spscan.wrap(model.rnn, x, **kw)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def forward():
-        model.zero_grad(set_to_none=True)
-        return loss_fn(model(x), y)
-
+def _setup(T: int, scan: bool):
+    model, forward, _ = rnn_step_setup(T, torch.device("cuda"), scan)  # the rows of bench/test_rnn_step.py
     return model, forward
 
 
