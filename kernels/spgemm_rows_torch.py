@@ -132,11 +132,13 @@ def rows_torch_table(a: Pattern, b: Pattern, c: Pattern, device: torch.device, c
             ch.slot_bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
         chunks.append(ch)
     full = c.is_full
-    c_keys = None if full and dense_acc else c.row_of_entry() * p + c.indices
+    c_keys = None if full else c.row_of_entry() * p + c.indices  # a full C's key is its position
     dev: dict[str, torch.Tensor] = {}
     if atomic_free:
         for name, arr in (("a_cols", a.indices), ("a_rows", a_rows), ("b_ptr", b.indptr[:-1]), ("b_len", b_len),
                           ("b_cols", b.indices), ("c_keys", c_keys)):
+            if arr is None:
+                continue
             dev[name] = torch.as_tensor(np.array(arr, dtype=np.int64), device=device)  # a writable copy
     return RowsTorchTable(
         shape=(m, a.cols, p), nnz=(a.nnz, b.nnz, c.nnz), a_cols=a.indices, a_rows=a_rows, b_ptr=b.indptr[:-1],
@@ -182,7 +184,7 @@ def _run_numpy(t: RowsTorchTable, a: torch.Tensor, b: torch.Tensor, out: torch.T
         key *= p
         key += t.b_cols[pb]
         vals = an[..., pa] * bn[..., pb]
-        if t.dense_acc:
+        if t.dense_acc or t.full:
             width = (ch.r1 - ch.r0) * p
             take = None if t.full else t.c_keys[ch.c0 : ch.c1] - ch.r0 * p
         else:
@@ -242,7 +244,7 @@ def spgemm_rows_torch(t: RowsTorchTable, a: torch.Tensor, b: torch.Tensor,
         dst.zero_()
         if ch.npairs == 0:
             continue
-        keys = t.dev["c_keys"][ch.c0 : ch.c1]
+        keys = None if t.full else t.dev["c_keys"][ch.c0 : ch.c1]
         bounds = ch.slot_bounds
         for s in range(len(bounds) - 1):
             ents = ch.slot_order[bounds[s] : bounds[s + 1]]
@@ -250,6 +252,6 @@ def spgemm_rows_torch(t: RowsTorchTable, a: torch.Tensor, b: torch.Tensor,
             if n == 0:
                 continue
             pa, pb, key = _expand_torch(t, ents, n)
-            pos = torch.searchsorted(keys, key)
+            pos = key - ch.c0 if keys is None else torch.searchsorted(keys, key)
             dst[..., pos] += a[..., pa] * b[..., pb]  # unique positions within one slot
     return out

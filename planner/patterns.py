@@ -80,11 +80,72 @@ def make_pattern(shape: tuple[int, int], indptr: np.ndarray, indices: np.ndarray
     return Pattern(shape, indptr, indices, _content_key(shape, indptr, indices))
 
 
+_FULL_KEYS: dict[tuple[int, int], str] = {}
+
+
+def _full_key(rows: int, cols: int) -> str:
+    """:func:`_content_key` of the full ``rows x cols`` pattern, hashed in blocks of rows (never the whole array)."""
+    key = _FULL_KEYS.get((rows, cols))
+    if key is None:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.asarray((rows, cols), dtype=np.int64).tobytes())
+        h.update((np.arange(rows + 1, dtype=np.int64) * cols).tobytes())
+        per = max(1, (1 << 20) // max(1, cols))
+        block = np.tile(np.arange(cols, dtype=np.int64), min(per, rows)).tobytes()
+        done = 0
+        while done < rows:
+            take = min(per, rows - done)
+            h.update(block if take == per else block[: take * cols * 8])
+            done += take
+        key = _FULL_KEYS[(rows, cols)] = h.hexdigest()
+    return key
+
+
+class FullPattern(Pattern):
+    """The full pattern of a ``rows x cols`` matrix, holding no index arrays.
+
+    A matrix stored densely needs only its shape: ``indptr``/``indices`` are made on each access
+    (``(rows+1,)`` and ``(rows*cols,)`` int64, read-only) for the rare reader that wants them, and
+    are not kept. Equal in ``key`` (content hash) to the same pattern built from arrays.
+    """
+
+    def __init__(self, rows: int, cols: int) -> None:  # noqa: D107 - the dataclass fields are shape and key
+        object.__setattr__(self, "shape", (int(rows), int(cols)))
+        object.__setattr__(self, "key", _full_key(int(rows), int(cols)))
+
+    @property
+    def indptr(self) -> np.ndarray:  # type: ignore[override]
+        a = np.arange(self.shape[0] + 1, dtype=np.int64) * self.shape[1]
+        a.setflags(write=False)
+        return a
+
+    @property
+    def indices(self) -> np.ndarray:  # type: ignore[override]
+        a = np.tile(np.arange(self.shape[1], dtype=np.int64), self.shape[0])
+        a.setflags(write=False)
+        return a
+
+    @cached_property
+    def nnz(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @cached_property
+    def is_full(self) -> bool:
+        return True
+
+    def row_lengths(self) -> np.ndarray:
+        return np.full(self.shape[0], self.shape[1], dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"FullPattern(shape={self.shape})"
+
+    def __reduce__(self):
+        return (FullPattern, self.shape)
+
+
 def full_pattern(rows: int, cols: int) -> Pattern:
-    """The fully dense pattern of a ``rows x cols`` matrix (row-major)."""
-    indptr = np.arange(rows + 1, dtype=np.int64) * cols
-    indices = np.tile(np.arange(cols, dtype=np.int64), rows)
-    return make_pattern((rows, cols), indptr, indices)
+    """The fully dense pattern of a ``rows x cols`` matrix (row-major), as a :class:`FullPattern`."""
+    return FullPattern(rows, cols)
 
 
 def _raw_structure(obj: Any, where: str) -> tuple[tuple[int, int], np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from .cost import DeviceProfile
-from .patterns import Pattern, PatternTable, full_pattern, make_pattern
+from .patterns import FullPattern, Pattern, PatternTable, full_pattern, make_pattern
 from .schedule import MMOp, ScanSchedule, Step, blelloch_schedule, max_levels
 from .rowwise import (RowwiseProduct, estimate_product_nnz, pair_list_bytes, rowwise_symbolic,
                       structural_product)
@@ -199,6 +199,14 @@ class StorageRule:
         return choice
 
 
+def intern_pattern(table: PatternTable, p: Pattern) -> Pattern:
+    """``p`` interned in ``table``; a full pattern as a :class:`~.patterns.FullPattern` (no index arrays
+    held) unless the table already holds it (an input's)."""
+    if p.is_full and not isinstance(p, FullPattern):
+        p = full_pattern(p.rows, p.cols)
+    return table.intern(p)
+
+
 def decide_alone(rule: StorageRule, a: Pattern, b: Pattern, mv: Sequence[str], rowwise: bool,
                  estimate: Callable[[], int], own: Callable[[], Pattern]) -> bool:
     """Whether ``A @ B``, read by the mat-vecs ``mv`` and no product, is stored densely.
@@ -273,8 +281,8 @@ class _Products:
         sym = self._syms.get(key)
         if sym is None:
             sym = spgemm_symbolic(a, b)
-            sym = self._syms[key] = ProductSymbolic(self.table.intern(sym.pattern), sym.pair_ptr, sym.pair_a,
-                                                    sym.pair_b)
+            sym = self._syms[key] = ProductSymbolic(intern_pattern(self.table, sym.pattern), sym.pair_ptr,
+                                                    sym.pair_a, sym.pair_b)
         return sym
 
     def own(self, a: Pattern, b: Pattern) -> Pattern:
@@ -288,7 +296,7 @@ class _Products:
                 hit = structural_product(a, b)
             else:
                 hit = self._sym(a, b).pattern
-            hit = self._own[key] = self.table.intern(hit)
+            hit = self._own[key] = intern_pattern(self.table, hit)
         return hit
 
     def own_estimate(self, a: Pattern, b: Pattern) -> int:
@@ -506,8 +514,8 @@ class _DepthSearch:
         hit = self._own.get(key)
         if hit is None:
             indptr, indices, counts = product_pattern(a, b)
-            hit = self._own[key] = (self.products.table.intern(make_pattern((a.rows, b.cols), indptr, indices)),
-                                    counts)
+            own = intern_pattern(self.products.table, make_pattern((a.rows, b.cols), indptr, indices))
+            hit = self._own[key] = (own, counts)
         return hit
 
     def _planned_like(self, a: Pattern, b: Pattern) -> bool:

@@ -401,6 +401,9 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
         raise ValueError(f"array 'layers' has {layers.shape[0]} entries, header field 'n' is {n}")
     if n and (layers.min() < 0 or layers.max() >= npat):
         raise ValueError(f"array 'layers': pattern ids must lie in [0, {npat}), got [{layers.min()}, {layers.max()}]")
+    # a full pattern no layer uses belongs to a product stored densely: it needs only its shape
+    layer_ids = set(layers.tolist())
+    pats = [full_pattern(*p.shape) if p.is_full and k not in layer_ids else p for k, p in enumerate(pats)]
     chain = [pats[i] for i in layers.tolist()]
     for i in range(1, n):
         if chain[i - 1].cols != chain[i].rows:
