@@ -166,6 +166,24 @@ def test_gru_compiled_forward_saturated_and_tiny():
 
 
 @needs_numba
+def test_gru_compiled_forward_nan_and_inf():
+    """A NaN input spreads through its sample as in the module (the expm1 clamp does not hide it); an infinite
+    one saturates the gates the same way."""
+    m = make_gru(2, 4, batch_first=False, bias=True, dtype=torch.float64)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x, hx = make_inputs(m, 6, 2, unbatched=False, with_h0=True, dtype=torch.float64)
+        x[2, 1, 0] = bad
+        plan = plan_recurrent(m, x)
+        assert plan._compiled_forward_applies(x, hx)
+        (out, _), _ = plan.forward(x, hx)
+        with torch.no_grad():
+            want, _ = m(x, hx)
+        assert torch.equal(out.isnan(), want.isnan()) and (want.isnan().any() == (bad != bad))
+        keep = ~want.isnan()
+        assert (out[keep] - want[keep]).abs().max() <= 1e-14 * want[keep].abs().max()
+
+
+@needs_numba
 def test_gru_forward_refuses_bad_arguments():
     gi = torch.zeros(3, 2, 12, dtype=torch.float64)
     w = torch.zeros(12, 4, dtype=torch.float64)
