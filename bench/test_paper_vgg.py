@@ -385,6 +385,9 @@ def carry_times(rec: dict[str, Any], prev: dict[str, Any], source: str) -> None:
                 tm["times_from"] = source
         r["plan_s_measured_busy"] = dict(r["plan_s"])
         r["plan_s"] = {k: p["plan_s"].get(k, v) for k, v in r["plan_s"].items()}
+        if "auto" in r and "auto" in p:
+            r["auto"]["plan_s_measured_busy"] = r["auto"]["plan_s"]
+            r["auto"]["plan_s"] = p["auto"]["plan_s"]
     rec["timing_note"] = (f"Times (plan time, backward, linear scan) are from {source}: this run was made on a busy "
                           "machine and re-measured only what does not depend on load (index memory, plan sizes, "
                           "FLOPs, storage, the planner's estimates, gradients against `levels=0`).")
