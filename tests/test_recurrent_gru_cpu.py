@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import spscan.recurrent_cpu as rc
@@ -254,6 +256,19 @@ def test_gru_gradients_float32_within_autograd_error(shape, bias, with_h0, loss)
         assert a.dtype == torch.float32
         bound = 2 * (b.double() - r).abs().max().item() + 1e-6 * max(r.abs().max().item(), 1.0)
         assert (a.double() - r).abs().max().item() <= bound, (i, (a.double() - r).abs().max().item(), bound)
+
+
+@settings(max_examples=15)
+@given(T=st.integers(1, 9), B=st.integers(1, 4), I=st.integers(1, 4), H=st.integers(1, 7), bias=st.booleans(),
+       batch_first=st.booleans(), with_h0=st.booleans(), loss=st.sampled_from(["every", "last", "final", "both"]))
+def test_gru_gradients_equal_autograd_any_shape(T, B, I, H, bias, batch_first, with_h0, loss):
+    """Sizes down to 1 x 1 (H = 1: every block a single unit): outputs and every gradient equal float64 autograd's."""
+    m = make_gru(I, H, batch_first=batch_first, bias=bias, dtype=torch.float64)
+    x, hx = make_inputs(m, T, B, unbatched=False, with_h0=with_h0, dtype=torch.float64)
+    want = grads(m, m, x, hx, loss)
+    got = grads(wrap_recurrent(m, x), m, x, hx, loss)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-12, (i, rel_err(a, b))
 
 
 def test_gru_repeated_backward_and_steps():
