@@ -28,7 +28,9 @@ INDEX_BYTES = 8
 class MatInfo:
     """How one matrix of the scan is stored and computed (shared by all nodes with the same operands)."""
 
-    pattern: Pattern  # the stored pattern: the product's own pattern, or the full one when stored densely
+    # the stored pattern: the product's own pattern, or the full one when stored densely (a FullPattern:
+    # its shape only, no index arrays held)
+    pattern: Pattern
     # "input" | "pairs" (gather-multiply-segment-sum) | "gemm" (both operands dense) | "rows" (row-wise
     # over the output pattern, O(nnz) index data: products whose pair lists would be too large)
     algo: str
