@@ -512,20 +512,27 @@ class BoundPlan:
 
     def _run_operator_chain(self, items, grad: torch.Tensor,
                             keep: Optional[Sequence[bool]] = None) -> list[Optional[torch.Tensor]]:
+        """``dl/dx_i`` ``(B, d_i)`` from applying the operators in chain order. Each operator gets what the
+        one above it returned: ``grad`` may be ``(B, *shape)`` and an operator may return its ``J^T g`` in
+        its layer's natural input shape, when the operators above and below it accept that (the model
+        wrapper's chain steps do, as autograd passes activations unflattened); results are flattened."""
         out: list[Optional[torch.Tensor]] = [None] * (self.n + 1)
         if keep is None:
             out[self.n] = g = grad.clone()
             for layer in self._operator_chain:
                 g = items[layer].apply(g)
                 out[layer] = g
-            return out
-        g = grad
-        if keep[self.n]:
-            out[self.n] = g = grad.clone()
-        for layer in self._operator_chain:  # a gradient not kept is freed once the next layer has read it
-            g = items[layer].apply(g)
-            if keep[layer]:
-                out[layer] = g
+        else:
+            g = grad
+            if keep[self.n]:
+                out[self.n] = g = grad.clone()
+            for layer in self._operator_chain:  # a gradient not kept is freed once the next layer has read it
+                g = items[layer].apply(g)
+                if keep[layer]:
+                    out[layer] = g
+        for i, t in enumerate(out):
+            if t is not None and t.dim() != 2:
+                out[i] = t.reshape(t.shape[0], -1)
         return out
 
     # -- buffers --------------------------------------------------------------------------

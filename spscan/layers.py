@@ -223,6 +223,35 @@ class LayerUnit(abc.ABC):
         cheaper (it is then applied to ``g = dl/d output`` exactly once, as in the linear scan)."""
         return UnitOperator(self, saved, tensors, needed)
 
+    def chain_step(self, needed: Optional[Sequence[bool]] = None):
+        """This layer's step of a depth-0 operator chain, decided once per signature: a function
+        ``step(saved, tensors, g) -> (gi, grads)`` with ``g = dl/dy`` of shape ``(B, *out_shape)`` (or
+        ``(B, d_out)``) and ``gi = J^T g`` of shape ``(B, *in_shape)``; ``grads`` is ``None`` when no role is
+        ``needed``, else one entry per role (``None`` where not needed), computed from the same ``g``.
+
+        Activations keep their natural shapes from step to step (no flattening between layers, as in
+        autograd). The default adapts :meth:`apply_transposed` / :meth:`param_grads` (and a fused
+        ``apply_transposed_and_param_grads`` where the unit has one); units override it with the
+        one or two ATen calls autograd makes for the layer, their arguments fixed here.
+        """
+        want = list(needed) if needed is not None and any(needed) else None
+        in_shape, d_out = self.in_shape, self.d_out
+        fused = getattr(self, "apply_transposed_and_param_grads", None)
+        apply, grads = self.apply_transposed, self.param_grads
+
+        def step(saved, tensors, g):
+            b = g.shape[0]
+            g = g.reshape(b, d_out)
+            if want is None:
+                return apply(saved, tensors, g).reshape((b,) + in_shape), None
+            if fused is not None:
+                gi, pg = fused(saved, tensors, g, want)
+                return gi.reshape((b,) + in_shape), pg
+            gi = apply(saved, tensors, g)
+            return gi.reshape((b,) + in_shape), grads(saved, tensors, g, want)
+
+        return step
+
     @property
     def nnz(self) -> int:
         return int(self.pattern.nnz)
@@ -349,6 +378,27 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
     def apply_transposed(self, saved, tensors, g):
         w = tensors[0].detach()
         return torch.matmul(g.reshape(g.shape[0], -1, w.shape[0]), w).reshape(g.shape[0], -1)
+
+    def chain_step(self, needed=None):
+        if len(self.in_shape) != 1:
+            return super().chain_step(needed)
+        want_w = bool(needed) and bool(needed[0])
+        has_b = len(self.roles) > 1
+        want_b = bool(needed) and has_b and bool(needed[1])
+        fo = self.module.out_features
+
+        def step(saved, tensors, g):  # autograd's addmm backward: g W, g^T x, sum over the batch
+            if g.dim() != 2:
+                g = g.reshape(g.shape[0], fo)
+            gi = g.mm(tensors[0])
+            if not (want_w or want_b):
+                return gi, None
+            gw = g.t().mm(saved) if want_w else None
+            if not has_b:
+                return gi, [gw]
+            return gi, [gw, g.sum(0) if want_b else None]
+
+        return step
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
@@ -508,15 +558,39 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         xin, pad = self._padded_input(x)
         gy = g.reshape((g.shape[0],) + self.out_shape)
         want_w = bool(needed[0]) if needed else False
-        gi, gw, _ = torch.ops.aten.convolution_backward(
-            gy, xin, tensors[0].detach(), None, list(self.stride), pad, list(self.dilation), False,
-            [0] * self.nd, self.module.groups, [True, want_w, False])
+        want_b = bool(needed[1]) if needed and len(self.roles) > 1 else False
+        # the bias gradient from the same call, as autograd's conv backward computes it
+        gi, gw, gb = torch.ops.aten.convolution_backward(
+            gy, xin, tensors[0].detach(), [self.out_shape[0]] if want_b else None, list(self.stride), pad,
+            list(self.dilation), False, [0] * self.nd, self.module.groups, [True, want_w, want_b])
         if xin is not x:  # crop the explicit padding back off
             gi = gi[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for lo, n in zip(self.pad_lo, x.shape[2:]))]
         params: list[Optional[torch.Tensor]] = [gw if want_w else None]
         if len(self.roles) > 1:
-            params.append(gy.sum(dim=[0] + list(range(2, gy.dim()))) if needed[1] else None)
+            params.append(gb if want_b else None)
         return gi.reshape(g.shape[0], -1), params
+
+    def chain_step(self, needed=None):
+        if self.pad_lo != self.pad_hi:  # asymmetric 'same' padding: pad and crop (the general path)
+            return super().chain_step(needed)
+        want_w = bool(needed) and bool(needed[0])
+        has_b = len(self.roles) > 1
+        want_b = bool(needed) and has_b and bool(needed[1])
+        args = (list(self.stride), list(self.pad_lo), list(self.dilation), False, [0] * self.nd, self.module.groups,
+                [True, want_w, want_b])
+        bias_sizes = [self.out_shape[0]] if want_b else None
+        nd, out_shape = self.nd + 2, self.out_shape
+        conv_backward = torch.ops.aten.convolution_backward
+
+        def step(saved, tensors, g):  # one convolution_backward: input, weight and bias gradients
+            if g.dim() != nd:
+                g = g.reshape((g.shape[0],) + out_shape)
+            gi, gw, gb = conv_backward(g, saved, tensors[0], bias_sizes, *args)
+            if not (want_w or want_b):
+                return gi, None
+            return gi, ([gw, gb] if has_b else [gw])
+
+        return step
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
@@ -524,12 +598,15 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         needed = list(needed or [True] * len(self.roles))
         g = g_out.reshape((x.shape[0],) + self.out_shape)
         out: list[Optional[torch.Tensor]] = [None] * len(self.roles)
-        if needed[0]:
+        want_b = len(self.roles) > 1 and bool(needed[1])
+        if needed[0]:  # weight and bias gradients from one call, as autograd's conv backward
             xin, pad = self._padded_input(x)  # asymmetric 'same' padding: pad explicitly, convolve unpadded
-            out[0] = torch.ops.aten.convolution_backward(
-                g, xin, w.detach(), None, list(self.stride), pad, list(self.dilation),
-                False, [0] * self.nd, self.module.groups, [False, True, False])[1]
-        if len(self.roles) > 1 and needed[1]:
+            _, out[0], gb = torch.ops.aten.convolution_backward(
+                g, xin, w.detach(), [self.out_shape[0]] if want_b else None, list(self.stride), pad,
+                list(self.dilation), False, [0] * self.nd, self.module.groups, [False, True, want_b])
+            if want_b:
+                out[1] = gb
+        elif want_b:
             out[1] = g.sum(dim=[0] + list(range(2, g.dim())))
         return out
 
@@ -614,6 +691,18 @@ class ElementwiseUnit(LayerUnit):
             return torch.ops.aten.threshold_backward(g, saved.reshape(saved.shape[0], -1), 0)
         return g * self.fill(saved, tensors)
 
+    def chain_step(self, needed=None):
+        if not isinstance(self.module, nn.ReLU):
+            return super().chain_step(needed)
+        threshold_backward = torch.ops.aten.threshold_backward
+
+        def step(saved, tensors, g):  # autograd's own op on the saved output
+            if g.shape != saved.shape:
+                g = g.reshape(saved.shape)
+            return threshold_backward(g, saved, 0), None
+
+        return step
+
     def apply_transposed_into(self, saved, tensors, g, out):
         if isinstance(self.module, nn.ReLU):
             return torch.ops.aten.threshold_backward.grad_input(g, saved.reshape(saved.shape[0], -1), 0,
@@ -649,6 +738,12 @@ class ReshapeUnit(LayerUnit):
 
     def apply_transposed(self, saved, tensors, g):
         return g
+
+    def chain_step(self, needed=None):
+        if type(self).apply_transposed is not ReshapeUnit.apply_transposed:
+            return super().chain_step(needed)
+        in_shape = self.in_shape
+        return lambda saved, tensors, g: (g.reshape((g.shape[0],) + in_shape), None)
 
 
 class DropoutUnit(LayerUnit):
@@ -770,7 +865,7 @@ class MaxPoolUnit(LayerUnit):
         return self.apply_transposed_into(saved, tensors, g, g.new_empty(g.shape[0], self.d_in))
 
     def apply_transposed_into(self, saved, tensors, g, out):
-        idx, _ = saved
+        idx = saved[0]
         b, c = idx.shape[0], idx.shape[1]
         dst = out.view(b, c, self.d_in // c)
         dst.zero_()
@@ -781,10 +876,27 @@ class MaxPoolUnit(LayerUnit):
         m = self.module
         fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
         y, idx = fn(x, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
-        return y, (idx, x.dtype)
+        return y, (idx, x)  # the input, as autograd keeps it: its pooling backward reads the shape
+
+    def chain_step(self, needed=None):
+        if self.nd != 2 or not self.disjoint_windows:
+            return super().chain_step(needed)
+        m = self.module
+        args = (list(_tuple(m.kernel_size, 2)), list(_tuple(m.stride if m.stride is not None else m.kernel_size, 2)),
+                list(_tuple(m.padding, 2)), list(_tuple(m.dilation, 2)), bool(m.ceil_mode))
+        pool_backward = torch.ops.aten.max_pool2d_with_indices_backward
+
+        def step(saved, tensors, g):  # autograd's pooling backward (disjoint windows: one write per input)
+            idx, x = saved
+            if g.dim() != 4:
+                g = g.reshape(idx.shape)
+            return pool_backward(g, x, *args, idx), None
+
+        return step
 
     def fill(self, saved, tensors):
-        idx, dtype = saved
+        idx, x = saved
+        dtype = x.dtype
         idx = idx.reshape(idx.shape[0], -1)
         picked = torch.index_select(idx, 1, self.entry_out.on(idx.device))
         return (picked == self.entry_plane.on(idx.device)).to(dtype)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from spscan.engine import check_inputs
+from spscan.kernels.backend import StructuredOperator
 from spscan.layers import (AvgPoolUnit, ConvUnit, ElementwiseUnit, LayerUnit, LinearUnit, MaxPoolUnit, ReshapeUnit,
                            UnitOperator, make_unit, supported_layer_types)
 from spscan.plan import build_plan
@@ -599,7 +600,7 @@ class _ScanFunction(torch.autograd.Function):
         st: _ForwardState = ctx.state
         step = ctx.plan._step_backward(ctx.needs_input_grad, gy.device)
         with torch.no_grad():
-            return step.run(st, gy.reshape(gy.shape[0], -1).contiguous())
+            return step.run(st, gy.contiguous())
 
 
 def _keep_graph() -> bool:
@@ -636,6 +637,40 @@ class _FusedOperator(UnitOperator):
             saved, k = self.release
             saved[k] = self.saved = None
         return gi
+
+
+class _ChainOperator(StructuredOperator):
+    """A layer's ``J^T`` in the wrapper's depth-0 operator chain: its step function
+    (:meth:`~spscan.layers.LayerUnit.chain_step`, dispatch and arguments decided once per signature)
+    bound to one backward's saved activations and tensors. :meth:`apply` takes ``g = dl/dy`` as
+    ``(B, *out_shape)`` and returns ``(B, *in_shape)`` (the chain passes activations in their natural
+    shapes, as autograd does), keeping the parameter gradients computed from the same ``g``."""
+
+    def __init__(self, unit: LayerUnit, step, saved: Any, tensors: Sequence[torch.Tensor]) -> None:
+        self.unit, self.step, self.saved, self.tensors = unit, step, saved, tensors
+        self.param_grads: Optional[list] = None
+        self.release: Optional[tuple[list, int]] = None  # (the forward's saved list, this layer): drop once applied
+
+    @property
+    def shape(self) -> tuple[int, int]:  # type: ignore[override]
+        return (self.unit.d_in, self.unit.d_out)
+
+    @property
+    def shared(self) -> bool:  # type: ignore[override]
+        return bool(self.unit.shared)
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        gi, self.param_grads = self.step(self.saved, self.tensors, g)
+        if self.release is not None:  # as autograd frees a node's saved tensors once it has run
+            saved, k = self.release
+            saved[k] = self.saved = None
+        return gi
+
+    def apply_into(self, g: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.apply(g).reshape(g.shape[0], -1)  # the engine's strided form: (B, d_in)
+
+    def values(self) -> torch.Tensor:
+        return self.unit.fill(self.saved, self.tensors)
 
 
 class _StepBackward:
@@ -675,14 +710,59 @@ class _StepBackward:
         if chain is not None:
             self.release = [k for k in chain if self.layers[k][1] and not (any(needed[k]) and self.layers[k][2] is None)]
         self.has_roles = any(u.roles for u in units)
+        # depth 0, every applied layer an operator: the chain's steps decided here once (dispatch, ATen
+        # arguments, fused parameter gradients); a step only binds the saved tensors and applies them
+        self.chain: Optional[list[tuple[int, Any]]] = None
+        if chain is not None and fuse:
+            self.chain = [(k, units[k].chain_step(needed[k] if any(needed[k]) else None)) for k in chain]
+            applied = set(chain)
+            # layers whose parameter gradients come after the scan (not applied: the bottom layer when
+            # dl/dx_0 is not wanted), from the kept dl/dx_{k+1}
+            self.rest = [k for k in range(len(units)) if any(needed[k]) and k not in applied]
+            self.role_slots = [(k, r) for k, u in enumerate(units) for r in range(len(u.roles))]
 
     def run(self, st: _ForwardState, g: torch.Tensor) -> tuple:
-        """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy`` ``(B, d_n)``."""
-        plan = self.plan
+        """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy``
+        ``(B, *out_shape)``."""
         if st.released:
             raise RuntimeError("Trying to backward through the graph a second time (or directly access saved "
                                "tensors after they have already been freed): the spscan-wrapped module's saved "
                                "activations were freed by the first backward; specify retain_graph=True there")
+        if self.chain is not None:
+            return self._run_chain(st, g)
+        return self._run_general(st, g.reshape(g.shape[0], -1))
+
+    def _run_chain(self, st: _ForwardState, g: torch.Tensor) -> tuple:
+        units, saved, tensors = self.plan.units, st.saved, st.tensors
+        ops: list[Any] = [None] * len(units)
+        for k, step in self.chain:
+            ops[k] = _ChainOperator(units[k], step, saved[k], tensors[k])
+        if self.release and not _keep_graph():
+            st.released = True  # see _run_general
+            saved = st.saved = list(saved)
+            for k in self.release:
+                ops[k].release = (saved, k)
+        grads = self.bound.run(ops, g, check=False, keep=self.keep).grads
+        gx = grads[0].reshape(st.x_shape) if self.first else None
+        if not self.has_roles:
+            return (None, gx)
+        per_unit = [op.param_grads if op is not None else None for op in ops]
+        rest = self.rest
+        if len(rest) == 1:
+            k = rest[0]
+            per_unit[k] = units[k].param_grads(saved[k], tensors[k], grads[k + 1], self.needed[k])
+        elif rest:  # same-shaped Linear layers share one GEMM there
+            mask = [nd if k in rest else [False] * len(nd) for k, nd in enumerate(self.needed)]
+            jac = Jacobians(ops, g.shape[0], saved, tensors)
+            for k, gs in enumerate(_unit_param_grads(self.plan, jac, grads, mask)):
+                if k in rest:
+                    per_unit[k] = gs
+        needed = self.needed
+        return (None, gx, *[per_unit[k][r] if per_unit[k] is not None and needed[k][r] else None
+                            for k, r in self.role_slots])
+
+    def _run_general(self, st: _ForwardState, g: torch.Tensor) -> tuple:
+        plan = self.plan
         values = [(_FusedOperator(u, s, t, fused) if op else u.fill(s, t))
                   for (u, op, fused), s, t in zip(self.layers, st.saved, st.tensors)]
         if self.release and not _keep_graph():
