@@ -169,6 +169,12 @@ class ModelPlan:
         self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
         self._static_units = [type(u) in _STATIC_UNITS for u in units]
+        self._dynamic_units = [u for u, static in zip(units, self._static_units) if not static]
+        # the effective tensors' slice of the autograd function's inputs, per layer
+        ends = [0]
+        for u in units:
+            ends.append(ends[-1] + len(u.roles))
+        self._role_slices = [slice(a, b) for a, b in zip(ends, ends[1:])]
         self._steps: dict[tuple, _StepBackward] = {}
 
     element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
@@ -337,7 +343,7 @@ class ModelPlan:
         gradients (``needs_input_grad`` of the autograd function), the device, and the state of the
         units whose sharedness or operator flag follows the module's mode (dropout, batch-norm)."""
         dynamic = tuple((u.shared, (self.use_operators and u.has_operator) or not u.has_csr_values)
-                        for u, static in zip(self.units, self._static_units) if not static)
+                        for u in self._dynamic_units) if self._dynamic_units else ()
         key = (needs_input_grad, device, dynamic)
         hit = self._steps.get(key)
         if hit is None:
@@ -576,11 +582,8 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
-        tensors, pos = [], 0
-        for u in plan.units:
-            n = len(u.roles)
-            tensors.append([t.detach() for t in flat[pos:pos + n]] if n else [])
-            pos += n
+        # grad mode is off here: the layers read the tensors as they are (no detached copies)
+        tensors = [list(flat[sl]) for sl in plan._role_slices]
         y, saved = plan._run(x.detach(), tensors)
         state = _ForwardState(saved, tensors, x.shape)
         ctx.plan = plan
@@ -599,6 +602,8 @@ class _ScanFunction(torch.autograd.Function):
     def _backward(ctx, gy: torch.Tensor):
         st: _ForwardState = ctx.state
         step = ctx.plan._step_backward(ctx.needs_input_grad, gy.device)
+        if not torch.is_grad_enabled():  # the usual backward (no create_graph): nothing records
+            return step.run(st, gy.contiguous())
         with torch.no_grad():
             return step.run(st, gy.contiguous())
 
