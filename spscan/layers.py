@@ -691,8 +691,18 @@ class ElementwiseUnit(LayerUnit):
             return torch.ops.aten.threshold_backward(g, saved.reshape(saved.shape[0], -1), 0)
         return g * self.fill(saved, tensors)
 
-    def chain_step(self, needed=None):
-        if not isinstance(self.module, nn.ReLU):
+    @property
+    def is_relu(self) -> bool:
+        return isinstance(self.module, nn.ReLU)
+
+    def chain_step(self, needed=None, masked_above: bool = False):
+        """``masked_above``: the max-pool above applied this ReLU's mask at its pooled resolution
+        (:meth:`MaxPoolUnit.chain_step` with ``relu_below``): the step passes ``g`` on unchanged."""
+        if masked_above:
+            if not self.is_relu:
+                raise ValueError(f"layer {self.index} ({self.name}): masked_above applies to a ReLU only")
+            return lambda saved, tensors, g: (g, None)
+        if not self.is_relu:
             return super().chain_step(needed)
         threshold_backward = torch.ops.aten.threshold_backward
 
@@ -876,18 +886,43 @@ class MaxPoolUnit(LayerUnit):
         m = self.module
         fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
         y, idx = fn(x, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
-        return y, (idx, x)  # the input, as autograd keeps it: its pooling backward reads the shape
+        # the input, as autograd keeps it (its pooling backward reads the shape), and the output (held
+        # by the next layer anyway) for a ReLU mask applied at the pooled resolution (chain_step)
+        return y, (idx, x, y)
 
-    def chain_step(self, needed=None):
-        if self.nd != 2 or not self.disjoint_windows:
+    @property
+    def has_chain_step(self) -> bool:
+        """Whether :meth:`chain_step` is the single ATen pooling backward (2-d, disjoint windows)."""
+        return self.nd == 2 and self.disjoint_windows
+
+    def chain_step(self, needed=None, relu_below: bool = False):
+        """``relu_below``: the layer below is a ReLU whose mask this step applies, at the pooled
+        resolution: with disjoint windows each input takes the gradient of at most one output, that
+        of its window's argmax, whose ReLU output is the pooled value; so masking ``g`` where the
+        pooled output is ``<= 0`` before the scatter gives exactly ``threshold_backward(scatter(g), x, 0)``
+        with a quarter (a window's share) of the elementwise work. The ReLU's own step is then the
+        identity (:meth:`ElementwiseUnit.chain_step` with ``masked_above``)."""
+        if not self.has_chain_step:
+            if relu_below:
+                raise ValueError(f"layer {self.index} ({self.name}): relu_below needs a 2-d pool with disjoint "
+                                 f"windows, got {self.nd}-d, disjoint={self.disjoint_windows}")
             return super().chain_step(needed)
         m = self.module
         args = (list(_tuple(m.kernel_size, 2)), list(_tuple(m.stride if m.stride is not None else m.kernel_size, 2)),
                 list(_tuple(m.padding, 2)), list(_tuple(m.dilation, 2)), bool(m.ceil_mode))
         pool_backward = torch.ops.aten.max_pool2d_with_indices_backward
+        threshold_backward = torch.ops.aten.threshold_backward
+
+        if relu_below:
+            def step(saved, tensors, g):
+                idx, x, y = saved
+                if g.dim() != 4:
+                    g = g.reshape(idx.shape)
+                return pool_backward(threshold_backward(g, y, 0), x, *args, idx), None
+            return step
 
         def step(saved, tensors, g):  # autograd's pooling backward (disjoint windows: one write per input)
-            idx, x = saved
+            idx, x = saved[0], saved[1]
             if g.dim() != 4:
                 g = g.reshape(idx.shape)
             return pool_backward(g, x, *args, idx), None
@@ -895,7 +930,7 @@ class MaxPoolUnit(LayerUnit):
         return step
 
     def fill(self, saved, tensors):
-        idx, x = saved
+        idx, x = saved[0], saved[1]
         dtype = x.dtype
         idx = idx.reshape(idx.shape[0], -1)
         picked = torch.index_select(idx, 1, self.entry_out.on(idx.device))

@@ -719,8 +719,23 @@ class _StepBackward:
         # arguments, fused parameter gradients); a step only binds the saved tensors and applies them
         self.chain: Optional[list[tuple[int, Any]]] = None
         if chain is not None and fuse:
-            self.chain = [(k, units[k].chain_step(needed[k] if any(needed[k]) else None)) for k in chain]
             applied = set(chain)
+            # a ReLU right below a 2-d max-pool with disjoint windows: the pool's step applies the ReLU's
+            # mask at the pooled resolution and the ReLU's step passes g on (dl/dx between them not kept)
+            relu_pool = {k for k in applied
+                         if k - 1 in applied and isinstance(units[k], MaxPoolUnit) and units[k].has_chain_step
+                         and isinstance(units[k - 1], ElementwiseUnit) and units[k - 1].is_relu and not self.keep[k]}
+            masked = {k - 1 for k in relu_pool}
+            self.chain = []
+            for k in chain:
+                nd = needed[k] if any(needed[k]) else None
+                if k in relu_pool:
+                    step = units[k].chain_step(nd, relu_below=True)
+                elif k in masked:
+                    step = units[k].chain_step(nd, masked_above=True)
+                else:
+                    step = units[k].chain_step(nd)
+                self.chain.append((k, step))
             # layers whose parameter gradients come after the scan (not applied: the bottom layer when
             # dl/dx_0 is not wanted), from the kept dl/dx_{k+1}
             self.rest = [k for k in range(len(units)) if any(needed[k]) and k not in applied]

@@ -154,3 +154,42 @@ def test_chain_backward_runs_no_more_aten_ops_than_autograd(name):
     assert len(counts["spscan"]) <= len(counts["autograd"]), counts
     for op in _MATH:
         assert counts["spscan"].count(f"aten.{op}") <= counts["autograd"].count(f"aten.{op}"), (op, counts)
+
+
+class _ThresholdNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.threshold_backward:
+            self.numel += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padding", [0, 1])
+def test_relu_mask_applied_at_the_pooled_resolution(padding):
+    """ReLU -> MaxPool2d (disjoint windows): the pool's step masks g where the pooled output is <= 0 and
+    the ReLU passes g on; the gradients are autograd's bit for bit (every entry is g or 0), including
+    windows whose inputs are all cut to 0 and windows that reach into the padding."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, padding=padding),
+                          nn.Conv2d(3, 2, 3), nn.ReLU(), nn.MaxPool2d(3 - padding), nn.Flatten()).double()
+    with torch.no_grad():
+        model[0].bias.fill_(-0.8)  # many windows with every input <= 0
+    x = torch.randn(3, 2, 12, 12, dtype=torch.float64)
+    y = torch.randn_like(model(x))
+    net = spscan.wrap(model, x, levels=0)
+    got = {}
+    for side, m in (("autograd", model), ("spscan", net)):
+        model.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        loss = (m(xx) * y).sum()
+        with _ThresholdNumel() as c:
+            loss.backward()
+        got[side] = ({n: p.grad.clone() for n, p in model.named_parameters()}, xx.grad, c.numel)
+    (pa, xa, na), (ps, xs, ns) = got["autograd"], got["spscan"]
+    assert torch.equal(xs, xa)
+    for n in pa:
+        assert torch.equal(ps[n], pa[n]), n
+    assert ns < na  # the masks ran on the pooled tensors
