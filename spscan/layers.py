@@ -38,6 +38,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import has_torch_function_unary
 
 from spscan.kernels.backend import StructuredOperator
 
@@ -325,7 +326,7 @@ class _WeightGatherMixin:
         return drop.numpy()
 
     def _check_pruned_still_zero(self, w: torch.Tensor) -> None:
-        if self.zero_weights.array.size == 0:
+        if not self.zero_weights.array.size:
             return
         dropped = torch.index_select(w.detach().reshape(-1), 0, self.zero_weights.on(w.device))
         if bool((dropped != 0).any()):
@@ -371,9 +372,9 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
         self.zero_weights = _IndexCache(np.flatnonzero(drop))
 
     def run(self, x, tensors):
-        self._check_pruned_still_zero(tensors[0])
-        b = tensors[1] if len(tensors) > 1 else None
-        return F.linear(x, tensors[0], b), x
+        if self.zero_weights.array.size:
+            self._check_pruned_still_zero(tensors[0])
+        return F.linear(x, tensors[0], tensors[1] if len(tensors) > 1 else None), x
 
     def apply_transposed(self, saved, tensors, g):
         w = tensors[0].detach()
@@ -527,6 +528,7 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
             pad_lo = _tuple(module.padding, nd)
             pad_hi = pad_lo
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.kernel = s, d, pad_lo, pad_hi, k
+        self._conv = F.conv1d if nd == 1 else F.conv2d
         drop = self._drop_mask(module, prune_zeros)
         rows, cols, widx = _conv_entries(cin, cout, groups, s_in, s_out, k, s, d, pad_lo, drop)
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
@@ -534,10 +536,11 @@ class ConvUnit(_WeightGatherMixin, LayerUnit):
         self.zero_weights = _IndexCache(np.flatnonzero(drop))
 
     def run(self, x, tensors):
-        self._check_pruned_still_zero(tensors[0])
-        b = tensors[1] if len(tensors) > 1 else None
-        # the module's own conv call (handles string padding) with the effective weight
-        return self.module._conv_forward(x, tensors[0], b), x
+        if self.zero_weights.array.size:
+            self._check_pruned_still_zero(tensors[0])
+        m = self.module  # what its _conv_forward runs for zero padding (string padding included)
+        return self._conv(x, tensors[0], tensors[1] if len(tensors) > 1 else None, m.stride, m.padding, m.dilation,
+                          m.groups), x
 
     def _padded_input(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """``x`` and the symmetric padding to convolve it with (asymmetric 'same' padding made explicit)."""
@@ -737,7 +740,10 @@ class ReshapeUnit(LayerUnit):
         self._ones: dict[tuple, torch.Tensor] = {}
 
     def run(self, x, tensors):
-        return self.module(x), (x.dtype, x.device)
+        m = self.module
+        if type(m) is nn.Flatten:  # its forward, without the module call
+            return x.flatten(m.start_dim, m.end_dim), (x.dtype, x.device)
+        return m(x), (x.dtype, x.device)
 
     def fill(self, saved, tensors):
         dtype, device = saved
@@ -884,8 +890,12 @@ class MaxPoolUnit(LayerUnit):
 
     def run(self, x, tensors):
         m = self.module
-        fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
-        y, idx = fn(x, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
+        if self.nd == 2 and not has_torch_function_unary(x):  # F.max_pool2d(..., return_indices=True)'s call
+            y, idx = torch._C._nn.max_pool2d_with_indices(
+                x, m.kernel_size, m.stride if m.stride is not None else [], m.padding, m.dilation, m.ceil_mode)
+        else:
+            fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
+            y, idx = fn(x, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
         # the input, as autograd keeps it (its pooling backward reads the shape), and the output (held
         # by the next layer anyway) for a ReLU mask applied at the pooled resolution (chain_step)
         return y, (idx, x, y)

@@ -169,6 +169,7 @@ class ModelPlan:
         self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
         self._static_units = [type(u) in _STATIC_UNITS for u in units]
+        self._role_names = [(u, u.roles, tuple(r + "_orig" for r in u.roles)) for u in units if u.roles]
         self._dynamic_units = [u for u, static in zip(units, self._static_units) if not static]
         # the effective tensors' slice of the autograd function's inputs, per layer
         ends = [0]
@@ -273,13 +274,10 @@ class ModelPlan:
         with grad enabled so the mask stays in the autograd graph) goes through the unit.
         """
         flat: list[torch.Tensor] = []
-        for u in self.units:
-            roles = u.roles
-            if not roles:
-                continue
+        for u, roles, origs in self._role_names:
             params = u.module._parameters
             got = [params.get(r) for r in roles]
-            if any(t is None for t in got) or any(r + "_orig" in params for r in roles):
+            if any(t is None for t in got) or any(o in params for o in origs):  # (not `None in got`: tensor ==)
                 got = u.tensors()
             flat += got
         return flat
