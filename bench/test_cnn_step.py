@@ -11,7 +11,8 @@ Times are wall time (``time.perf_counter``) on one thread (``torch.set_num_threa
 test, restored after). Not process CPU time: where the kernel accounts it per scheduler tick (as in
 some virtual machines), a 2 ms backward reads as 2 or 6 ms at random; on a quiet machine one thread's
 wall time is its CPU time. ``extra_info`` also carries the spread of the per-pair ratios
-(quartiles). No denormal
+(quartiles) and the number of ATen ops each side's ``loss.backward()`` dispatches (counted once,
+outside the timing: the scan's backward should run no more than autograd's). No denormal
 flushing is needed here (``flush_denormal=False``): the losses stay far from the float32 denormal
 range.
 """
@@ -25,6 +26,7 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spscan
 
@@ -74,6 +76,25 @@ def _setup(name: str, scan: bool):
 _clock = time.perf_counter
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside it (not timed: a Python hook per op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(forward) -> int:
+    loss = forward()
+    with _CountOps() as c:
+        loss.backward()
+    return c.count
+
+
 def _time(mode: str, forward) -> float:
     if mode == "backward":
         loss = forward()
@@ -106,6 +127,7 @@ def test_cnn_step_cpu(benchmark, name, mode):
             benchmark.pedantic(lambda: s_fwd().backward(), rounds=rounds)
         else:
             benchmark.pedantic(s_fwd, rounds=rounds)
+        ops = (_backward_ops(a_fwd), _backward_ops(s_fwd))
         device = device_name()
     finally:
         torch.set_num_threads(threads)
@@ -117,5 +139,6 @@ def test_cnn_step_cpu(benchmark, name, mode):
         device=device, load_average_1min=load, model=name, batch=MODELS[name][1], mode=mode,
         levels=net.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(ratios), ratio_q25=ratios[len(ratios) // 4],
-        ratio_q75=ratios[(3 * len(ratios)) // 4], threads=1, clock="wall", flush_denormal=False,
+        ratio_q75=ratios[(3 * len(ratios)) // 4], aten_ops_per_backward_autograd=ops[0],
+        aten_ops_per_backward_spscan=ops[1], threads=1, clock="wall", flush_denormal=False,
     )
