@@ -665,11 +665,9 @@ class RecurrentPlan:
                 return False
         return True
 
-    def _lstm_compiled_forward(self, x: torch.Tensor, hx):
-        """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
-        are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import lstm_forward
-
+    def _compiled_inputs(self, x: torch.Tensor, hx):
+        """What every compiled CPU forward starts from: the input ``(T, B, I)`` (detached), ``T``, ``B``,
+        whether it was unbatched, the detached parameters and the initial ``h_0`` (and ``c_0``)."""
         m, H = self.module, self.hidden_size
         unbatched = x.dim() == 2
         xt = x.detach()
@@ -677,6 +675,20 @@ class RecurrentPlan:
         T, B, _ = xt.shape
         params = [q.detach() for q in _params(m)]
         h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        return xt, T, B, unbatched, params, h0, c0
+
+    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):
+        """The module's output layout for the hidden states ``hs`` ``(T, B, H)``, and the shape of its ``h_n``."""
+        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if self.module.batch_first else hs)
+        return out, ((1, self.hidden_size) if unbatched else (1, hs.shape[1], self.hidden_size))
+
+    def _lstm_compiled_forward(self, x: torch.Tensor, hx):
+        """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
+        are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
+        from spscan.recurrent_cpu import lstm_forward
+
+        m, H = self.module, self.hidden_size
+        xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
         w_ih = params[0]
         if m.bias:  # both biases enter every gate pre-activation: added to the input part once
             gi = torch.addmm(params[2] + params[3], xt.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
@@ -688,8 +700,7 @@ class RecurrentPlan:
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
-        shape = (1, H) if unbatched else (1, B, H)
+        out, shape = self._compiled_outputs(hs, unbatched)
         return (out, (hs[-1].reshape(shape).clone(), c_n.reshape(shape))), saved
 
     def _rnn_compiled_forward(self, x: torch.Tensor, hx):
@@ -697,13 +708,8 @@ class RecurrentPlan:
         (:func:`spscan.recurrent_cpu.rnn_forward`). Returns ``(outputs, saved)``."""
         from spscan.recurrent_cpu import rnn_forward
 
-        m, H = self.module, self.hidden_size
-        unbatched = x.dim() == 2
-        xt = x.detach()
-        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
-        T, B, _ = xt.shape
-        params = [q.detach() for q in _params(m)]
-        h0, _ = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        m = self.module
+        xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         if m.bias:  # both biases enter the pre-activation: added to the input part once
             gi = torch.addmm(params[2] + params[3], xt.reshape(T * B, -1), params[0].t()).view(T, B, -1)
         else:
@@ -713,8 +719,7 @@ class RecurrentPlan:
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = _Saved(x=xt, h_prev=h_prev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
-        shape = (1, H) if unbatched else (1, B, H)
+        out, shape = self._compiled_outputs(hs, unbatched)
         return (out, hs[-1].reshape(shape).clone()), saved
 
     def _gru_compiled_forward(self, x: torch.Tensor, hx):
@@ -724,12 +729,7 @@ class RecurrentPlan:
         from spscan.recurrent_cpu import gru_forward
 
         m, H = self.module, self.hidden_size
-        unbatched = x.dim() == 2
-        xt = x.detach()
-        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
-        T, B, _ = xt.shape
-        params = [q.detach() for q in _params(m)]
-        h0, _ = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         b_hn = None
         if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
             b = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
@@ -742,8 +742,7 @@ class RecurrentPlan:
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = _Saved(x=xt, h_prev=h_prev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if m.batch_first else hs)
-        shape = (1, H) if unbatched else (1, B, H)
+        out, shape = self._compiled_outputs(hs, unbatched)
         return (out, hs[-1].reshape(shape).clone()), saved
 
     def _newton_forward(self, x: torch.Tensor, hx):
