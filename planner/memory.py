@@ -129,7 +129,7 @@ def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict) -> tuple[
     """Index bytes of one bound signature's tables (as :func:`~.program.lower` and the torch backend
     build them) and, apart, its linear runs' per-step scalars. ``run_patterns``: key -> bytes of the
     runs' CSR tables (each distinct pattern once per run)."""
-    from .program import SAMPLE, SHARED, _middle_runs
+    from .program import SAMPLE, SHARED, middle_runs, mv_kind
     from .schedule import schedule_for
 
     shared, has_extra, operators, first_output = sig
@@ -145,7 +145,7 @@ def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict) -> tuple[
         for op in st.mm:
             kind[op.out] = SHARED if kind[op.left] == SHARED and kind[op.right] == SHARED else SAMPLE
     drop_out = None if first_output or reduce else sched.outputs[0]
-    runs = _middle_runs(sched.steps, mats, operators)
+    runs = middle_runs(sched.steps, mats, operators)
     total = steps_bytes = 0
     skip_until = -1
     for si, st in enumerate(sched.steps):
@@ -184,13 +184,10 @@ def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict) -> tuple[
         spmv_groups: dict[str, list] = {}
         for op in st.mv:
             p = mats[op.mat].pattern
-            if op.out == drop_out and st.phase == "mid":
-                continue
-            if op.mat < n and operators[op.mat]:
-                continue
-            if p.is_full:  # input slots (k), add slots (m), block offset and number
+            how = mv_kind(op, st.phase, p, n, operators, drop_out)
+            if how == "gemv":  # input slots (k), add slots (m), block offset and number
                 total += INDEX_BYTES * (p.rows + p.cols + 2)
-            else:
+            elif how == "spmv":
                 spmv_groups.setdefault(kind[op.mat], []).append(p.row_lengths())
         for lens in spmv_groups.values():
             total += _bins_bytes(lens, with_add=True)

@@ -347,7 +347,19 @@ class _Alloc:
         return off
 
 
-def _middle_runs(steps, mats, operators: Sequence[bool] = ()) -> dict[int, int]:
+def mv_kind(op, phase: str, pattern: Pattern, n: int, operators: Sequence[bool], drop_out) -> Optional[str]:
+    """How lowering runs the mat-vec ``op`` of a step in ``phase`` (its matrix's ``pattern``): ``None``
+    (dropped: the middle's ``dl/dx_0`` is not wanted), ``"apply"`` (a layer's structured operator),
+    ``"gemv"`` (a full pattern) or ``"spmv"``. :func:`spscan.planner.memory.estimate_memory` counts the
+    tables by the same rule."""
+    if op.out == drop_out and phase == "mid":
+        return None
+    if op.mat < n and operators[op.mat]:
+        return "apply"
+    return "gemv" if pattern.is_full else "spmv"
+
+
+def middle_runs(steps, mats, operators: Sequence[bool] = ()) -> dict[int, int]:
     """Start index -> length of each run (>= 2) of chainable single-MV middle steps (a layer that
     comes as a structured operator applies itself and ends a run)."""
     runs: dict[int, int] = {}
@@ -421,7 +433,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
 
     pending = []  # (step, op-kind, payload) resolved once zero slots are known
     steps: list[ProgramStep] = []
-    runs = _middle_runs(sched.steps, mats, operators)
+    runs = middle_runs(sched.steps, mats, operators)
     skip_until = -1
     for si, st in enumerate(sched.steps):
         if si < skip_until:
@@ -469,14 +481,13 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
         spmv_groups: dict[str, list] = {}
         for op in st.mv:
             p = mats[op.mat].pattern
-            if op.out == drop_out and st.phase == "mid":
-                continue
-            if op.mat < n and operators[op.mat]:
+            how = mv_kind(op, st.phase, p, n, operators, drop_out)
+            if how == "apply":
                 vec(op.out, p.rows)
                 pending.append((pstep, "apply", op))
-            elif p.is_full:
+            elif how == "gemv":
                 gemv_groups.setdefault((kind[op.mat], p.shape), []).append(op)
-            else:
+            elif how == "spmv":
                 spmv_groups.setdefault(kind[op.mat], []).append(op)
         for key, ops in gemv_groups.items():
             m = key[1][0]
