@@ -50,21 +50,6 @@ ROUNDS = {1000: 11, 3000: 11, 10000: 11}  # interleaved pairs per row (medians)
 CLOCK = time.process_time
 
 
-@pytest.fixture
-def flush_denormal():
-    flushed = torch.set_flush_denormal(True)
-    yield flushed
-    torch.set_flush_denormal(False)
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield 1
-    torch.set_num_threads(before)
-
-
 def _setup(cell: str, T: int, scan: bool, loss: str = "last"):
     torch.manual_seed(0)
     rnn = CELLS[cell](1, H, batch_first=True)
@@ -104,15 +89,15 @@ def _time(mode: str, forward) -> float:
     return CLOCK() - t0
 
 
-@pytest.mark.parametrize("loss", ["last", "every"])
-@pytest.mark.parametrize("mode", ["step", "backward", "forward"])
-@pytest.mark.parametrize("T", [1000, 3000, 10000])
-@pytest.mark.parametrize("cell", list(CELLS))
+# every cell: step and backward with a loss on the last output; the LSTM also: its forward alone and
+# a loss on every output (where its compiled forward and per-step losses matter)
+ROWS = [(cell, T, mode, loss) for cell in CELLS for T in (1000, 3000, 10000)
+        for mode in ("step", "backward", "forward") for loss in ("last", "every")
+        if cell == "lstm" or (mode != "forward" and loss == "last")]
+
+
+@pytest.mark.parametrize("cell,T,mode,loss", ROWS, ids=["-".join(map(str, r)) for r in ROWS])
 def test_recurrent_step_cpu(benchmark, flush_denormal, one_thread, cell, T, mode, loss):
-    if loss == "every" and cell != "lstm":
-        pytest.skip("per-step loss rows: LSTM only")
-    if mode == "forward" and cell != "lstm":
-        pytest.skip("forward rows: LSTM only")
     benchmark.group = f"{cell}-cpu-T{T}-{mode}-{loss}"
     rounds = ROUNDS[T]
     _, a_fwd = _setup(cell, T, scan=False, loss=loss)

@@ -41,21 +41,6 @@ MODELS = {
 ROUNDS = {1000: 7, 3000: 5}
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield 1
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def flush_denormal():
-    flushed = torch.set_flush_denormal(True)
-    yield flushed
-    torch.set_flush_denormal(False)
-
-
 def _setup(name: str, T: int, loss: str, scan: bool):
     torch.manual_seed(0)
     rnn = MODELS[name]()
