@@ -29,3 +29,26 @@ def flush_denormal():
     flushed = torch.set_flush_denormal(True)
     yield flushed
     torch.set_flush_denormal(False)
+
+
+def time_mode(mode: str, forward, clock=None) -> float:
+    """Seconds of one training-step part by ``clock`` (default ``time.perf_counter``): ``"backward"``
+    times ``loss.backward()`` after an untimed ``forward()``, ``"forward"`` the forward alone (its
+    backward runs untimed, freeing the graph), ``"step"`` both."""
+    import time
+
+    clock = clock or time.perf_counter
+    if mode == "backward":
+        loss = forward()
+        t0 = clock()
+        loss.backward()
+        return clock() - t0
+    if mode == "forward":
+        t0 = clock()
+        loss = forward()
+        t = clock() - t0
+        loss.backward()
+        return t
+    t0 = clock()
+    forward().backward()
+    return clock() - t0

@@ -42,7 +42,7 @@ from torch import nn
 import spscan
 from spscan.kernels import cpu_chain
 
-from conftest import device_name
+from conftest import device_name, time_mode
 
 H, B = 20, 16
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
@@ -72,23 +72,6 @@ def _setup(cell: str, T: int, scan: bool, loss: str = "last"):
     return rnn, forward
 
 
-def _time(mode: str, forward) -> float:
-    if mode == "backward":
-        loss = forward()
-        t0 = CLOCK()
-        loss.backward()
-        return CLOCK() - t0
-    if mode == "forward":
-        t0 = CLOCK()
-        loss = forward()
-        t = CLOCK() - t0
-        loss.backward()
-        return t
-    t0 = CLOCK()
-    forward().backward()
-    return CLOCK() - t0
-
-
 # every cell: step and backward with a loss on the last output; the LSTM also: its forward alone and
 # a loss on every output (where its compiled forward and per-step losses matter)
 ROWS = [(cell, T, mode, loss) for cell in CELLS for T in (1000, 3000, 10000)
@@ -102,8 +85,8 @@ def test_recurrent_step_cpu(benchmark, flush_denormal, one_thread, cell, T, mode
     rounds = ROUNDS[T]
     _, a_fwd = _setup(cell, T, scan=False, loss=loss)
     wrapped, s_fwd = _setup(cell, T, scan=True, loss=loss)
-    _time(mode, a_fwd), _time(mode, s_fwd)  # warm-up: allocator, plan and lowering for this T
-    pairs = [(_time(mode, a_fwd), _time(mode, s_fwd)) for _ in range(rounds)]
+    time_mode(mode, a_fwd, CLOCK), time_mode(mode, s_fwd, CLOCK)  # warm-up: allocator, plan and lowering for this T
+    pairs = [(time_mode(mode, a_fwd, CLOCK), time_mode(mode, s_fwd, CLOCK)) for _ in range(rounds)]
     base = statistics.median(p[0] for p in pairs)
     ours = statistics.median(p[1] for p in pairs)
     if mode == "backward":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from torch import nn
 import spscan
 from spscan.kernels import cpu_chain
 
-from conftest import device_name
+from conftest import device_name, time_mode
 
 H, B = 20, 16
 MODELS = {
@@ -63,17 +62,6 @@ def _setup(name: str, T: int, loss: str, scan: bool):
     return rnn, forward
 
 
-def _time(mode: str, forward) -> float:
-    if mode == "backward":
-        loss = forward()
-        t0 = time.perf_counter()
-        loss.backward()
-        return time.perf_counter() - t0
-    t0 = time.perf_counter()
-    forward().backward()
-    return time.perf_counter() - t0
-
-
 CASES = [
     ("gru-2layer", 1000, "last"),
     ("gru-2layer", 3000, "last"),
@@ -89,8 +77,8 @@ def test_stacked_step_cpu(benchmark, flush_denormal, one_thread, name, T, loss, 
     rounds = ROUNDS[T]
     _, a_fwd = _setup(name, T, loss, scan=False)
     wrapped, s_fwd = _setup(name, T, loss, scan=True)
-    _time(mode, a_fwd), _time(mode, s_fwd)  # warm-up: allocator, plans and lowering for this T
-    pairs = [(_time(mode, a_fwd), _time(mode, s_fwd)) for _ in range(rounds)]
+    time_mode(mode, a_fwd), time_mode(mode, s_fwd)  # warm-up: allocator, plans and lowering for this T
+    pairs = [(time_mode(mode, a_fwd), time_mode(mode, s_fwd)) for _ in range(rounds)]
     base = statistics.median(p[0] for p in pairs)
     ours = statistics.median(p[1] for p in pairs)
     if mode == "backward":
