@@ -1096,11 +1096,16 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         adjust = getattr(chain_model, "_levels_for_coupled_layers", None)  # layers without CSR values
         if adjust is not None:
             kwargs = adjust(traced.units, kwargs)
-        core = build_plan([u.pattern for u in traced.units], bind=None, **kwargs)
+        core, factored = chain_model.plan_chain(traced.units, **kwargs)
         plan: ModelPlan = TracedChainPlan(model, traced.units, traced.names, in_shape, core, operators=operators,
-                                          module_backed=traced.module_backed)
+                                          module_backed=traced.module_backed, factored=factored)
         plan.bind_signatures()
         return plan
+    norm_form = kwargs.pop("norm_form", "auto")
+    if norm_form not in ("auto", "dense"):
+        raise ValueError(f"{type(model).__name__}: norm_form={norm_form!r}: a model with skips or concatenations "
+                         "plans its blocks' composites with dense normalization blocks (the factored form is for "
+                         "chains); use norm_form='auto' or 'dense'")
     coupled = [(u, name) for u, name in zip(traced.units, traced.names) if not getattr(u, "has_csr_values", True)]
     if coupled:
         # train-mode BatchNorm: its J^T couples the batch and exists only as an operator, so every block

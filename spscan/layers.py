@@ -63,6 +63,7 @@ __all__ = [
     "make_unit",
     "supported_layer_types",
     "coo_to_csr",
+    "LowRankFactors",
 ]
 
 
@@ -1170,7 +1171,78 @@ def _dense_blocks(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, cols
 
 
-class _GroupNormalizeUnit(LayerUnit):
+def _low_rank_entries(groups: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Structural entries of the two factors of a block-diagonal ``J^T = L R`` whose blocks are a
+    diagonal plus rank ``rank`` (``groups`` ``(G, N)``: each row one group of flat per-sample indices,
+    ``d = G N``, the inner dimension ``d + rank G``): ``L`` ``(d, d + rank G)`` holds a diagonal and, in
+    row ``i`` of group ``g``, the columns ``d + rank g + j``; ``R`` ``(d + rank G, d)`` the diagonal and
+    the rows ``d + rank g + j`` over the group's columns. Entries of ``L`` as ``(rows, cols)`` in
+    ``(part, g, n)`` order, ``part`` 0 the diagonal and ``1 + j`` rank column ``j``; ``R``'s are the
+    transposed pairs in the same order."""
+    g, n = groups.shape
+    d = g * n
+    rows = np.broadcast_to(groups[None], (1 + rank, g, n))
+    inner = d + rank * np.arange(g, dtype=np.int64)[:, None] + np.arange(rank, dtype=np.int64)[:, None, None]
+    cols = np.concatenate([groups[None], np.broadcast_to(inner, (rank, g, n))])
+    return rows.reshape(-1), cols.reshape(-1), d + rank * g
+
+
+class LowRankFactors:
+    """``J^T`` as the product of two sparse factors, for units whose per-group ``J^T`` is a diagonal
+    plus a rank-``r`` correction (LayerNorm, GroupNorm: ``r = 2``; Softmax, LogSoftmax: ``r = 1``).
+
+    A dense ``N x N`` block per group costs ``N^2`` entries per sample in every up-sweep product
+    it enters; the factors ``L`` ``(d, d + rG)`` and ``R`` ``(d + rG, d)`` hold ``(1 + r) N`` each, and
+    ``J^T g = L (R g)``: ``R`` maps ``g`` to ``[g', <v_1, g>, ..., <v_r, g>]`` per group, ``L`` combines
+    them. In a chain the factors are two elements (``R`` nearer the output), which the planner
+    multiplies like any others; whether a plan uses them instead of the dense blocks is a planning
+    decision (:func:`spscan.model.plan_chain`).
+
+    Subclasses set ``rank`` and ``factor_groups`` (``(G, N)`` flat indices) and implement
+    :meth:`_factor_parts`.
+    """
+
+    rank: int
+    factor_groups: np.ndarray
+
+    def factor_patterns(self) -> tuple[sp.csr_array, sp.csr_array]:
+        """``(L, R)`` patterns, ``(d_in, d_in + rG)`` and ``(d_in + rG, d_out)``."""
+        got = self.__dict__.get("_factors")
+        if got is None:
+            rows, cols, inner = _low_rank_entries(self.factor_groups, self.rank)
+            left, lo = coo_to_csr(rows, cols, (self.d_in, inner))
+            right, ro = coo_to_csr(cols, rows, (inner, self.d_out))
+            got = self._factors = ((left, None if isinstance(lo, slice) else _IndexCache(lo)),
+                                   (right, None if isinstance(ro, slice) else _IndexCache(ro)))
+        return got[0][0], got[1][0]
+
+    @property
+    def factor_inner(self) -> int:
+        """The inner dimension ``d + rG`` between the factors."""
+        return self.d_in + self.rank * self.factor_groups.shape[0]
+
+    def factor_shared(self) -> tuple[bool, bool]:
+        """Whether ``L``'s and ``R``'s values are shared by the batch."""
+        return False, False
+
+    def _factor_parts(self, saved: Any, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L parts, R parts)``, each ``(B, 1 + r, G, N)`` (or ``(1 + r, G, N)`` where shared) in the
+        entry order of :func:`_low_rank_entries`: part 0 the diagonal, part ``1 + j`` rank term ``j``."""
+        raise NotImplementedError
+
+    def factor_fill(self, saved: Any, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L values, R values)`` in their patterns' CSR order, ``(B, nnz)`` or ``(nnz,)`` where shared."""
+        self.factor_patterns()
+        out = []
+        for parts, (_, order) in zip(self._factor_parts(saved, tensors), self._factors):
+            v = parts.reshape(-1) if parts.dim() == 3 else parts.reshape(parts.shape[0], -1)
+            if order is not None:
+                v = torch.index_select(v, v.dim() - 1, order.on(v.device))
+            out.append(v)
+        return out[0], out[1]
+
+
+class _GroupNormalizeUnit(LowRankFactors, LayerUnit):
     """Shared by LayerNorm and GroupNorm: per sample, the flat activation splits into ``G``
     contiguous groups of ``N`` elements, each normalized by its own mean and (biased) variance,
     then scaled by a gain read from ``weight`` and shifted by ``bias``.
@@ -1195,6 +1267,7 @@ class _GroupNormalizeUnit(LayerUnit):
     def _setup(self, gain_index: Optional[np.ndarray]) -> None:
         g, n = self.groups, self.group_size
         grp = np.arange(self.d_in, dtype=np.int64).reshape(g, n)
+        self.rank, self.factor_groups = 2, grp
         rows, cols = _dense_blocks(grp)
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         assert isinstance(order, slice)  # (group, j, i) is already CSR order
@@ -1227,6 +1300,21 @@ class _GroupNormalizeUnit(LayerUnit):
             gain = torch.index_select(w.detach().reshape(-1), 0, self.gain_index.on(w.device))
             scale = scale * gain.reshape(1, self.groups, 1, n)
         return (blk * scale).reshape(b, -1)
+
+    def _factor_parts(self, saved, tensors):
+        # L = [rstd I | -rstd/N 1 | -rstd/N x̂], R = [diag(gain) ; gain^T ; (x̂ gain)^T] per group
+        xhat, rstd = self._normalized(saved)
+        n = self.group_size
+        w = self._tensor(tensors, "weight")
+        if w is None:
+            gain = torch.ones_like(xhat)
+        else:
+            gain = torch.index_select(w.detach().reshape(-1), 0, self.gain_index.on(w.device))
+            gain = gain.reshape(1, self.groups, n).expand_as(xhat)
+        r = rstd.expand_as(xhat)
+        left = torch.stack([r, r * (-1.0 / n), xhat * r * (-1.0 / n)], 1)
+        right = torch.stack([gain, gain, xhat * gain], 1)
+        return left, right
 
     @abc.abstractmethod
     def _backward(self, saved: Any, tensors: Sequence[torch.Tensor], g: torch.Tensor,
@@ -1310,7 +1398,7 @@ class GroupNormUnit(_GroupNormalizeUnit):
             self._detached(tensors, "weight"), x.shape[0], self.in_shape[0], self.hxw, self.groups, mask)
 
 
-class SoftmaxUnit(LayerUnit):
+class SoftmaxUnit(LowRankFactors, LayerUnit):
     """``nn.Softmax`` / ``nn.LogSoftmax`` along ``dim`` (not the batch dim). Per slice along ``dim``
     (``N`` its length, ``s`` the softmax): Softmax ``J^T = diag(s) - s s^T``, LogSoftmax
     ``J^T = I - s 1^T`` (``J^T[j, i] = δ_ij - s_j``), a diagonal minus rank 1.
@@ -1341,6 +1429,7 @@ class SoftmaxUnit(LayerUnit):
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.slices = _IndexCache(slices.reshape(-1))
         self.n_slice = slices.shape[1]
+        self.rank, self.factor_groups = 1, np.ascontiguousarray(slices)
         self.order = None if isinstance(order, slice) else _IndexCache(order)
 
     def run(self, x, tensors):
@@ -1359,6 +1448,19 @@ class SoftmaxUnit(LayerUnit):
             v = torch.diag_embed(s) - s.unsqueeze(3) * s.unsqueeze(2)
         v = v.reshape(y.shape[0], -1)
         return v if self.order is None else torch.index_select(v, 1, self.order.on(y.device))
+
+    def factor_shared(self):
+        return False, self.log  # LogSoftmax's R = [I ; 1^T] is a constant
+
+    def _factor_parts(self, saved, tensors):
+        # Softmax: L = [diag(s) | -s], R = [I ; s^T]; LogSoftmax: L = [I | -s], R = [I ; 1^T] (per slice)
+        y = saved.detach().reshape(saved.shape[0], -1)
+        s = torch.index_select(y, 1, self.slices.on(y.device)).reshape(y.shape[0], -1, self.n_slice)
+        if self.log:
+            s = torch.exp(s)
+            ones = torch.ones_like(s)
+            return torch.stack([ones, -s], 1), torch.ones((2,) + s.shape[1:], dtype=s.dtype, device=s.device)
+        return torch.stack([s, -s], 1), torch.stack([torch.ones_like(s), s], 1)
 
     def apply_transposed(self, saved, tensors, g):
         y = saved.detach()

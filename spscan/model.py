@@ -26,11 +26,11 @@ import torch.nn as nn
 
 from spscan.engine import check_inputs
 from spscan.kernels.backend import StructuredOperator
-from spscan.layers import (AvgPoolUnit, ConvUnit, ElementwiseUnit, LayerUnit, LinearUnit, MaxPoolUnit, ReshapeUnit,
-                           UnitOperator, make_unit, supported_layer_types)
+from spscan.layers import (AvgPoolUnit, ConvUnit, ElementwiseUnit, LayerUnit, LinearUnit, LowRankFactors, MaxPoolUnit,
+                           ReshapeUnit, UnitOperator, make_unit, supported_layer_types)
 from spscan.plan import build_plan
 
-__all__ = ["ModelPlan", "Jacobians", "plan_model", "param_grads", "wrap", "SpscanModule"]
+__all__ = ["ModelPlan", "Jacobians", "plan_model", "plan_chain", "param_grads", "wrap", "SpscanModule"]
 
 
 # ----------------------------------------------------------------------------- chain discovery
@@ -145,14 +145,18 @@ class ModelPlan:
     Attributes:
         model: the planned model (its parameters are read at every step, never copied).
         units: one :class:`~spscan.layers.LayerUnit` per layer, in chain order.
-        layer_names: qualified module name of each layer (``patterns[k]`` came from ``layer_names[k]``).
-        patterns: ``J_i^T`` patterns, SciPy CSR of shape ``(d_{i-1}, d_i)``.
+        layer_names: qualified module name of each layer.
+        factored: per layer, whether its ``J^T`` enters the scan as two low-rank factors
+            (:class:`~spscan.layers.LowRankFactors`, chosen by :func:`plan_chain`) instead of one matrix.
+        patterns: the core chain's element patterns, SciPy CSR: ``J_k^T`` ``(d_{k-1}, d_k)`` for each
+            layer, or its factors ``L`` then ``R`` for a factored one.
         core: the core scan plan (:class:`spscan.Plan`) built from ``patterns``.
         in_shape, out_shape: per-sample input and output shapes.
     """
 
     def __init__(self, model: nn.Module, units: list[LayerUnit], layer_names: list[str],
-                 in_shape: tuple[int, ...], core: Any, operators: bool = True):
+                 in_shape: tuple[int, ...], core: Any, operators: bool = True,
+                 factored: Optional[Sequence[bool]] = None):
         self.use_operators = bool(operators)
         self.model = model
         self.units = units
@@ -160,7 +164,18 @@ class ModelPlan:
         self.in_shape = in_shape
         self.out_shape = units[-1].out_shape
         self.core = core
-        self.patterns = [u.pattern for u in units]
+        self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
+        if len(self.factored) != len(units):
+            raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")
+        self.patterns = [p for u, f in zip(units, self.factored) for p in (u.factor_patterns() if f else (u.pattern,))]
+        # the core element after each layer's output (the gradient dl/dx_k is the core's dl/dx at that element)
+        self._ends: Optional[list[int]] = None
+        if any(self.factored):
+            ends, e = [], 0
+            for f in self.factored:
+                e += 2 if f else 1
+                ends.append(e)
+            self._ends = ends
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         # (unit k, role r) -> (qualified parameter name, parameter, pruning mask or None)
         self.param_roles: list[list[tuple[str, nn.Parameter, Optional[torch.Tensor]]]] = [
@@ -193,10 +208,15 @@ class ModelPlan:
         """One line per layer (type, shapes, nnz, sparsity, shared/per-sample) and the core's summary."""
         lines = [f"ModelPlan: {len(self.units)} layers, input {self.in_shape} -> output {self.out_shape}"]
         for k, (u, n) in enumerate(zip(self.units, self.layer_names)):
+            if self.factored[k]:
+                left, right = u.factor_patterns()
+                what = (f"J^T = L R, L {left.shape[0]}x{left.shape[1]} nnz={left.nnz}, "
+                        f"R {right.shape[0]}x{right.shape[1]} nnz={right.nnz} (dense blocks: nnz={u.nnz})")
+            else:
+                what = f"J^T {u.d_in}x{u.d_out} nnz={u.nnz} sparsity={u.sparsity():.6f}"
             lines.append(
                 f"  [{k}] {n or '-':<12} {u.name:<12} {str(u.in_shape):>16} -> {str(u.out_shape):<16} "
-                f"J^T {u.d_in}x{u.d_out} nnz={u.nnz} sparsity={u.sparsity():.6f} "
-                f"{'shared' if u.shared else 'per-sample'}")
+                f"{what} {'shared' if u.shared else 'per-sample'}")
         lines.append(self.core.summary())
         return "\n".join(lines)
 
@@ -283,7 +303,35 @@ class ModelPlan:
         return flat
 
     def _fill(self, saved: list[Any], tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        return [u.fill(s, t) for u, s, t in zip(self.units, saved, tensors)]
+        if self._ends is None:
+            return [u.fill(s, t) for u, s, t in zip(self.units, saved, tensors)]
+        out: list[torch.Tensor] = []
+        for u, f, s, t in zip(self.units, self.factored, saved, tensors):
+            if f:
+                out += u.factor_fill(s, t)
+            else:
+                out.append(u.fill(s, t))
+        return out
+
+    def _layer_grads(self, grads: list) -> list:
+        """The core's ``dl/dx`` per element boundary -> ``[dl/dx_0, ..., dl/dx_n]`` per layer boundary
+        (a factored layer's inner gradient is left out)."""
+        return grads if self._ends is None else [grads[0]] + [grads[e] for e in self._ends]
+
+    @property
+    def element_shared(self) -> list[bool]:
+        """Per core element: whether its values are shared by the batch."""
+        if self._ends is None:
+            return [u.shared for u in self.units]
+        return [sh for u, f in zip(self.units, self.factored) for sh in (u.factor_shared() if f else (u.shared,))]
+
+    @property
+    def element_operator_flags(self) -> list[bool]:
+        """Per core element: whether the wrapper passes a structured operator (a factor never is one)."""
+        flags = self.operator_flags
+        if self._ends is None:
+            return flags
+        return [fl for f, op in zip(self.factored, flags) for fl in ((False, False) if f else (op,))]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Jacobians]:
         """Run the model on ``x`` ``(B, *in_shape)`` once; return ``(output (B, *out_shape), jacobians)``.
@@ -304,28 +352,36 @@ class ModelPlan:
         """``[dl/dx_0, ..., dl/dx_n]`` (each ``(B, d_i)``) from the step's values and ``grad`` ``(B, d_n)``
         (or ``(B, *out_shape)``): the contract of :func:`spscan.backward`. ``values`` may hold a
         layer's :class:`~spscan.kernels.backend.StructuredOperator` instead of its CSR values;
-        ``first_output=False`` leaves ``dl/dx_0`` out (``None``)."""
+        ``first_output=False`` leaves ``dl/dx_0`` out (``None``). A factored layer
+        (:attr:`factored`) takes two value tensors, its factors ``L`` then ``R``, as ``forward``
+        returns them; its inner gradient is not returned."""
         vals = list(values.values if isinstance(values, Jacobians) else values)
         if len(vals) != self.core.n:
-            raise ValueError(f"values: expected {self.core.n} tensors (one per {self.element_name}), got {len(vals)}")
+            what = self.element_name if self._ends is None else "layer, two for a factored layer"
+            raise ValueError(f"values: expected {self.core.n} tensors (one per {what}), got {len(vals)}")
         if isinstance(grad, torch.Tensor) and grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
         items, _, shared, has_extra, _, _, device, operators = check_inputs(
             self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
+        if extra is not None and self._ends is not None:
+            raise ValueError("extra: not supported by a plan with factored layers (its gradients are per element "
+                             "of the core chain); plan with norm_form='dense'")
         bound = self.core.bind(shared, has_extra, device, operators, first_output)
-        return bound.run(items, grad, extra, check=False, graph=True).grads
+        return self._layer_grads(bound.run(items, grad, extra, check=False, graph=True).grads)
 
     def bind_signatures(self, device=None) -> None:
         """Bind the core plan for what the wrapper's backward passes (shared flags, operators, with and
         without ``dl/dx_0``), so no step lowers anything."""
-        shared = [u.shared for u in self.units]
+        shared = self.element_shared
         for first in (True, False):
-            self.core.bind(shared, None, device, self.operator_flags, first)
+            self.core.bind(shared, None, device, self.element_operator_flags, first)
 
     @property
     def operator_flags(self) -> list[bool]:
-        """Per layer: whether the wrapper passes its structured operator instead of CSR values."""
-        return [(self.use_operators and u.has_operator) or not u.has_csr_values for u in self.units]
+        """Per layer: whether the wrapper passes its structured operator instead of CSR values (a
+        factored layer passes its factors' values)."""
+        return [not f and ((self.use_operators and u.has_operator) or not u.has_csr_values)
+                for u, f in zip(self.units, self.factored)]
 
     def _values(self, saved: list[Any], tensors: list[list[torch.Tensor]],
                 needed: Optional[list[list[bool]]] = None) -> list[Any]:
@@ -333,8 +389,13 @@ class ModelPlan:
         ``needed``: per layer, the parameter gradients an operator may compute while it is applied
         (only at depth 0, where each layer's ``J^T`` is applied once, to ``dl/dx_k``)."""
         fuse = needed is not None and self.levels == 0
-        return [(u.operator(s, t, needed[k] if fuse else None) if op else u.fill(s, t))
-                for k, (u, s, t, op) in enumerate(zip(self.units, saved, tensors, self.operator_flags))]
+        out: list[Any] = []
+        for k, (u, s, t, op) in enumerate(zip(self.units, saved, tensors, self.operator_flags)):
+            if self.factored[k]:
+                out += u.factor_fill(s, t)
+            else:
+                out.append(u.operator(s, t, needed[k] if fuse else None) if op else u.fill(s, t))
+        return out
 
     def _step_backward(self, needs_input_grad: tuple, device: torch.device) -> "_StepBackward":
         """The wrapper's backward for one signature, decided once and cached: which inputs need
@@ -367,6 +428,77 @@ def _levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict
     return kwargs
 
 
+NORM_FORMS = ("auto", "dense", "factored")
+
+# above this many dense-block entries per sample, a layer's blocks are never planned into products:
+# a dense LayerNorm(1024) over 16 tokens is 16.8M entries per sample (its values alone 4 GiB a step at
+# batch 64, float32), the factors 98k
+DENSE_BLOCK_LIMIT = 1 << 22
+
+# ``norm_form="auto"`` keeps the factors only when their estimated time is below the dense blocks' divided
+# by this. The CPU profile prices per-sample dense GEMMs at 4e9 multiply-adds/s, where one core runs the
+# dense blocks' products at ~1.7e10 in float32: measured on one core (B = 8, float32), a Linear(256) next
+# to a LayerNorm(256) ran its dense blocks 1.1-1.45x faster than its factors, which the model estimated
+# 1.4-1.6x slower; a conv next to a GroupNorm and a token-wise LayerNorm ran factored 3.7-7.3x faster, and
+# were estimated 5.7-10x faster
+FACTORED_MARGIN = 2.0
+
+
+def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: Any) -> tuple[Any, list[bool]]:
+    """The core plan of a chain of layer units, and per layer whether it is factored.
+
+    A layer whose ``J^T`` is a block-diagonal of diagonal-plus-low-rank blocks
+    (:class:`~spscan.layers.LowRankFactors`: LayerNorm, GroupNorm, Softmax, LogSoftmax) enters the
+    chain either as its dense blocks (one element) or as its two factors ``L R`` (two elements,
+    ``(1 + r) N`` entries per group each instead of ``N^2``). ``norm_form``:
+
+    * ``"dense"``: the blocks (at depth 0 the wrapper applies the layer's own backward kernel and
+      never forms them).
+    * ``"factored"``: the factors, at any depth.
+    * ``"auto"``: the planner's choice. At depth 0 nothing is multiplied, so the dense form (applied
+      as the layer's kernel) is kept. Where the plan multiplies matrices (a depth ``K >= 1``, forced
+      or chosen by ``levels="auto"``), both chains are planned and the one with the lower estimated
+      critical-path time is kept (the factors must win by :data:`FACTORED_MARGIN`): the factors win
+      where the blocks would fill the neighbours' products (a conv next to a GroupNorm), the blocks
+      where the products are dense anyway (a Linear next to a LayerNorm over its whole output) and
+      one element fewer is cheaper. A layer
+      whose blocks exceed :data:`DENSE_BLOCK_LIMIT` entries per sample is factored without
+      planning its blocks into products.
+
+    ``kwargs`` go to :func:`spscan.plan.build_plan` (``levels``, ``backend``, ...).
+    """
+    if norm_form not in NORM_FORMS:
+        raise ValueError(f"norm_form: expected one of {NORM_FORMS}, got {norm_form!r}")
+    can = [isinstance(u, LowRankFactors) and u.has_csr_values for u in units]
+    dense = [False] * len(units)
+    if not any(can) or norm_form == "dense":
+        return build_plan([u.pattern for u in units], bind=None, **kwargs), dense
+    factored = list(can)
+
+    def core_of(flags: Sequence[bool]):
+        pats = [p for u, f in zip(units, flags) for p in (u.factor_patterns() if f else (u.pattern,))]
+        return build_plan(pats, bind=None, **kwargs)
+
+    if norm_form == "factored":
+        return core_of(factored), factored
+    levels = kwargs.get("levels", "auto")
+    if levels == 0:
+        return build_plan([u.pattern for u in units], bind=None, **kwargs), dense
+    huge = any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can))
+    if huge:
+        return core_of(factored), factored
+    plain = build_plan([u.pattern for u in units], bind=None, **kwargs)
+    if plain.levels == 0 and levels == "auto":
+        return plain, dense  # the linear scan: each layer's kernel, no products to fill
+    other = core_of(factored)
+    if other.levels == 0:
+        return plain, dense  # the factored chain's own best is the linear scan: the kernels are faster
+    t_plain, t_other = plain.candidates.get(plain.levels), other.candidates.get(other.levels)
+    if t_plain is not None and t_other is not None and t_other * FACTORED_MARGIN < t_plain:
+        return other, factored
+    return plain, dense
+
+
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
                operators: bool = True, **kwargs: Any) -> ModelPlan:
     """Plan an ``nn.Sequential`` chain (nested Sequentials are flattened) for scan backprop.
@@ -381,6 +513,8 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         operators: in the wrapper's backward, layers that have a structured operator (conv,
             linear, activations, max-pool, batch-norm, reshapes, dropout) apply ``J^T`` directly
             instead of forming CSR values, wherever the scan only multiplies them by vectors.
+        norm_form: ``"auto"`` (default), ``"dense"`` or ``"factored"``: how LayerNorm, GroupNorm,
+            Softmax and LogSoftmax enter up-sweep products (see :func:`plan_chain`).
         **kwargs: passed to ``spscan.plan(patterns, **kwargs)`` (``levels``, ``backend``, ...).
 
     Raises:
@@ -428,8 +562,8 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
     kwargs = _levels_for_coupled_layers(units, kwargs)
-    core = build_plan([u.pattern for u in units], bind=None, **kwargs)
-    plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators)
+    core, factored = plan_chain(units, **kwargs)
+    plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators, factored=factored)
     plan.bind_signatures()
     return plan
 
@@ -692,12 +826,12 @@ class _StepBackward:
             pos += len(u.roles)
         self.needed = needed
         flags = plan.operator_flags
-        self.bound = plan.core.bind([u.shared for u in units], None, device, flags, self.first)
+        self.bound = plan.core.bind(plan.element_shared, None, device, plan.element_operator_flags, self.first)
         fuse = plan.levels == 0
         # per layer: (unit, its operator flag, the roles its operator computes while applied, or None)
         self.layers = [(u, op, nd if (op and fuse and any(nd)) else None)
                        for u, op, nd in zip(units, flags, needed)]
-        chain = self.bound.operator_chain
+        chain = self.bound.operator_chain if plan._ends is None else None
         self.keep: Optional[list[bool]] = None
         if chain is not None:
             applied = set(chain)
@@ -781,8 +915,16 @@ class _StepBackward:
 
     def _run_general(self, st: _ForwardState, g: torch.Tensor) -> tuple:
         plan = self.plan
-        values = [(_FusedOperator(u, s, t, fused) if op else u.fill(s, t))
-                  for (u, op, fused), s, t in zip(self.layers, st.saved, st.tensors)]
+        values = [(_FusedOperator(u, s, t, fused) if op else (None if f else u.fill(s, t)))
+                  for (u, op, fused), f, s, t in zip(self.layers, plan.factored, st.saved, st.tensors)]
+        elements = values
+        if plan._ends is not None:  # factored layers pass their two factors' values
+            elements = []
+            for (u, _, _), f, v, s, t in zip(self.layers, plan.factored, values, st.saved, st.tensors):
+                if f:
+                    elements += u.factor_fill(s, t)
+                else:
+                    elements.append(v)
         if self.release and not _keep_graph():
             # the graph is freed after this backward: each layer's activations can go once its operator
             # has run (the peak and the pages touched stay near autograd's); a retained graph keeps them
@@ -790,7 +932,7 @@ class _StepBackward:
             saved = st.saved = list(st.saved)
             for k in self.release:
                 values[k].release = (saved, k)
-        grads = self.bound.run(values, g, check=False, keep=self.keep).grads
+        grads = plan._layer_grads(self.bound.run(elements, g, check=False, keep=self.keep).grads)
         gx = grads[0].reshape(st.x_shape) if self.first else None
         if not self.has_roles:
             return (None, gx)

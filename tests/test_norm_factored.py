@@ -1,0 +1,242 @@
+"""LayerNorm, GroupNorm, Softmax and LogSoftmax as two low-rank factors ``J^T = L R`` in the chain
+(:class:`spscan.layers.LowRankFactors`, ``norm_form`` of :func:`spscan.model.plan_chain`): the
+factors against the dense blocks and autograd, the planner's choice, and the model plan's mapping
+from its core elements back to layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn as nn
+
+import spscan
+from spscan import model as chain_model
+from spscan.layers import LowRankFactors
+
+from layer_checks import build_unit, filled, run_errors, seq
+from test_layers_more import NORM_CASES, NORM_CHAINS, _rel, _seeded, _step
+
+
+def _factor_matrix(pattern: sp.csr_array, values: torch.Tensor, b: int) -> sp.csr_array:
+    v = values if values.dim() == 1 else values[b]
+    return sp.csr_array((v.detach().numpy(), pattern.indices, pattern.indptr), shape=pattern.shape)
+
+
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_factors_multiply_to_the_dense_blocks(name):
+    """Per unit, float64: ``L R`` equals the dense blocks (CSR values) for every sample; the factors
+    hold ``(1 + r) N`` entries per group each and are canonical CSR of shapes ``(d, d + rG)``,
+    ``(d + rG, d)``."""
+    make, shape = NORM_CASES[name]
+    m = _seeded(make(), 3)
+    u = build_unit(m, seq(2, *shape))
+    assert isinstance(u, LowRankFactors)
+    left, right = u.factor_patterns()
+    g, n = u.factor_groups.shape
+    inner = u.d_in + u.rank * g
+    assert left.shape == (u.d_in, inner) and right.shape == (inner, u.d_out) == (u.factor_inner, u.d_out)
+    assert left.nnz == right.nnz == (1 + u.rank) * g * n
+    for p in (left, right):
+        q = p.copy()
+        q.sum_duplicates()
+        q.sort_indices()
+        assert q.nnz == p.nnz and np.array_equal(q.indices, p.indices)
+    x = seq(3, *shape, seed=5)
+    t = [v.detach() for v in u.tensors()]
+    _, saved = u.run(x, t)
+    dense = u.fill(saved, t)
+    lv, rv = u.factor_fill(saved, t)
+    sh_l, sh_r = u.factor_shared()
+    assert lv.shape == ((left.nnz,) if sh_l else (3, left.nnz))
+    assert rv.shape == ((right.nnz,) if sh_r else (3, right.nnz))
+    for b in range(3):
+        prod = (_factor_matrix(left, lv, b) @ _factor_matrix(right, rv, b)).toarray()
+        np.testing.assert_allclose(prod, filled(u, dense, b), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("levels", [1, "full"])
+@pytest.mark.parametrize("name", list(NORM_CHAINS))
+def test_factored_chains_equal_autograd(name, levels):
+    """``norm_form="factored"`` at depth 1 and full, with and without operators, float64: input and
+    parameter gradients equal autograd's (≤ 1e-9 relative), batch 3, then 1, then 5 on one wrapper."""
+    make, shape = NORM_CHAINS[name]
+    torch.manual_seed(0)
+    net = make().double()
+    for p in net.parameters():
+        with torch.no_grad():
+            p.add_(0.3 * torch.randn_like(p))
+    wrappers = [spscan.wrap(net, seq(3, *shape), levels=levels, operators=ops, norm_form="factored")
+                for ops in (True, False)]
+    for w in wrappers:
+        assert any(w.plan.factored)
+        assert len(w.plan.patterns) == w.plan.core.n == len(w.plan.units) + sum(w.plan.factored)
+    for b in (3, 1, 5):
+        x = seq(b, *shape, seed=b)
+        ref = _step(net, x, b)
+        for w in wrappers:
+            got = _step(w, x, b)
+            for k, (a, r) in enumerate(zip(got, ref)):
+                assert _rel(a, r) <= 1e-9, (k, _rel(a, r))
+
+
+@pytest.mark.parametrize("name", ["mlp_layernorm_logsoftmax", "cnn_groupnorm_softmax"])
+def test_factored_float32_within_autograd_error(name):
+    """float32, factored at full depth: spscan's error against a float64 reference is at most 2x
+    autograd's own float32 error."""
+    make, shape = NORM_CHAINS[name]
+    torch.manual_seed(1)
+    net32 = make()
+    net64 = make().double()
+    net64.load_state_dict({k: v.double() for k, v in net32.state_dict().items()})
+    x = seq(6, *shape, seed=2, dtype=torch.float32)
+    w = spscan.wrap(net32, x, levels="full", norm_form="factored")
+    ref = _step(net64, x.double(), 3)
+    ag = _step(net32, x, 3)
+    got = _step(w, x, 3)
+    for k, (s, a, r) in enumerate(zip(got, ag, ref)):
+        floor = 1e-6 * float(r.abs().max())
+        err_s, err_a = float((s.double() - r).abs().max()), float((a.double() - r).abs().max())
+        assert err_s <= 2 * err_a + floor, (k, err_s, err_a)
+
+
+def _gn_cnn() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 16, 10), nn.LogSoftmax(dim=1)).double()
+
+
+def _ln_mlp(d: int = 64) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.GELU(), nn.Linear(d, d), nn.LayerNorm(d),
+                         nn.GELU(), nn.Linear(d, 10)).double()
+
+
+def test_core_api_maps_elements_to_layers():
+    """``plan.forward`` gives two value tensors per factored layer; ``spscan.backward`` returns one
+    gradient per layer boundary (the factors' inner gradient left out), equal to autograd's and to
+    the dense plan's; ``param_grads`` from them equal autograd's; a wrong count names the rule;
+    ``extra`` terms are refused on a factored plan; the summary shows the factors."""
+    torch.manual_seed(2)
+    net = _gn_cnn()
+    x = seq(5, 4, 4, 4, seed=1)
+    fac = spscan.plan(net, x, levels=1, norm_form="factored")
+    den = spscan.plan(net, x, levels=1, norm_form="dense")
+    assert fac.factored == [False, True, False, False, True, False, False, False, True]
+    assert den.factored == [False] * 9
+    y, jac = fac.forward(x)
+    assert len(jac) == fac.core.n == 12
+    g = seq(*y.shape, seed=3)
+    grads = spscan.backward(fac, jac, g)
+    ref = spscan.backward(den, den.forward(x)[1], g)
+    assert len(grads) == len(ref) == 10
+    for a, r in zip(grads, ref):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+    xr = x.clone().requires_grad_(True)
+    net.zero_grad()
+    (net(xr) * g).sum().backward()
+    torch.testing.assert_close(grads[0].reshape(x.shape), xr.grad, rtol=1e-10, atol=1e-12)
+    pg = chain_model.param_grads(fac, jac, grads)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(pg[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+    run_errors(lambda: spscan.backward(fac, list(jac)[:-1], g), ValueError, "expected 12", "two for a factored")
+    run_errors(lambda: fac.backward(jac, g, [None] * 13), ValueError, "extra", "norm_form='dense'")
+    text = fac.summary()
+    assert "J^T = L R" in text and "dense blocks" in text
+
+
+def test_auto_chooses_by_cost():
+    """``norm_form="auto"``: the factors next to convs (the dense blocks would fill their products),
+    the blocks next to a Linear over the whole LayerNorm (the products are dense anyway); depth 0
+    (forced or chosen) keeps the layer's kernel; ``DENSE_BLOCK_LIMIT`` factors without planning the
+    blocks into products."""
+    cnn, x_cnn = _gn_cnn(), seq(2, 4, 4, 4)
+    mlp, x_mlp = _ln_mlp(256), seq(2, 256)
+    assert any(spscan.plan(cnn, x_cnn, levels=1).factored)
+    assert not any(spscan.plan(mlp, x_mlp, levels=1).factored)
+    assert not any(spscan.plan(cnn, x_cnn, levels=0).factored)
+    auto = spscan.plan(cnn, x_cnn)
+    if auto.levels == 0:
+        assert not any(auto.factored)
+    old = chain_model.DENSE_BLOCK_LIMIT
+    try:
+        chain_model.DENSE_BLOCK_LIMIT = 1000  # below a LayerNorm(256)'s 65536 block entries
+        calls = []
+        real = chain_model.build_plan
+
+        def spy(pats, **kw):
+            calls.append(len(pats))
+            return real(pats, **kw)
+
+        chain_model.build_plan = spy
+        try:
+            p = spscan.plan(mlp, x_mlp, levels=1)
+        finally:
+            chain_model.build_plan = real
+        assert p.factored == [False, True, False, False, True, False, False]
+        assert calls == [9]  # only the factored chain was planned
+    finally:
+        chain_model.DENSE_BLOCK_LIMIT = old
+
+
+def test_sgd_steps_equal_autograd():
+    """Five SGD steps with momentum through the factored wrapper (depth 1) from the same initialization
+    equal autograd's, and the batch size changes between steps."""
+    torch.manual_seed(4)
+    ref_net = _gn_cnn()
+    net = _gn_cnn()
+    net.load_state_dict(ref_net.state_dict())
+    w = spscan.wrap(net, seq(3, 4, 4, 4), levels=1, norm_form="factored")
+    assert any(w.plan.factored)
+    opt_r = torch.optim.SGD(ref_net.parameters(), lr=0.1, momentum=0.9)
+    opt_w = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step, b in enumerate((3, 1, 4, 3, 2)):
+        x = seq(b, 4, 4, 4, seed=10 + step)
+        target = torch.randint(0, 10, (b,), generator=torch.Generator().manual_seed(step))
+        for model, opt in ((ref_net, opt_r), (w, opt_w)):
+            opt.zero_grad()
+            nn.functional.nll_loss(model(x), target).backward()
+            opt.step()
+    for (n, a), b in zip(net.named_parameters(), ref_net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=n)
+
+
+class _TracedMLP(nn.Module):
+    """A straight chain with its own forward (traced by torch.fx) and functional ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(6, 12), nn.LayerNorm(12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return torch.log_softmax(self.fc2(torch.relu(self.norm(self.fc1(x)))), dim=1)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(6, 6), nn.LayerNorm(6)
+
+    def forward(self, x):
+        return x + self.norm(self.fc(x))
+
+
+def test_traced_chain_factors_and_graph_refuses():
+    """A traced straight chain takes ``norm_form`` like a Sequential (gradients equal autograd's); a
+    graph with a skip plans its blocks dense and refuses ``"factored"`` with the reason."""
+    torch.manual_seed(5)
+    net = _TracedMLP().double()
+    x = seq(4, 6, seed=2)
+    w = spscan.wrap(net, x, levels=1, norm_form="factored")
+    assert any(w.plan.factored)
+    for a, r in zip(_step(w, x, 1), _step(net, x, 1)):
+        assert _rel(a, r) <= 1e-9
+    run_errors(lambda: spscan.wrap(_Residual().double(), x, levels=1, norm_form="factored"), ValueError,
+               "norm_form='factored'", "chains")
+    spscan.wrap(_Residual().double(), x, levels=1, norm_form="dense")
+
+
+def test_bad_norm_form():
+    run_errors(lambda: spscan.plan(_ln_mlp(8), seq(2, 8), norm_form="lowrank"), ValueError,
+               "norm_form", "'auto'", "'lowrank'")
