@@ -1205,6 +1205,30 @@ class LowRankFactors:
     rank: int
     factor_groups: np.ndarray
 
+    @property
+    def pattern(self) -> sp.csr_array:  # type: ignore[override]
+        """The dense blocks' pattern, built on first use (a plan that factors the layer never needs it)."""
+        return self._blocks()[0]
+
+    @property
+    def dense_order(self) -> Optional[_IndexCache]:
+        """CSR position -> ``(group, j, i)`` entry of the dense blocks (``None``: the same order)."""
+        return self._blocks()[1]
+
+    def _blocks(self) -> tuple[sp.csr_array, Optional[_IndexCache]]:
+        got = self.__dict__.get("_dense")
+        if got is None:
+            rows, cols = _dense_blocks(self.factor_groups)
+            pat, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+            got = self._dense = (pat, None if isinstance(order, slice) else _IndexCache(order))
+        return got
+
+    @property
+    def nnz(self) -> int:
+        """Entries of the dense blocks, ``G N^2`` (counted without building them)."""
+        g, n = self.factor_groups.shape
+        return int(g) * int(n) * int(n)
+
     def factor_patterns(self) -> tuple[sp.csr_array, sp.csr_array]:
         """``(L, R)`` patterns, ``(d_in, d_in + rG)`` and ``(d_in + rG, d_out)``."""
         got = self.__dict__.get("_factors")
@@ -1266,11 +1290,7 @@ class _GroupNormalizeUnit(LowRankFactors, LayerUnit):
 
     def _setup(self, gain_index: Optional[np.ndarray]) -> None:
         g, n = self.groups, self.group_size
-        grp = np.arange(self.d_in, dtype=np.int64).reshape(g, n)
-        self.rank, self.factor_groups = 2, grp
-        rows, cols = _dense_blocks(grp)
-        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
-        assert isinstance(order, slice)  # (group, j, i) is already CSR order
+        self.rank, self.factor_groups = 2, np.arange(self.d_in, dtype=np.int64).reshape(g, n)
         self.gain_index = None if gain_index is None else _IndexCache(gain_index)
 
     def _tensor(self, tensors: Sequence[torch.Tensor], role: str) -> Optional[torch.Tensor]:
@@ -1425,12 +1445,9 @@ class SoftmaxUnit(LowRankFactors, LayerUnit):
         self.log = isinstance(module, nn.LogSoftmax)
         flat = np.arange(self.d_in, dtype=np.int64).reshape(in_shape)
         slices = np.moveaxis(flat, self.dim - 1, -1).reshape(-1, in_shape[self.dim - 1])
-        rows, cols = _dense_blocks(slices)
-        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.slices = _IndexCache(slices.reshape(-1))
         self.n_slice = slices.shape[1]
         self.rank, self.factor_groups = 1, np.ascontiguousarray(slices)
-        self.order = None if isinstance(order, slice) else _IndexCache(order)
 
     def run(self, x, tensors):
         fn = F.log_softmax if self.log else F.softmax
@@ -1447,7 +1464,8 @@ class SoftmaxUnit(LowRankFactors, LayerUnit):
         else:
             v = torch.diag_embed(s) - s.unsqueeze(3) * s.unsqueeze(2)
         v = v.reshape(y.shape[0], -1)
-        return v if self.order is None else torch.index_select(v, 1, self.order.on(y.device))
+        order = self.dense_order
+        return v if order is None else torch.index_select(v, 1, order.on(y.device))
 
     def factor_shared(self):
         return False, self.log  # LogSoftmax's R = [I ; 1^T] is a constant

@@ -461,9 +461,9 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: An
       critical-path time is kept (the factors must win by :data:`FACTORED_MARGIN`): the factors win
       where the blocks would fill the neighbours' products (a conv next to a GroupNorm), the blocks
       where the products are dense anyway (a Linear next to a LayerNorm over its whole output) and
-      one element fewer is cheaper. A layer
-      whose blocks exceed :data:`DENSE_BLOCK_LIMIT` entries per sample is factored without
-      planning its blocks into products.
+      one element fewer is cheaper. Where a layer's blocks exceed :data:`DENSE_BLOCK_LIMIT`
+      entries per sample, only the factored chain is planned; if its best depth is 0, the linear
+      scan with the layers' kernels is planned instead.
 
     ``kwargs`` go to :func:`spscan.plan.build_plan` (``levels``, ``backend``, ...).
     """
@@ -484,9 +484,11 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: An
     levels = kwargs.get("levels", "auto")
     if levels == 0:
         return build_plan([u.pattern for u in units], bind=None, **kwargs), dense
-    huge = any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can))
-    if huge:
-        return core_of(factored), factored
+    if any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can)):
+        other = core_of(factored)
+        if other.levels == 0:  # the linear scan: each layer's own kernel (faster than the factors' SpMVs)
+            return build_plan([u.pattern for u in units], bind=None, **{**kwargs, "levels": 0}), dense
+        return other, factored
     plain = build_plan([u.pattern for u in units], bind=None, **kwargs)
     if plain.levels == 0 and levels == "auto":
         return plain, dense  # the linear scan: each layer's kernel, no products to fill

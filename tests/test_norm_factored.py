@@ -176,6 +176,19 @@ def test_auto_chooses_by_cost():
             chain_model.build_plan = real
         assert p.factored == [False, True, False, False, True, False, False]
         assert calls == [9]  # only the factored chain was planned
+        assert all("_dense" not in u.__dict__ for u in p.units)  # the blocks' pattern was never built
+        p0 = spscan.plan(mlp, x_mlp, levels=0)  # depth 0: the layers' kernels, not the factors' SpMVs
+        assert not any(p0.factored)
+        calls.clear()
+        chain_model.build_plan = spy
+        try:
+            pa = spscan.plan(mlp, x_mlp)
+        finally:
+            chain_model.build_plan = real
+        if pa.levels == 0:  # the factored chain's best was the linear scan: the kernels instead
+            assert not any(pa.factored) and calls == [9, 7]
+        else:
+            assert any(pa.factored) and calls == [9]
     finally:
         chain_model.DENSE_BLOCK_LIMIT = old
 
