@@ -2,6 +2,10 @@
 vs the factored form as two chain elements, with the core API (``spscan.plan`` on patterns, random
 values).
 
+``test_norm_form_wrap`` times the same comparison end to end through ``spscan.wrap`` (``norm_form``
+``"dense"``, ``"factored"`` and the planner's ``"auto"`` choice, backward of a training step,
+interleaved) and records which form ``"auto"`` chose.
+
 Run: ``pytest bench/test_norm_factored.py --benchmark-only -s``. Per normalized group of ``N``
 elements ``J^T = D - U V^T`` (``r = 2``): the dense form stores the ``N x N`` block; the factored form
 is ``[D | -U]`` (``N x (N + r)``) followed by ``[I ; V^T]`` (``(N + r) x N``), ``3N`` entries per group
@@ -105,3 +109,63 @@ def test_norm_dense_vs_factored(benchmark, model, levels):
               f"factored {fact * 1e3:.1f} ms ({_bytes(runs['factored'][0])}), factored/dense {fact / dense:.2f}x")
     finally:
         torch.set_num_threads(threads)
+
+
+def _wrap_model(model: str) -> tuple[nn.Module, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    if model == "cnn":  # conv 3x3 -> GroupNorm(4 groups of 64): the blocks fill the conv's products
+        c = 16
+        net = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c), nn.ReLU(),
+                            nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c), nn.ReLU())
+        return net, torch.randn(BATCH, c, 4, 4, generator=gen)
+    if model == "mlp":  # Linear(256) -> LayerNorm(256): the products are dense either way
+        d = 256
+        net = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.GELU(), nn.Linear(d, d), nn.LayerNorm(d),
+                            nn.GELU(), nn.Linear(d, 10))
+        return net, torch.randn(BATCH, d, generator=gen)
+    # 16 tokens of 64 features: per-token 1x1 conv, LayerNorm over the features, softmax over them
+    net = nn.Sequential(nn.Conv1d(16, 16, 1), nn.LayerNorm(64), nn.GELU(), nn.Conv1d(16, 16, 1), nn.LayerNorm(64),
+                        nn.Softmax(dim=-1))
+    return net, torch.randn(BATCH, 16, 64, generator=gen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("model", ["cnn", "mlp", "tokens"])
+def test_norm_form_wrap(benchmark, one_thread, model, levels):
+    from conftest import time_mode
+
+    torch.manual_seed(0)
+    net, x = _wrap_model(model)
+    x.requires_grad_(True)
+    forms = ("dense", "factored", "auto")
+    plans = {}
+    wrapped = {}
+    for form in forms:
+        t0 = time.process_time()
+        wrapped[form] = spscan.wrap(net, x, levels=levels, norm_form=form)
+        plans[form] = time.process_time() - t0
+
+    def once(form: str) -> float:
+        w = wrapped[form]
+        return time_mode("backward", lambda: w(x).square().sum(), time.process_time)
+
+    for _ in range(2):
+        for form in forms:
+            once(form)
+    runs = {form: [] for form in forms}
+    for _ in range(ROUNDS + 2):
+        for form in forms:
+            runs[form].append(once(form))
+    med = {form: statistics.median(v) for form, v in runs.items()}
+    chosen = "factored" if any(wrapped["auto"].plan.factored) else "dense"
+    benchmark.group = f"norm-form-wrap-{model}-levels{levels}"
+    benchmark.pedantic(lambda: once("auto"), rounds=3)
+    benchmark.extra_info.update(
+        device=device_name(), threads=1, model=model, levels=levels, batch=BATCH, auto_chose=chosen,
+        **{f"{f}_backward_s": med[f] for f in forms}, **{f"{f}_plan_s": plans[f] for f in forms},
+        factored_speedup=med["dense"] / med["factored"], timer="process_time")
+    print(f"\n{model} levels={levels}: backward dense {med['dense'] * 1e3:.2f} ms, factored "
+          f"{med['factored'] * 1e3:.2f} ms (dense/factored {med['dense'] / med['factored']:.2f}x), auto chose "
+          f"{chosen} ({med['auto'] * 1e3:.2f} ms); planning {plans['dense']:.2f} / {plans['factored']:.2f} / "
+          f"{plans['auto']:.2f} s")
