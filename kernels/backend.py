@@ -110,8 +110,10 @@ class Backend(ABC):
                              f"{', '.join(self.capabilities.device_types)}")
 
     @abstractmethod
-    def make_tables(self, program, device: torch.device) -> Tables:
-        """All host work for ``program`` on ``device``: index tables uploaded once."""
+    def make_tables(self, program, device: torch.device, memo: Optional[dict] = None) -> Tables:
+        """All host work for ``program`` on ``device``: index tables uploaded once. ``memo`` (one dict per
+        plan, backend and device): an op object another program of the plan shares reuses its device
+        tables from there instead of building them again."""
 
     @abstractmethod
     def run(self, tables: Tables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,

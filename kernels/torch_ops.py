@@ -92,7 +92,7 @@ class TorchTables(Tables):
     over inputs: those read the caller's tensors directly, so the engine skips loading them.
     """
 
-    def __init__(self, program: Program, device: torch.device):
+    def __init__(self, program: Program, device: torch.device, memo: Optional[dict] = None):
         self.program = program
         self.device = device
         self.steps = []
@@ -102,9 +102,14 @@ class TorchTables(Tables):
             isinstance(op, LinearRun) and bool(np.all(op.layers >= 0)) for op in ops_all)
         self.run_scratch = program.run_scratch  # linear runs write through arenas["C"]
         zero_v = program.zero_v
+        memo = {} if memo is None else memo  # id(op) -> (op, its tables): ops shared with other programs
         for st in program.steps:
             ops = []
             for op in st.ops:
+                hit = memo.get(id(op))
+                if hit is not None and hit[0] is op:
+                    ops.append(hit)
+                    continue
                 if isinstance(op, (SpMM, SpMV)):
                     bins = [
                         (
@@ -127,6 +132,7 @@ class TorchTables(Tables):
                 else:
                     ops.append((op, (_blocks(op.mats, device), _as_index(op.vin.reshape(-1), device),
                                      _as_add(op.add, zero_v, device))))
+                memo[id(op)] = ops[-1]
             self.steps.append(ops)
 
 
@@ -508,8 +514,8 @@ class TorchBackend(Backend):
     name = "torch"
     capabilities = Capabilities(reads_caller_inputs=True, graph_capturable=False, device_types=("cpu", "cuda"))
 
-    def make_tables(self, program: Program, device: torch.device) -> TorchTables:
-        return TorchTables(program, device)
+    def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TorchTables:
+        return TorchTables(program, device, memo)
 
     def run(self, tables, arenas, vectors, inputs=None) -> None:
         run_program(tables, arenas, vectors, inputs)

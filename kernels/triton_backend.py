@@ -11,7 +11,7 @@ can be captured in a CUDA graph. Semantics match :mod:`spscan.kernels.torch_ops`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -81,6 +81,11 @@ class _LinearRunLaunch:
 Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _LinearRunLaunch]
 
 
+def _run_launch(op: LinearRun, idt: torch.dtype, device: torch.device) -> _LinearRunLaunch:
+    table, uniform_m, indptr, indices = linear_run_table(op, idt, device)
+    return _LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared)), indptr, indices)
+
+
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(ref.offsets, dtype=index_dtype(limit), device=device)
 
@@ -101,7 +106,7 @@ def _check_disjoint(step: int, reads: list[tuple[str, np.ndarray]], writes: list
 class TritonTables(Tables):
     """Device-side index tables of one program, built once; see :func:`make_tables`."""
 
-    def __init__(self, program: Program, device: torch.device) -> None:
+    def __init__(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> None:
         self.program = program
         self.device = torch.device(device)
         sizes = {"S": program.size_s, "P": program.size_p, "V": program.size_v}
@@ -109,35 +114,42 @@ class TritonTables(Tables):
         self.reads_arena_inputs = True  # kernels read input values from the arenas only
         self.run_scratch = 0  # linear runs work in the vector arena
         self.steps: list[list[Launch]] = []
+        memo = {} if memo is None else memo  # id(op) -> (op, its launch): ops shared with other programs
+
+        def shared(op, build):
+            hit = memo.get(id(op))
+            if hit is None or hit[0] is not op:
+                hit = memo[id(op)] = (op, build())
+            return hit[1]
+
         for si, st in enumerate(program.steps):
             launches: list[Launch] = []
             reads: list[tuple[str, np.ndarray]] = []
             writes: list[tuple[str, np.ndarray]] = []
             for op in st.ops:
                 if isinstance(op, SpMM):
-                    table = segment_table(op.bins, zeros[op.kind_a], zeros[op.kind_b],
-                                          (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device)
-                    launches.append(_SpMMLaunch(op, table))
+                    launches.append(shared(op, lambda op=op: _SpMMLaunch(op, segment_table(
+                        op.bins, zeros[op.kind_a], zeros[op.kind_b],
+                        (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device))))
                     for b in op.bins:
                         reads += [(op.kind_a, b.a.ravel()), (op.kind_b, b.b.ravel())]
                         writes.append((op.kind_out, b.out.ravel()))
                 elif isinstance(op, RowSpGEMM):
-                    table = rows_table(op.products, (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device)
-                    launches.append(_RowsLaunch(op, table))
+                    launches.append(shared(op, lambda op=op: _RowsLaunch(op, rows_table(
+                        op.products, (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device))))
                     for pr in op.products:
                         reads += [(op.kind_a, np.arange(pr.a_offset, pr.a_offset + pr.a.nnz)),
                                   (op.kind_b, np.arange(pr.b_offset, pr.b_offset + pr.b.nnz))]
                         writes.append((op.kind_out, np.arange(pr.c_offset, pr.c_offset + pr.c.nnz)))
                 elif isinstance(op, SpMV):
-                    table = segment_table(op.bins, zeros[op.kind_m], zeros["V"],
-                                          (sizes[op.kind_m], sizes["V"]), self.device)
-                    launches.append(_SpMVLaunch(op, table))
+                    launches.append(shared(op, lambda op=op: _SpMVLaunch(op, segment_table(
+                        op.bins, zeros[op.kind_m], zeros["V"], (sizes[op.kind_m], sizes["V"]), self.device))))
                     for b in op.bins:
                         reads += [("V", b.b.ravel()), ("V", b.add.ravel())]
                         writes.append(("V", b.out.ravel()))
                 elif isinstance(op, Gemm):
-                    launches.append(_GemmLaunch(op, _offsets(op.a, sizes[op.kind_a], self.device),
-                                                _offsets(op.b, sizes[op.kind_b], self.device)))
+                    launches.append(shared(op, lambda op=op: _GemmLaunch(
+                        op, _offsets(op.a, sizes[op.kind_a], self.device), _offsets(op.b, sizes[op.kind_b], self.device))))
                     size = op.nodes * op.a.rows * op.b.cols
                     writes.append((op.kind_out, np.arange(op.out_offset, op.out_offset + size)))
                     for kind, ref in ((op.kind_a, op.a), (op.kind_b, op.b)):
@@ -145,10 +157,10 @@ class TritonTables(Tables):
                         reads.append((kind, (ref.offsets[:, None] + np.arange(blk)).ravel()))
                 elif isinstance(op, Gemv):
                     idt = index_dtype(sizes[op.kind_m], sizes["V"])
-                    launches.append(_GemvLaunch(
+                    launches.append(shared(op, lambda op=op, idt=idt: _GemvLaunch(
                         op, _offsets(op.mats, sizes[op.kind_m], self.device),
                         torch.as_tensor(np.ascontiguousarray(op.vin), dtype=idt, device=self.device),
-                        torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device)))
+                        torch.as_tensor(np.ascontiguousarray(op.add), dtype=idt, device=self.device))))
                     reads += [("V", op.vin.ravel()), ("V", op.add.ravel())]
                     writes.append(("V", np.arange(op.out_offset, op.out_offset + op.nodes * op.mats.rows)))
                 elif isinstance(op, Apply):
@@ -159,8 +171,8 @@ class TritonTables(Tables):
                 elif isinstance(op, LinearRun):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
                     limit = max(limit, int(op.csr_indices.size) + 1)
-                    table, uniform_m, indptr, indices = linear_run_table(op, index_dtype(limit), self.device)
-                    launches.append(_LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared)), indptr, indices))
+                    launches.append(shared(op, lambda op=op, limit=limit: _run_launch(op, index_dtype(limit),
+                                                                                     self.device)))
                     # the chain reads its own outputs step by step: only y_0 and the adds come from outside
                     reads.append(("V", np.arange(op.vin0, op.vin0 + int(op.cols[0]))))
                     reads += [("V", np.arange(a, a + r)) for a, r in zip(op.add.tolist(), op.rows.tolist()) if a >= 0]
@@ -184,11 +196,12 @@ def _compiled() -> bool:
     return isinstance(spgemm_kernel, triton.runtime.JITFunction)
 
 
-def make_tables(program: Program, device: torch.device) -> TritonTables:
-    """Upload ``program``'s index tables to ``device`` once (re-laid out for the kernels)."""
+def make_tables(program: Program, device: torch.device, memo: Optional[dict] = None) -> TritonTables:
+    """Upload ``program``'s index tables to ``device`` once (re-laid out for the kernels); ``memo``: see
+    :meth:`~spscan.kernels.backend.Backend.make_tables`."""
     device = torch.device(device)
     _check_device(device)
-    return TritonTables(program, device)
+    return TritonTables(program, device, memo)
 
 
 def _check_device(device: torch.device) -> None:
@@ -245,8 +258,8 @@ class TritonBackend(Backend):
     def check_device(self, device: torch.device) -> None:
         _check_device(device)
 
-    def make_tables(self, program: Program, device: torch.device) -> TritonTables:
-        return make_tables(program, device)
+    def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TritonTables:
+        return make_tables(program, device, memo)
 
     def run(self, tables, arenas, vectors, inputs=None) -> None:
         run_program(tables, arenas, vectors, inputs)

@@ -10,6 +10,8 @@ Index data is counted array by array, as :func:`held_index_bytes` measures it:
   SpMV bins, GEMV/GEMM block offsets, linear runs with their CSR patterns) and the torch
   backend's own tables (the linear runs' gather tables, kept as NumPy and as tensors; the
   row-wise products' row and key arrays, and the arrays a dense operand's pattern is read into).
+  Bindings of one plan share every table whose content is the same (:class:`~.program.LoweringCache`,
+  keyed by :func:`~.program.layout`): a shared table is counted once, as it is held once.
 """
 
 from __future__ import annotations
@@ -125,12 +127,13 @@ def _rows_table_bytes(a: Pattern, b: Pattern, c: Pattern) -> int:
     return INDEX_BYTES * n
 
 
-def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict) -> tuple[int, int]:
+def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict,
+                   seen: Optional[set] = None) -> tuple[int, int]:
     """Index bytes of one bound signature's tables (as :func:`~.program.lower` and the torch backend
     build them) and, apart, its linear runs' per-step scalars. ``run_patterns``: key -> bytes of the
-    runs' CSR tables (each distinct pattern once per run)."""
-    from .program import SAMPLE, SHARED, middle_runs, mv_kind
-    from .schedule import schedule_for
+    runs' CSR tables (each distinct pattern once per run). ``seen``: the keys of tables counted for
+    earlier signatures of the same plan (updated): the bindings share those (:class:`~.program.LoweringCache`)."""
+    from .program import layout
 
     shared, has_extra, operators, first_output = sig
     n = plan.n
@@ -138,59 +141,37 @@ def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict) -> tuple[
     has_extra = tuple(bool(x) for x in has_extra) if has_extra else (False,) * (n + 1)
     operators = tuple(bool(x) for x in operators) if operators else (False,) * n
     mats = plan.mats
-    sched = schedule_for(plan.schedule.kind, n, plan.levels, has_extra) if any(has_extra[:n]) else plan.schedule
-    reduce = sched.kind == "reduce"
-    kind = {i: SHARED if shared[i] else SAMPLE for i in range(n)}
-    for st in sched.steps:
-        for op in st.mm:
-            kind[op.out] = SHARED if kind[op.left] == SHARED and kind[op.right] == SHARED else SAMPLE
-    drop_out = None if first_output or reduce else sched.outputs[0]
-    runs = middle_runs(sched.steps, mats, operators)
+    lay = layout(plan, shared, has_extra, operators, first_output)
+    seen = set() if seen is None else seen
     total = steps_bytes = 0
-    skip_until = -1
-    for si, st in enumerate(sched.steps):
-        if si < skip_until:
+    for _, what, payload, key in lay.pending:
+        if key is None or key in seen:
             continue
-        if si in runs:
-            ops = [s.mv[0] for s in sched.steps[si : si + runs[si]]]
-            if ops[-1].out == drop_out:
-                ops = ops[:-1]
+        seen.add(key)
+        if what == "run":
+            ops = payload
             steps_bytes += 8 * INDEX_BYTES * len(ops)
-            seen: set[str] = set()
+            distinct: set[str] = set()
             for op in ops:
                 p = mats[op.mat].pattern
-                if linear_run_kind(p) == "sparse" and p.key not in seen:
-                    seen.add(p.key)
+                if linear_run_kind(p) == "sparse" and p.key not in distinct:
+                    distinct.add(p.key)
                     if p.key not in run_patterns:
                         run_patterns[p.key] = _run_csr_bytes(p)
                     total += run_patterns[p.key]
-            skip_until = si + runs[si]
-            continue
-        pair_groups: dict[tuple, list] = {}
-        gemm_nodes = 0
-        for op in st.mm:
-            info = mats[op.out]
-            if info.algo == "gemm":
-                gemm_nodes += 1
-            elif info.algo == "rows":
-                a, b = mats[op.left].pattern, mats[op.right].pattern
-                total += _rows_table_bytes(a, b, info.pattern)
-            else:
-                key = (kind[op.left], kind[op.right], kind[op.out])
-                pair_groups.setdefault(key, []).append(np.diff(info.sym.pair_ptr))
-        total += 4 * INDEX_BYTES * gemm_nodes  # block offsets and block numbers of both factors
-        for lens in pair_groups.values():
-            total += _bins_bytes(lens, with_add=False)
-        spmv_groups: dict[str, list] = {}
-        for op in st.mv:
-            p = mats[op.mat].pattern
-            how = mv_kind(op, st.phase, p, n, operators, drop_out)
-            if how == "gemv":  # input slots (k), add slots (m), block offset and number
+        elif what == "gemm":
+            total += 4 * INDEX_BYTES * len(payload[1])  # block offsets and block numbers of both factors
+        elif what == "rows":
+            for op in payload[1]:
+                total += _rows_table_bytes(mats[op.left].pattern, mats[op.right].pattern, mats[op.out].pattern)
+        elif what == "spmm":
+            total += _bins_bytes([np.diff(mats[op.out].sym.pair_ptr) for op in payload[1]], with_add=False)
+        elif what == "gemv":
+            for op in payload[1]:  # input slots (k), add slots (m), block offset and number
+                p = mats[op.mat].pattern
                 total += INDEX_BYTES * (p.rows + p.cols + 2)
-            elif how == "spmv":
-                spmv_groups.setdefault(kind[op.mat], []).append(p.row_lengths())
-        for lens in spmv_groups.values():
-            total += _bins_bytes(lens, with_add=True)
+        elif what == "spmv":
+            total += _bins_bytes([mats[op.mat].pattern.row_lengths() for op in payload[1]], with_add=True)
     return total, steps_bytes
 
 
@@ -207,8 +188,9 @@ def estimate_memory(plan: ScanPlan, bindings: Optional[Sequence[Signature]] = No
     plan_bytes = symbolic
     run_steps = 0
     run_patterns: dict[str, int] = {}
+    seen: set = set()  # tables shared by several signatures are held (and counted) once
     for sig in ([((), (), (), True)] if bindings is None else bindings):
-        tables, steps = _binding_bytes(plan, sig, run_patterns)
+        tables, steps = _binding_bytes(plan, sig, run_patterns, seen)
         plan_bytes += tables
         run_steps += steps
     values = sum(p.nnz for p in plan.patterns)

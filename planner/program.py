@@ -28,7 +28,7 @@ from .planning import ScanPlan, bin_widths, linear_run_kind
 from .schedule import GRAD, extra_vec, schedule_for
 
 __all__ = ["Program", "BlockRef", "SpMM", "RowSpGEMM", "RowProduct", "Gemm", "SpMV", "Gemv", "LinearRun", "Apply", "Bin",
-           "lower"]
+           "Layout", "LoweringCache", "layout", "lower"]
 
 SHARED, SAMPLE = "S", "P"
 
@@ -377,14 +377,61 @@ def middle_runs(steps, mats, operators: Sequence[bool] = ()) -> dict[int, int]:
     return runs
 
 
-def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
-          operators: Optional[Sequence[bool]] = None, first_output: bool = True) -> Program:
-    """Lay out arenas and build every step's work tables for one value signature.
+@dataclass
+class Layout:
+    """Where every value of one signature lives and which work tables its steps need (no table built).
 
-    ``operators[i]``: layer ``i+1`` comes as a structured operator (it applies ``J^T`` itself); its
-    mat-vecs become :class:`Apply` ops and its CSR values get arena slots only if a planned product
-    reads them. ``first_output=False``: ``dl/dx_0`` is not wanted, and the linear scan's last
-    mat-vec, which only produces it, is left out.
+    ``pending`` lists the tables in build order as ``(step, what, payload, key)``: ``what`` is one of
+    ``"run"``, ``"gemm"``, ``"rows"``, ``"spmm"``, ``"apply"``, ``"gemv"``, ``"spmv"``; ``key`` is
+    everything the table's content depends on (``None`` for an ``"apply"``, which holds none), so two
+    signatures whose tables have equal keys hold equal tables (:class:`LoweringCache` shares them).
+    """
+
+    sched: object
+    shared: tuple[bool, ...]
+    has_extra: tuple[bool, ...]
+    operators: tuple[bool, ...]
+    kind: dict[int, str]
+    offset: dict[int, int]
+    input_offsets: list[int]
+    voff: dict[int, int]
+    vdim: dict[int, int]
+    extra_slots: dict[int, int]
+    dropped: set[int]  # vectors laid out but not computed (dl/dx_0 when it is not wanted)
+    steps: list[ProgramStep]
+    pending: list[tuple[ProgramStep, str, object, Optional[tuple]]]
+    zero: dict[str, int]
+    zero_v: int
+    size_s: int
+    size_p: int
+    size_v: int
+
+
+class LoweringCache:
+    """Work tables lowered for one plan, shared by its bindings: a table whose key (see :class:`Layout`)
+    is already here is reused as the same object, so bindings that differ in a few tables (a model's
+    binding with and without ``dl/dx_0``) hold the rest once. Keys name the plan's own matrices by
+    identity: one cache serves one plan."""
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple, object] = {}
+
+    def get(self, key: Optional[tuple], build):
+        if key is None:
+            return build()
+        hit = self.tables.get(key)
+        if hit is None:
+            hit = self.tables[key] = build()
+        return hit
+
+
+def layout(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
+           operators: Optional[Sequence[bool]] = None, first_output: bool = True) -> Layout:
+    """Lay out the arenas of one value signature and list the work tables it needs (see :func:`lower`).
+
+    ``first_output=False`` leaves out the middle's mat-vec that only produces ``dl/dx_0`` but keeps
+    its vector slot, so every other slot, and hence every other table, is the same as with
+    ``first_output=True``.
     """
     n = plan.n
     shared = tuple(bool(s) for s in shared)
@@ -413,6 +460,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
     valloc = _Alloc()
     vdim: dict[int, int] = {}
     voff: dict[int, int] = {}
+    dropped: set[int] = set()
 
     def vec(v: int, dim: int) -> None:
         vdim[v] = dim
@@ -441,10 +489,11 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
         pstep = ProgramStep(st.phase, st.level)
         if si in runs:
             chain_ops = [s.mv[0] for s in sched.steps[si : si + runs[si]]]
-            if chain_ops[-1].out == drop_out:
-                chain_ops = chain_ops[:-1]
             for op in chain_ops:
                 vec(op.out, mats[op.mat].pattern.rows)
+            if chain_ops[-1].out == drop_out:
+                dropped.add(drop_out)
+                chain_ops = chain_ops[:-1]
             pending.append((pstep, "run", chain_ops))
             steps.append(pstep)
             skip_until = si + runs[si]
@@ -476,15 +525,20 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
                 # dense outputs are block-aligned so later GEMMs view them without an index
                 offset[op.out] = alloc[kinds[2]].take(pat.nnz, align=pat.nnz if pat.is_full else 1)
             pending.append((pstep, "rows" if rows else "spmm", (kinds, ops)))
-        # --- matrix-vector products: GEMV groups by (kind, shape); sparse by matrix kind
+        # --- matrix-vector products: GEMV groups by (kind, shape); sparse by matrix kind. A dropped
+        # mat-vec is laid out as if computed (the slots of the others stay where they are)
         gemv_groups: dict[tuple, list] = {}
         spmv_groups: dict[str, list] = {}
         for op in st.mv:
             p = mats[op.mat].pattern
             how = mv_kind(op, st.phase, p, n, operators, drop_out)
+            if how is None:
+                dropped.add(op.out)
+                how = mv_kind(op, st.phase, p, n, operators, None)
             if how == "apply":
                 vec(op.out, p.rows)
-                pending.append((pstep, "apply", op))
+                if op.out not in dropped:
+                    pending.append((pstep, "apply", op))
             elif how == "gemv":
                 gemv_groups.setdefault((kind[op.mat], p.shape), []).append(op)
             elif how == "spmv":
@@ -495,108 +549,175 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
             for j, op in enumerate(ops):
                 vdim[op.out] = m
                 voff[op.out] = out0 + j * m
-            pending.append((pstep, "gemv", (key, ops, out0)))
+            if ops[-1].out in dropped:  # outputs stay contiguous from out0 (one left out elsewhere is computed)
+                ops = ops[:-1]
+            dropped.difference_update(o.out for o in ops)
+            if ops:
+                pending.append((pstep, "gemv", (key, ops, out0)))
         for key, ops in spmv_groups.items():
             for op in ops:
                 vec(op.out, mats[op.mat].pattern.rows)
-            pending.append((pstep, "spmv", (key, ops)))
+            ops = [op for op in ops if op.out not in dropped]
+            if ops:
+                pending.append((pstep, "spmv", (key, ops)))
         steps.append(pstep)
 
     zero = {SHARED: alloc[SHARED].take(1), SAMPLE: alloc[SAMPLE].take(1)}
     zero_v = valloc.take(1)
+    lay = Layout(sched, shared, has_extra, operators, kind, offset, input_offsets, voff, vdim, extra_slots, dropped,
+                 steps, [], zero, zero_v, alloc[SHARED].size, alloc[SAMPLE].size, valloc.size)
+    lay.pending = [(pstep, what, payload, _table_key(lay, mats, n, what, payload)) for pstep, what, payload in pending]
+    return lay
 
-    for pstep, what, payload in pending:
+
+def _table_key(lay: Layout, mats, n: int, what: str, payload) -> Optional[tuple]:
+    """Everything the table of one pending item depends on (matrices by identity, slots by value)."""
+    offset, voff, kind = lay.offset, lay.voff, lay.kind
+    if what == "gemm":
+        key, ops, out0 = payload
+        return (what, key, out0, tuple(offset[o.left] for o in ops), tuple(offset[o.right] for o in ops))
+    if what == "rows":
+        key, ops = payload
+        return (what, key, tuple((id(mats[o.left].pattern), id(mats[o.right].pattern), id(mats[o.out].pattern),
+                                  offset[o.left], offset[o.right], offset[o.out]) for o in ops))
+    if what == "spmm":
+        key, ops = payload
+        return (what, key, lay.zero[key[0]], lay.zero[key[1]],
+                tuple((id(mats[o.out].sym), offset[o.left], offset[o.right], offset[o.out]) for o in ops))
+    if what == "run":
+        ops = payload
+        return (what, voff[ops[0].vin], tuple((id(mats[o.mat].pattern), kind[o.mat], offset[o.mat], o.mat if o.mat < n else -1,
+                                               -1 if o.add is None else voff[o.add], voff[o.out]) for o in ops))
+    if what == "gemv":
+        key, ops, out0 = payload
+        return (what, key, out0, lay.zero_v, tuple((offset[o.mat], voff[o.vin], -1 if o.add is None else voff[o.add])
+                                                   for o in ops))
+    if what == "spmv":
+        key, ops = payload
+        return (what, key, lay.zero[key], lay.zero_v,
+                tuple((id(mats[o.mat].pattern), offset[o.mat], voff[o.vin], voff[o.out],
+                       -1 if o.add is None else voff[o.add]) for o in ops))
+    return None  # "apply": no table
+
+
+def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
+          operators: Optional[Sequence[bool]] = None, first_output: bool = True,
+          cache: Optional[LoweringCache] = None) -> Program:
+    """Lay out arenas and build every step's work tables for one value signature.
+
+    ``operators[i]``: layer ``i+1`` comes as a structured operator (it applies ``J^T`` itself); its
+    mat-vecs become :class:`Apply` ops and its CSR values get arena slots only if a planned product
+    reads them. ``first_output=False``: ``dl/dx_0`` is not wanted, and the linear scan's last
+    mat-vec, which only produces it, is left out. ``cache``: the plan's :class:`LoweringCache`; a
+    table another binding of the plan already built (same key) is reused, not rebuilt.
+    """
+    n = plan.n
+    lay = layout(plan, shared, has_extra, operators, first_output)
+    cache = LoweringCache() if cache is None else cache
+    mats = plan.mats
+    pats = plan.patterns
+    sched, kind, offset, voff, vdim = lay.sched, lay.kind, lay.offset, lay.voff, lay.vdim
+    zero, zero_v = lay.zero, lay.zero_v
+    reduce = sched.kind == "reduce"
+
+    for pstep, what, payload, key in lay.pending:
         if what == "gemm":
-            key, ops, out0 = payload
-            (m, k), (_, p) = key[3], key[4]
-            a = BlockRef(m, k, np.array([offset[o.left] for o in ops], dtype=np.int64))
-            b = BlockRef(k, p, np.array([offset[o.right] for o in ops], dtype=np.int64))
-            pstep.ops.append(Gemm(key[0], key[1], key[2], a, b, out0))
+            def build(payload=payload):
+                gkey, ops, out0 = payload
+                (m, k), (_, p) = gkey[3], gkey[4]
+                a = BlockRef(m, k, np.array([offset[o.left] for o in ops], dtype=np.int64))
+                b = BlockRef(k, p, np.array([offset[o.right] for o in ops], dtype=np.int64))
+                return Gemm(gkey[0], gkey[1], gkey[2], a, b, out0)
         elif what == "rows":
-            key, ops = payload
-            prods = [RowProduct(mats[op.left].pattern, mats[op.right].pattern, mats[op.out].pattern,
-                                offset[op.left], offset[op.right], offset[op.out]) for op in ops]
-            pstep.ops.append(RowSpGEMM(key[0], key[1], key[2], prods))
+            def build(payload=payload):
+                gkey, ops = payload
+                prods = [RowProduct(mats[op.left].pattern, mats[op.right].pattern, mats[op.out].pattern,
+                                    offset[op.left], offset[op.right], offset[op.out]) for op in ops]
+                return RowSpGEMM(gkey[0], gkey[1], gkey[2], prods)
         elif what == "spmm":
-            key, ops = payload
-            lens, firsts, a_src, b_src, outs = [], [], [], [], []
-            base = 0
-            for op in ops:
-                sym = mats[op.out].sym
-                lens.append(np.diff(sym.pair_ptr))
-                firsts.append(sym.pair_ptr[:-1] + base)
-                a_src.append(sym.pair_a + offset[op.left])
-                b_src.append(sym.pair_b + offset[op.right])
-                outs.append(offset[op.out] + np.arange(sym.pattern.nnz, dtype=np.int64))
-                base += sym.npairs
-            bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
-                           np.concatenate(b_src), np.concatenate(outs), None, zero[key[0]], zero[key[1]])
-            pstep.ops.append(SpMM(key[0], key[1], key[2], bins))
+            def build(payload=payload):
+                gkey, ops = payload
+                lens, firsts, a_src, b_src, outs = [], [], [], [], []
+                base = 0
+                for op in ops:
+                    sym = mats[op.out].sym
+                    lens.append(np.diff(sym.pair_ptr))
+                    firsts.append(sym.pair_ptr[:-1] + base)
+                    a_src.append(sym.pair_a + offset[op.left])
+                    b_src.append(sym.pair_b + offset[op.right])
+                    outs.append(offset[op.out] + np.arange(sym.pattern.nnz, dtype=np.int64))
+                    base += sym.npairs
+                bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
+                               np.concatenate(b_src), np.concatenate(outs), None, zero[gkey[0]], zero[gkey[1]])
+                return SpMM(gkey[0], gkey[1], gkey[2], bins)
         elif what == "run":
-            ops = payload
-            pats_ = [mats[o.mat].pattern for o in ops]
-            csr_ids: dict[str, int] = {}  # distinct CSR patterns, by key, in order of first use
-            for p in pats_:
-                if linear_run_kind(p) == "sparse":
-                    csr_ids.setdefault(p.key, len(csr_ids))
-            by_key = {p.key: p for p in pats_}
-            pstep.ops.append(LinearRun(
-                dense=np.array([p.is_full for p in pats_], dtype=bool),
-                shared=np.array([kind[o.mat] == SHARED for o in ops], dtype=bool),
-                rows=np.array([p.rows for p in pats_], dtype=np.int64),
-                cols=np.array([p.cols for p in pats_], dtype=np.int64),
-                mat_offset=np.array([offset[o.mat] for o in ops], dtype=np.int64),
-                layers=np.array([o.mat if o.mat < n else -1 for o in ops], dtype=np.int64),
-                vin0=voff[ops[0].vin],
-                add=np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64),
-                out=np.array([voff[o.out] for o in ops], dtype=np.int64),
-                pattern=np.array([csr_ids.get(p.key, -1) for p in pats_], dtype=np.int64),
-                csr=tuple(by_key[k] for k in csr_ids),
-            ))
+            def build(ops=payload):
+                pats_ = [mats[o.mat].pattern for o in ops]
+                csr_ids: dict[str, int] = {}  # distinct CSR patterns, by key, in order of first use
+                for p in pats_:
+                    if linear_run_kind(p) == "sparse":
+                        csr_ids.setdefault(p.key, len(csr_ids))
+                by_key = {p.key: p for p in pats_}
+                return LinearRun(
+                    dense=np.array([p.is_full for p in pats_], dtype=bool),
+                    shared=np.array([kind[o.mat] == SHARED for o in ops], dtype=bool),
+                    rows=np.array([p.rows for p in pats_], dtype=np.int64),
+                    cols=np.array([p.cols for p in pats_], dtype=np.int64),
+                    mat_offset=np.array([offset[o.mat] for o in ops], dtype=np.int64),
+                    layers=np.array([o.mat if o.mat < n else -1 for o in ops], dtype=np.int64),
+                    vin0=voff[ops[0].vin],
+                    add=np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64),
+                    out=np.array([voff[o.out] for o in ops], dtype=np.int64),
+                    pattern=np.array([csr_ids.get(p.key, -1) for p in pats_], dtype=np.int64),
+                    csr=tuple(by_key[k] for k in csr_ids),
+                )
         elif what == "apply":
-            op = payload
-            p = mats[op.mat].pattern
-            pstep.ops.append(Apply(op.mat, p.rows, p.cols, voff[op.vin], voff[op.out],
-                                   -1 if op.add is None else voff[op.add]))
+            def build(op=payload):
+                p = mats[op.mat].pattern
+                return Apply(op.mat, p.rows, p.cols, voff[op.vin], voff[op.out], -1 if op.add is None else voff[op.add])
         elif what == "gemv":
-            key, ops, out0 = payload
-            m, k = key[1]
-            mref = BlockRef(m, k, np.array([offset[o.mat] for o in ops], dtype=np.int64))
-            vin = np.array([voff[o.vin] for o in ops], dtype=np.int64)[:, None] + np.arange(k)
-            add = np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64)
-            add_idx = np.where(add[:, None] >= 0, add[:, None] + np.arange(m), zero_v)
-            pstep.ops.append(Gemv(key[0], mref, vin, add_idx, out0))
+            def build(payload=payload):
+                gkey, ops, out0 = payload
+                m, k = gkey[1]
+                mref = BlockRef(m, k, np.array([offset[o.mat] for o in ops], dtype=np.int64))
+                vin = np.array([voff[o.vin] for o in ops], dtype=np.int64)[:, None] + np.arange(k)
+                add = np.array([voff[o.add] if o.add is not None else -1 for o in ops], dtype=np.int64)
+                add_idx = np.where(add[:, None] >= 0, add[:, None] + np.arange(m), zero_v)
+                return Gemv(gkey[0], mref, vin, add_idx, out0)
         else:
-            key, ops = payload
-            lens, firsts, a_src, b_src, outs, adds = [], [], [], [], [], []
-            base = 0
-            for op in ops:
-                pat = mats[op.mat].pattern
-                lens.append(pat.row_lengths())
-                firsts.append(pat.indptr[:-1] + base)
-                a_src.append(offset[op.mat] + np.arange(pat.nnz, dtype=np.int64))
-                b_src.append(voff[op.vin] + pat.indices)
-                outs.append(voff[op.out] + np.arange(pat.rows, dtype=np.int64))
-                if op.add is None:
-                    adds.append(np.full(pat.rows, zero_v, dtype=np.int64))
-                else:
-                    adds.append(voff[op.add] + np.arange(pat.rows, dtype=np.int64))
-                base += pat.nnz
-            bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
-                           np.concatenate(b_src), np.concatenate(outs), np.concatenate(adds),
-                           zero[key], zero_v)
-            pstep.ops.append(SpMV(key, bins))
+            def build(payload=payload):
+                gkey, ops = payload
+                lens, firsts, a_src, b_src, outs, adds = [], [], [], [], [], []
+                base = 0
+                for op in ops:
+                    pat = mats[op.mat].pattern
+                    lens.append(pat.row_lengths())
+                    firsts.append(pat.indptr[:-1] + base)
+                    a_src.append(offset[op.mat] + np.arange(pat.nnz, dtype=np.int64))
+                    b_src.append(voff[op.vin] + pat.indices)
+                    outs.append(voff[op.out] + np.arange(pat.rows, dtype=np.int64))
+                    if op.add is None:
+                        adds.append(np.full(pat.rows, zero_v, dtype=np.int64))
+                    else:
+                        adds.append(voff[op.add] + np.arange(pat.rows, dtype=np.int64))
+                    base += pat.nnz
+                bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
+                               np.concatenate(b_src), np.concatenate(outs), np.concatenate(adds),
+                               zero[gkey], zero_v)
+                return SpMV(gkey, bins)
+        pstep.ops.append(cache.get(key, build))
 
-    outputs = [(voff[v], vdim[v]) if v in voff else (-1, pats[0].rows) for v in sched.outputs]
+    outputs = [(voff[v], vdim[v]) if v in voff and v not in lay.dropped else (-1, pats[0].rows) for v in sched.outputs]
     root_mat = root_vec = None
     if reduce:
         m, v = sched.root
         root_mat = (kind[m], offset[m], mats[m].pattern.nnz)
         root_vec = None if v is None else (voff[v], vdim[v])
     return Program(
-        n=n, shared=shared, has_extra=has_extra,
-        size_s=alloc[SHARED].size, size_p=alloc[SAMPLE].size, size_v=valloc.size,
-        input_offsets=input_offsets, grad_slot=-1 if reduce else voff[GRAD], extra_slots=extra_slots,
-        outputs=outputs, steps=[s for s in steps if s.ops], mat_kind=kind, mat_offset=offset,
-        root_mat=root_mat, root_vec=root_vec, operators=operators, skipped_first=bool(outputs) and outputs[0][0] < 0,
+        n=n, shared=lay.shared, has_extra=lay.has_extra,
+        size_s=lay.size_s, size_p=lay.size_p, size_v=lay.size_v,
+        input_offsets=lay.input_offsets, grad_slot=-1 if reduce else voff[GRAD], extra_slots=lay.extra_slots,
+        outputs=outputs, steps=[s for s in lay.steps if s.ops], mat_kind=kind, mat_offset=offset,
+        root_mat=root_mat, root_vec=root_vec, operators=lay.operators,
+        skipped_first=bool(outputs) and outputs[0][0] < 0,
     )

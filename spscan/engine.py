@@ -20,7 +20,7 @@ import torch
 from spscan.kernels.backend import Backend, StructuredOperator
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
-from spscan.planner.program import Apply, Program, lower
+from spscan.planner.program import Apply, LoweringCache, Program, lower
 
 __all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "PeriodicValues", "StackedExtra", "StructuredOperator",
            "check_inputs", "fmt_bytes"]
@@ -431,7 +431,8 @@ class BoundPlan:
 
     def __init__(self, scan: ScanPlan, shared: tuple, has_extra: tuple, device: torch.device, backend: Backend,
                  dtype: Optional[torch.dtype], max_memory: Optional[int], operators: Optional[tuple] = None,
-                 first_output: bool = True) -> None:
+                 first_output: bool = True, lowering: Optional[LoweringCache] = None,
+                 table_memo: Optional[dict] = None) -> None:
         device = canonical_device(device)
         backend.check_device(device)
         self.shared = shared
@@ -449,8 +450,9 @@ class BoundPlan:
         pats = scan.patterns
         self._nnz = [p.nnz for p in pats]
         self._dims = [p.rows for p in pats] + [pats[-1].cols]
-        self.program = lower(scan, shared, has_extra, self.operators, first_output)
-        self.tables = backend.make_tables(self.program, device)
+        # ``lowering`` / ``table_memo``: the plan's caches, so tables equal to another binding's are held once
+        self.program = lower(scan, shared, has_extra, self.operators, first_output, lowering)
+        self.tables = backend.make_tables(self.program, device, table_memo)
         # run(graph=True) applies: launches only, on this plan's buffers (no caller tensor read by a launch)
         self._graphable = (device.type == "cuda" and backend.capabilities.graph_capturable
                            and self.tables.reads_arena_inputs and not any(self.operators))

@@ -21,6 +21,7 @@ from spscan.kernels.backend import backend_names, default_backend, get_backend
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
 from spscan.planner.patterns import Pattern, as_chain
+from spscan.planner.program import LoweringCache
 from spscan.planner.planning import ScanPlan, composite_pattern, plan_reduction, plan_scan, step_costs
 from spscan.planner.schedule import max_levels
 
@@ -48,6 +49,9 @@ class Plan:
         self._requested_levels = requested_levels
         self._patterns_cache: Optional[list] = None
         self._bound: dict[tuple, BoundPlan] = {}  # run-time halves, one per (signature, device)
+        # work tables and their device copies shared by the bindings (each distinct table built once)
+        self._lowering = LoweringCache()
+        self._table_memo: dict[tuple, dict] = {}  # (backend, device) -> the backend's per-table memo
 
     backend = property(lambda self: self._backend, doc="``'torch'`` or ``'triton'``.")
     device = property(lambda self: self._device, doc="The device the plan is for (``None``: any).")
@@ -188,8 +192,9 @@ class Plan:
         key = (shared, has_extra, device, operators, first_output)
         hit = self._bound.get(key)
         if hit is None:
+            memo = self._table_memo.setdefault((self._backend, device), {})
             hit = BoundPlan(self._scan, shared, has_extra, device, get_backend(self._backend), self._dtype,
-                            self._max_memory, operators, first_output)
+                            self._max_memory, operators, first_output, self._lowering, memo)
             self._bound[key] = hit
         return hit
 

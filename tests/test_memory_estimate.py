@@ -211,3 +211,57 @@ def test_rowwise_full_output_without_keys(atomic_free, dtype):
         want = (am @ bm).toarray().reshape(-1)
         tol = 1e-5 if dtype == torch.float32 else 1e-12
         np.testing.assert_allclose(out[s].double().numpy(), want, rtol=tol, atol=tol)
+
+
+# --- bindings of one plan share their tables ---------------------------------------------------
+
+def _table_ops(bound) -> list:
+    """The ops of a binding's program that hold index tables (an Apply holds none)."""
+    return [op for st in bound.program.steps for op in st.ops if type(op).__name__ != "Apply"]
+
+
+@pytest.mark.parametrize("levels", [0, 1, 2])
+def test_model_bindings_share_tables(levels):
+    """A model plan binds with and without dl/dx_0: the second binding reuses every table of the first
+    (the same objects) but the one that left the last mat-vec out, and the estimate of both equals what
+    they hold, exactly."""
+    net = _conv_net(1)
+    x = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    plan = spscan.plan(net, x, prune_zeros=True, levels=levels)
+    core = plan.core
+    with_x0, without_x0 = (core.bind([u.shared for u in plan.units], None, None, plan.operator_flags, f)
+                           for f in (True, False))
+    assert len(core.bindings()) == 2 and without_x0.program.skipped_first
+    first_ids = {id(op) for op in _table_ops(with_x0)}
+    differ = [op for op in _table_ops(without_x0) if id(op) not in first_ids]
+    assert len(differ) <= 1 and len(_table_ops(without_x0)) >= len(_table_ops(with_x0)) - 1
+    held_one = held_index_bytes(core._scan, with_x0.program, with_x0.tables)
+    held_both = _held(plan)
+    assert held_both - held_one == held_index_bytes(core._scan, with_x0.program, with_x0.tables, differ,
+                                                    [t for st in without_x0.tables.steps for o, t in st
+                                                     if any(o is d for d in differ)]) - held_one
+    assert _estimate(plan).index_bytes == held_both
+    sig = [(k[0], k[1], k[3], k[4]) for k, b in core._bound.items() if b is with_x0]
+    assert estimate_memory(core._scan, sig).index_bytes == held_one
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chain_bindings_share_tables_and_gradients(backend):
+    """Random chains (CSR linear runs in the middle, dense-stored products): the binding without dl/dx_0
+    shares all but the tables that differ, and gives the other gradients bit for bit."""
+    pats = _random_chain(9, 12, 0.3, seed=5)
+    plan = spscan.plan(pats, levels=1, backend=backend, dtype=torch.float64)
+    full = plan.bind()
+    part = plan.bind(first_output=False)
+    shared = {id(op) for op in _table_ops(full)} & {id(op) for op in _table_ops(part)}
+    assert shared and len(shared) >= len(_table_ops(part)) - 1
+    if backend == "torch":
+        assert _estimate(plan).index_bytes == _held(plan)
+    g = torch.Generator().manual_seed(4)
+    vals = [torch.randn(2, p.nnz, generator=g, dtype=torch.float64) for p in pats]
+    grad = torch.randn(2, pats[-1].shape[1], generator=g, dtype=torch.float64)
+    a, b = full.run(vals, grad).grads, part.run(vals, grad).grads
+    assert b[0] is None and all(torch.equal(u, v) for u, v in zip(a[1:], b[1:]))
+    ref = spscan.backward(spscan.plan(pats, levels=0, backend="torch", dtype=torch.float64), vals, grad)
+    scale = max(float(r.abs().max()) for r in ref)
+    assert max(float((u - r).abs().max()) for u, r in zip(a, ref)) <= 1e-10 * scale
