@@ -152,10 +152,19 @@ def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, source
             for i in range(m):
                 for b in range(batch):
                     nxt[i, b] = 0
-                for kk in range(k):
-                    w = s[o + i * k + kk]
+                base = o + i * k
+                kk = 0
+                while kk + 4 <= k:  # four columns per pass over the batch, added in column order
+                    w0, w1, w2, w3 = s[base + kk], s[base + kk + 1], s[base + kk + 2], s[base + kk + 3]
+                    for b in range(batch):
+                        nxt[i, b] = (((nxt[i, b] + w0 * cur[kk, b]) + w1 * cur[kk + 1, b]) + w2 * cur[kk + 2, b]) \
+                            + w3 * cur[kk + 3, b]
+                    kk += 4
+                while kk < k:
+                    w = s[base + kk]
                     for b in range(batch):
                         nxt[i, b] += w * cur[kk, b]
+                    kk += 1
         else:
             for b in range(batch):
                 base = o + b * bs
