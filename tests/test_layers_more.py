@@ -317,13 +317,20 @@ def test_norm_chains_equal_autograd(name, levels):
     """spscan.wrap at depth 0 (operators), 1 and full (dense blocks in the products), with and without
     operators, float64: input and parameter gradients equal autograd's (≤ 1e-9 relative), batch 3,
     then 1, then 5 on the same wrapper."""
+    check_chain_equals_autograd(name, levels=levels)
+
+
+def check_chain_equals_autograd(name: str, **wrap_kw) -> list:
+    """:data:`NORM_CHAINS` ``name`` in float64 through ``spscan.wrap(**wrap_kw)`` with and without
+    operators: input and parameter gradients equal autograd's (≤ 1e-9 relative), batch 3, then 1,
+    then 5 on the same wrappers (returned)."""
     make, shape = NORM_CHAINS[name]
     torch.manual_seed(0)
     net = make().double()
     for p in net.parameters():
         with torch.no_grad():
             p.add_(0.3 * torch.randn_like(p))  # gains and biases away from 1 and 0
-    wrappers = [spscan.wrap(net, seq(3, *shape), levels=levels, operators=ops) for ops in (True, False)]
+    wrappers = [spscan.wrap(net, seq(3, *shape), operators=ops, **wrap_kw) for ops in (True, False)]
     for b in (3, 1, 5):
         x = seq(b, *shape, seed=b)
         ref = _step(net, x, b)
@@ -331,6 +338,7 @@ def test_norm_chains_equal_autograd(name, levels):
             got = _step(w, x, b)
             for k, (a, r) in enumerate(zip(got, ref)):
                 assert _rel(a, r) <= 1e-9, (k, _rel(a, r))
+    return wrappers
 
 
 @pytest.mark.parametrize("name", ["mlp_layernorm_logsoftmax", "cnn_groupnorm_softmax"])
@@ -353,13 +361,19 @@ def test_norm_chain_depth0_forms_no_dense_block(name):
 @pytest.mark.parametrize("name", ["mlp_layernorm_logsoftmax", "cnn_groupnorm_softmax"])
 def test_norm_chains_float32_within_autograd_error(name, levels):
     """float32: spscan's error against a float64 reference is at most 2x autograd's own float32 error."""
+    check_float32_within_autograd_error(name, levels=levels)
+
+
+def check_float32_within_autograd_error(name: str, **wrap_kw) -> None:
+    """:data:`NORM_CHAINS` ``name`` in float32 through ``spscan.wrap(**wrap_kw)``: every gradient's error
+    against a float64 reference is at most 2x autograd's own float32 error."""
     make, shape = NORM_CHAINS[name]
     torch.manual_seed(1)
     net32 = make()
     net64 = make().double()
     net64.load_state_dict({k: v.double() for k, v in net32.state_dict().items()})
     x = seq(6, *shape, seed=2, dtype=torch.float32)
-    w = spscan.wrap(net32, x, levels=levels)
+    w = spscan.wrap(net32, x, **wrap_kw)
     ref = _step(net64, x.double(), 3)
     ag = _step(net32, x, 3)
     got = _step(w, x, 3)

@@ -16,7 +16,8 @@ from spscan import model as chain_model
 from spscan.layers import LowRankFactors
 
 from layer_checks import build_unit, filled, run_errors, seq
-from test_layers_more import NORM_CASES, NORM_CHAINS, _rel, _seeded, _step
+from test_layers_more import (NORM_CASES, NORM_CHAINS, _rel, _seeded, _step, check_chain_equals_autograd,
+                              check_float32_within_autograd_error)
 
 
 def _factor_matrix(pattern: sp.csr_array, values: torch.Tensor, b: int) -> sp.csr_array:
@@ -61,44 +62,16 @@ def test_factors_multiply_to_the_dense_blocks(name):
 def test_factored_chains_equal_autograd(name, levels):
     """``norm_form="factored"`` at depth 1 and full, with and without operators, float64: input and
     parameter gradients equal autograd's (≤ 1e-9 relative), batch 3, then 1, then 5 on one wrapper."""
-    make, shape = NORM_CHAINS[name]
-    torch.manual_seed(0)
-    net = make().double()
-    for p in net.parameters():
-        with torch.no_grad():
-            p.add_(0.3 * torch.randn_like(p))
-    wrappers = [spscan.wrap(net, seq(3, *shape), levels=levels, operators=ops, norm_form="factored")
-                for ops in (True, False)]
-    for w in wrappers:
+    for w in check_chain_equals_autograd(name, levels=levels, norm_form="factored"):
         assert any(w.plan.factored)
         assert len(w.plan.patterns) == w.plan.core.n == len(w.plan.units) + sum(w.plan.factored)
-    for b in (3, 1, 5):
-        x = seq(b, *shape, seed=b)
-        ref = _step(net, x, b)
-        for w in wrappers:
-            got = _step(w, x, b)
-            for k, (a, r) in enumerate(zip(got, ref)):
-                assert _rel(a, r) <= 1e-9, (k, _rel(a, r))
 
 
 @pytest.mark.parametrize("name", ["mlp_layernorm_logsoftmax", "cnn_groupnorm_softmax"])
 def test_factored_float32_within_autograd_error(name):
     """float32, factored at full depth: spscan's error against a float64 reference is at most 2x
     autograd's own float32 error."""
-    make, shape = NORM_CHAINS[name]
-    torch.manual_seed(1)
-    net32 = make()
-    net64 = make().double()
-    net64.load_state_dict({k: v.double() for k, v in net32.state_dict().items()})
-    x = seq(6, *shape, seed=2, dtype=torch.float32)
-    w = spscan.wrap(net32, x, levels="full", norm_form="factored")
-    ref = _step(net64, x.double(), 3)
-    ag = _step(net32, x, 3)
-    got = _step(w, x, 3)
-    for k, (s, a, r) in enumerate(zip(got, ag, ref)):
-        floor = 1e-6 * float(r.abs().max())
-        err_s, err_a = float((s.double() - r).abs().max()), float((a.double() - r).abs().max())
-        assert err_s <= 2 * err_a + floor, (k, err_s, err_a)
+    check_float32_within_autograd_error(name, levels="full", norm_form="factored")
 
 
 def _gn_cnn() -> nn.Sequential:
