@@ -11,6 +11,8 @@ The reduction order is fixed by the tiles (per-lane partial sums over chunks, th
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -56,14 +58,20 @@ def product_operands(name: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     return a_sh, b_sh, c_sh, 1 if c_sh else c.shape[0]
 
 
-def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+def spgemm(table: SegmentTable, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+           clear: Sequence[tuple[int, int]] = ()) -> None:
     """Numeric SpGEMM for one step, in place: ``c[..., out[s]] = sum a[..., pair_a] * b[..., pair_b]``.
+
+    ``clear``: ``(offset, size)`` blocks of ``c`` zeroed first (dense-stored products, whose segments
+    cover only their own pattern's entries: the other positions of the block are zeros).
 
     Args:
         table: the step's segments (long-first), ``nseg`` outputs and their pairs.
         a, b: value arenas, ``(N,)`` when shared by the batch or ``(B, N)`` per sample.
         c: output arena, ``(N,)`` only when both factors are shared, else ``(B, N)``.
     """
+    for off, size in clear:
+        c.narrow(-1, off, size).zero_()  # a device fill: no host sync, capturable in a CUDA graph
     if table.nseg == 0:
         return
     a_sh, b_sh, c_sh, batch = product_operands("spgemm", a, b, c)

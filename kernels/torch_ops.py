@@ -471,6 +471,8 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
         for op, t in ops:
             if isinstance(op, SpMM):
                 src_a, src_b, dst = arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out]
+                for off, size in op.clear:  # dense outputs: unreached positions are zero, the bins write the rest
+                    dst[..., off : off + size].zero_()
                 for ia, ib, out, _ in t:
                     _segment_sum(_gather(src_a, ia) * _gather(src_b, ib), dst, out)
             elif isinstance(op, RowSpGEMM):

@@ -134,6 +134,7 @@ class TritonTables(Tables):
                     for b in op.bins:
                         reads += [(op.kind_a, b.a.ravel()), (op.kind_b, b.b.ravel())]
                         writes.append((op.kind_out, b.out.ravel()))
+                    writes += [(op.kind_out, np.arange(off, off + size)) for off, size in op.clear]
                 elif isinstance(op, RowSpGEMM):
                     launches.append(shared(op, lambda op=op: _RowsLaunch(op, rows_table(
                         op.products, (sizes[op.kind_a], sizes[op.kind_b], sizes[op.kind_out]), self.device))))
@@ -225,7 +226,7 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
         for item in launches:
             if isinstance(item, _SpMMLaunch):
                 op = item.op
-                spgemm(item.table, arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
+                spgemm(item.table, arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out], op.clear)
             elif isinstance(item, _RowsLaunch):
                 op = item.op
                 spgemm_rows(item.table, arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])

@@ -73,6 +73,7 @@ def _symbolic_bytes(plan: ScanPlan) -> int:
         pats[id(info.pattern)] = info.pattern
         sym = info.sym
         if sym is not None:
+            pats[id(sym.pattern)] = sym.pattern  # its own pattern (a dense-stored product's pairs cover it)
             arrays[id(sym.pair_ptr)] = INDEX_BYTES * sym.pair_ptr.shape[0]
             pa = getattr(sym, "pair_a", None)
             if pa is not None:

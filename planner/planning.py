@@ -34,6 +34,9 @@ class MatInfo:
     # "input" | "pairs" (gather-multiply-segment-sum) | "gemm" (both operands dense) | "rows" (row-wise
     # over the output pattern, O(nnz) index data: products whose pair lists would be too large)
     algo: str
+    # "pairs": the pair lists over the product's OWN pattern (``sym.pattern``), also when it is stored
+    # densely: then each own entry lands at its dense position (:func:`dense_positions`) and the rest of
+    # the dense block is zero, so the pair data stays O(pairs + nnz(own)), not O(rows * cols)
     sym: Optional[ProductSymbolic] = None
     rw: Optional[RowwiseProduct] = None
 
@@ -44,6 +47,12 @@ class MatInfo:
     gemm_macs: int = 0  # multiply-adds per sample of a "gemm" product
     # the storage rule stored this product densely although its own pattern is not full
     densified: bool = False
+
+    @property
+    def scatters(self) -> bool:
+        """A pair-list product stored densely over an own pattern that is not full: its own entries are
+        written at their dense positions and the rest of the block is zeroed."""
+        return self.algo == "pairs" and self.sym.pattern.nnz != self.pattern.nnz
 
     @property
     def work(self) -> int:
@@ -225,15 +234,9 @@ def decide_alone(rule: StorageRule, a: Pattern, b: Pattern, mv: Sequence[str], r
     return rule.alone(shape, p, p.nnz, mv)
 
 
-def dense_pairs(sym: ProductSymbolic, pattern: Pattern) -> ProductSymbolic:
-    """The pair lists of a product stored densely (``pattern`` full), from those of its own pattern:
-    the same pairs in the same order, every unreached position an empty segment."""
-    own = sym.pattern
-    counts = np.zeros(own.rows * own.cols, dtype=np.int64)
-    counts[own.row_of_entry() * own.cols + own.indices] = np.diff(sym.pair_ptr)
-    ptr = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=ptr[1:])
-    return ProductSymbolic(pattern, ptr, sym.pair_a, sym.pair_b)
+def dense_positions(own: Pattern) -> np.ndarray:
+    """``(nnz,)`` int64: the row-major position in the dense ``rows x cols`` block of each entry of ``own``."""
+    return own.row_of_entry() * own.cols + own.indices
 
 
 class _Products:
@@ -331,9 +334,8 @@ class _Products:
             info = MatInfo(rw.pattern, "rows", rw=rw, densified=bool(dense))
         else:
             sym = self._sym(a, b)
-            if dense and not sym.pattern.is_full:
-                sym = dense_pairs(sym, self.table.intern(full_pattern(a.rows, b.cols)))
-                info = MatInfo(sym.pattern, "pairs", sym=sym, densified=True)
+            if dense and not sym.pattern.is_full:  # the own pattern's pairs, written into the dense block
+                info = MatInfo(self.table.intern(full_pattern(a.rows, b.cols)), "pairs", sym=sym, densified=True)
             else:
                 info = MatInfo(sym.pattern, "pairs", sym=sym)
         self.cache[key] = info
@@ -414,11 +416,12 @@ def _row_bins(p: Pattern) -> int:
 
 
 def _pair_bins(info: "MatInfo") -> int:
-    """Launches of a planned SpGEMM (cached per output pattern and pair count)."""
-    key = (info.pattern.key, info.sym.npairs)
+    """Launches of a planned SpGEMM (cached per own pattern and pair count): one per width bin of the own
+    entries' pair counts, and for a dense-stored product one more that zeroes its block."""
+    key = (info.sym.pattern.key, info.sym.npairs)
     if key not in _BINS:
         _BINS[key] = _seg_bins(np.diff(info.sym.pair_ptr))
-    return _BINS[key]
+    return _BINS[key] + int(info.scatters)
 
 
 def _step_costs(
@@ -546,10 +549,8 @@ class _DepthSearch:
         else:
             pattern, counts = self._counted(a, b)
             if dense and not pattern.is_full:
-                full = np.zeros(a.rows * b.cols, dtype=np.int64)
-                full[pattern.row_of_entry() * b.cols + pattern.indices] = counts
-                pattern = self.products.table.intern(full_pattern(a.rows, b.cols))
-                info = MatInfo(pattern, "pairs", sym=_PairCounts(pattern, full), densified=True)
+                info = MatInfo(self.products.table.intern(full_pattern(a.rows, b.cols)), "pairs",
+                               sym=_PairCounts(pattern, counts), densified=True)
             else:
                 info = MatInfo(pattern, "pairs", sym=_PairCounts(pattern, counts))
         self.cache[key] = info

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .patterns import Pattern
-from .planning import ScanPlan, bin_widths, linear_run_kind
+from .planning import ScanPlan, bin_widths, dense_positions, linear_run_kind
 from .schedule import GRAD, extra_vec, schedule_for
 
 __all__ = ["Program", "BlockRef", "SpMM", "RowSpGEMM", "RowProduct", "Gemm", "SpMV", "Gemv", "LinearRun", "Apply", "Bin",
@@ -73,6 +73,9 @@ class SpMM:
     kind_b: str
     kind_out: str
     bins: list[Bin]
+    # (offset, size) of each dense-stored output whose own pattern is not full: zeroed before the bins
+    # write its own entries (at their dense positions), so no index is held for the unreached positions
+    clear: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -583,7 +586,7 @@ def _table_key(lay: Layout, mats, n: int, what: str, payload) -> Optional[tuple]
     if what == "spmm":
         key, ops = payload
         return (what, key, lay.zero[key[0]], lay.zero[key[1]],
-                tuple((id(mats[o.out].sym), offset[o.left], offset[o.right], offset[o.out]) for o in ops))
+                tuple((id(mats[o.out]), offset[o.left], offset[o.right], offset[o.out]) for o in ops))
     if what == "run":
         ops = payload
         return (what, voff[ops[0].vin], tuple((id(mats[o.mat].pattern), kind[o.mat], offset[o.mat], o.mat if o.mat < n else -1,
@@ -637,19 +640,24 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
         elif what == "spmm":
             def build(payload=payload):
                 gkey, ops = payload
-                lens, firsts, a_src, b_src, outs = [], [], [], [], []
+                lens, firsts, a_src, b_src, outs, clear = [], [], [], [], [], []
                 base = 0
                 for op in ops:
-                    sym = mats[op.out].sym
+                    info = mats[op.out]
+                    sym = info.sym
                     lens.append(np.diff(sym.pair_ptr))
                     firsts.append(sym.pair_ptr[:-1] + base)
                     a_src.append(sym.pair_a + offset[op.left])
                     b_src.append(sym.pair_b + offset[op.right])
-                    outs.append(offset[op.out] + np.arange(sym.pattern.nnz, dtype=np.int64))
+                    if info.scatters:
+                        outs.append(offset[op.out] + dense_positions(sym.pattern))
+                        clear.append((offset[op.out], info.pattern.nnz))
+                    else:
+                        outs.append(offset[op.out] + np.arange(sym.pattern.nnz, dtype=np.int64))
                     base += sym.npairs
                 bins = _binned(np.concatenate(lens), np.concatenate(firsts), np.concatenate(a_src),
                                np.concatenate(b_src), np.concatenate(outs), None, zero[gkey[0]], zero[gkey[1]])
-                return SpMM(gkey[0], gkey[1], gkey[2], bins)
+                return SpMM(gkey[0], gkey[1], gkey[2], bins, tuple(clear))
         elif what == "run":
             def build(ops=payload):
                 pats_ = [mats[o.mat].pattern for o in ops]

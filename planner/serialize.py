@@ -37,7 +37,7 @@ import numpy as np
 
 from .cost import DeviceProfile
 from .patterns import Pattern, PatternTable, validated_pattern
-from .planning import MatInfo, ScanPlan, StorageRule, decide_alone, matrix_uses
+from .planning import MatInfo, ScanPlan, StorageRule, decide_alone, dense_positions, matrix_uses
 from .patterns import full_pattern, make_pattern
 from .rowwise import estimate_product_nnz, pair_list_bytes, structural_product
 from .schedule import blelloch_schedule, max_levels
@@ -110,13 +110,19 @@ def save_scan(path, plan: ScanPlan, options: dict[str, Any]) -> None:
             raise ValueError(f"product {mid}: {info.algo!r} products cannot be saved in plan file version {VERSION}")
         rec = [mid, pid(info.pattern), _ALGO_CODES[info.algo], info.gemm_macs, -1, int(info.densified)]
         if info.sym is not None:
-            if id(info.sym) not in syms:
+            skey = (id(info.sym), info.scatters)
+            if skey not in syms:
                 s = len(syms)
-                syms[id(info.sym)] = s
-                arrays[f"sym{s}_ptr"] = np.asarray(info.sym.pair_ptr, dtype=np.int64)
+                syms[skey] = s
+                ptr = np.asarray(info.sym.pair_ptr, dtype=np.int64)
+                if info.scatters:  # the file keeps a dense-stored product's pointer over the dense block
+                    counts = np.zeros(info.pattern.nnz, dtype=np.int64)
+                    counts[dense_positions(info.sym.pattern)] = np.diff(ptr)
+                    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+                arrays[f"sym{s}_ptr"] = ptr
                 arrays[f"sym{s}_a"] = np.asarray(info.sym.pair_a, dtype=np.int64)
                 arrays[f"sym{s}_b"] = np.asarray(info.sym.pair_b, dtype=np.int64)
-            rec[4] = syms[id(info.sym)]
+            rec[4] = syms[skey]
         products.append(rec)
     header = {
         "format": FORMAT,
@@ -535,6 +541,15 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
                     syms[(sidx, c.key)] = sym
                 own_pattern = _check_pairs(where, a, b, c, sym, checked)
                 used_syms.add(sidx)
+                if own_pattern.nnz != c.nnz:  # held over the own pattern (pair data O(pairs + nnz))
+                    ptr = sym.pair_ptr
+                    reached = np.flatnonzero(np.diff(ptr))
+                    own_sym = syms.get((sidx, c.key, "own"))
+                    if own_sym is None:
+                        own_sym = syms[(sidx, c.key, "own")] = ProductSymbolic(
+                            table.intern(own_pattern), np.concatenate([[0], ptr[reached + 1]]).astype(np.int64),
+                            sym.pair_a, sym.pair_b)
+                    sym = own_sym
                 mats[mid] = MatInfo(c, "pairs", sym=sym, densified=dense)
                 own = lambda p=own_pattern: p  # noqa: E731
             if not dense and c.is_full and not own().is_full:

@@ -265,3 +265,25 @@ def test_chain_bindings_share_tables_and_gradients(backend):
     ref = spscan.backward(spscan.plan(pats, levels=0, backend="torch", dtype=torch.float64), vals, grad)
     scale = max(float(r.abs().max()) for r in ref)
     assert max(float((u - r).abs().max()) for u, r in zip(a, ref)) <= 1e-10 * scale
+
+
+def test_dense_stored_pair_products_hold_O_pairs():
+    """A product computed from pair lists and stored densely keeps the pair lists of its own pattern (and
+    that pattern): O(pairs + nnz), no per-position pointer over the dense block; its lowered segments are
+    its own entries, written at their dense positions after the block is zeroed."""
+    pats = _random_chain(13, 24, 0.3, seed=2)
+    plan = spscan.plan(pats, levels=2, backend="torch", dtype=torch.float64)
+    scan = plan._scan
+    nodes = [m for mid, m in scan.mats.items() if m.algo == "pairs"]
+    scatter = [m for m in nodes if m.scatters]
+    assert scatter
+    for m in scatter:
+        own = m.sym.pattern
+        assert isinstance(m.pattern, FullPattern) and m.densified and own.nnz < m.pattern.nnz
+        assert m.sym.pair_ptr.shape == (own.nnz + 1,)
+        # pair_a, pair_b, the pointer, the own pattern's row starts and columns: nothing of size rows * cols
+        assert held_index_bytes(m.sym) == 8 * (2 * m.sym.npairs + own.nnz + 1 + own.rows + 1 + own.nnz)
+    spmm = [op for st in plan.bindings()[0].program.steps for op in st.ops if type(op).__name__ == "SpMM"]
+    assert sum(b.out.size for op in spmm for b in op.bins) == sum(m.sym.pattern.nnz for m in nodes)
+    assert sum(size for op in spmm for _, size in op.clear) == sum(m.pattern.nnz for m in scatter)
+    assert _estimate(plan).index_bytes == _held(plan)
