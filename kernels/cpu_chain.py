@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["available", "run_chain", "resolve_steps"]
+__all__ = ["available", "numba_module", "run_chain", "resolve_steps"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -61,6 +61,14 @@ def _load():
 def available() -> bool:
     """Whether the compiled loop can run (numba importable)."""
     return bool(_load())
+
+
+def numba_module():
+    """The numba module (imported once, on first use), for the other compiled CPU kernels."""
+    mod = _load()
+    if not mod:
+        raise RuntimeError("spscan's compiled CPU kernels need numba (pip install numba)")
+    return mod
 
 
 # Up to this batch a CSR step loops over samples outside its entries (measured on a 512x1024 conv

