@@ -354,18 +354,26 @@ class ModelPlan:
         layer's :class:`~spscan.kernels.backend.StructuredOperator` instead of its CSR values;
         ``first_output=False`` leaves ``dl/dx_0`` out (``None``). A factored layer
         (:attr:`factored`) takes two value tensors, its factors ``L`` then ``R``, as ``forward``
-        returns them; its inner gradient is not returned."""
+        returns them; its inner gradient is not returned. ``extra``: ``n + 1`` entries, one per
+        layer boundary, as for :func:`spscan.backward`."""
         vals = list(values.values if isinstance(values, Jacobians) else values)
         if len(vals) != self.core.n:
             what = self.element_name if self._ends is None else "layer, two for a factored layer"
             raise ValueError(f"values: expected {self.core.n} tensors (one per {what}), got {len(vals)}")
         if isinstance(grad, torch.Tensor) and grad.dim() != 2:
             grad = grad.reshape(grad.shape[0], -1)
+        if extra is not None and self._ends is not None:  # per layer boundary -> per element boundary
+            extra = list(extra)
+            if len(extra) != len(self.units) + 1:
+                raise ValueError(f"extra: expected {len(self.units) + 1} entries (one per layer boundary, None for "
+                                 f"none), got {len(extra)}")
+            per_element: list[Optional[torch.Tensor]] = [None] * (self.core.n + 1)
+            per_element[0] = extra[0]
+            for e, t in zip(self._ends, extra[1:]):
+                per_element[e] = t
+            extra = per_element
         items, _, shared, has_extra, _, _, device, operators = check_inputs(
             self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
-        if extra is not None and self._ends is not None:
-            raise ValueError("extra: not supported by a plan with factored layers (its gradients are per element "
-                             "of the core chain); plan with norm_form='dense'")
         bound = self.core.bind(shared, has_extra, device, operators, first_output)
         return self._layer_grads(bound.run(items, grad, extra, check=False, graph=True).grads)
 

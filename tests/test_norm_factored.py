@@ -91,7 +91,7 @@ def test_core_api_maps_elements_to_layers():
     """``plan.forward`` gives two value tensors per factored layer; ``spscan.backward`` returns one
     gradient per layer boundary (the factors' inner gradient left out), equal to autograd's and to
     the dense plan's; ``param_grads`` from them equal autograd's; a wrong count names the rule;
-    ``extra`` terms are refused on a factored plan; the summary shows the factors."""
+    ``extra`` terms per layer boundary give the dense plan's gradients; the summary shows the factors."""
     torch.manual_seed(2)
     net = _gn_cnn()
     x = seq(5, 4, 4, 4, seed=1)
@@ -116,7 +116,16 @@ def test_core_api_maps_elements_to_layers():
     for n, p in net.named_parameters():
         torch.testing.assert_close(pg[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
     run_errors(lambda: spscan.backward(fac, list(jac)[:-1], g), ValueError, "expected 12", "two for a factored")
-    run_errors(lambda: fac.backward(jac, g, [None] * 13), ValueError, "extra", "norm_form='dense'")
+    # extra terms per layer boundary (a loss read at layer 4's output and at the input) as in the dense plan
+    extra = [None] * 10
+    extra[4] = seq(5, grads[4].shape[1], seed=7)
+    extra[0] = seq(5, grads[0].shape[1], seed=8)
+    got_e = fac.backward(jac, g, extra)
+    ref_e = den.backward(den.forward(x)[1], g, extra)
+    for a, r in zip(got_e, ref_e):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(got_e[0], grads[0])
+    run_errors(lambda: fac.backward(jac, g, [None] * 12), ValueError, "extra", "expected 10")
     text = fac.summary()
     assert "J^T = L R" in text and "dense blocks" in text
 
