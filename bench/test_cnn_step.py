@@ -15,6 +15,11 @@ wall time is its CPU time. ``extra_info`` also carries the spread of the per-pai
 outside the timing: the scan's backward should run no more than autograd's). No denormal
 flushing is needed here (``flush_denormal=False``): the losses stay far from the float32 denormal
 range.
+
+``test_cnn_step_cuda`` (skips without a CUDA device): the same models, data and modes ``step`` and
+``backward`` on the GPU, ``spscan.wrap(model.cuda(), x.cuda())`` (Triton backend) against cuDNN /
+cuBLAS under autograd, timed by ``bench/cuda_step.py`` (synchronized wall time, interleaved,
+warm-up first, 15 pairs); each row first checks that one step's gradients agree with autograd's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import spscan
 
 from conftest import device_name
+from cuda_step import max_rel_grad_diff, needs_cuda, plan_backend, record, step_info, time_pairs
 
 
 def lenet5() -> nn.Sequential:
@@ -56,13 +62,13 @@ def vgg_small() -> nn.Sequential:
 MODELS = {"lenet5": (lenet5, 64), "vgg_small": (vgg_small, 32)}
 
 
-def _setup(name: str, scan: bool):
+def _setup(name: str, scan: bool, device: str = "cpu"):
     make, batch = MODELS[name]
     torch.manual_seed(0)
-    model = make()
+    model = make().to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
     net = spscan.wrap(model, x) if scan else model
     loss_fn = nn.CrossEntropyLoss()
 
@@ -141,4 +147,28 @@ def test_cnn_step_cpu(benchmark, name, mode):
         median_ratio_of_pairs=statistics.median(ratios), ratio_q25=ratios[len(ratios) // 4],
         ratio_q75=ratios[(3 * len(ratios)) // 4], aten_ops_per_backward_autograd=ops[0],
         aten_ops_per_backward_spscan=ops[1], threads=1, clock="wall", flush_denormal=False,
+    )
+
+
+CUDA_ROUNDS = 15
+CUDA_GRAD_TOL = 2e-2  # float32 both sides, cuDNN's convolutions in TF32 by default: rounding, not a wrong gradient
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["step", "backward"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cnn_step_cuda(benchmark, name, mode):
+    """Against cuDNN / cuBLAS under autograd on the same device: ``spscan.wrap(model.cuda(), x.cuda())``
+    (the backend picked for the device: Triton), the same seeds and data as the CPU rows."""
+    benchmark.group = f"cnn-{name}-cuda-{mode}"
+    plain, a_fwd = _setup(name, scan=False, device="cuda")
+    net, s_fwd = _setup(name, scan=True, device="cuda")
+    a_fwd().backward(), s_fwd().backward()  # one step each from the same weights: the gradients must agree
+    worst = max_rel_grad_diff(plain.parameters(), net.parameters())
+    assert worst < CUDA_GRAD_TOL, f"{name}: spscan's gradients differ from autograd's by {worst:.3g} (relative)"
+    pairs = time_pairs(mode, a_fwd, s_fwd, CUDA_ROUNDS)
+    record(benchmark, mode, s_fwd, CUDA_ROUNDS)
+    benchmark.extra_info.update(
+        device=device_name(), model=name, batch=MODELS[name][1], mode=mode, levels=net.plan.levels,
+        backend=plan_backend(net.plan), grad_max_rel_diff=worst, **step_info(pairs),
     )

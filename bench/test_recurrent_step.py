@@ -25,6 +25,12 @@ float32 denormal range, where x86 arithmetic slows down by ~100x on both sides a
 timings measure the denormal penalty rather than the scan. Every row here runs with
 ``torch.set_flush_denormal(True)`` (recorded as ``flush_denormal`` in ``extra_info``) and restores
 the default (off) afterwards.
+
+``test_recurrent_step_cuda`` (skips without a CUDA device): ``nn.GRU`` and ``nn.LSTM`` at T = 1000
+and 10000, B = 16, loss on the last output, ``step`` and ``backward``, ``spscan.wrap(rnn.cuda(),
+x.cuda())`` (Triton backend) against cuDNN under autograd, timed by ``bench/cuda_step.py``
+(synchronized wall time, interleaved, warm-up first, 10 pairs); each row first checks one step's
+gradients against autograd's. The plain RNN's CUDA rows are ``bench/test_rnn_step.py``'s.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import spscan
 from spscan.kernels import cpu_chain
 
 from conftest import device_name, time_mode
+from cuda_step import max_rel_grad_diff, needs_cuda, plan_backend, record, step_info, time_pairs
 
 H, B = 20, 16
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
@@ -50,13 +57,13 @@ ROUNDS = {1000: 11, 3000: 11, 10000: 11}  # interleaved pairs per row (medians)
 CLOCK = time.process_time
 
 
-def _setup(cell: str, T: int, scan: bool, loss: str = "last"):
+def _setup(cell: str, T: int, scan: bool, loss: str = "last", device: str = "cpu"):
     torch.manual_seed(0)
-    rnn = CELLS[cell](1, H, batch_first=True)
-    head = nn.Linear(H, 2)
+    rnn = CELLS[cell](1, H, batch_first=True).to(device)
+    head = nn.Linear(H, 2).to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, T, 1, generator=g)
-    y = torch.randint(0, 2, (B,), generator=g)
+    x = torch.randn(B, T, 1, generator=g).to(device)
+    y = torch.randint(0, 2, (B,), generator=g).to(device)
     if scan:
         rnn = spscan.wrap(rnn, x)
     loss_fn = nn.CrossEntropyLoss()
@@ -136,4 +143,29 @@ def test_middle_chain_compiled_vs_numpy(benchmark, flush_denormal, monkeypatch, 
         device=device_name(), load_average_1min=load, T=T, B=B, H=H, chain="factored RNN (W_hh^T, diag)",
         levels=plan.levels, numpy_median_s=numpy_s, compiled_median_s=ours, speedup_compiled_vs_numpy=numpy_s / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
+    )
+
+
+# GRU and LSTM against cuDNN's fused RNN kernels under autograd (the plain RNN's CUDA rows are in
+# bench/test_rnn_step.py): step and backward, loss on the last output, a short and a long sequence
+CUDA_ROWS = [(cell, T, mode) for cell in ("gru", "lstm") for T in (1000, 10000) for mode in ("step", "backward")]
+CUDA_ROUNDS = 10
+CUDA_GRAD_TOL = 1e-2  # float32 both sides, different summation orders over T steps: rounding only
+
+
+@needs_cuda
+@pytest.mark.parametrize("cell,T,mode", CUDA_ROWS, ids=["-".join(map(str, r)) for r in CUDA_ROWS])
+def test_recurrent_step_cuda(benchmark, cell, T, mode):
+    """``spscan.wrap(rnn.cuda(), x.cuda())`` (Triton scan) vs cuDNN under autograd, synchronized wall time."""
+    benchmark.group = f"{cell}-cuda-T{T}-{mode}-last"
+    plain, a_fwd = _setup(cell, T, scan=False, device="cuda")
+    wrapped, s_fwd = _setup(cell, T, scan=True, device="cuda")
+    a_fwd().backward(), s_fwd().backward()  # one step each from the same weights: the gradients must agree
+    worst = max_rel_grad_diff(plain.parameters(), wrapped.parameters())
+    assert worst < CUDA_GRAD_TOL, f"{cell} T={T}: spscan's gradients differ from autograd's by {worst:.3g} (relative)"
+    pairs = time_pairs(mode, a_fwd, s_fwd, CUDA_ROUNDS)
+    record(benchmark, mode, s_fwd, CUDA_ROUNDS)
+    benchmark.extra_info.update(
+        device=device_name(), cell=cell, T=T, B=B, H=H, mode=mode, loss="last", levels=wrapped.plan.levels,
+        backend=plan_backend(wrapped.plan), grad_max_rel_diff=worst, **step_info(pairs),
     )

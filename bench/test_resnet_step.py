@@ -15,6 +15,11 @@ autograd / spscan`` (> 1: spscan faster), the median of the per-pair ratios, the
 (``plan.levels``), the first line of ``plan.summary()``, the planning time and the device.
 The plan is made once per module (tens of seconds on a 2-core CPU: the block patterns of the full-width
 model); the whole file runs in one to two minutes.
+
+``test_resnet20_step_cuda`` (skips without a CUDA device): the same model and data on the GPU,
+``spscan.wrap(model.cuda(), x.cuda())`` (Triton backend) against cuDNN under autograd, timed by
+``bench/cuda_step.py`` (synchronized wall time, interleaved, warm-up first, 15 pairs); the plan is
+made once per module and its gradients checked against autograd's before any timing.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import spscan
 from spscan.models import ResNet20
 
 from conftest import device_name
+from cuda_step import max_rel_grad_diff, needs_cuda, plan_backend, record, step_info, time_pairs
 
 BATCH = 16
 ROUNDS = 7
@@ -105,3 +111,54 @@ def test_resnet20_step_cpu(benchmark, setup, mode):
           f"spscan/autograd {ours / base:.2f}x (pairs' median {1 / info['median_ratio_of_pairs']:.2f}x), "
           f"levels={net.plan.levels}, planning {s['planning_s']:.1f} s, {info['device']}, "
           f"load {load}\n  {info['plan']}")
+
+
+CUDA_ROUNDS = 15
+CUDA_GRAD_TOL = 2e-2  # float32 both sides, cuDNN's convolutions in TF32 by default: rounding, not a wrong gradient
+
+
+@pytest.fixture(scope="module")
+def setup_cuda():
+    """The same two train-mode ResNet-20s and data on the CUDA device, planned once for the module."""
+    torch.manual_seed(0)
+    plain = ResNet20().train().cuda()
+    mine = ResNet20().train().cuda()
+    mine.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, 32, 32, generator=g).cuda()
+    y = torch.randint(0, 10, (BATCH,), generator=g).cuda()
+    t0 = time.perf_counter()
+    wrapped = spscan.wrap(mine, x)
+    torch.cuda.synchronize()
+    planning_s = time.perf_counter() - t0
+    loss_fn = nn.CrossEntropyLoss()
+    plain.zero_grad(), wrapped.zero_grad()
+    loss_fn(plain(x), y).backward()
+    loss_fn(wrapped(x), y).backward()
+    worst = max_rel_grad_diff(plain.parameters(), mine.parameters())
+    assert worst < CUDA_GRAD_TOL, f"resnet20 on CUDA: spscan's gradients differ from autograd's by {worst:.3g}"
+
+    def forward(net: nn.Module):
+        def run() -> torch.Tensor:
+            net.zero_grad(set_to_none=True)
+            return loss_fn(net(x), y)
+
+        return run
+
+    return dict(plain=forward(plain), wrapped=forward(wrapped), net=wrapped, planning_s=planning_s, worst=worst)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["step", "backward"])
+def test_resnet20_step_cuda(benchmark, setup_cuda, mode):
+    """Against cuDNN under autograd on the same device (train mode, batch statistics), synchronized wall time."""
+    s = setup_cuda
+    benchmark.group = f"resnet20-train-cuda-{mode}"
+    pairs = time_pairs(mode, s["plain"], s["wrapped"], CUDA_ROUNDS)
+    record(benchmark, mode, s["wrapped"], CUDA_ROUNDS)
+    net = s["net"]
+    benchmark.extra_info.update(
+        device=device_name(), model="resnet20-16-32-64", batch=BATCH, input="3x32x32", mode=mode, train_mode=True,
+        levels=net.plan.levels, backend=plan_backend(net.plan), plan=net.plan.summary().splitlines()[0],
+        planning_s=s["planning_s"], grad_max_rel_diff=s["worst"], **step_info(pairs),
+    )

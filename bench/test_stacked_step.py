@@ -16,6 +16,12 @@ direction) scan (``levels``, index ``layer * directions + direction``).
 Every row runs with ``torch.set_flush_denormal(True)`` (see ``bench/test_recurrent_step.py``: over
 thousands of steps a last-output gradient decays into float32 denormals, whose ~100x arithmetic
 penalty would be measured on both sides instead of the scan) and restores the default afterwards.
+
+``test_stacked_step_cuda`` (skips without a CUDA device): the 2-layer GRU at T = 1000 and 10000,
+loss on the last output, ``step`` and ``backward``, ``spscan.wrap(rnn.cuda(), x.cuda())`` (one
+Triton scan per layer) against cuDNN's multi-layer GRU under autograd, timed by
+``bench/cuda_step.py`` (synchronized wall time, interleaved, warm-up first, 10 pairs); each row
+first checks one step's gradients against autograd's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import spscan
 from spscan.kernels import cpu_chain
 
 from conftest import device_name, time_mode
+from cuda_step import max_rel_grad_diff, needs_cuda, plan_backend, record, step_info, time_pairs
 
 H, B = 20, 16
 MODELS = {
@@ -40,14 +47,14 @@ MODELS = {
 ROUNDS = {1000: 7, 3000: 5}
 
 
-def _setup(name: str, T: int, loss: str, scan: bool):
+def _setup(name: str, T: int, loss: str, scan: bool, device: str = "cpu"):
     torch.manual_seed(0)
-    rnn = MODELS[name]()
+    rnn = MODELS[name]().to(device)
     width = H * (2 if rnn.bidirectional else 1)
-    head = nn.Linear(width, 2)
+    head = nn.Linear(width, 2).to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, T, 1, generator=g)
-    y = torch.randint(0, 2, (B,) if loss == "last" else (B * T,), generator=g)
+    x = torch.randn(B, T, 1, generator=g).to(device)
+    y = torch.randint(0, 2, (B,) if loss == "last" else (B * T,), generator=g).to(device)
     if scan:
         rnn = spscan.wrap(rnn, x)
     loss_fn = nn.CrossEntropyLoss()
@@ -91,4 +98,28 @@ def test_stacked_step_cpu(benchmark, flush_denormal, one_thread, name, T, loss, 
         levels=wrapped.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
         compiled_middle=cpu_chain.available(), threads=torch.get_num_threads(), pairs=rounds,
+    )
+
+
+# the stacked 2-layer GRU against cuDNN's multi-layer GRU under autograd: loss on the last output
+CUDA_CASES = [("gru-2layer", T, mode) for T in (1000, 10000) for mode in ("step", "backward")]
+CUDA_ROUNDS = 10
+CUDA_GRAD_TOL = 1e-2  # float32 both sides, different summation orders over T steps: rounding only
+
+
+@needs_cuda
+@pytest.mark.parametrize("name, T, mode", CUDA_CASES)
+def test_stacked_step_cuda(benchmark, name, T, mode):
+    """``spscan.wrap(rnn.cuda(), x.cuda())`` (one Triton scan per layer) vs cuDNN, synchronized wall time."""
+    benchmark.group = f"{name}-cuda-T{T}-last-{mode}"
+    plain, a_fwd = _setup(name, T, "last", scan=False, device="cuda")
+    wrapped, s_fwd = _setup(name, T, "last", scan=True, device="cuda")
+    a_fwd().backward(), s_fwd().backward()  # one step each from the same weights: the gradients must agree
+    worst = max_rel_grad_diff(plain.parameters(), wrapped.parameters())
+    assert worst < CUDA_GRAD_TOL, f"{name} T={T}: spscan's gradients differ from autograd's by {worst:.3g} (relative)"
+    pairs = time_pairs(mode, a_fwd, s_fwd, CUDA_ROUNDS)
+    record(benchmark, mode, s_fwd, CUDA_ROUNDS)
+    benchmark.extra_info.update(
+        device=device_name(), model=name, T=T, B=B, H=H, loss="last", mode=mode, levels=wrapped.plan.levels,
+        backend=plan_backend(wrapped.plan), grad_max_rel_diff=worst, **step_info(pairs),
     )
