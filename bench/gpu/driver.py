@@ -3,10 +3,13 @@
 ``python bench/gpu/driver.py --out DIR --deadline EPOCH_S [--quick]`` (``run.sh`` installs the
 checkout first and passes a deadline 9 minutes after it started). Each test or benchmark
 suite is its own ``pytest`` process with a time limit cut to what is left before the deadline
-(a suite that runs over is stopped and reported as such; the others keep their rows). DIR
-receives few files: ``summary.json`` (environment, test counts, suites, target checks),
+(a suite that runs over is stopped and reported as such; the others keep their rows, and so do the
+tests it finished: the ``rowlog`` plugin in this folder appends each row as its test ends). Suites
+that cannot run on one GPU (:data:`SUITES_NOT_ON_ONE_GPU`) are listed as skipped with the reason.
+DIR receives few files: ``summary.json`` (environment, test counts, suites, target checks),
 ``bench.json`` (every pytest-benchmark row, tagged with its suite), ``report.md`` (the paper
-figures' sections from :mod:`spscan.benchreport` plus a table of every ratio) and a few PNGs.
+figures' sections from :mod:`spscan.cli.report`, a table of the training steps against autograd
+and one of every ratio) and a few PNGs.
 Exit status: 0 when everything ran and passed, 1 when a test or suite failed or ran over,
 3 when there is no CUDA device (the CPU-runnable parts still ran).
 """
@@ -26,13 +29,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 REPORT_RESERVE_S = 25  # kept back from the deadline for the report
 
 # (suite name, bench file, pytest -k filter or None, time cap in seconds); quick mode uses the second list
 SUITES_FULL = [  # the targets' rows first: later suites are cut when the budget runs out
     ("rnn_step", "bench/test_rnn_step.py", "cuda", 90),
     ("kernels", "bench/test_kernels_gpu.py", None, 150),
+    # training steps through spscan.wrap on the device vs cuDNN / cuBLAS autograd, timed in the same test
+    ("cnn_step", "bench/test_cnn_step.py", "cuda", 60),  # LeNet-5 B=64, small VGG B=32: step, backward
+    ("resnet_step", "bench/test_resnet_step.py", "cuda", 75),  # ResNet-20 train mode B=16 (plans ~15 s)
+    ("recurrent_step", "bench/test_recurrent_step.py", "cuda", 75),  # GRU, LSTM at T=1000, 10000
+    ("stacked_step", "bench/test_stacked_step.py", "cuda", 60),  # 2-layer GRU at T=1000, 10000
     ("spgemm", "bench/test_paper_spgemm.py", None, 60),
     ("rnn", "bench/test_paper_rnn.py", "not training", 120),
     ("gru", "bench/test_paper_gru.py", None, 60),
@@ -42,7 +51,19 @@ SUITES_FULL = [  # the targets' rows first: later suites are cut when the budget
 SUITES_QUICK = [
     ("kernels", "bench/test_kernels_gpu.py", "conv4x32x32 or 1000 or planning", 100),
     ("rnn_step", "bench/test_rnn_step.py", "cuda and 1000", 60),
+    ("cnn_step", "bench/test_cnn_step.py", "cuda and lenet5-step", 45),  # the CNN path on the device, one row
 ]
+# suites the full run cannot run on one GPU, with the reason the report gives
+SUITES_NOT_ON_ONE_GPU = [
+    ("distributed", "bench/test_distributed_bench.py",
+     "not runnable with several processes on one GPU: its scan rounds send CUDA tensors point to point "
+     "(batch_isend_irecv); NCCL refuses two ranks on one device (ncclInvalidUsage, 'Duplicate GPU detected', "
+     "since NCCL 2.5) and Gloo's send/recv take CPU tensors only (it hands the tensor's pointer to its TCP "
+     "transport; torch.distributed's backend table: Gloo GPU send/recv unsupported). The CPU rows (Gloo over "
+     "127.0.0.1) are bench/test_distributed_bench.py's"),
+]
+# suites whose rows are training steps (autograd and spscan medians): the report's step table
+STEP_SUITES = ("rnn_step", "cnn_step", "resnet_step", "recurrent_step", "stacked_step")
 # the paper's RNN sweep over T and B (Figure 8): the sizes the full run keeps within its budget
 FULL_ONLY = "T=10,100,1000,10000,30000;B=1,4,16,64,256"
 TESTS_FULL = (["tests/test_gpu.py", "tests/test_triton_kernels.py"], None, 200)
@@ -93,6 +114,35 @@ def run_pytest(name: str, args: list[str], timeout: float, log: Path, env: dict[
     failed = [ln.split(" ", 1)[1] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     return {"name": name, "status": status, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
             "counts": counts, "failed": failed[:50]}
+
+
+def keep_logged_rows(work: Path, name: str) -> int:
+    """Rows of a suite whose ``--benchmark-json`` was never written (stopped at its limit, crashed):
+    the ones ``rowlog`` appended as each test ended, written as that JSON. Returns how many."""
+    js, log = work / f"{name}.json", work / f"{name}.rows.jsonl"
+    if (js.is_file() and js.stat().st_size) or not log.is_file():
+        return 0
+    rows = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+    if rows:
+        js.write_text(json.dumps({"machine_info": None, "benchmarks": rows}, default=str))
+    return len(rows)
+
+
+def step_rows(rows: list[dict]) -> list[dict[str, Any]]:
+    """The training-step rows (both medians in ``extra_info``) of :data:`STEP_SUITES`, one dict each."""
+    out = []
+    for r in rows:
+        info = r.get("extra_info", {})
+        if r.get("suite") not in STEP_SUITES or "autograd_median_s" not in info or "spscan_median_s" not in info:
+            continue
+        model = info.get("model") or info.get("cell") or "rnn (bitstream classifier)"
+        shape = ", ".join(f"{k}={info[k]}" for k in ("batch", "T", "B", "H") if k in info)
+        out.append({"suite": r["suite"], "name": r["name"], "model": model, "shape": shape, "mode": info.get("mode"),
+                    "autograd_ms": 1e3 * info["autograd_median_s"], "spscan_ms": 1e3 * info["spscan_median_s"],
+                    "speedup_vs_autograd": info.get("speedup_vs_autograd"), "levels": info.get("levels"),
+                    "backend": info.get("backend"), "grad_max_rel_diff": info.get("grad_max_rel_diff"),
+                    "device": info.get("device")})
+    return out
 
 
 def say(msg: str) -> None:
@@ -148,6 +198,9 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
              f"torch {env_info.get('torch')}, triton {env_info.get('triton')}, Python {env_info.get('python')}; "
              f"{'quick' if quick else 'full'} run started {env_info['started_utc']} UTC. Every ratio compares "
              "medians measured in the same run on this device.\n"]
+    if not env_info.get("cuda"):
+        parts.append("**No CUDA device** (`torch.cuda.is_available()` is False): the GPU tests and the GPU "
+                     "benchmark rows skipped; nothing in this report was measured on a GPU.\n")
     if tests is not None:
         parts.append(f"Tests: {tests['status']}, {tests['counts']} in {tests['seconds']} s.\n")
         parts += [f"* failed: `{f}`" for f in tests["failed"]]
@@ -156,6 +209,19 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
     for c in checks:
         m = "n/a" if c["measured"] is None else f"{c['measured']:.3g}"
         parts.append(f"| {c['target']} | {c['want_at_least']} | {m} | {c['met']} |")
+    steps = step_rows(rows)
+    parts.append("\n## Training steps vs autograd\n\nspscan through `spscan.wrap` against the same model under "
+                 "autograd (cuDNN / cuBLAS on a GPU), interleaved in one test; medians, > 1: spscan faster.\n")
+    if steps:
+        parts.append("| suite | model | shape | mode | autograd ms | spscan ms | speedup | levels | backend | "
+                     "grad rel. diff |\n|---|---|---|---|---|---|---|---|---|---|")
+        for t in steps:
+            diff = "" if t["grad_max_rel_diff"] is None else f"{t['grad_max_rel_diff']:.2g}"
+            parts.append(f"| {t['suite']} | {t['model']} | {t['shape']} | {t['mode']} | {t['autograd_ms']:.3g} | "
+                         f"{t['spscan_ms']:.3g} | {t['speedup_vs_autograd']:.3g} | {t['levels']} | "
+                         f"{t['backend'] or ''} | {diff} |")
+    else:
+        parts.append("_No training-step rows in this run._")
     parts.append("\n## Every row\n\n| suite | benchmark | median | device | ratios |\n|---|---|---|---|---|")
     bars = []
     for r in rows:
@@ -166,8 +232,9 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
         parts.append(f"| {r['suite']} | `{r['name']}` | {med:.4g} s | {info.get('device', '')} | {ratios} |"
                      if med is not None else f"| {r['suite']} | `{r['name']}` | n/a | | {ratios} |")
         bars += [(f"{r['name']} {k}", v) for k, v in items if "speedup" in k and v > 0]
-    parts.append("\n## Suites\n\n| suite | status | seconds |\n|---|---|---|")
-    parts += [f"| {s['name']} | {s['status']} | {s['seconds']} |" for s in suites]
+    parts.append("\n## Suites\n\n| suite | status | tests | seconds |\n|---|---|---|---|")
+    parts += [f"| {s['name']} | {s['status']}{'; ' + s['note'] if s.get('note') else ''} | "
+              f"{', '.join(f'{v} {k}' for k, v in s['counts'].items())} | {s['seconds']} |" for s in suites]
     if bars:
         try:
             import matplotlib
@@ -206,7 +273,7 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
         except Exception as exc:
             paper = f"\n_paper sections not rendered: {type(exc).__name__}: {exc}_\n"
     (out / "report.md").write_text("\n".join(parts) + "\n\n# Paper sections\n\n" + paper + "\n")
-    summary = {"environment": env_info, "tests": tests, "suites": suites, "targets": checks,
+    summary = {"environment": env_info, "tests": tests, "suites": suites, "targets": checks, "steps": steps,
                "files": sorted(p.name for p in out.iterdir() if p.is_file())}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
@@ -252,16 +319,26 @@ def main(argv: Optional[list[str]] = None) -> int:
             suites.append({"name": name, "status": "not run: out of time", "rc": None, "seconds": 0, "counts": {}})
             say(f"== {name}: not run, {left():.0f} s left")
             continue
-        args = [path, f"--benchmark-json={work / (name + '.json')}", *(["-k", kfilter] if kfilter else [])]
-        say(f"== bench {name}: pytest {' '.join(args[:1] + args[2:])} (limit {limit:.0f} s)")
-        r = run_pytest(name, args, limit, work / f"{name}.log", env)
+        args = [path, f"--benchmark-json={work / (name + '.json')}", *(["-k", kfilter] if kfilter else []),
+                "-p", "rowlog"]
+        say(f"== bench {name}: pytest {' '.join(args[:1] + args[2:-2])} (limit {limit:.0f} s)")
+        suite_env = dict(env, SPSCAN_BENCH_ROWS=str(work / f"{name}.rows.jsonl"),
+                         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])))
+        r = run_pytest(name, args, limit, work / f"{name}.log", suite_env)
+        kept = keep_logged_rows(work, name)
+        if kept:
+            r["note"] = f"{kept} row(s) kept from the tests that finished"
         suites.append(r)
-        say(f"   {r['status']} {r['counts']} in {r['seconds']} s")
+        say(f"   {r['status']} {r['counts']} in {r['seconds']} s" + (f" ({r['note']})" if kept else ""))
         for f in r["failed"]:
             say(f"   FAILED {f}")
         if r["rc"] not in (0, 5):
             failed = True
             say("   " + "\n   ".join((work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]))
+    if not ns.quick:
+        for name, path, reason in SUITES_NOT_ON_ONE_GPU:
+            suites.append({"name": name, "status": f"skipped: {reason}", "rc": None, "seconds": 0, "counts": {}})
+            say(f"== {name} ({path}): skipped, {reason}")
 
     summary = write_outputs(out, work, env_info, tests, suites, ns.quick)
     shutil.rmtree(work, ignore_errors=True)  # every row is in bench.json, the failing logs' tails in run.log
