@@ -512,8 +512,8 @@ class BoundPlan:
         chain = self._operator_chain
         return None if chain is None else tuple(chain)
 
-    def _run_operator_chain(self, items, grad: torch.Tensor,
-                            keep: Optional[Sequence[bool]] = None) -> list[Optional[torch.Tensor]]:
+    def _run_operator_chain(self, items, grad: torch.Tensor, keep: Optional[Sequence[bool]] = None,
+                            stop: int = 0) -> list[Optional[torch.Tensor]]:
         """``dl/dx_i`` ``(B, d_i)`` from applying the operators in chain order. Each operator gets what the
         one above it returned: ``grad`` may be ``(B, *shape)`` and an operator may return its ``J^T g`` in
         its layer's natural input shape, when the operators above and below it accept that (the model
@@ -522,6 +522,8 @@ class BoundPlan:
         if keep is None:
             out[self.n] = g = grad.clone()
             for layer in self._operator_chain:
+                if layer < stop:
+                    break
                 g = items[layer].apply(g)
                 out[layer] = g
         else:
@@ -529,6 +531,8 @@ class BoundPlan:
             if keep[self.n]:
                 out[self.n] = g = grad.clone()
             for layer in self._operator_chain:  # a gradient not kept is freed once the next layer has read it
+                if layer < stop:
+                    break
                 g = items[layer].apply(g)
                 if keep[layer]:
                     out[layer] = g
@@ -578,7 +582,7 @@ class BoundPlan:
     def run(self, values: Any, grad: Optional[torch.Tensor] = None,
             extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *, check: bool = True,
             check_finite: bool = False, scratch: bool = False,
-            keep: Optional[Sequence[bool]] = None, graph: bool = False) -> ScanResult:
+            keep: Optional[Sequence[bool]] = None, graph: bool = False, stop: int = 0) -> ScanResult:
         """Run the bound program on one step's values.
 
         Args:
@@ -599,6 +603,10 @@ class BoundPlan:
                 values, ``grad`` and ``extra`` stay eager copies into the plan's own buffers, so new
                 values go through the same graph. Removes the per-launch host cost (tens of launches
                 per backward). Ignored where it does not apply (CPU, structured operators).
+            stop: a linear scan of structured operators (:attr:`operator_chain`) applies the operators
+                of elements ``n-1 .. stop`` only, so ``dl/dx_i`` for ``i < stop`` are ``None`` (a caller
+                that needs nothing below, e.g. frozen bottom layers and an input without gradient,
+                does no work there, as autograd). Ignored by other programs.
         """
         if check:
             # the compact forms are validated as the lists they stand for
@@ -631,7 +639,7 @@ class BoundPlan:
                              f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
         if self._operator_chain is not None and not stacked:
             with torch.no_grad():
-                return _ListResult(self._run_operator_chain(items, grad, keep))
+                return _ListResult(self._run_operator_chain(items, grad, keep, stop))
         with torch.no_grad():
             vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch, graph and self._graphable)
         composite = None

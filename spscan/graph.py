@@ -408,18 +408,45 @@ class _FilledOperator(StructuredOperator):
 class _BlockOperator(StructuredOperator):
     """A parallel block's ``J^T`` for one step, matrix-free: each branch's layers applied in turn
     to ``g`` (its slice, for a concatenation), summed over the branches; the block's CSR values
-    (branch composites placed in the union pattern) only when a planned product asks."""
+    (branch composites placed in the union pattern) only when a planned product asks.
 
-    def __init__(self, block: "_Parallel", saved, T) -> None:
-        self.block, self.saved, self.T = block, saved, T
+    ``needed`` (per unit of the graph, depth 0 only): the block is applied exactly once, to its
+    output gradient, so each branch layer's operator is applied once to that layer's own output
+    gradient and may compute the parameter gradients ``needed[k]`` on the way, as a chain layer's
+    does (:meth:`collect_param_grads`), instead of a second pass over the branch afterwards."""
+
+    def __init__(self, block: "_Parallel", saved, T, needed: Optional[Sequence[Sequence[bool]]] = None) -> None:
+        self.block, self.saved, self.T, self.needed = block, saved, T, needed
         self.shape = (block.d_in, block.d_out)
         self.shared = block.shared
         self._ops: Optional[list] = None
+        self.applied = 0
+
+    def _operator(self, s, v):
+        nd = self.needed
+        if nd is None:
+            return s.operator(v, self.T)
+        if isinstance(s, _Leaf):
+            return s.operator(v, self.T, nd[s.k] if any(nd[s.k]) else None)
+        return s.operator(v, self.T, nd)
+
+    def collect_param_grads(self, done: dict) -> None:
+        """Add ``{unit index: parameter gradients}`` its layers' operators computed while this block was
+        applied exactly once (nothing otherwise)."""
+        if self.applied != 1 or self._ops is None:
+            return
+        for br, ops in zip(self.block.branches, self._ops):
+            for s, op in zip(br, ops):
+                if isinstance(op, _BlockOperator):
+                    op.collect_param_grads(done)
+                elif getattr(op, "applied", 0) == 1 and getattr(op, "param_grads", None) is not None:
+                    done[s.k] = op.param_grads
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         blk = self.block
+        self.applied += 1
         if self._ops is None:
-            self._ops = [[s.operator(v, self.T) for s, v in zip(br, sv)]
+            self._ops = [[self._operator(s, v) for s, v in zip(br, sv)]
                          for br, sv in zip(blk.branches, self.saved[0])]
         total = None
         for ops, off, d in zip(self._ops, blk.offsets, blk.d_outs):
@@ -525,13 +552,27 @@ class _Parallel:
         return out, inner
 
     def operator(self, saved, T, needed=None) -> StructuredOperator:
-        return _BlockOperator(self, saved, T)  # its branches' gradients are recomputed for their parameters
+        """``needed``: per unit of the graph (not per role of one unit), the parameter gradients the
+        branch layers' operators may compute while the block is applied (depth 0 only)."""
+        return _BlockOperator(self, saved, T, needed)
+
+    def units(self) -> list[int]:
+        """The indices of every unit inside the block (nested blocks included)."""
+        out: list[int] = []
+        for br in self.branches:
+            for s in br:
+                out += s.units() if isinstance(s, _Parallel) else [s.k]
+        return out
 
     def grads(self, saved, T, g_out, out, needed) -> None:
         """Parameter gradients inside the block from ``g_out = dl/dy``: each branch's own
         activations' gradients by applying its layers' ``J^T`` back from the branch output (the
-        linear scan over the branch), then each layer's rule."""
+        linear scan over the branch), then each layer's rule. A branch whose layers need nothing
+        is not walked."""
         for br, sv, off, d in zip(self.branches, saved[0], self.offsets, self.d_outs):
+            ks = [k for s in br for k in (s.units() if isinstance(s, _Parallel) else [s.k])]
+            if not any(any(needed[k]) for k in ks):
+                continue
             g = g_out if self.join == _ADD else g_out[:, off:off + d]
             for i in range(len(br) - 1, -1, -1):
                 br[i].grads(sv[i], T, g, out, needed)
@@ -637,7 +678,7 @@ class _LiveStep:
         return _LiveOperator(self, saved, T, needed)
 
     def grads(self, saved, T, g_out, out, needed) -> None:
-        if self.leaf is not None:
+        if self.leaf is not None and any(needed[self.leaf.k]):
             g = g_out if self.new_off == 0 else g_out[:, self.new_off:].contiguous()
             self.leaf.grads(saved[0], T, g, out, needed)
 
@@ -1017,7 +1058,10 @@ class GraphPlan(ModelPlan):
             out = []
             for s, sv in zip(self.segments, saved):
                 leaf = self._leaf_of(s)
-                out.append(s.operator(sv, tensors, needed[leaf.k] if fuse and leaf is not None else None))
+                if isinstance(s, _Parallel):
+                    out.append(s.operator(sv, tensors, needed if fuse else None))
+                else:
+                    out.append(s.operator(sv, tensors, needed[leaf.k] if fuse and leaf is not None else None))
             return out
         return self._fill(saved, tensors)
 
@@ -1026,6 +1070,9 @@ class GraphPlan(ModelPlan):
         (each exactly once, to the unit's output gradient)."""
         done: dict[int, list[Optional[torch.Tensor]]] = {}
         for s, v in zip(self.segments, values):
+            if isinstance(v, _BlockOperator):
+                v.collect_param_grads(done)
+                continue
             leaf = self._leaf_of(s)
             op = v._op if isinstance(v, _LiveOperator) else v
             if leaf is not None and getattr(op, "applied", 0) == 1 and getattr(op, "param_grads", None) is not None:
@@ -1042,6 +1089,21 @@ class GraphPlan(ModelPlan):
         jac = Jacobians(values, x.shape[0], saved, tensors)
         jac.inner = inner  # type: ignore[attr-defined]
         return y, jac
+
+    def lowest_needed_element(self, needed: Sequence[Sequence[bool]]) -> int:
+        """Without ``dl/dx_0``: the lowest block whose operator must be applied for the parameter gradients
+        ``needed`` (per unit): a parallel block holding a needed unit (its layers compute them while
+        applied), else one above the lowest unit step with a needed unit (its gradients come from the
+        block gradient above it). Blocks below need nothing: a frozen bottom costs no work."""
+        for i, s in enumerate(self.segments):
+            if isinstance(s, _Parallel):
+                if any(any(needed[k]) for k in s.units()):
+                    return i
+            else:
+                leaf = self._leaf_of(s)
+                if leaf is not None and any(needed[leaf.k]):
+                    return i + 1
+        return len(self.segments)
 
     def unit_param_grads(self, saved, tensors, grads, needed) -> list[list[Optional[torch.Tensor]]]:
         """dl/dθ per unit and role from the block-boundary gradients ``grads`` (``n+1``)."""
@@ -1141,7 +1203,8 @@ class _GraphScanFunction(_ScanFunction):
                 needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
                 pos += len(u.roles)
             values = plan._values(st.saved, st.tensors, needed)
-            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1])
+            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1],
+                                  stop=0 if ctx.needs_input_grad[1] else plan.lowest_needed_element(needed))
             gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
             # parameter gradients a unit's operator computed while the scan applied it (one conv backward each)
             done = plan.fused_param_grads(values)

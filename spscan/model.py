@@ -348,14 +348,15 @@ class ModelPlan:
 
     def backward(self, values: Union[Jacobians, Sequence[torch.Tensor]], grad: torch.Tensor,
                  extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
-                 first_output: bool = True) -> list[torch.Tensor]:
+                 first_output: bool = True, stop: int = 0) -> list[torch.Tensor]:
         """``[dl/dx_0, ..., dl/dx_n]`` (each ``(B, d_i)``) from the step's values and ``grad`` ``(B, d_n)``
         (or ``(B, *out_shape)``): the contract of :func:`spscan.backward`. ``values`` may hold a
         layer's :class:`~spscan.kernels.backend.StructuredOperator` instead of its CSR values;
         ``first_output=False`` leaves ``dl/dx_0`` out (``None``). A factored layer
         (:attr:`factored`) takes two value tensors, its factors ``L`` then ``R``, as ``forward``
         returns them; its inner gradient is not returned. ``extra``: ``n + 1`` entries, one per
-        layer boundary, as for :func:`spscan.backward`."""
+        layer boundary, as for :func:`spscan.backward`. ``stop``: no gradient below element ``stop``
+        is wanted (a linear scan of operators then skips those elements; see ``BoundPlan.run``)."""
         vals = list(values.values if isinstance(values, Jacobians) else values)
         if len(vals) != self.core.n:
             what = self.element_name if self._ends is None else "layer, two for a factored layer"
@@ -375,7 +376,7 @@ class ModelPlan:
         items, _, shared, has_extra, _, _, device, operators = check_inputs(
             self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
         bound = self.core.bind(shared, has_extra, device, operators, first_output)
-        return self._layer_grads(bound.run(items, grad, extra, check=False, graph=True).grads)
+        return self._layer_grads(bound.run(items, grad, extra, check=False, graph=True, stop=stop).grads)
 
     def bind_signatures(self, device=None) -> None:
         """Bind the core plan for what the wrapper's backward passes (shared flags, operators, with and
@@ -842,6 +843,12 @@ class _StepBackward:
         self.layers = [(u, op, nd if (op and fuse and any(nd)) else None)
                        for u, op, nd in zip(units, flags, needed)]
         chain = self.bound.operator_chain if plan._ends is None else None
+        # no dl/dx_0 wanted: the chain stops above the lowest layer with a parameter gradient wanted (that
+        # layer's gradients come from the kept dl/dx above it), so frozen bottom layers cost nothing
+        self.stop = 0
+        if chain is not None and not self.first:
+            self.stop = min((k for k in range(len(units)) if any(needed[k])), default=len(units) - 1) + 1
+            chain = tuple(k for k in chain if k >= self.stop)
         self.keep: Optional[list[bool]] = None
         if chain is not None:
             applied = set(chain)
@@ -904,7 +911,7 @@ class _StepBackward:
             saved = st.saved = list(saved)
             for k in self.release:
                 ops[k].release = (saved, k)
-        grads = self.bound.run(ops, g, check=False, keep=self.keep).grads
+        grads = self.bound.run(ops, g, check=False, keep=self.keep, stop=self.stop).grads
         gx = grads[0].reshape(st.x_shape) if self.first else None
         if not self.has_roles:
             return (None, gx)

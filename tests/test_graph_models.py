@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spscan
 from layer_checks import run_errors
@@ -259,6 +260,56 @@ def test_resnet20_train_mode_batchnorm():
         assert _rel(q.detach(), p.detach()) <= 1e-9, n
     for (n, a), (_, b) in zip(ref.named_buffers(), mine.named_buffers()):
         assert torch.equal(a, b) if not a.dtype.is_floating_point else _rel(b, a) <= 1e-9, n
+
+
+class _ConvBackwardCount(TorchDispatchMode):
+    """Counts ``convolution_backward`` calls dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.convolution_backward:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("frozen", ["none", "block_conv_weights", "bn_biases", "everything_but_head"])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_block_layers_compute_parameter_gradients_as_applied(frozen, input_grad):
+    """At block depth 0 each branch layer's operator computes its parameter gradients while the block
+    is applied (one ``convolution_backward`` per conv, as autograd): no second pass over the branches.
+    Frozen parameters and an input without ``requires_grad`` change nothing but what is computed;
+    gradients equal autograd's bit for bit (train-mode BatchNorm, float64)."""
+    ref = _init(ResNet20(width=2, classes=5), 21).double().train()
+    mine = copy.deepcopy(ref)
+    for model in (ref, mine):
+        for n, p in model.named_parameters():
+            if ((frozen == "block_conv_weights" and "layer" in n and "conv" in n and n.endswith("weight"))
+                    or (frozen == "bn_biases" and "bn" in n and n.endswith("bias"))
+                    or (frozen == "everything_but_head" and not n.startswith("fc"))):
+                p.requires_grad_(False)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    wrapped = spscan.wrap(mine, x)
+    assert isinstance(wrapped.plan, GraphPlan) and wrapped.plan.levels == 0
+    counts, grads = [], []
+    for model in (ref, wrapped):
+        model.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(input_grad)
+        loss = _loss(model(xi))
+        with _ConvBackwardCount() as c:
+            loss.backward()
+        counts.append(c.count)
+        named = model.model if isinstance(model, spscan.SpscanModule) else model
+        grads.append(({n: None if p.grad is None else p.grad.clone() for n, p in named.named_parameters()},
+                      xi.grad))
+    (g_ref, gx_ref), (g, gx) = grads
+    assert (gx is None) == (gx_ref is None) and (gx is None or torch.equal(gx, gx_ref))
+    for n in g_ref:
+        assert (g[n] is None) == (g_ref[n] is None), n
+        assert g[n] is None or torch.equal(g[n], g_ref[n]), n
+    assert counts[1] <= counts[0], counts
 
 
 # ----------------------------------------------------------------------------- refusals

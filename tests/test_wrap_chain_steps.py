@@ -193,3 +193,56 @@ def test_relu_mask_applied_at_the_pooled_resolution(padding):
     for n in pa:
         assert torch.equal(ps[n], pa[n]), n
     assert ns < na  # the masks ran on the pooled tensors
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside it, and the backward kernels of convs, pools and ReLUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        if func.overloadpacket in (torch.ops.aten.convolution_backward, torch.ops.aten.threshold_backward,
+                                   torch.ops.aten.max_pool2d_with_indices_backward):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("frozen", [(0, 1, 2, 3), (0, 1, 2), (0, 1), (1, 2), (3,), (2, 3), ()])
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_frozen_bottom_layers_cost_nothing(frozen, x_grad):
+    """Fine-tuning: with the parameters of the layers in ``frozen`` (indices of the parametrized layers,
+    bottom first) not requiring grad and no input gradient, the chain stops above the lowest layer
+    that wants a gradient, as autograd does: the backward runs no more conv, pool and ReLU backward
+    kernels than autograd's (and at most two more ATen ops in all), and every gradient is autograd's
+    bit for bit (float64)."""
+    torch.manual_seed(4)
+    model = _vgg().double()
+    params = [m for m in model if isinstance(m, (nn.Conv2d, nn.Linear))]
+    for i in frozen:
+        for p in params[i].parameters():
+            p.requires_grad_(False)
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    if len(frozen) == len(params) and not x_grad:
+        return  # nothing requires a gradient: torch refuses the backward on both sides
+    net = spscan.wrap(model, x, levels=0)
+    got, counts = [], []
+    for m in (model, net):
+        model.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(x_grad)
+        loss = (m(xx) * y).sum()
+        with _OpCount() as c:
+            loss.backward()
+        counts.append((c.count, c.kernels))
+        got.append(({n: p.grad for n, p in model.named_parameters()}, xx.grad))
+    (pa, xa), (ps, xs) = got
+    assert (xs is None) == (xa is None) and (xs is None or torch.equal(xs, xa))
+    for n in pa:
+        assert (ps[n] is None) == (pa[n] is None), n
+        assert ps[n] is None or torch.equal(ps[n], pa[n]), n
+    # the scan's own bookkeeping (a copy of the top gradient, a reshape) may add two light ops
+    assert counts[1][1] <= counts[0][1] and counts[1][0] <= counts[0][0] + 2, counts
