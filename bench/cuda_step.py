@@ -12,12 +12,14 @@ the ``extra_info`` both sides share: both medians, ``speedup_vs_autograd = autog
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable, Iterable
 
 import pytest
 import torch
+from spscan.kernels import launch
 
 from conftest import time_mode
 
@@ -74,7 +76,7 @@ def step_info(pairs: list[tuple[float, float]]) -> dict:
         median_ratio_of_pairs=statistics.median(ratios), ratio_q25=ratios[len(ratios) // 4],
         ratio_q75=ratios[(3 * len(ratios)) // 4], pairs=len(pairs), clock="synchronized wall",
         cudnn_benchmark=torch.backends.cudnn.benchmark, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
-        matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+        matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32, spscan_allow_tf32=launch.allow_tf32,
     )
 
 
@@ -87,6 +89,31 @@ def plan_backend(plan) -> object:
         w = plan.module.weight_hh_l0
         return plan.scan_plan(plan.last_seq_len or 1, w.device, w.dtype).backend
     return plan.core.backend
+
+
+@contextlib.contextmanager
+def full_float32():
+    """cuDNN convolutions and cuBLAS matmuls in full float32 (no TF32) inside, the settings restored after."""
+    conv, mm = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, mm
+
+
+def checked_step(autograd_forward: Callable[[], torch.Tensor], spscan_forward: Callable[[], torch.Tensor],
+                 autograd_params: Iterable[torch.nn.Parameter], spscan_params: Iterable[torch.nn.Parameter],
+                 tol: float, what: str) -> float:
+    """One step on each side from the same weights, in full float32 (so the difference is rounding
+    order only); ``AssertionError`` naming ``what`` if the gradients differ by ``tol`` or more
+    (:func:`max_rel_grad_diff`). Returns that difference."""
+    with full_float32():
+        autograd_forward().backward()
+        spscan_forward().backward()
+    worst = max_rel_grad_diff(autograd_params, spscan_params)
+    assert worst < tol, f"{what}: spscan's gradients differ from autograd's by {worst:.3g} (relative, limit {tol:g})"
+    return worst
 
 
 def max_rel_grad_diff(reference: Iterable[torch.nn.Parameter], other: Iterable[torch.nn.Parameter]) -> float:
