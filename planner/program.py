@@ -13,7 +13,10 @@ A :class:`Program` fixes where every value lives and what every launch reads and
 
 A product of two shared operands is shared (computed once for the batch); anything touching a
 per-sample operand is per sample. The program depends on which inputs are shared and which
-``extra`` terms exist, so plans lower lazily per such signature and cache the result.
+``extra`` terms exist, so plans lower lazily per such signature and cache the result; a table whose
+content two signatures share (:func:`layout` gives each a key) is built and held once per plan
+(:class:`LoweringCache`). A product stored densely over pair lists keeps its own pattern's pairs:
+:attr:`SpMM.clear` zeroes its block and the bins write the own entries at their dense positions.
 """
 
 from __future__ import annotations
