@@ -19,11 +19,13 @@ range.
 ``test_cnn_step_cuda`` (skips without a CUDA device): the same models, data and modes ``step`` and
 ``backward`` on the GPU, ``spscan.wrap(model.cuda(), x.cuda())`` (Triton backend) against cuDNN /
 cuBLAS under autograd, timed by ``bench/cuda_step.py`` (synchronized wall time, interleaved,
-warm-up first, 15 pairs); each row first checks that one step's gradients agree with autograd's.
+warm-up first, 15 pairs); each model is wrapped once for both modes, and one step's gradients
+must agree with autograd's before any timing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -154,6 +156,15 @@ CUDA_ROUNDS = 15
 CUDA_GRAD_TOL = 1e-3  # one step in full float32 on both sides: rounding order only
 
 
+@functools.cache
+def _cuda_pair(name: str):
+    """Both sides on the device (planned once for the model's rows) and their checked gradients."""
+    plain, a_fwd = _setup(name, scan=False, device="cuda")
+    net, s_fwd = _setup(name, scan=True, device="cuda")
+    worst = checked_step(a_fwd, s_fwd, plain.parameters(), net.parameters(), CUDA_GRAD_TOL, name)
+    return net, a_fwd, s_fwd, worst
+
+
 @needs_cuda
 @pytest.mark.parametrize("mode", ["step", "backward"])
 @pytest.mark.parametrize("name", list(MODELS))
@@ -161,9 +172,7 @@ def test_cnn_step_cuda(benchmark, name, mode):
     """Against cuDNN / cuBLAS under autograd on the same device: ``spscan.wrap(model.cuda(), x.cuda())``
     (the backend picked for the device: Triton), the same seeds and data as the CPU rows."""
     benchmark.group = f"cnn-{name}-cuda-{mode}"
-    plain, a_fwd = _setup(name, scan=False, device="cuda")
-    net, s_fwd = _setup(name, scan=True, device="cuda")
-    worst = checked_step(a_fwd, s_fwd, plain.parameters(), net.parameters(), CUDA_GRAD_TOL, name)
+    net, a_fwd, s_fwd, worst = _cuda_pair(name)
     pairs = time_pairs(mode, a_fwd, s_fwd, CUDA_ROUNDS)
     record(benchmark, mode, s_fwd, CUDA_ROUNDS)
     benchmark.extra_info.update(

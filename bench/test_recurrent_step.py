@@ -29,12 +29,13 @@ the default (off) afterwards.
 ``test_recurrent_step_cuda`` (skips without a CUDA device): ``nn.GRU`` and ``nn.LSTM`` at T = 1000
 and 10000, B = 16, loss on the last output, ``step`` and ``backward``, ``spscan.wrap(rnn.cuda(),
 x.cuda())`` (Triton backend) against cuDNN under autograd, timed by ``bench/cuda_step.py``
-(synchronized wall time, interleaved, warm-up first, 10 pairs); each row first checks one step's
-gradients against autograd's. The plain RNN's CUDA rows are ``bench/test_rnn_step.py``'s.
+(synchronized wall time, interleaved, warm-up first, 10 pairs); each (cell, T) is wrapped once for
+both modes, and one step's gradients must agree with autograd's before any timing. The plain RNN's CUDA rows are ``bench/test_rnn_step.py``'s.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -154,14 +155,21 @@ CUDA_ROUNDS = 10
 CUDA_GRAD_TOL = 1e-3  # one step in full float32 on both sides, summed in other orders over T steps
 
 
+@functools.cache
+def _cuda_pair(cell: str, T: int):
+    """Both sides on the device (planned once for the two modes) and their checked gradients."""
+    plain, a_fwd = _setup(cell, T, scan=False, device="cuda")
+    wrapped, s_fwd = _setup(cell, T, scan=True, device="cuda")
+    worst = checked_step(a_fwd, s_fwd, plain.parameters(), wrapped.parameters(), CUDA_GRAD_TOL, f"{cell} T={T}")
+    return wrapped, a_fwd, s_fwd, worst
+
+
 @needs_cuda
 @pytest.mark.parametrize("cell,T,mode", CUDA_ROWS, ids=["-".join(map(str, r)) for r in CUDA_ROWS])
 def test_recurrent_step_cuda(benchmark, cell, T, mode):
     """``spscan.wrap(rnn.cuda(), x.cuda())`` (Triton scan) vs cuDNN under autograd, synchronized wall time."""
     benchmark.group = f"{cell}-cuda-T{T}-{mode}-last"
-    plain, a_fwd = _setup(cell, T, scan=False, device="cuda")
-    wrapped, s_fwd = _setup(cell, T, scan=True, device="cuda")
-    worst = checked_step(a_fwd, s_fwd, plain.parameters(), wrapped.parameters(), CUDA_GRAD_TOL, f"{cell} T={T}")
+    wrapped, a_fwd, s_fwd, worst = _cuda_pair(cell, T)
     pairs = time_pairs(mode, a_fwd, s_fwd, CUDA_ROUNDS)
     record(benchmark, mode, s_fwd, CUDA_ROUNDS)
     benchmark.extra_info.update(
