@@ -196,12 +196,15 @@ def _vgg(rows: list[dict], out: Path) -> str:
     e = [r["extra_info"] for r in rows]
     table = _table(
         ["choice", "levels (max)", "channels", "plan time", "symbolic walk", "total FLOP", "critical-path FLOP",
-         "largest step FLOP", "largest BP operator FLOP", "BP total FLOP", "backward (B=1)", "vs linear scan"],
+         "largest step FLOP", "largest BP operator FLOP", "BP total FLOP", "backward (B=1)", "linear scan (B=1)",
+         "vs linear scan"],
         [[i["choice"], f"{i['levels']} ({i['max_levels']})", f"1/{i['channel_divisor']}", _t(i.get("plan_s")),
           _t(i.get("symbolic_walk_s")), _n(i["total_flops"]), _n(i["critical_path_flops"]), _n(i["max_step_flops"]),
           _n(i["max_baseline_flops"]), _n(i["baseline_total_flops"]),
-          _t(r["median"]) if i.get("backward_timed", True) else "not timed", _x(i.get("backward_ratio_vs_linear"))]
-         for r, i in zip(rows, e)])
+          _t((i.get("timing") or {}).get("backward_s")) if i.get("backward_timed") else "not timed",
+          _t((i.get("timing") or {}).get("linear_s")) if i.get("backward_timed") else "",
+          _x(i.get("backward_ratio_vs_linear"))]
+         for i in e])
     notes = []
     for i in e:
         if i.get("planner_refused"):
@@ -334,13 +337,17 @@ INTRO = {
     "rnn_B": "Same model at T = 1000 over the batch size.",
     "rnn_training": "A short side-by-side run of `spscan.cli.demo.train_side_by_side` (same seed, same batches).",
     "gru": "`nn.GRU(C, 20)` + Linear head on synthetic data with IRMAS' shapes (`spscan.cli.datasets.synthetic_irmas`). "
-           "Fill = `RecurrentPlan.forward` minus the module's own forward (the transposed-Jacobian values).",
+           "spscan fwd = the module's own forward; fill = `RecurrentPlan.forward` (the forward that also writes the "
+           "transposed-Jacobian values) minus that, 0 where the compiled one-pass forward is the faster of the two; "
+           "the overall speedup counts `RecurrentPlan.forward` and the backward.",
     "vgg_flops": "VGG-11's conv+ReLU+max-pool chain on 32x32 inputs (21 transposed Jacobians), 97% of each conv "
-                 "weight pruned by magnitude (`torch.nn.utils.prune.l1_unstructured` of a seeded, untrained model; "
+                 "weight pruned by magnitude (`torch.nn.utils.prune.l1_unstructured` of a briefly trained model; "
                  "pruned weights leave the patterns via `prune_zeros=True`). mm node FLOP = 2 x planned pairs; "
                  "mv node FLOP = 2 x nnz. *critical*: the largest node of each step (every node of the linear-scan "
                  "middle). The BP baseline's gradient operators are the linear scan's SpMVs (`levels=0`). "
-                 "`paper` = up-sweep L0-L2 (levels=3), linear scan, down-sweep; `auto` = the planner's depth.",
+                 "`paper` = the paper's depth, `levels=2` (two product levels; Figure 3's L0 is the input row); "
+                 "`auto` = the planner's depth. Backward: `spscan.backward` at batch 1, float64, interleaved with the "
+                 "linear scan in the same run. Both conventions, every depth: `vgg11_study.md`.",
     "table1": "VGG-11's first conv (3->64, 3x3), its ReLU and its 2x2 max-pool on one 32x32 image, from "
               "bench/test_table1.py.",
     "spgemm": "The first up-sweep level's products of the pruned VGG-11 chain, one matrix each (values shared). "
