@@ -105,13 +105,20 @@ def test_windows_of_nan_and_minus_inf():
 
 def test_where_it_does_not_apply():
     """``None`` (the caller runs ATen) for small, non-contiguous, integer, half, 3-d, grad-requiring or
-    empty inputs, and for a padding torch refuses (its own error stays torch's)."""
+    empty inputs, for a padding torch refuses (its own error stays torch's) and with more torch
+    threads than :data:`~spscan.kernels.cpu_pool.MAX_THREADS`."""
     big = torch.randn(2, 4, 64, 64)
     assert cpu_pool.max_pool2d_with_indices(big, 2, None, 0, 1, False) is not None
     for x in (torch.randn(1, 1, 8, 8), big.transpose(2, 3), big.to(torch.int32), big.half(), big[0],
               big.clone().requires_grad_(True), torch.randn(0, 4, 64, 64)):
         assert cpu_pool.max_pool2d_with_indices(x, 2, None, 0, 1, False) is None
     assert cpu_pool.max_pool2d_with_indices(big, 2, None, 2, 1, False) is None  # padding > kernel / 2
+    threads = torch.get_num_threads()
+    try:  # many threads: ATen's parallel kernel is the faster one
+        torch.set_num_threads(cpu_pool.MAX_THREADS + 1)
+        assert cpu_pool.max_pool2d_with_indices(big, 2, None, 0, 1, False) is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)])
