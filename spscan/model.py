@@ -107,11 +107,13 @@ def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class Jacobians(Sequence[torch.Tensor]):
     """The values of one step's transposed Jacobians, plus what the parameter gradients need.
 
-    Indexing gives ``values[i-1]`` for ``J_i^T``: ``(B, nnz_i)`` per sample or ``(nnz_i,)`` shared,
-    in the pattern's CSR order, so the object can be passed wherever a list of values is expected.
+    Indexing gives ``values[i-1]`` for the core chain's element ``i`` (``J_i^T``, or one of the two
+    factors of a factored layer, :attr:`ModelPlan.factored`): ``(B, nnz_i)`` per sample or
+    ``(nnz_i,)`` shared, in the pattern's CSR order, so the object can be passed wherever a list of
+    values is expected.
 
     Attributes:
-        values: list of ``n`` value tensors.
+        values: list of value tensors, one per element of the plan's core chain.
         batch: ``B``.
         saved: per layer, what its parameter-gradient rule reads (its input, ...).
         tensors: per layer, the effective learnable tensors used in the forward.
