@@ -12,10 +12,11 @@ On a machine with fewer cores than processes the ranks share cores, so these CPU
 cost of the algorithm's extra work (slice composites) and communication, not its scaling; run
 ``examples/distributed_chain.py`` under ``torchrun`` on several GPUs for that.
 
-Several processes on *one* GPU cannot run this scan as it stands: its rounds send CUDA tensors
-point to point (``batch_isend_irecv``); NCCL refuses two ranks on one device ("Duplicate GPU
-detected") and Gloo's ``send``/``recv`` take CPU tensors only. ``bench/gpu/driver.py`` lists this
-suite as skipped on a GPU run for that reason (see ``bench/gpu/README.md``).
+Several processes on *one* GPU share it, so a GPU run does not time this suite: NCCL refuses two
+ranks on one device ("Duplicate GPU detected"); over Gloo the scan stages its messages through
+host copies (Gloo's ``send``/``recv`` take CPU tensors only), which ``tests/test_gpu.py`` checks
+with two ranks on one GPU. ``bench/gpu/driver.py`` lists this suite as skipped on a GPU run (see
+``bench/gpu/README.md``).
 """
 
 from __future__ import annotations

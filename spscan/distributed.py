@@ -437,6 +437,9 @@ class _Comm:
         self.group = group
         self.stats = stats
         self.timeout = None if timeout is None else timedelta(seconds=float(timeout))
+        # Gloo's send/recv take CPU tensors only: device messages go through host copies (so ranks
+        # on GPUs can use Gloo, e.g. several processes on one GPU, which NCCL refuses)
+        self.host_staged = dist.get_backend(group) == "gloo"
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -460,15 +463,23 @@ class _Comm:
                  buf: Optional[torch.Tensor]) -> None:
         """One round: at most one message to ``send_to`` and one from ``recv_from``, posted together."""
         ops = []
+        out, into = payload, buf
+        if self.host_staged:
+            if out is not None and out.device.type != "cpu":
+                out = out.cpu()
+            if into is not None and into.device.type != "cpu":
+                into = torch.empty(into.shape, dtype=into.dtype)
         if send_to is not None:
-            ops.append(dist.P2POp(dist.isend, payload, self._global(send_to), self.group))
+            ops.append(dist.P2POp(dist.isend, out, self._global(send_to), self.group))
         if recv_from is not None:
-            ops.append(dist.P2POp(dist.irecv, buf, self._global(recv_from), self.group))
+            ops.append(dist.P2POp(dist.irecv, into, self._global(recv_from), self.group))
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
         for w in works:
             self._wait(w, f"round {k} (send to {send_to}, receive from {recv_from})")
+        if into is not buf and recv_from is not None:
+            buf.copy_(into)
         sent = payload.numel() * payload.element_size() if send_to is not None else 0
         got = buf.numel() * buf.element_size() if recv_from is not None else 0
         st = self.stats

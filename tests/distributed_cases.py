@@ -107,16 +107,20 @@ def run_case(rank: int, p: int, case: dict, group=None) -> dict:
     out: dict[str, Any] = {"slices": dplan.slices, "rounds_planned": dplan.rounds}
     lo, hi = dplan.slices[rank]
     errs = []
+    device = torch.device(case.get("device", "cpu"))
     for step, batch in enumerate(case.get("batches", [3])):
         vals, grad, ex = make_step(pats, case["seed"] * 7 + step, batch, dtype, case.get("shared", "none"),
                                    case.get("extra", "none"))
         ref = reference_backward(pats, vals, grad, ex)
-        res = sd.backward(dplan, vals[lo:hi], grad if rank == p - 1 else None, group=group,
-                          extra=local_extra(ex, lo, hi, rank == p - 1), timeout=60)
+        on = [v.to(device) for v in vals]
+        ex_on = None if ex is None else [None if e is None else e.to(device) for e in ex]
+        res = sd.backward(dplan, on[lo:hi], grad.to(device) if rank == p - 1 else None, group=group,
+                          extra=local_extra(ex_on, lo, hi, rank == p - 1), timeout=60)
+        assert all(t.device.type == device.type for t in res), [t.device for t in res]
         assert len(res) == hi - lo + 1 and res.start == lo and res.stop == hi + 1
         for k, t in enumerate(res):
             assert tuple(t.shape) == (batch, dplan.dims[lo + k]), (k, t.shape)
-        errs.append(rel_error(res, ref[lo: hi + 1]))
+        errs.append(rel_error([t.cpu() for t in res], ref[lo: hi + 1]))
         st = res.stats
         out.setdefault("stats", []).append(dict(
             rounds=list(st.rounds), participating=dplan.participating_rounds(rank),
@@ -201,3 +205,25 @@ def crash_before_backward(rank: int, p: int) -> tuple:
 
 def expected_rounds(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def check_comm(p: int, stats_per_rank: list, what: str) -> None:
+    """Rounds are ceil(log2 p) and every byte sent is a planned value byte."""
+    for step in range(len(stats_per_rank[0])):
+        rows = [s[step] for s in stats_per_rank]
+        total_sent = sum(s["bytes_sent"] for s in rows)
+        assert total_sent == sum(s["bytes_received"] for s in rows), what
+        for r, s in enumerate(rows):
+            assert s["rounds"] == s["participating"], (what, r)
+            assert len(s["rounds"]) <= expected_rounds(p), (what, r, s["rounds"])
+            assert s["bytes_sent"] == s["planned_sent"], (what, r, s)
+            assert s["bytes_received"] == s["planned_received"], (what, r, s)
+            assert s["messages_sent"] <= len(s["rounds"]) and s["messages_received"] <= len(s["rounds"])
+            assert s["collectives"] == 1, (what, r)
+        assert max(len(s["rounds"]) for s in rows) == expected_rounds(p), what
+        # the first rank only receives; the last rank (which holds the gradient) only sends
+        assert rows[0]["messages_sent"] == 0 and rows[-1]["messages_received"] == 0, what
+        # every rank but the first sends exactly the rounds that have a peer below it
+        for r, s in enumerate(rows):
+            want = sum(1 for k in range(expected_rounds(p)) if r - (1 << k) >= 0)
+            assert s["messages_sent"] == want, (what, r)

@@ -20,7 +20,7 @@ import spscan
 import spscan.distributed as sd
 from spscan.planner.patterns import as_pattern
 
-from distributed_cases import (crash_before_backward, expected_rounds, failure_cases, make_chain, run_cases,
+from distributed_cases import (check_comm, crash_before_backward, failure_cases, make_chain, run_cases,
                                run_cases_and_subgroups)
 
 TOL = 1e-10
@@ -58,7 +58,7 @@ def _check_group(p: int, results: list) -> None:
         tol = 1e-5 if case.get("dtype") == torch.float32 else TOL
         for r, res in enumerate(per_rank):
             assert res["error"] <= tol, f"p={p} case {ci} ({case['kind']}) rank {r}: rel. error {res['error']:.3g}"
-        _check_comm(p, [res["stats"] for res in per_rank], f"p={p} case {ci}")
+        check_comm(p, [res["stats"] for res in per_rank], f"p={p} case {ci}")
     sub = {}
     for _, out in results:
         sub.update(out["sub"])
@@ -66,28 +66,6 @@ def _check_group(p: int, results: list) -> None:
     assert sub["solo"]["stats"][0]["rounds"] == [] and sub["solo"]["stats"][0]["bytes_sent"] == 0
     if p >= 3:
         assert sub["tail"]["error"] <= TOL
-
-
-def _check_comm(p: int, stats_per_rank: list, what: str) -> None:
-    """Rounds are ceil(log2 p) and every byte sent is a planned value byte."""
-    for step in range(len(stats_per_rank[0])):
-        rows = [s[step] for s in stats_per_rank]
-        total_sent = sum(s["bytes_sent"] for s in rows)
-        assert total_sent == sum(s["bytes_received"] for s in rows), what
-        for r, s in enumerate(rows):
-            assert s["rounds"] == s["participating"], (what, r)
-            assert len(s["rounds"]) <= expected_rounds(p), (what, r, s["rounds"])
-            assert s["bytes_sent"] == s["planned_sent"], (what, r, s)
-            assert s["bytes_received"] == s["planned_received"], (what, r, s)
-            assert s["messages_sent"] <= len(s["rounds"]) and s["messages_received"] <= len(s["rounds"])
-            assert s["collectives"] == 1, (what, r)
-        assert max(len(s["rounds"]) for s in rows) == expected_rounds(p), what
-        # the first rank only receives; the last rank (which holds the gradient) only sends
-        assert rows[0]["messages_sent"] == 0 and rows[-1]["messages_received"] == 0, what
-        # every rank but the first sends exactly the rounds that have a peer below it
-        for r, s in enumerate(rows):
-            want = sum(1 for k in range(expected_rounds(p)) if r - (1 << k) >= 0)
-            assert s["messages_sent"] == want, (what, r)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
@@ -111,7 +89,7 @@ def test_triton_backend_on_every_rank(p):
         for ci, (case, res) in enumerate(zip(cases, out)):
             tol = 1e-5 if case.get("dtype") == torch.float32 else TOL
             assert res["error"] <= tol, f"p={p} case {ci} rank {r}: rel. error {res['error']:.3g}"
-    _check_comm(p, [[s for s in out[0]["stats"]] for _, out in results], f"p={p} triton")
+    check_comm(p, [[s for s in out[0]["stats"]] for _, out in results], f"p={p} triton")
 
 
 def test_bad_input_on_one_rank_fails_everywhere():

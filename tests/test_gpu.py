@@ -8,7 +8,8 @@
   replayed with new values in the same input tensors gives bitwise the gradients an eager call
   gives;
 * bitwise determinism: two runs, two plans and a second process give identical bits;
-* ``spscan.wrap`` of an ``nn.RNN`` on the GPU against float64 autograd.
+* ``spscan.wrap`` of an ``nn.RNN`` on the GPU against float64 autograd;
+* the model-parallel scan with two processes on one GPU over Gloo (messages through host copies).
 
 The interpreter tests (``test_triton_kernels.py``) run the same kernels on the CPU; these tests
 are what only a GPU can show (compilation for the device, grid limits, streams, capture).
@@ -27,6 +28,8 @@ import pytest
 import torch
 
 import spscan
+import spscan.distributed as sd
+from distributed_cases import check_comm, run_cases
 from spscan.reference import reference_backward
 from test_triton_kernels import (F32_FLOOR, band, diag, full, make_extra, make_values, random_pattern, rel_err,
                                  sequential_f32)
@@ -280,3 +283,22 @@ def test_wrap_rnn_on_gpu_matches_autograd():
     for i, (a, r, c) in enumerate(zip(grads(w, rnn, x2), grads(ref, ref, x2.double()), grads(rnn, rnn, x2))):
         bound = 2 * float((c.double() - r).abs().max()) + 1e-6 * max(float(r.abs().max()), 1.0)
         assert float((a.double() - r).abs().max()) <= bound, i
+
+
+def test_gloo_ranks_share_one_gpu():
+    """Two processes on one GPU over Gloo (NCCL refuses two ranks per device): the values and gradients
+    stay on the device, the messages go through host copies; gradients equal the float64 reference,
+    every byte sent is a planned one."""
+    p = 2
+    cases = [
+        dict(kind="sparse", n=6, seed=21, device="cuda"),
+        dict(kind="mixed", n=7, seed=22, extra="all", shared="some", device="cuda", batches=[2, 3]),
+        dict(kind="dense", n=5, seed=23, dtype=torch.float32, device="cuda"),
+    ]
+    results = sd.run_local(run_cases, p, args=(cases,), timeout=240)
+    for r, (ok, out) in enumerate(results):
+        assert ok, f"rank {r} failed:\n{out}"
+        for ci, (case, res) in enumerate(zip(cases, out)):
+            tol = 1e-5 if case.get("dtype") == torch.float32 else 1e-10
+            assert res["error"] <= tol, f"case {ci} rank {r}: rel. error {res['error']:.3g}"
+    check_comm(p, [[s for s in out[0]["stats"]] for _, out in results], "gloo on one GPU")

@@ -56,11 +56,10 @@ SUITES_QUICK = [
 # suites the full run cannot run on one GPU, with the reason the report gives
 SUITES_NOT_ON_ONE_GPU = [
     ("distributed", "bench/test_distributed_bench.py",
-     "not runnable with several processes on one GPU: its scan rounds send CUDA tensors point to point "
-     "(batch_isend_irecv); NCCL refuses two ranks on one device (ncclInvalidUsage, 'Duplicate GPU detected', "
-     "since NCCL 2.5) and Gloo's send/recv take CPU tensors only (it hands the tensor's pointer to its TCP "
-     "transport; torch.distributed's backend table: Gloo GPU send/recv unsupported). The CPU rows (Gloo over "
-     "127.0.0.1) are bench/test_distributed_bench.py's"),
+     "not a GPU measurement: several ranks on one GPU share it, so there is no scaling to time (NCCL refuses two "
+     "ranks on one device, 'Duplicate GPU detected'; over Gloo the scan stages its messages through host copies, "
+     "and tests/test_gpu.py::test_gloo_ranks_share_one_gpu checks two ranks on this GPU). Its rows are CPU "
+     "processes (Gloo over 127.0.0.1)"),
 ]
 # suites whose rows are training steps (autograd and spscan medians): the report's step table
 STEP_SUITES = ("rnn_step", "cnn_step", "resnet_step", "recurrent_step", "stacked_step")
