@@ -467,23 +467,44 @@ class _Parallel:
         self.join, self.branches, self.d_in = join, branches, d_in
         self.d_outs = d_outs
         self.d_out = d_outs[0] if join == _ADD else sum(d_outs)
-        pats: list[sp.csr_array] = []
-        for br in branches:
-            if not br:
-                pats.append(identity_pattern(d_in))
-            elif len(br) == 1:
-                pats.append(br[0].pattern)
-            else:  # the composite's structure now; its numeric plan on first use (operators rarely need it)
-                pats.append(product_pattern([s.pattern for s in br]))
         self._opts = opts
         self._composites: list[Any] = [None] * len(branches)
         self._gathers: list[Optional[torch.Tensor]] = [None] * len(branches)
-        offsets = None if join == _ADD else [int(o) for o in np.cumsum([0] + d_outs[:-1])]
-        self.pattern, maps = union_pattern(pats, offsets)
-        self.maps = [torch.from_numpy(m) for m in maps]
-        self._branch_patterns = pats
-        self.offsets = [0] * len(branches) if offsets is None else offsets
+        self.offsets = [0] * len(branches) if join == _ADD else [int(o) for o in np.cumsum([0] + d_outs[:-1])]
         self._ones: dict = {}
+        # (branch composite patterns, the block's union pattern, each branch's map into it): symbolic
+        # products of the branches' layers, made on first use. A block that only ever runs as its
+        # structured operator (train-mode BatchNorm inside) never needs them; they are most of a
+        # residual network's planning time
+        self._structure: Optional[tuple[list[sp.csr_array], sp.csr_array, list[torch.Tensor]]] = None
+
+    def _struct(self) -> tuple[list[sp.csr_array], sp.csr_array, list[torch.Tensor]]:
+        if self._structure is None:
+            pats: list[sp.csr_array] = []
+            for br in self.branches:
+                if not br:
+                    pats.append(identity_pattern(self.d_in))
+                elif len(br) == 1:
+                    pats.append(br[0].pattern)
+                else:  # the composite's structure; its numeric plan on first use (operators rarely need it)
+                    pats.append(product_pattern([s.pattern for s in br]))
+            pattern, maps = union_pattern(pats, None if self.join == _ADD else self.offsets)
+            self._structure = (pats, pattern, [torch.from_numpy(m) for m in maps])
+        return self._structure
+
+    @property
+    def pattern(self) -> sp.csr_array:
+        """The block's ``J^T`` pattern: the union of its branches' composite patterns (made on first use)."""
+        return self._struct()[1]
+
+    @property
+    def maps(self) -> list[torch.Tensor]:
+        """Per branch, the positions of its composite's entries in :attr:`pattern`."""
+        return self._struct()[2]
+
+    @property
+    def _branch_patterns(self) -> list[sp.csr_array]:
+        return self._struct()[0]
 
     def _composite(self, b: int):
         """Branch ``b``'s composite plan (made on first use), its values placed by ``maps[b]``."""
@@ -1006,16 +1027,23 @@ class GraphPlan(ModelPlan):
     element_name = "block"
 
     def __init__(self, model: nn.Module, traced: _Traced, segments: list[Any], in_shape: tuple[int, ...],
-                 core: Any, operators: bool = True) -> None:
+                 core: Any, operators: bool = True, operator_only: bool = False) -> None:
         super().__init__(model, traced.units, traced.names, in_shape, core, operators=operators)
         self.segments = segments
+        # planned with train-mode BatchNorm: the blocks run only as structured operators, their patterns
+        # were never formed and the core scan holds empty placeholders for them
+        self.operator_only = bool(operator_only)
         self.module_backed = traced.module_backed
-        self.patterns = [s.pattern for s in segments]
         out = traced.env[traced.output_node]
         self.out_shape = tuple(out.shape[1:])
 
     def __len__(self) -> int:
         return len(self.segments)
+
+    @property
+    def patterns(self) -> list:
+        """The block-level ``J^T`` patterns (a parallel block's are made on first use)."""
+        return [s.pattern for s in self.segments]
 
     _check_layers = TracedChainPlan._check_layers
 
@@ -1024,7 +1052,8 @@ class GraphPlan(ModelPlan):
         lines = [f"GraphPlan: {len(self.units)} layers in {len(self.segments)} {what}, input {self.in_shape} -> "
                  f"output {self.out_shape}"]
         for i, s in enumerate(self.segments):
-            lines.append(f"  [{i}] {s.describe():<60} J^T {s.d_in}x{s.d_out} nnz={s.pattern.nnz} "
+            nnz = "(operator only)" if isinstance(s, _Parallel) and s._structure is None else s.pattern.nnz
+            lines.append(f"  [{i}] {s.describe():<60} J^T {s.d_in}x{s.d_out} nnz={nnz} "
                          f"{'shared' if s.shared else 'per-sample'}")
         lines.append(self.core.summary())
         return "\n".join(lines)
@@ -1081,6 +1110,11 @@ class GraphPlan(ModelPlan):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Jacobians]:
         """Run the model on ``x``; ``(output, jacobians)`` with one value tensor per block."""
+        if self.operator_only:
+            raise ValueError(f"{type(self.model).__name__}: planned with BatchNorm in train mode, whose J^T couples the "
+                             "samples of a batch: its blocks run only as structured operators (train through "
+                             "spscan.wrap), there are no per-block values for spscan.backward; plan again in eval "
+                             "mode (model.eval()) for them")
         self._check_input(x)
         with torch.no_grad():
             tensors = [[t.detach() for t in ts] for ts in self._tensors()]
@@ -1181,6 +1215,12 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                              f"levels={levels!r}; use levels=0 or 'auto' with operators=True, or eval mode "
                              "(model.eval())")
         kwargs = {**kwargs, "levels": 0}
+        # the blocks never form values: an empty pattern of each block's shape stands in for its J^T (the
+        # symbolic products of the branches are most of a residual network's planning time)
+        pats = [sp.csr_array((s.d_in, s.d_out), dtype=np.float64) if isinstance(s, _Parallel) else s.pattern
+                for s in segments]
+        core = build_plan(pats, bind=None, **kwargs)
+        return GraphPlan(model, traced, segments, in_shape, core, operators=operators, operator_only=True)
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
     return GraphPlan(model, traced, segments, in_shape, core, operators=operators)
 

@@ -169,7 +169,7 @@ class ModelPlan:
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")
-        self.patterns = [p for u, f in zip(units, self.factored) for p in (u.factor_patterns() if f else (u.pattern,))]
+        self._patterns = [p for u, f in zip(units, self.factored) for p in (u.factor_patterns() if f else (u.pattern,))]
         # the core element after each layer's output (the gradient dl/dx_k is the core's dl/dx at that element)
         self._ends: Optional[list[int]] = None
         if any(self.factored):
@@ -196,6 +196,11 @@ class ModelPlan:
         self._steps: dict[tuple, _StepBackward] = {}
 
     element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
+
+    @property
+    def patterns(self) -> list:
+        """The core chain's element patterns (see the class docstring)."""
+        return self._patterns
 
     # -- contract attributes
     @property

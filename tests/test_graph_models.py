@@ -262,6 +262,28 @@ def test_resnet20_train_mode_batchnorm():
         assert torch.equal(a, b) if not a.dtype.is_floating_point else _rel(b, a) <= 1e-9, n
 
 
+def test_train_mode_blocks_form_no_patterns():
+    """With train-mode BatchNorm the blocks only ever run as structured operators: planning and
+    training form none of their symbolic products (most of a residual network's planning time);
+    the core API's per-block values are refused with the reason; in eval mode they are formed."""
+    from spscan.graph import _Parallel
+
+    model = _init(ResNet20(width=2, classes=5), 13).double().train()
+    x = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    wrapped = spscan.wrap(model, x)
+    plan = wrapped.plan
+    blocks = [s for s in plan.segments if isinstance(s, _Parallel)]
+    assert blocks and plan.operator_only
+    for _ in range(2):
+        _loss(wrapped(x)).backward()
+    assert all(b._structure is None for b in blocks)
+    assert "(operator only)" in plan.summary()
+    run_errors(lambda: plan.forward(x), ValueError, "train mode", "model.eval()")
+    evaluated = spscan.wrap(model.eval(), x, levels=0).plan
+    assert not evaluated.operator_only
+    assert all(p.nnz > 0 for p in evaluated.patterns)
+
+
 class _ConvBackwardCount(TorchDispatchMode):
     """Counts ``convolution_backward`` calls dispatched inside it."""
 
