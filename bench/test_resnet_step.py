@@ -13,8 +13,8 @@ process's load does not count), interleaved (one autograd step, then one spscan 
 and compared by their medians; ``extra_info`` carries both medians, ``speedup_vs_autograd =
 autograd / spscan`` (> 1: spscan faster), the median of the per-pair ratios, the planned depth
 (``plan.levels``), the first line of ``plan.summary()``, the planning time and the device.
-The plan is made once per module (tens of seconds on a 2-core CPU: the block patterns of the full-width
-model); the whole file runs in one to two minutes.
+The plan is made once per module (about 3 s on a 2-core CPU: in train mode the blocks' patterns are
+never formed); the whole file runs in about a minute.
 
 ``test_resnet20_step_cuda`` (skips without a CUDA device): the same model and data on the GPU,
 ``spscan.wrap(model.cuda(), x.cuda())`` (Triton backend) against cuDNN under autograd, timed by

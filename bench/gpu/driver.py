@@ -40,7 +40,7 @@ SUITES_FULL = [  # the targets' rows first (RNN, SpGEMM, then the Newton forward
     ("newton", "bench/test_newton.py", "cuda and 30000-20", 90),  # the parallel (Newton) forward vs cuDNN at T = 30000
     # training steps through spscan.wrap on the device vs cuDNN / cuBLAS autograd, timed in the same test
     ("cnn_step", "bench/test_cnn_step.py", "cuda", 60),  # LeNet-5 B=64, small VGG B=32: step, backward
-    ("resnet_step", "bench/test_resnet_step.py", "cuda", 75),  # ResNet-20 train mode B=16 (plans ~15 s)
+    ("resnet_step", "bench/test_resnet_step.py", "cuda", 75),  # ResNet-20 train mode B=16 (plans ~3 s)
     ("recurrent_step", "bench/test_recurrent_step.py", "cuda", 75),  # GRU, LSTM at T=1000, 10000
     ("stacked_step", "bench/test_stacked_step.py", "cuda", 60),  # 2-layer GRU at T=1000, 10000
     ("spgemm", "bench/test_paper_spgemm.py", None, 60),
