@@ -1252,10 +1252,10 @@ class LowRankFactors:
         """Whether ``L``'s and ``R``'s values are shared by the batch."""
         return False, False
 
+    @abc.abstractmethod
     def _factor_parts(self, saved: Any, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(L parts, R parts)``, each ``(B, 1 + r, G, N)`` (or ``(1 + r, G, N)`` where shared) in the
         entry order of :func:`_low_rank_entries`: part 0 the diagonal, part ``1 + j`` rank term ``j``."""
-        raise NotImplementedError
 
     def factor_fill(self, saved: Any, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(L values, R values)`` in their patterns' CSR order, ``(B, nnz)`` or ``(nnz,)`` where shared."""

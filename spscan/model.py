@@ -487,33 +487,32 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: An
         raise ValueError(f"norm_form: expected one of {NORM_FORMS}, got {norm_form!r}")
     can = [isinstance(u, LowRankFactors) and u.has_csr_values for u in units]
     dense = [False] * len(units)
-    if not any(can) or norm_form == "dense":
-        return build_plan([u.pattern for u in units], bind=None, **kwargs), dense
-    factored = list(can)
 
-    def core_of(flags: Sequence[bool]):
+    def core_of(flags: Sequence[bool], **over: Any):
         pats = [p for u, f in zip(units, flags) for p in (u.factor_patterns() if f else (u.pattern,))]
-        return build_plan(pats, bind=None, **kwargs)
+        return build_plan(pats, bind=None, **{**kwargs, **over})
 
+    if not any(can) or norm_form == "dense":
+        return core_of(dense), dense
     if norm_form == "factored":
-        return core_of(factored), factored
+        return core_of(can), can
     levels = kwargs.get("levels", "auto")
     if levels == 0:
-        return build_plan([u.pattern for u in units], bind=None, **kwargs), dense
+        return core_of(dense), dense
     if any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can)):
-        other = core_of(factored)
+        other = core_of(can)
         if other.levels == 0:  # the linear scan: each layer's own kernel (faster than the factors' SpMVs)
-            return build_plan([u.pattern for u in units], bind=None, **{**kwargs, "levels": 0}), dense
-        return other, factored
-    plain = build_plan([u.pattern for u in units], bind=None, **kwargs)
+            return core_of(dense, levels=0), dense
+        return other, can
+    plain = core_of(dense)
     if plain.levels == 0 and levels == "auto":
         return plain, dense  # the linear scan: each layer's kernel, no products to fill
-    other = core_of(factored)
+    other = core_of(can)
     if other.levels == 0:
         return plain, dense  # the factored chain's own best is the linear scan: the kernels are faster
     t_plain, t_other = plain.candidates.get(plain.levels), other.candidates.get(other.levels)
     if t_plain is not None and t_other is not None and t_other * FACTORED_MARGIN < t_plain:
-        return other, factored
+        return other, can
     return plain, dense
 
 
