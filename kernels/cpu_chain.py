@@ -12,7 +12,8 @@ values in the order of its pattern, whose row starts are ``csr_indptr[csr_ptr[j]
 rows[j] + 1]`` and whose columns are ``csr_indices[csr_indptr[...]]``; the indptr entries are global
 positions in ``csr_indices``, so a pattern shared by many steps is stored once). Its values for
 sample ``b`` start at element ``offset[j] + b * bstride[j]`` of ``sources[src[j]]`` (``bstride 0``:
-shared by the batch); entry ``p`` of a CSR step is at that start plus ``p - csr_indptr[csr_ptr[j]]``.
+shared by the batch); entry ``p`` of a CSR step is at that start plus ``(p - csr_indptr[csr_ptr[j]]) *
+estride[j]`` (``estride`` 1 unless the values are stored entry-major).
 
 Why numba: the run is thousands of tiny dependent mat-vecs (the paper's RNN: 20x20, B = 16), so
 NumPy's and torch's per-call overhead, not arithmetic, bounds it (~2 us per step against ~0.3 us
@@ -21,17 +22,19 @@ compiles on first use, caches the machine code on disk, needs no compiler at ins
 C++ extension would) and no tracing per chain length (``torch.compile`` would specialize or guard
 on the step count). No ``fastmath`` and no ``parallel``: every output is summed in ascending inner
 index (dense: column; CSR: stored position), so results are bitwise reproducible run to run. The
-values of a step are read where they lie (arena or the caller's tensor), nothing is copied. A CSR
+values of a step are read where they lie (arena or the caller's tensor); only per-sample values
+stored sample by sample are copied, a tile at a time, to be read across the batch. A CSR
 step costs O(nnz * B) multiply-adds, never O(rows * cols). Without numba the NumPy loop in
 :mod:`spscan.kernels.torch_ops` runs instead (:func:`available`).
 
-Loop order: the running vector is kept feature-major (``(k, B)``), so a shared dense or CSR step
-is, per stored entry, a scalar-times-vector update over the batch (vectorizable without reordering
-any sum); a per-sample dense step is a dot product per sample and row, and a per-sample CSR step
-the same entry-outer update, its values first copied entry-major (``(nnz, B)``, read sample by
-sample) so that both operands of the loop over the batch are contiguous. With at most
-``CSR_SAMPLE_OUTER_MAX_BATCH`` samples a CSR step is a dot product per sample and row instead
-(the same sums in the same order).
+Loop order: the batch runs in tiles of ``LANES`` samples (:mod:`.cpu_simd`), each through the
+whole run before the next (a tile's running vector stays in L1). Within a tile the running vector
+is feature-major (row ``i`` of ``y`` is one vector of ``LANES`` samples), so every step is, per
+output row, one vector accumulator in a register: a shared dense or CSR row adds ``w * y[col]``
+per stored entry, four rows of one length at a time (four independent accumulators); a
+per-sample dense or CSR row first copies its values entry-major (``(n, LANES)``, read sample by
+sample), then adds ``values * y[col]`` per entry. Each output is summed in ascending stored order
+lane by lane, so a sample's result does not depend on the batch size or its tile.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from . import cpu_simd
+from .cpu_simd import LANES
+
+# The vector operations the kernel names: numba intrinsics (kernels/cpu_simd.py), bound by _kernel()
+# before the first compile (numba is optional and slow to import).
+vload = vstore = vzero = vscale = vmul = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
+_VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vmuladd", "vmuladdv", "vtranspose", "vtranspose_add")
 
 __all__ = ["available", "numba_module", "run_chain", "resolve_steps"]
 
@@ -71,125 +82,211 @@ def numba_module():
     return mod
 
 
-# Up to this batch a CSR step loops over samples outside its entries (measured on a 512x1024 conv
-# pattern, 62k entries, one core: 40 us per sample that way vs 175 us flat for the entry-outer loop
-# up to 16 samples, whose inner loop over the batch vectorizes).
-CSR_SAMPLE_OUTER_MAX_BATCH = 4
-
-
-def _chain_kernel(code, src, offset, bstride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                  csr_ptr, csr_indptr, csr_indices, tv):  # pragma: no cover - compiled
-    batch = vectors.shape[0]
-    for kk in range(cols[0]):
-        for b in range(batch):
-            cur[kk, b] = vectors[b, vin0 + kk]
-    for j in range(code.shape[0]):
-        m = rows[j]
-        k = cols[j]
-        s = sources[src[j]]
-        o = offset[j]
-        bs = bstride[j]
-        cj = code[j]
-        if cj == 0:
-            for i in range(m):
-                for b in range(batch):
-                    nxt[i, b] = s[o + b * bs + i] * cur[i, b]
-        elif cj >= 3 and batch <= CSR_SAMPLE_OUTER_MAX_BATCH:
-            # CSR, few samples: a scalar accumulator per output (a per-entry loop over 1-4 samples
-            # costs more than the product); the same sum as below, entry by entry in stored order
-            cp = csr_ptr[j]
-            o -= csr_indptr[cp]  # value of global entry p: s[o + p + b * bs]
-            for b in range(batch):
-                ob = o + b * bs
+def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
+                  csr_ptr, csr_indptr, csr_indices, tv, same):  # pragma: no cover - compiled
+    # same[r]: CSR rows r .. r+3 (global row numbers of csr_indptr) have one column list, so a block
+    # of them reads each column's vector once (the LSTM weight element's W_hh^T rows)
+    for r in range(csr_indptr.shape[0] - 4):
+        p = csr_indptr[r]
+        n = csr_indptr[r + 1] - p
+        ok = n > 0
+        for d in range(1, 4):
+            if csr_indptr[r + d + 1] - csr_indptr[r + d] != n:
+                ok = False
+        if ok:
+            for q in range(n):
+                c = csr_indices[p + q]
+                if csr_indices[p + n + q] != c or csr_indices[p + 2 * n + q] != c or csr_indices[p + 3 * n + q] != c:
+                    ok = False
+                    break
+        same[r] = ok
+    # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
+    # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
+    # written out and never mix with the others (every operation is lane by lane), so they are not
+    # cleared per step: they hold leftovers of earlier steps and tiles.
+    # Moves between the sample-major ``vectors`` and a tile go through LANES x LANES register
+    # transposes (vtranspose) where the tile is full, element by element elsewhere.
+    batch, sv = vectors.shape
+    vflat = vectors.reshape(batch * sv)
+    for b0 in range(0, batch, LANES):
+        nb = min(LANES, batch - b0)
+        full = nb == LANES
+        k0 = 0
+        if full:
+            while k0 + LANES <= cols[0]:
+                vtranspose(vflat, b0 * sv + vin0 + k0, sv, cur, k0 * LANES, LANES)
+                k0 += LANES
+        for kk in range(k0, cols[0]):
+            for bb in range(LANES):
+                cur[kk * LANES + bb] = vectors[b0 + bb, vin0 + kk] if bb < nb else 0
+        for j in range(code.shape[0]):
+            m = rows[j]
+            k = cols[j]
+            s = sources[src[j]]
+            o = offset[j]
+            bs = bstride[j]
+            es = estride[j]
+            cj = code[j]
+            # per-sample values batch-contiguous (entry-major storage) and a full tile: read in place
+            direct = bs == 1 and full
+            if cj == 0 and bs == 0:  # shared diagonal
                 for i in range(m):
-                    nxt[i, b] = 0
-                    acc = nxt[i, b]  # zero of the vectors' dtype
-                    for p in range(csr_indptr[cp + i], csr_indptr[cp + i + 1]):
-                        acc += s[ob + p] * cur[csr_indices[p], b]
-                    nxt[i, b] = acc
-        elif cj >= 3:  # CSR: entries of row i in ascending stored order, each over the batch
-            cp = csr_ptr[j]
-            g0 = csr_indptr[cp]  # global position of the step's first entry
-            if bs == 0:
-                o -= g0  # value of global entry p: s[o + p]
+                    vstore(nxt, i * LANES, vscale(s[o + i], vload(cur, i * LANES)))
+            elif cj == 0 and direct:  # per-sample diagonal, entry-major
                 for i in range(m):
-                    for b in range(batch):
-                        nxt[i, b] = 0
-                    p = csr_indptr[cp + i]
-                    end = csr_indptr[cp + i + 1]
-                    while p + 4 <= end:  # four entries per pass over the batch, added in stored order
-                        w0, w1, w2, w3 = s[o + p], s[o + p + 1], s[o + p + 2], s[o + p + 3]
-                        c0, c1, c2, c3 = csr_indices[p], csr_indices[p + 1], csr_indices[p + 2], csr_indices[p + 3]
-                        for b in range(batch):
-                            nxt[i, b] = (((nxt[i, b] + w0 * cur[c0, b]) + w1 * cur[c1, b]) + w2 * cur[c2, b]) \
-                                + w3 * cur[c3, b]
-                        p += 4
-                    while p < end:
-                        w = s[o + p]
-                        c = csr_indices[p]
-                        for b in range(batch):
-                            nxt[i, b] += w * cur[c, b]
-                        p += 1
-            else:
-                # per-sample values, read sample by sample (contiguous) into entry-major ``tv`` so the
-                # loop over the batch below reads them contiguously too
-                nnz = csr_indptr[cp + m] - g0
-                for b in range(batch):
-                    ob = o + b * bs
-                    for q in range(nnz):
-                        tv[q, b] = s[ob + q]
+                    vstore(nxt, i * LANES, vmul(vload(s, o + b0 + i * es), vload(cur, i * LANES)))
+            elif cj == 0:  # per-sample diagonal
                 for i in range(m):
-                    for b in range(batch):
-                        nxt[i, b] = 0
-                    p = csr_indptr[cp + i]
-                    end = csr_indptr[cp + i + 1]
-                    while p + 4 <= end:
-                        q = p - g0
-                        c0, c1, c2, c3 = csr_indices[p], csr_indices[p + 1], csr_indices[p + 2], csr_indices[p + 3]
-                        for b in range(batch):
-                            nxt[i, b] = (((nxt[i, b] + tv[q, b] * cur[c0, b]) + tv[q + 1, b] * cur[c1, b])
-                                         + tv[q + 2, b] * cur[c2, b]) + tv[q + 3, b] * cur[c3, b]
-                        p += 4
-                    while p < end:
-                        c = csr_indices[p]
-                        q = p - g0
-                        for b in range(batch):
-                            nxt[i, b] += tv[q, b] * cur[c, b]
-                        p += 1
-        elif bs == 0:
-            for i in range(m):
-                for b in range(batch):
-                    nxt[i, b] = 0
-                base = o + i * k
-                kk = 0
-                while kk + 4 <= k:  # four columns per pass over the batch, added in column order
-                    w0, w1, w2, w3 = s[base + kk], s[base + kk + 1], s[base + kk + 2], s[base + kk + 3]
-                    for b in range(batch):
-                        nxt[i, b] = (((nxt[i, b] + w0 * cur[kk, b]) + w1 * cur[kk + 1, b]) + w2 * cur[kk + 2, b]) \
-                            + w3 * cur[kk + 3, b]
-                    kk += 4
-                while kk < k:
-                    w = s[base + kk]
-                    for b in range(batch):
-                        nxt[i, b] += w * cur[kk, b]
-                    kk += 1
-        else:
-            for b in range(batch):
-                base = o + b * bs
-                for i in range(m):
-                    nxt[i, b] = 0
-                    for kk in range(k):
-                        nxt[i, b] += s[base + i * k + kk] * cur[kk, b]
-        a = add[j]
-        if a >= 0:
-            for i in range(m):
-                for b in range(batch):
-                    nxt[i, b] += vectors[b, a + i]
-        oj = out[j]
-        for b in range(batch):
-            for i in range(m):
-                vectors[b, oj + i] = nxt[i, b]
-        cur, nxt = nxt, cur
+                    for bb in range(nb):
+                        nxt[i * LANES + bb] = s[o + (b0 + bb) * bs + i * es] * cur[i * LANES + bb]
+            elif cj == 1 or cj == 3:  # shared dense / CSR: rows of stored entries in ascending order
+                if cj == 3:
+                    cp = csr_ptr[j]
+                    o -= csr_indptr[cp]  # value of global entry p: s[o + p]
+                i = 0
+                while i < m:
+                    if cj == 1:
+                        p, n = o + i * k, k
+                    else:
+                        p = csr_indptr[cp + i]
+                        n = csr_indptr[cp + i + 1] - p
+                    if i + 4 <= m and (cj == 1 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
+                                                   and csr_indptr[cp + i + 3] - csr_indptr[cp + i + 2] == n
+                                                   and csr_indptr[cp + i + 4] - csr_indptr[cp + i + 3] == n)):
+                        # four rows of one length at once: four independent accumulators
+                        a0 = vzero(cur)
+                        a1 = vzero(cur)
+                        a2 = vzero(cur)
+                        a3 = vzero(cur)
+                        if cj == 1:
+                            for q in range(n):
+                                x = vload(cur, q * LANES)
+                                a0 = vmuladd(a0, s[p + q], x)
+                                a1 = vmuladd(a1, s[p + k + q], x)
+                                a2 = vmuladd(a2, s[p + 2 * k + q], x)
+                                a3 = vmuladd(a3, s[p + 3 * k + q], x)
+                        elif same[cp + i]:
+                            for q in range(n):
+                                x = vload(cur, csr_indices[p + q] * LANES)
+                                a0 = vmuladd(a0, s[o + p + q], x)
+                                a1 = vmuladd(a1, s[o + p + n + q], x)
+                                a2 = vmuladd(a2, s[o + p + 2 * n + q], x)
+                                a3 = vmuladd(a3, s[o + p + 3 * n + q], x)
+                        else:
+                            for q in range(n):
+                                a0 = vmuladd(a0, s[o + p + q], vload(cur, csr_indices[p + q] * LANES))
+                                a1 = vmuladd(a1, s[o + p + n + q], vload(cur, csr_indices[p + n + q] * LANES))
+                                a2 = vmuladd(a2, s[o + p + 2 * n + q], vload(cur, csr_indices[p + 2 * n + q] * LANES))
+                                a3 = vmuladd(a3, s[o + p + 3 * n + q], vload(cur, csr_indices[p + 3 * n + q] * LANES))
+                        vstore(nxt, i * LANES, a0)
+                        vstore(nxt, (i + 1) * LANES, a1)
+                        vstore(nxt, (i + 2) * LANES, a2)
+                        vstore(nxt, (i + 3) * LANES, a3)
+                        i += 4
+                    else:
+                        a0 = vzero(cur)
+                        if cj == 1:
+                            for q in range(n):
+                                a0 = vmuladd(a0, s[p + q], vload(cur, q * LANES))
+                        else:
+                            for q in range(n):
+                                a0 = vmuladd(a0, s[o + p + q], vload(cur, csr_indices[p + q] * LANES))
+                        vstore(nxt, i * LANES, a0)
+                        i += 1
+            else:  # per-sample dense (2) or CSR (4): values copied entry-major into tv, then rows
+                cp = csr_ptr[j] if cj == 4 else 0
+                g0 = csr_indptr[cp] if cj == 4 else 0
+                nnz = csr_indptr[cp + m] - g0 if cj == 4 else m * k
+                whole = direct or nnz * LANES <= tv.shape[0]  # the whole step at once, else row by row
+                if whole and not direct:
+                    q0 = 0
+                    if full and es == 1:
+                        while q0 + LANES <= nnz:
+                            vtranspose(s, o + b0 * bs + q0, bs, tv, q0 * LANES, LANES)
+                            q0 += LANES
+                    for bb in range(nb):
+                        vb = o + (b0 + bb) * bs
+                        for q in range(q0, nnz):
+                            tv[q * LANES + bb] = s[vb + q * es]
+                # value q of the tile: varr[vbase + q * vstr] (in place, or the entry-major copy)
+                varr = s if direct else tv
+                vbase = o + b0 if direct else 0
+                vstr = es if direct else LANES
+                i = 0
+                while i < m:
+                    if cj == 2:
+                        p, n = i * k, k
+                    else:
+                        p = csr_indptr[cp + i] - g0
+                        n = csr_indptr[cp + i + 1] - g0 - p
+                    if not whole:  # one row's values copied, then that row alone
+                        for bb in range(nb):
+                            vb = o + (b0 + bb) * bs + p * es
+                            for q in range(n):
+                                tv[q * LANES + bb] = s[vb + q * es]
+                        a0 = vzero(cur)
+                        for q in range(n):
+                            c = q if cj == 2 else csr_indices[g0 + p + q]
+                            a0 = vmuladdv(a0, vload(tv, q * LANES), vload(cur, c * LANES))
+                        vstore(nxt, i * LANES, a0)
+                        i += 1
+                    elif i + 4 <= m and (cj == 2 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
+                                                     and csr_indptr[cp + i + 3] - csr_indptr[cp + i + 2] == n
+                                                     and csr_indptr[cp + i + 4] - csr_indptr[cp + i + 3] == n)):
+                        # four rows of one length at once (their entries are consecutive)
+                        a0 = vzero(cur)
+                        a1 = vzero(cur)
+                        a2 = vzero(cur)
+                        a3 = vzero(cur)
+                        if cj == 2:
+                            for q in range(n):
+                                x = vload(cur, q * LANES)
+                                a0 = vmuladdv(a0, vload(varr, vbase + (p + q) * vstr), x)
+                                a1 = vmuladdv(a1, vload(varr, vbase + (p + n + q) * vstr), x)
+                                a2 = vmuladdv(a2, vload(varr, vbase + (p + 2 * n + q) * vstr), x)
+                                a3 = vmuladdv(a3, vload(varr, vbase + (p + 3 * n + q) * vstr), x)
+                        else:
+                            for q in range(n):
+                                e0 = p + q
+                                a0 = vmuladdv(a0, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                e0 += n
+                                a1 = vmuladdv(a1, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                e0 += n
+                                a2 = vmuladdv(a2, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                e0 += n
+                                a3 = vmuladdv(a3, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                        vstore(nxt, i * LANES, a0)
+                        vstore(nxt, (i + 1) * LANES, a1)
+                        vstore(nxt, (i + 2) * LANES, a2)
+                        vstore(nxt, (i + 3) * LANES, a3)
+                        i += 4
+                    else:
+                        a0 = vzero(cur)
+                        for q in range(n):
+                            c = q if cj == 2 else csr_indices[g0 + p + q]
+                            a0 = vmuladdv(a0, vload(varr, vbase + (p + q) * vstr), vload(cur, c * LANES))
+                        vstore(nxt, i * LANES, a0)
+                        i += 1
+            a = add[j]
+            if a >= 0:
+                i0 = 0
+                if full:
+                    while i0 + LANES <= m:
+                        vtranspose_add(vflat, b0 * sv + a + i0, sv, nxt, i0 * LANES, LANES)
+                        i0 += LANES
+                for i in range(i0, m):
+                    for bb in range(nb):
+                        nxt[i * LANES + bb] += vectors[b0 + bb, a + i]
+            oj = out[j]
+            i0 = 0
+            if full:
+                while i0 + LANES <= m:
+                    vtranspose(nxt, i0 * LANES, LANES, vflat, b0 * sv + oj + i0, sv)
+                    i0 += LANES
+            for i in range(i0, m):
+                for bb in range(nb):
+                    vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
+            cur, nxt = nxt, cur
 
 
 _compiled = None
@@ -198,17 +295,24 @@ _compiled = None
 def _kernel():
     global _compiled
     if _compiled is None:
-        _compiled = _load().njit(cache=True, nogil=True)(_chain_kernel)
+        ops = cpu_simd.intrinsics()
+        globals().update({name: ops[name] for name in _VECTOR_OPS})
+        _compiled = _load().njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
     return _compiled
 
 
 _NO_CSR = np.zeros(1, dtype=np.int64)
 
+# a per-sample step with at most this many entries has its values copied entry-major in one pass
+# (a pass per row costs a loop setup per row and sample: the LSTM gate element's 100 rows of 1-2
+# entries); larger ones row by row, so the copy stays within L2
+TV_STEP_ENTRIES = 4096
+
 
 def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np.ndarray, rows: np.ndarray,
               cols: np.ndarray, add: np.ndarray, out: np.ndarray, vin0: int, sources: Sequence[np.ndarray],
               vectors: np.ndarray, csr_ptr: Optional[np.ndarray] = None, csr_indptr: Optional[np.ndarray] = None,
-              csr_indices: Optional[np.ndarray] = None) -> None:
+              csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
@@ -217,6 +321,10 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         vin0: column of ``y_{-1}`` in ``vectors``.
         sources: 1-D C-contiguous arrays holding the matrices' values, of ``vectors``' dtype.
         vectors: ``(B, size_v)`` C-contiguous float32/float64 array, read and written in place.
+        estride: ``(steps,)`` int64 element distance between consecutive entries of a per-sample
+            step's values (default 1: each sample's values contiguous). A per-sample step stored
+            entry-major (``bstride 1``, ``estride`` = the batch) is read in place, without the copy
+            a sample-major one needs.
         csr_ptr: ``(steps,)`` int64, where each CSR step's row starts begin in ``csr_indptr`` (any value
             for other steps); csr_indptr, csr_indices: the run's CSR tables (1-D int64, see
             :class:`~spscan.planner.program.LinearRun`). Needed only when a step is CSR.
@@ -232,8 +340,10 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     steps = int(code.shape[0])
     if steps == 0:
         return
-    for name, arr in (("src", src), ("offset", offset), ("bstride", bstride), ("rows", rows), ("cols", cols),
-                      ("add", add), ("out", out)):
+    if estride is None:
+        estride = np.ones(steps, dtype=np.int64)
+    for name, arr in (("src", src), ("offset", offset), ("bstride", bstride), ("estride", estride), ("rows", rows),
+                      ("cols", cols), ("add", add), ("out", out)):
         if arr.shape != (steps,) or arr.dtype != np.int64:
             raise ValueError(f"{name}: expected ({steps},) int64, got {arr.shape} {arr.dtype}")
     if code.dtype != np.int64 or code.min() < 0 or code.max() > 4:
@@ -258,21 +368,31 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     while n < len(sources):
         n *= 2
     srcs = tuple(sources) + (sources[0],) * (n - len(sources))
-    # the running vector and the next one: every y_j has rows[j] entries and y_{-1} has cols[0]
+    # the running vector and the next one, one tile of LANES samples: every y_j has rows[j] entries
+    # and y_{-1} has cols[0]
     width = int(max(rows.max(), cols[0]))
-    batch = vectors.shape[0]
-    cur = np.empty((width, batch), dtype=vectors.dtype)
-    nxt = np.empty((width, batch), dtype=vectors.dtype)
-    # entry-major copy of one per-sample CSR step's values (the entry-outer loop, more than
-    # CSR_SAMPLE_OUTER_MAX_BATCH samples): as many rows as the largest such step has entries
-    sample_csr = np.flatnonzero(code == 4) if batch > CSR_SAMPLE_OUTER_MAX_BATCH else np.zeros(0, dtype=np.int64)
-    most = 0
-    if sample_csr.size:
-        starts = csr_ptr[sample_csr]
-        most = int((csr_indptr[starts + rows[sample_csr]] - csr_indptr[starts]).max())
-    tv = np.empty((max(most, 1), batch), dtype=vectors.dtype)
-    _kernel()(code, src, offset, bstride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-              csr_ptr, csr_indptr, csr_indices, tv)
+    cur = np.zeros(width * LANES, dtype=vectors.dtype)
+    nxt = np.zeros(width * LANES, dtype=vectors.dtype)
+    # per-sample dense or CSR values, entry-major: a whole step's when it has at most TV_STEP_ENTRIES
+    # entries (one copy per step), else one row's (its longest row)
+    longest = 1
+    dense_p = code == 2
+    if dense_p.any():
+        longest = max(longest, int((rows[dense_p] * cols[dense_p]).max()))
+    csr_p = np.flatnonzero(code == 4)
+    if csr_p.size:
+        starts = csr_ptr[csr_p]
+        longest = max(longest, int((csr_indptr[starts + rows[csr_p]] - csr_indptr[starts]).max()))
+    if longest > TV_STEP_ENTRIES:
+        longest = max(1, int(cols[dense_p].max()) if dense_p.any() else 1)
+        if csr_p.size:
+            lengths = np.diff(csr_indptr)
+            span = np.unique(np.concatenate([np.arange(a, a + r) for a, r in zip(starts.tolist(),
+                                                                                  rows[csr_p].tolist())]))
+            longest = max(longest, int(lengths[span].max()))
+    tv = np.zeros(longest * LANES, dtype=vectors.dtype)
+    _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
+              csr_ptr, csr_indptr, csr_indices, tv, np.zeros(csr_indptr.shape[0], dtype=np.bool_))
 
 
 MAX_SOURCES = 16
@@ -280,9 +400,9 @@ MAX_SOURCES = 16
 
 def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[int], offsets: Sequence[int],
                   arena_s: np.ndarray, arena_p: np.ndarray, inputs: Optional[Callable], dtype) \
-        -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
-    """Where each step's values lie: ``(src, offset, bstride, sources)`` for :func:`run_chain`, or ``None``
-    when some input matrix is not a plain strided view of a contiguous CPU tensor of ``dtype``.
+        -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
+    """Where each step's values lie: ``(src, offset, bstride, estride, sources)`` for :func:`run_chain`, or
+    ``None`` when some input matrix is not a plain strided view of a contiguous CPU tensor of ``dtype``.
 
     Steps over products read the arenas (``arena_s`` 1-D, shared; ``arena_p`` ``(B, size_p)``);
     steps over input layers (``layers[j] >= 0`` and ``inputs`` given) read the caller's tensor
@@ -296,6 +416,7 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     src = np.zeros(steps, dtype=np.int64)
     off = np.asarray(offsets, dtype=np.int64).copy()
     bst = np.zeros(steps, dtype=np.int64)
+    est = np.ones(steps, dtype=np.int64)
     lay = np.asarray(layers, dtype=np.int64)
     code_a = np.asarray(code, dtype=np.int64)
     per_sample = (code_a == 2) | (code_a == 4) | ((code_a == 0) & ~np.asarray(shared, dtype=bool))
@@ -303,10 +424,10 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
     sources = [arena_s.reshape(-1), arena_p.reshape(-1)]
     if inputs is None:
-        return src, off, bst, sources
+        return src, off, bst, est, sources
     from_input = np.flatnonzero(lay >= 0)
     if from_input.size == 0:
-        return src, off, bst, sources
+        return src, off, bst, est, sources
     owner = getattr(inputs, "__self__", None)
     if isinstance(owner, torch.Tensor) and owner.dim() in (2, 3):
         # stacked values: one tensor (n, nnz) or (n, B, nnz), layer i at row i
@@ -320,9 +441,9 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
         off[from_input] = start + lay[from_input] * owner.stride(0)
         bst[from_input] = owner.stride(1) if owner.dim() == 3 else 0
         sources.append(base.detach().numpy().reshape(-1))
-        return src, off, bst, sources
+        return src, off, bst, est, sources
     if hasattr(owner, "elements") and hasattr(owner, "periods"):
-        return _resolve_periodic(owner, lay, from_input, src, off, bst, sources, dtype)
+        return _resolve_periodic(owner, lay, from_input, src, off, bst, est, sources, dtype)
     get = owner.__getitem__ if isinstance(owner, (list, tuple)) else inputs
     tensors = [get(i) for i in lay[from_input].tolist()]
     # distinct tensors once (a shared matrix repeats along the run), then distinct base tensors once
@@ -348,23 +469,26 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     src[from_input] = u_src[inverse]
     off[from_input] = u_ptr[inverse] // sources[-1].itemsize
     bst[from_input] = u_bst[inverse]
-    return src, off, bst, sources
+    return src, off, bst, est, sources
 
 
 def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, src: np.ndarray, off: np.ndarray,
-                      bst: np.ndarray, sources: list, dtype):
+                      bst: np.ndarray, est: np.ndarray, sources: list, dtype):
     """:func:`resolve_steps` for periodic values: element ``k`` (``(nnz,)`` shared or ``(T, B, nnz)``
-    per sample) of period ``t`` starts at ``start_k + t * stride_k``, sample ``b`` ``b * bstride_k`` later."""
+    per sample) of period ``t`` starts at ``start_k + t * stride_k``, sample ``b`` ``b * bstride_k`` later,
+    entry ``q`` ``q * estride_k`` later (a per-sample element may be stored entry-major: ``(T, nnz, B)``
+    memory viewed as ``(T, B, nnz)``)."""
     elements = owner.elements
     per = len(elements)
     e_src = np.zeros(per, dtype=np.int64)
     e_start = np.zeros(per, dtype=np.int64)
     e_tstride = np.zeros(per, dtype=np.int64)
     e_bst = np.zeros(per, dtype=np.int64)
+    e_est = np.ones(per, dtype=np.int64)
     slots: dict[int, int] = {}
     for k, e in enumerate(elements):
         base = e if e._base is None else e._base
-        if (e.dtype != dtype or e.device.type != "cpu" or e.dim() not in (1, 3) or e.stride(-1) != 1
+        if (e.dtype != dtype or e.device.type != "cpu" or e.dim() not in (1, 3) or (e.dim() == 1 and e.stride(0) != 1)
                 or not base.is_contiguous()):
             return None
         slot = slots.get(id(base))
@@ -376,10 +500,11 @@ def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, src: np.nd
         e_src[k] = slot
         e_start[k] = (e.data_ptr() - base.data_ptr()) // e.element_size()
         if e.dim() == 3:
-            e_tstride[k], e_bst[k] = e.stride(0), e.stride(1)
+            e_tstride[k], e_bst[k], e_est[k] = e.stride(0), e.stride(1), e.stride(2)
     which = lay[from_input]
     t, k = np.divmod(which, per)
     src[from_input] = e_src[k]
     off[from_input] = e_start[k] + t * e_tstride[k]
     bst[from_input] = e_bst[k]
-    return src, off, bst, sources
+    est[from_input] = e_est[k]
+    return src, off, bst, est, sources

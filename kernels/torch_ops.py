@@ -297,10 +297,11 @@ def _run_compiled(op: LinearRun, arenas: dict[str, torch.Tensor], vectors: torch
                                     _as_numpy(arenas["P"]), inputs, vectors.dtype)
     if where is None:
         return False
-    src, off, bst, sources = where
+    src, off, bst, est, sources = where
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), i64(op.out), op.vin0,
-                        sources, _as_numpy(vectors), i64(op.csr_ptr), i64(op.csr_indptr), i64(op.csr_indices))
+                        sources, _as_numpy(vectors), i64(op.csr_ptr), i64(op.csr_indptr), i64(op.csr_indices),
+                        estride=est)
     return True
 
 

@@ -421,10 +421,12 @@ def test_run_chain_rejects_missing_csr_tables():
 @pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_run_chain_csr_sample_loops_agree(dtype):
-    """A small batch takes the sample-outer CSR loop, a larger one the entry-outer loop: both sum each
-    output in stored order, so a sample's result does not depend on the loop taken (to rounding)."""
+    """The batch runs in tiles of LANES samples (a full one and a partial one here): each sample's outputs
+    are summed in stored order whatever its tile, so they equal a run of that sample alone bit for bit."""
+    from spscan.kernels.cpu_simd import LANES
+
     rng = np.random.default_rng(12)
-    batch = cpu_chain.CSR_SAMPLE_OUTER_MAX_BATCH + 3
+    batch = LANES + 3
     desc, sources, vectors, _ = _random_csr_run(rng, 25, batch, dtype)
     together = vectors.copy()
     cpu_chain.run_chain(sources=sources, vectors=together, **desc)
@@ -432,5 +434,4 @@ def test_run_chain_csr_sample_loops_agree(dtype):
         one = vectors[b:b + 1].copy()
         srcs = [sources[0], sources[1].reshape(batch, -1)[b].copy(), sources[2]]
         cpu_chain.run_chain(sources=srcs, vectors=one, **desc)
-        np.testing.assert_allclose(one[0], together[b], rtol=1e-5 if dtype == np.float32 else 1e-13,
-                                   atol=1e-6 if dtype == np.float32 else 1e-14)
+        assert np.array_equal(one[0], together[b]), b

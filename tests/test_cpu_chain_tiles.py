@@ -1,0 +1,222 @@
+"""The compiled linear run's tiles (kernels/cpu_chain.py over kernels/cpu_simd.py): runs wide enough for the
+register transposes (rows and entries >= LANES), CSR rows sharing one column list (four-row blocks),
+full and partial tiles, per-sample values stored sample-major or entry-major; against a float64 loop,
+sample by sample bitwise, and the intrinsics themselves against NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from spscan.kernels import cpu_chain
+
+pytestmark = pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
+
+LANES = 16
+
+
+def _pattern(rng, m: int, k: int) -> sp.csr_array:
+    """Random CSR with empty rows, plus (often) a block of rows sharing one column list, like the LSTM
+    weight element's ``W_hh^T`` rows."""
+    mask = rng.random((m, k)) < 0.3
+    if m >= 5 and rng.random() < 0.7:
+        r0 = int(rng.integers(0, m - 4))
+        cols = rng.random(k) < 0.6
+        mask[r0:r0 + int(rng.integers(4, min(m - r0, 9) + 1))] = cols
+    if m > 2:
+        mask[int(rng.integers(m))] = False  # an empty row
+    return sp.csr_array(mask.astype(np.float64))
+
+
+def _random_run(rng, steps: int, batch: int, dtype):
+    dims = [int(rng.choice([1, 5, 16, 20, 37]))]
+    steps_desc = []
+    for _ in range(steps):
+        k = dims[-1]
+        kind = str(rng.choice(["diag", "dense", "csr", "csr"]))
+        m = k if kind == "diag" else int(rng.choice([1, 4, 16, 19, 40]))
+        pat = _pattern(rng, m, k) if kind == "csr" else None
+        shared = bool(rng.random() < 0.5)
+        n = m if kind == "diag" else (m * k if kind == "dense" else pat.nnz)
+        steps_desc.append((kind, shared, pat, m, k, n))
+        dims.append(m)
+    size_s = sum(n + 1 for kind, sh, _, _, _, n in steps_desc if sh) + 3
+    size_p = sum(n for kind, sh, _, _, _, n in steps_desc if not sh) + 2
+    shared_src = rng.standard_normal(size_s)
+    per_sample = rng.standard_normal((batch, size_p))
+    pats = [p for _, _, p, _, _, _ in steps_desc if p is not None]
+    starts = np.cumsum([0] + [p.shape[0] + 1 for p in pats])
+    base = np.cumsum([0] + [p.nnz for p in pats])
+    indptr = np.concatenate([p.indptr.astype(np.int64) + b for p, b in zip(pats, base)] or [np.zeros(1, np.int64)])
+    indices = np.concatenate([p.indices.astype(np.int64) for p in pats] or [np.zeros(1, np.int64)])
+    code, src, off, csr_ptr = [], [], [], []
+    os_, op_, q = 2, 1, 0
+    for kind, sh, pat, m, k, n in steps_desc:
+        code.append({"diag": 0, "dense": 1, "csr": 3}[kind] + (0 if sh or kind == "diag" else 1))
+        src.append(0 if sh else 1)
+        if sh:
+            off.append(os_)
+            os_ += n + 1
+        else:
+            off.append(op_)
+            op_ += n
+        if pat is not None:
+            csr_ptr.append(int(starts[q]))
+            q += 1
+        else:
+            csr_ptr.append(-1)
+    col = 3 + dims[0]
+    add, out = [], []
+    for m in dims[1:]:
+        if rng.random() < 0.4:
+            add.append(col)
+            col += m
+        else:
+            add.append(-1)
+        out.append(col)
+        col += m
+    vectors = rng.standard_normal((batch, col + 1)).astype(dtype)
+    i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    desc = dict(code=i64(code), src=i64(src), offset=i64(off), bstride=i64([size_p if s == 1 else 0 for s in src]),
+                rows=i64(dims[1:]), cols=i64(dims[:-1]), add=i64(add), out=i64(out), vin0=3, csr_ptr=i64(csr_ptr),
+                csr_indptr=indptr, csr_indices=indices)
+    return desc, [shared_src.astype(dtype), per_sample.astype(dtype).reshape(-1)], vectors, steps_desc
+
+
+def _reference(desc, sources, vectors, steps_desc):
+    """The run in float64, one step at a time."""
+    v = vectors.astype(np.float64).copy()
+    batch = v.shape[0]
+    s0 = sources[0].astype(np.float64)
+    s1 = sources[1].astype(np.float64).reshape(batch, -1)
+    y = v[:, desc["vin0"]:desc["vin0"] + desc["cols"][0]].copy()
+    for j, (kind, sh, pat, m, k, n) in enumerate(steps_desc):
+        o = int(desc["offset"][j])
+        vals = np.broadcast_to(s0[o:o + n], (batch, n)) if sh else s1[:, o:o + n]
+        if kind == "diag":
+            y = vals * y
+        elif kind == "dense":
+            y = np.einsum("bik,bk->bi", vals.reshape(batch, m, k), y)
+        else:
+            y = np.stack([sp.csr_array((vals[b], pat.indices, pat.indptr), shape=pat.shape) @ y[b] for b in range(batch)])
+        a = int(desc["add"][j])
+        if a >= 0:
+            y = y + v[:, a:a + m]
+        v[:, desc["out"][j]:desc["out"][j] + m] = y
+    return v
+
+
+def _entry_major(desc, sources, batch):
+    """The same run with the per-sample values stored entry-major: ``(n, B)`` per step."""
+    per = sources[1].reshape(batch, -1)
+    em = per.T.copy().reshape(-1)  # entry q of sample b at q * batch + b
+    d = dict(desc)
+    d["bstride"] = np.where(desc["src"] == 1, 1, 0).astype(np.int64)
+    d["offset"] = np.where(desc["src"] == 1, desc["offset"] * batch, desc["offset"]).astype(np.int64)
+    d["estride"] = np.where(desc["src"] == 1, batch, 1).astype(np.int64)
+    return d, [sources[0], em]
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
+@pytest.mark.parametrize("batch", [1, 15, 16, 17, 33])
+@pytest.mark.parametrize("seed", range(3))
+def test_tiled_run_equals_reference_and_is_per_sample(dtype, tol, batch, seed):
+    rng = np.random.default_rng(100 * seed + batch)
+    desc, sources, vectors, steps_desc = _random_run(rng, int(rng.integers(1, 14)), batch, dtype)
+    want = _reference(desc, sources, vectors, steps_desc)
+    got = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=got, **desc)
+    scale = np.abs(want).max() + 1e-30
+    assert np.abs(got - want).max() <= tol * scale * len(steps_desc)
+    written = np.zeros(got.shape[1], dtype=bool)
+    for o, m in zip(desc["out"], desc["rows"]):
+        written[o:o + m] = True
+    assert np.array_equal(got[:, ~written], vectors[:, ~written])  # nothing else is touched
+    # a sample's result does not depend on the batch or on its tile: bitwise
+    per = sources[1].reshape(batch, -1)
+    for b in sorted({0, batch - 1, batch // 2}):
+        one = vectors[b:b + 1].copy()
+        cpu_chain.run_chain(sources=[sources[0], per[b].copy()], vectors=one,
+                            **{**desc, "bstride": np.where(desc["src"] == 1, per.shape[1], 0).astype(np.int64)})
+        assert np.array_equal(one[0], got[b]), b
+    # per-sample values stored entry-major (read in place by full tiles): bitwise the same
+    d_em, s_em = _entry_major(desc, sources, batch)
+    em = vectors.copy()
+    cpu_chain.run_chain(sources=s_em, vectors=em, **d_em)
+    assert np.array_equal(em, got)
+
+
+def test_shared_column_blocks_are_used_and_exact():
+    """Rows sharing one column list (read once per column for four rows) give the plain row sums."""
+    rng = np.random.default_rng(7)
+    k, m, batch = 37, 23, 16
+    mask = np.zeros((m, k), dtype=bool)
+    mask[:20] = rng.random(k) < 0.7  # 20 identical rows: five blocks of four
+    mask[20:] = rng.random((3, k)) < 0.5
+    pat = sp.csr_array(mask.astype(np.float64))
+    vals = rng.standard_normal(pat.nnz)
+    vectors = rng.standard_normal((batch, k + m))
+    i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    desc = dict(code=i64([3]), src=i64([0]), offset=i64([0]), bstride=i64([0]), rows=i64([m]), cols=i64([k]),
+                add=i64([-1]), out=i64([k]), vin0=0, csr_ptr=i64([0]), csr_indptr=pat.indptr.astype(np.int64),
+                csr_indices=pat.indices.astype(np.int64))
+    got = vectors.copy()
+    cpu_chain.run_chain(sources=[vals], vectors=got, **desc)
+    want = np.zeros((batch, m))
+    for b in range(batch):  # summed in stored order, as the kernel does
+        for i in range(m):
+            acc = 0.0
+            for p in range(pat.indptr[i], pat.indptr[i + 1]):
+                acc = acc + vals[p] * vectors[b, pat.indices[p]]
+            want[b, i] = acc
+    assert np.array_equal(got[:, k:], want)
+
+
+def test_simd_intrinsics_against_numpy():
+    numba = pytest.importorskip("numba")
+    from spscan.kernels import cpu_simd
+
+    ops = cpu_simd.intrinsics()
+    vload, vstore, vzero = ops["vload"], ops["vstore"], ops["vzero"]
+    vmuladd, vmuladdv, vmul, vscale, vadd = ops["vmuladd"], ops["vmuladdv"], ops["vmul"], ops["vscale"], ops["vadd"]
+    vtranspose, vtranspose_add, prefetch = ops["vtranspose"], ops["vtranspose_add"], ops["prefetch"]
+
+    @numba.njit
+    def arith(a, b, out, w):
+        x = vload(a, 3)
+        y = vload(b, 5)
+        vstore(out, 0, vmuladd(vzero(a), w, x))
+        vstore(out, 16, vmuladdv(x, x, y))
+        vstore(out, 32, vadd(vmul(x, y), vscale(w, y)))
+        prefetch(out, 40)
+
+    @numba.njit
+    def transpose(src, sb, ss, dst, db, ds, accumulate):
+        if accumulate:
+            vtranspose_add(src, sb, ss, dst, db, ds)
+        else:
+            vtranspose(src, sb, ss, dst, db, ds)
+
+    for dt in (np.float32, np.float64):
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal(40).astype(dt), rng.standard_normal(40).astype(dt)
+        out = np.zeros(48, dtype=dt)
+        w = dt(0.75)
+        arith(a, b, out, w)
+        x, y = a[3:19], b[5:21]
+        assert np.array_equal(out[:16], dt(0) + w * x)
+        assert np.array_equal(out[16:32], x + x * y)
+        assert np.array_equal(out[32:48], x * y + w * y)
+        src = rng.standard_normal(40 * 37).astype(dt)
+        dst = rng.standard_normal(30 * 41).astype(dt)
+        block = np.stack([src[5 + r * 37:5 + r * 37 + LANES] for r in range(LANES)])
+        for accumulate in (False, True):
+            d = dst.copy()
+            transpose(src, 5, 37, d, 7, 41, accumulate)
+            want = dst.copy()
+            for c in range(LANES):
+                want[7 + c * 41:7 + c * 41 + LANES] = block[:, c] + (dst[7 + c * 41:7 + c * 41 + LANES] if accumulate else 0)
+            assert np.array_equal(d, want), (dt, accumulate)
+    with pytest.raises(Exception, match="1-D C-contiguous"):
+        numba.njit(lambda a: vload(a, 0))(np.zeros((4, 4)))
