@@ -685,15 +685,12 @@ class RecurrentPlan:
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
         are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import lstm_forward
+        from spscan.recurrent_cpu import gate_inputs, lstm_forward
 
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
-        w_ih = params[0]
-        if m.bias:  # both biases enter every gate pre-activation: added to the input part once
-            gi = torch.addmm(params[2] + params[3], xt.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
-        else:
-            gi = torch.matmul(xt, w_ih.t())
+        # both biases enter every gate pre-activation: added to the input part once
+        gi = gate_inputs(xt, params[0], params[2] + params[3] if m.bias else None)
         hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0)
         shared = _lstm_weight_values(params[1], H)
         values = PeriodicValues([shared, gate_values], T)
@@ -856,23 +853,31 @@ class RecurrentPlan:
             top[:, H:] += grad_c_n.reshape(B, H)
         extra = None
         if go is not None and T > 0:
-            extra = go if D == H else torch.cat([go, go.new_zeros(T, B, D - H)], dim=-1)
+            if dev.type == "cpu" and T > 1 and not bool(go[:-1].ne(0).any()):
+                # only the last output has a gradient (a loss on the last step): it joins the top, and
+                # the scan runs without affine terms (NaN and inf are not zero: they keep them)
+                top[:, :H] += go[-1]
+            else:
+                extra = go if D == H else torch.cat([go, go.new_zeros(T, B, D - H)], dim=-1)
         if T == 0:
             return self._pack(saved, top, None, None)
         G = self._scan(saved, top, extra)
         g0 = G[0].clone()
         if self.layout == "factored":
             per = len(_factored_layout(self.kind, H))
-            pre = G.stacked(range(1, per * T, per), copy=True)  # gradients of element 1 of each step: (T, B, >= G*H)
+            # gradients of element 1 of each step, the last step first: the linear scan writes them
+            # evenly spaced in that order, so this is a view of its buffer (no copy)
+            rev = G.stacked(range(per * (T - 1) + 1, 0, -per))
             if self.kind.startswith("rnn"):
-                pre_ih = pre_hh = pre
+                pre_ih = pre_hh = rev
             elif self.kind == "gru":
-                pre_hh = pre[..., : 3 * H]
+                pre_hh = rev[..., : 3 * H]
                 # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
-                dh = G.stacked(range(per, per * T + 1, per), copy=True)
-                pre_ih = torch.cat([pre[..., : 2 * H], dh * saved.coefs["dn"]], dim=-1)
+                dh = G.stacked(range(per * T, 0, -per))
+                pre_ih = torch.cat([rev[..., : 2 * H], dh * saved.coefs["dn"].flip(0)], dim=-1)
             else:
-                pre_ih = pre_hh = pre[..., : 4 * H]
+                pre_ih = pre_hh = rev[..., : 4 * H]
+            return self._pack(saved, g0, pre_ih, pre_hh, reversed_time=True)
         else:
             pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1), copy=True))
         return self._pack(saved, g0, pre_ih, pre_hh)
@@ -892,7 +897,11 @@ class RecurrentPlan:
         p = torch.cat([gc_tot * c["ci"], gc_tot * c["cf"], gc_tot * c["cg"], gh * c["co"]], dim=-1)
         return p, p
 
-    def _pack(self, saved: _Saved, g0: torch.Tensor, pre_ih, pre_hh) -> dict[str, Optional[torch.Tensor]]:
+    def _pack(self, saved: _Saved, g0: torch.Tensor, pre_ih, pre_hh,
+              reversed_time: bool = False) -> dict[str, Optional[torch.Tensor]]:
+        """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients ``(T, B, G)`` of the
+        input and hidden GEMMs; ``reversed_time``: those are given last step first, with any strides
+        (views of the scan's buffer)."""
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         params = saved.params
         out: dict[str, Optional[torch.Tensor]] = {}
@@ -900,6 +909,17 @@ class RecurrentPlan:
             out["input"] = torch.zeros_like(saved.x)
             gw_ih, gw_hh = torch.zeros_like(params[0]), torch.zeros_like(params[1])
             gb_ih = gb_hh = torch.zeros_like(params[0][:, 0])
+        elif reversed_time:
+            # one contiguous copy of each (strided views of the scan's buffer; reductions over them
+            # run ~10x slower than over the copy), then the GEMMs below with x and h_{t-1} flipped to
+            # the same time order; the input gradient is flipped back
+            pi = pre_ih.contiguous()
+            ph = pi if pre_hh is pre_ih else pre_hh.contiguous()
+            out["input"] = torch.matmul(pi, params[0]).flip(0)
+            pi, ph = pi.view(T * B, -1), ph.view(T * B, -1)
+            gw_ih = pi.t().mm(saved.x.flip(0).reshape(T * B, -1))
+            gw_hh = ph.t().mm(saved.h_prev.flip(0).reshape(T * B, -1))
+            gb_ih, gb_hh = pi.sum(0), ph.sum(0)
         else:
             # one GEMM over all T*B steps per parameter: no loop over time
             pi, ph = pre_ih.reshape(T * B, -1), pre_hh.reshape(T * B, -1)

@@ -41,9 +41,20 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["available", "gru_forward", "lstm_forward", "rnn_forward"]
+from spscan.kernels.cpu_simd import LANES
+
+# The vector operations the tiled kernel names: numba intrinsics (kernels/cpu_simd.py), bound before
+# its first compile (numba is optional and slow to import).
+vload = vstore = vmul = vmuladd = vtranspose = None
+_VECTOR_OPS = ("vload", "vstore", "vmul", "vmuladd", "vtranspose")
+
+__all__ = ["available", "gate_inputs", "gru_forward", "lstm_forward", "rnn_forward"]
 
 _numba = None  # the numba module once imported; False if it is not installed
+
+# From this batch size up the LSTM forward runs in tiles of LANES samples (vector registers across
+# the batch, kernels/cpu_simd.py); below it, a loop per sample wastes less of each tile
+TILE_MIN_BATCH = 8
 
 
 def available() -> bool:
@@ -180,8 +191,136 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
                 v[7 * H + 2 * j + 1] = e[1, p]
 
 
-def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, acc, e, bits, bitsf):  # pragma: no cover - compiled
-    # h_t = act(gi_t + h_{t-1} W_hh^T) and d_t = act'(.) (tanh: 1 - h_t^2; relu: 1 where h_t > 0)
+def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hs, vals, c_n, h, c, a, vt, e, wk, bits, bitsf):  # pragma: no cover - compiled
+    # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
+    # (9H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
+    # samples contiguous; vals: (T, 9H, B) entry-major; hs: (T, B, H), h0, c0, c_n: (B, H). e rows:
+    # expm1 arguments / results of i, f, g, o, tanh(c), then the activations in place; wk rows: a_g
+    # (its sign), c_i, c_f, c_g.
+    T, B, H = hs.shape
+    G = 4 * H
+    n = H * LANES
+    one = cst[18]
+    two = one + one
+    e4 = e[:4].reshape(-1)
+    ec = e[4]
+    hf = hs.reshape(T * B * H)
+    vf = vals.reshape(T * 9 * H * B)
+    for b0 in range(0, B, LANES):
+        nb = min(LANES, B - b0)
+        full = nb == LANES
+        for j in range(H):
+            for bb in range(LANES):
+                h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
+                c[j * LANES + bb] = c0[b0 + bb, j] if bb < nb else 0
+        for t in range(T):
+            gb = t * ts + b0
+            if full:
+                for g in range(G):
+                    vstore(a, g * LANES, vload(gif, gb + g * gs))
+            else:
+                for g in range(G):
+                    for bb in range(LANES):
+                        a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
+            # a += W_hh h_{t-1}, summed over k in ascending order; four rows at a time
+            g = 0
+            while g + 4 <= G:
+                a0 = vload(a, g * LANES)
+                a1 = vload(a, (g + 1) * LANES)
+                a2 = vload(a, (g + 2) * LANES)
+                a3 = vload(a, (g + 3) * LANES)
+                for k in range(H):
+                    x = vload(h, k * LANES)
+                    a0 = vmuladd(a0, w[g, k], x)
+                    a1 = vmuladd(a1, w[g + 1, k], x)
+                    a2 = vmuladd(a2, w[g + 2, k], x)
+                    a3 = vmuladd(a3, w[g + 3, k], x)
+                vstore(a, g * LANES, a0)
+                vstore(a, (g + 1) * LANES, a1)
+                vstore(a, (g + 2) * LANES, a2)
+                vstore(a, (g + 3) * LANES, a3)
+                g += 4
+            while g < G:
+                a0 = vload(a, g * LANES)
+                for k in range(H):
+                    a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
+                vstore(a, g * LANES, a0)
+                g += 1
+            # expm1 arguments: -a for the sigmoid gates (i, f, o), -2|a| for g
+            for p in range(n):
+                e[0, p] = -a[p]
+                e[1, p] = -a[n + p]
+                wk[0, p] = a[2 * n + p]
+                e[2, p] = -two * abs(a[2 * n + p])
+                e[3, p] = -a[3 * n + p]
+            _vexpm1_c(e4, bits, bitsf, cst, icst)
+            for p in range(n):
+                i = one / (two + e[0, p])
+                f = one / (two + e[1, p])
+                ga = -e[2, p] / (two + e[2, p])
+                gg = ga if wk[0, p] >= 0 else -ga
+                o = one / (two + e[3, p])
+                cpp = c[p]
+                cn = f * cpp + i * gg
+                wk[1, p] = gg * i * (one - i)  # c_i
+                wk[2, p] = cpp * f * (one - f)  # c_f
+                wk[3, p] = i * (one - gg * gg)  # c_g
+                c[p] = cn
+                e[4, p] = -two * abs(cn)
+                e[1, p] = f
+                e[3, p] = o
+            _vexpm1_c(ec, bits, bitsf, cst, icst)
+            for p in range(n):
+                ta = -e[4, p] / (two + e[4, p])
+                tc = ta if c[p] >= 0 else -ta
+                o = e[3, p]
+                h[p] = o * tc
+                e[0, p] = o * (one - tc * tc)  # k
+                e[2, p] = tc * o * (one - o)  # c_o
+            # the gate element's values in CSR order per unit j (see the module docstring)
+            for j in range(H):
+                q = j * LANES
+                kv = vload(e[0], q)
+                ci = vload(wk[1], q)
+                cf = vload(wk[2], q)
+                cg = vload(wk[3], q)
+                fv = vload(e[1], q)
+                vstore(vt, (2 * j) * LANES, vmul(ci, kv))
+                vstore(vt, (2 * j + 1) * LANES, ci)
+                vstore(vt, (2 * H + 2 * j) * LANES, vmul(cf, kv))
+                vstore(vt, (2 * H + 2 * j + 1) * LANES, cf)
+                vstore(vt, (4 * H + 2 * j) * LANES, vmul(cg, kv))
+                vstore(vt, (4 * H + 2 * j + 1) * LANES, cg)
+                vstore(vt, (6 * H + j) * LANES, vload(e[2], q))
+                vstore(vt, (7 * H + 2 * j) * LANES, vmul(fv, kv))
+                vstore(vt, (7 * H + 2 * j + 1) * LANES, fv)
+            vb = t * 9 * H * B + b0  # entry q of the tile at vb + q * B
+            hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
+            if full:
+                for q in range(9 * H):
+                    vstore(vf, vb + q * B, vload(vt, q * LANES))
+                j0 = 0
+                while j0 + LANES <= H:
+                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
+                    j0 += LANES
+                for j in range(j0, H):
+                    for bb in range(LANES):
+                        hf[hb + bb * H + j] = h[j * LANES + bb]
+            else:
+                for q in range(9 * H):
+                    for bb in range(nb):
+                        vf[vb + q * B + bb] = vt[q * LANES + bb]
+                for j in range(H):
+                    for bb in range(nb):
+                        hf[hb + bb * H + j] = h[j * LANES + bb]
+        for j in range(H):
+            for bb in range(nb):
+                c_n[b0 + bb, j] = c[j * LANES + bb]
+
+
+def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, ds, acc, e, bits, bitsf):  # pragma: no cover - compiled
+    # h_t = act(gi_t + h_{t-1} W_hh^T) and d_t = act'(.) (tanh: 1 - h_t^2; relu: 1 where h_t > 0);
+    # d: (T, H, B) entry-major, written from the sample-major scratch ds (B, H) once per step
     T, B, H = gi.shape
     one = cst[18]
     two = one + one
@@ -196,7 +335,7 @@ def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, acc, e, bits, bitsf):  # pra
                 for j in range(H):
                     acc[b, j] += hv * wt[kk, j]
         ht = hs[t]
-        dt = d[t]
+        dt = ds
         if relu:
             for b in range(B):
                 for j in range(H):
@@ -216,11 +355,16 @@ def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, acc, e, bits, bitsf):  # pra
                     h = ta if acc[b, j] >= zero else -ta
                     ht[b, j] = h
                     dt[b, j] = one - h * h
+        d_t = d[t]
+        for j in range(H):
+            for b in range(B):
+                d_t[j, b] = ds[b, j]
 
 
-def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, dn, acc, e, w, bits, bitsf):  # pragma: no cover - compiled
+def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bitsf):  # pragma: no cover - compiled
     # acc: (r, z, hn) pre-activations; e rows: expm1 arguments/results of r, z, then of n (-2|a_n|),
-    # row 0 holds r once it is known; w: a_n (its sign, as tanh is odd)
+    # row 0 holds r once it is known; w: a_n (its sign, as tanh is odd); d: (T, 4H, B) entry-major,
+    # written from the sample-major scratch ds (B, 4H) once per step
     T, B, G = gi.shape
     H = G // 3
     one = cst[18]
@@ -255,7 +399,7 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, dn, acc, e, w, bits, bitsf): 
                 e[2, p] = -two * abs(a)
         _vexpm1_c(en, bits, bitsf, cst, icst)
         ht = hs[t]
-        dt = d[t]
+        dt = ds
         dnt = dn[t]
         for b in range(B):
             for j in range(H):
@@ -272,10 +416,15 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, dn, acc, e, w, bits, bitsf): 
                 dt[b, 2 * H + j] = dnv * r  # dm
                 dt[b, 3 * H + j] = z
                 dnt[b, j] = dnv
+        d_t = d[t]
+        for j in range(4 * H):
+            for b in range(B):
+                d_t[j, b] = ds[b, j]
 
 
 _vexpm1_c = None
 _kernel_c = None
+_tile_kernel_c = None
 _rnn_kernel_c = None
 _gru_kernel_c = None
 
@@ -288,6 +437,18 @@ def _kernel():
         _vexpm1_c = njit(cache=True, nogil=True, error_model="numpy")(_vexpm1)
         _kernel_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_kernel)
     return _kernel_c
+
+
+def _lstm_tile_kernel_compiled():
+    global _tile_kernel_c
+    if _tile_kernel_c is None:
+        _kernel()  # compiles _vexpm1 first (the tile kernel calls it)
+        from spscan.kernels import cpu_simd
+
+        ops = cpu_simd.intrinsics()
+        globals().update({name: ops[name] for name in _VECTOR_OPS})
+        _tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_lstm_tile_kernel)
+    return _tile_kernel_c
 
 
 def _rnn_kernel_compiled():
@@ -317,7 +478,8 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     Returns:
         ``(hs (T, B, H), d (T, B, H))``: the outputs ``h_1..h_T`` and the diagonal of each step's
         ``dh_t/da_t`` (tanh: ``1 - h_t^2``; relu: ``1`` where ``h_t > 0``), the per-sample values of
-        the factored chain's second element. Of ``gi``'s dtype.
+        the factored chain's second element (a view of ``(T, H, B)`` memory: entry-major, which the
+        linear scan reads in place). Of ``gi``'s dtype.
 
     Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
     """
@@ -333,14 +495,16 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
     icst = np.array([magic_bits, bias, shift], dtype=itype)
     hs = torch.empty(T, B, H, dtype=dt)
-    d = torch.empty(T, B, H, dtype=dt)
+    # the diagonal element's values entry-major ((T, H, B) memory): the linear scan reads a tile of
+    # them in place (kernels/cpu_chain.py)
+    d = torch.empty(T, H, B, dtype=dt)
     acc = np.empty((B, H), dtype=np_dt)
     e = np.empty(B * H, dtype=np_dt)
     bits = np.empty(B * H, dtype=itype)
     _rnn_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
-                           h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(), acc, e,
-                           bits, bits.view(np_dt))
-    return hs, d
+                           h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(),
+                           np.empty((B, H), dtype=np_dt), acc, e, bits, bits.view(np_dt))
+    return hs, d.transpose(1, 2)
 
 
 def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -352,8 +516,11 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         h0, c0: ``(B, H)`` initial state.
     Returns:
         ``(hs (T, B, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
-        the gate element's values in :func:`spscan.recurrent._lstm_gate_pattern`'s CSR order. All of
-        ``gi``'s dtype (float32 or float64).
+        the gate element's values in :func:`spscan.recurrent._lstm_gate_pattern`'s CSR order (from
+        ``TILE_MIN_BATCH`` samples a view of ``(T, 9H, B)`` memory: entry-major, which the linear scan
+        reads in place; the forward then runs in tiles of ``LANES`` samples). All of ``gi``'s dtype
+        (float32 or float64). ``gi`` is read fastest as a view of ``(4H, T, B)`` memory
+        (:func:`gate_inputs`); any other layout is copied once.
 
     Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
     """
@@ -371,16 +538,47 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
     icst = np.array([magic_bits, bias, shift], dtype=itype)
     hs = torch.empty(T, B, H, dtype=dt)
-    vals = torch.empty(T, B, 9 * H, dtype=dt)
     c = torch.empty(B, H, dtype=dt)
-    acc = np.empty((B, G), dtype=np_dt)
-    e = np.empty((5, B * H), dtype=np_dt)
-    w = np.empty((4, B * H), dtype=np_dt)
-    bits = np.empty(4 * B * H, dtype=itype)
-    _kernel()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
-              h0.detach().contiguous().numpy(), c0.detach().contiguous().numpy(), cst, icst,
-              hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
-    return hs, c, vals
+    h0n, c0n = h0.detach().contiguous().numpy(), c0.detach().contiguous().numpy()
+    if B < TILE_MIN_BATCH:
+        vals = torch.empty(T, B, 9 * H, dtype=dt)
+        acc = np.empty((B, G), dtype=np_dt)
+        e = np.empty((5, B * H), dtype=np_dt)
+        w = np.empty((4, B * H), dtype=np_dt)
+        bits = np.empty(4 * B * H, dtype=itype)
+        _kernel()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
+                  hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
+        return hs, c, vals
+    # the tiles read each gate row's samples contiguously: gi as (4H, T, B) memory (gate_inputs()
+    # makes it so without a copy), else one copy here
+    gi = gi.detach()
+    if gi.stride(1) != 1 or gi.stride(0) != B or gi.stride(2) != T * B:
+        gi = gi.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    # the gate element's values entry-major, (T, 9H, B) memory viewed as (T, B, 9H): the linear
+    # scan reads a tile of them in place (kernels/cpu_chain.py)
+    vals = torch.empty(T, 9 * H, B, dtype=dt)
+    n = H * LANES
+    bits = np.empty(4 * n, dtype=itype)
+    gif = gi.permute(2, 0, 1).numpy().reshape(-1)
+    _lstm_tile_kernel_compiled()(
+        gif, T * B, B, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hs.numpy(), vals.numpy(), c.numpy(),
+        np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(G * LANES, dtype=np_dt),
+        np.empty(9 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
+        bits.view(np_dt))
+    return hs, c, vals.transpose(1, 2)
+
+
+def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x W_ih^T + bias`` as a ``(T, B, G)`` view of ``(G, T, B)`` memory, the layout the tiled forwards read.
+
+    ``x``: ``(T, B, I)``; ``w_ih``: ``(G, I)``; ``bias``: ``(G,)`` or ``None``. One GEMM,
+    ``W_ih (G, I) @ x (I, T*B)``.
+    """
+    T, B, I = x.shape
+    xs = x.detach().permute(2, 0, 1).reshape(I, T * B)
+    w = w_ih.detach()
+    out = torch.mm(w, xs) if bias is None else torch.addmm(bias.detach().unsqueeze(1), w, xs)
+    return out.view(-1, T, B).permute(1, 2, 0)
 
 
 def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
@@ -403,7 +601,8 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         of the factored chain's diagonal element, ``(dr, dz, dm, z)`` per step (``dn = (1 - z)(1 - n^2)``,
         ``dr = dn M r (1 - r)``, ``dz = (h - n) z (1 - z)``, ``dm = dn r``: ``dh'`` with respect to the
         pre-activations of ``r``, ``z`` and to ``M``); and ``dn`` (``dh'`` with respect to the input side
-        of ``n``, which the input-weight gradients need). All of ``gi``'s dtype (float32 or float64).
+        of ``n``, which the input-weight gradients need). ``d`` is a view of ``(T, 4H, B)`` memory
+        (entry-major, as :func:`rnn_forward`'s). All of ``gi``'s dtype (float32 or float64).
 
     Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
     """
@@ -427,7 +626,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
     icst = np.array([magic_bits, bias, shift], dtype=itype)
     hs = torch.empty(T, B, H, dtype=dt)
-    d = torch.empty(T, B, 4 * H, dtype=dt)
+    d = torch.empty(T, 4 * H, B, dtype=dt)  # entry-major, as rnn_forward's
     dn = torch.empty(T, B, H, dtype=dt)
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
     acc = np.empty((B, G), dtype=np_dt)
@@ -435,6 +634,6 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     w = np.empty(B * H, dtype=np_dt)
     bits = np.empty(2 * B * H, dtype=itype)
     _gru_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), bhn,
-                           h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(), dn.numpy(), acc, e,
-                           w, bits, bits.view(np_dt))
-    return hs, d, dn
+                           h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(),
+                           np.empty((B, 4 * H), dtype=np_dt), dn.numpy(), acc, e, w, bits, bits.view(np_dt))
+    return hs, d.transpose(1, 2), dn

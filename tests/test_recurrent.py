@@ -386,15 +386,17 @@ def _no_compiled_forward(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape", ["batched", "batch_first", "unbatched", "batch1_T1"])
+@pytest.mark.parametrize("shape", ["batched", "batch_first", "unbatched", "batch1_T1", "tile8", "tile16", "tile20"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_lstm_compiled_forward_equals_module_path(monkeypatch, dtype, shape, bias, with_h0):
     """The one-pass compiled forward (outputs, c_T, the gate element's values) gives the module's outputs
-    and the same gradients as the module's forward followed by the batched recomputation."""
+    and the same gradients as the module's forward followed by the batched recomputation. ``tile*``:
+    batches the forward runs in tiles of ``LANES`` samples (one partial tile, one full, full + partial),
+    whose values are stored entry-major."""
     pytest.importorskip("numba")
-    T, B = {"batch1_T1": (1, 1)}.get(shape, (13, 3))
-    m = make_module("lstm", 3, 6, batch_first=shape == "batch_first", bias=bias, dtype=dtype)
+    T, B = {"batch1_T1": (1, 1), "tile8": (9, 8), "tile16": (11, 16), "tile20": (7, 20)}.get(shape, (13, 3))
+    m = make_module("lstm", 3, 6, batch_first=shape in ("batch_first", "tile20"), bias=bias, dtype=dtype)
     x, hx = make_inputs(m, T, B, with_h0=with_h0, dtype=dtype)
     if shape == "unbatched":
         x = x[:, 0]
