@@ -703,14 +703,12 @@ class RecurrentPlan:
     def _rnn_compiled_forward(self, x: torch.Tensor, hx):
         """The RNN forward on CPU in one compiled pass that also writes the diagonal element's values
         (:func:`spscan.recurrent_cpu.rnn_forward`). Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import rnn_forward
+        from spscan.recurrent_cpu import gate_inputs, rnn_forward
 
         m = self.module
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
-        if m.bias:  # both biases enter the pre-activation: added to the input part once
-            gi = torch.addmm(params[2] + params[3], xt.reshape(T * B, -1), params[0].t()).view(T, B, -1)
-        else:
-            gi = torch.matmul(xt, params[0].t())
+        # both biases enter the pre-activation: added to the input part once
+        gi = gate_inputs(xt, params[0], params[2] + params[3] if m.bias else None)
         hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu")
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
@@ -723,17 +721,16 @@ class RecurrentPlan:
         """The GRU forward on CPU in one compiled pass that also writes the diagonal element's values
         ``(dr, dz, dm, z)`` and ``dn`` (:func:`spscan.recurrent_cpu.gru_forward`): the gates are evaluated
         once, not recomputed from the module's outputs. Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import gru_forward
+        from spscan.recurrent_cpu import gate_inputs, gru_forward
 
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         b_hn = None
         if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
-            b = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
-            gi = torch.addmm(b, xt.reshape(T * B, -1), params[0].t()).view(T, B, -1)
+            gi = gate_inputs(xt, params[0], torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]]))
             b_hn = params[3][2 * H:]
         else:
-            gi = torch.matmul(xt, params[0].t())
+            gi = gate_inputs(xt, params[0], None)
         hs, d, dn = gru_forward(gi, params[1], b_hn, h0)
         values = PeriodicValues([_gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
@@ -853,7 +850,7 @@ class RecurrentPlan:
             top[:, H:] += grad_c_n.reshape(B, H)
         extra = None
         if go is not None and T > 0:
-            if dev.type == "cpu" and T > 1 and not bool(go[:-1].ne(0).any()):
+            if dev.type == "cpu" and T > 1 and not bool(go[:-1].any()):
                 # only the last output has a gradient (a loss on the last step): it joins the top, and
                 # the scan runs without affine terms (NaN and inf are not zero: they keep them)
                 top[:, :H] += go[-1]

@@ -52,8 +52,8 @@ __all__ = ["available", "gate_inputs", "gru_forward", "lstm_forward", "rnn_forwa
 
 _numba = None  # the numba module once imported; False if it is not installed
 
-# From this batch size up the LSTM forward runs in tiles of LANES samples (vector registers across
-# the batch, kernels/cpu_simd.py); below it, a loop per sample wastes less of each tile
+# From this batch size up the LSTM, GRU and RNN forwards run in tiles of LANES samples (vector registers
+# across the batch, kernels/cpu_simd.py); below it, a loop per sample wastes less of each tile
 TILE_MIN_BATCH = 8
 
 
@@ -277,7 +277,12 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hs, vals, c_n, h, c, a,
                 h[p] = o * tc
                 e[0, p] = o * (one - tc * tc)  # k
                 e[2, p] = tc * o * (one - o)  # c_o
-            # the gate element's values in CSR order per unit j (see the module docstring)
+            # the gate element's values in CSR order per unit j (see the module docstring): entry q of
+            # the tile at vb + q * B (a full tile straight there, a partial one through vt)
+            vb = t * 9 * H * B + b0
+            out = vf if full else vt
+            ob = vb if full else 0
+            ostr = B if full else LANES
             for j in range(H):
                 q = j * LANES
                 kv = vload(e[0], q)
@@ -285,20 +290,17 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hs, vals, c_n, h, c, a,
                 cf = vload(wk[2], q)
                 cg = vload(wk[3], q)
                 fv = vload(e[1], q)
-                vstore(vt, (2 * j) * LANES, vmul(ci, kv))
-                vstore(vt, (2 * j + 1) * LANES, ci)
-                vstore(vt, (2 * H + 2 * j) * LANES, vmul(cf, kv))
-                vstore(vt, (2 * H + 2 * j + 1) * LANES, cf)
-                vstore(vt, (4 * H + 2 * j) * LANES, vmul(cg, kv))
-                vstore(vt, (4 * H + 2 * j + 1) * LANES, cg)
-                vstore(vt, (6 * H + j) * LANES, vload(e[2], q))
-                vstore(vt, (7 * H + 2 * j) * LANES, vmul(fv, kv))
-                vstore(vt, (7 * H + 2 * j + 1) * LANES, fv)
-            vb = t * 9 * H * B + b0  # entry q of the tile at vb + q * B
+                vstore(out, ob + (2 * j) * ostr, vmul(ci, kv))
+                vstore(out, ob + (2 * j + 1) * ostr, ci)
+                vstore(out, ob + (2 * H + 2 * j) * ostr, vmul(cf, kv))
+                vstore(out, ob + (2 * H + 2 * j + 1) * ostr, cf)
+                vstore(out, ob + (4 * H + 2 * j) * ostr, vmul(cg, kv))
+                vstore(out, ob + (4 * H + 2 * j + 1) * ostr, cg)
+                vstore(out, ob + (6 * H + j) * ostr, vload(e[2], q))
+                vstore(out, ob + (7 * H + 2 * j) * ostr, vmul(fv, kv))
+                vstore(out, ob + (7 * H + 2 * j + 1) * ostr, fv)
             hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
             if full:
-                for q in range(9 * H):
-                    vstore(vf, vb + q * B, vload(vt, q * LANES))
                 j0 = 0
                 while j0 + LANES <= H:
                     vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
@@ -316,6 +318,207 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hs, vals, c_n, h, c, a,
         for j in range(H):
             for bb in range(nb):
                 c_n[b0 + bb, j] = c[j * LANES + bb]
+
+
+def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hs, d, h, a, dv, e, bits, bitsf):  # pragma: no cover - compiled
+    # _rnn_kernel in tiles of LANES samples, feature-major (h, a, dv: (H, LANES)), as the LSTM's tiles:
+    # gif row j of step t at j * gs + t * ts (samples contiguous); d: (T, H, B) entry-major
+    T, B, H = hs.shape
+    n = H * LANES
+    one = cst[18]
+    two = one + one
+    zero = one - one
+    hf = hs.reshape(T * B * H)
+    df = d.reshape(T * H * B)
+    for b0 in range(0, B, LANES):
+        nb = min(LANES, B - b0)
+        full = nb == LANES
+        for j in range(H):
+            for bb in range(LANES):
+                h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
+        for t in range(T):
+            gb = t * ts + b0
+            if full:
+                for g in range(H):
+                    vstore(a, g * LANES, vload(gif, gb + g * gs))
+            else:
+                for g in range(H):
+                    for bb in range(LANES):
+                        a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
+            # a += W_hh h_{t-1}, summed over k in ascending order; four rows at a time
+            g = 0
+            while g + 4 <= H:
+                a0 = vload(a, g * LANES)
+                a1 = vload(a, (g + 1) * LANES)
+                a2 = vload(a, (g + 2) * LANES)
+                a3 = vload(a, (g + 3) * LANES)
+                for k in range(H):
+                    x = vload(h, k * LANES)
+                    a0 = vmuladd(a0, w[g, k], x)
+                    a1 = vmuladd(a1, w[g + 1, k], x)
+                    a2 = vmuladd(a2, w[g + 2, k], x)
+                    a3 = vmuladd(a3, w[g + 3, k], x)
+                vstore(a, g * LANES, a0)
+                vstore(a, (g + 1) * LANES, a1)
+                vstore(a, (g + 2) * LANES, a2)
+                vstore(a, (g + 3) * LANES, a3)
+                g += 4
+            while g < H:
+                a0 = vload(a, g * LANES)
+                for k in range(H):
+                    a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
+                vstore(a, g * LANES, a0)
+                g += 1
+            if relu:
+                for p in range(n):
+                    av = a[p]
+                    hv = zero if av <= zero else av  # NaN stays NaN, as torch.relu
+                    h[p] = hv
+                    dv[p] = one if hv > zero else zero
+            else:
+                for p in range(n):
+                    e[p] = -two * abs(a[p])
+                _vexpm1_c(e, bits, bitsf, cst, icst)
+                for p in range(n):
+                    q = e[p]
+                    ta = -q / (two + q)
+                    hv = ta if a[p] >= zero else -ta
+                    h[p] = hv
+                    dv[p] = one - hv * hv
+            db = t * H * B + b0  # unit j of the tile at db + j * B
+            hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
+            if full:
+                for j in range(H):
+                    vstore(df, db + j * B, vload(dv, j * LANES))
+                j0 = 0
+                while j0 + LANES <= H:
+                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
+                    j0 += LANES
+                for j in range(j0, H):
+                    for bb in range(LANES):
+                        hf[hb + bb * H + j] = h[j * LANES + bb]
+            else:
+                for j in range(H):
+                    for bb in range(nb):
+                        df[db + j * B + bb] = dv[j * LANES + bb]
+                        hf[hb + bb * H + j] = h[j * LANES + bb]
+
+
+def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hs, d, dn, h, a, e, wn, bits, bitsf):  # pragma: no cover - compiled
+    # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
+    # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) and dn: (T, H, B) entry-major.
+    # a rows: r, z (pre-activations), then hn = b_hn + W_hn h; e rows: expm1 arguments / results of
+    # r, z, then of n (-2|a_n|), row 0 holds r once it is known; wn: a_n (its sign, as tanh is odd)
+    T, B, H = hs.shape
+    G = 3 * H
+    n = H * LANES
+    one = cst[18]
+    two = one + one
+    e2 = e[:2].reshape(-1)
+    en = e[2]
+    hf = hs.reshape(T * B * H)
+    df = d.reshape(T * 4 * H * B)
+    dnf = dn.reshape(T * H * B)
+    for b0 in range(0, B, LANES):
+        nb = min(LANES, B - b0)
+        full = nb == LANES
+        for j in range(H):
+            for bb in range(LANES):
+                h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
+        for t in range(T):
+            gb = t * ts + b0
+            for g in range(2 * H):
+                if full:
+                    vstore(a, g * LANES, vload(gif, gb + g * gs))
+                else:
+                    for bb in range(LANES):
+                        a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
+            for j in range(H):
+                for bb in range(LANES):
+                    a[(2 * H + j) * LANES + bb] = bhn[j]
+            # (r, z) += W_h(r,z) h; hn += W_hn h; summed over k in ascending order, four rows at a time
+            g = 0
+            while g + 4 <= G:
+                a0 = vload(a, g * LANES)
+                a1 = vload(a, (g + 1) * LANES)
+                a2 = vload(a, (g + 2) * LANES)
+                a3 = vload(a, (g + 3) * LANES)
+                for k in range(H):
+                    x = vload(h, k * LANES)
+                    a0 = vmuladd(a0, w[g, k], x)
+                    a1 = vmuladd(a1, w[g + 1, k], x)
+                    a2 = vmuladd(a2, w[g + 2, k], x)
+                    a3 = vmuladd(a3, w[g + 3, k], x)
+                vstore(a, g * LANES, a0)
+                vstore(a, (g + 1) * LANES, a1)
+                vstore(a, (g + 2) * LANES, a2)
+                vstore(a, (g + 3) * LANES, a3)
+                g += 4
+            while g < G:
+                a0 = vload(a, g * LANES)
+                for k in range(H):
+                    a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
+                vstore(a, g * LANES, a0)
+                g += 1
+            for p in range(n):
+                e[0, p] = -a[p]
+                e[1, p] = -a[n + p]
+            _vexpm1_c(e2, bits, bitsf, cst, icst)
+            for j in range(H):  # the input side of n, gi_n, into wn
+                if full:
+                    vstore(wn, j * LANES, vload(gif, gb + (2 * H + j) * gs))
+                else:
+                    for bb in range(LANES):
+                        wn[j * LANES + bb] = gif[gb + (2 * H + j) * gs + bb] if bb < nb else 0
+            for p in range(n):
+                r = one / (two + e[0, p])
+                av = wn[p] + r * a[2 * n + p]  # as torch: i_n + (h_n * r)
+                e[0, p] = r
+                wn[p] = av
+                e[2, p] = -two * abs(av)
+            _vexpm1_c(en, bits, bitsf, cst, icst)
+            # d rows (dr, dz, dm, z) and dn, per unit, into a's rows 0 .. 4H (a is spent)
+            for p in range(n):
+                r = e[0, p]
+                z = one / (two + e[1, p])
+                ta = -e[2, p] / (two + e[2, p])
+                nv = ta if wn[p] >= 0 else -ta
+                hp = h[p]
+                diff = hp - nv
+                hn = a[2 * n + p]
+                dnv = (one - z) * (one - nv * nv)
+                h[p] = diff * z + nv  # as torch's CPU cell: (h - n) * z + n
+                a[p] = dnv * hn * r * (one - r)  # dr
+                a[n + p] = diff * z * (one - z)  # dz
+                a[2 * n + p] = dnv * r  # dm
+                e[1, p] = z
+                e[2, p] = dnv
+            db = t * 4 * H * B + b0  # row q of the tile at db + q * B
+            nb_ = t * H * B + b0
+            hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
+            if full:
+                for q in range(3 * H):
+                    vstore(df, db + q * B, vload(a, q * LANES))
+                for j in range(H):
+                    vstore(df, db + (3 * H + j) * B, vload(e[1], j * LANES))
+                    vstore(dnf, nb_ + j * B, vload(e[2], j * LANES))
+                j0 = 0
+                while j0 + LANES <= H:
+                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
+                    j0 += LANES
+                for j in range(j0, H):
+                    for bb in range(LANES):
+                        hf[hb + bb * H + j] = h[j * LANES + bb]
+            else:
+                for j in range(H):
+                    for bb in range(nb):
+                        q = j * LANES + bb
+                        df[db + j * B + bb] = a[q]
+                        df[db + (H + j) * B + bb] = a[n + q]
+                        df[db + (2 * H + j) * B + bb] = a[2 * n + q]
+                        df[db + (3 * H + j) * B + bb] = e[1, q]
+                        dnf[nb_ + j * B + bb] = e[2, q]
+                        hf[hb + bb * H + j] = h[q]
 
 
 def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, ds, acc, e, bits, bitsf):  # pragma: no cover - compiled
@@ -425,6 +628,8 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 _vexpm1_c = None
 _kernel_c = None
 _tile_kernel_c = None
+_rnn_tile_kernel_c = None
+_gru_tile_kernel_c = None
 _rnn_kernel_c = None
 _gru_kernel_c = None
 
@@ -449,6 +654,22 @@ def _lstm_tile_kernel_compiled():
         globals().update({name: ops[name] for name in _VECTOR_OPS})
         _tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_lstm_tile_kernel)
     return _tile_kernel_c
+
+
+def _rnn_tile_kernel_compiled():
+    global _rnn_tile_kernel_c
+    if _rnn_tile_kernel_c is None:
+        _lstm_tile_kernel_compiled()  # binds the vector operations, compiles _vexpm1
+        _rnn_tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_rnn_tile_kernel)
+    return _rnn_tile_kernel_c
+
+
+def _gru_tile_kernel_compiled():
+    global _gru_tile_kernel_c
+    if _gru_tile_kernel_c is None:
+        _lstm_tile_kernel_compiled()  # binds the vector operations, compiles _vexpm1
+        _gru_tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_gru_tile_kernel)
+    return _gru_tile_kernel_c
 
 
 def _rnn_kernel_compiled():
@@ -498,6 +719,15 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     # the diagonal element's values entry-major ((T, H, B) memory): the linear scan reads a tile of
     # them in place (kernels/cpu_chain.py)
     d = torch.empty(T, H, B, dtype=dt)
+    if B >= TILE_MIN_BATCH:
+        gi = _gate_major(gi)
+        n = H * LANES
+        bits = np.empty(n, dtype=itype)
+        _rnn_tile_kernel_compiled()(
+            gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(),
+            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(), np.empty(n, dtype=np_dt),
+            np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), bits, bits.view(np_dt))
+        return hs, d.transpose(1, 2)
     acc = np.empty((B, H), dtype=np_dt)
     e = np.empty(B * H, dtype=np_dt)
     bits = np.empty(B * H, dtype=itype)
@@ -549,11 +779,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         _kernel()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
                   hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
         return hs, c, vals
-    # the tiles read each gate row's samples contiguously: gi as (4H, T, B) memory (gate_inputs()
-    # makes it so without a copy), else one copy here
-    gi = gi.detach()
-    if gi.stride(1) != 1 or gi.stride(0) != B or gi.stride(2) != T * B:
-        gi = gi.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    gi = _gate_major(gi)
     # the gate element's values entry-major, (T, 9H, B) memory viewed as (T, B, 9H): the linear
     # scan reads a tile of them in place (kernels/cpu_chain.py)
     vals = torch.empty(T, 9 * H, B, dtype=dt)
@@ -566,6 +792,16 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         np.empty(9 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
         bits.view(np_dt))
     return hs, c, vals.transpose(1, 2)
+
+
+def _gate_major(gi: torch.Tensor) -> torch.Tensor:
+    """``gi`` ``(T, B, G)`` as a view of ``(G, T, B)`` memory, the layout the tiles read (each gate row's
+    samples contiguous): as it is when it already is (:func:`gate_inputs`), else one copy."""
+    T, B, G = gi.shape
+    gi = gi.detach()
+    if gi.stride(1) != 1 or gi.stride(0) != B or gi.stride(2) != T * B:
+        gi = gi.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    return gi
 
 
 def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -627,8 +863,19 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     icst = np.array([magic_bits, bias, shift], dtype=itype)
     hs = torch.empty(T, B, H, dtype=dt)
     d = torch.empty(T, 4 * H, B, dtype=dt)  # entry-major, as rnn_forward's
-    dn = torch.empty(T, B, H, dtype=dt)
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
+    if B >= TILE_MIN_BATCH:
+        dn = torch.empty(T, H, B, dtype=dt)
+        gi = _gate_major(gi)
+        n = H * LANES
+        bits = np.empty(2 * n, dtype=itype)
+        _gru_tile_kernel_compiled()(
+            gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(), bhn,
+            h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
+            np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
+            bits.view(np_dt))
+        return hs, d.transpose(1, 2), dn.transpose(1, 2)
+    dn = torch.empty(T, B, H, dtype=dt)
     acc = np.empty((B, G), dtype=np_dt)
     e = np.empty((3, B * H), dtype=np_dt)
     w = np.empty(B * H, dtype=np_dt)

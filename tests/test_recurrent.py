@@ -443,15 +443,16 @@ def test_lstm_compiled_forward_saturated_gates():
 
 @pytest.mark.parametrize("kind", ["rnn_tanh", "rnn_relu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape", ["batched", "batch_first", "unbatched", "batch1_T1"])
+@pytest.mark.parametrize("shape", ["batched", "batch_first", "unbatched", "batch1_T1", "tile8", "tile16", "tile20"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_rnn_compiled_forward_equals_module_path(monkeypatch, kind, dtype, shape, bias, with_h0):
     """The RNN's one-pass compiled forward (outputs and the diagonal element's values) gives the module's
-    outputs and the same gradients as the module's forward followed by the batched recomputation."""
+    outputs and the same gradients as the module's forward followed by the batched recomputation
+    (``tile*``: the forward in tiles of ``LANES`` samples, as the LSTM test says)."""
     pytest.importorskip("numba")
-    T, B = {"batch1_T1": (1, 1)}.get(shape, (13, 3))
-    m = make_module(kind, 3, 6, batch_first=shape == "batch_first", bias=bias, dtype=dtype)
+    T, B = {"batch1_T1": (1, 1), "tile8": (9, 8), "tile16": (11, 16), "tile20": (7, 20)}.get(shape, (13, 3))
+    m = make_module(kind, 3, 6, batch_first=shape in ("batch_first", "tile20"), bias=bias, dtype=dtype)
     x, hx = make_inputs(m, T, B, with_h0=with_h0, dtype=dtype)
     if shape == "unbatched":
         x = x[:, 0]
@@ -547,3 +548,31 @@ def test_lstm_changing_batch_and_length_equals_autograd():
         got = grads_of(w, m, x, hx, loss)
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape and rel_err(a, b) <= 1e-12, (B, T, i)
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("B", [3, 16])
+def test_gradient_on_the_last_output_only(kind, B):
+    """An output gradient that is zero but at the last step (a loss on ``out[:, -1]``) joins the top of the
+    scan, which then runs without affine terms; NaN at an earlier step is not zero and reaches the
+    gradients as under autograd."""
+    m = make_module(kind, 2, 5, batch_first=True, bias=True)
+    x, hx = make_inputs(m, 9, B, with_h0=True, dtype=torch.float64, seed=4)
+    w = wrap_recurrent(m, x)
+    g = torch.zeros(B, 9, 5, dtype=torch.float64)
+    g[:, -1] = torch.randn(B, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for poison in (False, True):
+        if poison:
+            g[1, 2, 3] = float("nan")
+        res = []
+        for f in (m, w):
+            xi = x.detach().clone().requires_grad_(True)
+            for p in m.parameters():
+                p.grad = None
+            f(xi, hx)[0].backward(g)
+            res.append([xi.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+        for a, b in zip(res[1], res[0]):
+            assert torch.equal(a.isnan(), b.isnan()), (kind, poison)
+            fin = ~b.isnan()
+            assert poison or fin.all()
+            assert rel_err(a[fin], b[fin]) <= 1e-12 if fin.any() else True, (kind, poison)

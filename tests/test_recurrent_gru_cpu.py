@@ -26,6 +26,10 @@ SHAPES = {  # name: (T, B, batch_first, unbatched)
     "T1": (1, 4, False, False),
     "batch1_T1": (1, 1, True, False),
     "even_T": (8, 2, False, False),
+    # the forward in tiles of LANES samples: one partial tile, one full, full + partial
+    "tile8": (9, 8, False, False),
+    "tile16": (11, 16, True, False),
+    "tile20": (7, 20, False, False),
 }
 
 
@@ -168,12 +172,13 @@ def test_gru_compiled_forward_saturated_and_tiny():
 
 
 @needs_numba
-def test_gru_compiled_forward_nan_and_inf():
+@pytest.mark.parametrize("B", [2, 16])
+def test_gru_compiled_forward_nan_and_inf(B):
     """A NaN input spreads through its sample as in the module (the expm1 clamp does not hide it); an infinite
-    one saturates the gates the same way."""
+    one saturates the gates the same way (B = 16: the tiled forward)."""
     m = make_gru(2, 4, batch_first=False, bias=True, dtype=torch.float64)
     for bad in (float("nan"), float("inf"), -float("inf")):
-        x, hx = make_inputs(m, 6, 2, unbatched=False, with_h0=True, dtype=torch.float64)
+        x, hx = make_inputs(m, 6, B, unbatched=False, with_h0=True, dtype=torch.float64)
         x[2, 1, 0] = bad
         plan = plan_recurrent(m, x)
         assert plan._compiled_forward_applies(x, hx)
@@ -222,6 +227,9 @@ CASES = [  # (shape, bias, with_h0, loss)
     ("batch1_T1", True, True, "every"),
     ("even_T", True, False, "final"),
     ("batched", False, True, "both"),
+    ("tile16", True, True, "every"),
+    ("tile20", False, True, "last"),
+    ("tile8", True, False, "both"),
 ]
 
 
