@@ -41,11 +41,11 @@ Chain layouts (``layout=``):
   materialized backward faster and its forward slower; the factored chain wins as H grows: at H=64 the
   materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
   Against autograd (``bench/test_recurrent_step.py``: ``nn.LSTM(1, 20)``, B=16, loss on the last
-  output, one thread, ``process_time``, medians of 11 interleaved pairs, load ~15-19 on the 2
-  cores), autograd time / spscan time for forward, backward, step: T=1000 0.48, 0.26, 0.31;
-  T=3000 0.96, 0.53, 0.51; T=10000 0.76, 0.45, 0.50. Autograd's CPU LSTM is oneDNN's fused
-  forward and backward; here the linear scan over the two elements per step is most of the
-  backward (its per-sample sparse element above all).
+  output, one thread, ``process_time``, medians of 11 interleaved pairs, quiet machine), autograd
+  time / spscan time for forward, backward, step: T=1000 0.87, 0.71, 0.78; T=3000 0.73, 1.42, 0.99;
+  T=10000 0.75, 1.39, 1.10. Autograd's CPU LSTM is oneDNN's fused forward and backward; here the
+  forward and the linear scan run in tiles of 16 samples held in vector registers, and the
+  per-sample gate values are stored entry-major so the scan reads them in place.
 
 The forward (``forward=``): ``"sequential"`` runs the module's own forward (cuDNN on GPU);
 ``"newton"`` solves the recurrence for all steps at once by Newton iterations whose linear solve

@@ -21,6 +21,13 @@ and writes ``h_t`` and the per-sample values of the step's gate element
 (:func:`spscan.recurrent._lstm_gate_pattern`: ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]``,
 ``co``, ``[f k, f]`` per unit), so the gates are evaluated once and ``c_t`` comes from the forward.
 
+Tiles: from ``TILE_MIN_BATCH`` samples up each forward runs the batch in tiles of ``LANES`` samples,
+feature-major (unit ``j`` of a tile is one vector of ``LANES`` samples, :mod:`spscan.kernels.cpu_simd`),
+so the hidden-state product is four register accumulators per pass over ``h`` and the elementwise
+work runs over whole tiles; the gate inputs are read from ``(G, T, B)`` memory (:func:`gate_inputs`)
+and the chain values written entry-major (``(T, nnz, B)`` memory, returned as ``(T, B, nnz)`` views),
+which the linear scan reads in place. Below ``TILE_MIN_BATCH`` a loop per sample runs (same sums).
+
 Why compiled, and why its own ``exp``: the step is tiny (B x 4H x H multiply-adds, B*5H
 transcendentals), so a loop of torch calls is bound by per-call overhead; and a compiled loop
 calling libm's ``exp``/``tanh`` per element spends ~10-40 ns on each (they do not vectorize), which
