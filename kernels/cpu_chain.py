@@ -31,10 +31,13 @@ Loop order: the batch runs in tiles of ``LANES`` samples (:mod:`.cpu_simd`), eac
 whole run before the next (a tile's running vector stays in L1). Within a tile the running vector
 is feature-major (row ``i`` of ``y`` is one vector of ``LANES`` samples), so every step is, per
 output row, one vector accumulator in a register: a shared dense or CSR row adds ``w * y[col]``
-per stored entry, four rows of one length at a time (four independent accumulators); a
-per-sample dense or CSR row first copies its values entry-major (``(n, LANES)``, read sample by
-sample), then adds ``values * y[col]`` per entry. Each output is summed in ascending stored order
-lane by lane, so a sample's result does not depend on the batch size or its tile.
+per stored entry, four rows of one length at a time (four independent accumulators; rows that
+share one column list read each column's vector once); a per-sample dense or CSR row adds
+``values * y[col]``, its values read in place when they are stored entry-major (``bstride`` 1) and
+the tile is full, else first copied entry-major (``(n, LANES)``, a step or a row at a time). Each
+output is summed in ascending stored order lane by lane, so a sample's result does not depend on
+the batch size or its tile. The outputs a few steps ahead are prefetched: the sample-major buffer's
+``LANES`` rows lie far apart, and the hardware prefetchers do not fetch them early.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Fixed-width SIMD vectors for the compiled CPU kernels: ``LANES`` samples of a batch in one register value.
 
 Why this exists: the compiled loops (:mod:`.cpu_chain`, :mod:`spscan.recurrent_cpu`) work on a
-tile of ``LANES`` samples at a time, and numba leaves short fixed-count loops scalar: it turns off
-LLVM's SLP vectorizer by default, and its loop vectorizer sends a 16-trip loop to the scalar
-remainder (it vectorizes 16 lanes x 4 interleaved). Measured on one core (AMD EPYC, AVX-512): a
+tile of ``LANES`` samples at a time, and numba leaves such short loops scalar: it turns off LLVM's
+SLP vectorizer by default (a loop of constant count 16 is unrolled into scalar code), and a loop
+of 16 iterations with a run-time count ran at scalar speed too (the vectorized body covers more
+iterations than that; the remainder is scalar). Measured on one core (AMD EPYC, AVX-512): a
 20x80 matrix times 16 columns took 4.1 us as a numba loop over the 16 samples, 0.95 us through
 ``np.dot`` (OpenBLAS), and 0.30 us with the accumulators below (float64: 0.41 us).
 
@@ -41,7 +42,7 @@ def intrinsics() -> dict[str, Any]:
     ``vtranspose(src, sb, ss, dst, db, ds)``: the ``LANES x LANES`` block whose row ``r`` is
     ``src[sb + r * ss :][:LANES]`` is written transposed, column ``c`` to ``dst[db + c * ds :][:LANES]``
     (``log2(LANES)`` rounds of perfect shuffles in registers, instead of ``LANES^2`` scalar moves);
-    ``vtranspose_add`` adds it there instead.
+    ``vtranspose_add`` adds it there instead; ``prefetch(a, i)``: a hint that ``a[i]`` will be written.
     """
     if not _ops:
         _ops.update(_build())
@@ -51,7 +52,6 @@ def intrinsics() -> dict[str, Any]:
 def _build() -> dict[str, Any]:
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.extending import intrinsic, models, register_model
 
     class VecType(types.Type):
@@ -195,8 +195,9 @@ def _build() -> dict[str, Any]:
             data = context.make_array(sig.args[0])(context, builder, args[0]).data
             ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
             i32 = ir.IntType(32)
+            # named by llvmlite from the pointer type (".p0i8"; LLVM with opaque pointers reads it as ".p0")
             fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
             builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             return context.get_dummy_value()
 

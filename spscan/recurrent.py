@@ -271,11 +271,29 @@ class _Saved:
     """What the backward needs from one forward: time-major tensors and the chain's values.
 
     ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}``, gate coefficients per kind,
-    ``values`` (the chain's Jacobian values) and the sizes.
+    ``values`` (the chain's Jacobian values) and the sizes. The compiled forwards save
+    ``h_prev_rev`` = ``h_{T-1}, ..., h_0`` instead (the order the backward's GEMMs read; a copy, not
+    a view of the outputs, which the caller may change in place); ``h_prev`` is then made on first use.
     """
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
+
+    def __getattr__(self, name: str):
+        if name == "h_prev" and "h_prev_rev" in self.__dict__:
+            self.h_prev = self.h_prev_rev.flip(0)
+            return self.h_prev
+        raise AttributeError(name)
+
+    def h_prev_reversed(self) -> torch.Tensor:
+        """``h_{T-1}, ..., h_0`` (T, B, H)."""
+        rev = self.__dict__.get("h_prev_rev")
+        return rev if rev is not None else self.h_prev.flip(0)
+
+
+def _h_prev_reversed(hs: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """``h_{T-1}, ..., h_0`` from the outputs ``hs`` (T, B, H) (any strides) and ``h0`` (B, H): one copy."""
+    return torch.cat([hs[:-1].flip(0), h0.unsqueeze(0)], dim=0)
 
 
 def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
@@ -677,10 +695,14 @@ class RecurrentPlan:
         h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
         return xt, T, B, unbatched, params, h0, c0
 
-    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):
-        """The module's output layout for the hidden states ``hs`` ``(T, B, H)``, and the shape of its ``h_n``."""
-        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1).contiguous() if self.module.batch_first else hs)
-        return out, ((1, self.hidden_size) if unbatched else (1, hs.shape[1], self.hidden_size))
+    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool, h0: torch.Tensor):
+        """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
+        the forward wrote them, else ``(T, B, H)``): the module's output, ``h_n`` and ``h_{T-1} .. h_0``."""
+        batch_first = self.module.batch_first and not unbatched
+        time_major = hs.transpose(0, 1) if batch_first else hs
+        out = hs.squeeze(1) if unbatched else hs
+        shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
+        return out, time_major[-1].reshape(shape).clone(), _h_prev_reversed(time_major, h0)
 
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
@@ -691,14 +713,13 @@ class RecurrentPlan:
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
         # both biases enter every gate pre-activation: added to the input part once
         gi = gate_inputs(xt, params[0], params[2] + params[3] if m.bias else None)
-        hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0)
+        hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched)
         shared = _lstm_weight_values(params[1], H)
         values = PeriodicValues([shared, gate_values], T)
-        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev_rev = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev_rev=h_prev_rev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out, shape = self._compiled_outputs(hs, unbatched)
-        return (out, (hs[-1].reshape(shape).clone(), c_n.reshape(shape))), saved
+        return (out, (h_n, c_n.reshape(h_n.shape))), saved
 
     def _rnn_compiled_forward(self, x: torch.Tensor, hx):
         """The RNN forward on CPU in one compiled pass that also writes the diagonal element's values
@@ -709,13 +730,13 @@ class RecurrentPlan:
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         # both biases enter the pre-activation: added to the input part once
         gi = gate_inputs(xt, params[0], params[2] + params[3] if m.bias else None)
-        hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu")
+        hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
+                            batch_first=m.batch_first and not unbatched)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
-        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev_rev = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev_rev=h_prev_rev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out, shape = self._compiled_outputs(hs, unbatched)
-        return (out, hs[-1].reshape(shape).clone()), saved
+        return (out, h_n), saved
 
     def _gru_compiled_forward(self, x: torch.Tensor, hx):
         """The GRU forward on CPU in one compiled pass that also writes the diagonal element's values
@@ -731,13 +752,12 @@ class RecurrentPlan:
             b_hn = params[3][2 * H:]
         else:
             gi = gate_inputs(xt, params[0], None)
-        hs, d, dn = gru_forward(gi, params[1], b_hn, h0)
+        hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched)
         values = PeriodicValues([_gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
-        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev_rev = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev_rev=h_prev_rev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out, shape = self._compiled_outputs(hs, unbatched)
-        return (out, hs[-1].reshape(shape).clone()), saved
+        return (out, h_n), saved
 
     def _newton_forward(self, x: torch.Tensor, hx):
         """Newton forward; ``(outputs, saved)`` with the converged iteration's Jacobians, or ``None`` (warned)."""
@@ -915,7 +935,7 @@ class RecurrentPlan:
             out["input"] = torch.matmul(pi, params[0]).flip(0)
             pi, ph = pi.view(T * B, -1), ph.view(T * B, -1)
             gw_ih = pi.t().mm(saved.x.flip(0).reshape(T * B, -1))
-            gw_hh = ph.t().mm(saved.h_prev.flip(0).reshape(T * B, -1))
+            gw_hh = ph.t().mm(saved.h_prev_reversed().reshape(T * B, -1))
             gb_ih, gb_hh = pi.sum(0), ph.sum(0)
         else:
             # one GEMM over all T*B steps per parameter: no loop over time

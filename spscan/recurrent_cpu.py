@@ -213,20 +213,20 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
                 v[7 * H + 2 * j + 1] = e[1, p]
 
 
-def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hs, vals, c_n, h, c, a, vt, e, wk, bits, bitsf):  # pragma: no cover - compiled
+def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits, bitsf):  # pragma: no cover - compiled
     # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
     # (9H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
     # samples contiguous; vals: (T, 9H, B) entry-major; hs: (T, B, H), h0, c0, c_n: (B, H). e rows:
     # expm1 arguments / results of i, f, g, o, tanh(c), then the activations in place; wk rows: a_g
     # (its sign), c_i, c_f, c_g.
-    T, B, H = hs.shape
+    T, H9, B = vals.shape
+    H = H9 // 9
     G = 4 * H
     n = H * LANES
     one = cst[18]
     two = one + one
     e4 = e[:4].reshape(-1)
     ec = e[4]
-    hf = hs.reshape(T * B * H)
     vf = vals.reshape(T * 9 * H * B)
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
@@ -321,36 +321,35 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hs, vals, c_n, h, c, a,
                 vstore(out, ob + (6 * H + j) * ostr, vload(e[2], q))
                 vstore(out, ob + (7 * H + 2 * j) * ostr, vmul(fv, kv))
                 vstore(out, ob + (7 * H + 2 * j + 1) * ostr, fv)
-            hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
+            hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
             if full:
                 j0 = 0
                 while j0 + LANES <= H:
-                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
+                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
                     j0 += LANES
                 for j in range(j0, H):
                     for bb in range(LANES):
-                        hf[hb + bb * H + j] = h[j * LANES + bb]
+                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
             else:
                 for q in range(9 * H):
                     for bb in range(nb):
                         vf[vb + q * B + bb] = vt[q * LANES + bb]
                 for j in range(H):
                     for bb in range(nb):
-                        hf[hb + bb * H + j] = h[j * LANES + bb]
+                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
         for j in range(H):
             for bb in range(nb):
                 c_n[b0 + bb, j] = c[j * LANES + bb]
 
 
-def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hs, d, h, a, dv, e, bits, bitsf):  # pragma: no cover - compiled
+def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a, dv, e, bits, bitsf):  # pragma: no cover - compiled
     # _rnn_kernel in tiles of LANES samples, feature-major (h, a, dv: (H, LANES)), as the LSTM's tiles:
     # gif row j of step t at j * gs + t * ts (samples contiguous); d: (T, H, B) entry-major
-    T, B, H = hs.shape
+    T, H, B = d.shape
     n = H * LANES
     one = cst[18]
     two = one + one
     zero = one - one
-    hf = hs.reshape(T * B * H)
     df = d.reshape(T * H * B)
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
@@ -408,37 +407,36 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hs, d, h, a, dv, e, bi
                     h[p] = hv
                     dv[p] = one - hv * hv
             db = t * H * B + b0  # unit j of the tile at db + j * B
-            hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
+            hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
             if full:
                 for j in range(H):
                     vstore(df, db + j * B, vload(dv, j * LANES))
                 j0 = 0
                 while j0 + LANES <= H:
-                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
+                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
                     j0 += LANES
                 for j in range(j0, H):
                     for bb in range(LANES):
-                        hf[hb + bb * H + j] = h[j * LANES + bb]
+                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
             else:
                 for j in range(H):
                     for bb in range(nb):
                         df[db + j * B + bb] = dv[j * LANES + bb]
-                        hf[hb + bb * H + j] = h[j * LANES + bb]
+                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
 
 
-def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hs, d, dn, h, a, e, wn, bits, bitsf):  # pragma: no cover - compiled
+def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits, bitsf):  # pragma: no cover - compiled
     # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
     # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) and dn: (T, H, B) entry-major.
     # a rows: r, z (pre-activations), then hn = b_hn + W_hn h; e rows: expm1 arguments / results of
     # r, z, then of n (-2|a_n|), row 0 holds r once it is known; wn: a_n (its sign, as tanh is odd)
-    T, B, H = hs.shape
+    T, H, B = dn.shape
     G = 3 * H
     n = H * LANES
     one = cst[18]
     two = one + one
     e2 = e[:2].reshape(-1)
     en = e[2]
-    hf = hs.reshape(T * B * H)
     df = d.reshape(T * 4 * H * B)
     dnf = dn.reshape(T * H * B)
     for b0 in range(0, B, LANES):
@@ -517,7 +515,7 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hs, d, dn, h, a, e, wn,
                 e[2, p] = dnv
             db = t * 4 * H * B + b0  # row q of the tile at db + q * B
             nb_ = t * H * B + b0
-            hb = t * B * H + b0 * H  # unit j of sample bb at hb + bb * H + j
+            hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
             if full:
                 for q in range(3 * H):
                     vstore(df, db + q * B, vload(a, q * LANES))
@@ -526,11 +524,11 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hs, d, dn, h, a, e, wn,
                     vstore(dnf, nb_ + j * B, vload(e[2], j * LANES))
                 j0 = 0
                 while j0 + LANES <= H:
-                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, H)
+                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
                     j0 += LANES
                 for j in range(j0, H):
                     for bb in range(LANES):
-                        hf[hb + bb * H + j] = h[j * LANES + bb]
+                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
             else:
                 for j in range(H):
                     for bb in range(nb):
@@ -540,7 +538,7 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hs, d, dn, h, a, e, wn,
                         df[db + (2 * H + j) * B + bb] = a[2 * n + q]
                         df[db + (3 * H + j) * B + bb] = e[1, q]
                         dnf[nb_ + j * B + bb] = e[2, q]
-                        hf[hb + bb * H + j] = h[q]
+                        hf[hb + bb * hbs + j] = h[q]
 
 
 def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, ds, acc, e, bits, bitsf):  # pragma: no cover - compiled
@@ -710,7 +708,8 @@ def _gru_kernel_compiled():
     return _gru_kernel_c
 
 
-def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool,
+                batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Elman RNN recurrence (tanh or relu) on CPU in one compiled pass.
 
     Args:
@@ -718,8 +717,10 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
         w_hh: ``(H, H)`` the module's ``weight_hh_l0``.
         h0: ``(B, H)`` initial state.
         relu: ``nonlinearity="relu"`` (else tanh, through the same ``expm1`` as the LSTM's).
+        batch_first: return ``hs`` as ``(B, T, H)`` (the module's batch-first output; the tiles
+            write it so directly).
     Returns:
-        ``(hs (T, B, H), d (T, B, H))``: the outputs ``h_1..h_T`` and the diagonal of each step's
+        ``(hs (T, B, H) or (B, T, H), d (T, B, H))``: the outputs ``h_1..h_T`` and the diagonal of each step's
         ``dh_t/da_t`` (tanh: ``1 - h_t^2``; relu: ``1`` where ``h_t > 0``), the per-sample values of
         the factored chain's second element (a view of ``(T, H, B)`` memory: entry-major, which the
         linear scan reads in place). Of ``gi``'s dtype.
@@ -736,7 +737,6 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     np_dt = np.float32 if dt == torch.float32 else np.float64
     itype = _INT[np_dt][0]
     cst, icst = _expm1_consts(np_dt)
-    hs = torch.empty(T, B, H, dtype=dt)
     # the diagonal element's values entry-major ((T, H, B) memory): the linear scan reads a tile of
     # them in place (kernels/cpu_chain.py)
     d = torch.empty(T, H, B, dtype=dt)
@@ -744,29 +744,33 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
         gi = _gate_major(gi)
         n = H * LANES
         bits = np.empty(n, dtype=itype)
+        hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
         _rnn_tile_kernel_compiled()(
             gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(),
-            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(), np.empty(n, dtype=np_dt),
+            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hf, hts, hbs, d.numpy(), np.empty(n, dtype=np_dt),
             np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), bits, bits.view(np_dt))
         return hs, d.transpose(1, 2)
+    hs = torch.empty(T, B, H, dtype=dt)
     acc = np.empty((B, H), dtype=np_dt)
     e = np.empty(B * H, dtype=np_dt)
     bits = np.empty(B * H, dtype=itype)
     _rnn_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
                            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(),
                            np.empty((B, H), dtype=np_dt), acc, e, bits, bits.view(np_dt))
-    return hs, d.transpose(1, 2)
+    return _as_layout(hs, batch_first), d.transpose(1, 2)
 
 
-def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
+                 batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The LSTM recurrence on CPU in one compiled pass.
 
     Args:
         gi: ``(T, B, 4H)`` input part of the gate pre-activations, ``x W_ih^T + b_ih + b_hh``.
         w_hh: ``(4H, H)`` the module's ``weight_hh_l0``.
         h0, c0: ``(B, H)`` initial state.
+        batch_first: as :func:`rnn_forward`'s.
     Returns:
-        ``(hs (T, B, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
+        ``(hs (T, B, H) or (B, T, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
         the gate element's values in :func:`spscan.recurrent._lstm_gate_pattern`'s CSR order (from
         ``TILE_MIN_BATCH`` samples a view of ``(T, 9H, B)`` memory: entry-major, which the linear scan
         reads in place; the forward then runs in tiles of ``LANES`` samples). All of ``gi``'s dtype
@@ -787,10 +791,10 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     np_dt = np.float32 if dt == torch.float32 else np.float64
     itype = _INT[np_dt][0]
     cst, icst = _expm1_consts(np_dt)
-    hs = torch.empty(T, B, H, dtype=dt)
     c = torch.empty(B, H, dtype=dt)
     h0n, c0n = h0.detach().contiguous().numpy(), c0.detach().contiguous().numpy()
     if B < TILE_MIN_BATCH:
+        hs = torch.empty(T, B, H, dtype=dt)
         vals = torch.empty(T, B, 9 * H, dtype=dt)
         acc = np.empty((B, G), dtype=np_dt)
         e = np.empty((5, B * H), dtype=np_dt)
@@ -798,7 +802,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         bits = np.empty(4 * B * H, dtype=itype)
         _kernel()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
                   hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
-        return hs, c, vals
+        return _as_layout(hs, batch_first), c, vals
     gi = _gate_major(gi)
     # the gate element's values entry-major, (T, 9H, B) memory viewed as (T, B, 9H): the linear
     # scan reads a tile of them in place (kernels/cpu_chain.py)
@@ -806,12 +810,28 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     n = H * LANES
     bits = np.empty(4 * n, dtype=itype)
     gif = gi.permute(2, 0, 1).numpy().reshape(-1)
+    hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
     _lstm_tile_kernel_compiled()(
-        gif, T * B, B, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hs.numpy(), vals.numpy(), c.numpy(),
+        gif, T * B, B, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hf, hts, hbs, vals.numpy(), c.numpy(),
         np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(G * LANES, dtype=np_dt),
         np.empty(9 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
         bits.view(np_dt))
     return hs, c, vals.transpose(1, 2)
+
+
+def _outputs(T: int, B: int, H: int, dt: torch.dtype, batch_first: bool):
+    """``(hs, flat, time_stride, sample_stride)``: the outputs the tiles write, ``(T, B, H)``, or
+    ``(B, T, H)`` when ``batch_first`` (the module's batch-first output, without a copy)."""
+    if batch_first:
+        hs = torch.empty(B, T, H, dtype=dt)
+        return hs, hs.numpy().reshape(-1), H, T * H
+    hs = torch.empty(T, B, H, dtype=dt)
+    return hs, hs.numpy().reshape(-1), B * H, H
+
+
+def _as_layout(hs: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """``hs`` ``(T, B, H)`` as :func:`_outputs` lays it out (one copy for ``batch_first``)."""
+    return hs.transpose(0, 1).contiguous() if batch_first else hs
 
 
 def _gate_major(gi: torch.Tensor) -> torch.Tensor:
@@ -838,7 +858,7 @@ def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
-                h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                h0: torch.Tensor, batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GRU recurrence (PyTorch's equations, gate order r, z, n) on CPU in one compiled pass.
 
     Per step, with ``(W_hr; W_hz; W_hn) = W_hh``::
@@ -852,8 +872,9 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         w_hh: ``(3H, H)`` the module's ``weight_hh_l0``.
         b_hn: ``(H,)`` the ``n`` block of ``bias_hh_l0``, or ``None`` (no biases).
         h0: ``(B, H)`` initial state.
+        batch_first: as :func:`rnn_forward`'s.
     Returns:
-        ``(hs (T, B, H), d (T, B, 4H), dn (T, B, H))``: the outputs ``h_1..h_T``; the per-sample values
+        ``(hs (T, B, H) or (B, T, H), d (T, B, 4H), dn (T, B, H))``: the outputs ``h_1..h_T``; the per-sample values
         of the factored chain's diagonal element, ``(dr, dz, dm, z)`` per step (``dn = (1 - z)(1 - n^2)``,
         ``dr = dn M r (1 - r)``, ``dz = (h - n) z (1 - z)``, ``dm = dn r``: ``dh'`` with respect to the
         pre-activations of ``r``, ``z`` and to ``M``); and ``dn`` (``dh'`` with respect to the input side
@@ -880,7 +901,6 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     np_dt = np.float32 if dt == torch.float32 else np.float64
     itype = _INT[np_dt][0]
     cst, icst = _expm1_consts(np_dt)
-    hs = torch.empty(T, B, H, dtype=dt)
     d = torch.empty(T, 4 * H, B, dtype=dt)  # entry-major, as rnn_forward's
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
     if B >= TILE_MIN_BATCH:
@@ -888,12 +908,14 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         gi = _gate_major(gi)
         n = H * LANES
         bits = np.empty(2 * n, dtype=itype)
+        hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
         _gru_tile_kernel_compiled()(
             gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(), bhn,
-            h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
+            h0.detach().contiguous().numpy(), cst, icst, hf, hts, hbs, d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
             np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
             bits.view(np_dt))
         return hs, d.transpose(1, 2), dn.transpose(1, 2)
+    hs = torch.empty(T, B, H, dtype=dt)
     dn = torch.empty(T, B, H, dtype=dt)
     acc = np.empty((B, G), dtype=np_dt)
     e = np.empty((3, B * H), dtype=np_dt)
@@ -902,4 +924,4 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     _gru_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), bhn,
                            h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(),
                            np.empty((B, 4 * H), dtype=np_dt), dn.numpy(), acc, e, w, bits, bits.view(np_dt))
-    return hs, d.transpose(1, 2), dn
+    return _as_layout(hs, batch_first), d.transpose(1, 2), dn

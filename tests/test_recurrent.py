@@ -575,3 +575,27 @@ def test_gradient_on_the_last_output_only(kind, B):
             fin = ~b.isnan()
             assert poison or fin.all()
             assert rel_err(a[fin], b[fin]) <= 1e-12 if fin.any() else True, (kind, poison)
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_outputs_changed_in_place_do_not_change_gradients(kind, batch_first):
+    """The compiled forwards write the module's output layout directly; what the backward keeps is a
+    copy, so a caller changing the outputs in place (``out.mul_(2)``) gets the gradients of that."""
+    m = make_module(kind, 2, 5, batch_first=batch_first, bias=True)
+    x, hx = make_inputs(m, 7, 16, with_h0=True, dtype=torch.float64, seed=6)  # a full tile
+    w = wrap_recurrent(m, x)
+    res = []
+    for f, inplace in ((m, False), (w, True)):
+        xi = x.detach().clone().requires_grad_(True)
+        for p in m.parameters():
+            p.grad = None
+        out = f(xi, hx)[0]
+        if inplace:
+            out.mul_(2.0)
+        else:
+            out = out * 2.0
+        (out * out).sum().backward()
+        res.append([xi.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for a, b in zip(res[1], res[0]):
+        assert rel_err(a, b) <= 1e-12
