@@ -272,28 +272,30 @@ class _Saved:
 
     ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}``, gate coefficients per kind,
     ``values`` (the chain's Jacobian values) and the sizes. The compiled forwards save
-    ``h_prev_rev`` = ``h_{T-1}, ..., h_0`` instead (the order the backward's GEMMs read; a copy, not
-    a view of the outputs, which the caller may change in place); ``h_prev`` is then made on first use.
+    ``h_prev_bt`` instead: ``(B, T, H)``, per sample ``h_{T-1}, ..., h_0``, the order in which the
+    backward's GEMMs read the scan's gradients (a copy, not a view of the outputs, which the caller
+    may change in place); ``h_prev`` is then made on first use.
     """
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
 
     def __getattr__(self, name: str):
-        if name == "h_prev" and "h_prev_rev" in self.__dict__:
-            self.h_prev = self.h_prev_rev.flip(0)
+        if name == "h_prev" and "h_prev_bt" in self.__dict__:
+            self.h_prev = self.h_prev_bt.flip(1).transpose(0, 1).contiguous()
             return self.h_prev
         raise AttributeError(name)
 
-    def h_prev_reversed(self) -> torch.Tensor:
-        """``h_{T-1}, ..., h_0`` (T, B, H)."""
-        rev = self.__dict__.get("h_prev_rev")
-        return rev if rev is not None else self.h_prev.flip(0)
+    def h_prev_reversed_bt(self) -> torch.Tensor:
+        """``(B, T, H)``: per sample ``h_{T-1}, ..., h_0``."""
+        rev = self.__dict__.get("h_prev_bt")
+        return rev if rev is not None else self.h_prev.transpose(0, 1).flip(1)
 
 
-def _h_prev_reversed(hs: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """``h_{T-1}, ..., h_0`` from the outputs ``hs`` (T, B, H) (any strides) and ``h0`` (B, H): one copy."""
-    return torch.cat([hs[:-1].flip(0), h0.unsqueeze(0)], dim=0)
+def _h_prev_reversed_bt(hs_bt: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """:meth:`_Saved.h_prev_reversed_bt` from the outputs ``hs_bt`` ``(B, T, H)`` (any strides) and
+    ``h0`` ``(B, H)``: one copy."""
+    return torch.cat([hs_bt[:, :-1].flip(1), h0.unsqueeze(1)], dim=1)
 
 
 def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
@@ -697,12 +699,14 @@ class RecurrentPlan:
 
     def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool, h0: torch.Tensor):
         """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
-        the forward wrote them, else ``(T, B, H)``): the module's output, ``h_n`` and ``h_{T-1} .. h_0``."""
+        the forward wrote them, else ``(T, B, H)``): the module's output, ``h_n`` and
+        :meth:`_Saved.h_prev_reversed_bt`."""
         batch_first = self.module.batch_first and not unbatched
         time_major = hs.transpose(0, 1) if batch_first else hs
         out = hs.squeeze(1) if unbatched else hs
         shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
-        return out, time_major[-1].reshape(shape).clone(), _h_prev_reversed(time_major, h0)
+        hs_bt = hs if batch_first else hs.transpose(0, 1)
+        return out, time_major[-1].reshape(shape).clone(), _h_prev_reversed_bt(hs_bt, h0)
 
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
@@ -716,8 +720,8 @@ class RecurrentPlan:
         hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched)
         shared = _lstm_weight_values(params[1], H)
         values = PeriodicValues([shared, gate_values], T)
-        out, h_n, h_prev_rev = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev_rev=h_prev_rev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         return (out, (h_n, c_n.reshape(h_n.shape))), saved
 
@@ -733,8 +737,8 @@ class RecurrentPlan:
         hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
                             batch_first=m.batch_first and not unbatched)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
-        out, h_n, h_prev_rev = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev_rev=h_prev_rev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         return (out, h_n), saved
 
@@ -754,8 +758,8 @@ class RecurrentPlan:
             gi = gate_inputs(xt, params[0], None)
         hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched)
         values = PeriodicValues([_gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
-        out, h_n, h_prev_rev = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev_rev=h_prev_rev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         return (out, h_n), saved
 
@@ -883,18 +887,20 @@ class RecurrentPlan:
         if self.layout == "factored":
             per = len(_factored_layout(self.kind, H))
             # gradients of element 1 of each step, the last step first: the linear scan writes them
-            # evenly spaced in that order, so this is a view of its buffer (no copy)
-            rev = G.stacked(range(per * (T - 1) + 1, 0, -per))
+            # evenly spaced in that order, so this is a view of its buffer, copied batch-major (the
+            # buffer's own order: a time-major copy reads it ~10x slower, a sample per row)
+            rev = G.stacked(range(per * (T - 1) + 1, 0, -per)).transpose(0, 1)  # (B, T, .), last step first
             if self.kind.startswith("rnn"):
-                pre_ih = pre_hh = rev
+                pre_ih = pre_hh = rev.contiguous()
             elif self.kind == "gru":
-                pre_hh = rev[..., : 3 * H]
+                pre_hh = rev[..., : 3 * H].contiguous()
                 # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
-                dh = G.stacked(range(per * T, 0, -per))
-                pre_ih = torch.cat([rev[..., : 2 * H], dh * saved.coefs["dn"].flip(0)], dim=-1)
+                dh = G.stacked(range(per * T, 0, -per)).transpose(0, 1).contiguous()
+                dh.mul_(saved.coefs["dn"].transpose(0, 1).flip(1))
+                pre_ih = torch.cat([pre_hh[..., : 2 * H], dh], dim=-1)
             else:
-                pre_ih = pre_hh = rev[..., : 4 * H]
-            return self._pack(saved, g0, pre_ih, pre_hh, reversed_time=True)
+                pre_ih = pre_hh = rev[..., : 4 * H].contiguous()
+            return self._pack(saved, g0, pre_ih, pre_hh, batch_major_reversed=True)
         else:
             pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1), copy=True))
         return self._pack(saved, g0, pre_ih, pre_hh)
@@ -915,10 +921,10 @@ class RecurrentPlan:
         return p, p
 
     def _pack(self, saved: _Saved, g0: torch.Tensor, pre_ih, pre_hh,
-              reversed_time: bool = False) -> dict[str, Optional[torch.Tensor]]:
+              batch_major_reversed: bool = False) -> dict[str, Optional[torch.Tensor]]:
         """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients ``(T, B, G)`` of the
-        input and hidden GEMMs; ``reversed_time``: those are given last step first, with any strides
-        (views of the scan's buffer)."""
+        input and hidden GEMMs; ``batch_major_reversed``: those are given ``(B, T, G)``, contiguous,
+        each sample's last step first."""
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         params = saved.params
         out: dict[str, Optional[torch.Tensor]] = {}
@@ -926,16 +932,13 @@ class RecurrentPlan:
             out["input"] = torch.zeros_like(saved.x)
             gw_ih, gw_hh = torch.zeros_like(params[0]), torch.zeros_like(params[1])
             gb_ih = gb_hh = torch.zeros_like(params[0][:, 0])
-        elif reversed_time:
-            # one contiguous copy of each (strided views of the scan's buffer; reductions over them
-            # run ~10x slower than over the copy), then the GEMMs below with x and h_{t-1} flipped to
-            # the same time order; the input gradient is flipped back
-            pi = pre_ih.contiguous()
-            ph = pi if pre_hh is pre_ih else pre_hh.contiguous()
-            out["input"] = torch.matmul(pi, params[0]).flip(0)
-            pi, ph = pi.view(T * B, -1), ph.view(T * B, -1)
-            gw_ih = pi.t().mm(saved.x.flip(0).reshape(T * B, -1))
-            gw_hh = ph.t().mm(saved.h_prev_reversed().reshape(T * B, -1))
+        elif batch_major_reversed:
+            # the GEMMs over all T*B rows read x and h_{t-1} in the same order; the input gradient
+            # comes out that way too and is flipped back to the input's time order
+            out["input"] = torch.matmul(pre_ih, params[0]).flip(1).transpose(0, 1)
+            pi, ph = pre_ih.view(B * T, -1), pre_hh.view(B * T, -1)
+            gw_ih = pi.t().mm(saved.x.transpose(0, 1).flip(1).reshape(B * T, -1))
+            gw_hh = ph.t().mm(saved.h_prev_reversed_bt().reshape(B * T, -1))
             gb_ih, gb_hh = pi.sum(0), ph.sum(0)
         else:
             # one GEMM over all T*B steps per parameter: no loop over time

@@ -427,10 +427,11 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
 
 def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits, bitsf):  # pragma: no cover - compiled
     # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
-    # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) and dn: (T, H, B) entry-major.
+    # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) entry-major (the chain reads
+    # it); dn: (B, T, H) batch-major (the backward multiplies it with gradients in that order).
     # a rows: r, z (pre-activations), then hn = b_hn + W_hn h; e rows: expm1 arguments / results of
     # r, z, then of n (-2|a_n|), row 0 holds r once it is known; wn: a_n (its sign, as tanh is odd)
-    T, H, B = dn.shape
+    B, T, H = dn.shape
     G = 3 * H
     n = H * LANES
     one = cst[18]
@@ -438,7 +439,7 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
     e2 = e[:2].reshape(-1)
     en = e[2]
     df = d.reshape(T * 4 * H * B)
-    dnf = dn.reshape(T * H * B)
+    dnf = dn.reshape(B * T * H)
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
         full = nb == LANES
@@ -514,21 +515,22 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
                 e[1, p] = z
                 e[2, p] = dnv
             db = t * 4 * H * B + b0  # row q of the tile at db + q * B
-            nb_ = t * H * B + b0
+            nb_ = b0 * T * H + t * H  # unit j of sample bb at nb_ + bb * T * H + j
             hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
             if full:
                 for q in range(3 * H):
                     vstore(df, db + q * B, vload(a, q * LANES))
                 for j in range(H):
                     vstore(df, db + (3 * H + j) * B, vload(e[1], j * LANES))
-                    vstore(dnf, nb_ + j * B, vload(e[2], j * LANES))
                 j0 = 0
                 while j0 + LANES <= H:
                     vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
+                    vtranspose(en, j0 * LANES, LANES, dnf, nb_ + j0, T * H)
                     j0 += LANES
                 for j in range(j0, H):
                     for bb in range(LANES):
                         hf[hb + bb * hbs + j] = h[j * LANES + bb]
+                        dnf[nb_ + bb * T * H + j] = en[j * LANES + bb]
             else:
                 for j in range(H):
                     for bb in range(nb):
@@ -537,7 +539,7 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
                         df[db + (H + j) * B + bb] = a[n + q]
                         df[db + (2 * H + j) * B + bb] = a[2 * n + q]
                         df[db + (3 * H + j) * B + bb] = e[1, q]
-                        dnf[nb_ + j * B + bb] = e[2, q]
+                        dnf[nb_ + bb * T * H + j] = e[2, q]
                         hf[hb + bb * hbs + j] = h[q]
 
 
@@ -879,7 +881,8 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         ``dr = dn M r (1 - r)``, ``dz = (h - n) z (1 - z)``, ``dm = dn r``: ``dh'`` with respect to the
         pre-activations of ``r``, ``z`` and to ``M``); and ``dn`` (``dh'`` with respect to the input side
         of ``n``, which the input-weight gradients need). ``d`` is a view of ``(T, 4H, B)`` memory
-        (entry-major, as :func:`rnn_forward`'s). All of ``gi``'s dtype (float32 or float64).
+        (entry-major, as :func:`rnn_forward`'s); from ``TILE_MIN_BATCH`` samples ``dn`` is a view of
+        ``(B, T, H)`` memory (the order the backward reads it in). All of ``gi``'s dtype (float32 or float64).
 
     Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
     """
@@ -904,7 +907,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     d = torch.empty(T, 4 * H, B, dtype=dt)  # entry-major, as rnn_forward's
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
     if B >= TILE_MIN_BATCH:
-        dn = torch.empty(T, H, B, dtype=dt)
+        dn = torch.empty(B, T, H, dtype=dt)
         gi = _gate_major(gi)
         n = H * LANES
         bits = np.empty(2 * n, dtype=itype)
@@ -914,7 +917,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
             h0.detach().contiguous().numpy(), cst, icst, hf, hts, hbs, d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
             np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
             bits.view(np_dt))
-        return hs, d.transpose(1, 2), dn.transpose(1, 2)
+        return hs, d.transpose(1, 2), dn.transpose(0, 1)
     hs = torch.empty(T, B, H, dtype=dt)
     dn = torch.empty(T, B, H, dtype=dt)
     acc = np.empty((B, G), dtype=np_dt)
