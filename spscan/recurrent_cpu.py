@@ -213,6 +213,47 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
                 v[7 * H + 2 * j + 1] = e[1, p]
 
 
+def _tile_gate_inputs(gif, gb, gs, full, nb, a, rows):  # pragma: no cover - compiled
+    # a[g] = the tile's gate inputs of row g (gif at gb + g * gs, samples contiguous), g < rows; lanes
+    # past the batch zero
+    if full:
+        for g in range(rows):
+            vstore(a, g * LANES, vload(gif, gb + g * gs))
+    else:
+        for g in range(rows):
+            for bb in range(LANES):
+                a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
+
+
+def _tile_hidden_product(a, w, h, rows):  # pragma: no cover - compiled
+    # a[g] += sum_k w[g, k] h[k] for g < rows (h: (H, LANES)), summed over k in ascending order; four
+    # rows at a time, each an accumulator in a register
+    H = w.shape[1]
+    g = 0
+    while g + 4 <= rows:
+        a0 = vload(a, g * LANES)
+        a1 = vload(a, (g + 1) * LANES)
+        a2 = vload(a, (g + 2) * LANES)
+        a3 = vload(a, (g + 3) * LANES)
+        for k in range(H):
+            x = vload(h, k * LANES)
+            a0 = vmuladd(a0, w[g, k], x)
+            a1 = vmuladd(a1, w[g + 1, k], x)
+            a2 = vmuladd(a2, w[g + 2, k], x)
+            a3 = vmuladd(a3, w[g + 3, k], x)
+        vstore(a, g * LANES, a0)
+        vstore(a, (g + 1) * LANES, a1)
+        vstore(a, (g + 2) * LANES, a2)
+        vstore(a, (g + 3) * LANES, a3)
+        g += 4
+    while g < rows:
+        a0 = vload(a, g * LANES)
+        for k in range(H):
+            a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
+        vstore(a, g * LANES, a0)
+        g += 1
+
+
 def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits, bitsf):  # pragma: no cover - compiled
     # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
     # (9H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
@@ -237,37 +278,8 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
                 c[j * LANES + bb] = c0[b0 + bb, j] if bb < nb else 0
         for t in range(T):
             gb = t * ts + b0
-            if full:
-                for g in range(G):
-                    vstore(a, g * LANES, vload(gif, gb + g * gs))
-            else:
-                for g in range(G):
-                    for bb in range(LANES):
-                        a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
-            # a += W_hh h_{t-1}, summed over k in ascending order; four rows at a time
-            g = 0
-            while g + 4 <= G:
-                a0 = vload(a, g * LANES)
-                a1 = vload(a, (g + 1) * LANES)
-                a2 = vload(a, (g + 2) * LANES)
-                a3 = vload(a, (g + 3) * LANES)
-                for k in range(H):
-                    x = vload(h, k * LANES)
-                    a0 = vmuladd(a0, w[g, k], x)
-                    a1 = vmuladd(a1, w[g + 1, k], x)
-                    a2 = vmuladd(a2, w[g + 2, k], x)
-                    a3 = vmuladd(a3, w[g + 3, k], x)
-                vstore(a, g * LANES, a0)
-                vstore(a, (g + 1) * LANES, a1)
-                vstore(a, (g + 2) * LANES, a2)
-                vstore(a, (g + 3) * LANES, a3)
-                g += 4
-            while g < G:
-                a0 = vload(a, g * LANES)
-                for k in range(H):
-                    a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
-                vstore(a, g * LANES, a0)
-                g += 1
+            _tile_gate_inputs_c(gif, gb, gs, full, nb, a, G)
+            _tile_hidden_product_c(a, w, h, G)  # a += W_hh h_{t-1}
             # expm1 arguments: -a for the sigmoid gates (i, f, o), -2|a| for g
             for p in range(n):
                 e[0, p] = -a[p]
@@ -359,37 +371,8 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
                 h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
         for t in range(T):
             gb = t * ts + b0
-            if full:
-                for g in range(H):
-                    vstore(a, g * LANES, vload(gif, gb + g * gs))
-            else:
-                for g in range(H):
-                    for bb in range(LANES):
-                        a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
-            # a += W_hh h_{t-1}, summed over k in ascending order; four rows at a time
-            g = 0
-            while g + 4 <= H:
-                a0 = vload(a, g * LANES)
-                a1 = vload(a, (g + 1) * LANES)
-                a2 = vload(a, (g + 2) * LANES)
-                a3 = vload(a, (g + 3) * LANES)
-                for k in range(H):
-                    x = vload(h, k * LANES)
-                    a0 = vmuladd(a0, w[g, k], x)
-                    a1 = vmuladd(a1, w[g + 1, k], x)
-                    a2 = vmuladd(a2, w[g + 2, k], x)
-                    a3 = vmuladd(a3, w[g + 3, k], x)
-                vstore(a, g * LANES, a0)
-                vstore(a, (g + 1) * LANES, a1)
-                vstore(a, (g + 2) * LANES, a2)
-                vstore(a, (g + 3) * LANES, a3)
-                g += 4
-            while g < H:
-                a0 = vload(a, g * LANES)
-                for k in range(H):
-                    a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
-                vstore(a, g * LANES, a0)
-                g += 1
+            _tile_gate_inputs_c(gif, gb, gs, full, nb, a, H)
+            _tile_hidden_product_c(a, w, h, H)  # a += W_hh h_{t-1}
             if relu:
                 for p in range(n):
                     av = a[p]
@@ -448,39 +431,11 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
                 h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
         for t in range(T):
             gb = t * ts + b0
-            for g in range(2 * H):
-                if full:
-                    vstore(a, g * LANES, vload(gif, gb + g * gs))
-                else:
-                    for bb in range(LANES):
-                        a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
+            _tile_gate_inputs_c(gif, gb, gs, full, nb, a, 2 * H)
             for j in range(H):
                 for bb in range(LANES):
                     a[(2 * H + j) * LANES + bb] = bhn[j]
-            # (r, z) += W_h(r,z) h; hn += W_hn h; summed over k in ascending order, four rows at a time
-            g = 0
-            while g + 4 <= G:
-                a0 = vload(a, g * LANES)
-                a1 = vload(a, (g + 1) * LANES)
-                a2 = vload(a, (g + 2) * LANES)
-                a3 = vload(a, (g + 3) * LANES)
-                for k in range(H):
-                    x = vload(h, k * LANES)
-                    a0 = vmuladd(a0, w[g, k], x)
-                    a1 = vmuladd(a1, w[g + 1, k], x)
-                    a2 = vmuladd(a2, w[g + 2, k], x)
-                    a3 = vmuladd(a3, w[g + 3, k], x)
-                vstore(a, g * LANES, a0)
-                vstore(a, (g + 1) * LANES, a1)
-                vstore(a, (g + 2) * LANES, a2)
-                vstore(a, (g + 3) * LANES, a3)
-                g += 4
-            while g < G:
-                a0 = vload(a, g * LANES)
-                for k in range(H):
-                    a0 = vmuladd(a0, w[g, k], vload(h, k * LANES))
-                vstore(a, g * LANES, a0)
-                g += 1
+            _tile_hidden_product_c(a, w, h, G)  # (r, z) += W_h(r,z) h; hn += W_hn h
             for p in range(n):
                 e[0, p] = -a[p]
                 e[1, p] = -a[n + p]
@@ -650,6 +605,8 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 _vexpm1_c = None
 _kernel_c = None
 _tile_kernel_c = None
+_tile_gate_inputs_c = None
+_tile_hidden_product_c = None
 _rnn_tile_kernel_c = None
 _gru_tile_kernel_c = None
 _rnn_kernel_c = None
@@ -667,14 +624,17 @@ def _kernel():
 
 
 def _lstm_tile_kernel_compiled():
-    global _tile_kernel_c
+    global _tile_kernel_c, _tile_gate_inputs_c, _tile_hidden_product_c
     if _tile_kernel_c is None:
-        _kernel()  # compiles _vexpm1 first (the tile kernel calls it)
+        _kernel()  # compiles _vexpm1 first (the tile kernels call it)
         from spscan.kernels import cpu_simd
 
         ops = cpu_simd.intrinsics()
         globals().update({name: ops[name] for name in _VECTOR_OPS})
-        _tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_lstm_tile_kernel)
+        njit = _numba.njit(cache=True, nogil=True, error_model="numpy")
+        _tile_gate_inputs_c = njit(_tile_gate_inputs)
+        _tile_hidden_product_c = njit(_tile_hidden_product)
+        _tile_kernel_c = njit(_lstm_tile_kernel)
     return _tile_kernel_c
 
 
