@@ -140,17 +140,48 @@ def _vexpm1(buf, bits, bitsf, cst, icst):  # pragma: no cover - compiled
         buf[q] = s * buf[q] + (s - one)  # expm1(k ln2 + r) = 2^k expm1(r) + (2^k - 1)
 
 
+def _lstm_cell(e, w, c, h, bits, bitsf, cst, icst):  # pragma: no cover - compiled
+    # The LSTM cell over n = e.shape[1] units (the per-sample loop's (b, j) or a tile's (j, lane)):
+    # e[0..3] hold the expm1 arguments of i, f, g, o (-a; -2|a| for g) and w[0] a_g (its sign);
+    # updates the cell c in place (one array: a second one for the previous cell would keep the
+    # loop scalar behind the compiler's overlap check) and writes h, and leaves k (e[0]), f (e[1]),
+    # c_o (e[2]), o (e[3]), c_i, c_f, c_g (w[1..3]) for the gate element's values
+    n = e.shape[1]
+    one = cst[18]
+    two = one + one
+    _vexpm1_c(e[:4].reshape(-1), bits, bitsf, cst, icst)
+    for p in range(n):
+        i = one / (two + e[0, p])
+        f = one / (two + e[1, p])
+        ga = -e[2, p] / (two + e[2, p])
+        g = ga if w[0, p] >= 0 else -ga
+        o = one / (two + e[3, p])
+        cpp = c[p]
+        cn = f * cpp + i * g
+        w[1, p] = g * i * (one - i)  # c_i
+        w[2, p] = cpp * f * (one - f)  # c_f
+        w[3, p] = i * (one - g * g)  # c_g
+        c[p] = cn
+        e[4, p] = -two * abs(cn)
+        e[1, p] = f
+        e[3, p] = o
+    _vexpm1_c(e[4], bits, bitsf, cst, icst)
+    for p in range(n):
+        ta = -e[4, p] / (two + e[4, p])
+        tc = ta if c[p] >= 0 else -ta
+        o = e[3, p]
+        h[p] = o * tc
+        e[0, p] = o * (one - tc * tc)  # k
+        e[2, p] = tc * o * (one - o)  # c_o
+
+
 def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf):  # pragma: no cover - compiled
     # e rows: expm1 arguments/results of i, f, g, o, tanh(c), then the activations in place;
     # w rows: a_g (its sign), c_i, c_f, c_g. Indexed as 2-D arrays (one base each), which the
     # compiler vectorizes more readily than a dozen separate row views.
     T, B, G = gi.shape
     H = G // 4
-    n = B * H
-    one = cst[18]
-    two = one + one
-    e4 = e[:4].reshape(-1)
-    ec = e[4]
+    two = cst[18] + cst[18]
     for t in range(T):
         # a_t = gi_t + h_{t-1} W_hh^T, summed over k in ascending order
         hp = h0 if t == 0 else hs[t - 1]
@@ -170,32 +201,9 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
                 w[0, p] = acc[b, 2 * H + j]
                 e[2, p] = -two * abs(acc[b, 2 * H + j])
                 e[3, p] = -acc[b, 3 * H + j]
-        _vexpm1_c(e4, bits, bitsf, cst, icst)
-        cp = c0.reshape(-1) if t == 0 else c
-        for p in range(n):
-            i = one / (two + e[0, p])
-            f = one / (two + e[1, p])
-            ga = -e[2, p] / (two + e[2, p])
-            g = ga if w[0, p] >= 0 else -ga
-            o = one / (two + e[3, p])
-            cpp = cp[p]
-            cn = f * cpp + i * g
-            w[1, p] = g * i * (one - i)  # c_i
-            w[2, p] = cpp * f * (one - f)  # c_f
-            w[3, p] = i * (one - g * g)  # c_g
-            c[p] = cn
-            e[4, p] = -two * abs(cn)
-            e[1, p] = f
-            e[3, p] = o
-        _vexpm1_c(ec, bits, bitsf, cst, icst)
-        ht = hs[t].reshape(-1)
-        for p in range(n):
-            ta = -e[4, p] / (two + e[4, p])
-            tc = ta if c[p] >= 0 else -ta
-            o = e[3, p]
-            ht[p] = o * tc
-            e[0, p] = o * (one - tc * tc)  # k
-            e[2, p] = tc * o * (one - o)  # c_o
+        if t == 0:
+            c[:] = c0.reshape(-1)
+        _lstm_cell_c(e, w, c, hs[t].reshape(-1), bits, bitsf, cst, icst)
         vt = vals[t]
         for b in range(B):
             v = vt[b]
@@ -264,10 +272,7 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
     H = H9 // 9
     G = 4 * H
     n = H * LANES
-    one = cst[18]
-    two = one + one
-    e4 = e[:4].reshape(-1)
-    ec = e[4]
+    two = cst[18] + cst[18]
     vf = vals.reshape(T * 9 * H * B)
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
@@ -287,30 +292,7 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
                 wk[0, p] = a[2 * n + p]
                 e[2, p] = -two * abs(a[2 * n + p])
                 e[3, p] = -a[3 * n + p]
-            _vexpm1_c(e4, bits, bitsf, cst, icst)
-            for p in range(n):
-                i = one / (two + e[0, p])
-                f = one / (two + e[1, p])
-                ga = -e[2, p] / (two + e[2, p])
-                gg = ga if wk[0, p] >= 0 else -ga
-                o = one / (two + e[3, p])
-                cpp = c[p]
-                cn = f * cpp + i * gg
-                wk[1, p] = gg * i * (one - i)  # c_i
-                wk[2, p] = cpp * f * (one - f)  # c_f
-                wk[3, p] = i * (one - gg * gg)  # c_g
-                c[p] = cn
-                e[4, p] = -two * abs(cn)
-                e[1, p] = f
-                e[3, p] = o
-            _vexpm1_c(ec, bits, bitsf, cst, icst)
-            for p in range(n):
-                ta = -e[4, p] / (two + e[4, p])
-                tc = ta if c[p] >= 0 else -ta
-                o = e[3, p]
-                h[p] = o * tc
-                e[0, p] = o * (one - tc * tc)  # k
-                e[2, p] = tc * o * (one - o)  # c_o
+            _lstm_cell_c(e, wk, c, h, bits, bitsf, cst, icst)
             # the gate element's values in CSR order per unit j (see the module docstring): entry q of
             # the tile at vb + q * B (a full tile straight there, a partial one through vt)
             vb = t * 9 * H * B + b0
@@ -603,6 +585,7 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 
 
 _vexpm1_c = None
+_lstm_cell_c = None
 _kernel_c = None
 _tile_kernel_c = None
 _tile_gate_inputs_c = None
@@ -614,11 +597,12 @@ _gru_kernel_c = None
 
 
 def _kernel():
-    global _vexpm1_c, _kernel_c
+    global _vexpm1_c, _lstm_cell_c, _kernel_c
     if _kernel_c is None:
         njit = _numba.njit
         # error_model="numpy": IEEE division (no zero-division branch, which would keep the loops scalar)
         _vexpm1_c = njit(cache=True, nogil=True, error_model="numpy")(_vexpm1)
+        _lstm_cell_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_cell)
         _kernel_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_kernel)
     return _kernel_c
 
