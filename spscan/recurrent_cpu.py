@@ -221,6 +221,27 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
                 v[7 * H + 2 * j + 1] = e[1, p]
 
 
+def _tile_load_state(h, h0, b0, nb):  # pragma: no cover - compiled
+    # the tile's initial state: h[j] = samples b0 .. b0+nb of h0[:, j] (B, H); lanes past the batch zero
+    for j in range(h0.shape[1]):
+        for bb in range(LANES):
+            h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
+
+
+def _tile_store_state(src, dst, base, stride, nb):  # pragma: no cover - compiled
+    # the tile's rows j < len(src) // LANES to sample-major memory: dst[base + bb * stride + j] =
+    # src[j * LANES + bb] for the nb samples (register transposes of LANES rows where the tile is full)
+    rows = src.shape[0] // LANES
+    j0 = 0
+    if nb == LANES:
+        while j0 + LANES <= rows:
+            vtranspose(src, j0 * LANES, LANES, dst, base + j0, stride)
+            j0 += LANES
+    for j in range(j0, rows):
+        for bb in range(nb):
+            dst[base + bb * stride + j] = src[j * LANES + bb]
+
+
 def _tile_gate_inputs(gif, gb, gs, full, nb, a, rows):  # pragma: no cover - compiled
     # a[g] = the tile's gate inputs of row g (gif at gb + g * gs, samples contiguous), g < rows; lanes
     # past the batch zero
@@ -277,10 +298,8 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
         full = nb == LANES
-        for j in range(H):
-            for bb in range(LANES):
-                h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
-                c[j * LANES + bb] = c0[b0 + bb, j] if bb < nb else 0
+        _tile_load_state_c(h, h0, b0, nb)
+        _tile_load_state_c(c, c0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
             _tile_gate_inputs_c(gif, gb, gs, full, nb, a, G)
@@ -315,22 +334,11 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
                 vstore(out, ob + (6 * H + j) * ostr, vload(e[2], q))
                 vstore(out, ob + (7 * H + 2 * j) * ostr, vmul(fv, kv))
                 vstore(out, ob + (7 * H + 2 * j + 1) * ostr, fv)
-            hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
-            if full:
-                j0 = 0
-                while j0 + LANES <= H:
-                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
-                    j0 += LANES
-                for j in range(j0, H):
-                    for bb in range(LANES):
-                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
-            else:
+            if not full:
                 for q in range(9 * H):
                     for bb in range(nb):
                         vf[vb + q * B + bb] = vt[q * LANES + bb]
-                for j in range(H):
-                    for bb in range(nb):
-                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
+            _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
         for j in range(H):
             for bb in range(nb):
                 c_n[b0 + bb, j] = c[j * LANES + bb]
@@ -348,9 +356,7 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
         full = nb == LANES
-        for j in range(H):
-            for bb in range(LANES):
-                h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
+        _tile_load_state_c(h, h0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
             _tile_gate_inputs_c(gif, gb, gs, full, nb, a, H)
@@ -372,22 +378,14 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
                     h[p] = hv
                     dv[p] = one - hv * hv
             db = t * H * B + b0  # unit j of the tile at db + j * B
-            hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
             if full:
                 for j in range(H):
                     vstore(df, db + j * B, vload(dv, j * LANES))
-                j0 = 0
-                while j0 + LANES <= H:
-                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
-                    j0 += LANES
-                for j in range(j0, H):
-                    for bb in range(LANES):
-                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
             else:
                 for j in range(H):
                     for bb in range(nb):
                         df[db + j * B + bb] = dv[j * LANES + bb]
-                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
+            _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
 
 
 def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits, bitsf):  # pragma: no cover - compiled
@@ -408,9 +406,7 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
         full = nb == LANES
-        for j in range(H):
-            for bb in range(LANES):
-                h[j * LANES + bb] = h0[b0 + bb, j] if bb < nb else 0
+        _tile_load_state_c(h, h0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
             _tile_gate_inputs_c(gif, gb, gs, full, nb, a, 2 * H)
@@ -452,22 +448,11 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
                 e[1, p] = z
                 e[2, p] = dnv
             db = t * 4 * H * B + b0  # row q of the tile at db + q * B
-            nb_ = b0 * T * H + t * H  # unit j of sample bb at nb_ + bb * T * H + j
-            hb = t * hts + b0 * hbs  # unit j of sample bb at hb + bb * hbs + j
             if full:
                 for q in range(3 * H):
                     vstore(df, db + q * B, vload(a, q * LANES))
                 for j in range(H):
                     vstore(df, db + (3 * H + j) * B, vload(e[1], j * LANES))
-                j0 = 0
-                while j0 + LANES <= H:
-                    vtranspose(h, j0 * LANES, LANES, hf, hb + j0, hbs)
-                    vtranspose(en, j0 * LANES, LANES, dnf, nb_ + j0, T * H)
-                    j0 += LANES
-                for j in range(j0, H):
-                    for bb in range(LANES):
-                        hf[hb + bb * hbs + j] = h[j * LANES + bb]
-                        dnf[nb_ + bb * T * H + j] = en[j * LANES + bb]
             else:
                 for j in range(H):
                     for bb in range(nb):
@@ -476,8 +461,8 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
                         df[db + (H + j) * B + bb] = a[n + q]
                         df[db + (2 * H + j) * B + bb] = a[2 * n + q]
                         df[db + (3 * H + j) * B + bb] = e[1, q]
-                        dnf[nb_ + bb * T * H + j] = e[2, q]
-                        hf[hb + bb * hbs + j] = h[q]
+            _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
+            _tile_store_state_c(en, dnf, b0 * T * H + t * H, T * H, nb)
 
 
 def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, ds, acc, e, bits, bitsf):  # pragma: no cover - compiled
@@ -584,74 +569,43 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
                 d_t[j, b] = ds[b, j]
 
 
-_vexpm1_c = None
-_lstm_cell_c = None
-_kernel_c = None
-_tile_kernel_c = None
-_tile_gate_inputs_c = None
+# The compiled helpers the kernels call by these names (bound by _prepare() before any kernel compiles)
+_vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_gate_inputs_c = None
 _tile_hidden_product_c = None
-_rnn_tile_kernel_c = None
-_gru_tile_kernel_c = None
-_rnn_kernel_c = None
-_gru_kernel_c = None
+_KERNELS = {"lstm": _lstm_kernel, "lstm_tile": _lstm_tile_kernel, "rnn": _rnn_kernel, "rnn_tile": _rnn_tile_kernel,
+            "gru": _gru_kernel, "gru_tile": _gru_tile_kernel}
+_compiled_kernels: dict = {}
 
 
-def _kernel():
-    global _vexpm1_c, _lstm_cell_c, _kernel_c
-    if _kernel_c is None:
-        njit = _numba.njit
-        # error_model="numpy": IEEE division (no zero-division branch, which would keep the loops scalar)
-        _vexpm1_c = njit(cache=True, nogil=True, error_model="numpy")(_vexpm1)
-        _lstm_cell_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_cell)
-        _kernel_c = njit(cache=True, nogil=True, error_model="numpy")(_lstm_kernel)
-    return _kernel_c
+def _jit(fn):
+    # error_model="numpy": IEEE division (no zero-division branch, which would keep the loops scalar)
+    return _numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
 
 
-def _lstm_tile_kernel_compiled():
-    global _tile_kernel_c, _tile_gate_inputs_c, _tile_hidden_product_c
-    if _tile_kernel_c is None:
-        _kernel()  # compiles _vexpm1 first (the tile kernels call it)
+def _prepare() -> None:
+    """Bind the vector operations and compile the helpers the kernels call (once)."""
+    global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_gate_inputs_c
+    global _tile_hidden_product_c
+    if _vexpm1_c is None:
         from spscan.kernels import cpu_simd
 
         ops = cpu_simd.intrinsics()
         globals().update({name: ops[name] for name in _VECTOR_OPS})
-        njit = _numba.njit(cache=True, nogil=True, error_model="numpy")
-        _tile_gate_inputs_c = njit(_tile_gate_inputs)
-        _tile_hidden_product_c = njit(_tile_hidden_product)
-        _tile_kernel_c = njit(_lstm_tile_kernel)
-    return _tile_kernel_c
+        _vexpm1_c = _jit(_vexpm1)
+        _lstm_cell_c = _jit(_lstm_cell)
+        _tile_load_state_c = _jit(_tile_load_state)
+        _tile_store_state_c = _jit(_tile_store_state)
+        _tile_gate_inputs_c = _jit(_tile_gate_inputs)
+        _tile_hidden_product_c = _jit(_tile_hidden_product)
 
 
-def _rnn_tile_kernel_compiled():
-    global _rnn_tile_kernel_c
-    if _rnn_tile_kernel_c is None:
-        _lstm_tile_kernel_compiled()  # binds the vector operations, compiles _vexpm1
-        _rnn_tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_rnn_tile_kernel)
-    return _rnn_tile_kernel_c
-
-
-def _gru_tile_kernel_compiled():
-    global _gru_tile_kernel_c
-    if _gru_tile_kernel_c is None:
-        _lstm_tile_kernel_compiled()  # binds the vector operations, compiles _vexpm1
-        _gru_tile_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_gru_tile_kernel)
-    return _gru_tile_kernel_c
-
-
-def _rnn_kernel_compiled():
-    global _rnn_kernel_c
-    if _rnn_kernel_c is None:
-        _kernel()  # compiles _vexpm1 first (the RNN kernel calls it)
-        _rnn_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_rnn_kernel)
-    return _rnn_kernel_c
-
-
-def _gru_kernel_compiled():
-    global _gru_kernel_c
-    if _gru_kernel_c is None:
-        _kernel()  # compiles _vexpm1 first (the GRU kernel calls it)
-        _gru_kernel_c = _numba.njit(cache=True, nogil=True, error_model="numpy")(_gru_kernel)
-    return _gru_kernel_c
+def _compiled(name: str):
+    """The compiled kernel ``name`` of ``_KERNELS`` (compiled on first use; numba caches it on disk)."""
+    fn = _compiled_kernels.get(name)
+    if fn is None:
+        _prepare()
+        fn = _compiled_kernels[name] = _jit(_KERNELS[name])
+    return fn
 
 
 def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool,
@@ -691,7 +645,7 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
         n = H * LANES
         bits = np.empty(n, dtype=itype)
         hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
-        _rnn_tile_kernel_compiled()(
+        _compiled("rnn_tile")(
             gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(),
             h0.detach().contiguous().numpy(), cst, icst, bool(relu), hf, hts, hbs, d.numpy(), np.empty(n, dtype=np_dt),
             np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), bits, bits.view(np_dt))
@@ -700,7 +654,7 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     acc = np.empty((B, H), dtype=np_dt)
     e = np.empty(B * H, dtype=np_dt)
     bits = np.empty(B * H, dtype=itype)
-    _rnn_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
+    _compiled("rnn")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
                            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(),
                            np.empty((B, H), dtype=np_dt), acc, e, bits, bits.view(np_dt))
     return _as_layout(hs, batch_first), d.transpose(1, 2)
@@ -746,7 +700,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         e = np.empty((5, B * H), dtype=np_dt)
         w = np.empty((4, B * H), dtype=np_dt)
         bits = np.empty(4 * B * H, dtype=itype)
-        _kernel()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
+        _compiled("lstm")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
                   hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
         return _as_layout(hs, batch_first), c, vals
     gi = _gate_major(gi)
@@ -757,7 +711,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     bits = np.empty(4 * n, dtype=itype)
     gif = gi.permute(2, 0, 1).numpy().reshape(-1)
     hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
-    _lstm_tile_kernel_compiled()(
+    _compiled("lstm_tile")(
         gif, T * B, B, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hf, hts, hbs, vals.numpy(), c.numpy(),
         np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(G * LANES, dtype=np_dt),
         np.empty(9 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
@@ -856,7 +810,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         n = H * LANES
         bits = np.empty(2 * n, dtype=itype)
         hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
-        _gru_tile_kernel_compiled()(
+        _compiled("gru_tile")(
             gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(), bhn,
             h0.detach().contiguous().numpy(), cst, icst, hf, hts, hbs, d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
             np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
@@ -868,7 +822,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     e = np.empty((3, B * H), dtype=np_dt)
     w = np.empty(B * H, dtype=np_dt)
     bits = np.empty(2 * B * H, dtype=itype)
-    _gru_kernel_compiled()(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), bhn,
+    _compiled("gru")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), bhn,
                            h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(),
                            np.empty((B, 4 * H), dtype=np_dt), dn.numpy(), acc, e, w, bits, bits.view(np_dt))
     return _as_layout(hs, batch_first), d.transpose(1, 2), dn

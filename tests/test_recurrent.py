@@ -516,7 +516,7 @@ def test_compiled_expm1_within_a_few_ulp(np_dtype):
     import spscan.recurrent_cpu as rc
 
     assert rc.available()
-    rc._kernel()
+    rc._prepare()
     dt = np.dtype(np_dtype).type
     itype = rc._INT[dt][0]
     cst, icst = rc._expm1_consts(dt)  # float32: the shorter series
