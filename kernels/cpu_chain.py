@@ -51,11 +51,15 @@ from .cpu_simd import LANES
 
 # The vector operations the kernel names: numba intrinsics (kernels/cpu_simd.py), bound by _kernel()
 # before the first compile (numba is optional and slow to import).
-vload = vstore = vzero = vscale = vmul = vmuladd = vmuladdv = vtranspose = vtranspose_add = prefetch = None
+vload = vstore = vzero = vscale = vmul = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
+prefetch = prefetch_read = None
 _VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vmuladd", "vmuladdv", "vtranspose", "vtranspose_add",
-               "prefetch")
-# outputs are prefetched this many steps ahead (measured on the T = 1000 LSTM chain: 1 to 8 alike)
+               "prefetch", "prefetch_read")
+# A step's outputs and per-sample values are prefetched this many steps ahead (the T = 1000 LSTM
+# chain: 3.2 -> 2.5-2.9 ms with its gate values; 2 to 8 steps alike), the values only for steps of
+# at most PREFETCH_VALUES_MAX entries per tile (a small step's lines; a large one streams anyway)
 PREFETCH_STEPS = 4
+PREFETCH_VALUES_MAX = 1 << 14
 
 __all__ = ["available", "numba_module", "run_chain", "resolve_steps"]
 
@@ -284,16 +288,38 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                 for i in range(i0, m):
                     for bb in range(nb):
                         nxt[i * LANES + bb] += vectors[b0 + bb, a + i]
-            if j + PREFETCH_STEPS < code.shape[0]:
-                # the outputs of a later step: LANES rows of the sample-major buffer far apart, whose
-                # lines the hardware prefetchers do not fetch ahead
-                on = out[j + PREFETCH_STEPS]
-                mn = rows[j + PREFETCH_STEPS]
+            jn = j + PREFETCH_STEPS
+            if jn < code.shape[0]:
+                # a later step's outputs (LANES rows of the sample-major buffer, far apart) and its
+                # per-sample values: lines the hardware prefetchers do not fetch ahead
+                on = out[jn]
+                mn = rows[jn]
                 for bb in range(nb):
                     rb = (b0 + bb) * sv + on
                     for q in range(0, mn, line):
                         prefetch(vflat, rb + q)
                     prefetch(vflat, rb + mn - 1)
+                cn = code[jn]
+                bsn = bstride[jn]
+                if bsn != 0:
+                    if cn == 4:
+                        cq = csr_ptr[jn]
+                        nn = csr_indptr[cq + mn] - csr_indptr[cq]
+                    else:
+                        nn = mn * cols[jn] if cn == 2 else mn
+                    if 0 < nn * nb <= PREFETCH_VALUES_MAX:
+                        sn = sources[src[jn]]
+                        esn = estride[jn]
+                        if bsn == 1:  # entry-major: a tile's values of entry q are LANES in a row
+                            for q in range(nn):
+                                prefetch_read(sn, offset[jn] + b0 + q * esn)
+                                prefetch_read(sn, offset[jn] + b0 + q * esn + LANES - 1)
+                        else:
+                            for bb in range(nb):
+                                vb = offset[jn] + (b0 + bb) * bsn
+                                for q in range(0, nn * esn, line):
+                                    prefetch_read(sn, vb + q)
+                                prefetch_read(sn, vb + (nn - 1) * esn)
             oj = out[j]
             i0 = 0
             if full:

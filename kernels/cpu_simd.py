@@ -42,7 +42,8 @@ def intrinsics() -> dict[str, Any]:
     ``vtranspose(src, sb, ss, dst, db, ds)``: the ``LANES x LANES`` block whose row ``r`` is
     ``src[sb + r * ss :][:LANES]`` is written transposed, column ``c`` to ``dst[db + c * ds :][:LANES]``
     (``log2(LANES)`` rounds of perfect shuffles in registers, instead of ``LANES^2`` scalar moves);
-    ``vtranspose_add`` adds it there instead; ``prefetch(a, i)``: a hint that ``a[i]`` will be written.
+    ``vtranspose_add`` adds it there instead; ``prefetch(a, i)`` / ``prefetch_read(a, i)``: a hint
+    that ``a[i]`` will be written / read soon.
     """
     if not _ops:
         _ops.update(_build())
@@ -186,26 +187,29 @@ def _build() -> dict[str, Any]:
         typer.__name__ = name
         return intrinsic(typer)
 
-    @intrinsic
-    def prefetch(typingctx, arr, idx):
-        """Hint that ``arr[idx]`` will be written soon (``llvm.prefetch``, write, high locality)."""
-        _check_array(arr)
+    def _prefetch(name: str, write: int):
+        def typer(typingctx, arr, idx):
+            _check_array(arr)
 
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, args[0]).data
-            ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-            i32 = ir.IntType(32)
-            # named by llvmlite from the pointer type (".p0i8"; LLVM with opaque pointers reads it as ".p0")
-            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
-            builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+                i32 = ir.IntType(32)
+                # named by llvmlite from the pointer type (".p0i8"; LLVM with opaque pointers reads it as ".p0")
+                fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+                fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
+                builder.call(fn, [ptr, ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                return context.get_dummy_value()
 
-        return types.void(arr, idx), codegen
+            return types.void(arr, idx), codegen
+
+        typer.__name__ = name
+        return intrinsic(typer)
 
     return {
         "VecType": VecType,
-        "prefetch": prefetch,
+        "prefetch": _prefetch("prefetch", 1),
+        "prefetch_read": _prefetch("prefetch_read", 0),
         "vtranspose": _transpose("vtranspose", False),
         "vtranspose_add": _transpose("vtranspose_add", True),
         "vload": vload,
