@@ -36,7 +36,9 @@ _ops: dict[str, Any] = {}
 def intrinsics() -> dict[str, Any]:
     """The vector operations as numba intrinsics (built on first use: importing numba is slow).
 
-    ``vload(a, i)``: ``a[i : i + LANES]``; ``vstore(a, i, v)``; ``vzero(a)``: zeros of ``a``'s dtype;
+    ``vload(a, i)``: ``a[i : i + LANES]``; ``vstore(a, i, v)``; ``vstream(a, i, v)``: ``vstore`` with a
+    non-temporal hint where the address is aligned (data written once and read much later, which
+    need not be read into the cache first); ``vzero(a)``: zeros of ``a``'s dtype;
     ``vscale(w, x)``: ``w * x`` for a scalar ``w``; ``vmul(a, x)``: ``a * x``; ``vadd(a, x)``;
     ``vmuladd(acc, w, x)``: ``acc + w * x`` for a scalar ``w``; ``vmuladdv(acc, a, x)``: ``acc + a * x``;
     ``vtranspose(src, sb, ss, dst, db, ds)``: the ``LANES x LANES`` block whose row ``r`` is
@@ -99,6 +101,29 @@ def _build() -> dict[str, Any]:
 
         def codegen(context, builder, sig, args):
             builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], args[2].type), align=1)
+            return context.get_dummy_value()
+
+        return types.void(arr, idx, v), codegen
+
+    @intrinsic
+    def vstream(typingctx, arr, idx, v):
+        """``vstore`` with a non-temporal hint where the address is aligned to the vector's size."""
+        _check_array(arr)
+        if not isinstance(v, VecType) or v.dtype != arr.dtype:
+            raise TypeError(f"vstream: expected a vector of {arr.dtype}, got {v}")
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1], args[2].type)
+            size = context.get_abi_sizeof(args[2].type)
+            i64 = ir.IntType(64)
+            aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(ptr, i64), ir.Constant(i64, size - 1)),
+                                            ir.Constant(i64, 0))
+            with builder.if_else(aligned) as (then, otherwise):
+                with then:
+                    st = builder.store(args[2], ptr, align=size)
+                    st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+                with otherwise:
+                    builder.store(args[2], ptr, align=1)
             return context.get_dummy_value()
 
         return types.void(arr, idx, v), codegen
@@ -214,6 +239,7 @@ def _build() -> dict[str, Any]:
         "vtranspose_add": _transpose("vtranspose_add", True),
         "vload": vload,
         "vstore": vstore,
+        "vstream": vstream,
         "vzero": vzero,
         "vscale": _binary("vscale", "fmul", True),
         "vmul": _binary("vmul", "fmul", False),

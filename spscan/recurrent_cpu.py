@@ -52,8 +52,8 @@ from spscan.kernels.cpu_simd import LANES
 
 # The vector operations the tiled kernel names: numba intrinsics (kernels/cpu_simd.py), bound before
 # its first compile (numba is optional and slow to import).
-vload = vstore = vmul = vmuladd = vtranspose = None
-_VECTOR_OPS = ("vload", "vstore", "vmul", "vmuladd", "vtranspose")
+vload = vstore = vstream = vmul = vmuladd = vtranspose = None
+_VECTOR_OPS = ("vload", "vstore", "vstream", "vmul", "vmuladd", "vtranspose")
 
 __all__ = ["available", "gate_inputs", "gru_forward", "lstm_forward", "rnn_forward"]
 
@@ -325,15 +325,15 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
                 cf = vload(wk[2], q)
                 cg = vload(wk[3], q)
                 fv = vload(e[1], q)
-                vstore(out, ob + (2 * j) * ostr, vmul(ci, kv))
-                vstore(out, ob + (2 * j + 1) * ostr, ci)
-                vstore(out, ob + (2 * H + 2 * j) * ostr, vmul(cf, kv))
-                vstore(out, ob + (2 * H + 2 * j + 1) * ostr, cf)
-                vstore(out, ob + (4 * H + 2 * j) * ostr, vmul(cg, kv))
-                vstore(out, ob + (4 * H + 2 * j + 1) * ostr, cg)
-                vstore(out, ob + (6 * H + j) * ostr, vload(e[2], q))
-                vstore(out, ob + (7 * H + 2 * j) * ostr, vmul(fv, kv))
-                vstore(out, ob + (7 * H + 2 * j + 1) * ostr, fv)
+                vstream(out, ob + (2 * j) * ostr, vmul(ci, kv))
+                vstream(out, ob + (2 * j + 1) * ostr, ci)
+                vstream(out, ob + (2 * H + 2 * j) * ostr, vmul(cf, kv))
+                vstream(out, ob + (2 * H + 2 * j + 1) * ostr, cf)
+                vstream(out, ob + (4 * H + 2 * j) * ostr, vmul(cg, kv))
+                vstream(out, ob + (4 * H + 2 * j + 1) * ostr, cg)
+                vstream(out, ob + (6 * H + j) * ostr, vload(e[2], q))
+                vstream(out, ob + (7 * H + 2 * j) * ostr, vmul(fv, kv))
+                vstream(out, ob + (7 * H + 2 * j + 1) * ostr, fv)
             if not full:
                 for q in range(9 * H):
                     for bb in range(nb):
@@ -380,7 +380,7 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
             db = t * H * B + b0  # unit j of the tile at db + j * B
             if full:
                 for j in range(H):
-                    vstore(df, db + j * B, vload(dv, j * LANES))
+                    vstream(df, db + j * B, vload(dv, j * LANES))
             else:
                 for j in range(H):
                     for bb in range(nb):
@@ -450,9 +450,9 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
             db = t * 4 * H * B + b0  # row q of the tile at db + q * B
             if full:
                 for q in range(3 * H):
-                    vstore(df, db + q * B, vload(a, q * LANES))
+                    vstream(df, db + q * B, vload(a, q * LANES))
                 for j in range(H):
-                    vstore(df, db + (3 * H + j) * B, vload(e[1], j * LANES))
+                    vstream(df, db + (3 * H + j) * B, vload(e[1], j * LANES))
             else:
                 for j in range(H):
                     for bb in range(nb):

@@ -181,6 +181,12 @@ def test_simd_intrinsics_against_numpy():
     vload, vstore, vzero = ops["vload"], ops["vstore"], ops["vzero"]
     vmuladd, vmuladdv, vmul, vscale, vadd = ops["vmuladd"], ops["vmuladdv"], ops["vmul"], ops["vscale"], ops["vadd"]
     vtranspose, vtranspose_add, prefetch = ops["vtranspose"], ops["vtranspose_add"], ops["prefetch"]
+    vstream, prefetch_read = ops["vstream"], ops["prefetch_read"]
+
+    @numba.njit
+    def stream(a, out, i):
+        prefetch_read(a, 0)
+        vstream(out, i, vload(a, 0))
 
     @numba.njit
     def arith(a, b, out, w):
@@ -208,6 +214,10 @@ def test_simd_intrinsics_against_numpy():
         assert np.array_equal(out[:16], dt(0) + w * x)
         assert np.array_equal(out[16:32], x + x * y)
         assert np.array_equal(out[32:48], x * y + w * y)
+        for at in (0, LANES, 3):  # aligned (a non-temporal store) and not (a plain one)
+            o2 = np.zeros(4 * LANES, dtype=dt)
+            stream(a, o2, at)
+            assert np.array_equal(o2[at:at + LANES], a[:LANES]) and not o2[:at].any() and not o2[at + LANES:].any()
         src = rng.standard_normal(40 * 37).astype(dt)
         dst = rng.standard_normal(30 * 41).astype(dt)
         block = np.stack([src[5 + r * 37:5 + r * 37 + LANES] for r in range(LANES)])
