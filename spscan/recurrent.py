@@ -42,8 +42,8 @@ Chain layouts (``layout=``):
   materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
   Against autograd (``bench/test_recurrent_step.py``: ``nn.LSTM(1, 20)``, B=16, loss on the last
   output, one thread, ``process_time``, medians of 11 interleaved pairs, quiet machine), autograd
-  time / spscan time for forward, backward, step: T=1000 0.87, 0.73, 0.80; T=3000 1.61, 1.43, 1.47;
-  T=10000 0.82, 1.72, 0.88 (the step 0.77-0.80 / 0.99-1.47 / 0.88-1.10 over three runs). Autograd's CPU LSTM is oneDNN's fused forward and backward; here the
+  time / spscan time for forward, backward, step: T=1000 0.98, 0.75, 0.85; T=3000 1.62, 1.52, 1.58;
+  T=10000 0.70, 1.39, 0.95 (the step 0.77-0.85 / 0.99-1.58 / 0.88-1.10 over four runs). Autograd's CPU LSTM is oneDNN's fused forward and backward; here the
   forward and the linear scan run in tiles of 16 samples held in vector registers, and the
   per-sample gate values are stored entry-major so the scan reads them in place.
 
