@@ -259,7 +259,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         else:
                             for q in range(n):
                                 e0 = p + q
-                                a0 = vmuladdv(a0, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                a0 = vmuladdv(a0, vload(varr, vbase + e0 * vstr),
+                                              vload(cur, csr_indices[g0 + e0] * LANES))
                                 e0 += n
                                 a1 = vmuladdv(a1, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
                                 e0 += n

@@ -43,9 +43,10 @@ Chain layouts (``layout=``):
   Against autograd (``bench/test_recurrent_step.py``: ``nn.LSTM(1, 20)``, B=16, loss on the last
   output, one thread, ``process_time``, medians of 11 interleaved pairs, quiet machine), autograd
   time / spscan time for forward, backward, step: T=1000 0.98, 0.75, 0.85; T=3000 1.62, 1.52, 1.58;
-  T=10000 0.70, 1.39, 0.95 (the step 0.77-0.85 / 0.99-1.58 / 0.88-1.10 over four runs). Autograd's CPU LSTM is oneDNN's fused forward and backward; here the
-  forward and the linear scan run in tiles of 16 samples held in vector registers, and the
-  per-sample gate values are stored entry-major so the scan reads them in place.
+  T=10000 0.70, 1.39, 0.95 (the step 0.77-0.85 / 0.99-1.58 / 0.88-1.10 over four runs).
+  Autograd's CPU LSTM is oneDNN's fused forward and backward; here the forward and the linear
+  scan run in tiles of 16 samples held in vector registers, and the per-sample gate values are
+  stored entry-major so the scan reads them in place.
 
 The forward (``forward=``): ``"sequential"`` runs the module's own forward (cuDNN on GPU);
 ``"newton"`` solves the recurrence for all steps at once by Newton iterations whose linear solve

@@ -283,7 +283,8 @@ def _tile_hidden_product(a, w, h, rows):  # pragma: no cover - compiled
         g += 1
 
 
-def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits, bitsf):  # pragma: no cover - compiled
+def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits,
+                      bitsf):  # pragma: no cover - compiled
     # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
     # (9H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
     # samples contiguous; vals: (T, 9H, B) entry-major; hs: (T, B, H), h0, c0, c_n: (B, H). e rows:
@@ -344,7 +345,8 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
                 c_n[b0 + bb, j] = c[j * LANES + bb]
 
 
-def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a, dv, e, bits, bitsf):  # pragma: no cover - compiled
+def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a, dv, e, bits,
+                     bitsf):  # pragma: no cover - compiled
     # _rnn_kernel in tiles of LANES samples, feature-major (h, a, dv: (H, LANES)), as the LSTM's tiles:
     # gif row j of step t at j * gs + t * ts (samples contiguous); d: (T, H, B) entry-major
     T, H, B = d.shape
@@ -388,7 +390,8 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
 
 
-def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits, bitsf):  # pragma: no cover - compiled
+def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits,
+                     bitsf):  # pragma: no cover - compiled
     # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
     # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) entry-major (the chain reads
     # it); dn: (B, T, H) batch-major (the backward multiplies it with gradients in that order).
