@@ -61,7 +61,7 @@ _VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vmuladd", "vmuladd
 PREFETCH_STEPS = 4
 PREFETCH_VALUES_MAX = 1 << 14
 
-__all__ = ["available", "numba_module", "run_chain", "resolve_steps"]
+__all__ = ["available", "numba_module", "resolve_steps", "run_chain", "shared_column_blocks"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -94,22 +94,7 @@ def numba_module():
 
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                   csr_ptr, csr_indptr, csr_indices, tv, same):  # pragma: no cover - compiled
-    # same[r]: CSR rows r .. r+3 (global row numbers of csr_indptr) have one column list, so a block
-    # of them reads each column's vector once (the LSTM weight element's W_hh^T rows)
-    for r in range(csr_indptr.shape[0] - 4):
-        p = csr_indptr[r]
-        n = csr_indptr[r + 1] - p
-        ok = n > 0
-        for d in range(1, 4):
-            if csr_indptr[r + d + 1] - csr_indptr[r + d] != n:
-                ok = False
-        if ok:
-            for q in range(n):
-                c = csr_indices[p + q]
-                if csr_indices[p + n + q] != c or csr_indices[p + 2 * n + q] != c or csr_indices[p + 3 * n + q] != c:
-                    ok = False
-                    break
-        same[r] = ok
+    # same: shared_column_blocks(csr_indptr, csr_indices)
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
     # written out and never mix with the others (every operation is lane by lane), so they are not
@@ -356,7 +341,8 @@ TV_STEP_ENTRIES = 4096
 def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np.ndarray, rows: np.ndarray,
               cols: np.ndarray, add: np.ndarray, out: np.ndarray, vin0: int, sources: Sequence[np.ndarray],
               vectors: np.ndarray, csr_ptr: Optional[np.ndarray] = None, csr_indptr: Optional[np.ndarray] = None,
-              csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None) -> None:
+              csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None,
+              csr_blocks: Optional[np.ndarray] = None) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
@@ -365,6 +351,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         vin0: column of ``y_{-1}`` in ``vectors``.
         sources: 1-D C-contiguous arrays holding the matrices' values, of ``vectors``' dtype.
         vectors: ``(B, size_v)`` C-contiguous float32/float64 array, read and written in place.
+        csr_blocks: :func:`shared_column_blocks` of the CSR tables (worked out here when not given).
         estride: ``(steps,)`` int64 element distance between consecutive entries of a per-sample
             step's values (default 1: each sample's values contiguous). A per-sample step stored
             entry-major (``bstride 1``, ``estride`` = the batch) is read in place, without the copy
@@ -403,6 +390,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     else:
         csr_ptr = np.zeros(steps, dtype=np.int64)
         csr_indptr = csr_indices = _NO_CSR
+        csr_blocks = None
     for i, s in enumerate(sources):
         if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
@@ -418,7 +406,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     cur = np.zeros(width * LANES, dtype=vectors.dtype)
     nxt = np.zeros(width * LANES, dtype=vectors.dtype)
     # per-sample dense or CSR values, entry-major: a whole step's when it has at most TV_STEP_ENTRIES
-    # entries (one copy per step), else one row's (its longest row)
+    # entries (one copy per step), else one row's (at most the longest row of the run's patterns)
     longest = 1
     dense_p = code == 2
     if dense_p.any():
@@ -428,15 +416,44 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         starts = csr_ptr[csr_p]
         longest = max(longest, int((csr_indptr[starts + rows[csr_p]] - csr_indptr[starts]).max()))
     if longest > TV_STEP_ENTRIES:
-        longest = max(1, int(cols[dense_p].max()) if dense_p.any() else 1)
-        if csr_p.size:
-            lengths = np.diff(csr_indptr)
-            span = np.unique(np.concatenate([np.arange(a, a + r) for a, r in zip(starts.tolist(),
-                                                                                  rows[csr_p].tolist())]))
-            longest = max(longest, int(lengths[span].max()))
+        longest = max(int(cols[dense_p].max()) if dense_p.any() else 1,
+                      int(np.diff(csr_indptr).max()) if csr_p.size else 1)
     tv = np.zeros(longest * LANES, dtype=vectors.dtype)
+    if csr_blocks is None:
+        csr_blocks = shared_column_blocks(csr_indptr, csr_indices)
+    elif csr_blocks.shape != csr_indptr.shape or csr_blocks.dtype != np.bool_:
+        raise ValueError(f"csr_blocks: expected {csr_indptr.shape} bool (shared_column_blocks), got "
+                         f"{csr_blocks.shape} {csr_blocks.dtype}")
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-              csr_ptr, csr_indptr, csr_indices, tv, np.zeros(csr_indptr.shape[0], dtype=np.bool_))
+              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks)
+
+
+def shared_column_blocks(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarray:
+    """``(len(csr_indptr),)`` bool: entry ``r`` is true where CSR rows ``r .. r+3`` of the run's tables
+    (global row numbers, as ``csr_indptr`` counts them) are non-empty and have one column list, so a
+    block of them reads each column's vector once (the LSTM weight element's ``W_hh^T`` rows).
+
+    A property of the run's patterns: worked out once per run (the backend keeps it with the run's
+    tables) and passed to :func:`run_chain`, not redone per call.
+    """
+    indptr = np.asarray(csr_indptr, dtype=np.int64)
+    out = np.zeros(indptr.shape[0], dtype=np.bool_)
+    R = indptr.shape[0] - 1
+    if R < 4:
+        return out
+    n = np.diff(indptr)
+    row = np.repeat(np.arange(R), n)  # the row of each entry
+    pos = np.arange(indptr[0], indptr[-1])
+    # each row against the next: same length and, slot by slot, the same column
+    nxt_len = np.append(n[1:], -1)
+    same_len = n == nxt_len
+    ok = same_len[row]
+    eq = np.zeros(pos.shape[0], dtype=np.bool_)
+    eq[ok] = np.asarray(csr_indices)[pos[ok]] == np.asarray(csr_indices)[pos[ok] + n[row[ok]]]
+    mismatched = np.bincount(row[~eq], minlength=R).astype(bool)
+    row_eq = same_len & ~mismatched
+    out[: R - 3] = (n[: R - 3] > 0) & row_eq[: R - 3] & row_eq[1 : R - 2] & row_eq[2 : R - 1]
+    return out
 
 
 MAX_SOURCES = 16

@@ -93,11 +93,14 @@ def _build() -> dict[str, Any]:
 
         return VecType(arr.dtype)(arr, idx), codegen
 
-    @intrinsic
-    def vstore(typingctx, arr, idx, v):
+    def _check_store(name, arr, v):
         _check_array(arr)
         if not isinstance(v, VecType) or v.dtype != arr.dtype:
-            raise TypeError(f"vstore: expected a vector of {arr.dtype}, got {v}")
+            raise TypeError(f"{name}: expected a vector of {arr.dtype}, got {v}")
+
+    @intrinsic
+    def vstore(typingctx, arr, idx, v):
+        _check_store("vstore", arr, v)
 
         def codegen(context, builder, sig, args):
             builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], args[2].type), align=1)
@@ -108,9 +111,7 @@ def _build() -> dict[str, Any]:
     @intrinsic
     def vstream(typingctx, arr, idx, v):
         """``vstore`` with a non-temporal hint where the address is aligned to the vector's size."""
-        _check_array(arr)
-        if not isinstance(v, VecType) or v.dtype != arr.dtype:
-            raise TypeError(f"vstream: expected a vector of {arr.dtype}, got {v}")
+        _check_store("vstream", arr, v)
 
         def codegen(context, builder, sig, args):
             ptr = _pointer(context, builder, sig.args[0], args[0], args[1], args[2].type)

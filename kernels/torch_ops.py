@@ -232,6 +232,7 @@ class _RunPlan:
     csr_np: list[_CsrSteps]  # per distinct pattern: NumPy gather tables (the NumPy loop)
     csr_dev: list[_CsrSteps]  # the same as index tensors on the tables' device (the torch loop)
     nnz: list[int]  # stored entries of each step's matrix
+    csr_blocks: Optional[np.ndarray] = None  # the compiled CPU loop's shared_column_blocks, made on first use
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
@@ -287,7 +288,8 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
     return vectors.device.type == "cpu" and vectors.shape[0] * cp.max_block <= NUMPY_RUN_MAX_WORK
 
 
-def _run_compiled(op: LinearRun, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, inputs) -> bool:
+def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
+                  inputs) -> bool:
     """The whole run in one call of the compiled CPU loop (:mod:`.cpu_chain`); ``False`` where it does not
     apply (no numba, or an input matrix that is not a strided view of a contiguous tensor)."""
     if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
@@ -299,9 +301,12 @@ def _run_compiled(op: LinearRun, arenas: dict[str, torch.Tensor], vectors: torch
         return False
     src, off, bst, est, sources = where
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    indptr, indices = i64(op.csr_indptr), i64(op.csr_indices)
+    if cp.csr_blocks is None and indptr.size:
+        cp.csr_blocks = cpu_chain.shared_column_blocks(indptr, indices)
     cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), i64(op.out), op.vin0,
-                        sources, _as_numpy(vectors), i64(op.csr_ptr), i64(op.csr_indptr), i64(op.csr_indices),
-                        estride=est)
+                        sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
+                        csr_blocks=cp.csr_blocks)
     return True
 
 
@@ -336,7 +341,7 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
     """
     batch, steps = vectors.shape[0], op.steps
     use_np = uses_numpy(cp, vectors)
-    if use_np and _run_compiled(op, arenas, vectors, inputs):
+    if use_np and _run_compiled(op, cp, arenas, vectors, inputs):
         return
     rows, cols, code = cp.rows, cp.cols, cp.code
     scratch = arenas.get("C")

@@ -230,3 +230,20 @@ def test_simd_intrinsics_against_numpy():
             assert np.array_equal(d, want), (dt, accumulate)
     with pytest.raises(Exception, match="1-D C-contiguous"):
         numba.njit(lambda a: vload(a, 0))(np.zeros((4, 4)))
+
+
+def test_shared_column_blocks_equal_a_row_by_row_check():
+    """The block flags (worked out once per run from the CSR tables) against a direct comparison of
+    four consecutive rows, on concatenated random patterns with empty rows and repeated rows."""
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        pats = [_pattern(rng, int(rng.integers(1, 12)), int(rng.integers(1, 9))) for _ in range(int(rng.integers(1, 4)))]
+        base = np.cumsum([0] + [p.nnz for p in pats])
+        indptr = np.concatenate([p.indptr.astype(np.int64) + b for p, b in zip(pats, base)])
+        indices = np.concatenate([p.indices.astype(np.int64) for p in pats])
+        got = cpu_chain.shared_column_blocks(indptr, indices)
+        want = np.zeros(indptr.shape[0], dtype=bool)
+        for r in range(indptr.shape[0] - 4):
+            rows = [indices[indptr[r + d]:indptr[r + d + 1]] for d in range(4)]
+            want[r] = rows[0].size > 0 and all(np.array_equal(rows[0], x) for x in rows[1:])
+        assert np.array_equal(got, want)
