@@ -12,12 +12,15 @@ Module-level switches:
 * ``allow_tf32`` (default ``False``): dense nodes use ``tl.dot`` with ``input_precision="ieee"``
   (exact fp32 products); set ``spscan.kernels.launch.allow_tf32 = True`` (or call
   :func:`set_allow_tf32`) to let float32 dense nodes use TF32 tensor cores. Read at each launch.
+* ``chunk_steps`` (default ``None``: ``~sqrt(steps)``): the chunk length of linear runs that run
+  parallel over their steps (:func:`chunked_run_config`), read when a plan's tables are built.
 * ``mode``: ``None`` follows ``TRITON_INTERPRET``; ``"device"`` or ``"interpret"`` forces one
   family of configurations (tests use ``"device"`` to run the GPU tile sizes in the interpreter).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,13 +29,14 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 __all__ = [
-    "allow_tf32", "mode", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
+    "allow_tf32", "mode", "chunk_steps", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
-    "LinearRunConfig", "linear_run_config", "LaunchSpec", "launch", "recording",
+    "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "LaunchSpec", "launch", "recording",
 ]
 
 allow_tf32: bool = False
 mode: Optional[str] = None
+chunk_steps: Optional[int] = None
 
 _MAX_WIDTH = 128  # widest pair chunk per segment and step of the reduction loop
 
@@ -264,6 +268,44 @@ def recording(dry_run: bool = True) -> Iterator[list]:
         yield _recorder
     finally:
         _recorder, _dry_run = saved
+
+
+@dataclass(frozen=True)
+class ChunkedRunConfig:
+    """A uniform linear run parallel over its steps: ``chunks`` chunks of ``chunk`` steps, each
+    chunk's map a ``(block_m, block_m)`` tile (``block_m > m``: column ``m`` holds its additive term)."""
+
+    chunk: int
+    chunks: int
+    block_m: int
+    num_warps: int
+
+    @property
+    def scratch_per_sample(self) -> int:
+        """Working entries per sample: every chunk's map and entry vector."""
+        return self.chunks * self.block_m * (self.block_m + 1)
+
+
+# Runs shorter than this stay sequential (one persistent program per block of samples): the
+# chunked form's three launches and its composition work only pay off over many steps.
+CHUNKED_MIN_STEPS = 64
+CHUNKED_MAX_M = 63  # a chunk map (m + 1 columns) fits one 64 x 64 register tile
+
+
+def chunked_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Optional[ChunkedRunConfig]:
+    """Chunking of a uniform run of ``steps`` square ``m x m`` steps, or ``None`` where the run stays
+    sequential (``m`` too large, too few steps).
+
+    ``chunk`` (default ``~sqrt(steps)``) balances the critical path: ``chunk`` dependent products
+    per chunk map and as many mat-vecs per expanded chunk against ``steps / chunk`` carries.
+    """
+    if not 0 < m <= CHUNKED_MAX_M or steps < CHUNKED_MIN_STEPS:
+        return None
+    if chunk is None:
+        chunk = chunk_steps if chunk_steps is not None else max(8, int(round(math.sqrt(steps))))
+    chunk = max(1, min(int(chunk), steps))
+    bm = max(16, next_pow2(m + 1))
+    return ChunkedRunConfig(chunk, -(-steps // chunk), bm, 4)
 
 
 def launch(kernel, grid: tuple[int, ...], args: dict[str, Any], constexprs: dict[str, Any], num_warps: int) -> None:

@@ -23,6 +23,8 @@ tensor as a ``range`` bound.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import triton
@@ -30,7 +32,8 @@ import triton.language as tl
 
 from . import launch
 
-__all__ = ["linear_run_table", "linear_run_kernel", "linear_run"]
+__all__ = ["linear_run_table", "linear_run_kernel", "linear_run", "chunked_size", "run_compose_kernel",
+           "run_carry_kernel", "run_expand_kernel", "linear_run_chunked"]
 
 FIELDS = 8  # kind (0 diagonal, 1 dense, 2 CSR), shared, rows, cols, mat_offset, add (-1: none), out, csr_ptr
 DIAG, DENSE, CSR = 0, 1, 2
@@ -187,3 +190,160 @@ def linear_run(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int,
         dict(ONE_TILE=one_tile, NF=FIELDS, BLOCK_B=cfg.block_b, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k),
         cfg.num_warps,
     )
+
+
+# --- the same run, parallel over its steps (uniform square dense / diagonal runs) ------------------
+#
+# A run of ``n`` steps is cut into chunks of ``L`` consecutive steps. Each chunk's affine map
+# ``y_out = P_c y_in + a_c`` is composed by one program per (chunk, sample) (``run_compose_kernel``:
+# ``L`` products ``M_j P`` of ``m x m`` blocks, ``a_c`` kept as column ``m`` of ``P``); one program
+# per sample then walks the ``n / L`` chunk maps to get every chunk's entry vector
+# (``run_carry_kernel``); and one program per (chunk, sample) re-runs its chunk's steps from that
+# entry, writing every ``y_j`` (``run_expand_kernel``). The critical path is ``~2 L + n / L``
+# dependent steps instead of ``n`` (``L ~ sqrt(n / 2)``), for ``n * m^3`` extra multiply-adds per
+# sample; this is the scan's middle run with the up-sweep fused into registers, never written out.
+
+
+@triton.jit
+def _run_block(s_ptr, prow, meta, rows, ks, m, NF: tl.constexpr):
+    """Step ``meta``'s matrix as a dense ``(BM, BM)`` tile (zero outside ``m x m``): a dense block
+    or a diagonal, shared or per sample."""
+    kind = tl.load(meta)
+    sh = tl.load(meta + 1)
+    off = tl.load(meta + 4).to(tl.int64)
+    ok = (rows[:, None] < m) & (ks[None, :] < m)
+    pos = tl.where(kind == 1, rows[:, None] * m + ks[None, :], rows[:, None])  # diagonal: entry r of row r
+    ok = ok & ((kind == 1) | (rows[:, None] == ks[None, :]))
+    blk = off + pos
+    return tl.load(s_ptr + blk, mask=ok & (sh != 0), other=0.0) + tl.load(prow + blk, mask=ok & (sh == 0), other=0.0)
+
+
+@triton.jit
+def run_compose_kernel(
+    s_ptr, p_ptr, v_ptr, c_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), chunk maps
+    table, steps, m, chunk, stride_p, stride_v, stride_c,
+    NF: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    smp = tl.program_id(1).to(tl.int64)
+    prow = p_ptr + smp * stride_p
+    vrow = v_ptr + smp * stride_v
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BM)
+    # [I | 0]: the identity on the first m columns, the chunk's additive term in column m
+    acc = tl.where((rows[:, None] == ks[None, :]) & (rows[:, None] < m), 1.0, 0.0).to(v_ptr.dtype.element_ty)
+    j = c * chunk
+    end = tl.minimum(j + chunk, steps)
+    nxt = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    while j < end:
+        a = nxt
+        meta = table + j * NF
+        add = tl.load(meta + 5).to(tl.int64)
+        if j + 1 < end:  # the next step's block is independent of this product: load it first
+            nxt = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+        acc = tl.dot(a, acc, input_precision=PRECISION)
+        addv = tl.load(vrow + add + rows, mask=(rows < m) & (add >= 0), other=0.0)
+        acc += tl.where(ks[None, :] == m, addv[:, None], 0.0)
+        j += 1
+    tl.store(c_ptr + smp * stride_c + c * (BM * BM) + rows[:, None] * BM + ks[None, :], acc)
+
+
+@triton.jit
+def run_carry_kernel(
+    c_ptr, v_ptr, e_ptr,  # chunk maps and entry vectors (B, stride_c), vectors (B, N_V)
+    vin0, chunks, m, stride_v, stride_c, e_off,
+    BM: tl.constexpr,
+):
+    smp = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BM)
+    crow = c_ptr + smp * stride_c
+    erow = e_ptr + smp * stride_c + e_off
+    y = tl.load(v_ptr + smp * stride_v + vin0 + rows, mask=rows < m, other=0.0)
+    nxt = tl.load(crow + rows[:, None] * BM + rows[None, :])
+    c = 0
+    while c < chunks - 1:
+        p = nxt
+        if c + 2 < chunks:  # the next chunk's map does not depend on y: load it first
+            nxt = tl.load(crow + (c + 1) * (BM * BM) + rows[:, None] * BM + rows[None, :])
+        tl.store(erow + c * BM + rows, y)
+        y = tl.sum(p * tl.where(rows == m, 1.0, y)[None, :], axis=1)  # [y; 1]: the map's additive column
+        c += 1
+    tl.store(erow + c * BM + rows, y)
+
+
+@triton.jit
+def run_expand_kernel(
+    s_ptr, p_ptr, v_ptr, e_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), entries
+    table, steps, m, chunk, stride_p, stride_v, stride_c, e_off,
+    NF: tl.constexpr, BM: tl.constexpr,
+):
+    c = tl.program_id(0)
+    smp = tl.program_id(1).to(tl.int64)
+    prow = p_ptr + smp * stride_p
+    vrow = v_ptr + smp * stride_v
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BM)
+    y = tl.load(e_ptr + smp * stride_c + e_off + c * BM + rows)
+    j = c * chunk
+    end = tl.minimum(j + chunk, steps)
+    nxt = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    while j < end:
+        a = nxt
+        meta = table + j * NF
+        add = tl.load(meta + 5).to(tl.int64)
+        out = tl.load(meta + 6).to(tl.int64)
+        if j + 1 < end:
+            nxt = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+        y = tl.sum(a * y[None, :], axis=1)
+        y += tl.load(vrow + add + rows, mask=(rows < m) & (add >= 0), other=0.0)
+        tl.store(vrow + out + rows, y, mask=rows < m)
+        j += 1
+
+
+def chunked_size(table_meta: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> int:
+    """The common size ``m`` of a run every step of which is a square ``m x m`` dense block or
+    diagonal (what the chunked kernels take), else 0."""
+    if not rows.size:
+        return 0
+    m = int(rows[0])
+    ok = np.all(rows == m) and np.all(cols == m) and np.all(table_meta[:, 0] != CSR)
+    return m if ok else 0
+
+
+def linear_run_chunked(table: torch.Tensor, m: int, vin0: int, s: torch.Tensor, p: torch.Tensor,
+                       v: torch.Tensor, scratch: torch.Tensor, cfg: "launch.ChunkedRunConfig",
+                       precision: Optional[str] = None) -> None:
+    """Run a uniform linear run (every step an ``m x m`` dense block or diagonal; see
+    :func:`chunked_size`) parallel over its steps, in place on ``v``: compose each chunk's map, carry
+    the entry vectors across chunks, expand every chunk (see the comment above the kernels).
+
+    ``scratch``: ``(B, >= cfg.scratch_per_sample)`` working memory of ``v``'s dtype (rows may be strided); ``cfg`` from
+    :func:`~spscan.kernels.launch.chunked_run_config` for this run's step count and ``m``.
+    ``precision`` of the chunk maps' products (``tl.dot``): by default exact (``"ieee"``), or
+    ``"tf32"`` for float32 when ``launch.allow_tf32`` is set.
+    """
+    if precision is None:
+        precision = "tf32" if (launch.allow_tf32 and v.dtype == torch.float32) else "ieee"
+    steps = int(table.shape[0])
+    batch = v.shape[0]
+    if steps == 0 or batch == 0:
+        return
+    if scratch.dim() != 2 or scratch.shape[0] != batch or scratch.shape[1] < cfg.scratch_per_sample \
+            or scratch.stride(1) != 1 or scratch.dtype != v.dtype:
+        raise ValueError(f"linear_run_chunked: expected a {v.dtype} scratch ({batch}, >= {cfg.scratch_per_sample}) "
+                         f"with unit column stride, got {tuple(scratch.shape)} {scratch.dtype}")
+    bm, chunks = cfg.block_m, cfg.chunks
+    stride_c = scratch.stride(0)
+    work = scratch
+    e_off = chunks * bm * bm
+    common = dict(s_ptr=s, p_ptr=p, v_ptr=v, table=table, steps=steps, m=m, chunk=cfg.chunk,
+                  stride_p=p.stride(0), stride_v=v.stride(0), stride_c=stride_c)
+    if chunks > 1:
+        launch.launch(run_compose_kernel, (chunks - 1, batch), dict(common, c_ptr=work),
+                      dict(NF=FIELDS, BM=bm, PRECISION=precision), cfg.num_warps)
+    launch.launch(run_carry_kernel, (batch,),
+                  dict(c_ptr=work, v_ptr=v, e_ptr=work, vin0=vin0, chunks=chunks, m=m, stride_v=v.stride(0),
+                       stride_c=stride_c, e_off=e_off),
+                  dict(BM=bm), cfg.num_warps)
+    launch.launch(run_expand_kernel, (chunks, batch), dict(common, e_ptr=work, e_off=e_off),
+                  dict(NF=FIELDS, BM=bm), cfg.num_warps)

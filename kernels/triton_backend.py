@@ -10,6 +10,7 @@ can be captured in a CUDA graph. Semantics match :mod:`spscan.kernels.torch_ops`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -19,13 +20,14 @@ import torch
 from spscan.planner.program import Apply, BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
 from .backend import Backend, Capabilities, Tables, run_apply
+from . import launch
 from .gemm import gemm
 from .gemv import gemv
 from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
 from .spgemm_rows import RowsTable, rows_table, spgemm_rows
 from .spmv import spmv
-from .linear_run import linear_run_table, linear_run
+from .linear_run import chunked_size, linear_run, linear_run_chunked, linear_run_table
 
 __all__ = ["TritonTables", "TritonBackend", "make_tables", "run_program"]
 
@@ -76,6 +78,8 @@ class _LinearRunLaunch:
     all_shared: bool
     csr_indptr: torch.Tensor
     csr_indices: torch.Tensor
+    chunked: Optional[launch.ChunkedRunConfig] = None  # parallel over the steps (a uniform run)
+    scratch_offset: int = 0  # where its working memory starts in each sample's row of arenas["C"]
 
 
 Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _LinearRunLaunch]
@@ -83,7 +87,10 @@ Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch,
 
 def _run_launch(op: LinearRun, idt: torch.dtype, device: torch.device) -> _LinearRunLaunch:
     table, uniform_m, indptr, indices = linear_run_table(op, idt, device)
-    return _LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared)), indptr, indices)
+    kinds = np.where(op.sparse, 2, np.where(op.dense, 1, 0))[:, None]
+    m = chunked_size(kinds, op.rows, op.cols)
+    chunked = launch.chunked_run_config(m, op.steps) if m else None
+    return _LinearRunLaunch(op, table, m if chunked else uniform_m, bool(np.all(op.shared)), indptr, indices, chunked)
 
 
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
@@ -112,7 +119,7 @@ class TritonTables(Tables):
         sizes = {"S": program.size_s, "P": program.size_p, "V": program.size_v}
         zeros = {"S": program.zero_s, "P": program.zero_p, "V": program.zero_v}
         self.reads_arena_inputs = True  # kernels read input values from the arenas only
-        self.run_scratch = 0  # linear runs work in the vector arena
+        self.run_scratch = 0  # per-sample working entries of the chunked linear runs (arenas["C"])
         self.steps: list[list[Launch]] = []
         memo = {} if memo is None else memo  # id(op) -> (op, its launch): ops shared with other programs
 
@@ -172,8 +179,11 @@ class TritonTables(Tables):
                 elif isinstance(op, LinearRun):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
                     limit = max(limit, int(op.csr_indices.size) + 1)
-                    launches.append(shared(op, lambda op=op, limit=limit: _run_launch(op, index_dtype(limit),
-                                                                                     self.device)))
+                    item = shared(op, lambda op=op, limit=limit: _run_launch(op, index_dtype(limit), self.device))
+                    if item.chunked is not None:  # its own working memory, after the other runs'
+                        item = dataclasses.replace(item, scratch_offset=self.run_scratch)
+                        self.run_scratch += item.chunked.scratch_per_sample
+                    launches.append(item)
                     # the chain reads its own outputs step by step: only y_0 and the adds come from outside
                     reads.append(("V", np.arange(op.vin0, op.vin0 + int(op.cols[0]))))
                     reads += [("V", np.arange(a, a + r)) for a, r in zip(op.add.tolist(), op.rows.tolist()) if a >= 0]
@@ -238,6 +248,10 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                      arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
             elif isinstance(item, _ApplyLaunch):
                 run_apply(item.op, vectors, inputs)
+            elif isinstance(item, _LinearRunLaunch) and item.chunked is not None:
+                scratch = arenas["C"].view(vectors.shape[0], -1)[:, item.scratch_offset:]
+                linear_run_chunked(item.table, item.uniform_m, int(item.op.vin0), arenas["S"], arenas["P"], vectors,
+                                   scratch, item.chunked)
             elif isinstance(item, _LinearRunLaunch):
                 linear_run(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
                           vectors, item.csr_indptr, item.csr_indices)

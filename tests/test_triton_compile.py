@@ -29,7 +29,8 @@ from spscan.kernels.triton_backend import _compiled
 
 DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recording launches nothing
 
-KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear_run_kernel"}
+KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear_run_kernel",
+           "run_compose_kernel", "run_carry_kernel", "run_expand_kernel"}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
 
 
@@ -78,6 +79,12 @@ def _cases():
             cases.append(([_full(h, h)] * 16, [False] * 16, levels, 16, 1))
         cases.append(([_full(h, h)] * 16, [True] * 16, "full", 16, None))
         cases.append(([_full(h, h)] * 16, [False, True] * 8, "full", 16, 2))
+    # long uniform runs go parallel over their steps (chunked): the factored RNN step (shared W_hh^T,
+    # per-sample diagonal) at m = 20 and 50 (64-wide tiles), and per-sample dense blocks
+    for h in (20, 50):
+        cases.append(([_full(h, h), _csr(np.eye(h, dtype=bool))] * 40, [True, False] * 40, 0, 16, None))
+        cases.append(([_full(h, h), _csr(np.eye(h, dtype=bool))] * 40, [True, False] * 40, 0, 16, 2))
+    cases.append(([_full(20, 20)] * 70, [False] * 70, 0, 16, 1))
     return cases
 
 
@@ -106,7 +113,7 @@ def record_specs() -> list:
                     vals = [torch.zeros(p.nnz if s else (batch, p.nnz), device=DEVICE) for p, s in zip(pats, shared)]
                     with launch.recording(dry_run=True) as rec:
                         spscan.backward(plan, vals, torch.zeros(batch, pats[-1].shape[1], device=DEVICE))
-                    specs += [s for s in rec if s.kernel == "gemm_kernel"]
+                    specs += [s for s in rec if s.kernel in ("gemm_kernel", "run_compose_kernel")]
                 finally:
                     launch.set_allow_tf32(False)
     finally:
@@ -134,7 +141,8 @@ def test_specs_cover_every_kernel(specs_file):
     assert {s["kernel"] for s in specs} == KERNELS
     assert any(dict(s["constexprs"]).get("USE_DOT") for s in specs)
     assert any(dict(s["constexprs"]).get("USE_DOT") is False for s in specs)
-    assert {s["kernel"] for s in specs if "*i64" in dict(s["signature"]).values()} == KERNELS
+    # every kernel that reads an index table has an int64-table variant (run_carry_kernel reads none)
+    assert {s["kernel"] for s in specs if "*i64" in dict(s["signature"]).values()} == KERNELS - {"run_carry_kernel"}
     assert {dict(s["signature"])["v_ptr" if "v_ptr" in dict(s["signature"]) else "c_ptr"] for s in specs} \
         == {"*fp32", "*fp64"}
 
