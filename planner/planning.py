@@ -7,7 +7,7 @@ same plan on every machine and every rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -428,6 +428,7 @@ def _step_costs(
     sched: ScanSchedule, mats: dict[int, MatInfo], profile: DeviceProfile, batch: int, elem: int
 ) -> list[LevelCost]:
     out = []
+    run_steps: list[tuple[int, Pattern]] = []  # (index in out, pattern) of the fused linear-run steps
     for st in sched.steps:
         pairs = gemm = gemv = 0
         launches = 0
@@ -468,6 +469,7 @@ def _step_costs(
         if st.phase == "mid" and len(st.mv) == 1 and linear_run_kind(mats[st.mv[0].mat].pattern):
             launches = 0  # a step of a fused linear run: no launch of its own
             t = profile.chain_step_s
+            run_steps.append((len(out), mats[st.mv[0].mat].pattern))
         else:
             t = 0.0
         t += launches * profile.op_overhead_s
@@ -475,7 +477,34 @@ def _step_costs(
         t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
         flops = 2 * (pairs + gemm + mv_sparse + gemv)
         out.append(LevelCost(st.phase, st.level, len(st.mm), len(st.mv), nnz, flops, nbytes, t))
+    _parallel_run_costs(out, run_steps, profile, batch)
     return out
+
+
+def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern]], profile: DeviceProfile,
+                        batch: int) -> None:
+    """Re-cost the middle's linear run where the device runs it parallel over its steps.
+
+    A run whose every step is a square ``m x m`` dense block or diagonal (``m <=
+    profile.parallel_run_max_m``, at least ``profile.parallel_run_min_steps`` steps) runs in chunks
+    of ``L ~ sqrt(n)`` steps: ``2 L + n / L`` dependent steps on the critical path instead of ``n``,
+    plus composing every chunk's map (``m^3`` multiply-adds per dense step, ``m^2`` per diagonal,
+    per sample, at ``parallel_run_rate``). The
+    total is spread evenly over the run's steps.
+    """
+    n = len(run_steps)
+    if not profile.parallel_run_max_m or n < max(1, profile.parallel_run_min_steps):
+        return
+    m = run_steps[0][1].rows
+    if m > profile.parallel_run_max_m or any(p.rows != m or p.cols != m or linear_run_kind(p) not in ("dense", "diag")
+                                            for _, p in run_steps):
+        return
+    chunk = max(8.0, math.sqrt(n))
+    macs = sum(m ** 3 if linear_run_kind(p) == "dense" else m * m for _, p in run_steps)
+    total = profile.chain_step_s * (2 * chunk + n / chunk) + batch * macs / profile.parallel_run_rate
+    for i, _ in run_steps:
+        c = out[i]
+        out[i] = replace(c, time_s=c.time_s - profile.chain_step_s + total / n)
 
 
 class _PairCounts:
@@ -720,8 +749,9 @@ def plan_scan(
 
     ``"auto"`` evaluates ``K = 0, 1, ...`` in order and stops at the first depth that cannot win:
     its up-sweep alone (bounded below from pair counts before the level's products are
-    formed) costs at least the best estimate so far, the estimate has risen twice, or the level's
-    pair indices exceed the budget. Candidates are costed from product patterns and pair counts;
+    formed) costs at least the best estimate so far, the estimate has risen twice (on a profile
+    with chunked linear runs: above the best depth >= 1 so far, since a chunked depth 0 is costed
+    on other terms than the up-sweeps), or the level's pair indices exceed the budget. Candidates are costed from product patterns and pair counts;
     pair lists are built only for the depth chosen.
     """
     n = len(patterns)
@@ -748,6 +778,7 @@ def plan_scan(
     best: Optional[tuple[int, ScanSchedule]] = None
     up_prev = 0.0  # up-sweep cost of the last depth costed (its levels are the next depth's first ones)
     worse = 0
+    best_deep: Optional[int] = None
     explored = 0
     for k in range(kmax + 1):
         sched = blelloch_schedule(n, k)
@@ -778,9 +809,15 @@ def plan_scan(
             if memory_of(ScanPlan(pats, k, sub, sched, profile, batch_hint, elem_bytes)) > memory_limit:
                 continue
         candidates[k] = t
+        # where depth 0 is a chunked run its cost is of another kind than the up-sweeps': deeper plans are
+        # then compared with the best deeper plan so far, so a cheap depth 0 does not end the search
+        rival = best_deep if profile.parallel_run_max_m else (best[0] if best is not None else None)
         if best is None or t < candidates[best[0]]:
             best = (k, sched)
+        if rival is None or t < candidates[rival]:
             worse = 0
+            if k > 0:
+                best_deep = k
         else:
             worse += 1
     if best is None:

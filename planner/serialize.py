@@ -181,14 +181,27 @@ def _index_array(arrays: dict, name: str, ndim: int = 1) -> np.ndarray:
     return a
 
 
+# profile fields added after version 3 files were first written: a file without them was planned
+# by a profile that did not have them, whose behavior their defaults keep (no chunked linear runs)
+_LATER_PROFILE_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate")
+_LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps")
+
+
 def _profile(raw: Any) -> DeviceProfile:
     names = [f.name for f in fields(DeviceProfile)]
+    if isinstance(raw, dict) and all(k not in raw for k in _LATER_PROFILE_FIELDS):
+        raw = dict(raw, **{f.name: f.default for f in fields(DeviceProfile) if f.name in _LATER_PROFILE_FIELDS})
     if not isinstance(raw, dict) or sorted(raw) != sorted(names):
         raise ValueError(f"header field 'profile': expected the keys {names}, got {raw!r}")
     if not isinstance(raw["name"], str):
         raise ValueError(f"header field 'profile.name': expected a string, got {raw['name']!r}")
     for k in names[1:]:
         v = raw[k]
+        if k in _LATER_INT_FIELDS:
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "parallel_run_max_m" else 1):
+                raise ValueError(f"header field 'profile.{k}': expected a non-negative int (at least 1 for "
+                                 f"parallel_run_min_steps), got {v!r}")
+            continue
         if k == "dense_threshold":
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1):
                 raise ValueError(f"header field 'profile.dense_threshold': expected null (storage by cost) or a "
