@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-__all__ = ["ast_source", "compile_spec", "specs_to_json", "main"]
+__all__ = ["ast_source", "specialized", "compile_spec", "specs_to_json", "main"]
 
 
 def ast_source(fn, signature: dict[str, str], constexprs: dict[str, Any]):
@@ -38,6 +38,23 @@ def ast_source(fn, signature: dict[str, str], constexprs: dict[str, Any]):
         return ASTSource(fn=fn, signature=runtime, constants=dict(constexprs))
 
 
+def specialized(fn, signature: dict[str, str], constexprs: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The signature the JIT would compile: an int argument recorded as ``"i32:1"`` (its value was 1)
+    becomes the constant 1, as Triton specializes it at run time, unless the kernel lists it in
+    ``do_not_specialize``."""
+    keep = {p.name for p in fn.params if getattr(p, "do_not_specialize", False)}
+    sig, const = {}, dict(constexprs)
+    for name, t in signature.items():
+        if t == "i32:1":
+            if name in keep:
+                sig[name] = "i32"
+            else:
+                const[name] = 1
+        else:
+            sig[name] = t
+    return sig, const
+
+
 def compile_spec(spec: dict, capability: int):
     """Compile one recorded launch (``dict`` form of a ``LaunchSpec``) for ``sm_<capability>``."""
     import triton
@@ -46,7 +63,8 @@ def compile_spec(spec: dict, capability: int):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_spec: TRITON_INTERPRET is set; kernels are interpreted functions")
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    src = ast_source(fn, dict(spec["signature"]), dict(spec["constexprs"]))
+    signature, constexprs = specialized(fn, dict(spec["signature"]), dict(spec["constexprs"]))
+    src = ast_source(fn, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": spec["num_warps"]})
 
 

@@ -255,6 +255,8 @@ def _arg_type(name: str, value: Any) -> str:
         return _POINTER_TYPES[key]
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"kernel argument {name}: expected a tensor or an int, got {type(value).__name__}")
+    if value == 1:  # Triton's JIT compiles an int argument equal to 1 as the constant 1 (unless told not to)
+        return "i32:1"
     return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
 
 

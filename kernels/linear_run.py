@@ -248,7 +248,7 @@ def run_compose_kernel(
     tl.store(c_ptr + smp * stride_c + c * (BM * BM) + rows[:, None] * BM + ks[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])  # a loop bound of 0 (chunks == 1) crashed Triton 3.6's coalesce pass
 def run_carry_kernel(
     c_ptr, v_ptr, e_ptr,  # chunk maps and entry vectors (B, stride_c), vectors (B, N_V)
     vin0, chunks, m, stride_v, stride_c, e_off,
@@ -283,7 +283,7 @@ def run_expand_kernel(
     vrow = v_ptr + smp * stride_v
     rows = tl.arange(0, BM)
     ks = tl.arange(0, BM)
-    y = tl.load(e_ptr + smp * stride_c + e_off + c * BM + rows)
+    y = tl.load(e_ptr + smp * stride_c + e_off + c * BM + rows, mask=rows < m, other=0.0)
     j = c * chunk
     end = tl.minimum(j + chunk, steps)
     nxt = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
@@ -341,9 +341,12 @@ def linear_run_chunked(table: torch.Tensor, m: int, vin0: int, s: torch.Tensor, 
     if chunks > 1:
         launch.launch(run_compose_kernel, (chunks - 1, batch), dict(common, c_ptr=work),
                       dict(NF=FIELDS, BM=bm, PRECISION=precision), cfg.num_warps)
-    launch.launch(run_carry_kernel, (batch,),
-                  dict(c_ptr=work, v_ptr=v, e_ptr=work, vin0=vin0, chunks=chunks, m=m, stride_v=v.stride(0),
-                       stride_c=stride_c, e_off=e_off),
-                  dict(BM=bm), cfg.num_warps)
+    if chunks == 1:  # the only chunk starts from y_0: no carry
+        work[:, e_off: e_off + m].copy_(v[:, vin0: vin0 + m])
+    else:
+        launch.launch(run_carry_kernel, (batch,),
+                      dict(c_ptr=work, v_ptr=v, e_ptr=work, vin0=vin0, chunks=chunks, m=m, stride_v=v.stride(0),
+                           stride_c=stride_c, e_off=e_off),
+                      dict(BM=bm), cfg.num_warps)
     launch.launch(run_expand_kernel, (chunks, batch), dict(common, e_ptr=work, e_off=e_off),
                   dict(NF=FIELDS, BM=bm), cfg.num_warps)

@@ -73,7 +73,8 @@ def _run_problem(m: int, steps: int, batch: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("m,steps,batch,chunk", [
     (20, 70, 3, None),  # default chunking (8 chunks of 9, the last short)
-    (5, 64, 1, 64),  # one chunk: no composition, the carry only hands over y_0
+    (5, 64, 1, 64),  # one chunk: no composition, no carry (y_0 is the chunk's entry)
+    (20, 64, 2, 32),  # two chunks: one map composed, one carry step
     (1, 64, 2, 1),  # chunks of one step, m = 1 (16-wide tiles)
     (31, 65, 2, 9),  # m + 1 = 32 fills the tile exactly
     (50, 66, 1, 16),  # 64-wide tiles
@@ -163,3 +164,14 @@ def test_chunked_run_through_the_engine(dtype):
         scale = max(float(r.abs().max()) for r in ref)
         err = max(float((g.double().cpu() - r).abs().max()) for g, r in zip(got, ref)) / scale
         assert err <= tol, (batch, err)
+
+
+def test_gru_auto_layout_is_materialized_where_it_makes_a_chunked_run():
+    from spscan.recurrent import CHUNKED_RUN_MAX_H, _resolve_layout
+
+    assert CHUNKED_RUN_MAX_H == profile_for("cuda").parallel_run_max_m
+    assert _resolve_layout("gru", "auto", "cuda", 20) == "materialized"
+    assert _resolve_layout("gru", "auto", "cuda", 64) == "factored"  # its blocks would not make a chunked run
+    assert _resolve_layout("gru", "auto", "cpu", 20) == "factored"
+    assert _resolve_layout("lstm", "auto", "cuda", 20) == "factored"
+    assert _resolve_layout("gru", "factored", "cuda", 20) == "factored"
