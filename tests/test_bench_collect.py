@@ -74,3 +74,11 @@ def test_gpu_driver_keeps_the_rows_of_a_suite_stopped_at_its_limit(tmp_path):
     report = (out / "report.md").read_text()
     assert "**No CUDA device**" in report
     assert "| cnn_step | probe |  | step | 2 | 1 | 2 | None |" in report
+
+
+def test_gpu_driver_turns_links_to_left_out_figures_into_notes():
+    driver = _driver()
+    md = "a\n![GRU](gru.png)\nb ![x](gru.png) ![T](rnn_sweep_T.png)\n"
+    out = driver.unlinked_figure(md, "gru.png")
+    assert "](gru.png)" not in out and out.count("figure gru.png left out of this folder") == 2
+    assert "![T](rnn_sweep_T.png)" in out
