@@ -31,8 +31,8 @@ Chain layouts (``layout=``):
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored, except the GRU when the module is on a CUDA device (where the plan is made):
-  materialized. On an H100 (B=16, H=20, loss on the last output, ``bench/gpu/sweep_runs.py``) the
+* ``"auto"``: factored, except the GRU with ``H <= 63`` when the module is on a CUDA device (where
+  the plan is made): materialized. On an H100 (B=16, H=20, loss on the last output, ``bench/gpu/sweep_runs.py``) the
   materialized GRU's chain is one uniform run of dense ``H x H`` blocks, which the device runs
   parallel over its steps: the backward took 0.97 ms at T=1000 and 2.9 ms at T=10000 against the
   factored chain's 5.5 and 59.6 ms (cuDNN: 1.35 and 14.1 ms). On the CPU, measured on a 2-core CPU shared with other work (B=16, H=20, input size 4
@@ -247,7 +247,7 @@ def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") ->
     objects are repeated so the planner interns them.
     """
     kind = _cell_kind(module)
-    layout = _resolve_layout(kind, layout, module.weight_hh_l0.device.type)
+    layout = _resolve_layout(kind, layout, module.weight_hh_l0.device.type, module.hidden_size)
     H = module.hidden_size
     if layout == "factored":
         step = [_element_pattern(k, r, c, H) for k, r, c in _factored_layout(kind, H)]
@@ -256,16 +256,19 @@ def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") ->
     return [pat] * seq_len
 
 
-def _resolve_layout(kind: str, layout: str, device_type: str = "cpu") -> str:
+def _resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: int = 0) -> str:
     if layout not in ("auto", "factored", "materialized"):
         raise ValueError(f"layout: expected 'auto', 'factored' or 'materialized', got {layout!r}")
     if layout != "auto":
         return layout
-    # "auto": factored, except the GRU on a CUDA device, measured (module docstring)
-    return "materialized" if (kind == "gru" and device_type == "cuda") else "factored"
+    # "auto": factored, except the GRU on a CUDA device where its H x H blocks make a chunked run
+    # (H <= CHUNKED_RUN_MAX_H), measured (module docstring)
+    chunked = kind == "gru" and device_type == "cuda" and hidden <= CHUNKED_RUN_MAX_H
+    return "materialized" if chunked else "factored"
 
 
-# --------------------------------------------------------------------------- forward pieces
+# the largest m of a uniform run that runs in chunks on CUDA (planner.cost's CUDA profile, parallel_run_max_m)
+CHUNKED_RUN_MAX_H = 63
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:
@@ -503,7 +506,7 @@ class RecurrentPlan:
 
         self.kind = _cell_kind(module)
         self.module = module
-        self.layout = _resolve_layout(self.kind, layout, module.weight_hh_l0.device.type)
+        self.layout = _resolve_layout(self.kind, layout, module.weight_hh_l0.device.type, module.hidden_size)
         if forward not in FORWARD_MODES:
             raise ValueError(f"forward: expected 'sequential', 'newton' or 'auto', got {forward!r}")
         self.forward_mode = forward

@@ -1,12 +1,12 @@
-"""Recurrent backwards on a GPU under several scan shapes: ``python bench/gpu/sweep_runs.py [T ...]``.
+"""Recurrent backwards on a GPU under several scan shapes: ``python bench/gpu/sweep_runs.py [T ...] [rnn gru lstm]``.
 
 For the paper's bitstream RNN (H = 20, B = 16, float32; the rows of ``bench/test_rnn_step.py``) and
 a GRU of the same size (loss on the last output) it times ``loss.backward()`` (CUDA events, median
 of 7) of cuDNN autograd and of ``spscan.wrap`` under: the cost model's choice (``levels="auto"``),
 one linear run parallel over its steps (``levels=0``) at several chunk lengths
 (``spscan.kernels.launch.chunk_steps``), the deep up-sweep the cost model chose before runs were
-chunked (``parallel_run_max_m = 0``), and for the GRU the materialized layout (one dense ``H x H``
-block per step, a uniform run) against the factored one. Prints one line per configuration with
+chunked (``parallel_run_max_m = 0``), and for the GRU and the LSTM (T <= 10000) both layouts
+(materialized: one block per step) at the cost model's depth, depth 0 and depth 1. Prints one line per configuration with
 the ratio against cuDNN measured in the same process.
 """
 
@@ -52,9 +52,9 @@ def _backward_ms(forward, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def _gru_forward(T: int, scan: bool, **kw):
+def _cell_forward(cls, T: int, scan: bool, **kw):
     torch.manual_seed(0)
-    gru = nn.GRU(8, 20).to(DEV)
+    gru = cls(8, 20).to(DEV)
     x = torch.randn(T, 16, 8, device=DEV)
     mod = spscan.wrap(gru, x, **kw) if scan else gru
 
@@ -78,9 +78,18 @@ def _line(name: str, T: int, base: float, ours: float, mod) -> None:
           f"levels {levels}", flush=True)
 
 
-def main(ts) -> None:
+def main(ts, cells) -> None:
     print(f"device: {torch.cuda.get_device_name(DEV)}")
     for T in ts:
+        if "rnn" in cells:
+            _rnn(T)
+        for name, cls in (("gru", nn.GRU), ("lstm", nn.LSTM)):
+            if name in cells and T <= 10000:
+                _cell(name, cls, T)
+
+
+def _rnn(T: int) -> None:
+    if True:
         _, fa = rnn_step_setup(T, DEV, scan=False)[:2]
         base = _backward_ms(fa)
         configs = [("rnn auto", {}, None), ("rnn levels=0", {"levels": 0}, None)]
@@ -95,18 +104,22 @@ def main(ts) -> None:
                 print(f"{name:<34} T={T:<6} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             finally:
                 launch.chunk_steps = None
-        if T > 10000:
-            continue
-        _, ga = _gru_forward(T, scan=False)
-        gbase = _backward_ms(ga)
-        for name, kw in [("gru auto (factored)", {}), ("gru materialized auto", {"layout": "materialized"}),
-                         ("gru materialized levels=0", {"layout": "materialized", "levels": 0})]:
-            try:
-                mod, gs = _gru_forward(T, True, **kw)
-                _line(name, T, gbase, _backward_ms(gs), mod)
-            except Exception as exc:
-                print(f"{name:<34} T={T:<6} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
+def _cell(name: str, cls, T: int) -> None:
+    _, fa = _cell_forward(cls, T, scan=False)
+    base = _backward_ms(fa)
+    for label, kw in [("auto", {}), ("factored", {"layout": "factored"}), ("materialized auto", {"layout": "materialized"}),
+                      ("materialized levels=0", {"layout": "materialized", "levels": 0}),
+                      ("materialized levels=1", {"layout": "materialized", "levels": 1})]:
+        try:
+            mod, fs = _cell_forward(cls, T, True, **kw)
+            _line(f"{name} {label}", T, base, _backward_ms(fs), mod)
+        except Exception as exc:
+            print(f"{name} {label:<29} T={T:<6} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1000, 10000, 30000])
+    args = sys.argv[1:]
+    cells = [a for a in args if not a.isdigit()] or ["rnn", "gru", "lstm"]
+    main([int(a) for a in args if a.isdigit()] or [1000, 10000, 30000], cells)
