@@ -31,11 +31,16 @@ Chain layouts (``layout=``):
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored, except the GRU with ``H <= 63`` when the module is on a CUDA device (where
-  the plan is made): materialized. On an H100 (B=16, H=20, loss on the last output, ``bench/gpu/sweep_runs.py``) the
+* ``"auto"``: factored, except when the module is on a CUDA device (where the plan is made) for
+  the GRU with ``H <= 63`` and the LSTM with ``H <= 31``: materialized. The LSTM's materialized
+  chain (one sparse ``2H x 2H`` element per step) halves the sequential run's steps: on an H100
+  (``bench/gpu/sweep_runs.py``, B=16, H=20, loss on the last output) its backward took 5.3 ms at
+  T=1000 and 46.7 ms at T=10000 against the factored chain's 13.4 and 128 ms (cuDNN: 1.3 and 8.7
+  ms; deeper fixed depths of the materialized chain took 15.5-25.6 ms at T=10000). The
   materialized GRU's chain is one uniform run of dense ``H x H`` blocks, which the device runs
   parallel over its steps: the backward took 0.97 ms at T=1000 and 2.9 ms at T=10000 against the
-  factored chain's 5.5 and 59.6 ms (cuDNN: 1.35 and 14.1 ms). On the CPU, measured on a 2-core CPU shared with other work (B=16, H=20, input size 4
+  factored chain's 5.5 and 59.6 ms (cuDNN: 1.35 and 14.1 ms). On the CPU, factored: measured on a
+  2-core CPU shared with other work (B=16, H=20, input size 4
   (GRU 24), a loss on every step, one thread, ``time.process_time``, min of 11 runs; levels "auto",
   which picks the linear scan here): factored vs materialized, forward+values / backward (scan and
   parameter GEMMs) in ms — RNN T=1000 ~5 / ~6 vs ~7 / ~10; GRU T=517 ~9 / ~11 vs ~15 / ~6; LSTM
@@ -261,10 +266,13 @@ def _resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: in
         raise ValueError(f"layout: expected 'auto', 'factored' or 'materialized', got {layout!r}")
     if layout != "auto":
         return layout
-    # "auto": factored, except the GRU on a CUDA device where its H x H blocks make a chunked run
-    # (H <= CHUNKED_RUN_MAX_H), measured (module docstring)
-    chunked = kind == "gru" and device_type == "cuda" and hidden <= CHUNKED_RUN_MAX_H
-    return "materialized" if chunked else "factored"
+    # "auto": factored, except on a CUDA device the GRU where its H x H blocks make a chunked run
+    # (H <= CHUNKED_RUN_MAX_H) and the LSTM where its 2H x 2H blocks would fit one (H <= 31):
+    # measured (module docstring)
+    if device_type == "cuda" and ((kind == "gru" and hidden <= CHUNKED_RUN_MAX_H)
+                                  or (kind == "lstm" and 2 * hidden <= CHUNKED_RUN_MAX_H)):
+        return "materialized"
+    return "factored"
 
 
 # the largest m of a uniform run that runs in chunks on CUDA (planner.cost's CUDA profile, parallel_run_max_m)

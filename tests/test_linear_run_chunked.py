@@ -166,12 +166,14 @@ def test_chunked_run_through_the_engine(dtype):
         assert err <= tol, (batch, err)
 
 
-def test_gru_auto_layout_is_materialized_where_it_makes_a_chunked_run():
+def test_auto_layout_on_cuda():
     from spscan.recurrent import CHUNKED_RUN_MAX_H, _resolve_layout
 
     assert CHUNKED_RUN_MAX_H == profile_for("cuda").parallel_run_max_m
     assert _resolve_layout("gru", "auto", "cuda", 20) == "materialized"
     assert _resolve_layout("gru", "auto", "cuda", 64) == "factored"  # its blocks would not make a chunked run
     assert _resolve_layout("gru", "auto", "cpu", 20) == "factored"
-    assert _resolve_layout("lstm", "auto", "cuda", 20) == "factored"
+    assert _resolve_layout("lstm", "auto", "cuda", 20) == "materialized"  # half the sequential steps (measured)
+    assert _resolve_layout("lstm", "auto", "cuda", 32) == "factored"
+    assert _resolve_layout("lstm", "auto", "cpu", 20) == "factored"
     assert _resolve_layout("gru", "factored", "cuda", 20) == "factored"
