@@ -200,8 +200,9 @@ def linear_run(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int,
 # per sample then walks the ``n / L`` chunk maps to get every chunk's entry vector
 # (``run_carry_kernel``); and one program per (chunk, sample) re-runs its chunk's steps from that
 # entry, writing every ``y_j`` (``run_expand_kernel``). The critical path is ``~2 L + n / L``
-# dependent steps instead of ``n`` (``L ~ sqrt(n / 2)``), for ``n * m^3`` extra multiply-adds per
-# sample; this is the scan's middle run with the up-sweep fused into registers, never written out.
+# dependent steps instead of ``n`` (``L ~ sqrt(n)``), for ``m^3`` extra multiply-adds per dense step
+# and sample (a diagonal scales rows); this is the scan's middle run with the up-sweep fused into
+# registers, never written out.
 
 
 @triton.jit
@@ -238,10 +239,14 @@ def run_compose_kernel(
     while j < end:
         a = nxt
         meta = table + j * NF
+        kind = tl.load(meta)
         add = tl.load(meta + 5).to(tl.int64)
         if j + 1 < end:  # the next step's block is independent of this product: load it first
             nxt = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
-        acc = tl.dot(a, acc, input_precision=PRECISION)
+        if kind == 1:
+            acc = tl.dot(a, acc, input_precision=PRECISION)
+        else:  # a diagonal scales the rows (its tile's row sums are its entries): no product
+            acc = acc * tl.sum(a, axis=1)[:, None]
         addv = tl.load(vrow + add + rows, mask=(rows < m) & (add >= 0), other=0.0)
         acc += tl.where(ks[None, :] == m, addv[:, None], 0.0)
         j += 1
@@ -290,11 +295,15 @@ def run_expand_kernel(
     while j < end:
         a = nxt
         meta = table + j * NF
+        kind = tl.load(meta)
         add = tl.load(meta + 5).to(tl.int64)
         out = tl.load(meta + 6).to(tl.int64)
         if j + 1 < end:
             nxt = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
-        y = tl.sum(a * y[None, :], axis=1)
+        if kind == 1:
+            y = tl.sum(a * y[None, :], axis=1)
+        else:
+            y = tl.sum(a, axis=1) * y
         y += tl.load(vrow + add + rows, mask=(rows < m) & (add >= 0), other=0.0)
         tl.store(vrow + out + rows, y, mask=rows < m)
         j += 1
