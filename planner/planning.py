@@ -489,8 +489,7 @@ def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern
     profile.parallel_run_max_m``, at least ``profile.parallel_run_min_steps`` steps) runs in chunks
     of ``L ~ sqrt(n)`` steps: ``2 L + n / L`` dependent steps on the critical path instead of ``n``,
     plus composing every chunk's map (``m^3`` multiply-adds per dense step, ``m^2`` per diagonal,
-    per sample, at ``parallel_run_rate``). The
-    total is spread evenly over the run's steps.
+    per sample, at ``parallel_run_rate``). The total is spread evenly over the run's steps.
     """
     n = len(run_steps)
     if not profile.parallel_run_max_m or n < max(1, profile.parallel_run_min_steps):

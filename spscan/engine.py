@@ -456,7 +456,9 @@ class BoundPlan:
         # run(graph=True) applies: launches only, on this plan's buffers (no caller tensor read by a launch)
         self._graphable = (device.type == "cuda" and backend.capabilities.graph_capturable
                            and self.tables.reads_arena_inputs and not any(self.operators))
-        self._peak_per_sample = estimate_memory(scan).backward_peak(1) if max_memory is not None else 0
+        # the planner's peak plus the backend's working memory for linear runs (per sample)
+        self._peak_per_sample = (estimate_memory(scan).backward_peak(1) + self.tables.run_scratch * scan.elem_bytes
+                                 if max_memory is not None else 0)
         cols = [np.arange(off, off + self._dims[i]) for i, off in self.program.extra_slots.items()]
         # one index_put of the concatenated extras instead of a copy per layer (long chains with a loss per step)
         self._extra_cols = torch.as_tensor(np.concatenate(cols), dtype=torch.int64, device=device) if cols else None

@@ -177,3 +177,22 @@ def test_auto_layout_on_cuda():
     assert _resolve_layout("lstm", "auto", "cuda", 32) == "factored"
     assert _resolve_layout("lstm", "auto", "cpu", 20) == "factored"
     assert _resolve_layout("gru", "factored", "cuda", 20) == "factored"
+
+
+def test_max_memory_counts_the_chunked_runs_working_memory():
+    """``max_memory`` covers the planner's peak plus the chunk maps the Triton backend keeps per sample."""
+    pats, shared = _rnn_chain(7, 160)
+    batch = 2
+    free = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=torch.float64)
+    need = free.memory().backward_peak(batch)
+    cfg = launch.chunked_run_config(7, len(pats))
+    scratch = batch * cfg.scratch_per_sample * 8
+    vals = [x.to(DEVICE) for x in _values(pats, shared, batch, torch.float64, seed=0)]
+    grad = torch.ones(batch, 7, dtype=torch.float64, device=DEVICE)
+    tight = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=torch.float64,
+                        max_memory=need + scratch // 2, batch_size=1)
+    with pytest.raises(ValueError, match="max_memory"):
+        spscan.backward(tight, vals, grad)
+    enough = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=torch.float64,
+                         max_memory=need + scratch, batch_size=1)
+    spscan.backward(enough, vals, grad)
