@@ -38,6 +38,14 @@ class DeviceProfile:
     parallel_run_min_steps: int = 64
     # multiply-adds per second (``m^3`` per dense step, per sample) of composing the chunks' maps
     parallel_run_rate: float = 1.0e12
+    # fixed cost of one sparse (CSR) step of the fused middle chain; ``None``: ``chain_step_s``
+    chain_sparse_step_s: Optional[float] = None
+
+    def run_step_s(self, kind: str) -> float:
+        """Fixed cost of one fused linear-run step of kind ``"dense"``, ``"diag"`` or ``"sparse"``."""
+        if kind == "sparse" and self.chain_sparse_step_s is not None:
+            return self.chain_sparse_step_s
+        return self.chain_step_s
 
     def sparse_time(self, pairs: float, launches: int) -> float:
         return launches * self.op_overhead_s + pairs / self.pair_rate
@@ -51,6 +59,8 @@ class DeviceProfile:
 
 # Measured orders of magnitude: torch eager ops on a small multi-core CPU, and Triton launches
 # on a recent datacenter GPU (launch-latency bound for small levels, bandwidth bound for big ones).
+# A CSR step of the persistent Triton run on an H100: 4.7 us (the materialized LSTM, 2H x 2H with
+# 2H^2 + 2H entries, H = 20, B = 16: 46.7 ms for 10000 steps) to 6.4 us (its factored chain).
 # A chunked run's composition on an H100 (fp32, exact products): 3.84e9 multiply-adds (the RNN at
 # T = 30000, B = 16, H = 20) in 5.1 ms, ~7.7e11/s; its expansion ~1.2 ms for chunks of 245 steps.
 # A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
@@ -59,7 +69,7 @@ _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0
                      bytes_budget=2.0e9, chain_step_s=2.0e-6)
 _CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
                       bytes_budget=8.0e9, chain_step_s=2.0e-6, pair_list_max_bytes=float(1 << 28),
-                      parallel_run_max_m=63, parallel_run_rate=7.7e11)
+                      parallel_run_max_m=63, parallel_run_rate=7.7e11, chain_sparse_step_s=5.0e-6)
 
 
 def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:

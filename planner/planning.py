@@ -161,7 +161,7 @@ class StorageRule:
             if phase == "mid":  # one mat-vec per middle step: a fused run step, or a launch of its own
                 kind = "dense" if dense else (linear_run_kind(x) if x is not None else None)
                 if kind is not None:
-                    t += pr.chain_step_s
+                    t += pr.run_step_s(kind)
                 else:
                     t += pr.op_overhead_s * (_row_bins(x) if x is not None else 1)
         return t
@@ -468,7 +468,7 @@ def _step_costs(
         launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
         if st.phase == "mid" and len(st.mv) == 1 and linear_run_kind(mats[st.mv[0].mat].pattern):
             launches = 0  # a step of a fused linear run: no launch of its own
-            t = profile.chain_step_s
+            t = profile.run_step_s(linear_run_kind(mats[st.mv[0].mat].pattern))
             run_steps.append((len(out), mats[st.mv[0].mat].pattern))
         else:
             t = 0.0

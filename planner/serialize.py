@@ -183,7 +183,7 @@ def _index_array(arrays: dict, name: str, ndim: int = 1) -> np.ndarray:
 
 # profile fields added after version 3 files were first written: a file without them was planned
 # by a profile that did not have them, whose behavior their defaults keep (no chunked linear runs)
-_LATER_PROFILE_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate")
+_LATER_PROFILE_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s")
 _LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps")
 
 
@@ -202,6 +202,8 @@ def _profile(raw: Any) -> DeviceProfile:
                 raise ValueError(f"header field 'profile.{k}': expected a non-negative int (at least 1 for "
                                  f"parallel_run_min_steps), got {v!r}")
             continue
+        if k == "chain_sparse_step_s" and v is None:
+            continue  # the dense steps' cost
         if k == "dense_threshold":
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1):
                 raise ValueError(f"header field 'profile.dense_threshold': expected null (storage by cost) or a "

@@ -36,7 +36,8 @@ Chain layouts (``layout=``):
   chain (one sparse ``2H x 2H`` element per step) halves the sequential run's steps: on an H100
   (``bench/gpu/sweep_runs.py``, B=16, H=20, loss on the last output) its backward took 5.3 ms at
   T=1000 and 46.7 ms at T=10000 against the factored chain's 13.4 and 128 ms (cuDNN: 1.3 and 8.7
-  ms; deeper fixed depths of the materialized chain took 15.5-25.6 ms at T=10000). The
+  ms; fixed depths 1 to full of the materialized chain took 15.5-25.6 ms at T=10000, and with a
+  CSR step of the run costed as measured the cost model picks depth 6 at T=1000 and 9 at T=10000). The
   materialized GRU's chain is one uniform run of dense ``H x H`` blocks, which the device runs
   parallel over its steps: the backward took 0.97 ms at T=1000 and 2.9 ms at T=10000 against the
   factored chain's 5.5 and 59.6 ms (cuDNN: 1.35 and 14.1 ms). On the CPU, factored: measured on a

@@ -12,6 +12,8 @@ them in chunks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -196,3 +198,15 @@ def test_max_memory_counts_the_chunked_runs_working_memory():
     enough = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=torch.float64,
                          max_memory=need + scratch, batch_size=1)
     spscan.backward(enough, vals, grad)
+
+
+def test_sparse_run_steps_cost_what_was_measured_on_cuda():
+    cuda, cpu = profile_for("cuda"), profile_for("cpu")
+    assert cuda.run_step_s("sparse") > cuda.run_step_s("dense") == cuda.run_step_s("diag") == cuda.chain_step_s
+    assert cpu.run_step_s("sparse") == cpu.chain_step_s  # None: the dense steps' cost
+    # a plan file keeps the field (a float on CUDA, null on the CPU)
+    from spscan.planner.serialize import _profile
+    assert _profile(dataclasses.asdict(cuda)) == cuda and _profile(dataclasses.asdict(cpu)) == cpu
+    old = {k: v for k, v in dataclasses.asdict(cuda).items()
+           if k not in ("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s")}
+    assert _profile(old).parallel_run_max_m == 0 and _profile(old).chain_sparse_step_s is None
