@@ -32,7 +32,8 @@ Chain layouts (``layout=``):
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
 * ``"auto"``: factored, except when the module is on a CUDA device (where the plan is made) for
-  the GRU with ``H <= 63`` and the LSTM with ``H <= 31``: materialized. The LSTM's materialized
+  the GRU with ``H <= 32`` and the LSTM with ``H <= 31``: materialized (there, per step and sample,
+  at most 8 times the factored chain's values: ``H^2`` against ``4H``, ``2H^2 + 2H`` against ``9H``). The LSTM's materialized
   chain (one sparse ``2H x 2H`` element per step) halves the sequential run's steps: on an H100
   (``bench/gpu/sweep_runs.py``, B=16, H=20, loss on the last output) its backward took 5.3 ms at
   T=1000 and 46.7 ms at T=10000 against the factored chain's 13.4 and 128 ms (cuDNN: 1.3 and 8.7
@@ -267,17 +268,21 @@ def _resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: in
         raise ValueError(f"layout: expected 'auto', 'factored' or 'materialized', got {layout!r}")
     if layout != "auto":
         return layout
-    # "auto": factored, except on a CUDA device the GRU where its H x H blocks make a chunked run
-    # (H <= CHUNKED_RUN_MAX_H) and the LSTM where its 2H x 2H blocks would fit one (H <= 31):
-    # measured (module docstring)
-    if device_type == "cuda" and ((kind == "gru" and hidden <= CHUNKED_RUN_MAX_H)
-                                  or (kind == "lstm" and 2 * hidden <= CHUNKED_RUN_MAX_H)):
-        return "materialized"
+    # "auto": factored, except on a CUDA device the GRU where its H x H blocks make a chunked run and
+    # the LSTM where its 2H x 2H blocks would fit one, both while the per-sample values stay within
+    # MATERIALIZED_MAX_GROWTH times the factored chain's: measured (module docstring)
+    if device_type == "cuda" and kind in ("gru", "lstm") and hidden <= CHUNKED_RUN_MAX_H // (1 if kind == "gru" else 2):
+        materialized = hidden * hidden if kind == "gru" else 2 * hidden * hidden + 2 * hidden
+        factored = 4 * hidden if kind == "gru" else 9 * hidden  # per-sample entries per step
+        if materialized <= MATERIALIZED_MAX_GROWTH * factored:
+            return "materialized"
     return "factored"
 
 
 # the largest m of a uniform run that runs in chunks on CUDA (planner.cost's CUDA profile, parallel_run_max_m)
 CHUNKED_RUN_MAX_H = 63
+# "auto" materializes only while the per-sample values grow at most this much (GRU: H <= 32, LSTM: H <= 31)
+MATERIALIZED_MAX_GROWTH = 8
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:

@@ -173,6 +173,8 @@ def test_auto_layout_on_cuda():
 
     assert CHUNKED_RUN_MAX_H == profile_for("cuda").parallel_run_max_m
     assert _resolve_layout("gru", "auto", "cuda", 20) == "materialized"
+    assert _resolve_layout("gru", "auto", "cuda", 32) == "materialized"
+    assert _resolve_layout("gru", "auto", "cuda", 33) == "factored"  # over 8x the factored chain's values
     assert _resolve_layout("gru", "auto", "cuda", 64) == "factored"  # its blocks would not make a chunked run
     assert _resolve_layout("gru", "auto", "cpu", 20) == "factored"
     assert _resolve_layout("lstm", "auto", "cuda", 20) == "materialized"  # half the sequential steps (measured)
