@@ -19,6 +19,10 @@ is one ``(steps, 8)`` integer table; the CSR patterns' row starts and columns ar
 integer tables, each distinct pattern stored once. Sums are fixed-order ``tl.sum``: deterministic.
 Loops whose bound is a run-time value are ``while`` loops: Triton 3.6's interpreter cannot take a
 tensor as a ``range`` bound.
+
+A long run whose every step is a square ``m x m`` dense block or diagonal (``m <= 63``) runs
+instead parallel over its steps (:func:`linear_run_chunked`, three launches; the comment above
+its kernels says how), which is what makes one run a scan rather than a loop on a GPU.
 """
 
 from __future__ import annotations
