@@ -31,7 +31,8 @@ import numpy as np
 __all__ = [
     "allow_tf32", "mode", "chunk_steps", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
-    "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "LaunchSpec", "launch", "recording",
+    "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "LaunchSpec", "launch",
+    "recording",
 ]
 
 allow_tf32: bool = False

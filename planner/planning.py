@@ -750,8 +750,8 @@ def plan_scan(
     its up-sweep alone (bounded below from pair counts before the level's products are
     formed) costs at least the best estimate so far, the estimate has risen twice (on a profile
     with chunked linear runs: above the best depth >= 1 so far, since a chunked depth 0 is costed
-    on other terms than the up-sweeps), or the level's pair indices exceed the budget. Candidates are costed from product patterns and pair counts;
-    pair lists are built only for the depth chosen.
+    on other terms than the up-sweeps), or the level's pair indices exceed the budget. Candidates
+    are costed from product patterns and pair counts; pair lists are built only for the depth chosen.
     """
     n = len(patterns)
     table = PatternTable()

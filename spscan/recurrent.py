@@ -32,13 +32,14 @@ Chain layouts (``layout=``):
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
 * ``"auto"``: factored, except when the module is on a CUDA device (where the plan is made) for
-  the GRU with ``H <= 32`` and the LSTM with ``H <= 31``: materialized (there, per step and sample,
-  at most 8 times the factored chain's values: ``H^2`` against ``4H``, ``2H^2 + 2H`` against ``9H``). The LSTM's materialized
-  chain (one sparse ``2H x 2H`` element per step) halves the sequential run's steps: on an H100
-  (``bench/gpu/sweep_runs.py``, B=16, H=20, loss on the last output) its backward took 5.3 ms at
-  T=1000 and 46.7 ms at T=10000 against the factored chain's 13.4 and 128 ms (cuDNN: 1.3 and 8.7
-  ms; fixed depths 1 to full of the materialized chain took 15.5-25.6 ms at T=10000, and with a
-  CSR step of the run costed as measured the cost model picks depth 6 at T=1000 and 9 at T=10000). The
+  the GRU with ``H <= 32`` and the LSTM with ``H <= 31``: materialized (there, per step and
+  sample, at most 8 times the factored chain's values: ``H^2`` against ``4H``, ``2H^2 + 2H``
+  against ``9H``). The LSTM's materialized chain (one sparse ``2H x 2H`` element per step) halves
+  the sequential run's steps: on an H100 (``bench/gpu/sweep_runs.py``, B=16, H=20, loss on the
+  last output) its backward took 5.3 ms at T=1000 and 46.7 ms at T=10000 against the factored
+  chain's 13.4 and 128 ms (cuDNN: 1.3 and 8.7 ms; fixed depths 1 to full of the materialized
+  chain took 15.5-25.6 ms at T=10000, and with a CSR step of the run costed as measured the cost
+  model picks depth 6 at T=1000 and 9 at T=10000). The
   materialized GRU's chain is one uniform run of dense ``H x H`` blocks, which the device runs
   parallel over its steps: the backward took 0.97 ms at T=1000 and 2.9 ms at T=10000 against the
   factored chain's 5.5 and 59.6 ms (cuDNN: 1.35 and 14.1 ms). On the CPU, factored: measured on a

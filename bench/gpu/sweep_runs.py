@@ -1,13 +1,14 @@
-"""Recurrent backwards on a GPU under several scan shapes: ``python bench/gpu/sweep_runs.py [T ...] [rnn gru lstm]``.
+"""Recurrent backwards on a GPU under several scan shapes.
 
-For the paper's bitstream RNN (H = 20, B = 16, float32; the rows of ``bench/test_rnn_step.py``) and
-a GRU of the same size (loss on the last output) it times ``loss.backward()`` (CUDA events, median
-of 7) of cuDNN autograd and of ``spscan.wrap`` under: the cost model's choice (``levels="auto"``),
-one linear run parallel over its steps (``levels=0``) at several chunk lengths
+``python bench/gpu/sweep_runs.py [T ...] [rnn gru lstm]``: for the paper's bitstream RNN (H = 20,
+B = 16, float32; the rows of ``bench/test_rnn_step.py``) and a GRU and an LSTM of the same size
+(loss on the last output) it times ``loss.backward()`` (CUDA events, median of 7) of cuDNN
+autograd and of ``spscan.wrap`` under: the cost model's choice (``levels="auto"``), one linear run
+parallel over its steps (``levels=0``) at several chunk lengths
 (``spscan.kernels.launch.chunk_steps``), the deep up-sweep the cost model chose before runs were
 chunked (``parallel_run_max_m = 0``), and for the GRU and the LSTM (T <= 10000) both layouts
-(materialized: one block per step) at the cost model's depth, depth 0 and depth 1. Prints one line per configuration with
-the ratio against cuDNN measured in the same process.
+(materialized: one block per step) at the cost model's depth, depth 0 and depth 1. Prints one line
+per configuration with the ratio against cuDNN measured in the same process.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def _rnn(T: int) -> None:
 def _cell(name: str, cls, T: int) -> None:
     _, fa = _cell_forward(cls, T, scan=False)
     base = _backward_ms(fa)
-    for label, kw in [("auto", {}), ("factored", {"layout": "factored"}), ("materialized auto", {"layout": "materialized"}),
+    for label, kw in [("auto", {}), ("factored", {"layout": "factored"}),
+                      ("materialized auto", {"layout": "materialized"}),
                       ("materialized levels=0", {"layout": "materialized", "levels": 0}),
                       ("materialized levels=1", {"layout": "materialized", "levels": 1})]:
         try:
