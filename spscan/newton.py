@@ -217,8 +217,10 @@ def _quasi_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.T
 # --------------------------------------------------------------------------- cost model for "auto"
 
 # Seconds per step of the library's sequential recurrent forward (one GEMM + pointwise ops per
-# step), launch/dispatch-bound for small H: torch's CPU loop ~10 us, cuDNN ~4 us per step.
-_SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 4.0e-6}
+# step), launch/dispatch-bound for small H: torch's CPU loop ~10 us; cuDNN's fused forward on an
+# H100 0.53-0.57 us (B=16, H=20: RNN 16.1 ms and GRU 16.9 ms at T=30000, RNN 0.57 ms at T=1000),
+# where the Newton forward took 40-45 ms at T=30000 (4 iterations): "auto" stays sequential there.
+_SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 5.5e-7}
 
 
 def _gate_count(kind: str) -> int:
