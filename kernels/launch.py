@@ -278,6 +278,7 @@ class ChunkedRunConfig:
     """A uniform linear run parallel over its steps: ``chunks`` chunks of ``chunk`` steps, each
     chunk's map a ``(block_m, block_m)`` tile (``block_m > m``: column ``m`` holds its additive term)."""
 
+    m: int
     chunk: int
     chunks: int
     block_m: int
@@ -308,7 +309,7 @@ def chunked_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Optio
         chunk = chunk_steps if chunk_steps is not None else max(8, int(round(math.sqrt(steps))))
     chunk = max(1, min(int(chunk), steps))
     bm = max(16, next_pow2(m + 1))
-    return ChunkedRunConfig(chunk, -(-steps // chunk), bm, 4)
+    return ChunkedRunConfig(m, chunk, -(-steps // chunk), bm, 4)
 
 
 def launch(kernel, grid: tuple[int, ...], args: dict[str, Any], constexprs: dict[str, Any], num_warps: int) -> None:

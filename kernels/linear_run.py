@@ -313,17 +313,17 @@ def run_expand_kernel(
         j += 1
 
 
-def chunked_size(table_meta: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> int:
-    """The common size ``m`` of a run every step of which is a square ``m x m`` dense block or
-    diagonal (what the chunked kernels take), else 0."""
-    if not rows.size:
+def chunked_size(op) -> int:
+    """The common size ``m`` of a :class:`~spscan.planner.program.LinearRun` every step of which is a
+    square ``m x m`` dense block or diagonal (what the chunked kernels take), else 0."""
+    if not op.steps:
         return 0
-    m = int(rows[0])
-    ok = np.all(rows == m) and np.all(cols == m) and np.all(table_meta[:, 0] != CSR)
+    m = int(op.rows[0])
+    ok = np.all(op.rows == m) and np.all(op.cols == m) and not np.any(op.sparse)
     return m if ok else 0
 
 
-def linear_run_chunked(table: torch.Tensor, m: int, vin0: int, s: torch.Tensor, p: torch.Tensor,
+def linear_run_chunked(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch.Tensor,
                        v: torch.Tensor, scratch: torch.Tensor, cfg: "launch.ChunkedRunConfig",
                        precision: Optional[str] = None) -> None:
     """Run a uniform linear run (every step an ``m x m`` dense block or diagonal; see
@@ -331,7 +331,7 @@ def linear_run_chunked(table: torch.Tensor, m: int, vin0: int, s: torch.Tensor, 
     the entry vectors across chunks, expand every chunk (see the comment above the kernels).
 
     ``scratch``: ``(B, >= cfg.scratch_per_sample)`` working memory of ``v``'s dtype (rows may be strided); ``cfg`` from
-    :func:`~spscan.kernels.launch.chunked_run_config` for this run's step count and ``m``.
+    :func:`~spscan.kernels.launch.chunked_run_config` for this run's ``m`` and step count.
     ``precision`` of the chunk maps' products (``tl.dot``): by default exact (``"ieee"``), or
     ``"tf32"`` for float32 when ``launch.allow_tf32`` is set.
     """
@@ -345,21 +345,20 @@ def linear_run_chunked(table: torch.Tensor, m: int, vin0: int, s: torch.Tensor, 
             or scratch.stride(1) != 1 or scratch.dtype != v.dtype:
         raise ValueError(f"linear_run_chunked: expected a {v.dtype} scratch ({batch}, >= {cfg.scratch_per_sample}) "
                          f"with unit column stride, got {tuple(scratch.shape)} {scratch.dtype}")
-    bm, chunks = cfg.block_m, cfg.chunks
+    m, bm, chunks = cfg.m, cfg.block_m, cfg.chunks
     stride_c = scratch.stride(0)
-    work = scratch
     e_off = chunks * bm * bm
     common = dict(s_ptr=s, p_ptr=p, v_ptr=v, table=table, steps=steps, m=m, chunk=cfg.chunk,
                   stride_p=p.stride(0), stride_v=v.stride(0), stride_c=stride_c)
     if chunks > 1:
-        launch.launch(run_compose_kernel, (chunks - 1, batch), dict(common, c_ptr=work),
+        launch.launch(run_compose_kernel, (chunks - 1, batch), dict(common, c_ptr=scratch),
                       dict(NF=FIELDS, BM=bm, PRECISION=precision), cfg.num_warps)
     if chunks == 1:  # the only chunk starts from y_0: no carry
-        work[:, e_off: e_off + m].copy_(v[:, vin0: vin0 + m])
+        scratch[:, e_off: e_off + m].copy_(v[:, vin0: vin0 + m])
     else:
         launch.launch(run_carry_kernel, (batch,),
-                      dict(c_ptr=work, v_ptr=v, e_ptr=work, vin0=vin0, chunks=chunks, m=m, stride_v=v.stride(0),
+                      dict(c_ptr=scratch, v_ptr=v, e_ptr=scratch, vin0=vin0, chunks=chunks, m=m, stride_v=v.stride(0),
                            stride_c=stride_c, e_off=e_off),
                       dict(BM=bm), cfg.num_warps)
-    launch.launch(run_expand_kernel, (chunks, batch), dict(common, e_ptr=work, e_off=e_off),
+    launch.launch(run_expand_kernel, (chunks, batch), dict(common, e_ptr=scratch, e_off=e_off),
                   dict(NF=FIELDS, BM=bm), cfg.num_warps)

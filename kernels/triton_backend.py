@@ -87,10 +87,9 @@ Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch,
 
 def _run_launch(op: LinearRun, idt: torch.dtype, device: torch.device) -> _LinearRunLaunch:
     table, uniform_m, indptr, indices = linear_run_table(op, idt, device)
-    kinds = np.where(op.sparse, 2, np.where(op.dense, 1, 0))[:, None]
-    m = chunked_size(kinds, op.rows, op.cols)
+    m = chunked_size(op)
     chunked = launch.chunked_run_config(m, op.steps) if m else None
-    return _LinearRunLaunch(op, table, m if chunked else uniform_m, bool(np.all(op.shared)), indptr, indices, chunked)
+    return _LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared)), indptr, indices, chunked)
 
 
 def _offsets(ref: BlockRef, limit: int, device: torch.device) -> torch.Tensor:
@@ -250,8 +249,8 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                 run_apply(item.op, vectors, inputs)
             elif isinstance(item, _LinearRunLaunch) and item.chunked is not None:
                 scratch = arenas["C"].view(vectors.shape[0], -1)[:, item.scratch_offset:]
-                linear_run_chunked(item.table, item.uniform_m, int(item.op.vin0), arenas["S"], arenas["P"], vectors,
-                                   scratch, item.chunked)
+                linear_run_chunked(item.table, int(item.op.vin0), arenas["S"], arenas["P"], vectors, scratch,
+                                   item.chunked)
             elif isinstance(item, _LinearRunLaunch):
                 linear_run(item.table, item.uniform_m, item.all_shared, int(item.op.vin0), arenas["S"], arenas["P"],
                           vectors, item.csr_indptr, item.csr_indices)

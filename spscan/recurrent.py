@@ -89,6 +89,7 @@ from torch import nn
 from spscan.engine import PeriodicValues, ScanResult, StackedExtra
 from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
+from spscan.planner.cost import profile_for
 
 __all__ = [
     "RecurrentPlan",
@@ -272,7 +273,8 @@ def _resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: in
     # "auto": factored, except on a CUDA device the GRU where its H x H blocks make a chunked run and
     # the LSTM where its 2H x 2H blocks would fit one, both while the per-sample values stay within
     # MATERIALIZED_MAX_GROWTH times the factored chain's: measured (module docstring)
-    if device_type == "cuda" and kind in ("gru", "lstm") and hidden <= CHUNKED_RUN_MAX_H // (1 if kind == "gru" else 2):
+    run_max = profile_for("cuda").parallel_run_max_m  # the widest block of a chunked run
+    if device_type == "cuda" and kind in ("gru", "lstm") and hidden <= run_max // (1 if kind == "gru" else 2):
         materialized = hidden * hidden if kind == "gru" else 2 * hidden * hidden + 2 * hidden
         factored = 4 * hidden if kind == "gru" else 9 * hidden  # per-sample entries per step
         if materialized <= MATERIALIZED_MAX_GROWTH * factored:
@@ -280,8 +282,6 @@ def _resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: in
     return "factored"
 
 
-# the largest m of a uniform run that runs in chunks on CUDA (planner.cost's CUDA profile, parallel_run_max_m)
-CHUNKED_RUN_MAX_H = 63
 # "auto" materializes only while the per-sample values grow at most this much (GRU: H <= 32, LSTM: H <= 31)
 MATERIALIZED_MAX_GROWTH = 8
 

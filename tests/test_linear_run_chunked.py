@@ -13,6 +13,7 @@ them in chunks.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -86,7 +87,7 @@ def test_chunked_kernels_match_sequential(m, steps, batch, chunk, dtype):
     cfg = launch.chunked_run_config(m, steps, chunk=chunk)
     assert cfg is not None and cfg.chunks == -(-steps // cfg.chunk)
     scratch = torch.full((batch, cfg.scratch_per_sample + 5), float("nan"), dtype=dtype, device=DEVICE)
-    linear_run_chunked(table, m, 0, s, p, v, scratch[:, 2:], cfg)  # rows strided, offset into the buffer
+    linear_run_chunked(table, 0, s, p, v, scratch[:, 2:], cfg)  # rows strided, offset into the buffer
     got = v[:, m: m * (steps + 1)].double().cpu().numpy()
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all()
@@ -97,16 +98,18 @@ def test_chunked_config_bounds_and_errors():
     assert launch.chunked_run_config(64, 1000) is None  # a 65-column chunk map does not fit a 64 tile
     assert launch.chunked_run_config(20, 63) is None  # short runs stay sequential
     cfg = launch.chunked_run_config(20, 10000)
-    assert cfg.chunk == 100 and cfg.chunks == 100 and cfg.block_m == 32
+    assert cfg.m == 20 and cfg.chunk == 100 and cfg.chunks == 100 and cfg.block_m == 32
     assert cfg.scratch_per_sample == 100 * 32 * 33
-    meta = np.zeros((3, FIELDS), dtype=np.int64)
-    assert chunked_size(meta, np.array([4, 4, 4]), np.array([4, 4, 4])) == 4
-    assert chunked_size(meta, np.array([4, 4, 4]), np.array([4, 5, 4])) == 0
-    meta[1, 0] = 2  # a CSR step
-    assert chunked_size(meta, np.array([4, 4, 4]), np.array([4, 4, 4])) == 0
+    def run(cols, sparse=(False, False, False)):
+        return SimpleNamespace(steps=3, rows=np.array([4, 4, 4]), cols=np.array(cols), sparse=np.array(sparse))
+
+    assert chunked_size(run([4, 4, 4])) == 4
+    assert chunked_size(run([4, 5, 4])) == 0
+    assert chunked_size(run([4, 4, 4], (False, True, False))) == 0  # a CSR step
+    assert chunked_size(SimpleNamespace(steps=0, rows=np.zeros(0), cols=np.zeros(0), sparse=np.zeros(0))) == 0
     table, s, p, v, _ = _run_problem(4, 64, 2, torch.float64, 0)
     with pytest.raises(ValueError, match="scratch"):
-        linear_run_chunked(table, 4, 0, s, p, v, torch.zeros(2, 10, dtype=torch.float64, device=DEVICE),
+        linear_run_chunked(table, 0, s, p, v, torch.zeros(2, 10, dtype=torch.float64, device=DEVICE),
                            launch.chunked_run_config(4, 64))
 
 
@@ -169,9 +172,8 @@ def test_chunked_run_through_the_engine(dtype):
 
 
 def test_auto_layout_on_cuda():
-    from spscan.recurrent import CHUNKED_RUN_MAX_H, _resolve_layout
+    from spscan.recurrent import _resolve_layout
 
-    assert CHUNKED_RUN_MAX_H == profile_for("cuda").parallel_run_max_m
     assert _resolve_layout("gru", "auto", "cuda", 20) == "materialized"
     assert _resolve_layout("gru", "auto", "cuda", 32) == "materialized"
     assert _resolve_layout("gru", "auto", "cuda", 33) == "factored"  # over 8x the factored chain's values
