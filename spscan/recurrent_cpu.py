@@ -14,7 +14,7 @@ so the gates are evaluated once instead of being recomputed from the module's ou
 importable) runs the recurrence here instead of running the module and then recomputing the
 gates and ``c_t`` from its outputs. One time loop computes, per step,
 
-    a_t = (x_t W_ih^T + b_ih + b_hh) + h_{t-1} W_hh^T          (input part: one GEMM for all t, before)
+    a_t = (x_t W_ih^T + b_ih + b_hh) + h_{t-1} W_hh^T          (input part: see below)
     i, f, o = sigmoid(a_i, a_f, a_o),  g = tanh(a_g),  c_t = f c_{t-1} + i g,  h_t = o tanh(c_t)
 
 and writes ``h_t`` and the per-sample values of the step's gate element
@@ -24,8 +24,10 @@ and writes ``h_t`` and the per-sample values of the step's gate element
 Tiles: from ``TILE_MIN_BATCH`` samples up each forward runs the batch in tiles of ``LANES`` samples,
 feature-major (unit ``j`` of a tile is one vector of ``LANES`` samples, :mod:`spscan.kernels.cpu_simd`),
 so the hidden-state product is four register accumulators per pass over ``h`` and the elementwise
-work runs over whole tiles; the gate inputs are read from ``(G, T, B)`` memory (:func:`gate_inputs`)
-and the chain values written entry-major (``(T, nnz, B)`` memory, returned as ``(T, B, nnz)`` views),
+work runs over whole tiles; the input part of the gates is computed in the time loop for inputs of
+at most ``FUSED_MAX_INPUT`` features (:class:`InputProjection`; the paper's RNNs read one), else
+read from ``(G, T, B)`` memory made by one GEMM before the loop (:func:`gate_inputs`), and the chain
+values are written entry-major (``(T, nnz, B)`` memory, returned as ``(T, B, nnz)`` views),
 which the linear scan reads in place. Below ``TILE_MIN_BATCH`` a loop per sample runs (same sums).
 
 Why compiled, and why its own ``exp``: the step is tiny (B x 4H x H multiply-adds, B*5H
@@ -43,7 +45,7 @@ are bitwise reproducible run to run. No ``fastmath``, no ``parallel``.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -55,7 +57,8 @@ from spscan.kernels.cpu_simd import LANES
 vload = vstore = vstream = vmul = vmuladd = vtranspose = None
 _VECTOR_OPS = ("vload", "vstore", "vstream", "vmul", "vmuladd", "vtranspose")
 
-__all__ = ["available", "gate_inputs", "gru_forward", "lstm_forward", "rnn_forward"]
+__all__ = ["FUSED_MAX_INPUT", "InputProjection", "available", "gate_inputs", "gru_forward", "input_projection",
+           "lstm_forward", "rnn_forward"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -254,6 +257,20 @@ def _tile_gate_inputs(gif, gb, gs, full, nb, a, rows):  # pragma: no cover - com
                 a[g * LANES + bb] = gif[gb + g * gs + bb] if bb < nb else 0
 
 
+def _tile_inputs(gif, gb, gs, full, nb, a, rows, wi, bt, xv):  # pragma: no cover - compiled
+    # a[g], g < rows: the tile's gate inputs. wi without columns: read, as _tile_gate_inputs (gif
+    # holds them); else computed, a[g] = bt[g] + sum_i wi[g, i] x_i in ascending i (gif holds the
+    # input, its row i at gb + i * gs; bt: (rows, LANES) the bias repeated; xv: (I, LANES) scratch)
+    ni = wi.shape[1]
+    if ni == 0:
+        _tile_gate_inputs_c(gif, gb, gs, full, nb, a, rows)
+    else:
+        _tile_gate_inputs_c(gif, gb, gs, full, nb, xv, ni)
+        for g in range(rows):
+            vstore(a, g * LANES, vload(bt, g * LANES))
+        _tile_hidden_product_c(a, wi, xv, rows)
+
+
 def _tile_hidden_product(a, w, h, rows):  # pragma: no cover - compiled
     # a[g] += sum_k w[g, k] h[k] for g < rows (h: (H, LANES)), summed over k in ascending order; four
     # rows at a time, each an accumulator in a register
@@ -283,7 +300,7 @@ def _tile_hidden_product(a, w, h, rows):  # pragma: no cover - compiled
         g += 1
 
 
-def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits,
+def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits,
                       bitsf):  # pragma: no cover - compiled
     # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
     # (9H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
@@ -303,7 +320,7 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
         _tile_load_state_c(c, c0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
-            _tile_gate_inputs_c(gif, gb, gs, full, nb, a, G)
+            _tile_inputs_c(gif, gb, gs, full, nb, a, G, wi, bt, xv)
             _tile_hidden_product_c(a, w, h, G)  # a += W_hh h_{t-1}
             # expm1 arguments: -a for the sigmoid gates (i, f, o), -2|a| for g
             for p in range(n):
@@ -345,7 +362,7 @@ def _lstm_tile_kernel(gif, gs, ts, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n
                 c_n[b0 + bb, j] = c[j * LANES + bb]
 
 
-def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a, dv, e, bits,
+def _rnn_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a, dv, e, bits,
                      bitsf):  # pragma: no cover - compiled
     # _rnn_kernel in tiles of LANES samples, feature-major (h, a, dv: (H, LANES)), as the LSTM's tiles:
     # gif row j of step t at j * gs + t * ts (samples contiguous); d: (T, H, B) entry-major
@@ -361,7 +378,7 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
         _tile_load_state_c(h, h0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
-            _tile_gate_inputs_c(gif, gb, gs, full, nb, a, H)
+            _tile_inputs_c(gif, gb, gs, full, nb, a, H, wi, bt, xv)
             _tile_hidden_product_c(a, w, h, H)  # a += W_hh h_{t-1}
             if relu:
                 for p in range(n):
@@ -390,7 +407,7 @@ def _rnn_tile_kernel(gif, gs, ts, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a,
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
 
 
-def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits,
+def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits,
                      bitsf):  # pragma: no cover - compiled
     # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
     # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) entry-major (the chain reads
@@ -412,7 +429,7 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
         _tile_load_state_c(h, h0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
-            _tile_gate_inputs_c(gif, gb, gs, full, nb, a, 2 * H)
+            _tile_inputs_c(gif, gb, gs, full, nb, a, 2 * H, wi, bt, xv)
             for j in range(H):
                 for bb in range(LANES):
                     a[(2 * H + j) * LANES + bb] = bhn[j]
@@ -421,12 +438,11 @@ def _gru_tile_kernel(gif, gs, ts, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h,
                 e[0, p] = -a[p]
                 e[1, p] = -a[n + p]
             _vexpm1_c(e2, bits, bitsf, cst, icst)
-            for j in range(H):  # the input side of n, gi_n, into wn
-                if full:
-                    vstore(wn, j * LANES, vload(gif, gb + (2 * H + j) * gs))
-                else:
-                    for bb in range(LANES):
-                        wn[j * LANES + bb] = gif[gb + (2 * H + j) * gs + bb] if bb < nb else 0
+            # the input side of n, gi_n, into wn
+            if wi.shape[1] == 0:
+                _tile_inputs_c(gif, gb + 2 * H * gs, gs, full, nb, wn, H, wi, bt, xv)
+            else:
+                _tile_inputs_c(gif, gb, gs, full, nb, wn, H, wi[2 * H:], bt[2 * H * LANES:], xv)
             for p in range(n):
                 r = one / (two + e[0, p])
                 av = wn[p] + r * a[2 * n + p]  # as torch: i_n + (h_n * r)
@@ -574,7 +590,7 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 
 # The compiled helpers the kernels call by these names (bound by _prepare() before any kernel compiles)
 _vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_gate_inputs_c = None
-_tile_hidden_product_c = None
+_tile_hidden_product_c = _tile_inputs_c = None
 _KERNELS = {"lstm": _lstm_kernel, "lstm_tile": _lstm_tile_kernel, "rnn": _rnn_kernel, "rnn_tile": _rnn_tile_kernel,
             "gru": _gru_kernel, "gru_tile": _gru_tile_kernel}
 _compiled_kernels: dict = {}
@@ -588,7 +604,7 @@ def _jit(fn):
 def _prepare() -> None:
     """Bind the vector operations and compile the helpers the kernels call (once)."""
     global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_gate_inputs_c
-    global _tile_hidden_product_c
+    global _tile_hidden_product_c, _tile_inputs_c
     if _vexpm1_c is None:
         from spscan.kernels import cpu_simd
 
@@ -600,6 +616,7 @@ def _prepare() -> None:
         _tile_store_state_c = _jit(_tile_store_state)
         _tile_gate_inputs_c = _jit(_tile_gate_inputs)
         _tile_hidden_product_c = _jit(_tile_hidden_product)
+        _tile_inputs_c = _jit(_tile_inputs)
 
 
 def _compiled(name: str):
@@ -616,7 +633,8 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     """The Elman RNN recurrence (tanh or relu) on CPU in one compiled pass.
 
     Args:
-        gi: ``(T, B, H)`` input part of the pre-activations, ``x W_ih^T + b_ih + b_hh``.
+        gi: ``(T, B, H)`` input part of the pre-activations, ``x W_ih^T + b_ih + b_hh``, or an
+            :class:`InputProjection` of it (:func:`input_projection`).
         w_hh: ``(H, H)`` the module's ``weight_hh_l0``.
         h0: ``(B, H)`` initial state.
         relu: ``nonlinearity="relu"`` (else tanh, through the same ``expm1`` as the LSTM's).
@@ -633,7 +651,8 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     if not available():
         raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
     dt = gi.dtype
-    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in (gi, w_hh, h0)):
+    if dt not in (torch.float32, torch.float64) or any(
+            t.dtype != dt or t.device.type != "cpu" for t in (gi, w_hh, h0) + _projection_operands(gi)):
         raise TypeError(f"rnn_forward: expected float32/float64 CPU tensors of one dtype, got gi {gi.dtype} on "
                         f"{gi.device}, w_hh {w_hh.dtype}, h0 {h0.dtype}")
     T, B, H = gi.shape
@@ -644,15 +663,17 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     # them in place (kernels/cpu_chain.py)
     d = torch.empty(T, H, B, dtype=dt)
     if B >= TILE_MIN_BATCH:
-        gi = _gate_major(gi)
+        gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
         n = H * LANES
         bits = np.empty(n, dtype=itype)
         hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
         _compiled("rnn_tile")(
-            gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(),
+            gif, T * B, B, wi, bt, xv, w_hh.detach().contiguous().numpy(),
             h0.detach().contiguous().numpy(), cst, icst, bool(relu), hf, hts, hbs, d.numpy(), np.empty(n, dtype=np_dt),
             np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), bits, bits.view(np_dt))
         return hs, d.transpose(1, 2)
+    if isinstance(gi, InputProjection):
+        gi = gi.materialize()
     hs = torch.empty(T, B, H, dtype=dt)
     acc = np.empty((B, H), dtype=np_dt)
     e = np.empty(B * H, dtype=np_dt)
@@ -668,7 +689,8 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     """The LSTM recurrence on CPU in one compiled pass.
 
     Args:
-        gi: ``(T, B, 4H)`` input part of the gate pre-activations, ``x W_ih^T + b_ih + b_hh``.
+        gi: ``(T, B, 4H)`` input part of the gate pre-activations, ``x W_ih^T + b_ih + b_hh``, or an
+            :class:`InputProjection` of it (:func:`input_projection`).
         w_hh: ``(4H, H)`` the module's ``weight_hh_l0``.
         h0, c0: ``(B, H)`` initial state.
         batch_first: as :func:`rnn_forward`'s.
@@ -686,7 +708,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
     dt = gi.dtype
     if dt not in (torch.float32, torch.float64) or any(
-            t.dtype != dt or t.device.type != "cpu" for t in (gi, w_hh, h0, c0)):
+            t.dtype != dt or t.device.type != "cpu" for t in (gi, w_hh, h0, c0) + _projection_operands(gi)):
         raise TypeError(f"lstm_forward: expected float32/float64 CPU tensors of one dtype, got gi {gi.dtype} on "
                         f"{gi.device}, w_hh {w_hh.dtype}, h0 {h0.dtype}, c0 {c0.dtype}")
     T, B, G = gi.shape
@@ -697,6 +719,8 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     c = torch.empty(B, H, dtype=dt)
     h0n, c0n = h0.detach().contiguous().numpy(), c0.detach().contiguous().numpy()
     if B < TILE_MIN_BATCH:
+        if isinstance(gi, InputProjection):
+            gi = gi.materialize()
         hs = torch.empty(T, B, H, dtype=dt)
         vals = torch.empty(T, B, 9 * H, dtype=dt)
         acc = np.empty((B, G), dtype=np_dt)
@@ -706,20 +730,85 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         _compiled("lstm")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
                   hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
         return _as_layout(hs, batch_first), c, vals
-    gi = _gate_major(gi)
+    gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
     # the gate element's values entry-major, (T, 9H, B) memory viewed as (T, B, 9H): the linear
     # scan reads a tile of them in place (kernels/cpu_chain.py)
     vals = torch.empty(T, 9 * H, B, dtype=dt)
     n = H * LANES
     bits = np.empty(4 * n, dtype=itype)
-    gif = gi.permute(2, 0, 1).numpy().reshape(-1)
     hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
     _compiled("lstm_tile")(
-        gif, T * B, B, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hf, hts, hbs, vals.numpy(), c.numpy(),
+        gif, T * B, B, wi, bt, xv, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hf, hts, hbs, vals.numpy(),
+        c.numpy(),
         np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(G * LANES, dtype=np_dt),
         np.empty(9 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
         bits.view(np_dt))
     return hs, c, vals.transpose(1, 2)
+
+
+class InputProjection(NamedTuple):
+    """The input part of the gate pre-activations, ``x W_ih^T + bias``, not yet computed: the tiled
+    forwards compute it per step from ``x`` when the input is narrow (at most ``FUSED_MAX_INPUT``
+    features), instead of reading a ``(T, B, G)`` tensor made by a GEMM before the loop; that tensor is
+    as large as the gate values the forward writes, and at ``I = 1`` the GEMM and the reads of its
+    output cost more than the ``G * I`` multiply-adds per sample and step.
+
+    ``x``: ``(T, B, I)``; ``w_ih``: ``(G, I)``; ``bias``: ``(G,)`` or ``None``.
+    """
+
+    x: torch.Tensor
+    w_ih: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.x.shape[0], self.x.shape[1], self.w_ih.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def materialize(self) -> torch.Tensor:
+        """The ``(T, B, G)`` gate inputs (:func:`gate_inputs`)."""
+        return gate_inputs(self.x, self.w_ih, self.bias)
+
+
+# widest input computed inside the tiled forwards (each feature adds G multiply-adds per sample and step)
+FUSED_MAX_INPUT = 4
+
+
+def input_projection(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor]):
+    """The gate inputs for the compiled forwards: an :class:`InputProjection` the tiles compute from
+    ``x`` when ``x`` has at most ``FUSED_MAX_INPUT`` features, else :func:`gate_inputs` (one GEMM)."""
+    if x.shape[-1] <= FUSED_MAX_INPUT:
+        return InputProjection(x.detach(), w_ih.detach(), None if bias is None else bias.detach())
+    return gate_inputs(x, w_ih, bias)
+
+
+def _projection_operands(gi) -> tuple:
+    """The tensors of an :class:`InputProjection` besides ``x`` (for the dtype/device checks); ``()`` for a tensor."""
+    if isinstance(gi, InputProjection):
+        return (gi.w_ih,) + (() if gi.bias is None else (gi.bias,))
+    return ()
+
+
+def _tile_input_operands(gi, np_dt):
+    """``(gif, wi, bt, xv)`` of the tiled kernels' ``_tile_inputs``: from a ``(T, B, G)`` tensor, its
+    ``(G, T, B)`` memory flat and an empty ``wi``; from an :class:`InputProjection`, ``x`` as ``(I, T, B)``
+    memory flat, ``W_ih``, the bias repeated over a tile and the tile's input scratch."""
+    if isinstance(gi, InputProjection):
+        x, w_ih, bias = gi
+        G, I = w_ih.shape
+        b = torch.zeros(G, dtype=x.dtype) if bias is None else bias.to(x.dtype)
+        return (x.permute(2, 0, 1).contiguous().numpy().reshape(-1), w_ih.contiguous().numpy(),
+                b.repeat_interleave(LANES).numpy(), np.empty(I * LANES, dtype=np_dt))
+    G = gi.shape[2]
+    return (_gate_major(gi).permute(2, 0, 1).numpy().reshape(-1), np.empty((G, 0), dtype=np_dt),
+            np.empty(0, dtype=np_dt), np.empty(0, dtype=np_dt))
 
 
 def _outputs(T: int, B: int, H: int, dt: torch.dtype, batch_first: bool):
@@ -770,8 +859,9 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         n = tanh(gi_n + r * M),        h' = (h - n) * z + n            (= (1 - z) n + z h)
 
     Args:
-        gi: ``(T, B, 3H)`` input part of the pre-activations: ``x W_ih^T + b_ih`` plus ``b_hr``, ``b_hz``
-            on the ``r`` and ``z`` blocks (``b_hn`` is not added there: it sits inside ``r * M``).
+        gi: ``(T, B, 3H)`` (or an :class:`InputProjection` of it) input part of the pre-activations:
+            ``x W_ih^T + b_ih`` plus ``b_hr``, ``b_hz`` on the ``r`` and ``z`` blocks (``b_hn`` is not
+            added there: it sits inside ``r * M``).
         w_hh: ``(3H, H)`` the module's ``weight_hh_l0``.
         b_hn: ``(H,)`` the ``n`` block of ``bias_hh_l0``, or ``None`` (no biases).
         h0: ``(B, H)`` initial state.
@@ -790,7 +880,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     if not available():
         raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
     dt = gi.dtype
-    ts = (gi, w_hh, h0) + (() if b_hn is None else (b_hn,))
+    ts = (gi, w_hh, h0) + (() if b_hn is None else (b_hn,)) + _projection_operands(gi)
     if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in ts):
         raise TypeError(f"gru_forward: expected float32/float64 CPU tensors of one dtype, got gi {gi.dtype} on "
                         f"{gi.device}, w_hh {w_hh.dtype}, h0 {h0.dtype}"
@@ -809,16 +899,18 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
     if B >= TILE_MIN_BATCH:
         dn = torch.empty(B, T, H, dtype=dt)
-        gi = _gate_major(gi)
+        gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
         n = H * LANES
         bits = np.empty(2 * n, dtype=itype)
         hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
         _compiled("gru_tile")(
-            gi.permute(2, 0, 1).numpy().reshape(-1), T * B, B, w_hh.detach().contiguous().numpy(), bhn,
+            gif, T * B, B, wi, bt, xv, w_hh.detach().contiguous().numpy(), bhn,
             h0.detach().contiguous().numpy(), cst, icst, hf, hts, hbs, d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
             np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
             bits.view(np_dt))
         return hs, d.transpose(1, 2), dn.transpose(0, 1)
+    if isinstance(gi, InputProjection):
+        gi = gi.materialize()
     hs = torch.empty(T, B, H, dtype=dt)
     dn = torch.empty(T, B, H, dtype=dt)
     acc = np.empty((B, G), dtype=np_dt)

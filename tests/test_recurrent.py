@@ -477,6 +477,62 @@ def test_rnn_compiled_forward_equals_module_path(monkeypatch, kind, dtype, shape
         assert a.shape == b.shape and rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5), i
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("input_size", [1, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_forward_input_projection(kind, input_size, dtype, bias):
+    """The tiled forwards compute the input part of the gates in their time loop for inputs of at most
+    ``FUSED_MAX_INPUT`` features and read it from one GEMM's output above that: both give the module's
+    outputs, the same chain values as each other, and autograd's gradients (a full and a partial tile,
+    a non-contiguous batch-first input)."""
+    pytest.importorskip("numba")
+    import spscan.recurrent_cpu as rc
+
+    assert rc.FUSED_MAX_INPUT == 4  # the sizes above sit at and past the bound
+    T, B = 9, 20
+    m = make_module(kind, input_size, 6, batch_first=True, bias=bias, dtype=dtype)
+    x, hx = make_inputs(m, T, 2 * B, with_h0=True, dtype=dtype)
+    x = x[::2]  # every other sample: a strided view
+    hx = tuple(h[:, ::2] for h in hx) if isinstance(hx, tuple) else hx[:, ::2]
+    plan = plan_recurrent(m, x)
+    assert plan._compiled_forward_applies(x, hx)
+    params = [p.detach() for p in m.parameters()]
+    xt = x.detach().transpose(0, 1)
+    bias_vec = (params[2] + params[3]) if bias and kind != "gru" else (
+        torch.cat([params[2][:12] + params[3][:12], params[2][12:]]) if bias else None)
+    proj = rc.input_projection(xt, params[0], bias_vec)
+    assert isinstance(proj, rc.InputProjection) == (input_size <= rc.FUSED_MAX_INPUT)
+    gemm = rc.gate_inputs(xt, params[0], bias_vec)
+    materialized = proj.materialize() if isinstance(proj, rc.InputProjection) else proj
+    assert rel_err(materialized, gemm) <= (1e-15 if dtype == torch.float64 else 1e-7)
+    h0 = (hx[0] if isinstance(hx, tuple) else hx)[0]
+    if kind == "lstm":
+        fused = rc.lstm_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], h0, hx[1][0])
+        read = rc.lstm_forward(gemm, params[1], h0, hx[1][0])
+    elif kind == "gru":
+        b_hn = params[3][12:] if bias else None
+        fused = rc.gru_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], b_hn, h0)
+        read = rc.gru_forward(gemm, params[1], b_hn, h0)
+    else:
+        fused = rc.rnn_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], h0, relu=kind == "rnn_relu")
+        read = rc.rnn_forward(gemm, params[1], h0, relu=kind == "rnn_relu")
+    tol = 1e-13 if dtype == torch.float64 else 2e-6
+    for a, b in zip(fused, read):
+        assert a.shape == b.shape and rel_err(a, b) <= tol
+    (out, state), _ = plan.forward(x, hx)
+    with torch.no_grad():
+        want_out, want_state = m(x, hx)
+    assert rel_err(out, want_out) <= tol
+    for a, b in zip(state if isinstance(state, tuple) else (state,),
+                    want_state if isinstance(want_state, tuple) else (want_state,)):
+        assert rel_err(a, b) <= tol
+    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    want = grads_of(lambda xx, hh: m(xx, hh), m, x, hx, "both")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5), i
+
+
 def test_rnn_compiled_forward_saturated_and_tiny():
     """tanh at large pre-activations (the expm1 clamp) and tiny ones (no cancellation near 0); relu's NaN."""
     pytest.importorskip("numba")
