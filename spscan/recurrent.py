@@ -86,7 +86,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.engine import PeriodicValues, ScanResult, StackedExtra
+from spscan.engine import PeriodicValues, RecycledBuffers, ScanResult, StackedExtra
 from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
 from spscan.planner.cost import profile_for
@@ -292,15 +292,69 @@ def _params(module: nn.Module) -> list[torch.Tensor]:
     return [getattr(module, n) for n in names]
 
 
+class _Slot:
+    """Where a saved-state object held a tensor that now lies in ``ctx.saved_tensors`` (index ``index``)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _map_tensors(value, fn):
+    """A copy of ``value`` with ``fn`` applied to every tensor (or :class:`_Slot`) it holds: inside
+    dicts, lists, tuples, :class:`PeriodicValues` and objects that say they hold tensors
+    (``_holds_tensors``); other objects are kept as they are. Containers are rebuilt, not changed."""
+    if isinstance(value, (torch.Tensor, _Slot)):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, PeriodicValues) or getattr(type(value), "_holds_tensors", False):
+        copy = object.__new__(type(value))
+        copy.__dict__.update({k: _map_tensors(v, fn) for k, v in value.__dict__.items()})
+        return copy
+    return value
+
+
+def stash_saved(ctx, saved, inputs: Sequence) -> None:
+    """Keep ``saved`` (what :meth:`RecurrentPlan.run_forward` returns for the backward) on ``ctx`` with its
+    tensors handed to ``ctx.save_for_backward`` after ``inputs``: autograd then frees them after a
+    backward that does not retain the graph, as it frees any saved tensor (so the plan's
+    :class:`~spscan.engine.RecycledBuffers` hand their memory to the next step), and a second backward
+    through a freed graph raises autograd's own error."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(t):
+        tensors.append(t)
+        return _Slot(len(tensors) - 1)
+
+    ctx.saved = None if saved is None else _map_tensors(saved, slot)
+    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(*inputs, *tensors)
+
+
+def unstash_saved(ctx):
+    """``(inputs, saved)`` as :func:`stash_saved` kept them: the saved state rebuilt with its tensors."""
+    every = ctx.saved_tensors
+    inputs, tensors = every[: ctx.n_inputs], every[ctx.n_inputs:]
+    saved = None if ctx.saved is None else _map_tensors(ctx.saved, lambda s: tensors[s.index])
+    return inputs, saved
+
+
 class _Saved:
     """What the backward needs from one forward: time-major tensors and the chain's values.
 
     ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}``, gate coefficients per kind,
-    ``values`` (the chain's Jacobian values) and the sizes. The compiled forwards save
+    ``values`` (the chain's Jacobian values) and the sizes. Through autograd its tensors are kept by
+    ``ctx.save_for_backward`` (:func:`stash_saved`). The compiled forwards save
     ``h_prev_bt`` instead: ``(B, T, H)``, per sample ``h_{T-1}, ..., h_0``, the order in which the
     backward's GEMMs read the scan's gradients (a copy, not a view of the outputs, which the caller
     may change in place); ``h_prev`` is then made on first use.
     """
+
+    _holds_tensors = True  # walked by _map_tensors
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
@@ -317,10 +371,10 @@ class _Saved:
         return rev if rev is not None else self.h_prev.transpose(0, 1).flip(1)
 
 
-def _h_prev_reversed_bt(hs_bt: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+def _h_prev_reversed_bt(hs_bt: torch.Tensor, h0: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:meth:`_Saved.h_prev_reversed_bt` from the outputs ``hs_bt`` ``(B, T, H)`` (any strides) and
-    ``h0`` ``(B, H)``: one copy."""
-    return torch.cat([hs_bt[:, :-1].flip(1), h0.unsqueeze(1)], dim=1)
+    ``h0`` ``(B, H)``: one copy (into ``out`` when given)."""
+    return torch.cat([hs_bt[:, :-1].flip(1), h0.unsqueeze(1)], dim=1, out=out)
 
 
 def _gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
@@ -505,6 +559,11 @@ class RecurrentPlan:
     ``forward(x, hx)`` runs the module and returns ``(module outputs, saved)``;
     ``backward(saved, grad_output, grad_h_n, grad_c_n)`` returns the input, initial-state and
     parameter gradients. ``plan_kwargs`` go to ``spscan.plan`` for every ``T``.
+
+    Between steps the plan keeps one step's chain values and gradient copies (:attr:`buffers`, a
+    :class:`~spscan.engine.RecycledBuffers`: the next step reuses them once nothing holds them, instead
+    of page-faulting fresh memory) besides its core plans' working buffers; :meth:`release_buffers`
+    frees both.
     """
 
     def __init__(
@@ -533,6 +592,8 @@ class RecurrentPlan:
         self.state_size = _state_size(self.kind, module.hidden_size)
         self._plans: dict[tuple, Any] = {}
         self._bindings: dict[tuple, Any] = {}  # (T, device, dtype, with_extra) -> bound engine
+        # the compiled forwards' chain values and the backward's gradient copies, recycled step to step
+        self.buffers = RecycledBuffers()
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
@@ -585,6 +646,13 @@ class RecurrentPlan:
         else:
             shared = [False] * n
         return plan.bind(shared, has_extra, torch.device(device))
+
+    def release_buffers(self) -> None:
+        """Free the memory kept between steps: the recycled forward values and gradient copies
+        (:attr:`buffers`) and every core plan's arenas and working buffers."""
+        self.buffers.clear()
+        for plan in self._plans.values():
+            plan.release_buffers()
 
     @property
     def patterns(self) -> list[sp.csr_array]:
@@ -731,7 +799,8 @@ class RecurrentPlan:
         out = hs.squeeze(1) if unbatched else hs
         shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
         hs_bt = hs if batch_first else hs.transpose(0, 1)
-        return out, time_major[-1].reshape(shape).clone(), _h_prev_reversed_bt(hs_bt, h0)
+        h_prev = self.buffers.take("h_prev", hs_bt.shape, hs_bt.dtype)
+        return out, time_major[-1].reshape(shape).clone(), _h_prev_reversed_bt(hs_bt, h0, out=h_prev)
 
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
@@ -742,7 +811,8 @@ class RecurrentPlan:
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
         # both biases enter every gate pre-activation: added to the input part once
         gi = input_projection(xt, params[0], params[2] + params[3] if m.bias else None)
-        hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched)
+        hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched,
+                                            buffers=self.buffers)
         shared = _lstm_weight_values(params[1], H)
         values = PeriodicValues([shared, gate_values], T)
         out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
@@ -760,7 +830,7 @@ class RecurrentPlan:
         # both biases enter the pre-activation: added to the input part once
         gi = input_projection(xt, params[0], params[2] + params[3] if m.bias else None)
         hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
-                            batch_first=m.batch_first and not unbatched)
+                            batch_first=m.batch_first and not unbatched, buffers=self.buffers)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
         out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
         saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
@@ -781,7 +851,8 @@ class RecurrentPlan:
             b_hn = params[3][2 * H:]
         else:
             gi = input_projection(xt, params[0], None)
-        hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched)
+        hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
+                                buffers=self.buffers)
         values = PeriodicValues([_gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
         out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
         saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
@@ -916,19 +987,25 @@ class RecurrentPlan:
             # buffer's own order: a time-major copy reads it ~10x slower, a sample per row)
             rev = G.stacked(range(per * (T - 1) + 1, 0, -per)).transpose(0, 1)  # (B, T, .), last step first
             if self.kind.startswith("rnn"):
-                pre_ih = pre_hh = rev.contiguous()
+                pre_ih = pre_hh = self._copy(rev, "pre")
             elif self.kind == "gru":
-                pre_hh = rev[..., : 3 * H].contiguous()
+                pre_hh = self._copy(rev[..., : 3 * H], "pre")
                 # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
-                dh = G.stacked(range(per * T, 0, -per)).transpose(0, 1).contiguous()
+                dh = self._copy(G.stacked(range(per * T, 0, -per)).transpose(0, 1), "dh")
                 dh.mul_(saved.coefs["dn"].transpose(0, 1).flip(1))
-                pre_ih = torch.cat([pre_hh[..., : 2 * H], dh], dim=-1)
+                pre_ih = torch.cat([pre_hh[..., : 2 * H], dh], dim=-1,
+                                   out=self.buffers.take("pre_ih", (B, T, 3 * H), dh.dtype, dh.device))
             else:
-                pre_ih = pre_hh = rev[..., : 4 * H].contiguous()
+                pre_ih = pre_hh = self._copy(rev[..., : 4 * H], "pre")
             return self._pack(saved, g0, pre_ih, pre_hh, batch_major_reversed=True)
         else:
             pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1), copy=True))
         return self._pack(saved, g0, pre_ih, pre_hh)
+
+    def _copy(self, src: torch.Tensor, name: str) -> torch.Tensor:
+        """``src`` copied contiguous into a recycled buffer (the backward's copies of the scan's
+        gradients are as large as the chain values; read by its GEMMs, never returned)."""
+        return self.buffers.take(name, src.shape, src.dtype, src.device).copy_(src)
 
     def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):
         """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``."""
@@ -1041,10 +1118,10 @@ class _RecurrentFunction(torch.autograd.Function):
         if h0 is not None:
             hx = (h0, c0) if plan.kind == "lstm" else h0
         need = any(ctx.needs_input_grad[1:])
-        outputs, ctx.saved = plan.run_forward(x, hx, need_saved=need)
+        outputs, saved = plan.run_forward(x, hx, need_saved=need)
         ctx.plan = plan
         ctx.has_h0 = h0 is not None
-        ctx.save_for_backward(x, h0, c0, *params)  # read only to refuse second derivatives
+        stash_saved(ctx, saved, (x, h0, c0, *params))  # the inputs: read only to refuse second derivatives
         out, state = outputs
         if plan.kind == "lstm":
             return out, state[0], state[1]
@@ -1055,16 +1132,17 @@ class _RecurrentFunction(torch.autograd.Function):
         with torch.no_grad():
             grads = _RecurrentFunction._backward(ctx, grad_out, grad_hn, grad_cn)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
-            grads = refuse_second_derivative(list(ctx.saved_tensors) + [grad_out, grad_hn, grad_cn], grads)
+            inputs, _ = unstash_saved(ctx)
+            grads = refuse_second_derivative(list(inputs) + [grad_out, grad_hn, grad_cn], grads)
         return grads
 
     @staticmethod
     def _backward(ctx, grad_out, grad_hn, grad_cn=None):
         plan: RecurrentPlan = ctx.plan
-        if ctx.saved is None:
+        _, saved = unstash_saved(ctx)
+        if saved is None:
             return (None,) * (4 + len(_params(plan.module)))
-        # ctx.saved stays: backward(retain_graph=True) may run this again; it goes with the graph
-        r = plan.backward(ctx.saved, grad_out, grad_hn, grad_cn)
+        r = plan.backward(saved, grad_out, grad_hn, grad_cn)
         names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if plan.module.bias else [])
         need = ctx.needs_input_grad
         gx = r["input"] if need[1] else None

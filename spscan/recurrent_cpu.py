@@ -629,7 +629,7 @@ def _compiled(name: str):
 
 
 def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool,
-                batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                batch_first: bool = False, buffers=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Elman RNN recurrence (tanh or relu) on CPU in one compiled pass.
 
     Args:
@@ -640,6 +640,9 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
         relu: ``nonlinearity="relu"`` (else tanh, through the same ``expm1`` as the LSTM's).
         batch_first: return ``hs`` as ``(B, T, H)`` (the module's batch-first output; the tiles
             write it so directly).
+        buffers: a :class:`spscan.engine.RecycledBuffers` the chain values are taken from (a caller
+            that runs every step keeps one: fresh multi-MB tensors page-fault on first touch), or
+            ``None``: new tensors.
     Returns:
         ``(hs (T, B, H) or (B, T, H), d (T, B, H))``: the outputs ``h_1..h_T`` and the diagonal of each step's
         ``dh_t/da_t`` (tanh: ``1 - h_t^2``; relu: ``1`` where ``h_t > 0``), the per-sample values of
@@ -661,7 +664,7 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     cst, icst = _expm1_consts(np_dt)
     # the diagonal element's values entry-major ((T, H, B) memory): the linear scan reads a tile of
     # them in place (kernels/cpu_chain.py)
-    d = torch.empty(T, H, B, dtype=dt)
+    d = _values_tensor(buffers, "d", (T, H, B), dt)
     if B >= TILE_MIN_BATCH:
         gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
         n = H * LANES
@@ -685,7 +688,7 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
 
 
 def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
-                 batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 batch_first: bool = False, buffers=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The LSTM recurrence on CPU in one compiled pass.
 
     Args:
@@ -693,7 +696,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
             :class:`InputProjection` of it (:func:`input_projection`).
         w_hh: ``(4H, H)`` the module's ``weight_hh_l0``.
         h0, c0: ``(B, H)`` initial state.
-        batch_first: as :func:`rnn_forward`'s.
+        batch_first, buffers: as :func:`rnn_forward`'s.
     Returns:
         ``(hs (T, B, H) or (B, T, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
         the gate element's values in :func:`spscan.recurrent._lstm_gate_pattern`'s CSR order (from
@@ -722,7 +725,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         if isinstance(gi, InputProjection):
             gi = gi.materialize()
         hs = torch.empty(T, B, H, dtype=dt)
-        vals = torch.empty(T, B, 9 * H, dtype=dt)
+        vals = _values_tensor(buffers, "values", (T, B, 9 * H), dt)
         acc = np.empty((B, G), dtype=np_dt)
         e = np.empty((5, B * H), dtype=np_dt)
         w = np.empty((4, B * H), dtype=np_dt)
@@ -733,7 +736,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
     gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
     # the gate element's values entry-major, (T, 9H, B) memory viewed as (T, B, 9H): the linear
     # scan reads a tile of them in place (kernels/cpu_chain.py)
-    vals = torch.empty(T, 9 * H, B, dtype=dt)
+    vals = _values_tensor(buffers, "values", (T, 9 * H, B), dt)
     n = H * LANES
     bits = np.empty(4 * n, dtype=itype)
     hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
@@ -811,6 +814,12 @@ def _tile_input_operands(gi, np_dt):
             np.empty(0, dtype=np_dt), np.empty(0, dtype=np_dt))
 
 
+def _values_tensor(buffers, name: str, shape: tuple, dt: torch.dtype) -> torch.Tensor:
+    """A tensor the forward fills with chain values: from ``buffers`` (a
+    :class:`spscan.engine.RecycledBuffers`, which hands back last step's once nothing uses it) or new."""
+    return torch.empty(shape, dtype=dt) if buffers is None else buffers.take(name, shape, dt)
+
+
 def _outputs(T: int, B: int, H: int, dt: torch.dtype, batch_first: bool):
     """``(hs, flat, time_stride, sample_stride)``: the outputs the tiles write, ``(T, B, H)``, or
     ``(B, T, H)`` when ``batch_first`` (the module's batch-first output, without a copy)."""
@@ -850,7 +859,7 @@ def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
-                h0: torch.Tensor, batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                h0: torch.Tensor, batch_first: bool = False, buffers=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GRU recurrence (PyTorch's equations, gate order r, z, n) on CPU in one compiled pass.
 
     Per step, with ``(W_hr; W_hz; W_hn) = W_hh``::
@@ -865,7 +874,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         w_hh: ``(3H, H)`` the module's ``weight_hh_l0``.
         b_hn: ``(H,)`` the ``n`` block of ``bias_hh_l0``, or ``None`` (no biases).
         h0: ``(B, H)`` initial state.
-        batch_first: as :func:`rnn_forward`'s.
+        batch_first, buffers: as :func:`rnn_forward`'s.
     Returns:
         ``(hs (T, B, H) or (B, T, H), d (T, B, 4H), dn (T, B, H))``: the outputs ``h_1..h_T``; the per-sample values
         of the factored chain's diagonal element, ``(dr, dz, dm, z)`` per step (``dn = (1 - z)(1 - n^2)``,
@@ -895,10 +904,10 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     np_dt = np.float32 if dt == torch.float32 else np.float64
     itype = _INT[np_dt][0]
     cst, icst = _expm1_consts(np_dt)
-    d = torch.empty(T, 4 * H, B, dtype=dt)  # entry-major, as rnn_forward's
+    d = _values_tensor(buffers, "d", (T, 4 * H, B), dt)  # entry-major, as rnn_forward's
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
     if B >= TILE_MIN_BATCH:
-        dn = torch.empty(B, T, H, dtype=dt)
+        dn = _values_tensor(buffers, "dn", (B, T, H), dt)
         gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
         n = H * LANES
         bits = np.empty(2 * n, dtype=itype)
@@ -912,7 +921,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     if isinstance(gi, InputProjection):
         gi = gi.materialize()
     hs = torch.empty(T, B, H, dtype=dt)
-    dn = torch.empty(T, B, H, dtype=dt)
+    dn = _values_tensor(buffers, "dn", (T, B, H), dt)
     acc = np.empty((B, G), dtype=np_dt)
     e = np.empty((3, B * H), dtype=np_dt)
     w = np.empty(B * H, dtype=np_dt)

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from spscan.model import refuse_functorch, refuse_second_derivative
-from spscan.recurrent import RecurrentPlan, _RecurrentFunction, run_wrapped
+from spscan.recurrent import RecurrentPlan, _RecurrentFunction, run_wrapped, unstash_saved
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
@@ -114,6 +114,8 @@ def _sync_view(view: nn.Module, module: nn.Module, layer: int, direction: int) -
 
 class _StackedSaved:
     """What one forward keeps for the backward: each (layer, direction)'s saved state and the masks."""
+
+    _holds_tensors = True  # walked by spscan.recurrent._map_tensors
 
     def __init__(self, subs: list, masks: list, T: int, B: int, unbatched: bool, batch_first: bool) -> None:
         self.subs, self.masks = subs, masks  # subs[l * D + d]; masks[l] scales layer l's output (None: no dropout)
@@ -339,6 +341,11 @@ class StackedRecurrentPlan:
             res["c_0"] = None
         return res
 
+    def release_buffers(self) -> None:
+        """Free what every (layer, direction) plan keeps between steps (:meth:`RecurrentPlan.release_buffers`)."""
+        for p in self.layer_plans:
+            p.release_buffers()
+
     def param_names(self) -> list[str]:
         """The module's parameter names in its registration (``parameters()``) order."""
         return [s for layer in range(self.num_layers) for d in range(self.num_directions)
@@ -357,17 +364,18 @@ class _StackedFunction(_RecurrentFunction):
         with torch.no_grad():
             grads = _StackedFunction._backward(ctx, grad_out, grad_hn, grad_cn)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
-            grads = refuse_second_derivative(list(ctx.saved_tensors) + [grad_out, grad_hn, grad_cn], grads)
+            inputs, _ = unstash_saved(ctx)
+            grads = refuse_second_derivative(list(inputs) + [grad_out, grad_hn, grad_cn], grads)
         return grads
 
     @staticmethod
     def _backward(ctx, grad_out, grad_hn, grad_cn=None):
         plan: StackedRecurrentPlan = ctx.plan
         names = plan.param_names()
-        if ctx.saved is None:
+        _, saved = unstash_saved(ctx)
+        if saved is None:
             return (None,) * (4 + len(names))
-        # ctx.saved stays: backward(retain_graph=True) may run this again; it goes with the graph
-        r = plan.backward(ctx.saved, grad_out, grad_hn, grad_cn)
+        r = plan.backward(saved, grad_out, grad_hn, grad_cn)
         need = ctx.needs_input_grad
         gx = r["input"] if need[1] else None
         gh0 = r["h_0"] if (ctx.has_h0 and need[2]) else None

@@ -339,6 +339,98 @@ def test_retain_graph_backward_twice_accumulates(kind):
     torch.testing.assert_close(m.weight_hh_l0.grad, 2 * once, rtol=1e-12, atol=1e-12)
 
 
+def test_recycled_buffers_hand_out_only_unused_tensors():
+    """A kept tensor comes back only when nothing else uses its storage: not while a caller holds what
+    it was given, a view of it or a NumPy array of it; shape or dtype changes make a new one."""
+    from spscan.engine import RecycledBuffers
+
+    pool = RecycledBuffers()
+    a = pool.take("x", (3, 4), torch.float32)
+    b = pool.take("x", (3, 4), torch.float32)
+    assert a.data_ptr() != b.data_ptr()  # the caller still holds a
+    del a
+    p = b.data_ptr()
+    v = b.t()
+    del b
+    assert pool.take("x", (3, 4), torch.float32).data_ptr() != p  # a view of it is alive
+    q = pool.address("x")
+    del v
+    c = pool.take("x", (3, 4), torch.float32)
+    assert c.data_ptr() == q
+    arr = c.numpy()
+    del c
+    assert pool.take("x", (3, 4), torch.float32).data_ptr() != q
+    del arr
+    assert pool.take("x", (4, 3), torch.float32).shape == (4, 3)
+    assert pool.take("x", (4, 3), torch.float64).dtype == torch.float64
+    pool.clear()
+    assert pool.address("x") is None
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_forward_buffers_recycled_only_when_free(kind):
+    """The compiled forward's chain values come from the plan's recycled buffers: the next step gets
+    last step's memory once its graph is freed by the backward, never while a graph holding it lives
+    (two forwards before one backward, a retained graph); gradients match autograd's every time."""
+    pytest.importorskip("numba")
+    T, B, H = 7, 16, 5
+    m = make_module(kind, 2, H, batch_first=True, bias=True)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(B, T, 2, generator=g, dtype=torch.float64) for _ in range(4)]
+    w = wrap_recurrent(m, xs[0])
+    name = "values" if kind == "lstm" else "d"
+
+    def loss_of(module, x):
+        out, state = module(x)
+        state = state if isinstance(state, tuple) else (state,)
+        return out.pow(2).sum() + sum(s.sum() for s in state)
+
+    def grads(f, x_list):
+        m.zero_grad(set_to_none=True)
+        total = sum(loss_of(f, x) for x in x_list)
+        total.backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    def check(x_list):
+        got = grads(w, x_list)
+        want = grads(m, x_list)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+    check(xs[:1])
+    first = w.plan.buffers.address(name)
+    assert first is not None
+    check(xs[1:2])  # the graph of the step before is gone: its memory is used again
+    assert w.plan.buffers.address(name) == first
+    check(xs[1:3])  # two forwards in flight before one backward: they cannot share it
+    # a retained graph keeps its values: a forward in between must not overwrite them
+    m.zero_grad(set_to_none=True)
+    loss = loss_of(w, xs[3])
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in m.parameters()]
+    loss_of(w, xs[0]).backward()
+    m.zero_grad(set_to_none=True)
+    loss.backward()
+    for a, b in zip([p.grad for p in m.parameters()], once):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    w.plan.release_buffers()
+    assert w.plan.buffers.address(name) is None
+    check(xs[2:3])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "rnn_tanh"])
+def test_second_backward_without_retain_graph_refused(kind):
+    """The backward frees what the forward saved unless the graph is retained, as autograd does: a
+    second backward through the same graph raises autograd's own error."""
+    m = make_module(kind, 2, 3, batch_first=False, bias=True)
+    x = torch.randn(5, 2, 2, dtype=torch.float64)
+    w = wrap_recurrent(m, x)
+    loss = w(x)[0].sum()  # sum keeps no tensors: the second backward reaches the wrapper's node
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("kind", sorted(CELLS))
 def test_gradients_survive_the_next_backward(kind):
     """The scan's vector arena is reused between backwards: what a backward returned stays intact."""

@@ -186,6 +186,30 @@ def test_five_sgd_steps_equal_autograds(kind, arch):
         assert not torch.equal(a, make(kind, 3, 6, **arch, batch_first=True).state_dict()[list(m.state_dict())[i]])
 
 
+def test_recycled_buffers_across_steps_and_accumulation():
+    """A full tile of samples (the compiled forwards, whose values each (layer, direction) plan
+    recycles): SGD steps, then two forwards accumulated into one backward, give autograd's parameters;
+    release_buffers frees what the layer plans keep."""
+    finals = []
+    for use_scan in (False, True):
+        m = make("lstm", 3, 5, num_layers=2, bidirectional=True, batch_first=True)
+        model = spscan.wrap(m, torch.zeros(16, 6, 3, dtype=torch.float64)) if use_scan else m
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            opt.zero_grad()
+            xs = [make_inputs(m, 6, 16, with_h0=True, seed=300 + step + k)[0] for k in range(1 + (step == 3))]
+            loss = sum(loss_fn(*model(x), seed=400 + step) / 100 for x in xs)
+            loss.backward()
+            opt.step()
+        finals.append([p.detach().clone() for p in m.parameters()])
+        if use_scan:
+            assert any(lp.buffers.address("values") is not None for lp in model.plan.layer_plans)
+            model.plan.release_buffers()
+            assert all(lp.buffers.address("values") is None for lp in model.plan.layer_plans)
+    for i, (a, b) in enumerate(zip(*finals)):
+        assert rel_err(b, a) <= 1e-9, (i, rel_err(b, a))
+
+
 def test_unbatched_input_changing_shapes_same_parameters():
     m = make("lstm", 3, 4, num_layers=2, bidirectional=True, batch_first=True)
     x, hx = make_inputs(m, 6, 1, with_h0=True, unbatched=True)
