@@ -416,6 +416,9 @@ def test_forward_buffers_recycled_only_when_free(kind):
     w.plan.release_buffers()
     assert w.plan.buffers.address(name) is None
     check(xs[2:3])
+    # another batch size (a partial tile), then the first again: new memory, the same gradients
+    check([torch.cat([xs[0], xs[1][:4]])])
+    check(xs[3:4])
 
 
 @pytest.mark.parametrize("kind", ["lstm", "rnn_tanh"])
