@@ -66,10 +66,10 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from spscan.cells import cell_step, factored_step_values, jacobian_values, recurrent_patterns, shared_flags
 from spscan.engine import PeriodicValues, StackedExtra
-from spscan.planner.cost import profile_for
 from spscan.plan import build_plan
-from spscan.recurrent import cell_step
+from spscan.planner.cost import profile_for
 
 __all__ = [
     "NewtonNotConverged",
@@ -248,12 +248,10 @@ class NewtonSolver:
     def _forward_step(self):
         """One step of the forward chain: the backward step's factors transposed and reversed."""
         if self._step is None:
-            from spscan.recurrent import _shared_flags, recurrent_patterns
-
             own = self.owner
             step = recurrent_patterns(own.module, 1, own.layout)
             if own.layout == "factored":
-                shared = _shared_flags(own.kind, own.hidden_size)
+                shared = shared_flags(own.kind, own.hidden_size)
             else:
                 shared = [False]
             tp = [transpose_pattern(p) for p in step]
@@ -328,7 +326,6 @@ class NewtonSolver:
         the cell's derivative coefficients and backward Jacobian values at the returned states (for
         the backward to reuse), or ``(None, None, None, info)`` when it did not converge.
         """
-        from spscan.recurrent import _factored_step_values
 
         own = self.owner
         kind, H, layout = own.kind, own.hidden_size, own.layout
@@ -360,7 +357,7 @@ class NewtonSolver:
             """Values of the forward chain of the full ``J_t`` (times ``scale``), in chain order."""
             if layout == "factored":
                 fstep = []
-                for j, v in enumerate(reversed(_factored_step_values(kind, coefs, w_hh, H))):
+                for j, v in enumerate(reversed(factored_step_values(kind, coefs, w_hh, H))):
                     if v.dim() == 1:  # forward factor j is backward factor m-1-j, transposed
                         hit = shared_cache.get(j)  # the weights do not change between iterations
                         if hit is None:
@@ -377,9 +374,8 @@ class NewtonSolver:
                         elements.append(reversed_stack(f"sample{j}", v, scale if j == first_sample else 1.0,
                                                        sample_perms[j]))
                 return PeriodicValues(elements, T)  # element j of period t: step T-t's factor j
-            from spscan.recurrent import _jacobian_values
 
-            bv = _jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
+            bv = jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
             vals = bv.flip(0).index_select(-1, torch.as_tensor(fperms[0], device=dev))
             return vals * scale if scale != 1.0 else vals
 
@@ -430,7 +426,7 @@ class NewtonSolver:
                         if not info.amplification * eps <= confirm:
                             info.converged, info.reason = False, "ill-conditioned"
                             return None, None, None, info
-                    return f, coefs, (_factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
+                    return f, coefs, (factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
                 info.converged, done, info.reason = False, False, ""
             if info.iterations >= options.max_iter:
                 info.reason = "budget"

@@ -18,7 +18,7 @@ gates and ``c_t`` from its outputs. One time loop computes, per step,
     i, f, o = sigmoid(a_i, a_f, a_o),  g = tanh(a_g),  c_t = f c_{t-1} + i g,  h_t = o tanh(c_t)
 
 and writes ``h_t`` and the per-sample values of the step's gate element
-(:func:`spscan.recurrent._lstm_gate_pattern`: ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]``,
+(:func:`spscan.cells.lstm_gate_pattern`: ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]``,
 ``co``, ``[f k, f]`` per unit), so the gates are evaluated once and ``c_t`` comes from the forward.
 
 Tiles: from ``TILE_MIN_BATCH`` samples up each forward runs the batch in tiles of ``LANES`` samples,
@@ -699,7 +699,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         batch_first, buffers: as :func:`rnn_forward`'s.
     Returns:
         ``(hs (T, B, H) or (B, T, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
-        the gate element's values in :func:`spscan.recurrent._lstm_gate_pattern`'s CSR order (from
+        the gate element's values in :func:`spscan.cells.lstm_gate_pattern`'s CSR order (from
         ``TILE_MIN_BATCH`` samples a view of ``(T, 9H, B)`` memory: entry-major, which the linear scan
         reads in place; the forward then runs in tiles of ``LANES`` samples). All of ``gi``'s dtype
         (float32 or float64). ``gi`` is read fastest as a view of ``(4H, T, B)`` memory

@@ -115,7 +115,7 @@ def _sync_view(view: nn.Module, module: nn.Module, layer: int, direction: int) -
 class _StackedSaved:
     """What one forward keeps for the backward: each (layer, direction)'s saved state and the masks."""
 
-    _holds_tensors = True  # walked by spscan.recurrent._map_tensors
+    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.recurrent.stash_saved)
 
     def __init__(self, subs: list, masks: list, T: int, B: int, unbatched: bool, batch_first: bool) -> None:
         self.subs, self.masks = subs, masks  # subs[l * D + d]; masks[l] scales layer l's output (None: no dropout)

@@ -172,17 +172,17 @@ def test_chunked_run_through_the_engine(dtype):
 
 
 def test_auto_layout_on_cuda():
-    from spscan.recurrent import _resolve_layout
+    from spscan.cells import resolve_layout
 
-    assert _resolve_layout("gru", "auto", "cuda", 20) == "materialized"
-    assert _resolve_layout("gru", "auto", "cuda", 32) == "materialized"
-    assert _resolve_layout("gru", "auto", "cuda", 33) == "factored"  # over 8x the factored chain's values
-    assert _resolve_layout("gru", "auto", "cuda", 64) == "factored"  # its blocks would not make a chunked run
-    assert _resolve_layout("gru", "auto", "cpu", 20) == "factored"
-    assert _resolve_layout("lstm", "auto", "cuda", 20) == "materialized"  # half the sequential steps (measured)
-    assert _resolve_layout("lstm", "auto", "cuda", 32) == "factored"
-    assert _resolve_layout("lstm", "auto", "cpu", 20) == "factored"
-    assert _resolve_layout("gru", "factored", "cuda", 20) == "factored"
+    assert resolve_layout("gru", "auto", "cuda", 20) == "materialized"
+    assert resolve_layout("gru", "auto", "cuda", 32) == "materialized"
+    assert resolve_layout("gru", "auto", "cuda", 33) == "factored"  # over 8x the factored chain's values
+    assert resolve_layout("gru", "auto", "cuda", 64) == "factored"  # its blocks would not make a chunked run
+    assert resolve_layout("gru", "auto", "cpu", 20) == "factored"
+    assert resolve_layout("lstm", "auto", "cuda", 20) == "materialized"  # half the sequential steps (measured)
+    assert resolve_layout("lstm", "auto", "cuda", 32) == "factored"
+    assert resolve_layout("lstm", "auto", "cpu", 20) == "factored"
+    assert resolve_layout("gru", "factored", "cuda", 20) == "factored"
 
 
 def test_max_memory_counts_the_chunked_runs_working_memory():
