@@ -677,14 +677,16 @@ class RecurrentPlan:
             pi, ph = pre_ih.view(B * T, -1), pre_hh.view(B * T, -1)
             gw_ih = pi.t().mm(saved.x.transpose(0, 1).flip(1).reshape(B * T, -1))
             gw_hh = ph.t().mm(saved.h_prev_reversed_bt().reshape(B * T, -1))
-            gb_ih, gb_hh = pi.sum(0), ph.sum(0)
+            gb_ih = pi.sum(0)
+            gb_hh = gb_ih.clone() if pre_hh is pre_ih else ph.sum(0)  # one sum where both sides share it
         else:
             # one GEMM over all T*B steps per parameter: no loop over time
             pi, ph = pre_ih.reshape(T * B, -1), pre_hh.reshape(T * B, -1)
             out["input"] = torch.matmul(pre_ih, params[0])
             gw_ih = pi.t().mm(saved.x.reshape(T * B, -1))
             gw_hh = ph.t().mm(saved.h_prev.reshape(T * B, -1))
-            gb_ih, gb_hh = pi.sum(0), ph.sum(0)
+            gb_ih = pi.sum(0)
+            gb_hh = gb_ih.clone() if pre_hh is pre_ih else ph.sum(0)  # one sum where both sides share it
         x_grad = out["input"]
         if saved.unbatched:
             x_grad = x_grad.squeeze(1)
