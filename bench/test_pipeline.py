@@ -25,7 +25,6 @@ import platform
 from pathlib import Path
 
 import numpy as np
-import pytest
 import scipy.sparse as sp
 import torch
 

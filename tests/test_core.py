@@ -114,7 +114,6 @@ def test_long_chains(n, levels):
 
 
 def test_every_depth_same_gradients_dense_and_sparse():
-    rng = np.random.default_rng(0)
     n = 20
     pats = [sp.csr_array(np.ones((5, 5))) if i % 4 == 0 else sp.csr_array(np.eye(5) + np.eye(5, k=1))
             for i in range(n)]

@@ -20,9 +20,7 @@ def _random_run(rng, steps: int, batch: int, dtype, affine: bool, kinds=("diag_s
     """A random run: sizes chain (odd ones included), values spread over three sources at odd offsets."""
     dims = [int(rng.choice([1, 3, 5, 7, 20]))]
     code, src, off, bst, rows, cols, add, out = ([] for _ in range(8))
-    pools = [[], [], []]  # source 0 shared, source 1 per sample (B, .), source 2 shared
     sizes = [7, 0, 3]  # element counts so far (odd starting offsets)
-    per_sample_sizes = []
     steps_desc = []
     for j in range(steps):
         kind = kinds[int(rng.integers(len(kinds)))]

@@ -20,7 +20,6 @@ from spscan.planner import planning
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
 from spscan.planner.patterns import PatternTable, as_chain, as_pattern
-from spscan.planner.schedule import blelloch_schedule
 from spscan.planner.symbolic import product_counts, product_pattern, spgemm_symbolic
 
 from strategies import pattern as pattern_strategy
