@@ -8,10 +8,8 @@ the two attributes every :class:`Tables` object carries, never probed with ``get
 
 Two implementations: ``"torch"`` (:mod:`spscan.kernels.torch_ops`: vectorized torch/NumPy, the
 CPU default and the reference for the kernels) and ``"triton"``
-(:mod:`spscan.kernels.triton_backend`: the Triton kernels, on CUDA or in Triton's interpreter).
-
->>> get_backend("torch").capabilities.reads_caller_inputs
-True
+(:mod:`spscan.kernels.triton_backend`: the Triton kernels, on CUDA or in Triton's interpreter),
+found by name through :mod:`spscan.kernels.registry`. This module imports neither.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "StructuredOperator", "run_apply", "get_backend", "backend_names",
-           "default_backend"]
+__all__ = ["Capabilities", "Tables", "Backend", "StructuredOperator", "run_apply"]
 
 
 class StructuredOperator(ABC):
@@ -123,39 +120,3 @@ class Backend(ABC):
         ``inputs``: ``layer index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
         only by backends whose capabilities say ``reads_caller_inputs``.
         """
-
-
-def _torch() -> Backend:
-    from .torch_ops import TorchBackend
-
-    return TorchBackend()
-
-
-def _triton() -> Backend:
-    from .triton_backend import TritonBackend
-
-    return TritonBackend()
-
-
-_FACTORIES: dict[str, Callable[[], Backend]] = {"torch": _torch, "triton": _triton}
-_INSTANCES: dict[str, Backend] = {}
-
-
-def backend_names() -> tuple[str, ...]:
-    """The backends a plan may name (besides ``"auto"``)."""
-    return tuple(_FACTORIES)
-
-
-def default_backend(device: Optional[torch.device]) -> str:
-    """``"auto"`` resolved: Triton on a CUDA device, torch everywhere else."""
-    return "triton" if device is not None and device.type == "cuda" else "torch"
-
-
-def get_backend(name: str) -> Backend:
-    """The backend called ``name`` (``"torch"`` or ``"triton"``; imported on first use)."""
-    hit = _INSTANCES.get(name)
-    if hit is None:
-        if name not in _FACTORIES:
-            raise ValueError(f"backend: expected one of {', '.join(map(repr, _FACTORIES))}, got {name!r}")
-        hit = _INSTANCES[name] = _FACTORIES[name]()
-    return hit

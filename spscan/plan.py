@@ -17,7 +17,7 @@ import scipy.sparse as sp
 import torch
 
 from spscan.engine import BoundPlan, ValuesBuffer, canonical_device, fmt_bytes
-from spscan.kernels.backend import backend_names, default_backend, get_backend
+from spscan.kernels.registry import backend_names, default_backend, get_backend
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
 from spscan.planner.patterns import Pattern, as_chain

@@ -368,7 +368,7 @@ def test_chain_output_period_detection():
 def test_no_index_work_at_run_time(backend, monkeypatch):
     """Planning binds the default signature; backward after that lowers nothing and uploads no table."""
     import spscan.engine as engine
-    from spscan.kernels.backend import get_backend
+    from spscan.kernels.registry import get_backend
 
     pats = [sp.csr_array(sp.random(6, 6, density=0.4, random_state=i)) + sp.csr_array(sp.eye(6)) for i in range(9)]
     plan = spscan.plan(pats, levels=1, backend=backend)
