@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
-from spscan.model import (Jacobians, ModelPlan, SpscanModule, _check_hooks, _ForwardState, _ScanFunction,
+from spscan.model import (ForwardState, Jacobians, ModelPlan, ScanFunction, SpscanModule, check_hooks,
                           collect_param_grads, refuse_functorch, refuse_second_derivative)
 from spscan.plan import build_composite, build_plan
 from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
@@ -858,7 +858,7 @@ class _Traced:
         k = len(self.units)
         if builder == "module":
             m = self.model.get_submodule(node.target)
-            _check_hooks(k, node.target, m)
+            check_hooks(k, node.target, m)
             if len(node.args) != 1 or node.kwargs:
                 raise _refuse(node, "a module called with extra arguments is not supported")
             shape_preserving = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.BatchNorm1d, nn.BatchNorm2d)
@@ -1228,14 +1228,14 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 # ----------------------------------------------------------------------------- autograd
 
 
-class _GraphScanFunction(_ScanFunction):
+class _GraphScanFunction(ScanFunction):
     """Forward: the blocks (the chain function's forward and context, unit by unit). Backward: block
     values, the block-level scan, then every branch's inner scan and all parameter gradients."""
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
         plan: GraphPlan = ctx.plan
-        st: _ForwardState = ctx.state
+        st: ForwardState = ctx.state
         b = gy.shape[0]
         with torch.no_grad():
             needed, pos = [], 2

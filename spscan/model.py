@@ -40,7 +40,10 @@ def _is_plain_sequential(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 
-def _check_hooks(index: int, name: str, m: nn.Module) -> None:
+def check_hooks(index: int, name: str, m: nn.Module) -> None:
+    """Refuse layer ``index`` (``name``) if it has forward or backward hooks other than
+    ``torch.nn.utils.prune`` masks: they could change what the layer computes, and the layer's
+    analytic ``J^T`` would not follow."""
     from torch.nn.utils.prune import BasePruningMethod
 
     pre = [h for h in m._forward_pre_hooks.values() if not isinstance(h, BasePruningMethod)]
@@ -552,7 +555,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             kind = "a container with its own forward" if list(m.children()) else "an unsupported layer type"
             raise TypeError(f"layer {k} ({name or '-'}): {type(m).__module__}.{type(m).__name__} is {kind}; "
                             f"supported: {', '.join(t.__name__ for t in supported)}")
-        _check_hooks(k, name, m)
+        check_hooks(k, name, m)
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
@@ -710,7 +713,7 @@ def refuse_functorch() -> None:
                            "use loss.backward() or torch.autograd.grad, with the batch as the leading dimension")
 
 
-class _ForwardState:
+class ForwardState:
     """What one forward keeps for the backward (a non-tensor output of the autograd function)."""
 
     def __init__(self, saved: list[Any], tensors: list[list[torch.Tensor]], x_shape: torch.Size) -> None:
@@ -718,7 +721,7 @@ class _ForwardState:
         self.released = False  # the wrapper's backward freed the activations (graph not retained)
 
 
-class _ScanFunction(torch.autograd.Function):
+class ScanFunction(torch.autograd.Function):
     """Forward: the chain. Backward: values, scan, then all parameter gradients.
 
     ``forward`` keeps the plan and the forward's state on ``ctx`` (kept with the graph, so repeated
@@ -734,7 +737,7 @@ class _ScanFunction(torch.autograd.Function):
         # grad mode is off here: the layers read the tensors as they are (no detached copies)
         tensors = [list(flat[sl]) for sl in plan._role_slices]
         y, saved = plan._run(x.detach(), tensors)
-        state = _ForwardState(saved, tensors, x.shape)
+        state = ForwardState(saved, tensors, x.shape)
         ctx.plan = plan
         ctx.state = state  # kept with the graph: backward(retain_graph=True) can run again
         ctx.save_for_backward(x, *flat)  # read only to attach the refusal of second derivatives
@@ -742,14 +745,14 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
-        grads = _ScanFunction._backward(ctx, gy)
+        grads = ScanFunction._backward(ctx, gy)
         if torch.is_grad_enabled():  # create_graph=True, or a torch.func transform
             grads = refuse_second_derivative(list(ctx.saved_tensors) + [gy], grads)
         return grads
 
     @staticmethod
     def _backward(ctx, gy: torch.Tensor):
-        st: _ForwardState = ctx.state
+        st: ForwardState = ctx.state
         step = ctx.plan._step_backward(ctx.needs_input_grad, gy.device)
         if not torch.is_grad_enabled():  # the usual backward (no create_graph): nothing records
             return step.run(st, gy.contiguous())
@@ -896,7 +899,7 @@ class _StepBackward:
             self.rest = [k for k in range(len(units)) if any(needed[k]) and k not in applied]
             self.role_slots = [(k, r) for k, u in enumerate(units) for r in range(len(u.roles))]
 
-    def run(self, st: _ForwardState, g: torch.Tensor) -> tuple:
+    def run(self, st: ForwardState, g: torch.Tensor) -> tuple:
         """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy``
         ``(B, *out_shape)``."""
         if st.released:
@@ -907,7 +910,7 @@ class _StepBackward:
             return self._run_chain(st, g)
         return self._run_general(st, g.reshape(g.shape[0], -1))
 
-    def _run_chain(self, st: _ForwardState, g: torch.Tensor) -> tuple:
+    def _run_chain(self, st: ForwardState, g: torch.Tensor) -> tuple:
         units, saved, tensors = self.plan.units, st.saved, st.tensors
         ops: list[Any] = [None] * len(units)
         for k, step in self.chain:
@@ -936,7 +939,7 @@ class _StepBackward:
         return (None, gx, *[per_unit[k][r] if per_unit[k] is not None and needed[k][r] else None
                             for k, r in self.role_slots])
 
-    def _run_general(self, st: _ForwardState, g: torch.Tensor) -> tuple:
+    def _run_general(self, st: ForwardState, g: torch.Tensor) -> tuple:
         plan = self.plan
         values = [(_FusedOperator(u, s, t, fused) if op else (None if f else u.fill(s, t)))
                   for (u, op, fused), f, s, t in zip(self.layers, plan.factored, st.saved, st.tensors)]
@@ -1001,7 +1004,7 @@ class SpscanModule(nn.Module):
         plan._check_layers()
         if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
             return self.model(x)
-        return _ScanFunction.apply(plan, x, *flat)[0]
+        return ScanFunction.apply(plan, x, *flat)[0]
 
 
 def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

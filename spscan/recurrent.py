@@ -723,7 +723,7 @@ def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool
     return hx.detach().reshape(B, H), None
 
 
-class _RecurrentFunction(torch.autograd.Function):
+class RecurrentFunction(torch.autograd.Function):
     """Forward: the module's own forward. Backward: the scan, then batched parameter GEMMs."""
 
     @staticmethod
@@ -745,7 +745,7 @@ class _RecurrentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_hn, grad_cn=None):
         with torch.no_grad():
-            grads = _RecurrentFunction._backward(ctx, grad_out, grad_hn, grad_cn)
+            grads = RecurrentFunction._backward(ctx, grad_out, grad_hn, grad_cn)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
             inputs, _ = unstash_saved(ctx)
             grads = refuse_second_derivative(list(inputs) + [grad_out, grad_hn, grad_cn], grads)
@@ -812,7 +812,7 @@ class RecurrentWrapper(nn.Module):
         h0 = c0 = None
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
-        return run_wrapped(_RecurrentFunction, self.plan, self.module, x, hx, h0, c0, module_params(self.module))
+        return run_wrapped(RecurrentFunction, self.plan, self.module, x, hx, h0, c0, module_params(self.module))
 
     def extra_repr(self) -> str:
         return f"layout={self.plan.layout!r}"

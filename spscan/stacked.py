@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from spscan.model import refuse_functorch, refuse_second_derivative
-from spscan.recurrent import RecurrentPlan, _RecurrentFunction, run_wrapped, unstash_saved
+from spscan.recurrent import RecurrentPlan, RecurrentFunction, run_wrapped, unstash_saved
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
@@ -355,7 +355,7 @@ class StackedRecurrentPlan:
 # --------------------------------------------------------------------------- torch integration
 
 
-class _StackedFunction(_RecurrentFunction):
+class _StackedFunction(RecurrentFunction):
     """Forward: the single-layer function's (the plan's ``run_forward``: the layers' own forwards and
     torch's dropout masks). Backward: one scan per (layer, direction), top down."""
 
