@@ -611,7 +611,11 @@ class RecurrentPlan:
                 # the scan runs without affine terms (NaN and inf are not zero: they keep them)
                 top[:, :H] += go[-1]
             else:
-                extra = go if D == H else torch.cat([go, go.new_zeros(T, B, D - H)], dim=-1)
+                extra = go
+                if D > H:  # the LSTM's cell has no output: its part of each step's term is zero
+                    extra = self.buffers.take("extra", (T, B, D), go.dtype, go.device)
+                    extra[..., :H].copy_(go)
+                    extra[..., H:].zero_()
         if T == 0:
             return self._pack(saved, top, None, None)
         G = self._scan(saved, top, extra)
