@@ -98,6 +98,11 @@ class RecycledBuffers:
         # callers get a view: whoever keeps it (or a view of it) counts as a user of the storage
         return t.view(shape)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors kept (whether or not a caller still uses them)."""
+        return sum(t.numel() * t.element_size() for t, _ in self._held.values())
+
     def address(self, name: str) -> Optional[int]:
         """The data pointer of the tensor kept under ``name`` (``None``: none kept)."""
         hit = self._held.get(name)

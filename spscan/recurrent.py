@@ -89,7 +89,7 @@ from torch import nn
 from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_values, jacobian_values,
                           lstm_cells, lstm_weight_values, module_params, recurrent_patterns, resolve_layout,
                           shared_flags, state_size)
-from spscan.engine import PeriodicValues, RecycledBuffers, ScanResult, StackedExtra
+from spscan.engine import PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
 
@@ -314,6 +314,9 @@ class RecurrentPlan:
             lines.append(f"  forward scan ({key[3]}) T={key[0]} {key[1]} {key[2]}: " + plan.summary().replace("\n", "\n    "))
         if self.last_forward is not None:
             lines.append(f"  last Newton forward: {self.last_forward}")
+        if self.buffers.nbytes:
+            lines.append(f"  kept between steps: {fmt_bytes(self.buffers.nbytes)} of chain values and gradient copies "
+                         "(release_buffers() frees them)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

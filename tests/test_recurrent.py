@@ -413,8 +413,10 @@ def test_forward_buffers_recycled_only_when_free(kind):
     loss.backward()
     for a, b in zip([p.grad for p in m.parameters()], once):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert "kept between steps" in w.plan.summary() and w.plan.buffers.nbytes > 0
     w.plan.release_buffers()
-    assert w.plan.buffers.address(name) is None
+    assert w.plan.buffers.address(name) is None and w.plan.buffers.nbytes == 0
+    assert "kept between steps" not in w.plan.summary()
     check(xs[2:3])
     # another batch size (a partial tile), then the first again: new memory, the same gradients
     check([torch.cat([xs[0], xs[1][:4]])])
