@@ -423,6 +423,28 @@ def test_forward_buffers_recycled_only_when_free(kind):
     check(xs[3:4])
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(kind, reentrant):
+    """``torch.utils.checkpoint`` over a wrapped module (what the forward saves goes through
+    ``save_for_backward``, so checkpointing drops and recomputes it): the same gradients as without."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = make_module(kind, 2, 5, batch_first=True, bias=True)
+    x = torch.randn(16, 7, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    w = wrap_recurrent(m, x)
+
+    def grads(use):
+        m.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        out = checkpoint(lambda t: w(t)[0], xx, use_reentrant=reentrant) if use else w(xx)[0]
+        out.pow(2).sum().backward()
+        return [p.grad.clone() for p in m.parameters()] + [xx.grad]
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["lstm", "rnn_tanh"])
 def test_second_backward_without_retain_graph_refused(kind):
     """The backward frees what the forward saved unless the graph is retained, as autograd does: a
