@@ -17,7 +17,9 @@ import torch as _torch
 
 from spscan.api import backward, load_plan, plan, plan_composite
 from spscan.engine import BoundPlan, ScanResult
+from spscan.graph import wrap_graph as _wrap_graph
 from spscan.model import ModelPlan, SpscanModule, param_grads
+from spscan.model import is_chain_model as _is_chain_model
 from spscan.model import wrap as _wrap_model
 from spscan.plan import Plan
 from spscan.recurrent import RecurrentPlan, wrap_recurrent as _wrap_recurrent
@@ -42,7 +44,9 @@ def wrap(model, example_input, **plan_kwargs):
         if _is_stacked(model):  # num_layers > 1 or bidirectional
             return _wrap_stacked(model, example_input, **plan_kwargs)
         return _wrap_recurrent(model, example_input, **plan_kwargs)
-    return _wrap_model(model, example_input, **plan_kwargs)
+    if _is_chain_model(model):
+        return _wrap_model(model, example_input, **plan_kwargs)
+    return _wrap_graph(model, example_input, **plan_kwargs)  # a model with its own forward: traced with torch.fx
 
 
 def __getattr__(name: str):

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from spscan.engine import check_inputs
-from spscan.model import ModelPlan, plan_model
+from spscan.graph import plan_graph
+from spscan.model import ModelPlan, is_chain_model, plan_model
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
 from spscan.recurrent import RecurrentPlan, plan_recurrent
 from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked
@@ -38,9 +39,10 @@ def plan(
     Args:
         patterns: ``n`` patterns in layer order, ``patterns[i-1]`` the structure of ``J_i^T``
             (shape ``(d_{i-1}, d_i)``), each a canonical SciPy CSR matrix/array or torch sparse
-            CSR tensor (values ignored). An ``nn.Sequential`` or an ``nn.RNN``/``GRU``/``LSTM``
-            (stacked and bidirectional ones through :mod:`spscan.stacked`) followed by an
-            example input plans that model instead.
+            CSR tensor (values ignored). A model followed by an example input plans that model
+            instead: an ``nn.Sequential`` chain (:mod:`spscan.model`), an ``nn.RNN``/``GRU``/``LSTM``
+            (:mod:`spscan.recurrent`; stacked and bidirectional ones through :mod:`spscan.stacked`)
+            or any other model ``torch.fx`` traces into supported nodes (:mod:`spscan.graph`).
         levels: ``"auto"`` (cost model of the critical path), ``"full"`` (pure Blelloch) or an int
             ``K >= 0`` (0 = linear scan; clamped to the chain's maximum depth).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
@@ -61,7 +63,9 @@ def plan(
             if is_stacked(patterns):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
                 return plan_stacked(patterns, *args, **opts)
             return plan_recurrent(patterns, *args, **opts)
-        return plan_model(patterns, *args, **opts)
+        if is_chain_model(patterns):
+            return plan_model(patterns, *args, **opts)
+        return plan_graph(patterns, *args, **opts)  # a model with its own forward: traced with torch.fx
     if args or kwargs:
         extra = list(kwargs) or [f"{len(args)} positional"]
         raise TypeError(f"plan(patterns, ...): unexpected arguments {extra}")

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from spscan.api import backward as _scan_backward
+from spscan.api import plan as _plan_model
 from spscan.engine import check_inputs
 from spscan.plan import build_composite, build_plan, resolve_device
 from spscan.planner.cost import profile_for
@@ -95,9 +96,7 @@ def balanced_slices(patterns: Any, world_size: int, example_input: Optional[torc
     if isinstance(patterns, torch.nn.Module):
         if example_input is None:
             raise TypeError("balanced_slices(model, world_size, example_input): a model needs an example input")
-        from spscan.model import plan_model
-
-        patterns = plan_model(patterns, example_input, levels=0, backend="torch").patterns
+        patterns = _plan_model(patterns, example_input, levels=0, backend="torch").patterns
     pats = _as_patterns(patterns)
     n = len(pats)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= n:

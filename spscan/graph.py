@@ -67,7 +67,8 @@ from spscan.model import (ForwardState, Jacobians, ModelPlan, ScanFunction, Spsc
 from spscan.plan import build_composite, build_plan
 from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
 
-__all__ = ["plan_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS", "supported_node_targets",
+__all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS",
+           "supported_node_targets",
            "SelectionUnit", "LIVE_STATE_LIMIT"]
 
 
@@ -1272,3 +1273,12 @@ class GraphSpscanModule(SpscanModule):
             return self.model(x)
         flat = [t for u in self.plan.units for t in u.tensors()]
         return _GraphScanFunction.apply(self.plan, x, *flat)[0]
+
+
+def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
+    """:func:`spscan.model.wrap` for a model with its own forward: planned by :func:`plan_graph`; a
+    :class:`GraphSpscanModule` when the graph has blocks, else a chain's :class:`SpscanModule`."""
+    plan = plan_graph(model, example_input, **plan_kwargs)
+    if isinstance(plan, GraphPlan):
+        return GraphSpscanModule(model, plan)
+    return SpscanModule(model, plan)

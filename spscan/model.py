@@ -53,7 +53,7 @@ def check_hooks(index: int, name: str, m: nn.Module) -> None:
             "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
 
 
-def _is_chain_model(model: nn.Module) -> bool:
+def is_chain_model(model: nn.Module) -> bool:
     """A supported layer, or a plain ``nn.Sequential`` (nested plain ones allowed) of torch.nn
     layers: planned as a chain directly. Anything else (a module with its own forward, anywhere
     in it) is traced with torch.fx (:mod:`spscan.graph`)."""
@@ -65,7 +65,7 @@ def _is_chain_model(model: nn.Module) -> bool:
         if child is None:
             continue
         if isinstance(child, nn.Sequential):
-            if not _is_chain_model(child):
+            if not is_chain_model(child):
                 return False
         elif not type(child).__module__.startswith("torch.nn"):
             return False
@@ -542,10 +542,10 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             model that is not a chain.
         ValueError: the example input does not fit a layer (names the layer and the shapes).
     """
-    if isinstance(model, nn.Module) and not _is_chain_model(model):
-        from spscan.graph import plan_graph  # a model with its own forward: trace it with torch.fx
-
-        return plan_graph(model, example_input, prune_zeros=prune_zeros, operators=operators, **kwargs)
+    if isinstance(model, nn.Module) and not is_chain_model(model):
+        raise TypeError(f"{type(model).__name__}: spscan.model plans nn.Sequential chains of supported layers (or "
+                        "one layer); a model with its own forward is traced with torch.fx by spscan.graph: use "
+                        "spscan.plan(model, example_input) or spscan.wrap(model, example_input)")
     chain = _flatten_chain(model)
     if not chain:
         raise ValueError("model: expected at least one layer, got an empty nn.Sequential")
@@ -1013,9 +1013,4 @@ def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> S
     ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
     ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
     """
-    plan = plan_model(model, example_input, **plan_kwargs)
-    if hasattr(plan, "unit_param_grads"):  # a traced graph with blocks (spscan.graph.GraphPlan)
-        from spscan.graph import GraphSpscanModule
-
-        return GraphSpscanModule(model, plan)
-    return SpscanModule(model, plan)
+    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs))

@@ -264,16 +264,19 @@ def test_non_chain_models_refused():
         def forward(self, x):
             return self.a(x) * self.b(x)  # a product of branches: no unit for it (a sum is a planned block)
 
-    run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "operator.mul", "unsupported op")
+    # a model with its own forward is traced (spscan.graph); spscan.model plans chains only and says where to go
+    run_errors(lambda: spscan.plan(Net(), torch.zeros(1, 4)), TypeError, "Net", "operator.mul", "unsupported op")
+    run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "nn.Sequential", "spscan.plan(model")
+    run_errors(lambda: wrap(Net(), torch.zeros(1, 4)), TypeError, "Net", "spscan.wrap(model")
 
     class Seq(nn.Sequential):
         def forward(self, x):
             return super().forward(x) * 2
 
-    run_errors(lambda: plan_model(Seq(nn.Linear(4, 4)), torch.zeros(1, 4)), TypeError, "Seq")
-    run_errors(lambda: plan_model(nn.Sequential(nn.Linear(4, 4), Seq(nn.ReLU())), torch.zeros(1, 4)),
+    run_errors(lambda: spscan.plan(Seq(nn.Linear(4, 4)), torch.zeros(1, 4)), TypeError, "Seq")
+    run_errors(lambda: spscan.plan(nn.Sequential(nn.Linear(4, 4), Seq(nn.ReLU())), torch.zeros(1, 4)),
                TypeError, "module '1' (Seq)")
-    run_errors(lambda: plan_model(nn.Sequential(nn.Linear(4, 4), Net()), torch.zeros(1, 4)),
+    run_errors(lambda: spscan.plan(nn.Sequential(nn.Linear(4, 4), Net()), torch.zeros(1, 4)),
                TypeError, "module '1' (Net)")
     run_errors(lambda: plan_model(nn.Sequential(), torch.zeros(1, 4)), ValueError, "at least one layer")
     # a single supported layer is a chain of one
