@@ -426,7 +426,8 @@ class NewtonSolver:
                         if not info.amplification * eps <= confirm:
                             info.converged, info.reason = False, "ill-conditioned"
                             return None, None, None, info
-                    return f, coefs, (factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None), info
+                    step = factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None
+                    return f, coefs, step, info
                 info.converged, done, info.reason = False, False, ""
             if info.iterations >= options.max_iter:
                 info.reason = "budget"

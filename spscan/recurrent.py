@@ -145,11 +145,14 @@ def stash_saved(ctx, saved, inputs: Sequence) -> None:
 
 
 def unstash_saved(ctx):
-    """``(inputs, saved)`` as :func:`stash_saved` kept them: the saved state rebuilt with its tensors."""
-    every = ctx.saved_tensors
-    inputs, tensors = every[: ctx.n_inputs], every[ctx.n_inputs:]
-    saved = None if ctx.saved is None else _map_tensors(ctx.saved, lambda s: tensors[s.index])
-    return inputs, saved
+    """The saved state :func:`stash_saved` kept, rebuilt with its tensors."""
+    tensors = ctx.saved_tensors[ctx.n_inputs:]
+    return None if ctx.saved is None else _map_tensors(ctx.saved, lambda s: tensors[s.index])
+
+
+def stashed_inputs(ctx) -> tuple:
+    """The ``inputs`` given to :func:`stash_saved` (without rebuilding the saved state)."""
+    return ctx.saved_tensors[: ctx.n_inputs]
 
 
 class _Saved:
@@ -486,7 +489,8 @@ class RecurrentPlan:
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         b_hn = None
         if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
-            gi = input_projection(xt, params[0], torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]]))
+            bias = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
+            gi = input_projection(xt, params[0], bias)
             b_hn = params[3][2 * H:]
         else:
             gi = input_projection(xt, params[0], None)
@@ -684,14 +688,13 @@ class RecurrentPlan:
             pi, ph = pre_ih.view(B * T, -1), pre_hh.view(B * T, -1)
             gw_ih = pi.t().mm(saved.x.transpose(0, 1).flip(1).reshape(B * T, -1))
             gw_hh = ph.t().mm(saved.h_prev_reversed_bt().reshape(B * T, -1))
-            gb_ih = pi.sum(0)
-            gb_hh = gb_ih.clone() if pre_hh is pre_ih else ph.sum(0)  # one sum where both sides share it
         else:
             # one GEMM over all T*B steps per parameter: no loop over time
             pi, ph = pre_ih.reshape(T * B, -1), pre_hh.reshape(T * B, -1)
             out["input"] = torch.matmul(pre_ih, params[0])
             gw_ih = pi.t().mm(saved.x.reshape(T * B, -1))
             gw_hh = ph.t().mm(saved.h_prev.reshape(T * B, -1))
+        if pre_ih is not None:
             gb_ih = pi.sum(0)
             gb_hh = gb_ih.clone() if pre_hh is pre_ih else ph.sum(0)  # one sum where both sides share it
         x_grad = out["input"]
@@ -754,14 +757,13 @@ class RecurrentFunction(torch.autograd.Function):
         with torch.no_grad():
             grads = RecurrentFunction._backward(ctx, grad_out, grad_hn, grad_cn)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
-            inputs, _ = unstash_saved(ctx)
-            grads = refuse_second_derivative(list(inputs) + [grad_out, grad_hn, grad_cn], grads)
+            grads = refuse_second_derivative(list(stashed_inputs(ctx)) + [grad_out, grad_hn, grad_cn], grads)
         return grads
 
     @staticmethod
     def _backward(ctx, grad_out, grad_hn, grad_cn=None):
         plan: RecurrentPlan = ctx.plan
-        _, saved = unstash_saved(ctx)
+        saved = unstash_saved(ctx)
         if saved is None:
             return (None,) * (4 + len(module_params(plan.module)))
         r = plan.backward(saved, grad_out, grad_hn, grad_cn)

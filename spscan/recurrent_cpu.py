@@ -859,7 +859,8 @@ def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
-                h0: torch.Tensor, batch_first: bool = False, buffers=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                h0: torch.Tensor, batch_first: bool = False,
+                buffers=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GRU recurrence (PyTorch's equations, gate order r, z, n) on CPU in one compiled pass.
 
     Per step, with ``(W_hr; W_hz; W_hn) = W_hh``::

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from spscan.model import refuse_functorch, refuse_second_derivative
-from spscan.recurrent import RecurrentPlan, RecurrentFunction, run_wrapped, unstash_saved
+from spscan.recurrent import RecurrentPlan, RecurrentFunction, run_wrapped, stashed_inputs, unstash_saved
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
@@ -364,15 +364,14 @@ class _StackedFunction(RecurrentFunction):
         with torch.no_grad():
             grads = _StackedFunction._backward(ctx, grad_out, grad_hn, grad_cn)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
-            inputs, _ = unstash_saved(ctx)
-            grads = refuse_second_derivative(list(inputs) + [grad_out, grad_hn, grad_cn], grads)
+            grads = refuse_second_derivative(list(stashed_inputs(ctx)) + [grad_out, grad_hn, grad_cn], grads)
         return grads
 
     @staticmethod
     def _backward(ctx, grad_out, grad_hn, grad_cn=None):
         plan: StackedRecurrentPlan = ctx.plan
         names = plan.param_names()
-        _, saved = unstash_saved(ctx)
+        saved = unstash_saved(ctx)
         if saved is None:
             return (None,) * (4 + len(names))
         r = plan.backward(saved, grad_out, grad_hn, grad_cn)
