@@ -32,7 +32,10 @@ whole run before the next (a tile's running vector stays in L1). Within a tile t
 is feature-major (row ``i`` of ``y`` is one vector of ``LANES`` samples), so every step is, per
 output row, one vector accumulator in a register: a shared dense or CSR row adds ``w * y[col]``
 per stored entry, four rows of one length at a time (four independent accumulators; rows that
-share one column list read each column's vector once); a per-sample dense or CSR row adds
+share one column list, and dense rows, eight at a time, reading each column's vector once); a
+diagonal band of rows with one or two entries (:func:`diagonal_bands`: row ``i + r`` has row ``i``'s
+columns plus ``r``, as in Jacobians made of diagonal blocks) runs without reading each row's start
+and columns; a per-sample dense or CSR row adds
 ``values * y[col]``, its values read in place when they are stored entry-major (``bstride`` 1) and
 the tile is full, else first copied entry-major (``(n, LANES)``, a step or a row at a time). Each
 output is summed in ascending stored order lane by lane, so a sample's result does not depend on
@@ -61,7 +64,7 @@ _VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vmuladd", "vmuladd
 PREFETCH_STEPS = 4
 PREFETCH_VALUES_MAX = 1 << 14
 
-__all__ = ["available", "numba_module", "resolve_steps", "run_chain", "shared_column_blocks"]
+__all__ = ["available", "diagonal_bands", "numba_module", "resolve_steps", "run_chain", "shared_column_blocks"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -93,8 +96,8 @@ def numba_module():
 
 
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                  csr_ptr, csr_indptr, csr_indices, tv, same):  # pragma: no cover - compiled
-    # same: shared_column_blocks(csr_indptr, csr_indices)
+                  csr_ptr, csr_indptr, csr_indices, tv, same, bands):  # pragma: no cover - compiled
+    # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
     # written out and never mix with the others (every operation is lane by lane), so they are not
@@ -146,7 +149,50 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     else:
                         p = csr_indptr[cp + i]
                         n = csr_indptr[cp + i + 1] - p
-                    if i + 4 <= m and (cj == 1 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
+                    if i + 8 <= m and (cj == 1 or (same[cp + i] and same[cp + i + 1] and same[cp + i + 4])):
+                        # eight rows of one column list: eight independent accumulators (four leave the
+                        # adds' latency exposed on long rows)
+                        a0 = vzero(cur)
+                        a1 = vzero(cur)
+                        a2 = vzero(cur)
+                        a3 = vzero(cur)
+                        a4 = vzero(cur)
+                        a5 = vzero(cur)
+                        a6 = vzero(cur)
+                        a7 = vzero(cur)
+                        # row r's entry q: s[p + r * n + q] (dense: o + (i + r) * k + q; CSR: o + p + ...)
+                        vb = p if cj == 1 else o + p
+                        for q in range(n):
+                            x = vload(cur, (q if cj == 1 else csr_indices[p + q]) * LANES)
+                            a0 = vmuladd(a0, s[vb + q], x)
+                            a1 = vmuladd(a1, s[vb + n + q], x)
+                            a2 = vmuladd(a2, s[vb + 2 * n + q], x)
+                            a3 = vmuladd(a3, s[vb + 3 * n + q], x)
+                            a4 = vmuladd(a4, s[vb + 4 * n + q], x)
+                            a5 = vmuladd(a5, s[vb + 5 * n + q], x)
+                            a6 = vmuladd(a6, s[vb + 6 * n + q], x)
+                            a7 = vmuladd(a7, s[vb + 7 * n + q], x)
+                        vstore(nxt, i * LANES, a0)
+                        vstore(nxt, (i + 1) * LANES, a1)
+                        vstore(nxt, (i + 2) * LANES, a2)
+                        vstore(nxt, (i + 3) * LANES, a3)
+                        vstore(nxt, (i + 4) * LANES, a4)
+                        vstore(nxt, (i + 5) * LANES, a5)
+                        vstore(nxt, (i + 6) * LANES, a6)
+                        vstore(nxt, (i + 7) * LANES, a7)
+                        i += 8
+                    elif cj == 3 and bands[cp + i] > 1 and n <= 2:
+                        # a diagonal band of short rows (row i + r: row i's columns + r): no per-row lookups
+                        L = min(bands[cp + i], m - i)
+                        c0 = csr_indices[p] * LANES
+                        c1 = csr_indices[p + n - 1] * LANES
+                        for r in range(L):
+                            a0 = vmuladd(vzero(cur), s[o + p + r * n], vload(cur, c0 + r * LANES))
+                            if n == 2:
+                                a0 = vmuladd(a0, s[o + p + r * n + 1], vload(cur, c1 + r * LANES))
+                            vstore(nxt, (i + r) * LANES, a0)
+                        i += L
+                    elif i + 4 <= m and (cj == 1 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
                                                    and csr_indptr[cp + i + 3] - csr_indptr[cp + i + 2] == n
                                                    and csr_indptr[cp + i + 4] - csr_indptr[cp + i + 3] == n)):
                         # four rows of one length at once: four independent accumulators
@@ -215,7 +261,20 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     else:
                         p = csr_indptr[cp + i] - g0
                         n = csr_indptr[cp + i + 1] - g0 - p
-                    if not whole:  # one row's values copied, then that row alone
+                    if whole and cj == 4 and bands[cp + i] > 1 and n <= 2:
+                        # a diagonal band of short rows (row i + r: row i's columns + r; the LSTM gate
+                        # element's five blocks of H rows): no per-row lookups, the same sums
+                        L = min(bands[cp + i], m - i)
+                        c0 = csr_indices[g0 + p] * LANES
+                        c1 = csr_indices[g0 + p + n - 1] * LANES
+                        for r in range(L):
+                            e0 = vbase + (p + r * n) * vstr
+                            a0 = vmuladdv(vzero(cur), vload(varr, e0), vload(cur, c0 + r * LANES))
+                            if n == 2:
+                                a0 = vmuladdv(a0, vload(varr, e0 + vstr), vload(cur, c1 + r * LANES))
+                            vstore(nxt, (i + r) * LANES, a0)
+                        i += L
+                    elif not whole:  # one row's values copied, then that row alone
                         for bb in range(nb):
                             vb = o + (b0 + bb) * bs + p * es
                             for q in range(n):
@@ -342,7 +401,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
               cols: np.ndarray, add: np.ndarray, out: np.ndarray, vin0: int, sources: Sequence[np.ndarray],
               vectors: np.ndarray, csr_ptr: Optional[np.ndarray] = None, csr_indptr: Optional[np.ndarray] = None,
               csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None,
-              csr_blocks: Optional[np.ndarray] = None) -> None:
+              csr_blocks: Optional[np.ndarray] = None, csr_bands: Optional[np.ndarray] = None) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
@@ -352,6 +411,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         sources: 1-D C-contiguous arrays holding the matrices' values, of ``vectors``' dtype.
         vectors: ``(B, size_v)`` C-contiguous float32/float64 array, read and written in place.
         csr_blocks: :func:`shared_column_blocks` of the CSR tables (worked out here when not given).
+        csr_bands: :func:`diagonal_bands` of the CSR tables (worked out here when not given).
         estride: ``(steps,)`` int64 element distance between consecutive entries of a per-sample
             step's values (default 1: each sample's values contiguous). A per-sample step stored
             entry-major (``bstride 1``, ``estride`` = the batch) is read in place, without the copy
@@ -390,7 +450,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     else:
         csr_ptr = np.zeros(steps, dtype=np.int64)
         csr_indptr = csr_indices = _NO_CSR
-        csr_blocks = None
+        csr_blocks = csr_bands = None
     for i, s in enumerate(sources):
         if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
@@ -424,8 +484,13 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     elif csr_blocks.shape != csr_indptr.shape or csr_blocks.dtype != np.bool_:
         raise ValueError(f"csr_blocks: expected {csr_indptr.shape} bool (shared_column_blocks), got "
                          f"{csr_blocks.shape} {csr_blocks.dtype}")
+    if csr_bands is None:
+        csr_bands = diagonal_bands(csr_indptr, csr_indices)
+    elif csr_bands.shape != csr_indptr.shape or csr_bands.dtype != np.int64:
+        raise ValueError(f"csr_bands: expected {csr_indptr.shape} int64 (diagonal_bands), got "
+                         f"{csr_bands.shape} {csr_bands.dtype}")
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks)
+              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands)
 
 
 def shared_column_blocks(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarray:
@@ -453,6 +518,38 @@ def shared_column_blocks(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.
     mismatched = np.bincount(row[~eq], minlength=R).astype(bool)
     row_eq = same_len & ~mismatched
     out[: R - 3] = (n[: R - 3] > 0) & row_eq[: R - 3] & row_eq[1 : R - 2] & row_eq[2 : R - 1]
+    return out
+
+
+def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarray:
+    """``(len(csr_indptr),)`` int64: entry ``r`` is the number of consecutive rows from ``r`` (global row
+    numbers of the run's tables) that form one diagonal band: each has row ``r``'s length, non-zero, and
+    row ``r + d`` has row ``r``'s columns plus ``d`` (0 for an empty row; a lone row is a band of 1).
+
+    Transposed Jacobians made of diagonal blocks have such rows: the LSTM gate element is five bands
+    of ``H`` rows with one or two entries each, which the compiled loop then runs without reading
+    each row's start and columns. Worked out once per run, like :func:`shared_column_blocks`.
+    """
+    indptr = np.asarray(csr_indptr, dtype=np.int64)
+    R = indptr.shape[0] - 1
+    out = np.zeros(indptr.shape[0], dtype=np.int64)
+    if R < 1:
+        return out
+    idx = np.asarray(csr_indices, dtype=np.int64)
+    n = np.diff(indptr)
+    # follows[r]: row r + 1 continues row r's band (same non-zero length, every column shifted by one)
+    follows = np.zeros(R, dtype=np.bool_)
+    cand = np.flatnonzero((n[:-1] > 0) & (n[:-1] == n[1:]))
+    if cand.size:
+        cn = n[cand]
+        row = np.repeat(np.arange(cand.size), cn)  # the candidate of each entry
+        pos = np.arange(row.size) - np.repeat(np.cumsum(cn) - cn, cn) + np.repeat(indptr[cand], cn)
+        bad = idx[pos + cn[row]] != idx[pos] + 1
+        follows[cand] = np.bincount(row[bad], minlength=cand.size) == 0
+    # a band runs from r to the first row s >= r that row s + 1 does not follow
+    stop = np.minimum.accumulate(np.where(follows, R, np.arange(R))[::-1])[::-1]
+    length = np.where(n > 0, stop - np.arange(R) + 1, 0)
+    out[:R] = length
     return out
 
 

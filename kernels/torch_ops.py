@@ -233,6 +233,7 @@ class _RunPlan:
     csr_dev: list[_CsrSteps]  # the same as index tensors on the tables' device (the torch loop)
     nnz: list[int]  # stored entries of each step's matrix
     csr_blocks: Optional[np.ndarray] = None  # the compiled CPU loop's shared_column_blocks, made on first use
+    csr_bands: Optional[np.ndarray] = None  # and its diagonal_bands
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
@@ -304,9 +305,10 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
     indptr, indices = i64(op.csr_indptr), i64(op.csr_indices)
     if cp.csr_blocks is None and indptr.size:
         cp.csr_blocks = cpu_chain.shared_column_blocks(indptr, indices)
+        cp.csr_bands = cpu_chain.diagonal_bands(indptr, indices)
     cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), i64(op.out), op.vin0,
                         sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
-                        csr_blocks=cp.csr_blocks)
+                        csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands)
     return True
 
 

@@ -1,5 +1,6 @@
 """The compiled linear run's tiles (kernels/cpu_chain.py over kernels/cpu_simd.py): runs wide enough for the
-register transposes (rows and entries >= LANES), CSR rows sharing one column list (four-row blocks),
+register transposes (rows and entries >= LANES), CSR rows sharing one column list (four- and eight-row
+blocks), diagonal bands of short rows,
 full and partial tiles, per-sample values stored sample-major or entry-major; against a float64 loop,
 sample by sample bitwise, and the intrinsics themselves against NumPy."""
 
@@ -24,6 +25,15 @@ def _pattern(rng, m: int, k: int) -> sp.csr_array:
         r0 = int(rng.integers(0, m - 4))
         cols = rng.random(k) < 0.6
         mask[r0:r0 + int(rng.integers(4, min(m - r0, 9) + 1))] = cols
+    if m >= 3 and k >= 3 and rng.random() < 0.5:
+        # a diagonal band of rows with one to three entries, like the LSTM gate element's blocks
+        width = int(rng.integers(1, 4))
+        length = int(rng.integers(2, m + 1))
+        r0 = int(rng.integers(0, m - length + 1))
+        cols = np.sort(rng.choice(k, size=min(width, k), replace=False))
+        mask[r0:r0 + length] = False
+        for r in range(length):
+            mask[r0 + r, (cols + r) % k] = True
     if m > 2:
         mask[int(rng.integers(m))] = False  # an empty row
     return sp.csr_array(mask.astype(np.float64))
@@ -171,6 +181,101 @@ def test_shared_column_blocks_are_used_and_exact():
                 acc = acc + vals[p] * vectors[b, pat.indices[p]]
             want[b, i] = acc
     assert np.array_equal(got[:, k:], want)
+
+
+def _grid_of_diagonals(rng, H: int, blocks_r: int, blocks_c: int) -> sp.csr_array:
+    """A ``(blocks_r H, blocks_c H)`` pattern of diagonal ``H x H`` blocks, one to three per block row (the
+    LSTM gate element is 5 x 2 of them), with a block row that is not a band mixed in."""
+    mask = np.zeros((blocks_r * H, blocks_c * H), dtype=bool)
+    for r in range(blocks_r):
+        for c in rng.choice(blocks_c, size=int(rng.integers(1, min(3, blocks_c) + 1)), replace=False):
+            mask[r * H:(r + 1) * H, c * H:(c + 1) * H] |= np.eye(H, dtype=bool)
+    if blocks_r > 2:
+        mask[H:2 * H] = rng.random((H, blocks_c * H)) < 0.2
+    return sp.csr_array(mask.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch", [1, 16, 21])
+def test_diagonal_bands_and_eight_row_blocks_are_exact(dtype, batch):
+    """Banded rows (shared and per-sample, sample-major and entry-major values) and rows summed eight at a
+    time (shared dense, shared CSR with one column list) give the plain row sums in stored order, bitwise."""
+    rng = np.random.default_rng(batch)
+    H = 7
+    gate = _grid_of_diagonals(rng, H, 5, 2)  # per sample, (5H, 2H)
+    wide = np.zeros((2 * H, 5 * H), dtype=bool)  # shared, (2H, 5H): a block of 2H rows with one column list
+    wide[:] = rng.random(5 * H) < 0.8
+    wide = sp.csr_array(wide.astype(np.float64))
+    eye = sp.csr_array(np.eye(2 * H)[:, :2 * H])  # shared, one band of single entries
+    assert cpu_chain.diagonal_bands(gate.indptr, gate.indices)[0] == H
+    pats = [gate, wide, eye]
+    base = np.cumsum([0] + [p.nnz for p in pats])
+    starts = np.cumsum([0] + [p.shape[0] + 1 for p in pats])
+    indptr = np.concatenate([p.indptr.astype(np.int64) + b for p, b in zip(pats, base)])
+    indices = np.concatenate([p.indices.astype(np.int64) for p in pats])
+    dense_w = rng.standard_normal((2 * H) * (2 * H))  # shared dense (2H, 2H): one 8-row block and more
+    shared = np.concatenate([rng.standard_normal(wide.nnz), rng.standard_normal(eye.nnz), dense_w]).astype(dtype)
+    per = rng.standard_normal((batch, gate.nnz)).astype(dtype)
+    # steps: gate (per sample, CSR) -> wide (shared CSR) -> eye (shared CSR) -> dense (shared)
+    i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    D = 2 * H
+    desc = dict(code=i64([4, 3, 3, 1]), src=i64([1, 0, 0, 0]), offset=i64([0, 0, wide.nnz, wide.nnz + eye.nnz]),
+                bstride=i64([gate.nnz, 0, 0, 0]), rows=i64([5 * H, D, D, D]), cols=i64([D, 5 * H, D, D]),
+                add=i64([-1, -1, -1, -1]), out=i64([D, 7 * H, 9 * H, 11 * H]), vin0=0,
+                csr_ptr=i64([starts[0], starts[1], starts[2], -1]), csr_indptr=indptr, csr_indices=indices)
+    vectors = rng.standard_normal((batch, 13 * H)).astype(dtype)
+    got = vectors.copy()
+    cpu_chain.run_chain(sources=[shared, per.reshape(-1)], vectors=got, **desc)
+    em_desc, em_sources = _entry_major(desc, [shared, per.reshape(-1)], batch)
+    got_em = vectors.copy()
+    cpu_chain.run_chain(sources=em_sources, vectors=got_em, **em_desc)
+    assert np.array_equal(got_em, got)
+
+    def rows_in_order(pat, vals, y):  # sums in stored order, in the run's dtype
+        out = np.zeros(pat.shape[0], dtype=dtype)
+        for i in range(pat.shape[0]):
+            acc = dtype(0)
+            for p in range(pat.indptr[i], pat.indptr[i + 1]):
+                acc = dtype(acc + dtype(vals[p] * y[pat.indices[p]]))
+            out[i] = acc
+        return out
+
+    dense = sp.csr_array(np.ones((D, D)))
+    for b in range(batch):
+        y = vectors[b, :D]
+        y = rows_in_order(gate, per[b], y)
+        assert np.array_equal(got[b, D:7 * H], y)
+        y = rows_in_order(wide, shared[:wide.nnz], y)
+        assert np.array_equal(got[b, 7 * H:9 * H], y)
+        y = rows_in_order(eye, shared[wide.nnz:wide.nnz + eye.nnz], y)
+        assert np.array_equal(got[b, 9 * H:11 * H], y)
+        y = rows_in_order(dense, shared[wide.nnz + eye.nnz:], y)
+        assert np.array_equal(got[b, 11 * H:13 * H], y)
+
+
+def test_diagonal_bands_equal_a_row_by_row_check():
+    """The band lengths (worked out once per run from the CSR tables) against a direct walk over the rows,
+    on concatenated random patterns with bands, empty rows and repeated rows."""
+    rng = np.random.default_rng(12)
+    for _ in range(30):
+        pats = [_pattern(rng, int(rng.integers(1, 12)), int(rng.integers(1, 9))) for _ in range(int(rng.integers(1, 4)))]
+        if rng.random() < 0.5:
+            pats.append(_grid_of_diagonals(rng, int(rng.integers(1, 5)), 3, 2))
+        base = np.cumsum([0] + [p.nnz for p in pats])
+        indptr = np.concatenate([p.indptr.astype(np.int64) + b for p, b in zip(pats, base)])
+        indices = np.concatenate([p.indices.astype(np.int64) for p in pats])
+        got = cpu_chain.diagonal_bands(indptr, indices)
+        R = indptr.shape[0] - 1
+        row = [indices[indptr[r]:indptr[r + 1]] for r in range(R)]
+        want = np.zeros(R + 1, dtype=np.int64)
+        for r in range(R):
+            if row[r].size == 0:
+                continue
+            d = 1
+            while r + d < R and row[r + d].size == row[r].size and np.array_equal(row[r + d], row[r] + d):
+                d += 1
+            want[r] = d
+        assert np.array_equal(got, want)
 
 
 def test_simd_intrinsics_against_numpy():
