@@ -16,11 +16,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "StructuredOperator", "run_apply"]
+__all__ = ["Capabilities", "Tables", "Backend", "StructuredOperator", "Tap", "run_apply"]
+
+
+@dataclass(frozen=True)
+class Tap:
+    """Rows of some outputs of a run that the caller wants stacked (see :meth:`Backend.run`).
+
+    Attributes:
+        cols: ``(K,)`` int64, the vector-arena columns where those outputs start, in the order wanted.
+        row0, rows: row ``row0 + r`` of output ``k`` goes to ``out[r, k]`` (``r < rows``).
+        out: ``(rows, K, B)`` contiguous (feature-major), of the vectors' dtype and device.
+    """
+
+    cols: np.ndarray
+    row0: int
+    rows: int
+    out: torch.Tensor
 
 
 class StructuredOperator(ABC):
@@ -114,9 +131,17 @@ class Backend(ABC):
 
     @abstractmethod
     def run(self, tables: Tables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-            inputs: Optional[Callable[[int], torch.Tensor]] = None) -> None:
+            inputs: Optional[Callable[[int], torch.Tensor]] = None, taps: Sequence[Tap] = (),
+            skip: Optional[np.ndarray] = None) -> bool:
         """Run every step in order, in place on ``arenas`` (``"S"``, ``"P"``, optional ``"C"``) and ``vectors``.
 
         ``inputs``: ``layer index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
         only by backends whose capabilities say ``reads_caller_inputs``.
+
+        ``taps`` and ``skip`` are an offer: a backend that can write each :class:`Tap`'s rows as it
+        produces those outputs (feature-major: no transposes into the sample-major arena, no copy
+        out of it afterwards) does so and returns ``True``; it may then leave unwritten the arena columns
+        of the outputs starting at ``skip`` (``int64`` offsets: outputs nobody reads after the run),
+        unless a later step of its own reads them. Returning ``False`` means it did neither: every
+        output is in ``vectors``, and the engine copies the taps from there.
         """

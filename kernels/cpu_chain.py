@@ -96,8 +96,12 @@ def numba_module():
 
 
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                  csr_ptr, csr_indptr, csr_indices, tv, same, bands):  # pragma: no cover - compiled
+                  csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
+                  tap_bufs):  # pragma: no cover - compiled
     # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
+    # out[j] < 0: y_j is not stored in vectors; tap_at[j] >= 0: row tap_row0[j] + r of y_j (r <
+    # tap_rows[j]) goes to tap_bufs[tap_buf[j]][r * tap_ld[j] + tap_at[j]:][:batch], samples contiguous;
+    # the tap tables have steps + 1 entries, the last one for the input y_{-1}
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
     # written out and never mix with the others (every operation is lane by lane), so they are not
@@ -118,6 +122,14 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
         for kk in range(k0, cols[0]):
             for bb in range(LANES):
                 cur[kk * LANES + bb] = vectors[b0 + bb, vin0 + kk] if bb < nb else 0
+        ta = tap_at[code.shape[0]]
+        if ta >= 0:  # the run's input y_{-1} is tapped too (entry `steps` of the tap tables)
+            r0 = tap_row0[code.shape[0]]
+            ld = tap_ld[code.shape[0]]
+            dst = tap_bufs[tap_buf[code.shape[0]]]
+            for i in range(tap_rows[code.shape[0]]):
+                for bb in range(nb):
+                    dst[ta + b0 + i * ld + bb] = cur[(r0 + i) * LANES + bb]
         for j in range(code.shape[0]):
             m = rows[j]
             k = cols[j]
@@ -339,11 +351,12 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                 # per-sample values: lines the hardware prefetchers do not fetch ahead
                 on = out[jn]
                 mn = rows[jn]
-                for bb in range(nb):
-                    rb = (b0 + bb) * sv + on
-                    for q in range(0, mn, line):
-                        prefetch(vflat, rb + q)
-                    prefetch(vflat, rb + mn - 1)
+                if on >= 0:
+                    for bb in range(nb):
+                        rb = (b0 + bb) * sv + on
+                        for q in range(0, mn, line):
+                            prefetch(vflat, rb + q)
+                        prefetch(vflat, rb + mn - 1)
                 cn = code[jn]
                 bsn = bstride[jn]
                 if bsn != 0:
@@ -365,15 +378,31 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 for q in range(0, nn * esn, line):
                                     prefetch_read(sn, vb + q)
                                 prefetch_read(sn, vb + (nn - 1) * esn)
+            ta = tap_at[j]
+            if ta >= 0:
+                # the tapped rows feature-major, as the tile holds them: one vector store per row (no
+                # transposes; each store fills a whole cache line when the batch is a multiple of LANES)
+                r0 = tap_row0[j]
+                ld = tap_ld[j]
+                dst = tap_bufs[tap_buf[j]]
+                tb = ta + b0
+                if full:
+                    for i in range(tap_rows[j]):
+                        vstore(dst, tb + i * ld, vload(nxt, (r0 + i) * LANES))
+                else:
+                    for i in range(tap_rows[j]):
+                        for bb in range(nb):
+                            dst[tb + i * ld + bb] = nxt[(r0 + i) * LANES + bb]
             oj = out[j]
-            i0 = 0
-            if full:
-                while i0 + LANES <= m:
-                    vtranspose(nxt, i0 * LANES, LANES, vflat, b0 * sv + oj + i0, sv)
-                    i0 += LANES
-            for i in range(i0, m):
-                for bb in range(nb):
-                    vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
+            if oj >= 0:
+                i0 = 0
+                if full:
+                    while i0 + LANES <= m:
+                        vtranspose(nxt, i0 * LANES, LANES, vflat, b0 * sv + oj + i0, sv)
+                        i0 += LANES
+                for i in range(i0, m):
+                    for bb in range(nb):
+                        vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
             cur, nxt = nxt, cur
 
 
@@ -401,7 +430,8 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
               cols: np.ndarray, add: np.ndarray, out: np.ndarray, vin0: int, sources: Sequence[np.ndarray],
               vectors: np.ndarray, csr_ptr: Optional[np.ndarray] = None, csr_indptr: Optional[np.ndarray] = None,
               csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None,
-              csr_blocks: Optional[np.ndarray] = None, csr_bands: Optional[np.ndarray] = None) -> None:
+              csr_blocks: Optional[np.ndarray] = None, csr_bands: Optional[np.ndarray] = None,
+              taps: Sequence[tuple[np.ndarray, int, int, np.ndarray]] = ()) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
@@ -412,6 +442,14 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         vectors: ``(B, size_v)`` C-contiguous float32/float64 array, read and written in place.
         csr_blocks: :func:`shared_column_blocks` of the CSR tables (worked out here when not given).
         csr_bands: :func:`diagonal_bands` of the CSR tables (worked out here when not given).
+        taps: ``(steps, row0, rows, buf)`` each: for step ``k`` of ``steps`` (an int64 array of step
+            indices; ``-1``: the input ``y_{-1}``), rows ``row0 .. row0 + rows`` of ``y_{steps[k]}`` are
+            also written to ``buf[:, k]``
+            (``buf``: a C-contiguous ``(rows, len(steps), B)`` array of ``vectors``' dtype, one per
+            tap: feature-major, as a tile holds them), as the run produces them. A step is tapped at
+            most once.
+        out: ``out[j] = -1``: ``y_j`` is not written to ``vectors`` (no caller reads it there; a tap
+            may still take its rows).
         estride: ``(steps,)`` int64 element distance between consecutive entries of a per-sample
             step's values (default 1: each sample's values contiguous). A per-sample step stored
             entry-major (``bstride 1``, ``estride`` = the batch) is read in place, without the copy
@@ -484,13 +522,58 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     elif csr_blocks.shape != csr_indptr.shape or csr_blocks.dtype != np.bool_:
         raise ValueError(f"csr_blocks: expected {csr_indptr.shape} bool (shared_column_blocks), got "
                          f"{csr_blocks.shape} {csr_blocks.dtype}")
+    tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = _tap_tables(taps, steps, rows, int(cols[0]), vectors)
     if csr_bands is None:
         csr_bands = diagonal_bands(csr_indptr, csr_indices)
     elif csr_bands.shape != csr_indptr.shape or csr_bands.dtype != np.int64:
         raise ValueError(f"csr_bands: expected {csr_indptr.shape} int64 (diagonal_bands), got "
                          f"{csr_bands.shape} {csr_bands.dtype}")
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands)
+              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
+              tap_rows, tap_bufs)
+
+
+def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray):
+    """Per-step ``(tap_buf, tap_at, tap_ld, tap_row0, tap_rows)`` and the tuple of flat buffers of
+    :func:`run_chain`'s ``taps``, checked."""
+    # entry `steps` stands for the input y_{-1} (step -1)
+    tap_buf = np.zeros(steps + 1, dtype=np.int64)
+    tap_at = np.full(steps + 1, -1, dtype=np.int64)
+    tap_ld = np.zeros(steps + 1, dtype=np.int64)
+    tap_row0 = np.zeros(steps + 1, dtype=np.int64)
+    tap_rows = np.zeros(steps + 1, dtype=np.int64)
+    sizes = np.append(rows, cols0).astype(np.int64)  # rows of y_0 .. y_{steps-1}, then of y_{-1}
+    batch = vectors.shape[0]
+    bufs = []
+    for t, (idx, row0, nrows, buf) in enumerate(taps):
+        idx = np.asarray(idx, dtype=np.int64)
+        idx = np.where(idx == -1, steps, idx)  # the input's entry
+        row0, nrows = int(row0), int(nrows)
+        if (not isinstance(buf, np.ndarray) or buf.dtype != vectors.dtype
+                or buf.shape != (nrows, idx.shape[0], batch) or not buf.flags.c_contiguous):
+            got = f"{buf.shape} {buf.dtype} (contiguous={buf.flags.c_contiguous})" if isinstance(buf, np.ndarray) \
+                else type(buf).__name__
+            raise ValueError(f"taps[{t}]: expected a C-contiguous ({nrows}, {idx.shape[0]}, {batch}) {vectors.dtype} "
+                             f"array, got {got}")
+        if idx.size and (idx.min() < 0 or idx.max() > steps or row0 < 0 or nrows < 0
+                         or np.any(row0 + nrows > sizes[idx])):
+            raise ValueError(f"taps[{t}]: steps must lie in [-1, {steps}) and rows {row0}..{row0 + nrows} within "
+                             "each step's vector")
+        if np.any(tap_at[idx] >= 0) or np.unique(idx).size != idx.size:
+            raise ValueError(f"taps[{t}]: a step is tapped at most once")
+        tap_buf[idx] = t
+        tap_at[idx] = np.arange(idx.size, dtype=np.int64) * batch
+        tap_ld[idx] = idx.size * batch
+        tap_row0[idx] = row0
+        tap_rows[idx] = nrows
+        bufs.append(buf.reshape(-1))
+    if not bufs:
+        bufs.append(np.zeros(1, dtype=vectors.dtype))
+    # a homogeneous tuple indexed at run time, padded to a power of two like the sources
+    n = 2
+    while n < len(bufs):
+        n *= 2
+    return tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tuple(bufs) + (bufs[0],) * (n - len(bufs))
 
 
 def shared_column_blocks(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarray:

@@ -9,18 +9,18 @@ place. This backend is the CPU default and the baseline the Triton kernels are t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from spscan.planner.program import Apply, BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
+from spscan.planner.program import Apply, BlockRef, Gemm, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
 from .spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 
 from . import cpu_chain
-from .backend import Backend, Capabilities, Tables, run_apply
+from .backend import Backend, Capabilities, Tables, Tap, run_apply
 
 __all__ = ["TorchTables", "TorchBackend", "run_program"]
 
@@ -234,6 +234,8 @@ class _RunPlan:
     nnz: list[int]  # stored entries of each step's matrix
     csr_blocks: Optional[np.ndarray] = None  # the compiled CPU loop's shared_column_blocks, made on first use
     csr_bands: Optional[np.ndarray] = None  # and its diagonal_bands
+    out_step: Optional[dict] = None  # output column -> step, for taps (made on first use)
+    tap_steps: dict = field(default_factory=dict)  # a tap's column set (bytes) -> its steps; ("skip", bytes) -> out
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
@@ -290,26 +292,69 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
 
 
 def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-                  inputs) -> bool:
-    """The whole run in one call of the compiled CPU loop (:mod:`.cpu_chain`); ``False`` where it does not
-    apply (no numba, or an input matrix that is not a strided view of a contiguous tensor)."""
+                  inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None) -> Optional[bool]:
+    """The whole run in one call of the compiled CPU loop (:mod:`.cpu_chain`); ``None`` where it does not
+    apply (no numba, or an input matrix that is not a strided view of a contiguous tensor), else
+    whether it took ``taps`` and ``skip`` (when every tapped column is an output of this run)."""
     if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
-        return False
+        return None
     code = _run_codes(op)
     where = cpu_chain.resolve_steps(code, op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
                                     _as_numpy(arenas["P"]), inputs, vectors.dtype)
     if where is None:
-        return False
+        return None
     src, off, bst, est, sources = where
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     indptr, indices = i64(op.csr_indptr), i64(op.csr_indices)
     if cp.csr_blocks is None and indptr.size:
         cp.csr_blocks = cpu_chain.shared_column_blocks(indptr, indices)
         cp.csr_bands = cpu_chain.diagonal_bands(indptr, indices)
-    cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), i64(op.out), op.vin0,
+    out = i64(op.out)
+    steps = _tap_steps(op, cp, taps) if taps else []
+    taken = steps is not None and bool(taps or skip is not None)
+    if taken and skip is not None and skip.size:
+        key = skip.tobytes()
+        hit = cp.tap_steps.get(("skip", key))
+        if hit is None:
+            if len(cp.tap_steps) > 64:
+                cp.tap_steps.clear()
+            hit = cp.tap_steps[("skip", key)] = np.where(np.isin(out, skip), -1, out)
+        out = hit
+    cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), out, op.vin0,
                         sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
-                        csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands)
-    return True
+                        csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands,
+                        taps=[(st, t.row0, t.rows, t.out.numpy()) for st, t in zip(steps, taps)] if taken else ())
+    return taken
+
+
+def _tap_steps(op: LinearRun, cp: _RunPlan, taps: Sequence[Tap]) -> Optional[list[np.ndarray]]:
+    """Each tap's step indices in ``op`` (the steps whose outputs start at its columns; ``-1``: the run's
+    input), or ``None`` if a column is neither, two taps share a step, or a tap's buffer is not a plain
+    CPU array. Step lookups are
+    kept per column set (the same taps come back every call)."""
+    if cp.out_step is None:
+        cp.out_step = {int(o): j for j, o in enumerate(op.out)}
+        cp.out_step.setdefault(int(op.vin0), -1)  # the run's input y_{-1} (the top gradient)
+    steps = []
+    for t in taps:
+        if t.out.device.type != "cpu" or not t.out.is_contiguous():
+            return None
+        key = t.cols.tobytes()
+        st = cp.tap_steps.get(key)
+        if st is None:
+            found = [cp.out_step.get(int(c), -2) for c in t.cols]  # -2: not this run's
+            st = np.asarray(found, dtype=np.int64)
+            if len(cp.tap_steps) > 64:
+                cp.tap_steps.clear()
+            cp.tap_steps[key] = st
+        if st.size and st.min() < -1:
+            return None
+        steps.append(st)
+    if len(steps) > 1:
+        every = np.concatenate(steps)
+        if np.unique(every).size != every.size:  # the loop taps a step once
+            return None
+    return steps
 
 
 def _csr_step(y, vals, out, tab: _CsrSteps, prod, use_np: bool) -> None:
@@ -332,19 +377,22 @@ def _csr_step(y, vals, out, tab: _CsrSteps, prod, use_np: bool) -> None:
 
 
 def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-               inputs) -> None:
+                inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None) -> bool:
     """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term), or
     for a CSR step one gather-multiply and a padded gather-sum per row bin (:class:`_CsrSteps`).
 
     Vectors are ``(B, m)`` blocks of one contiguous buffer written with ``out=``: the least
     per-step overhead eager torch allows on a sequential run (NumPy's, on the CPU, when the
     steps are small: :func:`uses_numpy`). Matrices of input layers are the caller's tensors
-    (no arena load); a tensor repeated along the run is reshaped once.
+    (no arena load); a tensor repeated along the run is reshaped once. Returns whether ``taps`` and
+    ``skip`` were taken (by the compiled loop; see :meth:`Backend.run`).
     """
     batch, steps = vectors.shape[0], op.steps
     use_np = uses_numpy(cp, vectors)
-    if use_np and _run_compiled(op, cp, arenas, vectors, inputs):
-        return
+    if use_np:
+        done = _run_compiled(op, cp, arenas, vectors, inputs, taps, skip)
+        if done is not None:
+            return done
     rows, cols, code = cp.rows, cp.cols, cp.code
     scratch = arenas.get("C")
     if scratch is not None and scratch.numel() >= batch * sum(rows):
@@ -465,15 +513,22 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
         for j in range(steps):
             o = int(op.out[j])
             vectors[:, o : o + rows[j]] = pieces[j].view(batch, rows[j])
+    return False
 
 
 def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-                inputs=None) -> None:
+                inputs=None, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None) -> bool:
     """Run every step of the program in order, in place on the arenas.
 
     ``inputs``: ``layer_index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
-    directly by linear runs over input matrices.
+    directly by linear runs over input matrices. ``taps``, ``skip``: as :meth:`Backend.run`; taken
+    (returns ``True``) where the program is one linear run on the compiled CPU loop (a linear scan:
+    no later step reads its outputs).
     """
+    if (taps or skip is not None) and len(tables.steps) == 1 and len(tables.steps[0]) == 1:
+        op, t = tables.steps[0][0]
+        if isinstance(op, LinearRun):
+            return _run_linear(op, t, arenas, vectors, inputs, taps, skip)
     batch = vectors.shape[0]
     for ops in tables.steps:
         for op, t in ops:
@@ -517,6 +572,7 @@ def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: t
                     torch.sum(prod, -1, out=out)
                 else:
                     torch.add(prod.sum(-1), vectors[:, add].view(batch, n, m), out=out)
+    return False
 
 class TorchBackend(Backend):
     """The torch/NumPy backend (see the module docstring)."""
@@ -527,5 +583,5 @@ class TorchBackend(Backend):
     def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TorchTables:
         return TorchTables(program, device, memo)
 
-    def run(self, tables, arenas, vectors, inputs=None) -> None:
-        run_program(tables, arenas, vectors, inputs)
+    def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None) -> bool:
+        return run_program(tables, arenas, vectors, inputs, taps, skip)

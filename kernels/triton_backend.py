@@ -275,5 +275,6 @@ class TritonBackend(Backend):
     def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TritonTables:
         return make_tables(program, device, memo)
 
-    def run(self, tables, arenas, vectors, inputs=None) -> None:
+    def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None) -> bool:
         run_program(tables, arenas, vectors, inputs)
+        return False  # taps: the engine copies them from the vectors

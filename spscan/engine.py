@@ -12,17 +12,17 @@ none of them reads arenas or work tables.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from spscan.kernels.backend import Backend, StructuredOperator
+from spscan.kernels.backend import Backend, StructuredOperator, Tap
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
 from spscan.planner.program import Apply, LoweringCache, Program, lower
 
-__all__ = ["BoundPlan", "ScanResult", "ValuesBuffer", "PeriodicValues", "RecycledBuffers", "StackedExtra",
+__all__ = ["BoundPlan", "Collect", "ScanResult", "ValuesBuffer", "PeriodicValues", "RecycledBuffers", "StackedExtra",
            "StructuredOperator", "check_inputs", "fmt_bytes"]
 
 _FLOATS = (torch.float32, torch.float64)
@@ -228,6 +228,23 @@ class StackedExtra(Sequence):
         return self.terms[self.index.index(i)] if i in self.index else None
 
 
+class Collect(NamedTuple):
+    """Rows of some chain gradients, wanted stacked feature-major: after :meth:`BoundPlan.run`,
+    ``out[r, k, b]`` holds ``dl/dx_{index[k]}[b, rows][r]``, i.e. ``out[:, k] = dl/dx_{index[k]}[:, rows].T``.
+
+    ``index``: chain positions whose gradients have one size ``d``; ``rows``: a slice of ``range(d)``
+    with step 1; ``out``: ``(len(rows), len(index), B)``, contiguous, of the run's dtype and device
+    (the caller's: a buffer it recycles). ``out[r]`` viewed ``(len(index) * B,)`` is one row of a
+    GEMM operand over all steps and samples. A backend that can writes the rows as it produces
+    them -- the compiled CPU linear scan, one vector store per row and tile, as its tiles hold
+    them -- instead of a copy out of the sample-major vectors afterwards.
+    """
+
+    index: range
+    rows: slice
+    out: torch.Tensor
+
+
 class ScanResult:
     """The output of one :meth:`BoundPlan.run`.
 
@@ -242,9 +259,10 @@ class ScanResult:
     """
 
     def __init__(self, vectors: torch.Tensor, program: Program, composite: Optional[torch.Tensor] = None,
-                 index_cache: Optional[dict] = None) -> None:
+                 index_cache: Optional[dict] = None, kept: Optional[Sequence[bool]] = None) -> None:
         self._vectors = vectors
         self._program = program
+        self._kept = None if kept is None else np.asarray(kept, dtype=bool)  # None: every gradient (run(keep=...))
         # the bound plan's: device column indices of irregular ``stacked`` blocks, uploaded once
         self._index_cache = {} if index_cache is None else index_cache
         self._grads: Optional[list[torch.Tensor]] = None
@@ -257,15 +275,19 @@ class ScanResult:
         off, d = self._program.outputs[i]
         if off < 0:
             raise ValueError(f"dl/dx_{i} was not computed: the plan was bound without it (first_output=False)")
+        if self._kept is not None and not self._kept[i]:
+            raise ValueError(f"dl/dx_{i} was not kept: the run was asked for others only (keep=...)")
         return self._vectors[:, off : off + d]
 
     @property
     def grads(self) -> list[torch.Tensor]:
-        """``[dl/dx_0, ..., dl/dx_n]`` as views made by one ``tensor_split`` (cheap for long chains)."""
+        """``[dl/dx_0, ..., dl/dx_n]`` as views made by one ``tensor_split`` (cheap for long chains);
+        ``None`` where not computed (bound without ``dl/dx_0``) or not kept (``run(keep=...)``)."""
         if self._grads is None:
             cuts, pick = self._program.output_split
             pieces = self._vectors.tensor_split(cuts, dim=1)
-            self._grads = [pieces[k] if k >= 0 else None for k in pick]  # None: bound without dl/dx_0
+            kept = self._kept
+            self._grads = [pieces[k] if k >= 0 and (kept is None or kept[i]) else None for i, k in enumerate(pick)]
         return list(self._grads)
 
     def stacked(self, idx: range, copy: bool = False) -> torch.Tensor:
@@ -277,6 +299,8 @@ class ScanResult:
         The layout of each ``idx`` is worked out once per bound plan (and its gather indices
         uploaded once), so a repeated call does no host work proportional to ``len(idx)``.
         """
+        if self._kept is not None and not self._kept[np.arange(idx.start, idx.stop, idx.step)].all():
+            raise ValueError(f"stacked: some gradients at {idx} were not kept (keep=...)")
         key = (idx.start, idx.stop, idx.step)
         layout = self._index_cache.get(key)
         if layout is None:
@@ -648,7 +672,8 @@ class BoundPlan:
     def run(self, values: Any, grad: Optional[torch.Tensor] = None,
             extra: Optional[Sequence[Optional[torch.Tensor]]] = None, *, check: bool = True,
             check_finite: bool = False, scratch: bool = False,
-            keep: Optional[Sequence[bool]] = None, graph: bool = False, stop: int = 0) -> ScanResult:
+            keep: Optional[Sequence[bool]] = None, graph: bool = False, stop: int = 0,
+            collect: Sequence[Collect] = ()) -> ScanResult:
         """Run the bound program on one step's values.
 
         Args:
@@ -660,9 +685,13 @@ class BoundPlan:
             check_finite: also refuse NaN/Inf (a device sync).
             scratch: the result views the bound plan's working buffer (valid until the next run)
                 instead of a new one.
-            keep: ``n+1`` flags, the ``dl/dx_i`` the caller reads (default: all). A linear scan of
-                structured operators (:attr:`operator_chain`) then holds only those, freeing each other
-                one as soon as the next operator has read it; the others are ``None`` in the result.
+            keep: ``n+1`` flags, the ``dl/dx_i`` the caller reads (default: all); the others are
+                ``None`` in the result (``result[i]`` raises). A linear scan of structured operators
+                (:attr:`operator_chain`) then holds only those, freeing each other one as soon as the
+                next operator has read it; the compiled CPU linear scan does not write the others.
+            collect: :class:`Collect` requests: rows of some gradients stacked into the caller's
+                buffers (written as they are produced where the backend can, else copied after the
+                run). Not for a linear scan of structured operators.
             graph: on a CUDA device with a graph-capturable backend, capture the program's kernel
                 launches in a CUDA graph the first time a batch size and dtype is seen (after an eager
                 run that gives this call's result) and replay it on later calls: the loads of the
@@ -704,10 +733,24 @@ class BoundPlan:
             raise ValueError(f"max_memory={fmt_bytes(self.max_memory)}: backward at batch {batch} needs "
                              f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
         if self._operator_chain is not None and not stacked:
+            if collect:
+                raise ValueError("collect: not available for a linear scan of structured operators (use keep)")
             with torch.no_grad():
                 return _ListResult(self._run_operator_chain(items, grad, keep, stop))
+        if keep is not None and len(keep) != self.n + 1:
+            raise ValueError(f"keep: expected {self.n + 1} flags, got {len(keep)}")
+        taps = [self._tap(c, batch, dtype) for c in collect]
+        skip = None
+        if keep is not None:
+            keep = np.asarray(keep, dtype=bool)
+            offs = self._index_cache.get("output_offsets")
+            if offs is None:
+                offs = self._index_cache["output_offsets"] = np.fromiter(
+                    (off for off, _ in self.program.outputs), dtype=np.int64, count=self.n + 1)
+            skip = offs[~keep & (offs >= 0)]
         with torch.no_grad():
-            vectors = self._execute(items, stacked, batch, dtype, grad, extra, scratch, graph and self._graphable)
+            vectors, tapped = self._execute(items, stacked, batch, dtype, grad, extra, scratch,
+                                            graph and self._graphable, taps, skip)
         composite = None
         root = self.program.root_mat
         if root is not None:
@@ -715,11 +758,50 @@ class BoundPlan:
             s_arena, p_arena = self._arenas
             src = s_arena[off : off + nnz] if arena == "S" else p_arena[:, off : off + nnz]
             composite = src.clone() if not scratch else src
-        return ScanResult(vectors, self.program, composite, self._index_cache)
+        result = ScanResult(vectors, self.program, composite, self._index_cache)
+        if collect and not tapped:
+            with torch.no_grad():
+                for c in collect:
+                    c.out.copy_(result.stacked(c.index)[..., c.rows].permute(2, 0, 1))
+        if keep is not None:
+            result = ScanResult(vectors, self.program, composite, self._index_cache, kept=keep)
+        return result
+
+    def _tap(self, c: Collect, batch: int, dtype: torch.dtype) -> Tap:
+        """A :class:`Collect` as the backend's :class:`~spscan.kernels.backend.Tap` (arena columns), checked;
+        the columns of an ``index`` are worked out once per bound plan."""
+        if not isinstance(c, Collect):
+            raise TypeError(f"collect: expected spscan.engine.Collect entries, got {type(c).__name__}")
+        key = ("collect", c.index.start, c.index.stop, c.index.step)
+        hit = self._index_cache.get(key)
+        if hit is None:
+            outs = self.program.outputs
+            if len(c.index) == 0 or min(c.index) < 0 or max(c.index) > self.n:
+                raise ValueError(f"collect: index {c.index} must be non-empty within 0..{self.n}")
+            dims = {outs[i][1] for i in c.index}
+            cols = np.fromiter((outs[i][0] for i in c.index), dtype=np.int64, count=len(c.index))
+            if len(dims) != 1 or cols.min() < 0:
+                raise ValueError(f"collect: the gradients at {c.index} must be computed and of one size, got sizes "
+                                 f"{sorted(dims)}")
+            hit = self._index_cache[key] = (cols, dims.pop())
+        cols, d = hit
+        r0, r1, step = c.rows.indices(d)
+        out = c.out
+        if step != 1 or r1 <= r0:
+            raise ValueError(f"collect: rows must be a non-empty slice of range({d}) with step 1, got {c.rows}")
+        if (not isinstance(out, torch.Tensor) or out.shape != (r1 - r0, len(c.index), batch) or out.dtype != dtype
+                or out.device != self.device or not out.is_contiguous()):
+            got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+                   else type(out).__name__)
+            raise ValueError(f"collect: out must be a contiguous ({r1 - r0}, {len(c.index)}, {batch}) {dtype} "
+                             f"tensor on {self.device}, got {got}")
+        return Tap(cols, r0, r1 - r0, out)
 
     def _execute(self, items, stacked: bool, batch: int, dtype: torch.dtype, grad: Optional[torch.Tensor],
-                 extra, scratch: bool, graph: bool = False) -> torch.Tensor:
-        """Load the arenas from the caller's tensors (copies), run the program, return the vector arena."""
+                 extra, scratch: bool, graph: bool = False, taps: Sequence[Tap] = (),
+                 skip: Optional[np.ndarray] = None) -> tuple[torch.Tensor, bool]:
+        """Load the arenas from the caller's tensors (copies), run the program; returns the vector arena and
+        whether the backend wrote ``taps`` itself (see :meth:`~spscan.kernels.backend.Backend.run`)."""
         prog, n, device = self.program, self.n, self.device
         s_arena, p_arena = self._get_arenas(batch, dtype)
         if scratch or graph:  # a captured graph writes to the same vector buffer every replay
@@ -790,9 +872,9 @@ class BoundPlan:
             arenas["C"] = self._scratch_buffer("run", batch * self.tables.run_scratch, dtype)
         if graph:
             self._run_graphed(arenas, vectors, batch, dtype)
-            return vectors if scratch else vectors.clone()
-        self.backend.run(self.tables, arenas, vectors, layer)
-        return vectors
+            return (vectors if scratch else vectors.clone()), False
+        tapped = self.backend.run(self.tables, arenas, vectors, layer, taps, skip)
+        return vectors, bool(tapped)
 
     def _run_graphed(self, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, batch: int,
                      dtype: torch.dtype) -> None:

@@ -89,7 +89,7 @@ from torch import nn
 from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_values, jacobian_values,
                           lstm_cells, lstm_weight_values, module_params, recurrent_patterns, resolve_layout,
                           shared_flags, state_size)
-from spscan.engine import PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
+from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
 
@@ -158,35 +158,16 @@ def stashed_inputs(ctx) -> tuple:
 class _Saved:
     """What the backward needs from one forward: time-major tensors and the chain's values.
 
-    ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}``, gate coefficients per kind,
-    ``values`` (the chain's Jacobian values) and the sizes. Through autograd its tensors are kept by
-    ``ctx.save_for_backward`` (:func:`stash_saved`). The compiled forwards save
-    ``h_prev_bt`` instead: ``(B, T, H)``, per sample ``h_{T-1}, ..., h_0``, the order in which the
-    backward's GEMMs read the scan's gradients (a copy, not a view of the outputs, which the caller
-    may change in place); ``h_prev`` is then made on first use.
+    ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}`` (a copy, not a view of the outputs, which
+    the caller may change in place), gate coefficients per kind, ``values`` (the chain's Jacobian
+    values) and the sizes. Through autograd its tensors are kept by ``ctx.save_for_backward``
+    (:func:`stash_saved`).
     """
 
     _holds_tensors = True  # its tensors go through ctx.save_for_backward (stash_saved)
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
-
-    def __getattr__(self, name: str):
-        if name == "h_prev" and "h_prev_bt" in self.__dict__:
-            self.h_prev = self.h_prev_bt.flip(1).transpose(0, 1).contiguous()
-            return self.h_prev
-        raise AttributeError(name)
-
-    def h_prev_reversed_bt(self) -> torch.Tensor:
-        """``(B, T, H)``: per sample ``h_{T-1}, ..., h_0``."""
-        rev = self.__dict__.get("h_prev_bt")
-        return rev if rev is not None else self.h_prev.transpose(0, 1).flip(1)
-
-
-def _h_prev_reversed_bt(hs_bt: torch.Tensor, h0: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:meth:`_Saved.h_prev_reversed_bt` from the outputs ``hs_bt`` ``(B, T, H)`` (any strides) and
-    ``h0`` ``(B, H)``: one copy (into ``out`` when given)."""
-    return torch.cat([hs_bt[:, :-1].flip(1), h0.unsqueeze(1)], dim=1, out=out)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -231,6 +212,7 @@ class RecurrentPlan:
         self.state_size = state_size(self.kind, module.hidden_size)
         self._plans: dict[tuple, Any] = {}
         self._bindings: dict[tuple, Any] = {}  # (T, device, dtype, with_extra) -> bound engine
+        self._keep_first: dict[int, np.ndarray] = {}  # chain length -> keep flags of dl/ds_0 alone
         # the compiled forwards' chain values and the backward's gradient copies, recycled step to step
         self.buffers = RecycledBuffers()
         self.last_seq_len: Optional[int] = None
@@ -434,15 +416,16 @@ class RecurrentPlan:
 
     def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool, h0: torch.Tensor):
         """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
-        the forward wrote them, else ``(T, B, H)``): the module's output, ``h_n`` and
-        :meth:`_Saved.h_prev_reversed_bt`."""
+        the forward wrote them, else ``(T, B, H)``): the module's output, ``h_n`` and ``h_prev``
+        (``(T, B, H)``, a copy into a recycled buffer)."""
         batch_first = self.module.batch_first and not unbatched
         time_major = hs.transpose(0, 1) if batch_first else hs
         out = hs.squeeze(1) if unbatched else hs
         shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
-        hs_bt = hs if batch_first else hs.transpose(0, 1)
-        h_prev = self.buffers.take("h_prev", hs_bt.shape, hs_bt.dtype)
-        return out, time_major[-1].reshape(shape).clone(), _h_prev_reversed_bt(hs_bt, h0, out=h_prev)
+        h_prev = self.buffers.take("h_prev", time_major.shape, time_major.dtype)
+        h_prev[0].copy_(h0)
+        h_prev[1:].copy_(time_major[:-1])
+        return out, time_major[-1].reshape(shape).clone(), h_prev
 
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
@@ -457,8 +440,8 @@ class RecurrentPlan:
                                             buffers=self.buffers)
         shared = lstm_weight_values(params[1], H)
         values = PeriodicValues([shared, gate_values], T)
-        out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         return (out, (h_n, c_n.reshape(h_n.shape))), saved
 
@@ -474,8 +457,8 @@ class RecurrentPlan:
         hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
                             batch_first=m.batch_first and not unbatched, buffers=self.buffers)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
-        out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         return (out, h_n), saved
 
@@ -497,8 +480,8 @@ class RecurrentPlan:
         hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
                                 buffers=self.buffers)
         values = PeriodicValues([gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
-        out, h_n, h_prev_bt = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev_bt=h_prev_bt, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
+        out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
+        saved = _Saved(x=xt, h_prev=h_prev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         return (out, h_n), saved
 
@@ -564,12 +547,14 @@ class RecurrentPlan:
 
     # -- backward
 
-    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor]) -> ScanResult:
-        """Every chain gradient (``m*T+1`` factored, ``T+1`` materialized) of one scan.
+    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor],
+              collect: Sequence[Collect] = ()) -> ScanResult:
+        """One scan: every chain gradient (``m*T+1`` factored, ``T+1`` materialized), or with ``collect``
+        only ``dl/ds_0`` and the gradients it asks for, stacked into the caller's buffers. The result
+        views the engine's working buffer (valid until the next scan): callers copy what they keep.
 
         The values are built here, so they are valid by construction: the engine runs without its
-        per-layer input checks. The result views the engine's working buffer (valid until the next
-        scan): callers copy what they keep.
+        per-layer input checks.
         """
         T = saved.T
         bound = self._bound(T, saved.device, saved.dtype, extra is not None)
@@ -580,8 +565,14 @@ class RecurrentPlan:
             # extra[t] (the loss on s_{t+1}) enters at chain position per*(t+1), t < T-1: one stacked tensor
             ext = StackedExtra(extra[: T - 1], range(per, n, per), n + 1)
             top = top + extra[T - 1]
+        keep = None
+        if collect:  # what the caller reads: dl/ds_0 and the collected gradients
+            keep = self._keep_first.get(n)
+            if keep is None:
+                keep = self._keep_first[n] = np.zeros(n + 1, dtype=bool)
+                keep[0] = True
         # factored: PeriodicValues (m elements, T periods); materialized: one stacked (T, B, nnz) tensor
-        return bound.run(saved.values, top, ext, check=False, scratch=True, graph=True)
+        return bound.run(saved.values, top, ext, check=False, scratch=True, graph=True, keep=keep, collect=collect)
 
     def backward(
         self,
@@ -625,34 +616,36 @@ class RecurrentPlan:
                     extra[..., H:].zero_()
         if T == 0:
             return self._pack(saved, top, None, None)
-        G = self._scan(saved, top, extra)
-        g0 = G[0].clone()
+        # the scan keeps only dl/ds_0 and hands over the per-step gradients the GEMMs read, feature-major
+        # ((rows, T, B): each row one GEMM row over all steps and samples) into recycled buffers; the
+        # compiled CPU scan writes them so as it goes, as its tiles hold them, instead of transposing
+        # them into its sample-major buffer and a copy out of it afterwards
+        take = self.buffers.take
         if self.layout == "factored":
             per = len(factored_layout(self.kind, H))
-            # gradients of element 1 of each step, the last step first: the linear scan writes them
-            # evenly spaced in that order, so this is a view of its buffer, copied batch-major (the
-            # buffer's own order: a time-major copy reads it ~10x slower, a sample per row)
-            rev = G.stacked(range(per * (T - 1) + 1, 0, -per)).transpose(0, 1)  # (B, T, .), last step first
-            if self.kind.startswith("rnn"):
-                pre_ih = pre_hh = self._copy(rev, "pre")
-            elif self.kind == "gru":
-                pre_hh = self._copy(rev[..., : 3 * H], "pre")
-                # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
-                dh = self._copy(G.stacked(range(per * T, 0, -per)).transpose(0, 1), "dh")
-                dh.mul_(saved.coefs["dn"].transpose(0, 1).flip(1))
-                pre_ih = torch.cat([pre_hh[..., : 2 * H], dh], dim=-1,
-                                   out=self.buffers.take("pre_ih", (B, T, 3 * H), dh.dtype, dh.device))
-            else:
-                pre_ih = pre_hh = self._copy(rev[..., : 4 * H], "pre")
-            return self._pack(saved, g0, pre_ih, pre_hh, batch_major_reversed=True)
-        else:
-            pre_ih, pre_hh = self._pre_activation_grads(saved, G.stacked(range(1, T + 1), copy=True))
-        return self._pack(saved, g0, pre_ih, pre_hh)
-
-    def _copy(self, src: torch.Tensor, name: str) -> torch.Tensor:
-        """``src`` copied contiguous into a recycled buffer (the backward's copies of the scan's
-        gradients are as large as the chain values; read by its GEMMs, never returned)."""
-        return self.buffers.take(name, src.shape, src.dtype, src.device).copy_(src)
+            rows = {"rnn_tanh": H, "rnn_relu": H, "gru": 3 * H, "lstm": 4 * H}[self.kind]
+            # element 1's output of step t (the gate pre-activation gradients) is chain position per*t + 1
+            pre = take("pre", (rows, T, B), dt, dev)
+            collect = [Collect(range(1, per * (T - 1) + 2, per), slice(0, rows), pre)]
+            if self.kind == "gru":
+                # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t, with
+                # dl/dh_t at chain position per*(t+1)
+                dh = take("dh", (H, T, B), dt, dev)
+                collect.append(Collect(range(per, per * T + 1, per), slice(0, H), dh))
+            G = self._scan(saved, top, extra, collect)
+            g0 = G[0].clone()
+            a_hh = pre.view(rows, T * B)
+            if self.kind != "gru":
+                return self._pack(saved, g0, a_hh, a_hh)
+            dh.mul_(saved.coefs["dn"].permute(2, 0, 1))
+            a_ih = torch.cat([pre[: 2 * H], dh], out=take("pre_ih", (3 * H, T, B), dt, dev)).view(3 * H, T * B)
+            return self._pack(saved, g0, a_ih, a_hh)
+        grads = take("grads", (D, T, B), dt, dev)
+        G = self._scan(saved, top, extra, [Collect(range(1, T + 1), slice(None), grads)])
+        pre_ih, pre_hh = self._pre_activation_grads(saved, grads.permute(1, 2, 0))
+        a_ih = pre_ih.reshape(T * B, -1).t()
+        a_hh = a_ih if pre_hh is pre_ih else pre_hh.reshape(T * B, -1).t()
+        return self._pack(saved, G[0].clone(), a_ih, a_hh)
 
     def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):
         """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``."""
@@ -669,34 +662,23 @@ class RecurrentPlan:
         p = torch.cat([gc_tot * c["ci"], gc_tot * c["cf"], gc_tot * c["cg"], gh * c["co"]], dim=-1)
         return p, p
 
-    def _pack(self, saved: _Saved, g0: torch.Tensor, pre_ih, pre_hh,
-              batch_major_reversed: bool = False) -> dict[str, Optional[torch.Tensor]]:
-        """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients ``(T, B, G)`` of the
-        input and hidden GEMMs; ``batch_major_reversed``: those are given ``(B, T, G)``, contiguous,
-        each sample's last step first."""
+    def _pack(self, saved: _Saved, g0: torch.Tensor, a_ih, a_hh) -> dict[str, Optional[torch.Tensor]]:
+        """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients of the input and hidden
+        GEMMs as ``(G, T*B)`` matrices (column ``t*B + b``: step ``t``, sample ``b``; any strides)."""
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         params = saved.params
         out: dict[str, Optional[torch.Tensor]] = {}
-        if pre_ih is None:
+        if a_ih is None:
             out["input"] = torch.zeros_like(saved.x)
             gw_ih, gw_hh = torch.zeros_like(params[0]), torch.zeros_like(params[1])
             gb_ih = gb_hh = torch.zeros_like(params[0][:, 0])
-        elif batch_major_reversed:
-            # the GEMMs over all T*B rows read x and h_{t-1} in the same order; the input gradient
-            # comes out that way too and is flipped back to the input's time order
-            out["input"] = torch.matmul(pre_ih, params[0]).flip(1).transpose(0, 1)
-            pi, ph = pre_ih.view(B * T, -1), pre_hh.view(B * T, -1)
-            gw_ih = _weight_grad(pi, saved.x.transpose(0, 1).flip(1).reshape(B * T, -1))
-            gw_hh = _weight_grad(ph, saved.h_prev_reversed_bt().reshape(B * T, -1))
         else:
-            # one GEMM over all T*B steps per parameter: no loop over time
-            pi, ph = pre_ih.reshape(T * B, -1), pre_hh.reshape(T * B, -1)
-            out["input"] = torch.matmul(pre_ih, params[0])
-            gw_ih = _weight_grad(pi, saved.x.reshape(T * B, -1))
-            gw_hh = _weight_grad(ph, saved.h_prev.reshape(T * B, -1))
-        if pre_ih is not None:
-            gb_ih = pi.sum(0)
-            gb_hh = gb_ih.clone() if pre_hh is pre_ih else ph.sum(0)  # one sum where both sides share it
+            # one GEMM over all T*B steps and samples per parameter: no loop over time
+            out["input"] = a_ih.t().mm(params[0]).view(T, B, -1)
+            gw_ih = _weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
+            gw_hh = _weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
+            gb_ih = a_ih.sum(1)
+            gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
         x_grad = out["input"]
         if saved.unbatched:
             x_grad = x_grad.squeeze(1)

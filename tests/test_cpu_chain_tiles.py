@@ -157,6 +157,54 @@ def test_tiled_run_equals_reference_and_is_per_sample(dtype, tol, batch, seed):
     assert np.array_equal(em, got)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch", [1, 16, 19, 32])
+@pytest.mark.parametrize("seed", range(3))
+def test_taps_and_unstored_steps(dtype, batch, seed):
+    """Taps hand out row ranges of chosen steps (and of the input) as (d, K, B) arrays (feature-major),
+    bitwise what the run stores in ``vectors``; a step with ``out = -1`` leaves its columns untouched and
+    changes nothing else."""
+    rng = np.random.default_rng(1000 + 10 * seed + batch)
+    desc, sources, vectors, _ = _random_run(rng, int(rng.integers(2, 14)), batch, dtype)
+    full = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=full, **desc)
+    steps = desc["code"].shape[0]
+    order = rng.permutation(steps)
+    # the second in no particular order and with the run's input (step -1)
+    groups = [np.sort(order[: steps // 2]), np.append(order[steps // 2:], -1)[rng.permutation(steps - steps // 2 + 1)]]
+    sizes = np.append(desc["rows"], desc["cols"][0])  # rows of each step's vector, then the input's
+    taps = []
+    for idx in groups:
+        if idx.size == 0:
+            continue
+        mmin = int(sizes[idx].min())
+        row0 = int(rng.integers(0, mmin))
+        nrows = int(rng.integers(1, mmin - row0 + 1))
+        taps.append((idx, row0, nrows, np.full((nrows, idx.size, batch), np.nan, dtype=dtype)))
+    skip = rng.random(steps) < 0.5
+    d2 = dict(desc, out=np.where(skip, -1, desc["out"]).astype(np.int64))
+    got = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=got, taps=taps, **d2)
+    for idx, row0, nrows, buf in taps:
+        for k, j in enumerate(idx):
+            o = int(desc["out"][j]) if j >= 0 else desc["vin0"]
+            assert np.array_equal(buf[:, k].T, full[:, o + row0:o + row0 + nrows]), (j, row0, nrows)
+    for j in range(steps):
+        o, m = int(desc["out"][j]), int(desc["rows"][j])
+        want = vectors[:, o:o + m] if skip[j] else full[:, o:o + m]
+        assert np.array_equal(got[:, o:o + m], want), j
+    with pytest.raises(ValueError, match="tapped at most once"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                            taps=[(np.array([0, 0]), 0, 1, np.zeros((1, 2, batch), dtype=dtype))], **desc)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                            taps=[(np.array([0]), 0, 1, np.zeros((1, 1, batch + 1), dtype=dtype))], **desc)
+    with pytest.raises(ValueError, match="within"):
+        m0 = int(desc["rows"][0])
+        cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                            taps=[(np.array([0]), m0, 1, np.zeros((1, 1, batch), dtype=dtype))], **desc)
+
+
 def test_shared_column_blocks_are_used_and_exact():
     """Rows sharing one column list (read once per column for four rows) give the plain row sums."""
     rng = np.random.default_rng(7)

@@ -1,0 +1,122 @@
+"""``BoundPlan.run(collect=..., keep=...)``: chain gradients stacked feature-major into the caller's buffers
+(written by the compiled CPU linear scan as it goes, copied after the run elsewhere) and results that hold
+only the gradients kept; against the plain run and the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import spscan
+from spscan.engine import Collect
+from spscan.kernels import cpu_chain
+from spscan.reference import reference_backward
+
+
+def _chain(n: int, d: int, seed: int) -> list[sp.csr_array]:
+    """``n`` square ``d x d`` patterns: dense, diagonal and banded ones (like a recurrent step's)."""
+    rng = np.random.default_rng(seed)
+    pats = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            m = (rng.random((d, d)) < 0.5) | np.eye(d, dtype=bool)
+        elif kind == 1:
+            m = np.eye(d, dtype=bool)
+        else:
+            m = np.eye(d, dtype=bool) | np.eye(d, k=1, dtype=bool)
+        pats.append(sp.csr_array(m.astype(np.float64)))
+    return pats
+
+
+def _values(pats, batch, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, p.nnz, generator=g, dtype=torch.float64).to(dtype) for p in pats]
+
+
+@pytest.mark.parametrize("levels", [0, 1])
+@pytest.mark.parametrize("batch", [1, 16, 19])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_collect_equals_the_gradients_and_keep_drops_the_rest(levels, batch, dtype):
+    n, d = 9, 7
+    pats = _chain(n, d, batch)
+    vals = _values(pats, batch, dtype, 1)
+    grad = torch.randn(batch, d, dtype=torch.float64).to(dtype)
+    plan = spscan.plan(pats, levels=levels)
+    bound = plan.bind((False,) * n, (False,) * (n + 1))
+    full = [g.clone() for g in bound.run(vals, grad).grads]
+    ref = reference_backward(pats, vals, grad)
+    if dtype == torch.float64:
+        for f, r in zip(full, ref):
+            torch.testing.assert_close(f, r, rtol=1e-10, atol=1e-12)
+    every = range(1, n + 1, 2)  # odd positions up to the top (the run's input), increasing
+    some = range(n - 1, -1, -3)  # decreasing, rows 2..5
+    a = torch.full((d, len(every), batch), float("nan"), dtype=dtype)
+    b = torch.full((3, len(some), batch), float("nan"), dtype=dtype)
+    keep = np.zeros(n + 1, dtype=bool)
+    keep[0] = True
+    res = bound.run(vals, grad, keep=keep, collect=[Collect(every, slice(None), a), Collect(some, slice(2, 5), b)])
+    for k, i in enumerate(every):
+        assert torch.equal(a[:, k].t(), full[i]), i
+    for k, i in enumerate(some):
+        assert torch.equal(b[:, k].t(), full[i][:, 2:5]), i
+    assert torch.equal(res[0], full[0])
+    grads = res.grads
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+    with pytest.raises(ValueError, match="not kept"):
+        res[3]
+    with pytest.raises(ValueError, match="not kept"):
+        res.stacked(range(1, 3))
+    # without keep every gradient is still there, and the collected ones agree
+    res = bound.run(vals, grad, collect=[Collect(every, slice(None), a)])
+    assert all(torch.equal(g, f) for g, f in zip(res.grads, full))
+
+
+@pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
+def test_the_compiled_scan_writes_the_collected_rows_itself(monkeypatch):
+    """On the compiled CPU linear scan the rows come from the kernel (no copy out of the vectors), and
+    gradients nobody keeps are not written to the vectors at all."""
+    n, d, batch = 6, 5, 16
+    pats = _chain(n, d, 3)
+    vals = _values(pats, batch, torch.float64, 2)
+    grad = torch.randn(batch, d, dtype=torch.float64)
+    bound = spscan.plan(pats, levels=0).bind((False,) * n, (False,) * (n + 1))
+    full = [g.clone() for g in bound.run(vals, grad).grads]
+    seen = []
+    real = cpu_chain.run_chain
+
+    def spy(*args, **kw):
+        seen.append((kw.get("taps", ()), args[7].copy()))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_chain, "run_chain", spy)
+    a = torch.zeros(d, n, batch, dtype=torch.float64)
+    keep = [True] + [False] * n
+    res = bound.run(vals, grad, keep=keep, collect=[Collect(range(1, n + 1), slice(None), a)])
+    (taps, out), = seen
+    # every step's output only in the collected rows, but the last one's: dl/dx_0, kept
+    assert len(taps) == 1 and (out[:-1] == -1).all() and out[-1] >= 0
+    for k in range(n):
+        assert torch.equal(a[:, k].t(), full[k + 1])
+    assert torch.equal(res[0], full[0])
+
+
+def test_collect_checks_its_requests():
+    pats = _chain(4, 5, 0) + [sp.csr_array(np.ones((5, 3)))]
+    vals = _values(pats, 2, torch.float64, 0)
+    grad = torch.randn(2, 3, dtype=torch.float64)
+    bound = spscan.plan(pats, levels=0).bind((False,) * 5, (False,) * 6)
+    with pytest.raises(ValueError, match="one size"):
+        bound.run(vals, grad, collect=[Collect(range(3, 6), slice(None), torch.zeros(5, 3, 2, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="contiguous \\(5, 2, 2\\)"):
+        bound.run(vals, grad, collect=[Collect(range(1, 3), slice(None), torch.zeros(5, 2, 3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="step 1"):
+        bound.run(vals, grad, collect=[Collect(range(1, 3), slice(0, 5, 2), torch.zeros(3, 2, 2, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="within"):
+        bound.run(vals, grad, collect=[Collect(range(4, 7), slice(None), torch.zeros(5, 3, 2, dtype=torch.float64))])
+    with pytest.raises(TypeError, match="Collect"):
+        bound.run(vals, grad, collect=[(range(1, 3), slice(None), torch.zeros(5, 2, 2, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="keep: expected 6 flags"):
+        bound.run(vals, grad, keep=[True])
