@@ -559,7 +559,9 @@ def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndar
                          or np.any(row0 + nrows > sizes[idx])):
             raise ValueError(f"taps[{t}]: steps must lie in [-1, {steps}) and rows {row0}..{row0 + nrows} within "
                              "each step's vector")
-        if np.any(tap_at[idx] >= 0) or np.unique(idx).size != idx.size:
+        before = int(np.count_nonzero(tap_at >= 0))
+        tap_at[idx] = 0
+        if int(np.count_nonzero(tap_at >= 0)) != before + idx.size:  # a step seen before, or twice here
             raise ValueError(f"taps[{t}]: a step is tapped at most once")
         tap_buf[idx] = t
         tap_at[idx] = np.arange(idx.size, dtype=np.int64) * batch
