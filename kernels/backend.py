@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "StructuredOperator", "Tap", "run_apply"]
+__all__ = ["Capabilities", "Tables", "Backend", "Feed", "StructuredOperator", "Tap", "load_feeds", "run_apply"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,46 @@ class Tap:
     row0: int
     rows: int
     out: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Affine terms of some steps, where the caller holds them (see :meth:`Backend.run`).
+
+    Attributes:
+        cols: ``(K,)`` int64, the vector-arena column where each term's slot (an extra slot of the
+            program, ``size`` columns wide) starts, in the order of ``terms``.
+        size: a slot's width.
+        row0: ``terms[k]`` fills slot columns ``row0 .. row0 + terms.shape[-1]``; the slot's other
+            columns are zero.
+        terms: ``(K, B, r)``, any strides, of the vectors' dtype and device.
+    """
+
+    cols: np.ndarray
+    size: int
+    row0: int
+    terms: torch.Tensor
+
+
+def load_feeds(vectors: torch.Tensor, feeds: Sequence[Feed]) -> None:
+    """Write each :class:`Feed`'s terms into its slots of ``vectors`` (zero in the slots' other columns):
+    what a backend that does not read feeds in place does before its steps."""
+    for f in feeds:
+        K, B, r = f.terms.shape
+        cols = np.asarray(f.cols, dtype=np.int64)
+        gap = int(cols[1] - cols[0]) if K > 1 else f.size
+        if gap >= f.size and bool(np.all(np.diff(cols) == gap)):
+            # evenly spaced slots: one strided view of them, (B, K, size)
+            block = vectors.as_strided((B, K, f.size), (vectors.stride(0), gap, vectors.stride(1)),
+                                       vectors.storage_offset() + int(cols[0]) * vectors.stride(1))
+            if r < f.size:
+                block.zero_()
+            block[..., f.row0:f.row0 + r].copy_(f.terms.transpose(0, 1))
+        else:
+            full = f.terms.new_zeros(B, K, f.size)
+            full[..., f.row0:f.row0 + r] = f.terms.transpose(0, 1)
+            idx = torch.as_tensor((cols[:, None] + np.arange(f.size)).reshape(-1), device=vectors.device)
+            vectors[:, idx] = full.reshape(B, K * f.size)
 
 
 class StructuredOperator(ABC):
@@ -132,7 +172,7 @@ class Backend(ABC):
     @abstractmethod
     def run(self, tables: Tables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
             inputs: Optional[Callable[[int], torch.Tensor]] = None, taps: Sequence[Tap] = (),
-            skip: Optional[np.ndarray] = None) -> bool:
+            skip: Optional[np.ndarray] = None, feeds: Sequence[Feed] = ()) -> bool:
         """Run every step in order, in place on ``arenas`` (``"S"``, ``"P"``, optional ``"C"``) and ``vectors``.
 
         ``inputs``: ``layer index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
@@ -144,4 +184,7 @@ class Backend(ABC):
         of the outputs starting at ``skip`` (``int64`` offsets: outputs nobody reads after the run),
         unless a later step of its own reads them. Returning ``False`` means it did neither: every
         output is in ``vectors``, and the engine copies the taps from there.
+
+        ``feeds`` are the program's extra terms that the engine did not load into ``vectors``: a
+        backend reads them where they lie, or writes them into their slots first (:func:`load_feeds`).
         """

@@ -54,10 +54,10 @@ from .cpu_simd import LANES
 
 # The vector operations the kernel names: numba intrinsics (kernels/cpu_simd.py), bound by _kernel()
 # before the first compile (numba is optional and slow to import).
-vload = vstore = vzero = vscale = vmul = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
+vload = vstore = vzero = vscale = vmul = vadd = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
 prefetch = prefetch_read = None
-_VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vmuladd", "vmuladdv", "vtranspose", "vtranspose_add",
-               "prefetch", "prefetch_read")
+_VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmuladd", "vmuladdv", "vtranspose",
+               "vtranspose_add", "prefetch", "prefetch_read")
 # A step's outputs and per-sample values are prefetched this many steps ahead (the T = 1000 LSTM
 # chain: 3.2 -> 2.5-2.9 ms with its gate values; 2 to 8 steps alike), the values only for steps of
 # at most PREFETCH_VALUES_MAX entries per tile (a small step's lines; a large one streams anyway)
@@ -97,11 +97,14 @@ def numba_module():
 
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                   csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
-                  tap_bufs):  # pragma: no cover - compiled
+                  tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
+                  feed_bufs):  # pragma: no cover - compiled
     # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
     # out[j] < 0: y_j is not stored in vectors; tap_at[j] >= 0: row tap_row0[j] + r of y_j (r <
     # tap_rows[j]) goes to tap_bufs[tap_buf[j]][r * tap_ld[j] + tap_at[j]:][:batch], samples contiguous;
-    # the tap tables have steps + 1 entries, the last one for the input y_{-1}
+    # the tap tables have steps + 1 entries, the last one for the input y_{-1}; feed_at[j] >= 0: row
+    # feed_row0[j] + r of y_j (r < feed_rows[j]) gets feed_bufs[feed_buf[j]][feed_at[j] + b * feed_bs[j]
+    # + r * feed_fs[j]] added for sample b (an affine term read where the caller holds it)
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
     # written out and never mix with the others (every operation is lane by lane), so they are not
@@ -345,6 +348,26 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                 for i in range(i0, m):
                     for bb in range(nb):
                         nxt[i * LANES + bb] += vectors[b0 + bb, a + i]
+            fa = feed_at[j]
+            if fa >= 0:
+                fsrc = feed_bufs[feed_buf[j]]
+                r0 = feed_row0[j]
+                d = feed_rows[j]
+                fbs = feed_bs[j]
+                fs = feed_fs[j]
+                fb = fa + b0 * fbs
+                if full and fbs == 1:  # feature-major terms: a row of the tile is one vector load
+                    for i in range(d):
+                        vstore(nxt, (r0 + i) * LANES, vadd(vload(nxt, (r0 + i) * LANES), vload(fsrc, fb + i * fs)))
+                else:
+                    i0 = 0
+                    if full and fs == 1:  # sample-major rows: register transposes, as from the vectors
+                        while i0 + LANES <= d:
+                            vtranspose_add(fsrc, fb + i0, fbs, nxt, (r0 + i0) * LANES, LANES)
+                            i0 += LANES
+                    for i in range(i0, d):
+                        for bb in range(nb):
+                            nxt[(r0 + i) * LANES + bb] += fsrc[fb + bb * fbs + i * fs]
             jn = j + PREFETCH_STEPS
             if jn < code.shape[0]:
                 # a later step's outputs (LANES rows of the sample-major buffer, far apart) and its
@@ -431,7 +454,8 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
               vectors: np.ndarray, csr_ptr: Optional[np.ndarray] = None, csr_indptr: Optional[np.ndarray] = None,
               csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None,
               csr_blocks: Optional[np.ndarray] = None, csr_bands: Optional[np.ndarray] = None,
-              taps: Sequence[tuple[np.ndarray, int, int, np.ndarray]] = ()) -> None:
+              taps: Sequence[tuple[np.ndarray, int, int, np.ndarray]] = (),
+              feeds: Sequence[tuple[np.ndarray, int, int, np.ndarray, int, int, int]] = ()) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
@@ -448,6 +472,11 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
             (``buf``: a C-contiguous ``(rows, len(steps), B)`` array of ``vectors``' dtype, one per
             tap: feature-major, as a tile holds them), as the run produces them. A step is tapped at
             most once.
+        feeds: ``(steps, row0, rows, buf, at, bstride, fstride)`` each: affine terms read where the
+            caller holds them. For step ``k`` of ``steps``, row ``row0 + r`` (``r < rows``) of
+            ``y_{steps[k]}`` for sample ``b`` gets ``buf[at[k] + b * bstride + r * fstride]`` added
+            (``at``: ``(len(steps),)`` int64; ``buf``: 1-D, of ``vectors``' dtype, one per feed; read
+            fastest with ``bstride`` 1 or ``fstride`` 1). After ``add[j]``'s term where a step has both.
         out: ``out[j] = -1``: ``y_j`` is not written to ``vectors`` (no caller reads it there; a tap
             may still take its rows).
         estride: ``(steps,)`` int64 element distance between consecutive entries of a per-sample
@@ -523,6 +552,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         raise ValueError(f"csr_blocks: expected {csr_indptr.shape} bool (shared_column_blocks), got "
                          f"{csr_blocks.shape} {csr_blocks.dtype}")
     tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = _tap_tables(taps, steps, rows, int(cols[0]), vectors)
+    feed_tables = _feed_tables(feeds, steps, rows, vectors)
     if csr_bands is None:
         csr_bands = diagonal_bands(csr_indptr, csr_indices)
     elif csr_bands.shape != csr_indptr.shape or csr_bands.dtype != np.int64:
@@ -530,7 +560,49 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
                          f"{csr_bands.shape} {csr_bands.dtype}")
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
               csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
-              tap_rows, tap_bufs)
+              tap_rows, tap_bufs, *feed_tables)
+
+
+def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
+    """Per-step ``(feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows)`` and the tuple of buffers of
+    :func:`run_chain`'s ``feeds``, checked (every element a feed names lies within its buffer)."""
+    feed_buf = np.zeros(steps, dtype=np.int64)
+    feed_at = np.full(steps, -1, dtype=np.int64)
+    feed_bs = np.zeros(steps, dtype=np.int64)
+    feed_fs = np.zeros(steps, dtype=np.int64)
+    feed_row0 = np.zeros(steps, dtype=np.int64)
+    feed_rows = np.zeros(steps, dtype=np.int64)
+    batch = vectors.shape[0]
+    bufs = []
+    for f, (idx, row0, nrows, buf, at, bstride, fstride) in enumerate(feeds):
+        idx = np.asarray(idx, dtype=np.int64)
+        at = np.asarray(at, dtype=np.int64)
+        row0, nrows, bstride, fstride = int(row0), int(nrows), int(bstride), int(fstride)
+        if not isinstance(buf, np.ndarray) or buf.dtype != vectors.dtype or buf.ndim != 1:
+            raise ValueError(f"feeds[{f}]: expected a 1-D {vectors.dtype} array")
+        if at.shape != idx.shape or bstride < 0 or fstride < 0 or nrows < 1 or row0 < 0:
+            raise ValueError(f"feeds[{f}]: expected one offset per step and non-negative strides")
+        if idx.size and (idx.min() < 0 or idx.max() >= steps or np.any(row0 + nrows > rows[idx])):
+            raise ValueError(f"feeds[{f}]: steps must lie in [0, {steps}) and rows {row0}..{row0 + nrows} within "
+                             "each step's output")
+        if idx.size and (at.min() < 0 or at.max() + (batch - 1) * bstride + (nrows - 1) * fstride >= buf.size):
+            raise ValueError(f"feeds[{f}]: the terms reach past their buffer ({buf.size} elements)")
+        before = int(np.count_nonzero(feed_at >= 0))
+        feed_at[idx] = at
+        if int(np.count_nonzero(feed_at >= 0)) != before + idx.size:
+            raise ValueError(f"feeds[{f}]: a step is fed at most once")
+        feed_buf[idx] = f
+        feed_bs[idx] = bstride
+        feed_fs[idx] = fstride
+        feed_row0[idx] = row0
+        feed_rows[idx] = nrows
+        bufs.append(buf)
+    if not bufs:
+        bufs.append(np.zeros(1, dtype=vectors.dtype))
+    n = 2
+    while n < len(bufs):
+        n *= 2
+    return feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, tuple(bufs) + (bufs[0],) * (n - len(bufs))
 
 
 def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray):

@@ -20,7 +20,7 @@ from spscan.planner.program import Apply, BlockRef, Gemm, LinearRun, Program, Ro
 from .spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 
 from . import cpu_chain
-from .backend import Backend, Capabilities, Tables, Tap, run_apply
+from .backend import Backend, Capabilities, Feed, Tables, Tap, load_feeds, run_apply
 
 __all__ = ["TorchTables", "TorchBackend", "run_program"]
 
@@ -235,6 +235,7 @@ class _RunPlan:
     csr_blocks: Optional[np.ndarray] = None  # the compiled CPU loop's shared_column_blocks, made on first use
     csr_bands: Optional[np.ndarray] = None  # and its diagonal_bands
     out_step: Optional[dict] = None  # output column -> step, for taps (made on first use)
+    add_step: Optional[dict] = None  # affine-term column -> step, for feeds (made on first use)
     tap_steps: dict = field(default_factory=dict)  # a tap's column set (bytes) -> its steps; ("skip", bytes) -> out
 
 
@@ -292,10 +293,13 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
 
 
 def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-                  inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None) -> Optional[bool]:
+                  inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None,
+                  feeds: Sequence[Feed] = ()) -> Optional[bool]:
     """The whole run in one call of the compiled CPU loop (:mod:`.cpu_chain`); ``None`` where it does not
-    apply (no numba, or an input matrix that is not a strided view of a contiguous tensor), else
-    whether it took ``taps`` and ``skip`` (when every tapped column is an output of this run)."""
+    apply (no numba, or an input matrix that is not a strided view of a contiguous tensor: nothing
+    ran, the feeds are not loaded), else whether it took ``taps`` and ``skip`` (when every tapped
+    column is an output of this run). Feeds are read in place where each slot is a step's affine
+    term and the terms' strides allow, else loaded into the vectors first."""
     if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
         return None
     code = _run_codes(op)
@@ -310,6 +314,15 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
         cp.csr_blocks = cpu_chain.shared_column_blocks(indptr, indices)
         cp.csr_bands = cpu_chain.diagonal_bands(indptr, indices)
     out = i64(op.out)
+    add = i64(op.add)
+    fed = _feed_steps(op, cp, feeds, vectors) if feeds else []
+    if fed is None:
+        load_feeds(vectors, feeds)
+        fed = []
+    elif fed:
+        add = add.copy()
+        for f in fed:
+            add[f[0]] = -1  # the term is read where the caller holds it, not from its slot
     steps = _tap_steps(op, cp, taps) if taps else []
     taken = steps is not None and bool(taps or skip is not None)
     if taken and skip is not None and skip.size:
@@ -320,11 +333,41 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
                 cp.tap_steps.clear()
             hit = cp.tap_steps[("skip", key)] = np.where(np.isin(out, skip), -1, out)
         out = hit
-    cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), i64(op.add), out, op.vin0,
+    cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), add, out, op.vin0,
                         sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
                         csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands,
-                        taps=[(st, t.row0, t.rows, t.out.numpy()) for st, t in zip(steps, taps)] if taken else ())
+                        taps=[(st, t.row0, t.rows, t.out.numpy()) for st, t in zip(steps, taps)] if taken else (),
+                        feeds=fed)
     return taken
+
+
+def _feed_steps(op: LinearRun, cp: _RunPlan, feeds: Sequence[Feed], vectors: torch.Tensor) -> Optional[list]:
+    """:func:`~.cpu_chain.run_chain`'s ``feeds`` for ``feeds`` (each slot the affine term of one step of
+    ``op``), or ``None`` where one is not (or its terms are not a CPU tensor of the vectors' dtype with
+    non-negative strides): then the caller loads them into the vectors."""
+    if cp.add_step is None:
+        cp.add_step = {int(a): j for j, a in enumerate(op.add) if a >= 0}
+    fed = []
+    for f in feeds:
+        t = f.terms
+        if (t.device.type != "cpu" or t.dtype != vectors.dtype or t.requires_grad or t.dim() != 3
+                or min(t.stride()) < 0 or f.row0 + t.shape[2] > f.size):
+            return None
+        key = ("feed", f.cols.tobytes())
+        st = cp.tap_steps.get(key)
+        if st is None:
+            st = np.asarray([cp.add_step.get(int(c), -1) for c in f.cols], dtype=np.int64)
+            if len(cp.tap_steps) > 64:
+                cp.tap_steps.clear()
+            cp.tap_steps[key] = st
+        if st.size and st.min() < 0:
+            return None
+        K, B, r = t.shape
+        sk, sb, sf = t.stride()
+        span = (K - 1) * sk + (B - 1) * sb + (r - 1) * sf + 1
+        flat = t.as_strided((span,), (1,), t.storage_offset()).numpy()
+        fed.append((st, f.row0, r, flat, np.arange(K, dtype=np.int64) * sk, sb, sf))
+    return fed
 
 
 def _tap_steps(op: LinearRun, cp: _RunPlan, taps: Sequence[Tap]) -> Optional[list[np.ndarray]]:
@@ -377,7 +420,8 @@ def _csr_step(y, vals, out, tab: _CsrSteps, prod, use_np: bool) -> None:
 
 
 def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-                inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None) -> bool:
+                inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None,
+                feeds: Sequence[Feed] = ()) -> bool:
     """The linear-scan middle: one ``mm`` / ``bmm`` / ``mul`` per step (fused with its affine term), or
     for a CSR step one gather-multiply and a padded gather-sum per row bin (:class:`_CsrSteps`).
 
@@ -390,9 +434,10 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
     batch, steps = vectors.shape[0], op.steps
     use_np = uses_numpy(cp, vectors)
     if use_np:
-        done = _run_compiled(op, cp, arenas, vectors, inputs, taps, skip)
+        done = _run_compiled(op, cp, arenas, vectors, inputs, taps, skip, feeds)
         if done is not None:
             return done
+    load_feeds(vectors, feeds)
     rows, cols, code = cp.rows, cp.cols, cp.code
     scratch = arenas.get("C")
     if scratch is not None and scratch.numel() >= batch * sum(rows):
@@ -517,18 +562,20 @@ def _run_linear(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], ve
 
 
 def run_program(tables: TorchTables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
-                inputs=None, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None) -> bool:
+                inputs=None, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None,
+                feeds: Sequence[Feed] = ()) -> bool:
     """Run every step of the program in order, in place on the arenas.
 
     ``inputs``: ``layer_index -> the caller's values tensor`` (``(B, nnz)`` or ``(nnz,)``), read
-    directly by linear runs over input matrices. ``taps``, ``skip``: as :meth:`Backend.run`; taken
-    (returns ``True``) where the program is one linear run on the compiled CPU loop (a linear scan:
-    no later step reads its outputs).
+    directly by linear runs over input matrices. ``taps``, ``skip``, ``feeds``: as :meth:`Backend.run`;
+    taps and skip taken (returns ``True``), and feeds read in place, where the program is one linear
+    run on the compiled CPU loop (a linear scan: no later step reads its outputs).
     """
-    if (taps or skip is not None) and len(tables.steps) == 1 and len(tables.steps[0]) == 1:
+    if (taps or skip is not None or feeds) and len(tables.steps) == 1 and len(tables.steps[0]) == 1:
         op, t = tables.steps[0][0]
         if isinstance(op, LinearRun):
-            return _run_linear(op, t, arenas, vectors, inputs, taps, skip)
+            return _run_linear(op, t, arenas, vectors, inputs, taps, skip, feeds)
+    load_feeds(vectors, feeds)
     batch = vectors.shape[0]
     for ops in tables.steps:
         for op, t in ops:
@@ -583,5 +630,5 @@ class TorchBackend(Backend):
     def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TorchTables:
         return TorchTables(program, device, memo)
 
-    def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None) -> bool:
-        return run_program(tables, arenas, vectors, inputs, taps, skip)
+    def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None, feeds=()) -> bool:
+        return run_program(tables, arenas, vectors, inputs, taps, skip, feeds)

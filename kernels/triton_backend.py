@@ -19,7 +19,7 @@ import torch
 
 from spscan.planner.program import Apply, BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
-from .backend import Backend, Capabilities, Tables, run_apply
+from .backend import Backend, Capabilities, Tables, load_feeds, run_apply
 from . import launch
 from .gemm import gemm
 from .gemv import gemv
@@ -275,6 +275,7 @@ class TritonBackend(Backend):
     def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TritonTables:
         return make_tables(program, device, memo)
 
-    def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None) -> bool:
+    def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None, feeds=()) -> bool:
+        load_feeds(vectors, feeds)
         run_program(tables, arenas, vectors, inputs)
         return False  # taps: the engine copies them from the vectors

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
-from spscan.kernels.backend import Backend, StructuredOperator, Tap
+from spscan.kernels.backend import Backend, Feed, StructuredOperator, Tap, load_feeds
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
 from spscan.planner.program import Apply, LoweringCache, Program, lower
@@ -199,21 +199,30 @@ def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch
 class StackedExtra(Sequence):
     """The ``n+1`` affine terms of a scan, given at evenly spaced positions by one stacked tensor.
 
-    ``terms`` ``(K, B, d)``; ``index`` a ``range`` of ``K`` chain positions; entry ``i`` is
-    ``terms[index.index(i)]`` where ``i`` is in ``index``, ``None`` elsewhere; ``length = n + 1``.
-    Reads as that list; :meth:`BoundPlan.run` loads all ``K`` terms with one copy instead of gathering
-    ``K`` tensors (a loss on every step of a long recurrence).
+    ``terms`` ``(K, B, r)``, any strides; ``index`` a ``range`` of ``K`` chain positions; entry ``i`` is
+    ``terms[index.index(i)]`` where ``i`` is in ``index`` (placed at columns ``row0 .. row0 + r`` of a
+    ``(B, size)`` term, zero elsewhere, when ``size`` is given; ``size`` defaults to ``r``), ``None``
+    elsewhere; ``length = n + 1``. Reads as that list; :meth:`BoundPlan.run` loads all ``K`` terms
+    with one copy instead of gathering ``K`` tensors (a loss on every step of a long recurrence), and
+    the compiled CPU linear scan reads them where they lie (fastest when ``terms`` is a view of
+    feature-major ``(r, K, B)`` memory).
     """
 
-    def __init__(self, terms: torch.Tensor, index: range, length: int) -> None:
-        if not isinstance(index, range) or len(index) != terms.shape[0] or terms.dim() != 3:
-            raise ValueError(f"terms/index: expected a (K, B, d) tensor and a range of K positions, got "
+    def __init__(self, terms: torch.Tensor, index: range, length: int, row0: int = 0,
+                 size: Optional[int] = None) -> None:
+        if not isinstance(index, range) or terms.dim() != 3 or len(index) != terms.shape[0]:
+            raise ValueError(f"terms/index: expected a (K, B, r) tensor and a range of K positions, got "
                              f"{tuple(terms.shape)} and {index!r}")
         if len(index) and (min(index) < 0 or max(index) >= length):
             raise ValueError(f"index: positions must lie in [0, {length}), got {index!r}")
+        size = terms.shape[2] if size is None else int(size)
+        if row0 < 0 or row0 + terms.shape[2] > size:
+            raise ValueError(f"row0/size: the terms' {terms.shape[2]} columns from {row0} must fit a term of {size}")
         self.terms = terms
         self.index = index
         self.length = int(length)
+        self.row0 = int(row0)
+        self.size = size
 
     def __len__(self) -> int:
         return self.length
@@ -225,7 +234,14 @@ class StackedExtra(Sequence):
             i += self.length
         if not 0 <= i < self.length:
             raise IndexError(f"position {i} out of range for {self.length} entries")
-        return self.terms[self.index.index(i)] if i in self.index else None
+        if i not in self.index:
+            return None
+        t = self.terms[self.index.index(i)]
+        if t.shape[1] == self.size:
+            return t
+        full = t.new_zeros(t.shape[0], self.size)
+        full[:, self.row0:self.row0 + t.shape[1]] = t
+        return full
 
 
 class Collect(NamedTuple):
@@ -854,14 +870,21 @@ class BoundPlan:
             g.copy_(grad)
             if extra is not None and extra[n] is not None:
                 g.add_(extra[n])
+        feeds: list[Feed] = []
         if self._extra_cols is not None:
             if isinstance(extra, StackedExtra) and extra.index == self._extra_range and self._extra_block is not None:
-                # term k goes to columns first + k*gap ... + d: one strided copy of the (K, B, d) stack
+                # term k goes to columns first + k*gap ... + d: handed to the backend, which reads the
+                # stack where it lies or loads it with one strided copy (load_feeds)
                 first, gap, d = self._extra_block
-                K = extra.terms.shape[0]
-                block = vectors.as_strided((batch, K, d), (vectors.stride(0), gap, 1), vectors.storage_offset() + first)
-                block.copy_(extra.terms.transpose(0, 1))
-            elif isinstance(extra, StackedExtra) and extra.index == self._extra_range:
+                if extra.size != d:
+                    raise ValueError(f"extra: terms of size {extra.size}, the gradients there have {d}")
+                cols = first + gap * np.arange(extra.terms.shape[0], dtype=np.int64)
+                feeds.append(Feed(cols, d, extra.row0, extra.terms))
+                if graph:  # a captured graph reads the slots: load them now, eagerly
+                    load_feeds(vectors, feeds)
+                    feeds = []
+            elif (isinstance(extra, StackedExtra) and extra.index == self._extra_range
+                  and extra.size == extra.terms.shape[2]):
                 # (K, B, d) -> (B, K*d): the same columns, in the same order, as the concatenation below
                 vectors[:, self._extra_cols] = extra.terms.transpose(0, 1).reshape(batch, -1)
             else:
@@ -873,7 +896,7 @@ class BoundPlan:
         if graph:
             self._run_graphed(arenas, vectors, batch, dtype)
             return (vectors if scratch else vectors.clone()), False
-        tapped = self.backend.run(self.tables, arenas, vectors, layer, taps, skip)
+        tapped = self.backend.run(self.tables, arenas, vectors, layer, taps, skip, feeds)
         return vectors, bool(tapped)
 
     def _run_graphed(self, arenas: dict[str, torch.Tensor], vectors: torch.Tensor, batch: int,

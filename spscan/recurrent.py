@@ -562,9 +562,12 @@ class RecurrentPlan:
         n = per * T
         ext: Optional[StackedExtra] = None
         if extra is not None:
-            # extra[t] (the loss on s_{t+1}) enters at chain position per*(t+1), t < T-1: one stacked tensor
-            ext = StackedExtra(extra[: T - 1], range(per, n, per), n + 1)
-            top = top + extra[T - 1]
+            # extra[t] (the loss on s_{t+1}, or on its first H entries h_{t+1}) enters at chain position
+            # per*(t+1), t < T-1: one stacked tensor, read where it lies
+            r = extra.shape[2]
+            ext = StackedExtra(extra[: T - 1], range(per, n, per), n + 1, row0=0, size=self.state_size)
+            top = top.clone()
+            top[:, :r] += extra[T - 1]
         keep = None
         if collect:  # what the caller reads: dl/ds_0 and the collected gradients
             keep = self._keep_first.get(n)
@@ -609,11 +612,10 @@ class RecurrentPlan:
                 # the scan runs without affine terms (NaN and inf are not zero: they keep them)
                 top[:, :H] += go[-1]
             else:
+                # (T, B, H), read where it lies (the compiled scan reads each sample's row of a step:
+                # a feature-major copy first measured slower); the LSTM's cell has no output, so its
+                # part of each step's term is zero and not stored
                 extra = go
-                if D > H:  # the LSTM's cell has no output: its part of each step's term is zero
-                    extra = self.buffers.take("extra", (T, B, D), go.dtype, go.device)
-                    extra[..., :H].copy_(go)
-                    extra[..., H:].zero_()
         if T == 0:
             return self._pack(saved, top, None, None)
         # the scan keeps only dl/ds_0 and hands over the per-step gradients the GEMMs read, feature-major

@@ -10,7 +10,7 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.engine import Collect
+from spscan.engine import Collect, StackedExtra
 from spscan.kernels import cpu_chain
 from spscan.reference import reference_backward
 
@@ -120,3 +120,50 @@ def test_collect_checks_its_requests():
         bound.run(vals, grad, collect=[(range(1, 3), slice(None), torch.zeros(5, 2, 2, dtype=torch.float64))])
     with pytest.raises(ValueError, match="keep: expected 6 flags"):
         bound.run(vals, grad, keep=[True])
+
+
+@pytest.mark.parametrize("levels", [0, 1])
+@pytest.mark.parametrize("layout", ["contiguous", "feature_major", "batch_first"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_stacked_extra_is_read_where_it_lies(levels, layout, compiled, monkeypatch):
+    """A ``StackedExtra`` covering some columns of each term (``row0``, ``size``), in any layout, gives the
+    reference's gradients: read in place by the compiled CPU scan, loaded into the vectors elsewhere."""
+    if not compiled:
+        monkeypatch.setattr(cpu_chain, "available", lambda: False)
+    n, d, batch, r0, r = 8, 6, 17, 2, 3
+    pats = _chain(n, d, 7)
+    vals = _values(pats, batch, torch.float64, 4)
+    grad = torch.randn(batch, d, dtype=torch.float64)
+    index = range(1, n, 2)
+    K = len(index)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(K, batch, r, generator=g, dtype=torch.float64)
+    if layout == "contiguous":
+        terms = base.clone()
+    elif layout == "feature_major":  # (r, K, B) memory
+        terms = base.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    else:  # (B, K, r) memory, as a batch-first module's output gradient viewed time-major
+        terms = base.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(terms, base)
+    ext = StackedExtra(terms, index, n + 1, row0=r0, size=d)
+    full = [None] * (n + 1)
+    for k, i in enumerate(index):
+        full[i] = torch.zeros(batch, d, dtype=torch.float64)
+        full[i][:, r0:r0 + r] = base[k]
+        assert torch.equal(ext[i], full[i])
+    ref = reference_backward(pats, vals, grad, full)
+    bound = spscan.plan(pats, levels=levels).bind((False,) * n, [x is not None for x in full])
+    fed = []
+    real = cpu_chain.run_chain
+    monkeypatch.setattr(cpu_chain, "run_chain", lambda *a, **kw: (fed.append(len(kw.get("feeds", ()))), real(*a, **kw)))
+    got = bound.run(vals, grad, ext, check=False).grads
+    for o, w in zip(got, ref):
+        torch.testing.assert_close(o, w, rtol=1e-10, atol=1e-12)
+    if levels == 0 and compiled and cpu_chain.available():
+        assert fed == [1]  # the compiled loop read the terms in place
+    # checked, it reads as the padded list
+    got = bound.run(vals, grad, ext).grads
+    for o, w in zip(got, ref):
+        torch.testing.assert_close(o, w, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="must fit"):
+        StackedExtra(terms, index, n + 1, row0=d - 1, size=d)

@@ -205,6 +205,66 @@ def test_taps_and_unstored_steps(dtype, batch, seed):
                             taps=[(np.array([0]), m0, 1, np.zeros((1, 1, batch), dtype=dtype))], **desc)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch", [1, 16, 19, 32])
+@pytest.mark.parametrize("seed", range(3))
+def test_feeds_equal_affine_terms_in_the_vectors(dtype, batch, seed):
+    """Terms read where the caller holds them (feature-major, sample-major, any strides) give bitwise the
+    run with the same terms as affine columns of ``vectors`` (zero outside the fed rows)."""
+    rng = np.random.default_rng(2000 + 10 * seed + batch)
+    desc, sources, vectors, _ = _random_run(rng, int(rng.integers(3, 14)), batch, dtype)
+    steps = desc["code"].shape[0]
+    free = np.flatnonzero(desc["add"] < 0)  # steps without an affine term of their own
+    rng.shuffle(free)
+    wide = free[desc["rows"][free] >= LANES]  # sample-major terms of wide steps: the register transposes
+    rest = free[desc["rows"][free] < LANES]
+    halves = np.array_split(rest, 2)
+    groups = [g for g in (halves[0], wide, halves[1]) if g.size]
+    extra_cols = []
+    add2 = desc["add"].copy()
+    width = vectors.shape[1]
+    feeds = []
+    for layout, idx in zip(("feature", "sample", "strided") if wide.size else ("feature", "strided"), groups):
+        m = int(desc["rows"][idx].min())
+        row0 = int(rng.integers(0, m))
+        nrows = int(rng.integers(1, m - row0 + 1))
+        if layout == "sample":  # whole rows: wide ones go through the register transposes
+            row0, nrows = 0, m
+        K = idx.size
+        terms = rng.standard_normal((K, batch, nrows)).astype(dtype)
+        if layout == "feature":  # (rows, K, B) memory
+            mem = np.ascontiguousarray(terms.transpose(2, 0, 1)).reshape(-1)
+            at, bs, fs = np.arange(K) * batch, 1, K * batch
+        elif layout == "sample":  # (K, B, rows) memory
+            mem = terms.reshape(-1).copy()
+            at, bs, fs = np.arange(K) * batch * nrows, nrows, 1
+        else:  # (B, rows, K) memory, with a gap: no unit stride
+            mem = np.zeros(batch * nrows * K * 2 + 5, dtype=dtype)
+            view = mem[5:5 + batch * nrows * K * 2].reshape(batch, nrows, K, 2)[..., 0]
+            view[:] = terms.transpose(1, 2, 0)
+            at, bs, fs = 5 + np.arange(K) * 2, nrows * K * 2, K * 2
+        feeds.append((idx, row0, nrows, mem, at.astype(np.int64), bs, fs))
+        for k, j in enumerate(idx):  # the same terms as affine columns, zero outside the fed rows
+            col = np.zeros((batch, int(desc["rows"][j])), dtype=dtype)
+            col[:, row0:row0 + nrows] = terms[k]
+            extra_cols.append(col)
+            add2[j] = width
+            width += col.shape[1]
+    want_vec = np.concatenate([vectors] + extra_cols, axis=1) if extra_cols else vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=want_vec, **dict(desc, add=add2))
+    got = np.concatenate([vectors] + [np.zeros_like(c) for c in extra_cols], axis=1) if extra_cols else vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=got, feeds=feeds, **desc)
+    assert np.array_equal(got[:, :vectors.shape[1]], want_vec[:, :vectors.shape[1]])
+    if groups:
+        idx, row0, nrows, mem, at, bs, fs = feeds[0]
+        with pytest.raises(ValueError, match="past their buffer"):
+            cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                                feeds=[(idx, row0, nrows, mem[:-1], at, bs, fs)], **desc)
+        with pytest.raises(ValueError, match="at most once"):
+            cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                                feeds=[feeds[0], (idx[:1], row0, nrows, mem, at[:1], bs, fs)], **desc)
+
+
 def test_shared_column_blocks_are_used_and_exact():
     """Rows sharing one column list (read once per column for four rows) give the plain row sums."""
     rng = np.random.default_rng(7)
