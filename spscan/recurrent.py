@@ -583,17 +583,20 @@ class RecurrentPlan:
         grad_output: Optional[torch.Tensor],
         grad_h_n: Optional[torch.Tensor],
         grad_c_n: Optional[torch.Tensor] = None,
+        wanted: Optional[frozenset] = None,
     ) -> dict[str, Optional[torch.Tensor]]:
         """Gradients from the upstream gradients of the module's outputs (each may be None = zero).
 
         ``grad_output`` in the module's output layout; ``grad_h_n`` / ``grad_c_n`` ``(1, B, H)`` (or
         ``(1, H)`` unbatched). Returns ``{"input", "h_0", "c_0", <parameter names>}``; ``input`` in
-        the input's layout, ``h_0``/``c_0`` shaped like the module's ``hx``.
+        the input's layout, ``h_0``/``c_0`` shaped like the module's ``hx``. ``wanted``: the names
+        the caller reads (default: all); the input's and the parameters' others are ``None`` and
+        not computed (their GEMMs are skipped, as autograd skips what needs no gradient).
         """
         with torch.no_grad():
-            return self._backward(saved, grad_output, grad_h_n, grad_c_n)
+            return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
 
-    def _backward(self, saved, grad_output, grad_h_n, grad_c_n):
+    def _backward(self, saved, grad_output, grad_h_n, grad_c_n, wanted=None):
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         D = self.state_size
         dt, dev = saved.dtype, saved.device
@@ -617,7 +620,7 @@ class RecurrentPlan:
                 # part of each step's term is zero and not stored
                 extra = go
         if T == 0:
-            return self._pack(saved, top, None, None)
+            return self._pack(saved, top, None, None, wanted)
         # the scan keeps only dl/ds_0 and hands over the per-step gradients the GEMMs read, feature-major
         # ((rows, T, B): each row one GEMM row over all steps and samples) into recycled buffers; the
         # compiled CPU scan writes them so as it goes, as its tiles hold them, instead of transposing
@@ -638,16 +641,16 @@ class RecurrentPlan:
             g0 = G[0].clone()
             a_hh = pre.view(rows, T * B)
             if self.kind != "gru":
-                return self._pack(saved, g0, a_hh, a_hh)
+                return self._pack(saved, g0, a_hh, a_hh, wanted)
             dh.mul_(saved.coefs["dn"].permute(2, 0, 1))
             a_ih = torch.cat([pre[: 2 * H], dh], out=take("pre_ih", (3 * H, T, B), dt, dev)).view(3 * H, T * B)
-            return self._pack(saved, g0, a_ih, a_hh)
+            return self._pack(saved, g0, a_ih, a_hh, wanted)
         grads = take("grads", (D, T, B), dt, dev)
         G = self._scan(saved, top, extra, [Collect(range(1, T + 1), slice(None), grads)])
         pre_ih, pre_hh = self._pre_activation_grads(saved, grads.permute(1, 2, 0))
         a_ih = pre_ih.reshape(T * B, -1).t()
         a_hh = a_ih if pre_hh is pre_ih else pre_hh.reshape(T * B, -1).t()
-        return self._pack(saved, G[0].clone(), a_ih, a_hh)
+        return self._pack(saved, G[0].clone(), a_ih, a_hh, wanted)
 
     def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):
         """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``."""
@@ -664,28 +667,37 @@ class RecurrentPlan:
         p = torch.cat([gc_tot * c["ci"], gc_tot * c["cf"], gc_tot * c["cg"], gh * c["co"]], dim=-1)
         return p, p
 
-    def _pack(self, saved: _Saved, g0: torch.Tensor, a_ih, a_hh) -> dict[str, Optional[torch.Tensor]]:
+    def _pack(self, saved: _Saved, g0: torch.Tensor, a_ih, a_hh,
+              wanted: Optional[frozenset] = None) -> dict[str, Optional[torch.Tensor]]:
         """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients of the input and hidden
-        GEMMs as ``(G, T*B)`` matrices (column ``t*B + b``: step ``t``, sample ``b``; any strides)."""
+        GEMMs as ``(G, T*B)`` matrices (column ``t*B + b``: step ``t``, sample ``b``; any strides); of the
+        input and the parameters only those in ``wanted`` (default: all), the others ``None``."""
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         params = saved.params
+        want = (lambda name: True) if wanted is None else wanted.__contains__
         out: dict[str, Optional[torch.Tensor]] = {}
+        x_grad = gw_ih = gw_hh = gb_ih = gb_hh = None
         if a_ih is None:
-            out["input"] = torch.zeros_like(saved.x)
-            gw_ih, gw_hh = torch.zeros_like(params[0]), torch.zeros_like(params[1])
+            x_grad = torch.zeros_like(saved.x) if want("input") else None
+            gw_ih = torch.zeros_like(params[0]) if want("weight_ih_l0") else None
+            gw_hh = torch.zeros_like(params[1]) if want("weight_hh_l0") else None
             gb_ih = gb_hh = torch.zeros_like(params[0][:, 0])
         else:
             # one GEMM over all T*B steps and samples per parameter: no loop over time
-            out["input"] = a_ih.t().mm(params[0]).view(T, B, -1)
-            gw_ih = _weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
-            gw_hh = _weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
-            gb_ih = a_ih.sum(1)
-            gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
-        x_grad = out["input"]
-        if saved.unbatched:
-            x_grad = x_grad.squeeze(1)
-        elif m.batch_first:
-            x_grad = x_grad.transpose(0, 1)
+            if want("input"):
+                x_grad = a_ih.t().mm(params[0]).view(T, B, -1)
+            if want("weight_ih_l0"):
+                gw_ih = _weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
+            if want("weight_hh_l0"):
+                gw_hh = _weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
+            if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
+                gb_ih = a_ih.sum(1)
+                gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
+        if x_grad is not None:
+            if saved.unbatched:
+                x_grad = x_grad.squeeze(1)
+            elif m.batch_first:
+                x_grad = x_grad.transpose(0, 1)
         out["input"] = x_grad
         shape = (1, H) if saved.unbatched else (1, B, H)
         out["h_0"] = g0[:, :H].reshape(shape)
@@ -757,9 +769,10 @@ class RecurrentFunction(torch.autograd.Function):
         saved = unstash_saved(ctx)
         if saved is None:
             return (None,) * (4 + len(module_params(plan.module)))
-        r = plan.backward(saved, grad_out, grad_hn, grad_cn)
         names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if plan.module.bias else [])
         need = ctx.needs_input_grad
+        wanted = frozenset([n for i, n in enumerate(names) if need[4 + i]] + (["input"] if need[1] else []))
+        r = plan.backward(saved, grad_out, grad_hn, grad_cn, wanted)
         gx = r["input"] if need[1] else None
         gh0 = r["h_0"] if (ctx.has_h0 and need[2]) else None
         gc0 = r["c_0"] if (ctx.has_h0 and plan.kind == "lstm" and need[3]) else None

@@ -774,3 +774,42 @@ def test_outputs_changed_in_place_do_not_change_gradients(kind, batch_first):
         res.append([xi.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(res[1], res[0]):
         assert rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("frozen", ["weight_hh_l0", "weight_ih_l0", "bias", "all_params", "input"])
+def test_only_the_gradients_needed_are_computed(kind, frozen):
+    """Frozen parameters or an input without gradient: the rest equals autograd's, and the backward
+    hands back nothing for what needs no gradient (its GEMMs are not run)."""
+    torch.manual_seed(0)
+    ref_m = CELLS[kind](3, 5, batch_first=True).double()
+    m = CELLS[kind](3, 5, batch_first=True).double()
+    m.load_state_dict(ref_m.state_dict())
+    for mod in (ref_m, m):
+        for name, p in mod.named_parameters():
+            if frozen == "all_params" or name == frozen or (frozen == "bias" and name.startswith("bias")):
+                p.requires_grad_(False)
+    x = torch.randn(4, 9, 3, dtype=torch.float64, requires_grad=frozen != "input")
+    w = wrap_recurrent(m, x)
+    grads = []
+    for mod in (ref_m, w):
+        x.grad = None
+        out = mod(x)[0]
+        (out ** 2).sum().backward()
+        grads.append((None if x.grad is None else x.grad.clone(),
+                      {n: (None if p.grad is None else p.grad.clone()) for n, p in mod.named_parameters()}))
+    (xa, pa), (xb, pb) = grads
+    assert (xa is None) == (xb is None)
+    if xa is not None:
+        torch.testing.assert_close(xb, xa, rtol=1e-10, atol=1e-12)
+    for n, g in pa.items():
+        n2 = n if n in pb else "module." + n
+        assert (g is None) == (pb[n2] is None), n
+        if g is not None:
+            torch.testing.assert_close(pb[n2], g, rtol=1e-10, atol=1e-12)
+    # the plan itself returns None for what it was not asked for
+    plan = w.plan
+    _, saved = plan.forward(x.detach())
+    r = plan.backward(saved, torch.ones(4, 9, 5, dtype=torch.float64), None, None, wanted=frozenset({"input"}))
+    assert r["input"] is not None and r["weight_ih_l0"] is None and r["weight_hh_l0"] is None
+    assert r["bias_ih_l0"] is None
