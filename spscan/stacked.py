@@ -283,18 +283,21 @@ class StackedRecurrentPlan:
         grad_output: Optional[torch.Tensor],
         grad_h_n: Optional[torch.Tensor],
         grad_c_n: Optional[torch.Tensor] = None,
+        wanted: Optional[frozenset] = None,
     ) -> dict[str, Optional[torch.Tensor]]:
         """Gradients from the upstream gradients of the module's outputs (each may be None = zero).
 
         ``grad_output`` in the module's output layout (``(T, B, D*H)`` time-major, ``(B, T, D*H)`` if
         batch_first, ``(T, D*H)`` unbatched); ``grad_h_n`` / ``grad_c_n`` ``(L*D, B, H)`` (``(L*D, H)``
         unbatched). Returns ``{"input", "h_0", "c_0", <parameter names>}``: ``input`` in the input's
-        layout, ``h_0``/``c_0`` ``(L*D, B, H)`` (``c_0`` None unless LSTM).
+        layout, ``h_0``/``c_0`` ``(L*D, B, H)`` (``c_0`` None unless LSTM). ``wanted``: the names the
+        caller reads (default: all); the input's and the parameters' others are ``None`` and their
+        GEMMs are skipped (a layer above the first still passes its input's gradient down).
         """
         with torch.no_grad():
-            return self._backward(saved, grad_output, grad_h_n, grad_c_n)
+            return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
 
-    def _backward(self, saved: _StackedSaved, grad_output, grad_h_n, grad_c_n):
+    def _backward(self, saved: _StackedSaved, grad_output, grad_h_n, grad_c_n, wanted=None):
         m = self.module
         L, D, H = self.num_layers, self.num_directions, self.hidden_size
         go = grad_output
@@ -316,9 +319,14 @@ class StackedRecurrentPlan:
                     g = g.flip(0)
                 ghn = None if grad_h_n is None else grad_h_n[i:i + 1]
                 gcn = None if grad_c_n is None else grad_c_n[i:i + 1]
-                r = self.layer_plans[i].backward(saved.subs[i], g, ghn, gcn)
-                gi = r["input"] if d == 0 else r["input"].flip(0)
-                g_in = gi if g_in is None else g_in + gi
+                sub = None
+                if wanted is not None:
+                    sub = frozenset([v for v, sname in _param_names(m, layer, d) if sname in wanted]
+                                    + (["input"] if layer > 0 or "input" in wanted else []))
+                r = self.layer_plans[i].backward(saved.subs[i], g, ghn, gcn, sub)
+                if r["input"] is not None:
+                    gi = r["input"] if d == 0 else r["input"].flip(0)
+                    g_in = gi if g_in is None else g_in + gi
                 h0[i], c0[i] = r["h_0"], r["c_0"]
                 for vname, sname in _param_names(m, layer, d):
                     res[sname] = r[vname]
@@ -326,10 +334,10 @@ class StackedRecurrentPlan:
                 # the output of layer - 1 fed layer `layer` through dropout: out * mask
                 mask = saved.masks[layer - 1]
                 go = g_in if mask is None else g_in * mask
-        x_grad = g_in
-        if saved.unbatched:
+        x_grad = g_in  # None when the first layer was not asked for it
+        if x_grad is not None and saved.unbatched:
             x_grad = x_grad.squeeze(1)
-        elif saved.batch_first:
+        elif x_grad is not None and saved.batch_first:
             x_grad = x_grad.transpose(0, 1)
         res["input"] = x_grad
         hh = torch.cat(h0, dim=0)
@@ -374,8 +382,9 @@ class _StackedFunction(RecurrentFunction):
         saved = unstash_saved(ctx)
         if saved is None:
             return (None,) * (4 + len(names))
-        r = plan.backward(saved, grad_out, grad_hn, grad_cn)
         need = ctx.needs_input_grad
+        wanted = frozenset([n for i, n in enumerate(names) if need[4 + i]] + (["input"] if need[1] else []))
+        r = plan.backward(saved, grad_out, grad_hn, grad_cn, wanted)
         gx = r["input"] if need[1] else None
         gh0 = r["h_0"] if (ctx.has_h0 and need[2]) else None
         gc0 = r["c_0"] if (ctx.has_h0 and plan.kind == "lstm" and need[3]) else None

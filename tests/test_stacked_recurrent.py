@@ -328,3 +328,32 @@ def test_newton_forward_per_layer():
     for i, (a, b) in enumerate(zip(got, want)):
         assert rel_err(a, b) <= 1e-9, (i, rel_err(a, b))
     assert all(p.last_forward is not None and p.last_forward.converged for p in w.plan.layer_plans)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("frozen", ["l0", "l1_reverse", "input"])
+def test_stacked_only_the_gradients_needed_are_computed(kind, frozen):
+    """Frozen first- or second-layer parameters, or an input without gradient: the rest equals autograd's
+    (the upper layer still passes its input's gradient down), and nothing comes back for the rest."""
+    ref = make(kind, 3, 4, num_layers=2, bidirectional=True, batch_first=True)
+    m = make(kind, 3, 4, num_layers=2, bidirectional=True, batch_first=True)
+    for mod in (ref, m):
+        for name, p in mod.named_parameters():
+            if frozen != "input" and name.endswith(frozen):
+                p.requires_grad_(False)
+    x = torch.randn(2, 7, 3, dtype=torch.float64, requires_grad=frozen != "input")
+    w = spscan.wrap(m, x)
+    got = []
+    for mod in (ref, w):
+        x.grad = None
+        out = mod(x)[0]
+        (out ** 3).sum().backward()
+        got.append((x.grad, {n.removeprefix("module."): p.grad for n, p in mod.named_parameters()}))
+    (xa, pa), (xb, pb) = got
+    assert (xa is None) == (xb is None)
+    if xa is not None:
+        torch.testing.assert_close(xb, xa, rtol=1e-10, atol=1e-12)
+    for n, g in pa.items():
+        assert (g is None) == (pb[n] is None), n
+        if g is not None:
+            torch.testing.assert_close(pb[n], g, rtol=1e-10, atol=1e-12)
