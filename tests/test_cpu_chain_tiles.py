@@ -366,7 +366,8 @@ def test_diagonal_bands_equal_a_row_by_row_check():
     on concatenated random patterns with bands, empty rows and repeated rows."""
     rng = np.random.default_rng(12)
     for _ in range(30):
-        pats = [_pattern(rng, int(rng.integers(1, 12)), int(rng.integers(1, 9))) for _ in range(int(rng.integers(1, 4)))]
+        count = int(rng.integers(1, 4))
+        pats = [_pattern(rng, int(rng.integers(1, 12)), int(rng.integers(1, 9))) for _ in range(count)]
         if rng.random() < 0.5:
             pats.append(_grid_of_diagonals(rng, int(rng.integers(1, 5)), 3, 2))
         base = np.cumsum([0] + [p.nnz for p in pats])
