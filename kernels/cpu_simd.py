@@ -19,7 +19,9 @@ loop's bit for bit and are reproducible run to run.
 Every operation is an ``@intrinsic`` (inlined LLVM IR); ``vload``/``vstore`` address
 ``LANES`` consecutive elements of a 1-D C-contiguous array from an element index, unchecked (the
 callers' tiles are sized by construction). Kernels using them compile with ``cache=True`` like any
-other numba function.
+other numba function; numba keys that on-disk cache by each kernel's own source file, so after a
+change here clear the caches (``__pycache__/*.nbi``, ``*.nbc``) or the kernels keep the old code
+(an installed release replaces every file, which invalidates them).
 """
 
 from __future__ import annotations
@@ -182,7 +184,9 @@ def _build() -> dict[str, Any]:
 
             def codegen(context, builder, sig, args):
                 i64 = ir.IntType(64)
-                idx = [context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args)]
+                # the offsets and strides only: a cast of the array arguments to int64 lowers to a call
+                # (numba's array-to-integer conversion runs np.take on it) twice per transpose, ~70 ns
+                idx = {k: context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 4, 5)}
                 s_data = context.make_array(sig.args[0])(context, builder, args[0]).data
                 d_data = context.make_array(sig.args[3])(context, builder, args[3]).data
                 vty = ir.VectorType(s_data.type.pointee, LANES)
