@@ -361,20 +361,29 @@ def test_diagonal_bands_and_eight_row_blocks_are_exact(dtype, batch):
         assert np.array_equal(got[b, 11 * H:13 * H], y)
 
 
-def test_register_transposes_compile_to_loads_shuffles_and_stores_only():
-    """A transpose is 16 loads, 64 shuffles and 16 stores: no calls (a cast of its array arguments once
-    lowered to two calls of numba's np.take per transpose, ~7x its own cost)."""
+def test_vector_operations_compile_to_no_calls():
+    """Every vector operation is inline arithmetic and memory access: no calls (a cast of the register
+    transposes' array arguments once lowered to two calls of numba's np.take per transpose, ~7x the
+    transpose's own cost)."""
     numba = pytest.importorskip("numba")
     from spscan.kernels import cpu_simd
 
     ops = cpu_simd.intrinsics()
     vtranspose, vtranspose_add = ops["vtranspose"], ops["vtranspose_add"]
+    vload, vstore, vstream, vzero = ops["vload"], ops["vstore"], ops["vstream"], ops["vzero"]
+    vmuladd, vmuladdv, vscale = ops["vmuladd"], ops["vmuladdv"], ops["vscale"]
+    prefetch, prefetch_read = ops["prefetch"], ops["prefetch_read"]
 
     @numba.njit
     def both(src, dst, n):
         for i in range(n):
             vtranspose(src, i, 16, dst, 512, 16)
             vtranspose_add(src, i, 16, dst, 1024, 16)
+            x = vmuladd(vzero(src), src[i], vload(src, i))
+            vstore(dst, i, vmuladdv(x, x, vscale(src[0], x)))
+            vstream(dst, 64, x)
+            prefetch(dst, i + 256)
+            prefetch_read(src, i + 256)
 
     src, dst = np.zeros(2048, np.float32), np.zeros(4096, np.float32)
     both(src, dst, 1)
