@@ -411,10 +411,10 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
                      bitsf):  # pragma: no cover - compiled
     # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
     # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) entry-major (the chain reads
-    # it); dn: (B, T, H) batch-major (the backward multiplies it with gradients in that order).
+    # it); dn: (H, T, B) feature-major (the backward multiplies it with gradients it holds that way).
     # a rows: r, z (pre-activations), then hn = b_hn + W_hn h; e rows: expm1 arguments / results of
     # r, z, then of n (-2|a_n|), row 0 holds r once it is known; wn: a_n (its sign, as tanh is odd)
-    B, T, H = dn.shape
+    H, T, B = dn.shape
     G = 3 * H
     n = H * LANES
     one = cst[18]
@@ -481,7 +481,13 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
                         df[db + (2 * H + j) * B + bb] = a[2 * n + q]
                         df[db + (3 * H + j) * B + bb] = e[1, q]
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
-            _tile_store_state_c(en, dnf, b0 * T * H + t * H, T * H, nb)
+            if full:
+                for j in range(H):
+                    vstore(dnf, (j * T + t) * B + b0, vload(en, j * LANES))
+            else:
+                for j in range(H):
+                    for bb in range(nb):
+                        dnf[(j * T + t) * B + b0 + bb] = en[j * LANES + bb]
 
 
 def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, ds, acc, e, bits, bitsf):  # pragma: no cover - compiled
@@ -885,7 +891,8 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         pre-activations of ``r``, ``z`` and to ``M``); and ``dn`` (``dh'`` with respect to the input side
         of ``n``, which the input-weight gradients need). ``d`` is a view of ``(T, 4H, B)`` memory
         (entry-major, as :func:`rnn_forward`'s); from ``TILE_MIN_BATCH`` samples ``dn`` is a view of
-        ``(B, T, H)`` memory (the order the backward reads it in). All of ``gi``'s dtype (float32 or float64).
+        ``(H, T, B)`` memory (feature-major, as the backward holds the gradients it multiplies). All of
+        ``gi``'s dtype (float32 or float64).
 
     Raises ``RuntimeError`` without numba, ``TypeError`` for other dtypes or non-CPU tensors.
     """
@@ -910,7 +917,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     d = _values_tensor(buffers, "d", (T, 4 * H, B), dt)  # entry-major, as rnn_forward's
     bhn = np.zeros(H, dtype=np_dt) if b_hn is None else b_hn.detach().contiguous().numpy()
     if B >= TILE_MIN_BATCH:
-        dn = _values_tensor(buffers, "dn", (B, T, H), dt)
+        dn = _values_tensor(buffers, "dn", (H, T, B), dt)
         gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
         n = H * LANES
         bits = np.empty(2 * n, dtype=itype)
@@ -920,7 +927,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
             h0.detach().contiguous().numpy(), cst, icst, hf, hts, hbs, d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
             np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
             bits.view(np_dt))
-        return hs, d.transpose(1, 2), dn.transpose(0, 1)
+        return hs, d.transpose(1, 2), dn.permute(1, 2, 0)
     if isinstance(gi, InputProjection):
         gi = gi.materialize()
     hs = torch.empty(T, B, H, dtype=dt)
