@@ -68,7 +68,7 @@ def load_feeds(vectors: torch.Tensor, feeds: Sequence[Feed]) -> None:
         gap = int(cols[1] - cols[0]) if K > 1 else f.size
         if gap >= f.size and bool(np.all(np.diff(cols) == gap)):
             # evenly spaced slots: one strided view of them, (B, K, size)
-            block = vectors.as_strided((B, K, f.size), (vectors.stride(0), gap, vectors.stride(1)),
+            block = vectors.as_strided((B, K, f.size), (vectors.stride(0), gap * vectors.stride(1), vectors.stride(1)),
                                        vectors.storage_offset() + int(cols[0]) * vectors.stride(1))
             if r < f.size:
                 block.zero_()

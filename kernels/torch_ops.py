@@ -373,8 +373,7 @@ def _feed_steps(op: LinearRun, cp: _RunPlan, feeds: Sequence[Feed], vectors: tor
 def _tap_steps(op: LinearRun, cp: _RunPlan, taps: Sequence[Tap]) -> Optional[list[np.ndarray]]:
     """Each tap's step indices in ``op`` (the steps whose outputs start at its columns; ``-1``: the run's
     input), or ``None`` if a column is neither, two taps share a step, or a tap's buffer is not a plain
-    CPU array. Step lookups are
-    kept per column set (the same taps come back every call)."""
+    CPU array. Step lookups are kept per column set (the same taps come back every call)."""
     if cp.out_step is None:
         cp.out_step = {int(o): j for j, o in enumerate(op.out)}
         cp.out_step.setdefault(int(op.vin0), -1)  # the run's input y_{-1} (the top gradient)
