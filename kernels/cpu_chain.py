@@ -522,11 +522,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
                             f"{s.ndim}-D")
-    # a homogeneous tuple indexed at run time; padded to a power of two so few specializations compile
-    n = 2
-    while n < len(sources):
-        n *= 2
-    srcs = tuple(sources) + (sources[0],) * (n - len(sources))
+    srcs = _homogeneous(sources)
     # the running vector and the next one, one tile of LANES samples: every y_j has rows[j] entries
     # and y_{-1} has cols[0]
     width = int(max(rows.max(), cols[0]))
@@ -597,12 +593,7 @@ def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
         feed_row0[idx] = row0
         feed_rows[idx] = nrows
         bufs.append(buf)
-    if not bufs:
-        bufs.append(np.zeros(1, dtype=vectors.dtype))
-    n = 2
-    while n < len(bufs):
-        n *= 2
-    return feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, tuple(bufs) + (bufs[0],) * (n - len(bufs))
+    return feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, _homogeneous(bufs or [np.zeros(1, vectors.dtype)])
 
 
 def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray):
@@ -641,13 +632,16 @@ def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndar
         tap_row0[idx] = row0
         tap_rows[idx] = nrows
         bufs.append(buf.reshape(-1))
-    if not bufs:
-        bufs.append(np.zeros(1, dtype=vectors.dtype))
-    # a homogeneous tuple indexed at run time, padded to a power of two like the sources
+    return tap_buf, tap_at, tap_ld, tap_row0, tap_rows, _homogeneous(bufs or [np.zeros(1, vectors.dtype)])
+
+
+def _homogeneous(arrays: Sequence[np.ndarray]) -> tuple:
+    """``arrays`` as the homogeneous tuple the loop indexes at run time, padded (with its first array) to a
+    power of two so few specializations compile."""
     n = 2
-    while n < len(bufs):
+    while n < len(arrays):
         n *= 2
-    return tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tuple(bufs) + (bufs[0],) * (n - len(bufs))
+    return tuple(arrays) + (arrays[0],) * (n - len(arrays))
 
 
 def shared_column_blocks(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarray:

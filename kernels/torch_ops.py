@@ -236,7 +236,7 @@ class _RunPlan:
     csr_bands: Optional[np.ndarray] = None  # and its diagonal_bands
     out_step: Optional[dict] = None  # output column -> step, for taps (made on first use)
     add_step: Optional[dict] = None  # affine-term column -> step, for feeds (made on first use)
-    tap_steps: dict = field(default_factory=dict)  # a tap's column set (bytes) -> its steps; ("skip", bytes) -> out
+    lookups: dict = field(default_factory=dict)  # per request key: steps of taps and feeds, outputs minus skip
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
@@ -326,19 +326,24 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
     steps = _tap_steps(op, cp, taps) if taps else []
     taken = steps is not None and bool(taps or skip is not None)
     if taken and skip is not None and skip.size:
-        key = skip.tobytes()
-        hit = cp.tap_steps.get(("skip", key))
-        if hit is None:
-            if len(cp.tap_steps) > 64:
-                cp.tap_steps.clear()
-            hit = cp.tap_steps[("skip", key)] = np.where(np.isin(out, skip), -1, out)
-        out = hit
+        out = _lookup(cp, ("skip", skip.tobytes()), lambda: np.where(np.isin(out, skip), -1, out))
     cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), add, out, op.vin0,
                         sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
                         csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands,
                         taps=[(st, t.row0, t.rows, t.out.numpy()) for st, t in zip(steps, taps)] if taken else (),
                         feeds=fed)
     return taken
+
+
+def _lookup(cp: _RunPlan, key: tuple, make):
+    """``cp.lookups[key]``, made by ``make()`` the first time (the same requests come back every call; a
+    bounded cache, cleared when it grows past 64 entries)."""
+    hit = cp.lookups.get(key)
+    if hit is None:
+        if len(cp.lookups) > 64:
+            cp.lookups.clear()
+        hit = cp.lookups[key] = make()
+    return hit
 
 
 def _feed_steps(op: LinearRun, cp: _RunPlan, feeds: Sequence[Feed], vectors: torch.Tensor) -> Optional[list]:
@@ -353,13 +358,8 @@ def _feed_steps(op: LinearRun, cp: _RunPlan, feeds: Sequence[Feed], vectors: tor
         if (t.device.type != "cpu" or t.dtype != vectors.dtype or t.requires_grad or t.dim() != 3
                 or min(t.stride()) < 0 or f.row0 + t.shape[2] > f.size):
             return None
-        key = ("feed", f.cols.tobytes())
-        st = cp.tap_steps.get(key)
-        if st is None:
-            st = np.asarray([cp.add_step.get(int(c), -1) for c in f.cols], dtype=np.int64)
-            if len(cp.tap_steps) > 64:
-                cp.tap_steps.clear()
-            cp.tap_steps[key] = st
+        st = _lookup(cp, ("feed", f.cols.tobytes()),
+                     lambda: np.asarray([cp.add_step.get(int(c), -1) for c in f.cols], dtype=np.int64))
         if st.size and st.min() < 0:
             return None
         K, B, r = t.shape
@@ -381,14 +381,9 @@ def _tap_steps(op: LinearRun, cp: _RunPlan, taps: Sequence[Tap]) -> Optional[lis
     for t in taps:
         if t.out.device.type != "cpu" or not t.out.is_contiguous():
             return None
-        key = t.cols.tobytes()
-        st = cp.tap_steps.get(key)
-        if st is None:
-            found = [cp.out_step.get(int(c), -2) for c in t.cols]  # -2: not this run's
-            st = np.asarray(found, dtype=np.int64)
-            if len(cp.tap_steps) > 64:
-                cp.tap_steps.clear()
-            cp.tap_steps[key] = st
+        # -2: not one of this run's columns
+        st = _lookup(cp, ("tap", t.cols.tobytes()),
+                     lambda: np.asarray([cp.out_step.get(int(c), -2) for c in t.cols], dtype=np.int64))
         if st.size and st.min() < -1:
             return None
         steps.append(st)

@@ -774,14 +774,12 @@ class BoundPlan:
             s_arena, p_arena = self._arenas
             src = s_arena[off : off + nnz] if arena == "S" else p_arena[:, off : off + nnz]
             composite = src.clone() if not scratch else src
-        result = ScanResult(vectors, self.program, composite, self._index_cache)
-        if collect and not tapped:
+        if collect and not tapped:  # the backend wrote every gradient to the vectors: copy the rows asked for
+            every = ScanResult(vectors, self.program, None, self._index_cache)
             with torch.no_grad():
                 for c in collect:
-                    c.out.copy_(result.stacked(c.index)[..., c.rows].permute(2, 0, 1))
-        if keep is not None:
-            result = ScanResult(vectors, self.program, composite, self._index_cache, kept=keep)
-        return result
+                    c.out.copy_(every.stacked(c.index)[..., c.rows].permute(2, 0, 1))
+        return ScanResult(vectors, self.program, composite, self._index_cache, kept=keep)
 
     def _tap(self, c: Collect, batch: int, dtype: torch.dtype) -> Tap:
         """A :class:`Collect` as the backend's :class:`~spscan.kernels.backend.Tap` (arena columns), checked;

@@ -213,7 +213,6 @@ def test_feeds_equal_affine_terms_in_the_vectors(dtype, batch, seed):
     run with the same terms as affine columns of ``vectors`` (zero outside the fed rows)."""
     rng = np.random.default_rng(2000 + 10 * seed + batch)
     desc, sources, vectors, _ = _random_run(rng, int(rng.integers(3, 14)), batch, dtype)
-    steps = desc["code"].shape[0]
     free = np.flatnonzero(desc["add"] < 0)  # steps without an affine term of their own
     rng.shuffle(free)
     wide = free[desc["rows"][free] >= LANES]  # sample-major terms of wide steps: the register transposes
