@@ -54,9 +54,9 @@ from .cpu_simd import LANES
 
 # The vector operations the kernel names: numba intrinsics (kernels/cpu_simd.py), bound by _kernel()
 # before the first compile (numba is optional and slow to import).
-vload = vstore = vzero = vscale = vmul = vadd = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
+get = vload = vstore = vzero = vscale = vmul = vadd = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
 prefetch = prefetch_read = None
-_VECTOR_OPS = ("vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmuladd", "vmuladdv", "vtranspose",
+_VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmuladd", "vmuladdv", "vtranspose",
                "vtranspose_add", "prefetch", "prefetch_read")
 # A step's outputs and per-sample values are prefetched this many steps ahead (the T = 1000 LSTM
 # chain: 3.2 -> 2.5-2.9 ms with its gate values; 2 to 8 steps alike), the values only for steps of
@@ -145,18 +145,18 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
             direct = bs == 1 and full
             if cj == 0 and bs == 0:  # shared diagonal
                 for i in range(m):
-                    vstore(nxt, i * LANES, vscale(s[o + i], vload(cur, i * LANES)))
+                    vstore(nxt, i * LANES, vscale(get(s, o + i), vload(cur, i * LANES)))
             elif cj == 0 and direct:  # per-sample diagonal, entry-major
                 for i in range(m):
                     vstore(nxt, i * LANES, vmul(vload(s, o + b0 + i * es), vload(cur, i * LANES)))
             elif cj == 0:  # per-sample diagonal
                 for i in range(m):
                     for bb in range(nb):
-                        nxt[i * LANES + bb] = s[o + (b0 + bb) * bs + i * es] * cur[i * LANES + bb]
+                        nxt[i * LANES + bb] = get(s, o + (b0 + bb) * bs + i * es) * cur[i * LANES + bb]
             elif cj == 1 or cj == 3:  # shared dense / CSR: rows of stored entries in ascending order
                 if cj == 3:
                     cp = csr_ptr[j]
-                    o -= csr_indptr[cp]  # value of global entry p: s[o + p]
+                    o -= csr_indptr[cp]  # value of global entry p: get(s, o + p)
                 i = 0
                 while i < m:
                     if cj == 1:
@@ -175,18 +175,18 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         a5 = vzero(cur)
                         a6 = vzero(cur)
                         a7 = vzero(cur)
-                        # row r's entry q: s[p + r * n + q] (dense: o + (i + r) * k + q; CSR: o + p + ...)
+                        # row r's entry q: get(s, p + r * n + q) (dense: o + (i + r) * k + q; CSR: o + p + ...)
                         vb = p if cj == 1 else o + p
                         for q in range(n):
-                            x = vload(cur, (q if cj == 1 else csr_indices[p + q]) * LANES)
-                            a0 = vmuladd(a0, s[vb + q], x)
-                            a1 = vmuladd(a1, s[vb + n + q], x)
-                            a2 = vmuladd(a2, s[vb + 2 * n + q], x)
-                            a3 = vmuladd(a3, s[vb + 3 * n + q], x)
-                            a4 = vmuladd(a4, s[vb + 4 * n + q], x)
-                            a5 = vmuladd(a5, s[vb + 5 * n + q], x)
-                            a6 = vmuladd(a6, s[vb + 6 * n + q], x)
-                            a7 = vmuladd(a7, s[vb + 7 * n + q], x)
+                            x = vload(cur, (q if cj == 1 else get(csr_indices, p + q)) * LANES)
+                            a0 = vmuladd(a0, get(s, vb + q), x)
+                            a1 = vmuladd(a1, get(s, vb + n + q), x)
+                            a2 = vmuladd(a2, get(s, vb + 2 * n + q), x)
+                            a3 = vmuladd(a3, get(s, vb + 3 * n + q), x)
+                            a4 = vmuladd(a4, get(s, vb + 4 * n + q), x)
+                            a5 = vmuladd(a5, get(s, vb + 5 * n + q), x)
+                            a6 = vmuladd(a6, get(s, vb + 6 * n + q), x)
+                            a7 = vmuladd(a7, get(s, vb + 7 * n + q), x)
                         vstore(nxt, i * LANES, a0)
                         vstore(nxt, (i + 1) * LANES, a1)
                         vstore(nxt, (i + 2) * LANES, a2)
@@ -199,12 +199,12 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     elif cj == 3 and bands[cp + i] > 1 and n <= 2:
                         # a diagonal band of short rows (row i + r: row i's columns + r): no per-row lookups
                         L = min(bands[cp + i], m - i)
-                        c0 = csr_indices[p] * LANES
-                        c1 = csr_indices[p + n - 1] * LANES
+                        c0 = get(csr_indices, p) * LANES
+                        c1 = get(csr_indices, p + n - 1) * LANES
                         for r in range(L):
-                            a0 = vmuladd(vzero(cur), s[o + p + r * n], vload(cur, c0 + r * LANES))
+                            a0 = vmuladd(vzero(cur), get(s, o + p + r * n), vload(cur, c0 + r * LANES))
                             if n == 2:
-                                a0 = vmuladd(a0, s[o + p + r * n + 1], vload(cur, c1 + r * LANES))
+                                a0 = vmuladd(a0, get(s, o + p + r * n + 1), vload(cur, c1 + r * LANES))
                             vstore(nxt, (i + r) * LANES, a0)
                         i += L
                     elif i + 4 <= m and (cj == 1 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
@@ -218,23 +218,23 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         if cj == 1:
                             for q in range(n):
                                 x = vload(cur, q * LANES)
-                                a0 = vmuladd(a0, s[p + q], x)
-                                a1 = vmuladd(a1, s[p + k + q], x)
-                                a2 = vmuladd(a2, s[p + 2 * k + q], x)
-                                a3 = vmuladd(a3, s[p + 3 * k + q], x)
+                                a0 = vmuladd(a0, get(s, p + q), x)
+                                a1 = vmuladd(a1, get(s, p + k + q), x)
+                                a2 = vmuladd(a2, get(s, p + 2 * k + q), x)
+                                a3 = vmuladd(a3, get(s, p + 3 * k + q), x)
                         elif same[cp + i]:
                             for q in range(n):
-                                x = vload(cur, csr_indices[p + q] * LANES)
-                                a0 = vmuladd(a0, s[o + p + q], x)
-                                a1 = vmuladd(a1, s[o + p + n + q], x)
-                                a2 = vmuladd(a2, s[o + p + 2 * n + q], x)
-                                a3 = vmuladd(a3, s[o + p + 3 * n + q], x)
+                                x = vload(cur, get(csr_indices, p + q) * LANES)
+                                a0 = vmuladd(a0, get(s, o + p + q), x)
+                                a1 = vmuladd(a1, get(s, o + p + n + q), x)
+                                a2 = vmuladd(a2, get(s, o + p + 2 * n + q), x)
+                                a3 = vmuladd(a3, get(s, o + p + 3 * n + q), x)
                         else:
                             for q in range(n):
-                                a0 = vmuladd(a0, s[o + p + q], vload(cur, csr_indices[p + q] * LANES))
-                                a1 = vmuladd(a1, s[o + p + n + q], vload(cur, csr_indices[p + n + q] * LANES))
-                                a2 = vmuladd(a2, s[o + p + 2 * n + q], vload(cur, csr_indices[p + 2 * n + q] * LANES))
-                                a3 = vmuladd(a3, s[o + p + 3 * n + q], vload(cur, csr_indices[p + 3 * n + q] * LANES))
+                                a0 = vmuladd(a0, get(s, o + p + q), vload(cur, get(csr_indices, p + q) * LANES))
+                                a1 = vmuladd(a1, get(s, o + p + n + q), vload(cur, get(csr_indices, p + n + q) * LANES))
+                                a2 = vmuladd(a2, get(s, o + p + 2 * n + q), vload(cur, get(csr_indices, p + 2 * n + q) * LANES))
+                                a3 = vmuladd(a3, get(s, o + p + 3 * n + q), vload(cur, get(csr_indices, p + 3 * n + q) * LANES))
                         vstore(nxt, i * LANES, a0)
                         vstore(nxt, (i + 1) * LANES, a1)
                         vstore(nxt, (i + 2) * LANES, a2)
@@ -244,10 +244,10 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         a0 = vzero(cur)
                         if cj == 1:
                             for q in range(n):
-                                a0 = vmuladd(a0, s[p + q], vload(cur, q * LANES))
+                                a0 = vmuladd(a0, get(s, p + q), vload(cur, q * LANES))
                         else:
                             for q in range(n):
-                                a0 = vmuladd(a0, s[o + p + q], vload(cur, csr_indices[p + q] * LANES))
+                                a0 = vmuladd(a0, get(s, o + p + q), vload(cur, get(csr_indices, p + q) * LANES))
                         vstore(nxt, i * LANES, a0)
                         i += 1
             else:  # per-sample dense (2) or CSR (4): values copied entry-major into tv, then rows
@@ -264,7 +264,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     for bb in range(nb):
                         vb = o + (b0 + bb) * bs
                         for q in range(q0, nnz):
-                            tv[q * LANES + bb] = s[vb + q * es]
+                            tv[q * LANES + bb] = get(s, vb + q * es)
                 # value q of the tile: varr[vbase + q * vstr] (in place, or the entry-major copy)
                 varr = s if direct else tv
                 vbase = o + b0 if direct else 0
@@ -280,8 +280,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         # a diagonal band of short rows (row i + r: row i's columns + r; the LSTM gate
                         # element's five blocks of H rows): no per-row lookups, the same sums
                         L = min(bands[cp + i], m - i)
-                        c0 = csr_indices[g0 + p] * LANES
-                        c1 = csr_indices[g0 + p + n - 1] * LANES
+                        c0 = get(csr_indices, g0 + p) * LANES
+                        c1 = get(csr_indices, g0 + p + n - 1) * LANES
                         for r in range(L):
                             e0 = vbase + (p + r * n) * vstr
                             a0 = vmuladdv(vzero(cur), vload(varr, e0), vload(cur, c0 + r * LANES))
@@ -293,10 +293,10 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         for bb in range(nb):
                             vb = o + (b0 + bb) * bs + p * es
                             for q in range(n):
-                                tv[q * LANES + bb] = s[vb + q * es]
+                                tv[q * LANES + bb] = get(s, vb + q * es)
                         a0 = vzero(cur)
                         for q in range(n):
-                            c = q if cj == 2 else csr_indices[g0 + p + q]
+                            c = q if cj == 2 else get(csr_indices, g0 + p + q)
                             a0 = vmuladdv(a0, vload(tv, q * LANES), vload(cur, c * LANES))
                         vstore(nxt, i * LANES, a0)
                         i += 1
@@ -319,13 +319,13 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                             for q in range(n):
                                 e0 = p + q
                                 a0 = vmuladdv(a0, vload(varr, vbase + e0 * vstr),
-                                              vload(cur, csr_indices[g0 + e0] * LANES))
+                                              vload(cur, get(csr_indices, g0 + e0) * LANES))
                                 e0 += n
-                                a1 = vmuladdv(a1, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                a1 = vmuladdv(a1, vload(varr, vbase + e0 * vstr), vload(cur, get(csr_indices, g0 + e0) * LANES))
                                 e0 += n
-                                a2 = vmuladdv(a2, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                a2 = vmuladdv(a2, vload(varr, vbase + e0 * vstr), vload(cur, get(csr_indices, g0 + e0) * LANES))
                                 e0 += n
-                                a3 = vmuladdv(a3, vload(varr, vbase + e0 * vstr), vload(cur, csr_indices[g0 + e0] * LANES))
+                                a3 = vmuladdv(a3, vload(varr, vbase + e0 * vstr), vload(cur, get(csr_indices, g0 + e0) * LANES))
                         vstore(nxt, i * LANES, a0)
                         vstore(nxt, (i + 1) * LANES, a1)
                         vstore(nxt, (i + 2) * LANES, a2)
@@ -334,7 +334,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     else:
                         a0 = vzero(cur)
                         for q in range(n):
-                            c = q if cj == 2 else csr_indices[g0 + p + q]
+                            c = q if cj == 2 else get(csr_indices, g0 + p + q)
                             a0 = vmuladdv(a0, vload(varr, vbase + (p + q) * vstr), vload(cur, c * LANES))
                         vstore(nxt, i * LANES, a0)
                         i += 1

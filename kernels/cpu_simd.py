@@ -26,19 +26,51 @@ change here clear the caches (``__pycache__/*.nbi``, ``*.nbc``) or the kernels k
 
 from __future__ import annotations
 
+import functools
+import glob
 from typing import Any
 
-__all__ = ["LANES", "intrinsics"]
+__all__ = ["LANES", "intrinsics", "last_level_cache_bytes"]
 
 LANES = 16  # samples per tile: one AVX-512 register of float32
 
 _ops: dict[str, Any] = {}
 
+_CACHE_FALLBACK = 8 << 20  # bytes, where the OS does not say
+
+
+@functools.lru_cache(maxsize=None)
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest data cache in bytes (Linux ``sysfs``; 8 MiB where it is not readable).
+
+    The compiled forwards decide from it whether the chain values they write will still be in the
+    cache when the backward reads them (plain stores) or not (non-temporal stores, which leave the
+    cache to the data that stays; :func:`intrinsics`' ``vstream``).
+    """
+    best = 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(d + "/type") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(d + "/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or _CACHE_FALLBACK
+
 
 def intrinsics() -> dict[str, Any]:
     """The vector operations as numba intrinsics (built on first use: importing numba is slow).
 
-    ``vload(a, i)``: ``a[i : i + LANES]``; ``vstore(a, i, v)``; ``vstream(a, i, v)``: ``vstore`` with a
+    ``get(a, i)``: ``a[i]`` of any 1-D C-contiguous array, unchecked and without numba's wraparound of
+    negative indices (which costs four integer instructions per load where the compiler cannot prove
+    ``i >= 0``: an index read from a table, as a CSR row's entries); ``vload(a, i)``:
+    ``a[i : i + LANES]``; ``vstore(a, i, v)``; ``vstream(a, i, v)``: ``vstore`` with a
     non-temporal hint where the address is aligned (data written once and read much later, which
     need not be read into the cache first); ``vzero(a)``: zeros of ``a``'s dtype;
     ``vscale(w, x)``: ``w * x`` for a scalar ``w``; ``vmul(a, x)``: ``a * x``; ``vadd(a, x)``;
@@ -130,6 +162,19 @@ def _build() -> dict[str, Any]:
             return context.get_dummy_value()
 
         return types.void(arr, idx, v), codegen
+
+    @intrinsic
+    def get(typingctx, arr, idx):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"):
+            raise TypeError(f"get: expected a 1-D C-contiguous array, got {arr}")
+        if not isinstance(idx, types.Integer):
+            raise TypeError(f"get: expected an integer index, got {idx}")
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            return builder.load(builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.int64)]))
+
+        return arr.dtype(arr, idx), codegen
 
     @intrinsic
     def vzero(typingctx, arr):
@@ -242,6 +287,7 @@ def _build() -> dict[str, Any]:
         "prefetch_read": _prefetch("prefetch_read", 0),
         "vtranspose": _transpose("vtranspose", False),
         "vtranspose_add": _transpose("vtranspose_add", True),
+        "get": get,
         "vload": vload,
         "vstore": vstore,
         "vstream": vstream,

@@ -390,6 +390,41 @@ def test_vector_operations_compile_to_no_calls():
     assert "take" not in asm and "NRT_incref" not in asm
 
 
+def test_get_reads_table_indices_without_wraparound():
+    """``get(a, i)`` equals ``a[i]`` and, unlike indexing, emits no negative-index wraparound for an index
+    read from a table (a CSR row's columns): numba adds ``len(a)`` to a possibly negative index, four
+    integer instructions per load in the kernels' innermost loops."""
+    numba = pytest.importorskip("numba")
+    from spscan.kernels import cpu_simd
+
+    get = cpu_simd.intrinsics()["get"]
+
+    @numba.njit
+    def gathered(s, idx):
+        acc = 0.0
+        for i in range(idx.shape[0]):
+            acc += get(s, get(idx, i) + 1)
+        return acc
+
+    @numba.njit
+    def indexed(s, idx):
+        acc = 0.0
+        for i in range(idx.shape[0]):
+            acc += s[idx[i] + 1]
+        return acc
+
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal(50)
+    idx = rng.integers(0, 49, 40).astype(np.int64)
+    assert gathered(s, idx) == indexed(s, idx) == sum(s[i + 1] for i in idx)
+    # the wraparound's sign test and select (sar/and or cmp/cmov, as the compiler picks) per load
+    size = [sum(line.startswith("\t") and not line.startswith("\t.") for line in
+                f.inspect_asm(f.signatures[0]).splitlines()) for f in (gathered, indexed)]
+    assert size[0] < size[1], size
+    with pytest.raises((TypeError, numba.core.errors.TypingError), match="integer index"):
+        numba.njit(lambda s: get(s, 1.5))(s)
+
+
 def test_diagonal_bands_equal_a_row_by_row_check():
     """The band lengths (worked out once per run from the CSR tables) against a direct walk over the rows,
     on concatenated random patterns with bands, empty rows and repeated rows."""
