@@ -652,6 +652,41 @@ def test_compiled_forward_input_projection(kind, input_size, dtype, bias):
         assert a.shape == b.shape and rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5), i
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_forward_streamed_values_equal_plain(monkeypatch, kind, dtype):
+    """The tiled forwards write the chain values with non-temporal stores where they outgrow half the
+    last-level cache and with plain stores below: both give the same outputs and values, bit for bit
+    (full and partial tiles; the partial one goes through a scratch tile either way)."""
+    pytest.importorskip("numba")
+    import spscan.recurrent_cpu as rc
+
+    T, B, I = 7, 21, 1
+    m = make_module(kind, I, 6, batch_first=False, bias=True, dtype=dtype)
+    x, hx = make_inputs(m, T, B, with_h0=True, dtype=dtype)
+    params = [p.detach() for p in m.parameters()]
+    h0 = (hx[0] if isinstance(hx, tuple) else hx)[0]
+    bias_vec = params[2] + params[3] if kind != "gru" else torch.cat([params[2][:12] + params[3][:12], params[2][12:]])
+    gi = rc.input_projection(x.detach(), params[0], bias_vec)
+
+    def run():
+        if kind == "lstm":
+            return rc.lstm_forward(gi, params[1], h0, hx[1][0])
+        if kind == "gru":
+            return rc.gru_forward(gi, params[1], params[3][12:], h0)
+        return rc.rnn_forward(gi, params[1], h0, relu=False)
+
+    results = {}
+    for streamed, cache in ((True, 0), (False, 1 << 40)):
+        monkeypatch.setattr(rc, "last_level_cache_bytes", lambda cache=cache: cache)
+        values = run()[-1]
+        assert rc._streams(values) is streamed
+        results[streamed] = run()
+    for a, b in zip(results[True], results[False]):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert torch.isfinite(results[True][-1]).all()
+
+
 def test_rnn_compiled_forward_saturated_and_tiny():
     """tanh at large pre-activations (the expm1 clamp) and tiny ones (no cancellation near 0); relu's NaN."""
     pytest.importorskip("numba")
