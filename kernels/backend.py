@@ -21,7 +21,32 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "Feed", "StructuredOperator", "Tap", "load_feeds", "run_apply"]
+__all__ = ["Capabilities", "Tables", "Backend", "Feed", "StructuredOperator", "Tap", "ValueEncoding", "load_feeds",
+           "run_apply"]
+
+
+@dataclass(frozen=True)
+class ValueEncoding:
+    """Per-sample values of a layer stored in a compact form instead of its CSR values.
+
+    Some layers' ``J^T`` has fewer free numbers than stored entries (the LSTM's gate element: ``9H``
+    CSR entries made of ``6H`` coefficients). A layer may hand over those numbers and say how to make
+    the CSR values from them: every path that needs CSR values (products of the schedule, the
+    NumPy loop, Triton) expands them with ``expand``; a kernel that knows the form by ``name``
+    applies it from the compact numbers directly (:mod:`.cpu_chain`: ``"lstm_gate"``), reading and
+    computing less.
+
+    Attributes:
+        name: the form, as the kernels know it.
+        width: compact numbers per sample.
+        nnz: the CSR values they stand for (the pattern's ``nnz``).
+        expand: ``(..., width)`` -> ``(..., nnz)`` CSR values (any leading dimensions).
+    """
+
+    name: str
+    width: int
+    nnz: int
+    expand: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)

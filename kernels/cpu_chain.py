@@ -15,6 +15,14 @@ sample ``b`` start at element ``offset[j] + b * bstride[j]`` of ``sources[src[j]
 shared by the batch); entry ``p`` of a CSR step is at that start plus ``(p - csr_indptr[csr_ptr[j]]) *
 estride[j]`` (``estride`` 1 unless the values are stored entry-major).
 
+``code 5``: the LSTM gate element (:func:`spscan.cells.lstm_gate_pattern`, ``(5H, 2H)``, per sample)
+from its ``6H`` compact numbers (:data:`spscan.cells.LSTM_GATE_ENCODING`), blocks of ``H`` in the
+order ``k, f, c_i, c_f, c_g, c_o`` (number ``q`` at the step's start plus ``q * estride[j]``): with
+``(g_h, g_c)`` the step's input and ``w = g_c + k g_h``, its output is ``(c_i w, c_f w, c_g w,
+c_o g_h, f w)``. Its 9H CSR values are products of these numbers, so reading the numbers reads a
+third less and does six multiplies where the CSR rows do nine (rounded differently: the CSR form
+sums ``(c_i k) g_h + c_i g_c``).
+
 Why numba: the run is thousands of tiny dependent mat-vecs (the paper's RNN: 20x20, B = 16), so
 NumPy's and torch's per-call overhead, not arithmetic, bounds it (~2 us per step against ~0.3 us
 of work). A compiled loop over the whole run removes that overhead. ``numba`` (``@njit(cache=True)``)
@@ -250,6 +258,31 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 a0 = vmuladd(a0, get(s, o + p + q), vload(cur, get(csr_indices, p + q) * LANES))
                         vstore(nxt, i * LANES, a0)
                         i += 1
+            elif cj == 5:  # the LSTM gate element from its 6H compact numbers (module docstring)
+                hh = m // 5
+                nv = 6 * hh
+                if not direct:  # copied entry-major into tv, as a per-sample CSR step's values
+                    q0 = 0
+                    if full and es == 1:
+                        while q0 + LANES <= nv:
+                            vtranspose(s, o + b0 * bs + q0, bs, tv, q0 * LANES, LANES)
+                            q0 += LANES
+                    for bb in range(nb):
+                        vb = o + (b0 + bb) * bs
+                        for q in range(q0, nv):
+                            tv[q * LANES + bb] = get(s, vb + q * es)
+                varr = s if direct else tv
+                vbase = o + b0 if direct else 0
+                vstr = es if direct else LANES
+                for u in range(hh):
+                    gh = vload(cur, u * LANES)
+                    # gc + k * gh: the cell's total gradient
+                    w = vmuladdv(vload(cur, (hh + u) * LANES), vload(varr, vbase + u * vstr), gh)
+                    vstore(nxt, u * LANES, vmul(vload(varr, vbase + (2 * hh + u) * vstr), w))
+                    vstore(nxt, (hh + u) * LANES, vmul(vload(varr, vbase + (3 * hh + u) * vstr), w))
+                    vstore(nxt, (2 * hh + u) * LANES, vmul(vload(varr, vbase + (4 * hh + u) * vstr), w))
+                    vstore(nxt, (3 * hh + u) * LANES, vmul(vload(varr, vbase + (5 * hh + u) * vstr), gh))
+                    vstore(nxt, (4 * hh + u) * LANES, vmul(vload(varr, vbase + (hh + u) * vstr), w))
             else:  # per-sample dense (2) or CSR (4): values copied entry-major into tv, then rows
                 cp = csr_ptr[j] if cj == 4 else 0
                 g0 = csr_indptr[cp] if cj == 4 else 0
@@ -386,6 +419,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     if cn == 4:
                         cq = csr_ptr[jn]
                         nn = csr_indptr[cq + mn] - csr_indptr[cq]
+                    elif cn == 5:
+                        nn = 6 * (mn // 5)
                     else:
                         nn = mn * cols[jn] if cn == 2 else mn
                     if 0 < nn * nb <= PREFETCH_VALUES_MAX:
@@ -504,8 +539,11 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
                       ("cols", cols), ("add", add), ("out", out)):
         if arr.shape != (steps,) or arr.dtype != np.int64:
             raise ValueError(f"{name}: expected ({steps},) int64, got {arr.shape} {arr.dtype}")
-    if code.dtype != np.int64 or code.min() < 0 or code.max() > 4:
-        raise ValueError(f"code: expected int64 codes 0..4, got {code.dtype} in [{code.min()}, {code.max()}]")
+    if code.dtype != np.int64 or code.min() < 0 or code.max() > 5:
+        raise ValueError(f"code: expected int64 codes 0..5, got {code.dtype} in [{code.min()}, {code.max()}]")
+    gate = code == 5
+    if gate.any() and (np.any(rows[gate] % 5 != 0) or np.any(rows[gate] == 0) or np.any(5 * cols[gate] != 2 * rows[gate])):
+        raise ValueError("code 5 (LSTM gate) steps: expected (5H, 2H) steps")
     if code.max() >= 3:
         for name, arr, shape in (("csr_ptr", csr_ptr, (steps,)), ("csr_indptr", csr_indptr, None),
                                  ("csr_indices", csr_indices, None)):
@@ -541,6 +579,8 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     if longest > TV_STEP_ENTRIES:
         longest = max(int(cols[dense_p].max()) if dense_p.any() else 1,
                       int(np.diff(csr_indptr).max()) if csr_p.size else 1)
+    if gate.any():  # a compact gate step is always copied whole
+        longest = max(longest, 6 * int(rows[gate].max()) // 5)
     tv = np.zeros(longest * LANES, dtype=vectors.dtype)
     if csr_blocks is None:
         csr_blocks = shared_column_blocks(csr_indptr, csr_indices)
@@ -706,16 +746,22 @@ def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarra
 
 MAX_SOURCES = 16
 
+# the compact value forms (kernels.backend.ValueEncoding names) this loop applies directly, and their codes
+ENCODED_CODES = {"lstm_gate": 5}
+
 
 def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[int], offsets: Sequence[int],
                   arena_s: np.ndarray, arena_p: np.ndarray, inputs: Optional[Callable], dtype) \
-        -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
-    """Where each step's values lie: ``(src, offset, bstride, estride, sources)`` for :func:`run_chain`, or
-    ``None`` when some input matrix is not a plain strided view of a contiguous CPU tensor of ``dtype``.
+        -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
+    """Where each step's values lie: ``(code, src, offset, bstride, estride, sources)`` for :func:`run_chain`,
+    or ``None`` when some input matrix is not a plain strided view of a contiguous CPU tensor of ``dtype``
+    (or is encoded in a form this loop does not know).
 
     Steps over products read the arenas (``arena_s`` 1-D, shared; ``arena_p`` ``(B, size_p)``);
     steps over input layers (``layers[j] >= 0`` and ``inputs`` given) read the caller's tensor
-    ``inputs(layer)`` (``(nnz,)`` shared or ``(B, nnz)``) in place, through its base tensor.
+    ``inputs(layer)`` (``(nnz,)`` shared or ``(B, nnz)``) in place, through its base tensor. ``code``
+    is ``code`` with the steps over encoded periodic elements given their form's code (``"lstm_gate"``:
+    5), which reads the compact numbers in place.
     """
     import torch
 
@@ -733,10 +779,10 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
     sources = [arena_s.reshape(-1), arena_p.reshape(-1)]
     if inputs is None:
-        return src, off, bst, est, sources
+        return code_a, src, off, bst, est, sources
     from_input = np.flatnonzero(lay >= 0)
     if from_input.size == 0:
-        return src, off, bst, est, sources
+        return code_a, src, off, bst, est, sources
     owner = getattr(inputs, "__self__", None)
     if isinstance(owner, torch.Tensor) and owner.dim() in (2, 3):
         # stacked values: one tensor (n, nnz) or (n, B, nnz), layer i at row i
@@ -750,9 +796,9 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
         off[from_input] = start + lay[from_input] * owner.stride(0)
         bst[from_input] = owner.stride(1) if owner.dim() == 3 else 0
         sources.append(base.detach().numpy().reshape(-1))
-        return src, off, bst, est, sources
+        return code_a, src, off, bst, est, sources
     if hasattr(owner, "elements") and hasattr(owner, "periods"):
-        return _resolve_periodic(owner, lay, from_input, src, off, bst, est, sources, dtype)
+        return _resolve_periodic(owner, lay, from_input, code_a, src, off, bst, est, sources, dtype)
     get = owner.__getitem__ if isinstance(owner, (list, tuple)) else inputs
     tensors = [get(i) for i in lay[from_input].tolist()]
     # distinct tensors once (a shared matrix repeats along the run), then distinct base tensors once
@@ -778,17 +824,24 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     src[from_input] = u_src[inverse]
     off[from_input] = u_ptr[inverse] // sources[-1].itemsize
     bst[from_input] = u_bst[inverse]
-    return src, off, bst, est, sources
+    return code_a, src, off, bst, est, sources
 
 
-def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, src: np.ndarray, off: np.ndarray,
-                      bst: np.ndarray, est: np.ndarray, sources: list, dtype):
+def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, code: np.ndarray, src: np.ndarray,
+                      off: np.ndarray, bst: np.ndarray, est: np.ndarray, sources: list, dtype):
     """:func:`resolve_steps` for periodic values: element ``k`` (``(nnz,)`` shared or ``(T, B, nnz)``
     per sample) of period ``t`` starts at ``start_k + t * stride_k``, sample ``b`` ``b * bstride_k`` later,
     entry ``q`` ``q * estride_k`` later (a per-sample element may be stored entry-major: ``(T, nnz, B)``
-    memory viewed as ``(T, B, nnz)``)."""
+    memory viewed as ``(T, B, nnz)``). An encoded element's steps get its form's code."""
     elements = owner.elements
+    encodings = getattr(owner, "encodings", (None,) * len(elements))
     per = len(elements)
+    e_code = np.full(per, -1, dtype=np.int64)
+    for k, enc in enumerate(encodings):
+        if enc is not None:
+            if enc.name not in ENCODED_CODES:
+                return None  # a form this loop does not know: the caller's loop reads it expanded
+            e_code[k] = ENCODED_CODES[enc.name]
     e_src = np.zeros(per, dtype=np.int64)
     e_start = np.zeros(per, dtype=np.int64)
     e_tstride = np.zeros(per, dtype=np.int64)
@@ -816,4 +869,11 @@ def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, src: np.nd
     off[from_input] = e_start[k] + t * e_tstride[k]
     bst[from_input] = e_bst[k]
     est[from_input] = e_est[k]
-    return src, off, bst, est, sources
+    encoded = e_code[k] >= 0
+    if encoded.any():
+        steps = from_input[encoded]
+        if not np.all(np.isin(code[steps], (2, 4))):  # planned as per-sample dense or CSR steps
+            return None
+        code = code.copy()
+        code[steps] = e_code[k[encoded]]
+    return code, src, off, bst, est, sources

@@ -302,12 +302,11 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
     term and the terms' strides allow, else loaded into the vectors first."""
     if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
         return None
-    code = _run_codes(op)
-    where = cpu_chain.resolve_steps(code, op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
+    where = cpu_chain.resolve_steps(_run_codes(op), op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
                                     _as_numpy(arenas["P"]), inputs, vectors.dtype)
     if where is None:
         return None
-    src, off, bst, est, sources = where
+    code, src, off, bst, est, sources = where
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     indptr, indices = i64(op.csr_indptr), i64(op.csr_indices)
     if cp.csr_blocks is None and indptr.size:

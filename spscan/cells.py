@@ -11,6 +11,7 @@ front ends above build on them; nothing here imports them.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -19,11 +20,13 @@ import torch
 from torch import nn
 
 from spscan.engine import PeriodicValues
+from spscan.kernels.backend import ValueEncoding
 from spscan.planner.cost import profile_for
 
 __all__ = [
     "MATERIALIZED_MAX_GROWTH", "cell_kind", "cell_step", "coefficients", "factored_layout", "factored_step_values",
-    "gates", "gru_weight_values", "jacobian_values", "lstm_cells", "lstm_gate_pattern", "lstm_weight_values",
+    "gates", "gru_weight_values", "jacobian_values", "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern",
+    "lstm_weight_values",
     "module_params", "recurrent_patterns", "resolve_layout", "shared_flags", "state_size",
 ]
 
@@ -134,6 +137,33 @@ def lstm_gate_pattern(hidden: int) -> sp.csr_array:
     lengths = np.concatenate([np.full(3 * H, 2), np.ones(H), np.full(H, 2)]).astype(np.int64)
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(5 * H, 2 * H))
+
+
+def _expand_lstm_gate(compact: torch.Tensor) -> torch.Tensor:
+    """:func:`lstm_gate_pattern`'s CSR values ``(..., 9H)`` from the compact ``(..., 6H)`` numbers
+    ``k, f, c_i, c_f, c_g, c_o`` (blocks of ``H``; any strides)."""
+    H = compact.shape[-1] // 6
+    k, f, ci, cf, cg, co = compact.unflatten(-1, (6, H)).unbind(-2)
+    lead = compact.shape[:-1]
+    vals = torch.empty(*lead, 9 * H, dtype=compact.dtype, device=compact.device)
+    gates = vals[..., : 6 * H].view(*lead, 3, H, 2)
+    for q, c in enumerate((ci, cf, cg)):
+        torch.mul(c, k, out=gates[..., q, :, 0])
+        gates[..., q, :, 1].copy_(c)
+    vals[..., 6 * H : 7 * H].copy_(co)
+    cell = vals[..., 7 * H :].view(*lead, H, 2)
+    torch.mul(f, k, out=cell[..., 0])
+    cell[..., 1].copy_(f)
+    return vals
+
+
+@functools.lru_cache(maxsize=None)
+def lstm_gate_encoding(hidden: int) -> ValueEncoding:
+    """The LSTM gate element's values as ``6H`` numbers per sample: ``k`` (``o (1 - tanh^2 c_t)``), ``f``,
+    ``c_i``, ``c_f``, ``c_g``, ``c_o`` (blocks of ``H``), of which its ``9H`` CSR values are products
+    (:func:`lstm_gate_pattern`). The compiled CPU forward writes these (a third fewer bytes than the
+    CSR values) and the compiled linear scan applies them as they are (``"lstm_gate"``)."""
+    return ValueEncoding("lstm_gate", 6 * hidden, 9 * hidden, _expand_lstm_gate)
 
 
 # element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
-from spscan.kernels.backend import Backend, Feed, StructuredOperator, Tap, load_feeds
+from spscan.kernels.backend import Backend, Feed, StructuredOperator, Tap, ValueEncoding, load_feeds
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
 from spscan.planner.program import Apply, LoweringCache, Program, lower
@@ -146,16 +146,28 @@ class PeriodicValues(Sequence):
     (:func:`spscan.kernels.cpu_chain.resolve_steps`) then locates all ``n`` layers' values with a few
     array operations instead of one Python look-up per layer (the recurrent front ends: ``n`` in the
     thousands). With ``check=True`` it is validated as the list it stands for.
+
+    ``encodings[k]`` (a :class:`~spscan.kernels.backend.ValueEncoding`, or ``None``): per-sample element
+    ``k`` is ``(periods, B, width)`` compact numbers, not CSR values. Indexing and the arena loads
+    expand them to CSR values; the compiled CPU linear run reads the forms it knows as they are.
     """
 
-    def __init__(self, elements: Sequence[torch.Tensor], periods: int) -> None:
+    def __init__(self, elements: Sequence[torch.Tensor], periods: int,
+                 encodings: Optional[Sequence[Optional[ValueEncoding]]] = None) -> None:
         self.elements = tuple(elements)
         self.periods = int(periods)
+        self.encodings = tuple(encodings) if encodings is not None else (None,) * len(self.elements)
+        if len(self.encodings) != len(self.elements):
+            raise ValueError(f"encodings: expected one per element ({len(self.elements)}), got {len(self.encodings)}")
         for k, e in enumerate(self.elements):
             if not isinstance(e, torch.Tensor) or e.dim() not in (1, 3) or (e.dim() == 3 and e.shape[0] != self.periods):
                 got = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
                 raise ValueError(f"elements[{k}]: expected a (nnz,) shared or ({self.periods}, B, nnz) per-sample "
                                  f"tensor, got {got}")
+            enc = self.encodings[k]
+            if enc is not None and (not isinstance(enc, ValueEncoding) or e.dim() != 3 or e.shape[2] != enc.width):
+                raise ValueError(f"encodings[{k}]: a ValueEncoding of a ({self.periods}, B, width) per-sample element "
+                                 f"of its width, got {enc!r} for shape {tuple(e.shape)}")
 
     def __len__(self) -> int:
         return len(self.elements) * self.periods
@@ -170,7 +182,15 @@ class PeriodicValues(Sequence):
             raise IndexError(f"layer index {i} out of range for {n} layers")
         t, k = divmod(i, len(self.elements))
         e = self.elements[k]
-        return e if e.dim() == 1 else e[t]
+        if e.dim() == 1:
+            return e
+        enc = self.encodings[k]
+        return e[t] if enc is None else enc.expand(e[t])
+
+    def expanded(self, k: int) -> torch.Tensor:
+        """Element ``k`` as CSR values: ``(nnz,)`` or ``(periods, B, nnz)`` (expanded where it is encoded)."""
+        e, enc = self.elements[k], self.encodings[k]
+        return e if enc is None else enc.expand(e)
 
 
 def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch.Tensor, batch: int) -> None:
@@ -178,8 +198,9 @@ def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch
     would (shared layers back to back in ``S``, per-sample layers in ``P``), with one strided
     copy per element instead of a Python look-up and a concatenation over ``n`` layers."""
     T = values.periods
-    shared = [e for e in values.elements if e.dim() == 1]
-    per = [e for e in values.elements if e.dim() == 3]
+    elements = [values.expanded(k) for k in range(len(values.elements))]
+    shared = [e for e in elements if e.dim() == 1]
+    per = [e for e in elements if e.dim() == 3]
     if shared:
         width = sum(int(e.shape[0]) for e in shared)
         block = s_arena[: T * width].view(T, width)

@@ -87,8 +87,8 @@ import torch
 from torch import nn
 
 from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_values, jacobian_values,
-                          lstm_cells, lstm_weight_values, module_params, recurrent_patterns, resolve_layout,
-                          shared_flags, state_size)
+                          lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
+                          resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.model import refuse_functorch, refuse_second_derivative
 from spscan.plan import build_plan
@@ -439,7 +439,9 @@ class RecurrentPlan:
         hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched,
                                             buffers=self.buffers)
         shared = lstm_weight_values(params[1], H)
-        values = PeriodicValues([shared, gate_values], T)
+        # the gate element as its compact numbers: the compiled CPU linear scan applies them as they are,
+        # every other path expands them to CSR values
+        values = PeriodicValues([shared, gate_values], T, encodings=[None, lstm_gate_encoding(H)])
         out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
         saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)

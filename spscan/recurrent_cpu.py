@@ -17,9 +17,10 @@ gates and ``c_t`` from its outputs. One time loop computes, per step,
     a_t = (x_t W_ih^T + b_ih + b_hh) + h_{t-1} W_hh^T          (input part: see below)
     i, f, o = sigmoid(a_i, a_f, a_o),  g = tanh(a_g),  c_t = f c_{t-1} + i g,  h_t = o tanh(c_t)
 
-and writes ``h_t`` and the per-sample values of the step's gate element
-(:func:`spscan.cells.lstm_gate_pattern`: ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]``,
-``co``, ``[f k, f]`` per unit), so the gates are evaluated once and ``c_t`` comes from the forward.
+and writes ``h_t`` and the step's gate element (:func:`spscan.cells.lstm_gate_pattern`) as its ``6H``
+compact numbers per sample (:func:`spscan.cells.lstm_gate_encoding`: ``k, f, c_i, c_f, c_g, c_o``;
+the ``9H`` CSR values are products of them), so the gates are evaluated once and ``c_t`` comes from
+the forward.
 
 Tiles: from ``TILE_MIN_BATCH`` samples up each forward runs the batch in tiles of ``LANES`` samples,
 feature-major (unit ``j`` of a tile is one vector of ``LANES`` samples, :mod:`spscan.kernels.cpu_simd`),
@@ -212,16 +213,12 @@ def _lstm_kernel(gi, wt, h0, c0, cst, icst, hs, vals, c, acc, e, w, bits, bitsf)
             v = vt[b]
             for j in range(H):
                 p = b * H + j
-                k = e[0, p]
-                v[2 * j] = w[1, p] * k
-                v[2 * j + 1] = w[1, p]
-                v[2 * H + 2 * j] = w[2, p] * k
-                v[2 * H + 2 * j + 1] = w[2, p]
-                v[4 * H + 2 * j] = w[3, p] * k
-                v[4 * H + 2 * j + 1] = w[3, p]
-                v[6 * H + j] = e[2, p]
-                v[7 * H + 2 * j] = e[1, p] * k
-                v[7 * H + 2 * j + 1] = e[1, p]
+                v[j] = e[0, p]  # k
+                v[H + j] = e[1, p]  # f
+                v[2 * H + j] = w[1, p]  # c_i
+                v[3 * H + j] = w[2, p]  # c_f
+                v[4 * H + j] = w[3, p]  # c_g
+                v[5 * H + j] = e[2, p]  # c_o
 
 
 def _put(a, i, v, stream):  # pragma: no cover - compiled
@@ -311,16 +308,16 @@ def _tile_hidden_product(a, w, h, rows):  # pragma: no cover - compiled
 def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits,
                       bitsf, stream):  # pragma: no cover - compiled
     # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
-    # (9H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
-    # samples contiguous; vals: (T, 9H, B) entry-major; hs: (T, B, H), h0, c0, c_n: (B, H). e rows:
+    # (6H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
+    # samples contiguous; vals: (T, 6H, B) entry-major; hs: (T, B, H), h0, c0, c_n: (B, H). e rows:
     # expm1 arguments / results of i, f, g, o, tanh(c), then the activations in place; wk rows: a_g
     # (its sign), c_i, c_f, c_g.
-    T, H9, B = vals.shape
-    H = H9 // 9
+    T, H6, B = vals.shape
+    H = H6 // 6
     G = 4 * H
     n = H * LANES
     two = cst[18] + cst[18]
-    vf = vals.reshape(T * 9 * H * B)
+    vf = vals.reshape(T * 6 * H * B)
     for b0 in range(0, B, LANES):
         nb = min(LANES, B - b0)
         full = nb == LANES
@@ -338,9 +335,9 @@ def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hb
                 e[2, p] = -two * abs(a[2 * n + p])
                 e[3, p] = -a[3 * n + p]
             _lstm_cell_c(e, wk, c, h, bits, bitsf, cst, icst)
-            # the gate element's values in CSR order per unit j (see the module docstring): entry q of
-            # the tile at vb + q * B (a full tile straight there, a partial one through vt)
-            vb = t * 9 * H * B + b0
+            # the gate element's compact numbers (k, f, c_i, c_f, c_g, c_o; see the module docstring):
+            # number q of the tile at vb + q * B (a full tile straight there, a partial one through vt)
+            vb = t * 6 * H * B + b0
             out = vf if full else vt
             ob = vb if full else 0
             ostr = B if full else LANES
@@ -352,17 +349,14 @@ def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hb
                 cf = vload(wk[2], q)
                 cg = vload(wk[3], q)
                 fv = vload(e[1], q)
-                _put_c(out, ob + (2 * j) * ostr, vmul(ci, kv), st)
-                _put_c(out, ob + (2 * j + 1) * ostr, ci, st)
-                _put_c(out, ob + (2 * H + 2 * j) * ostr, vmul(cf, kv), st)
-                _put_c(out, ob + (2 * H + 2 * j + 1) * ostr, cf, st)
-                _put_c(out, ob + (4 * H + 2 * j) * ostr, vmul(cg, kv), st)
-                _put_c(out, ob + (4 * H + 2 * j + 1) * ostr, cg, st)
-                _put_c(out, ob + (6 * H + j) * ostr, vload(e[2], q), st)
-                _put_c(out, ob + (7 * H + 2 * j) * ostr, vmul(fv, kv), st)
-                _put_c(out, ob + (7 * H + 2 * j + 1) * ostr, fv, st)
+                _put_c(out, ob + j * ostr, kv, st)
+                _put_c(out, ob + (H + j) * ostr, fv, st)
+                _put_c(out, ob + (2 * H + j) * ostr, ci, st)
+                _put_c(out, ob + (3 * H + j) * ostr, cf, st)
+                _put_c(out, ob + (4 * H + j) * ostr, cg, st)
+                _put_c(out, ob + (5 * H + j) * ostr, vload(e[2], q), st)
             if not full:
-                for q in range(9 * H):
+                for q in range(6 * H):
                     for bb in range(nb):
                         vf[vb + q * B + bb] = vt[q * LANES + bb]
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
@@ -717,9 +711,9 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         h0, c0: ``(B, H)`` initial state.
         batch_first, buffers: as :func:`rnn_forward`'s.
     Returns:
-        ``(hs (T, B, H) or (B, T, H), c_T (B, H), values (T, B, 9H))``: the outputs ``h_1..h_T``, the last cell and
-        the gate element's values in :func:`spscan.cells.lstm_gate_pattern`'s CSR order (from
-        ``TILE_MIN_BATCH`` samples a view of ``(T, 9H, B)`` memory: entry-major, which the linear scan
+        ``(hs (T, B, H) or (B, T, H), c_T (B, H), values (T, B, 6H))``: the outputs ``h_1..h_T``, the last cell and
+        the gate element's compact numbers (:func:`spscan.cells.lstm_gate_encoding`; from
+        ``TILE_MIN_BATCH`` samples a view of ``(T, 6H, B)`` memory: entry-major, which the linear scan
         reads in place; the forward then runs in tiles of ``LANES`` samples). All of ``gi``'s dtype
         (float32 or float64). ``gi`` is read fastest as a view of ``(4H, T, B)`` memory
         (:func:`gate_inputs`); any other layout is copied once.
@@ -744,7 +738,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         if isinstance(gi, InputProjection):
             gi = gi.materialize()
         hs = torch.empty(T, B, H, dtype=dt)
-        vals = _values_tensor(buffers, "values", (T, B, 9 * H), dt)
+        vals = _values_tensor(buffers, "values", (T, B, 6 * H), dt)
         acc = np.empty((B, G), dtype=np_dt)
         e = np.empty((5, B * H), dtype=np_dt)
         w = np.empty((4, B * H), dtype=np_dt)
@@ -753,9 +747,9 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
                   hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
         return _as_layout(hs, batch_first), c, vals
     gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
-    # the gate element's values entry-major, (T, 9H, B) memory viewed as (T, B, 9H): the linear
-    # scan reads a tile of them in place (kernels/cpu_chain.py)
-    vals = _values_tensor(buffers, "values", (T, 9 * H, B), dt)
+    # the gate element's compact numbers entry-major, (T, 6H, B) memory viewed as (T, B, 6H): the
+    # linear scan reads a tile of them in place (kernels/cpu_chain.py)
+    vals = _values_tensor(buffers, "values", (T, 6 * H, B), dt)
     n = H * LANES
     bits = np.empty(4 * n, dtype=itype)
     hs, hf, hts, hbs = _outputs(T, B, H, dt, batch_first)
@@ -763,7 +757,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         gif, T * B, B, wi, bt, xv, w_hh.detach().contiguous().numpy(), h0n, c0n, cst, icst, hf, hts, hbs, vals.numpy(),
         c.numpy(),
         np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(G * LANES, dtype=np_dt),
-        np.empty(9 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
+        np.empty(6 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
         bits.view(np_dt), _streams(vals))
     return hs, c, vals.transpose(1, 2)
 

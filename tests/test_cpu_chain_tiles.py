@@ -525,3 +525,89 @@ def test_shared_column_blocks_equal_a_row_by_row_check():
             rows = [indices[indptr[r + d]:indptr[r + d + 1]] for d in range(4)]
             want[r] = rows[0].size > 0 and all(np.array_equal(rows[0], x) for x in rows[1:])
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("H", [1, 5, 20])
+@pytest.mark.parametrize("batch", [3, 16, 21])
+@pytest.mark.parametrize("entry_major", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_lstm_gate_code_equals_its_csr_values(H, batch, entry_major, dtype):
+    """Code 5 (the LSTM gate element from its 6H compact numbers) against the same run with the gate
+    steps as per-sample CSR over the expanded 9H values (code 4) and a float64 loop: gate steps
+    alternating with shared dense (2H x 5H) steps, the numbers stored sample-major (copied per tile)
+    or entry-major (read in place where the tile is full), full and partial tiles, a tap on every
+    gate step's output."""
+    import torch
+
+    from spscan.cells import lstm_gate_encoding, lstm_gate_pattern
+
+    rng = np.random.default_rng(H * 100 + batch)
+    T = 5
+    enc = lstm_gate_encoding(H)
+    pat = lstm_gate_pattern(H)
+    compact = rng.standard_normal((T, batch, 6 * H))
+    csr = enc.expand(torch.from_numpy(compact)).numpy()  # (T, B, 9H)
+    weights = rng.standard_normal((T, 2 * H, 5 * H)) * 0.5
+    steps = 2 * T
+    rows = np.array([5 * H, 2 * H] * T, dtype=np.int64)
+    cols = np.array([2 * H, 5 * H] * T, dtype=np.int64)
+    vin0, size_v = 0, 2 * H + sum(int(r) for r in rows)
+    out = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64) + 2 * H
+    add = np.full(steps, -1, dtype=np.int64)
+    shared = np.concatenate([weights.reshape(-1), [0.0]]).astype(dtype)
+    x0 = rng.standard_normal((batch, 2 * H))
+    results = {}
+    for form in ("compact", "csr"):
+        vals = compact if form == "compact" else csr
+        width = vals.shape[2]
+        if entry_major:  # (T, width, B) memory
+            store = np.ascontiguousarray(vals.transpose(0, 2, 1)).astype(dtype).reshape(-1)
+            bst, est = 1, batch
+            offs = [t * width * batch for t in range(T)]
+        else:
+            store = np.ascontiguousarray(vals).astype(dtype).reshape(-1)
+            bst, est = width, 1
+            offs = [t * batch * width for t in range(T)]
+        code = np.array([5 if form == "compact" else 4, 1] * T, dtype=np.int64)
+        src = np.array([1, 0] * T, dtype=np.int64)
+        offset = np.array([v for t in range(T) for v in (offs[t], t * 10 * H * H)], dtype=np.int64)
+        bstride = np.array([bst, 0] * T, dtype=np.int64)
+        estride = np.array([est, 1] * T, dtype=np.int64)
+        indptr, indices = pat.indptr.astype(np.int64), pat.indices.astype(np.int64)
+        csr_ptr = np.zeros(steps, dtype=np.int64)
+        vectors = np.zeros((batch, size_v), dtype=dtype)
+        vectors[:, :2 * H] = x0
+        tap = np.zeros((5 * H, T, batch), dtype=dtype)
+        cpu_chain.run_chain(code, src, offset, bstride, rows, cols, add, out, vin0, [shared, store], vectors,
+                            csr_ptr, indptr, indices, estride=estride,
+                            taps=[(np.arange(0, steps, 2, dtype=np.int64), 0, 5 * H, tap)])
+        results[form] = (vectors, tap)
+    # float64 reference: y_{j} = M_j y_{j-1}
+    y = x0.copy()
+    want = []
+    for t in range(T):
+        dense = np.zeros((batch, 5 * H, 2 * H))
+        for b in range(batch):
+            dense[b] = sp.csr_array((csr[t, b], pat.indices, pat.indptr), shape=pat.shape).toarray()
+        y = np.einsum("bij,bj->bi", dense, y)
+        want.append(y)
+        y = y @ weights[t].T
+        want.append(y)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    for form, (vectors, tap) in results.items():
+        for j in range(steps):
+            got = vectors[:, out[j]:out[j] + rows[j]].astype(np.float64)
+            scale = np.abs(want[j]).max() + 1e-300
+            assert np.abs(got - want[j]).max() <= tol * scale, (form, j)
+        for t in range(T):
+            np.testing.assert_array_equal(tap[:, t].T, vectors[:, out[2 * t]:out[2 * t] + 5 * H])
+
+
+def test_lstm_gate_code_refuses_other_shapes():
+    """A code 5 step must map 2H to 5H."""
+    rows = np.array([10], dtype=np.int64)
+    cols = np.array([5], dtype=np.int64)
+    z = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="code 5"):
+        cpu_chain.run_chain(np.array([5], dtype=np.int64), z, z, z, rows, cols, np.array([-1]), np.array([5]), 0,
+                            [np.zeros(64)], np.zeros((2, 20)))

@@ -539,6 +539,56 @@ def test_lstm_compiled_forward_equals_module_path(monkeypatch, dtype, shape, bia
         assert a.shape == b.shape and rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5), i
 
 
+@pytest.mark.parametrize("path", ["compiled", "numpy", "unknown_form"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
+    """The compiled forward hands the gate element over as its 6H compact numbers (an encoded
+    PeriodicValues element): the compiled linear scan applies them as they are (code 5), the NumPy
+    loop and a kernel that does not know the form read them expanded to the 9H CSR values; every
+    way gives autograd's gradients (a full and a partial tile, a loss on every step)."""
+    pytest.importorskip("numba")
+    from spscan.cells import lstm_gate_encoding
+    from spscan.engine import PeriodicValues
+    from spscan.kernels import cpu_chain
+
+    m = make_module("lstm", 2, 5, batch_first=True, bias=True, dtype=dtype)
+    x, hx = make_inputs(m, 17, 21, with_h0=True, dtype=dtype)
+    plan = plan_recurrent(m, x)
+    (_, _), saved = plan.forward(x, hx)
+    values = saved.values
+    assert isinstance(values, PeriodicValues) and values.encodings[1] is lstm_gate_encoding(5)
+    assert values.elements[1].shape == (17, 21, 30)  # 6H numbers per sample, not 9H CSR values
+    assert values[3].shape == (21, 45) and torch.equal(values[3], lstm_gate_encoding(5).expand(values.elements[1][1]))
+    codes = []
+    run_chain = cpu_chain.run_chain
+    monkeypatch.setattr(cpu_chain, "run_chain", lambda code, *a, **k: (codes.append(code), run_chain(code, *a, **k)))
+    if path == "numpy":
+        monkeypatch.setattr(cpu_chain, "available", lambda: False)
+    elif path == "unknown_form":
+        monkeypatch.setattr(cpu_chain, "ENCODED_CODES", {})
+    want = grads_of(m, m, x, hx, "both")
+    got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) <= (1e-12 if dtype == torch.float64 else 2e-5), (path, i)
+    ran_code5 = any(bool((c == 5).any()) for c in codes)
+    assert ran_code5 == (path == "compiled")
+
+
+def test_encoded_periodic_values_are_checked():
+    from spscan.cells import lstm_gate_encoding
+    from spscan.engine import PeriodicValues
+
+    shared, compact = torch.zeros(10), torch.zeros(4, 2, 18)
+    with pytest.raises(ValueError, match="encodings"):
+        PeriodicValues([shared, compact], 4, encodings=[None])
+    with pytest.raises(ValueError, match="encodings\\[1\\]"):
+        PeriodicValues([shared, compact], 4, encodings=[None, lstm_gate_encoding(2)])  # 12 numbers, not 18
+    with pytest.raises(ValueError, match="encodings\\[0\\]"):
+        PeriodicValues([shared, compact], 4, encodings=[lstm_gate_encoding(3), None])  # a shared element
+    v = PeriodicValues([shared, compact], 4, encodings=[None, lstm_gate_encoding(3)])
+    assert len(v) == 8 and v[1].shape == (2, 27) and v.expanded(1).shape == (4, 2, 27) and v[0] is shared
+
+
 def test_lstm_compiled_forward_saturated_gates():
     """Large pre-activations (saturated sigmoid/tanh, the expm1 clamp) and tiny ones (tanh near 0)."""
     pytest.importorskip("numba")
