@@ -751,7 +751,8 @@ ENCODED_CODES = {"lstm_gate": 5}
 
 
 def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[int], offsets: Sequence[int],
-                  arena_s: np.ndarray, arena_p: np.ndarray, inputs: Optional[Callable], dtype) \
+                  arena_s: np.ndarray, arena_p: np.ndarray, inputs: Optional[Callable], dtype,
+                  memo: Optional[dict] = None) \
         -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
     """Where each step's values lie: ``(code, src, offset, bstride, estride, sources)`` for :func:`run_chain`,
     or ``None`` when some input matrix is not a plain strided view of a contiguous CPU tensor of ``dtype``
@@ -762,12 +763,32 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     ``inputs(layer)`` (``(nnz,)`` shared or ``(B, nnz)``) in place, through its base tensor. ``code``
     is ``code`` with the steps over encoded periodic elements given their form's code (``"lstm_gate"``:
     5), which reads the compact numbers in place.
+
+    ``memo``: a dict the caller keeps per run (``code``, ``shared``, ``layers`` and ``offsets`` the
+    same every call): periodic values laid out as in an earlier call (each element at the same place
+    in a base tensor of the same size, as recycled buffers are) reuse that call's step tables; only
+    the list of sources is made again.
     """
     import torch
 
-    steps = len(code)
     if not arena_p.flags.c_contiguous or not arena_s.flags.c_contiguous:
         return None
+    owner = getattr(inputs, "__self__", None)
+    if hasattr(owner, "elements") and hasattr(owner, "periods"):
+        sources = [arena_s.reshape(-1), arena_p.reshape(-1)]
+        facts = _periodic_facts(owner, sources, dtype)
+        if facts is None:
+            return None
+        key = ("periodic", facts, arena_p.shape[1] if arena_p.ndim == 2 else 0)
+        tables = None if memo is None else memo.get(key)
+        if tables is None:
+            tables = _periodic_tables(facts, code, shared, layers, offsets, arena_p)
+            if memo is not None:
+                if len(memo) > 16:
+                    memo.clear()
+                memo[key] = tables
+        return None if tables is None else (*tables, sources)
+    steps = len(code)
     src = np.zeros(steps, dtype=np.int64)
     off = np.asarray(offsets, dtype=np.int64).copy()
     bst = np.zeros(steps, dtype=np.int64)
@@ -783,7 +804,6 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     from_input = np.flatnonzero(lay >= 0)
     if from_input.size == 0:
         return code_a, src, off, bst, est, sources
-    owner = getattr(inputs, "__self__", None)
     if isinstance(owner, torch.Tensor) and owner.dim() in (2, 3):
         # stacked values: one tensor (n, nnz) or (n, B, nnz), layer i at row i
         if owner.dtype != dtype or owner.device.type != "cpu" or owner.stride(-1) != 1:
@@ -797,8 +817,6 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
         bst[from_input] = owner.stride(1) if owner.dim() == 3 else 0
         sources.append(base.detach().numpy().reshape(-1))
         return code_a, src, off, bst, est, sources
-    if hasattr(owner, "elements") and hasattr(owner, "periods"):
-        return _resolve_periodic(owner, lay, from_input, code_a, src, off, bst, est, sources, dtype)
     get = owner.__getitem__ if isinstance(owner, (list, tuple)) else inputs
     tensors = [get(i) for i in lay[from_input].tolist()]
     # distinct tensors once (a shared matrix repeats along the run), then distinct base tensors once
@@ -827,28 +845,21 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     return code_a, src, off, bst, est, sources
 
 
-def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, code: np.ndarray, src: np.ndarray,
-                      off: np.ndarray, bst: np.ndarray, est: np.ndarray, sources: list, dtype):
-    """:func:`resolve_steps` for periodic values: element ``k`` (``(nnz,)`` shared or ``(T, B, nnz)``
-    per sample) of period ``t`` starts at ``start_k + t * stride_k``, sample ``b`` ``b * bstride_k`` later,
-    entry ``q`` ``q * estride_k`` later (a per-sample element may be stored entry-major: ``(T, nnz, B)``
-    memory viewed as ``(T, B, nnz)``). An encoded element's steps get its form's code."""
-    elements = owner.elements
-    encodings = getattr(owner, "encodings", (None,) * len(elements))
-    per = len(elements)
-    e_code = np.full(per, -1, dtype=np.int64)
-    for k, enc in enumerate(encodings):
-        if enc is not None:
-            if enc.name not in ENCODED_CODES:
-                return None  # a form this loop does not know: the caller's loop reads it expanded
-            e_code[k] = ENCODED_CODES[enc.name]
-    e_src = np.zeros(per, dtype=np.int64)
-    e_start = np.zeros(per, dtype=np.int64)
-    e_tstride = np.zeros(per, dtype=np.int64)
-    e_bst = np.zeros(per, dtype=np.int64)
-    e_est = np.ones(per, dtype=np.int64)
+def _periodic_facts(owner, sources: list, dtype) -> Optional[tuple]:
+    """Per element of periodic values (element ``k``: ``(nnz,)`` shared or ``(T, B, nnz)`` per sample, a
+    per-sample one possibly stored entry-major: ``(T, nnz, B)`` memory viewed as ``(T, B, nnz)``):
+    ``(source slot, start, time stride, sample stride, entry stride, base size, code)`` (``code`` -1
+    unless the element is encoded in a form this loop knows), its base tensors appended to
+    ``sources``; ``None`` where an element is not a strided view of a contiguous CPU tensor of
+    ``dtype`` or is encoded in a form this loop does not know (the caller's loop reads it expanded)."""
+    facts = []
     slots: dict[int, int] = {}
-    for k, e in enumerate(elements):
+    for e, enc in zip(owner.elements, getattr(owner, "encodings", (None,) * len(owner.elements))):
+        code = -1
+        if enc is not None:
+            code = ENCODED_CODES.get(enc.name, -2)
+            if code < 0:
+                return None
         base = e if e._base is None else e._base
         if (e.dtype != dtype or e.device.type != "cpu" or e.dim() not in (1, 3) or (e.dim() == 1 and e.stride(0) != 1)
                 or not base.is_contiguous()):
@@ -859,21 +870,42 @@ def _resolve_periodic(owner, lay: np.ndarray, from_input: np.ndarray, code: np.n
                 return None
             slot = slots[id(base)] = len(sources)
             sources.append(base.detach().numpy().reshape(-1))
-        e_src[k] = slot
-        e_start[k] = (e.data_ptr() - base.data_ptr()) // e.element_size()
-        if e.dim() == 3:
-            e_tstride[k], e_bst[k], e_est[k] = e.stride(0), e.stride(1), e.stride(2)
-    which = lay[from_input]
-    t, k = np.divmod(which, per)
-    src[from_input] = e_src[k]
-    off[from_input] = e_start[k] + t * e_tstride[k]
-    bst[from_input] = e_bst[k]
-    est[from_input] = e_est[k]
-    encoded = e_code[k] >= 0
-    if encoded.any():
-        steps = from_input[encoded]
-        if not np.all(np.isin(code[steps], (2, 4))):  # planned as per-sample dense or CSR steps
-            return None
-        code = code.copy()
-        code[steps] = e_code[k[encoded]]
-    return code, src, off, bst, est, sources
+        start = (e.data_ptr() - base.data_ptr()) // e.element_size()
+        strides = (e.stride(0), e.stride(1), e.stride(2)) if e.dim() == 3 else (0, 0, 1)
+        facts.append((slot, start) + strides + (base.numel(), code))
+    return tuple(facts)
+
+
+def _periodic_tables(facts: tuple, code: Sequence[int], shared: Sequence[bool], layers: Sequence[int],
+                     offsets: Sequence[int], arena_p: np.ndarray) -> Optional[tuple]:
+    """``(code, src, offset, bstride, estride)`` of :func:`resolve_steps` for periodic values with element
+    ``facts`` (:func:`_periodic_facts`): element ``k`` of period ``t`` starts at ``start_k + t *
+    stride_k``, sample ``b`` ``b * bstride_k`` later, entry ``q`` ``q * estride_k`` later; an encoded
+    element's steps get its form's code (``None`` unless they were planned as per-sample dense or CSR
+    steps). Steps over products read the arenas."""
+    steps = len(code)
+    src = np.zeros(steps, dtype=np.int64)
+    off = np.asarray(offsets, dtype=np.int64).copy()
+    bst = np.zeros(steps, dtype=np.int64)
+    est = np.ones(steps, dtype=np.int64)
+    lay = np.asarray(layers, dtype=np.int64)
+    code = np.asarray(code, dtype=np.int64).copy()
+    per_sample = (code == 2) | (code == 4) | ((code == 0) & ~np.asarray(shared, dtype=bool))
+    src[per_sample] = 1
+    bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
+    from_input = np.flatnonzero(lay >= 0)
+    if from_input.size:
+        f = np.asarray(facts, dtype=np.int64)  # (elements, 7)
+        t, k = np.divmod(lay[from_input], f.shape[0])
+        src[from_input] = f[k, 0]
+        off[from_input] = f[k, 1] + t * f[k, 2]
+        bst[from_input] = f[k, 3]
+        est[from_input] = f[k, 4]
+        encoded = f[k, 6] >= 0
+        if encoded.any():
+            at = from_input[encoded]
+            planned = code[at]
+            if not np.all((planned == 2) | (planned == 4)):
+                return None
+            code[at] = f[k[encoded], 6]
+    return code, src, off, bst, est

@@ -237,6 +237,8 @@ class _RunPlan:
     out_step: Optional[dict] = None  # output column -> step, for taps (made on first use)
     add_step: Optional[dict] = None  # affine-term column -> step, for feeds (made on first use)
     lookups: dict = field(default_factory=dict)  # per request key: steps of taps and feeds, outputs minus skip
+    codes: Optional[np.ndarray] = None  # the compiled CPU loop's step codes (_run_codes), made on first use
+    resolved: dict = field(default_factory=dict)  # cpu_chain.resolve_steps' memo: step tables per values layout
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
@@ -302,8 +304,10 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
     term and the terms' strides allow, else loaded into the vectors first."""
     if not cpu_chain.available() or vectors.dtype not in (torch.float32, torch.float64) or not vectors.is_contiguous():
         return None
-    where = cpu_chain.resolve_steps(_run_codes(op), op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
-                                    _as_numpy(arenas["P"]), inputs, vectors.dtype)
+    if cp.codes is None:
+        cp.codes = _run_codes(op)
+    where = cpu_chain.resolve_steps(cp.codes, op.shared, op.layers, op.mat_offset, _as_numpy(arenas["S"]),
+                                    _as_numpy(arenas["P"]), inputs, vectors.dtype, memo=cp.resolved)
     if where is None:
         return None
     code, src, off, bst, est, sources = where

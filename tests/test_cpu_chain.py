@@ -295,3 +295,38 @@ def test_periodic_values_and_stacked_extra_read_as_lists():
         StackedExtra(terms, range(2, 9, 3), 10)
     with pytest.raises(ValueError, match=r"\[0, 7\)"):
         StackedExtra(terms, range(4, 8, 3), 7)
+
+
+def test_resolve_steps_memo_reuses_tables_for_one_layout():
+    """With a memo, periodic values laid out as before (each element at the same place in a base of the
+    same size: recycled buffers, or a new shared tensor of the same size) reuse the earlier step tables;
+    another layout (a different batch, an entry-major view) gets its own; the sources are always the
+    current call's tensors."""
+    from spscan.engine import PeriodicValues
+
+    T, B, n = 6, 3, 4
+    code = np.array([3, 4] * T, dtype=np.int64)
+    shared = [True, False] * T
+    layers = np.arange(2 * T, dtype=np.int64)
+    offsets = np.zeros(2 * T, dtype=np.int64)
+    arena_s, arena_p = np.zeros(4), np.zeros((B, 4))
+    memo: dict = {}
+
+    def resolve(values, batch=B):
+        return cpu_chain.resolve_steps(code, shared, layers, offsets, arena_s, np.zeros((batch, 4)),
+                                       values.__getitem__, torch.float64, memo=memo)
+
+    per = torch.randn(T, B, n, dtype=torch.float64)
+    first = resolve(PeriodicValues([torch.randn(5, dtype=torch.float64), per], T))
+    again_w = torch.randn(5, dtype=torch.float64)
+    second = resolve(PeriodicValues([again_w, per], T))
+    assert len(memo) == 1
+    assert all(a is b for a, b in zip(first[:5], second[:5]))  # the same tables
+    assert second[5][2].ctypes.data == again_w.data_ptr()  # this call's shared tensor
+    assert second[2][1::2].tolist() == [t * B * n for t in range(T)] and second[3][1] == n
+    em = torch.randn(T, n, B, dtype=torch.float64).transpose(1, 2)  # entry-major
+    third = resolve(PeriodicValues([again_w, em], T))
+    assert len(memo) == 2 and third[3][1] == 1 and third[4][1] == B
+    other = torch.randn(T, B + 1, n, dtype=torch.float64)
+    fourth = resolve(PeriodicValues([again_w, other], T), batch=B + 1)
+    assert len(memo) == 3 and fourth[3][1] == n
