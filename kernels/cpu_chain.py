@@ -241,8 +241,10 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                             for q in range(n):
                                 a0 = vmuladd(a0, get(s, o + p + q), vload(cur, get(csr_indices, p + q) * LANES))
                                 a1 = vmuladd(a1, get(s, o + p + n + q), vload(cur, get(csr_indices, p + n + q) * LANES))
-                                a2 = vmuladd(a2, get(s, o + p + 2 * n + q), vload(cur, get(csr_indices, p + 2 * n + q) * LANES))
-                                a3 = vmuladd(a3, get(s, o + p + 3 * n + q), vload(cur, get(csr_indices, p + 3 * n + q) * LANES))
+                                a2 = vmuladd(a2, get(s, o + p + 2 * n + q),
+                                             vload(cur, get(csr_indices, p + 2 * n + q) * LANES))
+                                a3 = vmuladd(a3, get(s, o + p + 3 * n + q),
+                                             vload(cur, get(csr_indices, p + 3 * n + q) * LANES))
                         vstore(nxt, i * LANES, a0)
                         vstore(nxt, (i + 1) * LANES, a1)
                         vstore(nxt, (i + 2) * LANES, a2)
@@ -354,11 +356,14 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 a0 = vmuladdv(a0, vload(varr, vbase + e0 * vstr),
                                               vload(cur, get(csr_indices, g0 + e0) * LANES))
                                 e0 += n
-                                a1 = vmuladdv(a1, vload(varr, vbase + e0 * vstr), vload(cur, get(csr_indices, g0 + e0) * LANES))
+                                a1 = vmuladdv(a1, vload(varr, vbase + e0 * vstr),
+                                              vload(cur, get(csr_indices, g0 + e0) * LANES))
                                 e0 += n
-                                a2 = vmuladdv(a2, vload(varr, vbase + e0 * vstr), vload(cur, get(csr_indices, g0 + e0) * LANES))
+                                a2 = vmuladdv(a2, vload(varr, vbase + e0 * vstr),
+                                              vload(cur, get(csr_indices, g0 + e0) * LANES))
                                 e0 += n
-                                a3 = vmuladdv(a3, vload(varr, vbase + e0 * vstr), vload(cur, get(csr_indices, g0 + e0) * LANES))
+                                a3 = vmuladdv(a3, vload(varr, vbase + e0 * vstr),
+                                              vload(cur, get(csr_indices, g0 + e0) * LANES))
                         vstore(nxt, i * LANES, a0)
                         vstore(nxt, (i + 1) * LANES, a1)
                         vstore(nxt, (i + 2) * LANES, a2)
@@ -490,7 +495,8 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
               csr_indices: Optional[np.ndarray] = None, estride: Optional[np.ndarray] = None,
               csr_blocks: Optional[np.ndarray] = None, csr_bands: Optional[np.ndarray] = None,
               taps: Sequence[tuple[np.ndarray, int, int, np.ndarray]] = (),
-              feeds: Sequence[tuple[np.ndarray, int, int, np.ndarray, int, int, int]] = ()) -> None:
+              feeds: Sequence[tuple[np.ndarray, int, int, np.ndarray, int, int, int]] = (),
+              memo: Optional[dict] = None) -> None:
     """Run a whole linear run in place on ``vectors`` (see the module docstring for the math).
 
     Args:
@@ -521,6 +527,11 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         csr_ptr: ``(steps,)`` int64, where each CSR step's row starts begin in ``csr_indptr`` (any value
             for other steps); csr_indptr, csr_indices: the run's CSR tables (1-D int64, see
             :class:`~spscan.planner.program.LinearRun`). Needed only when a step is CSR.
+        memo: a dict the caller keeps for a run it makes again and again: the step tables' checks and
+            what is worked out from them (scratch sizes, column blocks, bands) are kept there and
+            skipped when the next call passes the very same table arrays (the same objects, which
+            the caller promises not to change in place), and so are the per-step tap tables of the
+            same tap steps (the buffers are checked every call).
 
     Raises ``RuntimeError`` without numba, ``TypeError``/``ValueError`` on mismatched arrays. Bounds
     are the caller's contract (the plan's offsets and patterns); they are not re-checked per element.
@@ -533,6 +544,42 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     steps = int(code.shape[0])
     if steps == 0:
         return
+    tables = (code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
+              csr_blocks, csr_bands)
+    hit = None if memo is None else memo.get("tables")
+    if hit is not None and int(vin0) == hit[0] and len(hit[1]) == len(tables) and all(
+            a is b for a, b in zip(hit[1], tables)):
+        estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest = hit[2]
+    else:
+        estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest = _checked_tables(
+            code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
+            csr_blocks, csr_bands)
+        if memo is not None:
+            memo.clear()
+            memo["tables"] = (int(vin0), tables, (estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands,
+                                                  width, longest))
+    for i, s in enumerate(sources):
+        if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
+            raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
+                            f"{s.ndim}-D")
+    srcs = _homogeneous(sources)
+    cur = np.zeros(width * LANES, dtype=vectors.dtype)
+    nxt = np.zeros(width * LANES, dtype=vectors.dtype)
+    tv = np.zeros(longest * LANES, dtype=vectors.dtype)
+    tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = _tap_tables(taps, steps, rows, int(cols[0]), vectors,
+                                                                        memo)
+    feed_tables = _feed_tables(feeds, steps, rows, vectors)
+    _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
+              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
+              tap_rows, tap_bufs, *feed_tables)
+
+
+def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
+                    csr_blocks, csr_bands):
+    """:func:`run_chain`'s step tables checked, and what the loop needs worked out from them: ``(estride,
+    csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest)`` (the defaults filled in;
+    ``width``: rows of the running vector; ``longest``: entries of the entry-major values scratch)."""
+    steps = int(code.shape[0])
     if estride is None:
         estride = np.ones(steps, dtype=np.int64)
     for name, arr in (("src", src), ("offset", offset), ("bstride", bstride), ("estride", estride), ("rows", rows),
@@ -542,7 +589,8 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     if code.dtype != np.int64 or code.min() < 0 or code.max() > 5:
         raise ValueError(f"code: expected int64 codes 0..5, got {code.dtype} in [{code.min()}, {code.max()}]")
     gate = code == 5
-    if gate.any() and (np.any(rows[gate] % 5 != 0) or np.any(rows[gate] == 0) or np.any(5 * cols[gate] != 2 * rows[gate])):
+    if gate.any() and (np.any(rows[gate] % 5 != 0) or np.any(rows[gate] == 0)
+                       or np.any(5 * cols[gate] != 2 * rows[gate])):
         raise ValueError("code 5 (LSTM gate) steps: expected (5H, 2H) steps")
     if code.max() >= 3:
         for name, arr, shape in (("csr_ptr", csr_ptr, (steps,)), ("csr_indptr", csr_indptr, None),
@@ -556,16 +604,9 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         csr_ptr = np.zeros(steps, dtype=np.int64)
         csr_indptr = csr_indices = _NO_CSR
         csr_blocks = csr_bands = None
-    for i, s in enumerate(sources):
-        if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
-            raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
-                            f"{s.ndim}-D")
-    srcs = _homogeneous(sources)
     # the running vector and the next one, one tile of LANES samples: every y_j has rows[j] entries
     # and y_{-1} has cols[0]
     width = int(max(rows.max(), cols[0]))
-    cur = np.zeros(width * LANES, dtype=vectors.dtype)
-    nxt = np.zeros(width * LANES, dtype=vectors.dtype)
     # per-sample dense or CSR values, entry-major: a whole step's when it has at most TV_STEP_ENTRIES
     # entries (one copy per step), else one row's (at most the longest row of the run's patterns)
     longest = 1
@@ -581,22 +622,17 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
                       int(np.diff(csr_indptr).max()) if csr_p.size else 1)
     if gate.any():  # a compact gate step is always copied whole
         longest = max(longest, 6 * int(rows[gate].max()) // 5)
-    tv = np.zeros(longest * LANES, dtype=vectors.dtype)
     if csr_blocks is None:
         csr_blocks = shared_column_blocks(csr_indptr, csr_indices)
     elif csr_blocks.shape != csr_indptr.shape or csr_blocks.dtype != np.bool_:
         raise ValueError(f"csr_blocks: expected {csr_indptr.shape} bool (shared_column_blocks), got "
                          f"{csr_blocks.shape} {csr_blocks.dtype}")
-    tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = _tap_tables(taps, steps, rows, int(cols[0]), vectors)
-    feed_tables = _feed_tables(feeds, steps, rows, vectors)
     if csr_bands is None:
         csr_bands = diagonal_bands(csr_indptr, csr_indices)
     elif csr_bands.shape != csr_indptr.shape or csr_bands.dtype != np.int64:
         raise ValueError(f"csr_bands: expected {csr_indptr.shape} int64 (diagonal_bands), got "
                          f"{csr_bands.shape} {csr_bands.dtype}")
-    _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-              csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
-              tap_rows, tap_bufs, *feed_tables)
+    return estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest
 
 
 def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
@@ -636,9 +672,32 @@ def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
     return feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, _homogeneous(bufs or [np.zeros(1, vectors.dtype)])
 
 
-def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray):
+def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray, memo: Optional[dict] = None):
     """Per-step ``(tap_buf, tap_at, tap_ld, tap_row0, tap_rows)`` and the tuple of flat buffers of
-    :func:`run_chain`'s ``taps``, checked."""
+    :func:`run_chain`'s ``taps``, checked. With ``memo`` (:func:`run_chain`'s), the per-step tables of taps
+    of the same step arrays (the same objects), rows and batch are kept; the buffers are checked per call."""
+    batch = vectors.shape[0]
+    key = ("taps", batch) + tuple((id(idx), int(row0), int(nrows)) for idx, row0, nrows, _ in taps)
+    hit = None if memo is None else memo.get(key)
+    if hit is not None:
+        kept, tables = hit
+        bufs = []
+        for t, ((idx, _, nrows, buf), k) in enumerate(zip(taps, kept)):
+            if (not isinstance(buf, np.ndarray) or buf.dtype != vectors.dtype
+                    or buf.shape != (int(nrows), len(k), batch) or not buf.flags.c_contiguous):
+                break
+            bufs.append(buf.reshape(-1))
+        else:
+            return tables + (_homogeneous(bufs or [np.zeros(1, vectors.dtype)]),)
+    tables = _tap_tables_checked(taps, steps, rows, cols0, vectors)
+    if memo is not None:
+        # the step arrays are kept with the tables, so their ids in the key stay theirs
+        memo[key] = ([t[0] for t in taps], tables[:5])
+    return tables
+
+
+def _tap_tables_checked(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray):
+    """:func:`_tap_tables` without a memo: every tap checked, the tables made."""
     # entry `steps` stands for the input y_{-1} (step -1)
     tap_buf = np.zeros(steps + 1, dtype=np.int64)
     tap_at = np.full(steps + 1, -1, dtype=np.int64)

@@ -239,6 +239,7 @@ class _RunPlan:
     lookups: dict = field(default_factory=dict)  # per request key: steps of taps and feeds, outputs minus skip
     codes: Optional[np.ndarray] = None  # the compiled CPU loop's step codes (_run_codes), made on first use
     resolved: dict = field(default_factory=dict)  # cpu_chain.resolve_steps' memo: step tables per values layout
+    checked: dict = field(default_factory=dict)  # cpu_chain.run_chain's memo: the tables it last checked
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
@@ -323,9 +324,11 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
         load_feeds(vectors, feeds)
         fed = []
     elif fed:
-        add = add.copy()
-        for f in fed:
-            add[f[0]] = -1  # the term is read where the caller holds it, not from its slot
+        # the terms are read where the caller holds them, not from their slots (the same array for the
+        # same fed steps, so the loop's checks of it are kept)
+        steps_fed = np.concatenate([f[0] for f in fed])
+        add = _lookup(cp, ("fed", steps_fed.tobytes()),
+                      lambda: np.where(np.isin(np.arange(add.size), steps_fed), -1, add))
     steps = _tap_steps(op, cp, taps) if taps else []
     taken = steps is not None and bool(taps or skip is not None)
     if taken and skip is not None and skip.size:
@@ -334,7 +337,7 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
                         sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
                         csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands,
                         taps=[(st, t.row0, t.rows, t.out.numpy()) for st, t in zip(steps, taps)] if taken else (),
-                        feeds=fed)
+                        feeds=fed, memo=cp.checked)
     return taken
 
 

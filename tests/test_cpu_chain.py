@@ -313,8 +313,9 @@ def test_resolve_steps_memo_reuses_tables_for_one_layout():
     memo: dict = {}
 
     def resolve(values, batch=B):
-        return cpu_chain.resolve_steps(code, shared, layers, offsets, arena_s, np.zeros((batch, 4)),
-                                       values.__getitem__, torch.float64, memo=memo)
+        arena = arena_p if batch == B else np.zeros((batch, 4))
+        return cpu_chain.resolve_steps(code, shared, layers, offsets, arena_s, arena, values.__getitem__,
+                                       torch.float64, memo=memo)
 
     per = torch.randn(T, B, n, dtype=torch.float64)
     first = resolve(PeriodicValues([torch.randn(5, dtype=torch.float64), per], T))

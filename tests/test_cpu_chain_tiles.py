@@ -611,3 +611,40 @@ def test_lstm_gate_code_refuses_other_shapes():
     with pytest.raises(ValueError, match="code 5"):
         cpu_chain.run_chain(np.array([5], dtype=np.int64), z, z, z, rows, cols, np.array([-1]), np.array([5]), 0,
                             [np.zeros(64)], np.zeros((2, 20)))
+
+
+def test_run_chain_memo_skips_only_unchanged_checks():
+    """``memo``: a second call with the very same table arrays skips their checks and gives the same
+    result; new arrays are checked again (a bad one raises), and tap buffers are checked every call."""
+    rng = np.random.default_rng(5)
+    H, batch, T = 3, 16, 4
+    rows = np.array([2 * H] * T, dtype=np.int64)
+    cols = rows.copy()
+    out = (np.arange(T, dtype=np.int64) + 1) * 2 * H
+    add = np.full(T, -1, dtype=np.int64)
+    code = np.ones(T, dtype=np.int64)
+    src = np.zeros(T, dtype=np.int64)
+    offset = np.arange(T, dtype=np.int64) * 4 * H * H
+    bstride = np.zeros(T, dtype=np.int64)
+    values = rng.standard_normal(T * 4 * H * H)
+    x = rng.standard_normal((batch, 2 * H * (T + 1)))
+    steps = np.arange(T, dtype=np.int64)
+    memo: dict = {}
+    results = []
+    for _ in range(3):
+        v = x.copy()
+        tap = np.zeros((2 * H, T, batch))
+        cpu_chain.run_chain(code, src, offset, bstride, rows, cols, add, out, 0, [values], v,
+                            taps=[(steps, 0, 2 * H, tap)], memo=memo)
+        results.append((v, tap))
+    assert "tables" in memo
+    for v, tap in results[1:]:
+        np.testing.assert_array_equal(v, results[0][0])
+        np.testing.assert_array_equal(tap, results[0][1])
+    with pytest.raises(ValueError, match="taps\\[0\\]"):  # a wrong buffer, on a memo hit
+        cpu_chain.run_chain(code, src, offset, bstride, rows, cols, add, out, 0, [values], x.copy(),
+                            taps=[(steps, 0, 2 * H, np.zeros((2 * H, T + 1, batch)))], memo=memo)
+    with pytest.raises(ValueError, match="offset"):  # a new, bad array is checked
+        cpu_chain.run_chain(code, src, offset[:-1], bstride, rows, cols, add, out, 0, [values], x.copy(), memo=memo)
+    with pytest.raises(ValueError, match="code"):
+        cpu_chain.run_chain(code + 7, src, offset, bstride, rows, cols, add, out, 0, [values], x.copy(), memo=memo)
