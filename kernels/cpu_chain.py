@@ -16,7 +16,7 @@ shared by the batch); entry ``p`` of a CSR step is at that start plus ``(p - csr
 estride[j]`` (``estride`` 1 unless the values are stored entry-major).
 
 ``code 5``: the LSTM gate element (:func:`spscan.cells.lstm_gate_pattern`, ``(5H, 2H)``, per sample)
-from its ``6H`` compact numbers (:data:`spscan.cells.LSTM_GATE_ENCODING`), blocks of ``H`` in the
+from its ``6H`` compact numbers (:func:`spscan.cells.lstm_gate_encoding`), blocks of ``H`` in the
 order ``k, f, c_i, c_f, c_g, c_o`` (number ``q`` at the step's start plus ``q * estride[j]``): with
 ``(g_h, g_c)`` the step's input and ``w = g_c + k g_h``, its output is ``(c_i w, c_f w, c_g w,
 c_o g_h, f w)``. Its 9H CSR values are products of these numbers, so reading the numbers reads a
