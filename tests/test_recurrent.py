@@ -574,6 +574,26 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
     assert ran_code5 == (path == "compiled")
 
 
+def test_compact_gate_values_through_a_checked_run():
+    """The engine's checked run validates encoded periodic values as the CSR list they stand for and
+    runs that list: bit for bit a run of the expanded values given as a plain list; the unchecked run
+    applies the compact numbers (code 5), rounded differently: close, not equal."""
+    pytest.importorskip("numba")
+    m = make_module("lstm", 1, 4, batch_first=False, bias=True, dtype=torch.float64)
+    x, hx = make_inputs(m, 9, 16, with_h0=True, dtype=torch.float64)
+    plan = plan_recurrent(m, x)
+    (_, _), saved = plan.forward(x, hx)
+    assert saved.values.encodings[1] is not None
+    bound = plan._bound(9, x.device, x.dtype, False)
+    top = torch.randn(16, 8, dtype=torch.float64)
+    checked = [g.clone() for g in bound.run(saved.values, top, check=True)]
+    unchecked = [g.clone() for g in bound.run(saved.values, top, check=False)]
+    as_list = [g.clone() for g in bound.run(list(saved.values), top, check=True)]
+    for a, b, c in zip(checked, unchecked, as_list):
+        assert torch.equal(a, c)
+        torch.testing.assert_close(b, c, rtol=1e-13, atol=1e-13)
+
+
 def test_encoded_periodic_values_are_checked():
     from spscan.cells import lstm_gate_encoding
     from spscan.engine import PeriodicValues
