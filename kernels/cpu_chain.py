@@ -260,36 +260,12 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 a0 = vmuladd(a0, get(s, o + p + q), vload(cur, get(csr_indices, p + q) * LANES))
                         vstore(nxt, i * LANES, a0)
                         i += 1
-            elif cj == 5:  # the LSTM gate element from its 6H compact numbers (module docstring)
-                hh = m // 5
-                nv = 6 * hh
-                if not direct:  # copied entry-major into tv, as a per-sample CSR step's values
-                    q0 = 0
-                    if full and es == 1:
-                        while q0 + LANES <= nv:
-                            vtranspose(s, o + b0 * bs + q0, bs, tv, q0 * LANES, LANES)
-                            q0 += LANES
-                    for bb in range(nb):
-                        vb = o + (b0 + bb) * bs
-                        for q in range(q0, nv):
-                            tv[q * LANES + bb] = get(s, vb + q * es)
-                varr = s if direct else tv
-                vbase = o + b0 if direct else 0
-                vstr = es if direct else LANES
-                for u in range(hh):
-                    gh = vload(cur, u * LANES)
-                    # gc + k * gh: the cell's total gradient
-                    w = vmuladdv(vload(cur, (hh + u) * LANES), vload(varr, vbase + u * vstr), gh)
-                    vstore(nxt, u * LANES, vmul(vload(varr, vbase + (2 * hh + u) * vstr), w))
-                    vstore(nxt, (hh + u) * LANES, vmul(vload(varr, vbase + (3 * hh + u) * vstr), w))
-                    vstore(nxt, (2 * hh + u) * LANES, vmul(vload(varr, vbase + (4 * hh + u) * vstr), w))
-                    vstore(nxt, (3 * hh + u) * LANES, vmul(vload(varr, vbase + (5 * hh + u) * vstr), gh))
-                    vstore(nxt, (4 * hh + u) * LANES, vmul(vload(varr, vbase + (hh + u) * vstr), w))
-            else:  # per-sample dense (2) or CSR (4): values copied entry-major into tv, then rows
+            else:  # per-sample dense (2), CSR (4) or LSTM gate (5): values copied entry-major into tv, then rows
                 cp = csr_ptr[j] if cj == 4 else 0
                 g0 = csr_indptr[cp] if cj == 4 else 0
-                nnz = csr_indptr[cp + m] - g0 if cj == 4 else m * k
-                whole = direct or nnz * LANES <= tv.shape[0]  # the whole step at once, else row by row
+                nnz = csr_indptr[cp + m] - g0 if cj == 4 else (6 * (m // 5) if cj == 5 else m * k)
+                # the whole step at once (always a gate's: the scratch is sized for it), else row by row
+                whole = direct or cj == 5 or nnz * LANES <= tv.shape[0]
                 if whole and not direct:
                     q0 = 0
                     if full and es == 1:
@@ -304,7 +280,18 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                 varr = s if direct else tv
                 vbase = o + b0 if direct else 0
                 vstr = es if direct else LANES
-                i = 0
+                if cj == 5:  # the LSTM gate element from its 6H compact numbers (module docstring)
+                    hh = m // 5
+                    for u in range(hh):
+                        gh = vload(cur, u * LANES)
+                        # gc + k * gh: the cell's total gradient
+                        w = vmuladdv(vload(cur, (hh + u) * LANES), vload(varr, vbase + u * vstr), gh)
+                        vstore(nxt, u * LANES, vmul(vload(varr, vbase + (2 * hh + u) * vstr), w))
+                        vstore(nxt, (hh + u) * LANES, vmul(vload(varr, vbase + (3 * hh + u) * vstr), w))
+                        vstore(nxt, (2 * hh + u) * LANES, vmul(vload(varr, vbase + (4 * hh + u) * vstr), w))
+                        vstore(nxt, (3 * hh + u) * LANES, vmul(vload(varr, vbase + (5 * hh + u) * vstr), gh))
+                        vstore(nxt, (4 * hh + u) * LANES, vmul(vload(varr, vbase + (hh + u) * vstr), w))
+                i = m if cj == 5 else 0
                 while i < m:
                     if cj == 2:
                         p, n = i * k, k
@@ -847,16 +834,8 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
                     memo.clear()
                 memo[key] = tables
         return None if tables is None else (*tables, sources)
-    steps = len(code)
-    src = np.zeros(steps, dtype=np.int64)
-    off = np.asarray(offsets, dtype=np.int64).copy()
-    bst = np.zeros(steps, dtype=np.int64)
-    est = np.ones(steps, dtype=np.int64)
+    code_a, src, off, bst, est = _arena_tables(code, shared, offsets, arena_p)
     lay = np.asarray(layers, dtype=np.int64)
-    code_a = np.asarray(code, dtype=np.int64)
-    per_sample = (code_a == 2) | (code_a == 4) | ((code_a == 0) & ~np.asarray(shared, dtype=bool))
-    src[per_sample] = 1
-    bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
     sources = [arena_s.reshape(-1), arena_p.reshape(-1)]
     if inputs is None:
         return code_a, src, off, bst, est, sources
@@ -904,6 +883,21 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
     return code_a, src, off, bst, est, sources
 
 
+def _arena_tables(code: Sequence[int], shared: Sequence[bool], offsets: Sequence[int], arena_p: np.ndarray):
+    """``(code, src, offset, bstride, estride)`` with every step reading the arenas: per-sample steps
+    ``P`` (source 1, a sample's row apart), the others ``S`` (source 0); ``code`` as an int64 array."""
+    steps = len(code)
+    code = np.asarray(code, dtype=np.int64)
+    src = np.zeros(steps, dtype=np.int64)
+    off = np.asarray(offsets, dtype=np.int64).copy()
+    bst = np.zeros(steps, dtype=np.int64)
+    est = np.ones(steps, dtype=np.int64)
+    per_sample = (code == 2) | (code == 4) | ((code == 0) & ~np.asarray(shared, dtype=bool))
+    src[per_sample] = 1
+    bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
+    return code, src, off, bst, est
+
+
 def _periodic_facts(owner, sources: list, dtype) -> Optional[tuple]:
     """Per element of periodic values (element ``k``: ``(nnz,)`` shared or ``(T, B, nnz)`` per sample, a
     per-sample one possibly stored entry-major: ``(T, nnz, B)`` memory viewed as ``(T, B, nnz)``):
@@ -942,16 +936,9 @@ def _periodic_tables(facts: tuple, code: Sequence[int], shared: Sequence[bool], 
     stride_k``, sample ``b`` ``b * bstride_k`` later, entry ``q`` ``q * estride_k`` later; an encoded
     element's steps get its form's code (``None`` unless they were planned as per-sample dense or CSR
     steps). Steps over products read the arenas."""
-    steps = len(code)
-    src = np.zeros(steps, dtype=np.int64)
-    off = np.asarray(offsets, dtype=np.int64).copy()
-    bst = np.zeros(steps, dtype=np.int64)
-    est = np.ones(steps, dtype=np.int64)
+    code, src, off, bst, est = _arena_tables(code, shared, offsets, arena_p)
+    code = code.copy()
     lay = np.asarray(layers, dtype=np.int64)
-    code = np.asarray(code, dtype=np.int64).copy()
-    per_sample = (code == 2) | (code == 4) | ((code == 0) & ~np.asarray(shared, dtype=bool))
-    src[per_sample] = 1
-    bst[per_sample] = arena_p.shape[1] if arena_p.ndim == 2 else 0
     from_input = np.flatnonzero(lay >= 0)
     if from_input.size:
         f = np.asarray(facts, dtype=np.int64)  # (elements, 7)
