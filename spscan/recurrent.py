@@ -27,7 +27,10 @@ Chain layouts (``layout=``):
   element (``(5H, 2H)``, sparse, per sample, ``9H`` entries) that maps ``(g_h, g_c)`` of ``s_t`` to
   ``(da_i, da_f, da_g, da_o, f*dc)`` with ``dc = k g_h + g_c``: ``da_q = c_q dc`` (``q = i, f, g``),
   ``da_o = c_o g_h``. The gradients at each step's first element are the gate pre-activation
-  gradients the weight GEMMs need.
+  gradients the weight GEMMs need. The compiled CPU forward hands the gate element over as its
+  ``6H`` compact numbers per sample (:func:`spscan.cells.lstm_gate_encoding`), which the compiled
+  linear scan applies directly (``dc`` once, then five products per unit) and every other path
+  expands to the ``9H`` CSR values.
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
