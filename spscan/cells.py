@@ -142,19 +142,7 @@ def lstm_gate_pattern(hidden: int) -> sp.csr_array:
 def _expand_lstm_gate(compact: torch.Tensor) -> torch.Tensor:
     """:func:`lstm_gate_pattern`'s CSR values ``(..., 9H)`` from the compact ``(..., 6H)`` numbers
     ``k, f, c_i, c_f, c_g, c_o`` (blocks of ``H``; any strides)."""
-    H = compact.shape[-1] // 6
-    k, f, ci, cf, cg, co = compact.unflatten(-1, (6, H)).unbind(-2)
-    lead = compact.shape[:-1]
-    vals = torch.empty(*lead, 9 * H, dtype=compact.dtype, device=compact.device)
-    gates = vals[..., : 6 * H].view(*lead, 3, H, 2)
-    for q, c in enumerate((ci, cf, cg)):
-        torch.mul(c, k, out=gates[..., q, :, 0])
-        gates[..., q, :, 1].copy_(c)
-    vals[..., 6 * H : 7 * H].copy_(co)
-    cell = vals[..., 7 * H :].view(*lead, H, 2)
-    torch.mul(f, k, out=cell[..., 0])
-    cell[..., 1].copy_(f)
-    return vals
+    return _lstm_gate_csr(*compact.unflatten(-1, (6, compact.shape[-1] // 6)).unbind(-2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -412,15 +400,20 @@ def lstm_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
 
 def _lstm_gate_values(coefs: dict) -> torch.Tensor:
     """Values ``(T, B, 9H)`` of :func:`lstm_gate_pattern` from the coefficients of :func:`cell_step`."""
-    k, f = coefs["k"], coefs["f"]
-    T, B, H = k.shape
-    vals = torch.empty(T, B, 9 * H, dtype=k.dtype, device=k.device)
-    gates = vals[..., : 6 * H].view(T, B, 3, H, 2)
-    for q, name in enumerate(("ci", "cf", "cg")):
-        torch.mul(coefs[name], k, out=gates[:, :, q, :, 0])
-        gates[:, :, q, :, 1].copy_(coefs[name])
-    vals[..., 6 * H : 7 * H].copy_(coefs["co"])
-    cell = vals[..., 7 * H :].view(T, B, H, 2)
+    return _lstm_gate_csr(*(coefs[name] for name in ("k", "f", "ci", "cf", "cg", "co")))
+
+
+def _lstm_gate_csr(k, f, ci, cf, cg, co) -> torch.Tensor:
+    """:func:`lstm_gate_pattern`'s CSR values ``(..., 9H)`` from its coefficients, each ``(..., H)``: per
+    unit ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]`` (blocks of ``2H``), ``c_o``, ``[f k, f]``."""
+    lead, H = k.shape[:-1], k.shape[-1]
+    vals = torch.empty(*lead, 9 * H, dtype=k.dtype, device=k.device)
+    gates = vals[..., : 6 * H].view(*lead, 3, H, 2)
+    for q, c in enumerate((ci, cf, cg)):
+        torch.mul(c, k, out=gates[..., q, :, 0])
+        gates[..., q, :, 1].copy_(c)
+    vals[..., 6 * H : 7 * H].copy_(co)
+    cell = vals[..., 7 * H :].view(*lead, H, 2)
     torch.mul(f, k, out=cell[..., 0])
     cell[..., 1].copy_(f)
     return vals
