@@ -678,6 +678,11 @@ def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndar
             return tables + (_homogeneous(bufs or [np.zeros(1, vectors.dtype)]),)
     tables = _tap_tables_checked(taps, steps, rows, cols0, vectors)
     if memo is not None:
+        if len(memo) > 16:  # bounded: tap requests that come back every call stay; the step tables' entry too
+            checked = memo.get("tables")
+            memo.clear()
+            if checked is not None:
+                memo["tables"] = checked
         # the step arrays are kept with the tables, so their ids in the key stay theirs
         memo[key] = ([t[0] for t in taps], tables[:5])
     return tables

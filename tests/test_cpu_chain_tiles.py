@@ -641,6 +641,10 @@ def test_run_chain_memo_skips_only_unchanged_checks():
     for v, tap in results[1:]:
         np.testing.assert_array_equal(v, results[0][0])
         np.testing.assert_array_equal(tap, results[0][1])
+    for _ in range(40):  # new step arrays every call: the memo stays bounded
+        cpu_chain.run_chain(code, src, offset, bstride, rows, cols, add, out, 0, [values], x.copy(),
+                            taps=[(steps.copy(), 0, 2 * H, np.zeros((2 * H, T, batch)))], memo=memo)
+    assert len(memo) <= 18 and "tables" in memo
     with pytest.raises(ValueError, match="taps\\[0\\]"):  # a wrong buffer, on a memo hit
         cpu_chain.run_chain(code, src, offset, bstride, rows, cols, add, out, 0, [values], x.copy(),
                             taps=[(steps, 0, 2 * H, np.zeros((2 * H, T + 1, batch)))], memo=memo)
