@@ -55,8 +55,8 @@ from spscan.kernels.cpu_simd import LANES, last_level_cache_bytes
 
 # The vector operations the tiled kernel names: numba intrinsics (kernels/cpu_simd.py), bound before
 # its first compile (numba is optional and slow to import).
-vload = vstore = vstream = vmul = vmuladd = vtranspose = None
-_VECTOR_OPS = ("vload", "vstore", "vstream", "vmul", "vmuladd", "vtranspose")
+vload = vstore = vstream = vmuladd = vtranspose = None
+_VECTOR_OPS = ("vload", "vstore", "vstream", "vmuladd", "vtranspose")
 
 __all__ = ["FUSED_MAX_INPUT", "InputProjection", "available", "gate_inputs", "gru_forward", "input_projection",
            "lstm_forward", "rnn_forward"]
