@@ -39,13 +39,11 @@ class ValueEncoding:
     Attributes:
         name: the form, as the kernels know it.
         width: compact numbers per sample.
-        nnz: the CSR values they stand for (the pattern's ``nnz``).
-        expand: ``(..., width)`` -> ``(..., nnz)`` CSR values (any leading dimensions).
+        expand: ``(..., width)`` -> ``(..., nnz)``: the pattern's CSR values (any leading dimensions).
     """
 
     name: str
     width: int
-    nnz: int
     expand: Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -151,7 +151,7 @@ def lstm_gate_encoding(hidden: int) -> ValueEncoding:
     ``c_i``, ``c_f``, ``c_g``, ``c_o`` (blocks of ``H``), of which its ``9H`` CSR values are products
     (:func:`lstm_gate_pattern`). The compiled CPU forward writes these (a third fewer bytes than the
     CSR values) and the compiled linear scan applies them as they are (``"lstm_gate"``)."""
-    return ValueEncoding("lstm_gate", 6 * hidden, 9 * hidden, _expand_lstm_gate)
+    return ValueEncoding("lstm_gate", 6 * hidden, _expand_lstm_gate)
 
 
 # element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``
