@@ -691,13 +691,18 @@ class RecurrentPlan:
             # one GEMM over all T*B steps and samples per parameter: no loop over time
             if want("input"):
                 x_grad = a_ih.t().mm(params[0]).view(T, B, -1)
-            if want("weight_ih_l0"):
-                gw_ih = _weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
-            if want("weight_hh_l0"):
-                gw_hh = _weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
-            if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
-                gb_ih = a_ih.sum(1)
-                gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
+            if want("weight_hh_l0") and _weight_grads_compile(a_ih, a_hh):
+                gw_ih, gw_hh, gb_ih, gb_hh = _compiled_weight_grads(
+                    saved, a_ih, a_hh, m.bias and (want("bias_ih_l0") or want("bias_hh_l0")))
+                gw_ih = gw_ih if want("weight_ih_l0") else None
+            else:
+                if want("weight_ih_l0"):
+                    gw_ih = _weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
+                if want("weight_hh_l0"):
+                    gw_hh = _weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
+                if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
+                    gb_ih = a_ih.sum(1)
+                    gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
         if x_grad is not None:
             if saved.unbatched:
                 x_grad = x_grad.squeeze(1)
@@ -711,6 +716,38 @@ class RecurrentPlan:
         if m.bias:
             out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh
         return out
+
+
+def _weight_grads_compile(a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
+    """Whether :func:`_compiled_weight_grads` applies: CPU float32/float64 pre-activation gradients with
+    contiguous rows (as the factored scan collects them) and numba importable."""
+    from spscan import recurrent_cpu
+
+    return (a_hh.device.type == "cpu" and a_hh.dtype in (torch.float32, torch.float64)
+            and all(a.shape[1] < 2 or a.stride(1) == 1 for a in (a_ih, a_hh)) and recurrent_cpu.available())
+
+
+def _compiled_weight_grads(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
+    """``(W_ih, W_hh, b_ih, b_hh)`` gradients (biases ``None`` without ``bias``) from the pre-activation
+    gradients ``(G, T*B)``, by :func:`spscan.recurrent_cpu.weight_gradients`: one compiled pass over
+    ``a`` for all of them where both sides share it (RNN, LSTM), one per side otherwise (GRU). On
+    CPU it replaces two GEMMs and a sum, each reading ``a`` (the LSTM at T = 1000, B = 16: 0.47
+    against 0.72 ms, one thread)."""
+    from spscan.recurrent_cpu import weight_gradients
+
+    T, B = saved.T, saved.B
+    H, I = saved.h_prev.shape[-1], saved.x.shape[-1]
+    hp, xs = saved.h_prev.reshape(T * B, H), saved.x.reshape(T * B, I)
+    if a_ih is a_hh:
+        both = weight_gradients(a_hh, hp, xs)
+        hh, ih = both[:, :H], both[:, H:H + I]
+        b_hh = both[:, H + I]
+        b_ih = b_hh
+    else:
+        hh_all, ih_all = weight_gradients(a_hh, hp), weight_gradients(a_ih, xs)
+        hh, b_hh, ih, b_ih = hh_all[:, :H], hh_all[:, H], ih_all[:, :I], ih_all[:, I]
+    biases = (b_ih.clone(), b_hh.clone()) if bias else (None, None)  # separate tensors, each contiguous
+    return (ih.contiguous(), hh.contiguous()) + biases
 
 
 def _weight_grad(pre: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,10 @@ compact numbers per sample (:func:`spscan.cells.lstm_gate_encoding`: ``k, f, c_i
 the ``9H`` CSR values are products of them), so the gates are evaluated once and ``c_t`` comes from
 the forward.
 
+:func:`weight_gradients` is the backward's other compiled pass: the layer's weight and bias
+gradients from the gate pre-activation gradients the linear scan collects, one pass over them for
+all (instead of a GEMM per weight and a sum per bias, each reading them again).
+
 Tiles: from ``TILE_MIN_BATCH`` samples up each forward runs the batch in tiles of ``LANES`` samples,
 feature-major (unit ``j`` of a tile is one vector of ``LANES`` samples, :mod:`spscan.kernels.cpu_simd`),
 so the hidden-state product is four register accumulators per pass over ``h`` and the elementwise
@@ -55,11 +59,11 @@ from spscan.kernels.cpu_simd import LANES, last_level_cache_bytes
 
 # The vector operations the tiled kernel names: numba intrinsics (kernels/cpu_simd.py), bound before
 # its first compile (numba is optional and slow to import).
-vload = vstore = vstream = vmuladd = vtranspose = None
-_VECTOR_OPS = ("vload", "vstore", "vstream", "vmuladd", "vtranspose")
+vload = vstore = vstream = vzero = vadd = vmuladd = vmuladdv = vtranspose = None
+_VECTOR_OPS = ("vload", "vstore", "vstream", "vzero", "vadd", "vmuladd", "vmuladdv", "vtranspose")
 
 __all__ = ["FUSED_MAX_INPUT", "InputProjection", "available", "gate_inputs", "gru_forward", "input_projection",
-           "lstm_forward", "rnn_forward"]
+           "lstm_forward", "rnn_forward", "weight_gradients"]
 
 _numba = None  # the numba module once imported; False if it is not installed
 
@@ -493,6 +497,156 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
                         dnf[(j * T + t) * B + b0 + bb] = en[j * LANES + bb]
 
 
+def _transposed_columns(zf, kz, kb, q, zt, ztf):  # pragma: no cover - compiled
+    # zt[kb + k, j : j + LANES] = column k of zf's rows q .. q + LANES ((N, kz) row-major, flat), where
+    # j = q % zt.shape[1]: register transposes of LANES columns at a time, the rest one by one
+    NC = zt.shape[1]
+    j = q % NC
+    k0 = 0
+    while k0 + LANES <= kz:
+        vtranspose(zf, q * kz + k0, kz, ztf, (kb + k0) * NC + j, NC)
+        k0 += LANES
+    for k in range(k0, kz):
+        for r in range(LANES):
+            zt[kb + k, j + r] = zf[(q + r) * kz + k]
+
+
+def _weight_grad_kernel(af, ld, n, z1f, K1, z2f, K2, zt, acc, out):  # pragma: no cover - compiled
+    # out[g, c] = sum_q a[g, q] Z[q, c], q < n (a: M rows of n, row g at af[g * ld:]; Z = [z1 | z2 | 1], (n, K): its last
+    # column gives the row sums of a). Chunks of NC = zt.shape[1] positions: Z's chunk transposed into
+    # zt (K, NC) (rows of LANES positions, as a's), then blocks of 4 rows x 4 columns, 16 vector
+    # accumulators over the chunk (4 x 1 and 1 x 4 blocks at the edges), added to acc (M*K lane-wise
+    # partial sums, LANES each); at the end each partial is summed across its lanes in order, then the
+    # positions past the last whole vector are added one by one. Fixed order: reproducible bit for bit.
+    M, K = out.shape
+    NC = zt.shape[1]
+    ztf = zt.reshape(K * NC)
+    nv = n - n % LANES
+    for i in range(acc.shape[0]):
+        acc[i] = 0
+    for q in range(NC):
+        zt[K - 1, q] = 1
+    for c0 in range(0, nv, NC):
+        w = min(NC, nv - c0)
+        for q0 in range(0, w, LANES):  # Z's chunk, transposed
+            _transposed_columns_c(z1f, K1, 0, c0 + q0, zt, ztf)
+            _transposed_columns_c(z2f, K2, K1, c0 + q0, zt, ztf)
+        g = 0
+        while g < M:
+            a0 = g * ld + c0
+            if g + 4 <= M:
+                k = 0
+                while k + 4 <= K:
+                    s00 = vzero(af)
+                    s01 = vzero(af)
+                    s02 = vzero(af)
+                    s03 = vzero(af)
+                    s10 = vzero(af)
+                    s11 = vzero(af)
+                    s12 = vzero(af)
+                    s13 = vzero(af)
+                    s20 = vzero(af)
+                    s21 = vzero(af)
+                    s22 = vzero(af)
+                    s23 = vzero(af)
+                    s30 = vzero(af)
+                    s31 = vzero(af)
+                    s32 = vzero(af)
+                    s33 = vzero(af)
+                    y = k * NC
+                    for q in range(0, w, LANES):
+                        x0 = vload(af, a0 + q)
+                        x1 = vload(af, a0 + ld + q)
+                        x2 = vload(af, a0 + 2 * ld + q)
+                        x3 = vload(af, a0 + 3 * ld + q)
+                        w0 = vload(ztf, y + q)
+                        w1 = vload(ztf, y + NC + q)
+                        w2 = vload(ztf, y + 2 * NC + q)
+                        w3 = vload(ztf, y + 3 * NC + q)
+                        s00 = vmuladdv(s00, x0, w0)
+                        s01 = vmuladdv(s01, x0, w1)
+                        s02 = vmuladdv(s02, x0, w2)
+                        s03 = vmuladdv(s03, x0, w3)
+                        s10 = vmuladdv(s10, x1, w0)
+                        s11 = vmuladdv(s11, x1, w1)
+                        s12 = vmuladdv(s12, x1, w2)
+                        s13 = vmuladdv(s13, x1, w3)
+                        s20 = vmuladdv(s20, x2, w0)
+                        s21 = vmuladdv(s21, x2, w1)
+                        s22 = vmuladdv(s22, x2, w2)
+                        s23 = vmuladdv(s23, x2, w3)
+                        s30 = vmuladdv(s30, x3, w0)
+                        s31 = vmuladdv(s31, x3, w1)
+                        s32 = vmuladdv(s32, x3, w2)
+                        s33 = vmuladdv(s33, x3, w3)
+                    b = (g * K + k) * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s00))
+                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s01))
+                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s02))
+                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s03))
+                    b += K * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s10))
+                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s11))
+                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s12))
+                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s13))
+                    b += K * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s20))
+                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s21))
+                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s22))
+                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s23))
+                    b += K * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s30))
+                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s31))
+                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s32))
+                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s33))
+                    k += 4
+                for c in range(k, K):  # the last columns: 4 x 1
+                    s00 = vzero(af)
+                    s10 = vzero(af)
+                    s20 = vzero(af)
+                    s30 = vzero(af)
+                    y = c * NC
+                    for q in range(0, w, LANES):
+                        w0 = vload(ztf, y + q)
+                        s00 = vmuladdv(s00, vload(af, a0 + q), w0)
+                        s10 = vmuladdv(s10, vload(af, a0 + ld + q), w0)
+                        s20 = vmuladdv(s20, vload(af, a0 + 2 * ld + q), w0)
+                        s30 = vmuladdv(s30, vload(af, a0 + 3 * ld + q), w0)
+                    b = (g * K + c) * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s00))
+                    b += K * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s10))
+                    b += K * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s20))
+                    b += K * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s30))
+                g += 4
+            else:  # the last rows: 1 x 1
+                for c in range(K):
+                    s00 = vzero(af)
+                    y = c * NC
+                    for q in range(0, w, LANES):
+                        s00 = vmuladdv(s00, vload(af, a0 + q), vload(ztf, y + q))
+                    b = (g * K + c) * LANES
+                    vstore(acc, b, vadd(vload(acc, b), s00))
+                g += 1
+    for g in range(M):
+        for c in range(K):
+            b = (g * K + c) * LANES
+            s = acc[b]
+            for r in range(1, LANES):
+                s += acc[b + r]
+            for q in range(nv, n):  # past the last whole vector
+                v = af[g * ld + q]
+                if c < K1:
+                    s += v * z1f[q * K1 + c]
+                elif c < K1 + K2:
+                    s += v * z2f[q * K2 + c - K1]
+                else:
+                    s += v
+            out[g, c] = s
+
+
 def _rnn_kernel(gi, wt, h0, cst, icst, relu, hs, d, ds, acc, e, bits, bitsf):  # pragma: no cover - compiled
     # h_t = act(gi_t + h_{t-1} W_hh^T) and d_t = act'(.) (tanh: 1 - h_t^2; relu: 1 where h_t > 0);
     # d: (T, H, B) entry-major, written from the sample-major scratch ds (B, H) once per step
@@ -599,9 +753,9 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 
 # The compiled helpers the kernels call by these names (bound by _prepare() before any kernel compiles)
 _vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_gate_inputs_c = None
-_tile_hidden_product_c = _tile_inputs_c = _put_c = None
+_tile_hidden_product_c = _tile_inputs_c = _put_c = _transposed_columns_c = None
 _KERNELS = {"lstm": _lstm_kernel, "lstm_tile": _lstm_tile_kernel, "rnn": _rnn_kernel, "rnn_tile": _rnn_tile_kernel,
-            "gru": _gru_kernel, "gru_tile": _gru_tile_kernel}
+            "gru": _gru_kernel, "gru_tile": _gru_tile_kernel, "weight_grad": _weight_grad_kernel}
 _compiled_kernels: dict = {}
 
 
@@ -613,7 +767,7 @@ def _jit(fn, inline: str = "never"):
 def _prepare() -> None:
     """Bind the vector operations and compile the helpers the kernels call (once)."""
     global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_gate_inputs_c
-    global _tile_hidden_product_c, _tile_inputs_c, _put_c
+    global _tile_hidden_product_c, _tile_inputs_c, _put_c, _transposed_columns_c
     if _vexpm1_c is None:
         from spscan.kernels import cpu_simd
 
@@ -629,6 +783,7 @@ def _prepare() -> None:
         _tile_hidden_product_c = _jit(_tile_hidden_product, "always")
         _tile_inputs_c = _jit(_tile_inputs, "always")
         _put_c = _jit(_put, "always")
+        _transposed_columns_c = _jit(_transposed_columns, "always")
 
 
 def _compiled(name: str):
@@ -877,6 +1032,65 @@ def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor
     w = w_ih.detach()
     out = torch.mm(w, xs) if bias is None else torch.addmm(bias.detach().unsqueeze(1), w, xs)
     return out.view(-1, T, B).permute(1, 2, 0)
+
+
+# positions per chunk of the weight-gradient kernel: the chunk of its transposed second operand (K rows)
+# stays in the L2 cache while every row block of the first reads it (16 KB of positions per row
+# block at float32; whole-length rows, no chunks, measured 10% slower at N = 16000)
+_GRAD_CHUNK = 1024
+
+
+def weight_gradients(a: torch.Tensor, z1: torch.Tensor, z2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ [z1 | z2 | 1]`` in one compiled pass: a recurrent layer's weight and bias gradients from its
+    gate pre-activation gradients.
+
+    Args:
+        a: ``(M, N)`` with contiguous rows (any row stride): the pre-activation gradients, row ``g``
+            over all ``N = T*B`` steps and samples (the layout the backward collects them in).
+        z1, z2: ``(N, K1)`` and ``(N, K2)`` (``z2`` optional): the GEMMs' other operands, position
+            ``n`` in row ``n`` (``h_{t-1}`` and ``x_t``: the layer's time-major saved tensors).
+    Returns:
+        ``(M, K1 + K2 + 1)`` of ``a``'s dtype: ``a z1``, ``a z2`` and the row sums of ``a`` (the bias
+        gradient) side by side.
+
+    Why: the hidden-weight gradient is a ``(4H x N) (N x H)`` product with a long reduction and a
+    tiny output (``80 x 20`` over ``N = 16000`` for the paper's LSTM), which the BLAS GEMM runs at a
+    fraction of the core's vector width, and the input-weight and bias gradients read ``a`` again
+    each. Here each ``4 x 4`` output block is 16 vector accumulators over a cache-sized chunk of ``a``
+    (lanes along ``N``) and of the operands transposed once per chunk, and ``a`` is read once for all
+    three. Sums run in a fixed order (lane-wise partials, then across lanes): reproducible bit for bit.
+
+    Raises ``RuntimeError`` without numba, ``TypeError`` for dtypes other than float32/float64 or
+    non-CPU tensors, ``ValueError`` for mismatched shapes or ``a`` without contiguous rows.
+    """
+    if not available():
+        raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
+    ts = (a, z1) + (() if z2 is None else (z2,))
+    dt = a.dtype
+    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in ts):
+        raise TypeError("weight_gradients: expected float32/float64 CPU tensors of one dtype, got "
+                        + ", ".join(f"{t.dtype} on {t.device}" for t in ts))
+    M, N = a.shape
+    if z1.dim() != 2 or z1.shape[0] != N or (z2 is not None and (z2.dim() != 2 or z2.shape[0] != N)) \
+            or (M > 1 and N > 1 and a.stride(1) != 1):
+        raise ValueError(f"weight_gradients: expected a (M, N) with contiguous rows and z (N, K), got a "
+                         f"{tuple(a.shape)} strides {a.stride()}, z1 {tuple(z1.shape)}"
+                         + ("" if z2 is None else f", z2 {tuple(z2.shape)}"))
+    np_dt = np.float32 if dt == torch.float32 else np.float64
+    z1n = z1.detach().contiguous().numpy().reshape(-1)
+    z2n = np.empty(0, dtype=np_dt) if z2 is None else z2.detach().contiguous().numpy().reshape(-1)
+    K1, K2 = z1.shape[1], 0 if z2 is None else z2.shape[1]
+    K = K1 + K2 + 1
+    out = torch.empty(M, K, dtype=dt)
+    if M == 0 or N == 0:
+        return out.zero_()
+    # a's memory from its first element (rows ld apart), as a flat array the kernel indexes
+    ld = a.stride(0) if M > 1 else N
+    an = a.detach()
+    af = torch.as_strided(an, ((M - 1) * ld + N,), (1,), an.storage_offset()).numpy()
+    _compiled("weight_grad")(af, ld, N, z1n, K1, z2n, K2, np.empty((K, _GRAD_CHUNK), dtype=np_dt),
+                             np.empty(M * K * LANES, dtype=np_dt), out.numpy())
+    return out
 
 
 def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
