@@ -163,7 +163,9 @@ class _Saved:
 
     ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}`` (a copy, not a view of the outputs, which
     the caller may change in place), gate coefficients per kind, ``values`` (the chain's Jacobian
-    values) and the sizes. Through autograd its tensors are kept by ``ctx.save_for_backward``
+    values) and the sizes. The compiled CPU forwards also keep ``operands``: ``(H + I + 1, T, B)``,
+    rows ``h_{t-1}``, ``x_t`` and ones, feature-major (``h_prev`` is a view of its first rows), the
+    weight gradients' operand (:func:`spscan.recurrent_cpu.weight_gradients`); otherwise ``None``. Through autograd its tensors are kept by ``ctx.save_for_backward``
     (:func:`stash_saved`).
     """
 
@@ -417,18 +419,32 @@ class RecurrentPlan:
         h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
         return xt, T, B, unbatched, params, h0, c0
 
-    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool, h0: torch.Tensor):
+    def _operands(self, xt: torch.Tensor) -> torch.Tensor:
+        """The weight gradients' operand for a compiled forward of ``xt`` ``(T, B, I)``: ``(H + I + 1, T, B)``
+        from the plan's recycled buffers, rows ``H ..`` filled here (``x_t``, then ones); the forward
+        writes rows ``0 .. H-1`` (``h_{t-1}``) as it goes."""
+        T, B, I = xt.shape
+        H = self.hidden_size
+        z = self.buffers.take("operands", (H + I + 1, T, B), xt.dtype)
+        z[H: H + I].copy_(xt.permute(2, 0, 1))
+        z[H + I].fill_(1)
+        return z
+
+    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):
         """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
-        the forward wrote them, else ``(T, B, H)``): the module's output, ``h_n`` and ``h_prev``
-        (``(T, B, H)``, a copy into a recycled buffer)."""
+        the forward wrote them, else ``(T, B, H)``): the module's output and ``h_n``."""
         batch_first = self.module.batch_first and not unbatched
         time_major = hs.transpose(0, 1) if batch_first else hs
         out = hs.squeeze(1) if unbatched else hs
         shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
-        h_prev = self.buffers.take("h_prev", time_major.shape, time_major.dtype)
-        h_prev[0].copy_(h0)
-        h_prev[1:].copy_(time_major[:-1])
-        return out, time_major[-1].reshape(shape).clone(), h_prev
+        return out, time_major[-1].reshape(shape).clone()
+
+    def _compiled_saved(self, xt: torch.Tensor, operands: torch.Tensor, coefs: dict, values, unbatched: bool,
+                        params) -> _Saved:
+        """The backward's state after a compiled forward (``h_prev`` a view of ``operands``)."""
+        T, B, _ = xt.shape
+        return _Saved(x=xt, h_prev=operands[: self.hidden_size].permute(1, 2, 0), operands=operands, coefs=coefs,
+                      values=values, T=T, B=B, unbatched=unbatched, params=params, dtype=xt.dtype, device=xt.device)
 
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
@@ -439,15 +455,15 @@ class RecurrentPlan:
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
         # both biases enter every gate pre-activation: added to the input part once
         gi = input_projection(xt, params[0], params[2] + params[3] if m.bias else None)
+        z = self._operands(xt)
         hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched,
-                                            buffers=self.buffers)
+                                            buffers=self.buffers, prev=z)
         shared = lstm_weight_values(params[1], H)
         # the gate element as its compact numbers: the compiled CPU linear scan applies them as they are,
         # every other path expands them to CSR values
         values = PeriodicValues([shared, gate_values], T, encodings=[None, lstm_gate_encoding(H)])
-        out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs={}, values=values, T=T, B=B, unbatched=unbatched,
-                       params=params, dtype=hs.dtype, device=hs.device)
+        out, h_n = self._compiled_outputs(hs, unbatched)
+        saved = self._compiled_saved(xt, z, {}, values, unbatched, params)
         return (out, (h_n, c_n.reshape(h_n.shape))), saved
 
     def _rnn_compiled_forward(self, x: torch.Tensor, hx):
@@ -459,12 +475,12 @@ class RecurrentPlan:
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         # both biases enter the pre-activation: added to the input part once
         gi = input_projection(xt, params[0], params[2] + params[3] if m.bias else None)
+        z = self._operands(xt)
         hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
-                            batch_first=m.batch_first and not unbatched, buffers=self.buffers)
+                            batch_first=m.batch_first and not unbatched, buffers=self.buffers, prev=z)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
-        out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs={"d": d}, values=values, T=T, B=B, unbatched=unbatched,
-                       params=params, dtype=hs.dtype, device=hs.device)
+        out, h_n = self._compiled_outputs(hs, unbatched)
+        saved = self._compiled_saved(xt, z, {"d": d}, values, unbatched, params)
         return (out, h_n), saved
 
     def _gru_compiled_forward(self, x: torch.Tensor, hx):
@@ -482,12 +498,12 @@ class RecurrentPlan:
             b_hn = params[3][2 * H:]
         else:
             gi = input_projection(xt, params[0], None)
+        z = self._operands(xt)
         hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
-                                buffers=self.buffers)
+                                buffers=self.buffers, prev=z)
         values = PeriodicValues([gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
-        out, h_n, h_prev = self._compiled_outputs(hs, unbatched, h0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs={"dn": dn}, values=values, T=T, B=B, unbatched=unbatched,
-                       params=params, dtype=hs.dtype, device=hs.device)
+        out, h_n = self._compiled_outputs(hs, unbatched)
+        saved = self._compiled_saved(xt, z, {"dn": dn}, values, unbatched, params)
         return (out, h_n), saved
 
     def _newton_forward(self, x: torch.Tensor, hx):
@@ -691,7 +707,7 @@ class RecurrentPlan:
             # one GEMM over all T*B steps and samples per parameter: no loop over time
             if want("input"):
                 x_grad = a_ih.t().mm(params[0]).view(T, B, -1)
-            if want("weight_hh_l0") and _weight_grads_compile(a_ih, a_hh):
+            if want("weight_hh_l0") and _weight_grads_compile(saved, a_ih, a_hh):
                 gw_ih, gw_hh, gb_ih, gb_hh = _compiled_weight_grads(
                     saved, a_ih, a_hh, m.bias and (want("bias_ih_l0") or want("bias_hh_l0")))
                 gw_ih = gw_ih if want("weight_ih_l0") else None
@@ -718,33 +734,31 @@ class RecurrentPlan:
         return out
 
 
-def _weight_grads_compile(a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
-    """Whether :func:`_compiled_weight_grads` applies: CPU float32/float64 pre-activation gradients with
-    contiguous rows (as the factored scan collects them) and numba importable."""
-    from spscan import recurrent_cpu
-
-    return (a_hh.device.type == "cpu" and a_hh.dtype in (torch.float32, torch.float64)
-            and all(a.shape[1] < 2 or a.stride(1) == 1 for a in (a_ih, a_hh)) and recurrent_cpu.available())
+def _weight_grads_compile(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
+    """Whether :func:`_compiled_weight_grads` applies: a compiled forward kept the operands, and the
+    pre-activation gradients have contiguous rows (as the factored scan collects them)."""
+    return getattr(saved, "operands", None) is not None and all(
+        a.shape[1] < 2 or a.stride(1) == 1 for a in (a_ih, a_hh))
 
 
 def _compiled_weight_grads(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
     """``(W_ih, W_hh, b_ih, b_hh)`` gradients (biases ``None`` without ``bias``) from the pre-activation
-    gradients ``(G, T*B)``, by :func:`spscan.recurrent_cpu.weight_gradients`: one compiled pass over
-    ``a`` for all of them where both sides share it (RNN, LSTM), one per side otherwise (GRU). On
-    CPU it replaces two GEMMs and a sum, each reading ``a`` (the LSTM at T = 1000, B = 16: 0.47
-    against 0.72 ms, one thread)."""
+    gradients ``(G, T*B)`` and the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), by
+    :func:`spscan.recurrent_cpu.weight_gradients`: one compiled pass over ``a`` for all of them where
+    both sides share it (RNN, LSTM), one per side otherwise (GRU). On CPU it replaces two GEMMs and
+    a sum, each reading ``a`` (the LSTM at T = 1000, B = 16: 0.47 against 0.72 ms, one thread)."""
     from spscan.recurrent_cpu import weight_gradients
 
-    T, B = saved.T, saved.B
+    z = saved.operands
     H, I = saved.h_prev.shape[-1], saved.x.shape[-1]
-    hp, xs = saved.h_prev.reshape(T * B, H), saved.x.reshape(T * B, I)
+    z = z.view(z.shape[0], -1)
     if a_ih is a_hh:
-        both = weight_gradients(a_hh, hp, xs)
-        hh, ih = both[:, :H], both[:, H:H + I]
-        b_hh = both[:, H + I]
+        both = weight_gradients(a_hh, z)
+        hh, ih, b_hh = both[:, :H], both[:, H:H + I], both[:, H + I]
         b_ih = b_hh
     else:
-        hh_all, ih_all = weight_gradients(a_hh, hp), weight_gradients(a_ih, xs)
+        hh_all = weight_gradients(a_hh, z, [*range(H), H + I])
+        ih_all = weight_gradients(a_ih, z, [*range(H, H + I + 1)])
         hh, b_hh, ih, b_ih = hh_all[:, :H], hh_all[:, H], ih_all[:, :I], ih_all[:, I]
     biases = (b_ih.clone(), b_hh.clone()) if bias else (None, None)  # separate tensors, each contiguous
     return (ih.contiguous(), hh.contiguous()) + biases

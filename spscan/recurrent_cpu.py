@@ -50,7 +50,7 @@ are bitwise reproducible run to run. No ``fastmath``, no ``parallel``.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -254,6 +254,21 @@ def _tile_store_state(src, dst, base, stride, nb):  # pragma: no cover - compile
             dst[base + bb * stride + j] = src[j * LANES + bb]
 
 
+def _tile_store_rows(src, dst, base, stride, nb):  # pragma: no cover - compiled
+    # the tile's rows j < len(src) // LANES to feature-major memory (nothing when dst is empty):
+    # dst[base + j * stride + bb] = src[j * LANES + bb] for the nb samples, one vector store per row
+    # where the tile is full
+    if dst.shape[0] == 0:
+        return
+    rows = src.shape[0] // LANES
+    if nb == LANES:
+        for j in range(rows):
+            vstore(dst, base + j * stride, vload(src, j * LANES))
+    else:
+        for j in range(rows):
+            for bb in range(nb):
+                dst[base + j * stride + bb] = src[j * LANES + bb]
+
 def _tile_gate_inputs(gif, gb, gs, full, nb, a, rows):  # pragma: no cover - compiled
     # a[g] = the tile's gate inputs of row g (gif at gb + g * gs, samples contiguous), g < rows; lanes
     # past the batch zero
@@ -310,7 +325,7 @@ def _tile_hidden_product(a, w, h, rows):  # pragma: no cover - compiled
 
 
 def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hbs, vals, c_n, h, c, a, vt, e, wk, bits,
-                      bitsf, stream):  # pragma: no cover - compiled
+                      bitsf, stream, hz, hzs):  # pragma: no cover - compiled
     # Tiles of LANES samples, feature-major: row j of a tile (h, c: (H, LANES); a: (4H, LANES); vt:
     # (6H, LANES)) is one vector. gif: the gate inputs, flat, row g of step t at g * gs + t * ts,
     # samples contiguous; vals: (T, 6H, B) entry-major; hs: (T, B, H), h0, c0, c_n: (B, H). e rows:
@@ -326,6 +341,7 @@ def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hb
         nb = min(LANES, B - b0)
         full = nb == LANES
         _tile_load_state_c(h, h0, b0, nb)
+        _tile_store_rows_c(h, hz, b0, hzs, nb)  # h_0: step 0's previous state
         _tile_load_state_c(c, c0, b0, nb)
         for t in range(T):
             gb = t * ts + b0
@@ -364,13 +380,15 @@ def _lstm_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, c0, cst, icst, hf, hts, hb
                     for bb in range(nb):
                         vf[vb + q * B + bb] = vt[q * LANES + bb]
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
+            if t + 1 < T:
+                _tile_store_rows_c(h, hz, (t + 1) * B + b0, hzs, nb)  # step t+1's previous state
         for j in range(H):
             for bb in range(nb):
                 c_n[b0 + bb, j] = c[j * LANES + bb]
 
 
 def _rnn_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, cst, icst, relu, hf, hts, hbs, d, h, a, dv, e, bits,
-                     bitsf, stream):  # pragma: no cover - compiled
+                     bitsf, stream, hz, hzs):  # pragma: no cover - compiled
     # _rnn_kernel in tiles of LANES samples, feature-major (h, a, dv: (H, LANES)), as the LSTM's tiles:
     # gif row j of step t at j * gs + t * ts (samples contiguous); d: (T, H, B) entry-major
     T, H, B = d.shape
@@ -383,6 +401,7 @@ def _rnn_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, cst, icst, relu, hf, hts, h
         nb = min(LANES, B - b0)
         full = nb == LANES
         _tile_load_state_c(h, h0, b0, nb)
+        _tile_store_rows_c(h, hz, b0, hzs, nb)  # h_0: step 0's previous state
         for t in range(T):
             gb = t * ts + b0
             _tile_inputs_c(gif, gb, gs, full, nb, a, H, wi, bt, xv)
@@ -412,10 +431,12 @@ def _rnn_tile_kernel(gif, gs, ts, wi, bt, xv, w, h0, cst, icst, relu, hf, hts, h
                     for bb in range(nb):
                         df[db + j * B + bb] = dv[j * LANES + bb]
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
+            if t + 1 < T:
+                _tile_store_rows_c(h, hz, (t + 1) * B + b0, hzs, nb)  # step t+1's previous state
 
 
 def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hbs, d, dn, h, a, e, wn, bits,
-                     bitsf, stream):  # pragma: no cover - compiled
+                     bitsf, stream, hz, hzs):  # pragma: no cover - compiled
     # _gru_kernel in tiles of LANES samples, feature-major (h, wn: (H, LANES); a: (3H, LANES)), as the
     # LSTM's tiles: gif row g of step t at g * gs + t * ts; d: (T, 4H, B) entry-major (the chain reads
     # it); dn: (H, T, B) feature-major (the backward multiplies it with gradients it holds that way).
@@ -434,6 +455,7 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
         nb = min(LANES, B - b0)
         full = nb == LANES
         _tile_load_state_c(h, h0, b0, nb)
+        _tile_store_rows_c(h, hz, b0, hzs, nb)  # h_0: step 0's previous state
         for t in range(T):
             gb = t * ts + b0
             _tile_inputs_c(gif, gb, gs, full, nb, a, 2 * H, wi, bt, xv)
@@ -488,6 +510,8 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
                         df[db + (2 * H + j) * B + bb] = a[2 * n + q]
                         df[db + (3 * H + j) * B + bb] = e[1, q]
             _tile_store_state_c(h, hf, t * hts + b0 * hbs, hbs, nb)
+            if t + 1 < T:
+                _tile_store_rows_c(h, hz, (t + 1) * B + b0, hzs, nb)  # step t+1's previous state
             if full:
                 for j in range(H):
                     vstore(dnf, (j * T + t) * B + b0, vload(en, j * LANES))
@@ -497,43 +521,22 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
                         dnf[(j * T + t) * B + b0 + bb] = en[j * LANES + bb]
 
 
-def _transposed_columns(zf, kz, kb, q, zt, ztf):  # pragma: no cover - compiled
-    # zt[kb + k, j : j + LANES] = column k of zf's rows q .. q + LANES ((N, kz) row-major, flat), where
-    # j = q % zt.shape[1]: register transposes of LANES columns at a time, the rest one by one
-    NC = zt.shape[1]
-    j = q % NC
-    k0 = 0
-    while k0 + LANES <= kz:
-        vtranspose(zf, q * kz + k0, kz, ztf, (kb + k0) * NC + j, NC)
-        k0 += LANES
-    for k in range(k0, kz):
-        for r in range(LANES):
-            zt[kb + k, j + r] = zf[(q + r) * kz + k]
-
-
-def _weight_grad_kernel(af, ld, n, z1f, K1, z2f, K2, zt, acc, out):  # pragma: no cover - compiled
-    # out[g, c] = sum_q a[g, q] Z[q, c], q < n (a: M rows of n, row g at af[g * ld:]; Z = [z1 | z2 | 1], (n, K): its last
-    # column gives the row sums of a). Chunks of NC = zt.shape[1] positions: Z's chunk transposed into
-    # zt (K, NC) (rows of LANES positions, as a's), then blocks of 4 rows x 4 columns, 16 vector
-    # accumulators over the chunk (4 x 1 and 1 x 4 blocks at the edges), added to acc (M*K lane-wise
-    # partial sums, LANES each); at the end each partial is summed across its lanes in order, then the
-    # positions past the last whole vector are added one by one. Fixed order: reproducible bit for bit.
+def _weight_grad_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out):  # pragma: no cover - compiled
+    # out[g, c] = sum_q a[g, q] z[zrows[c], q], q < n (a: M rows, row g at af[g * lda:]; z: rows at
+    # zf[r * ldz:]; both feature-major, positions contiguous). Chunks of nc positions (the chunk of z's
+    # rows stays in L1 while every block of a's rows reads it): blocks of 4 rows x 4 columns, 16 vector
+    # accumulators over the chunk (4 x 1 and 1 x 1 at the edges), added to acc (M*K lane-wise partial
+    # sums, LANES each); at the end each partial is summed across its lanes in order, then the
+    # positions past the last whole vector one by one. Fixed order: reproducible bit for bit.
     M, K = out.shape
-    NC = zt.shape[1]
-    ztf = zt.reshape(K * NC)
     nv = n - n % LANES
     for i in range(acc.shape[0]):
         acc[i] = 0
-    for q in range(NC):
-        zt[K - 1, q] = 1
-    for c0 in range(0, nv, NC):
-        w = min(NC, nv - c0)
-        for q0 in range(0, w, LANES):  # Z's chunk, transposed
-            _transposed_columns_c(z1f, K1, 0, c0 + q0, zt, ztf)
-            _transposed_columns_c(z2f, K2, K1, c0 + q0, zt, ztf)
+    for c0 in range(0, nv, nc):
+        w = min(nc, nv - c0)
         g = 0
         while g < M:
-            a0 = g * ld + c0
+            a0 = g * lda + c0
             if g + 4 <= M:
                 k = 0
                 while k + 4 <= K:
@@ -553,16 +556,19 @@ def _weight_grad_kernel(af, ld, n, z1f, K1, z2f, K2, zt, acc, out):  # pragma: n
                     s31 = vzero(af)
                     s32 = vzero(af)
                     s33 = vzero(af)
-                    y = k * NC
+                    y0 = zrows[k] * ldz + c0
+                    y1 = zrows[k + 1] * ldz + c0
+                    y2 = zrows[k + 2] * ldz + c0
+                    y3 = zrows[k + 3] * ldz + c0
                     for q in range(0, w, LANES):
                         x0 = vload(af, a0 + q)
-                        x1 = vload(af, a0 + ld + q)
-                        x2 = vload(af, a0 + 2 * ld + q)
-                        x3 = vload(af, a0 + 3 * ld + q)
-                        w0 = vload(ztf, y + q)
-                        w1 = vload(ztf, y + NC + q)
-                        w2 = vload(ztf, y + 2 * NC + q)
-                        w3 = vload(ztf, y + 3 * NC + q)
+                        x1 = vload(af, a0 + lda + q)
+                        x2 = vload(af, a0 + 2 * lda + q)
+                        x3 = vload(af, a0 + 3 * lda + q)
+                        w0 = vload(zf, y0 + q)
+                        w1 = vload(zf, y1 + q)
+                        w2 = vload(zf, y2 + q)
+                        w3 = vload(zf, y3 + q)
                         s00 = vmuladdv(s00, x0, w0)
                         s01 = vmuladdv(s01, x0, w1)
                         s02 = vmuladdv(s02, x0, w2)
@@ -605,13 +611,13 @@ def _weight_grad_kernel(af, ld, n, z1f, K1, z2f, K2, zt, acc, out):  # pragma: n
                     s10 = vzero(af)
                     s20 = vzero(af)
                     s30 = vzero(af)
-                    y = c * NC
+                    y0 = zrows[c] * ldz + c0
                     for q in range(0, w, LANES):
-                        w0 = vload(ztf, y + q)
+                        w0 = vload(zf, y0 + q)
                         s00 = vmuladdv(s00, vload(af, a0 + q), w0)
-                        s10 = vmuladdv(s10, vload(af, a0 + ld + q), w0)
-                        s20 = vmuladdv(s20, vload(af, a0 + 2 * ld + q), w0)
-                        s30 = vmuladdv(s30, vload(af, a0 + 3 * ld + q), w0)
+                        s10 = vmuladdv(s10, vload(af, a0 + lda + q), w0)
+                        s20 = vmuladdv(s20, vload(af, a0 + 2 * lda + q), w0)
+                        s30 = vmuladdv(s30, vload(af, a0 + 3 * lda + q), w0)
                     b = (g * K + c) * LANES
                     vstore(acc, b, vadd(vload(acc, b), s00))
                     b += K * LANES
@@ -624,9 +630,9 @@ def _weight_grad_kernel(af, ld, n, z1f, K1, z2f, K2, zt, acc, out):  # pragma: n
             else:  # the last rows: 1 x 1
                 for c in range(K):
                     s00 = vzero(af)
-                    y = c * NC
+                    y0 = zrows[c] * ldz + c0
                     for q in range(0, w, LANES):
-                        s00 = vmuladdv(s00, vload(af, a0 + q), vload(ztf, y + q))
+                        s00 = vmuladdv(s00, vload(af, a0 + q), vload(zf, y0 + q))
                     b = (g * K + c) * LANES
                     vstore(acc, b, vadd(vload(acc, b), s00))
                 g += 1
@@ -636,14 +642,9 @@ def _weight_grad_kernel(af, ld, n, z1f, K1, z2f, K2, zt, acc, out):  # pragma: n
             s = acc[b]
             for r in range(1, LANES):
                 s += acc[b + r]
+            y = zrows[c] * ldz
             for q in range(nv, n):  # past the last whole vector
-                v = af[g * ld + q]
-                if c < K1:
-                    s += v * z1f[q * K1 + c]
-                elif c < K1 + K2:
-                    s += v * z2f[q * K2 + c - K1]
-                else:
-                    s += v
+                s += af[g * lda + q] * zf[y + q]
             out[g, c] = s
 
 
@@ -752,8 +753,8 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 
 
 # The compiled helpers the kernels call by these names (bound by _prepare() before any kernel compiles)
-_vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_gate_inputs_c = None
-_tile_hidden_product_c = _tile_inputs_c = _put_c = _transposed_columns_c = None
+_vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_store_rows_c = _tile_gate_inputs_c = None
+_tile_hidden_product_c = _tile_inputs_c = _put_c = None
 _KERNELS = {"lstm": _lstm_kernel, "lstm_tile": _lstm_tile_kernel, "rnn": _rnn_kernel, "rnn_tile": _rnn_tile_kernel,
             "gru": _gru_kernel, "gru_tile": _gru_tile_kernel, "weight_grad": _weight_grad_kernel}
 _compiled_kernels: dict = {}
@@ -766,8 +767,8 @@ def _jit(fn, inline: str = "never"):
 
 def _prepare() -> None:
     """Bind the vector operations and compile the helpers the kernels call (once)."""
-    global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_gate_inputs_c
-    global _tile_hidden_product_c, _tile_inputs_c, _put_c, _transposed_columns_c
+    global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_store_rows_c, _tile_gate_inputs_c
+    global _tile_hidden_product_c, _tile_inputs_c, _put_c
     if _vexpm1_c is None:
         from spscan.kernels import cpu_simd
 
@@ -779,11 +780,11 @@ def _prepare() -> None:
         _lstm_cell_c = _jit(_lstm_cell, "always")
         _tile_load_state_c = _jit(_tile_load_state, "always")
         _tile_store_state_c = _jit(_tile_store_state, "always")
+        _tile_store_rows_c = _jit(_tile_store_rows, "always")
         _tile_gate_inputs_c = _jit(_tile_gate_inputs, "always")
         _tile_hidden_product_c = _jit(_tile_hidden_product, "always")
         _tile_inputs_c = _jit(_tile_inputs, "always")
         _put_c = _jit(_put, "always")
-        _transposed_columns_c = _jit(_transposed_columns, "always")
 
 
 def _compiled(name: str):
@@ -796,7 +797,8 @@ def _compiled(name: str):
 
 
 def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool,
-                batch_first: bool = False, buffers=None) -> tuple[torch.Tensor, torch.Tensor]:
+                batch_first: bool = False, buffers=None, prev: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Elman RNN recurrence (tanh or relu) on CPU in one compiled pass.
 
     Args:
@@ -810,6 +812,10 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
         buffers: a :class:`spscan.engine.RecycledBuffers` the chain values are taken from (a caller
             that runs every step keeps one: fresh multi-MB tensors page-fault on first touch), or
             ``None``: new tensors.
+        prev: ``None``, or a C-contiguous ``(K, T, B)`` tensor (``K >= H``) whose rows ``0 .. H-1``
+            receive the previous states feature-major: ``prev[:H, t] = h_{t-1}^T`` (``h_0`` at
+            ``t = 0``), the hidden-weight gradients' operand (:func:`weight_gradients`); the tiles
+            write it as they go, one vector store per row and step. Its other rows are left as they are.
     Returns:
         ``(hs (T, B, H) or (B, T, H), d (T, B, H))``: the outputs ``h_1..h_T`` and the diagonal of each step's
         ``dh_t/da_t`` (tanh: ``1 - h_t^2``; relu: ``1`` where ``h_t > 0``), the per-sample values of
@@ -841,7 +847,7 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
             gif, T * B, B, wi, bt, xv, w_hh.detach().contiguous().numpy(),
             h0.detach().contiguous().numpy(), cst, icst, bool(relu), hf, hts, hbs, d.numpy(), np.empty(n, dtype=np_dt),
             np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), bits, bits.view(np_dt),
-            _streams(d))
+            _streams(d), *_prev_rows(prev, T, B, H, np_dt))
         return hs, d.transpose(1, 2)
     if isinstance(gi, InputProjection):
         gi = gi.materialize()
@@ -852,11 +858,13 @@ def rnn_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, relu: bo
     _compiled("rnn")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(),
                            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(),
                            np.empty((B, H), dtype=np_dt), acc, e, bits, bits.view(np_dt))
+    _fill_prev(prev, hs, h0)
     return _as_layout(hs, batch_first), d.transpose(1, 2)
 
 
 def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
-                 batch_first: bool = False, buffers=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 batch_first: bool = False, buffers=None, prev: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The LSTM recurrence on CPU in one compiled pass.
 
     Args:
@@ -864,7 +872,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
             :class:`InputProjection` of it (:func:`input_projection`).
         w_hh: ``(4H, H)`` the module's ``weight_hh_l0``.
         h0, c0: ``(B, H)`` initial state.
-        batch_first, buffers: as :func:`rnn_forward`'s.
+        batch_first, buffers, prev: as :func:`rnn_forward`'s.
     Returns:
         ``(hs (T, B, H) or (B, T, H), c_T (B, H), values (T, B, 6H))``: the outputs ``h_1..h_T``, the last cell and
         the gate element's compact numbers (:func:`spscan.cells.lstm_gate_encoding`; from
@@ -900,6 +908,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         bits = np.empty(4 * B * H, dtype=itype)
         _compiled("lstm")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), h0n, c0n, cst, icst,
                   hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits, bits.view(np_dt))
+        _fill_prev(prev, hs, h0)
         return _as_layout(hs, batch_first), c, vals
     gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
     # the gate element's compact numbers entry-major, (T, 6H, B) memory viewed as (T, B, 6H): the
@@ -913,7 +922,7 @@ def lstm_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: tor
         c.numpy(),
         np.empty(n, dtype=np_dt), np.empty(n, dtype=np_dt), np.empty(G * LANES, dtype=np_dt),
         np.empty(6 * n, dtype=np_dt), np.empty((5, n), dtype=np_dt), np.empty((4, n), dtype=np_dt), bits,
-        bits.view(np_dt), _streams(vals))
+        bits.view(np_dt), _streams(vals), *_prev_rows(prev, T, B, H, np_dt))
     return hs, c, vals.transpose(1, 2)
 
 
@@ -990,6 +999,27 @@ def _streams(values: torch.Tensor) -> bool:
     return values.numel() * values.element_size() > last_level_cache_bytes() // 2
 
 
+def _prev_rows(prev: Optional[torch.Tensor], T: int, B: int, H: int, np_dt) -> tuple:
+    """``(hz, row_stride)`` of the tiled kernels for a forward's ``prev`` (an empty array: not wanted), checked."""
+    if prev is None:
+        return np.empty(0, dtype=np_dt), 0
+    if (prev.dim() != 3 or prev.shape[0] < H or tuple(prev.shape[1:]) != (T, B) or not prev.is_contiguous()
+            or prev.numpy().dtype != np_dt):
+        raise ValueError(f"prev: expected a contiguous (K >= {H}, {T}, {B}) {np.dtype(np_dt)} CPU tensor, got "
+                         f"{tuple(prev.shape)} {prev.dtype}")
+    return prev.numpy().reshape(-1), T * B
+
+
+def _fill_prev(prev: Optional[torch.Tensor], hs: torch.Tensor, h0: torch.Tensor) -> None:
+    """The per-sample loops' ``prev`` rows (the tiles write them as they go): ``h_0 .. h_{T-1}`` feature-major
+    from ``hs`` ``(T, B, H)``."""
+    if prev is None:
+        return
+    T, B, H = hs.shape
+    _prev_rows(prev, T, B, H, hs.numpy().dtype)
+    prev[:H, 0].copy_(h0.t())
+    prev[:H, 1:].copy_(hs[:-1].permute(2, 0, 1))
+
 def _values_tensor(buffers, name: str, shape: tuple, dt: torch.dtype) -> torch.Tensor:
     """A tensor the forward fills with chain values: from ``buffers`` (a
     :class:`spscan.engine.RecycledBuffers`, which hands back last step's once nothing uses it) or new."""
@@ -1034,68 +1064,73 @@ def gate_inputs(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor
     return out.view(-1, T, B).permute(1, 2, 0)
 
 
-# positions per chunk of the weight-gradient kernel: the chunk of its transposed second operand (K rows)
-# stays in the L2 cache while every row block of the first reads it (16 KB of positions per row
-# block at float32; whole-length rows, no chunks, measured 10% slower at N = 16000)
-_GRAD_CHUNK = 1024
+# positions per chunk of the weight-gradient kernel: the chunk of the second operand's rows stays in
+# the L1 cache while every block of the first's rows reads it (2 KB per row at float32; chunks of 256
+# or 1024 positions measured 5-10% slower at N = 16000)
+_GRAD_CHUNK = 512
 
 
-def weight_gradients(a: torch.Tensor, z1: torch.Tensor, z2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a @ [z1 | z2 | 1]`` in one compiled pass: a recurrent layer's weight and bias gradients from its
-    gate pre-activation gradients.
+def weight_gradients(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``a @ z[rows].T`` in one compiled pass: a recurrent layer's weight and bias gradients from its gate
+    pre-activation gradients.
 
     Args:
         a: ``(M, N)`` with contiguous rows (any row stride): the pre-activation gradients, row ``g``
             over all ``N = T*B`` steps and samples (the layout the backward collects them in).
-        z1, z2: ``(N, K1)`` and ``(N, K2)`` (``z2`` optional): the GEMMs' other operands, position
-            ``n`` in row ``n`` (``h_{t-1}`` and ``x_t``: the layer's time-major saved tensors).
+        z: ``(K, N)`` with contiguous rows (any row stride): the GEMMs' other operands, feature-major
+            as well: ``h_{t-1}``'s rows, ``x_t``'s and a row of ones (the bias gradient is the row sum
+            of ``a``), as the compiled forwards lay them out (their ``prev``).
+        rows: which rows of ``z``, in the order wanted (default: all).
     Returns:
-        ``(M, K1 + K2 + 1)`` of ``a``'s dtype: ``a z1``, ``a z2`` and the row sums of ``a`` (the bias
-        gradient) side by side.
+        ``(M, len(rows))`` of ``a``'s dtype.
 
     Why: the hidden-weight gradient is a ``(4H x N) (N x H)`` product with a long reduction and a
     tiny output (``80 x 20`` over ``N = 16000`` for the paper's LSTM), which the BLAS GEMM runs at a
     fraction of the core's vector width, and the input-weight and bias gradients read ``a`` again
-    each. Here each ``4 x 4`` output block is 16 vector accumulators over a cache-sized chunk of ``a``
-    (lanes along ``N``) and of the operands transposed once per chunk, and ``a`` is read once for all
-    three. Sums run in a fixed order (lane-wise partials, then across lanes): reproducible bit for bit.
+    each. Here each ``4 x 4`` output block is 16 vector accumulators over a cache-sized chunk of both
+    operands (lanes along ``N``), and ``a`` is read once for all of them. Sums run in a fixed order
+    (lane-wise partials, then across lanes): reproducible bit for bit.
 
     Raises ``RuntimeError`` without numba, ``TypeError`` for dtypes other than float32/float64 or
-    non-CPU tensors, ``ValueError`` for mismatched shapes or ``a`` without contiguous rows.
+    non-CPU tensors, ``ValueError`` for mismatched shapes, rows without contiguous positions or
+    ``rows`` out of range.
     """
     if not available():
         raise RuntimeError("spscan.recurrent_cpu needs numba (pip install numba)")
-    ts = (a, z1) + (() if z2 is None else (z2,))
     dt = a.dtype
-    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in ts):
-        raise TypeError("weight_gradients: expected float32/float64 CPU tensors of one dtype, got "
-                        + ", ".join(f"{t.dtype} on {t.device}" for t in ts))
+    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in (a, z)):
+        raise TypeError(f"weight_gradients: expected float32/float64 CPU tensors of one dtype, got a {a.dtype} on "
+                        f"{a.device}, z {z.dtype} on {z.device}")
+    if a.dim() != 2 or z.dim() != 2 or z.shape[1] != a.shape[1] or any(
+            t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) != 1 for t in (a, z)):
+        raise ValueError(f"weight_gradients: expected a (M, N) and z (K, N), each with contiguous rows, got a "
+                         f"{tuple(a.shape)} strides {a.stride()}, z {tuple(z.shape)} strides {z.stride()}")
     M, N = a.shape
-    if z1.dim() != 2 or z1.shape[0] != N or (z2 is not None and (z2.dim() != 2 or z2.shape[0] != N)) \
-            or (M > 1 and N > 1 and a.stride(1) != 1):
-        raise ValueError(f"weight_gradients: expected a (M, N) with contiguous rows and z (N, K), got a "
-                         f"{tuple(a.shape)} strides {a.stride()}, z1 {tuple(z1.shape)}"
-                         + ("" if z2 is None else f", z2 {tuple(z2.shape)}"))
-    np_dt = np.float32 if dt == torch.float32 else np.float64
-    z1n = z1.detach().contiguous().numpy().reshape(-1)
-    z2n = np.empty(0, dtype=np_dt) if z2 is None else z2.detach().contiguous().numpy().reshape(-1)
-    K1, K2 = z1.shape[1], 0 if z2 is None else z2.shape[1]
-    K = K1 + K2 + 1
-    out = torch.empty(M, K, dtype=dt)
-    if M == 0 or N == 0:
+    K = z.shape[0]
+    zrows = np.arange(K, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if zrows.size and (zrows.min() < 0 or zrows.max() >= K):
+        raise ValueError(f"weight_gradients: rows must be within range({K}), got {zrows.tolist()}")
+    out = torch.empty(M, zrows.size, dtype=dt)
+    if M == 0 or N == 0 or zrows.size == 0:
         return out.zero_()
-    # a's memory from its first element (rows ld apart), as a flat array the kernel indexes
-    ld = a.stride(0) if M > 1 else N
-    an = a.detach()
-    af = torch.as_strided(an, ((M - 1) * ld + N,), (1,), an.storage_offset()).numpy()
-    _compiled("weight_grad")(af, ld, N, z1n, K1, z2n, K2, np.empty((K, _GRAD_CHUNK), dtype=np_dt),
-                             np.empty(M * K * LANES, dtype=np_dt), out.numpy())
+    af, lda = _flat_rows(a)
+    zf, ldz = _flat_rows(z)
+    _compiled("weight_grad")(af, lda, N, zf, ldz, zrows, _GRAD_CHUNK, np.empty(M * zrows.size * LANES, dtype=af.dtype),
+                             out.numpy())
     return out
 
 
+def _flat_rows(t: torch.Tensor) -> tuple:
+    """``(flat, row_stride)``: a 2-D tensor with contiguous rows as the 1-D NumPy view of its memory from its
+    first element (rows ``row_stride`` apart), as the compiled kernels index it."""
+    R, N = t.shape
+    ld = t.stride(0) if R > 1 else N
+    t = t.detach()
+    return torch.as_strided(t, ((R - 1) * ld + N,), (1,), t.storage_offset()).numpy(), ld
+
 def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor],
-                h0: torch.Tensor, batch_first: bool = False,
-                buffers=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                h0: torch.Tensor, batch_first: bool = False, buffers=None,
+                prev: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GRU recurrence (PyTorch's equations, gate order r, z, n) on CPU in one compiled pass.
 
     Per step, with ``(W_hr; W_hz; W_hn) = W_hh``::
@@ -1110,7 +1145,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
         w_hh: ``(3H, H)`` the module's ``weight_hh_l0``.
         b_hn: ``(H,)`` the ``n`` block of ``bias_hh_l0``, or ``None`` (no biases).
         h0: ``(B, H)`` initial state.
-        batch_first, buffers: as :func:`rnn_forward`'s.
+        batch_first, buffers, prev: as :func:`rnn_forward`'s.
     Returns:
         ``(hs (T, B, H) or (B, T, H), d (T, B, 4H), dn (T, B, H))``: the outputs ``h_1..h_T``; the per-sample values
         of the factored chain's diagonal element, ``(dr, dz, dm, z)`` per step (``dn = (1 - z)(1 - n^2)``,
@@ -1153,7 +1188,7 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
             gif, T * B, B, wi, bt, xv, w_hh.detach().contiguous().numpy(), bhn,
             h0.detach().contiguous().numpy(), cst, icst, hf, hts, hbs, d.numpy(), dn.numpy(), np.empty(n, dtype=np_dt),
             np.empty(G * LANES, dtype=np_dt), np.empty((3, n), dtype=np_dt), np.empty(n, dtype=np_dt), bits,
-            bits.view(np_dt), _streams(d))
+            bits.view(np_dt), _streams(d), *_prev_rows(prev, T, B, H, np_dt))
         return hs, d.transpose(1, 2), dn.permute(1, 2, 0)
     if isinstance(gi, InputProjection):
         gi = gi.materialize()
@@ -1166,4 +1201,5 @@ def gru_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[torch.Tenso
     _compiled("gru")(gi.detach().contiguous().numpy(), w_hh.detach().t().contiguous().numpy(), bhn,
                            h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(),
                            np.empty((B, 4 * H), dtype=np_dt), dn.numpy(), acc, e, w, bits, bits.view(np_dt))
+    _fill_prev(prev, hs, h0)
     return _as_layout(hs, batch_first), d.transpose(1, 2), dn
