@@ -55,12 +55,15 @@ class Tap:
         cols: ``(K,)`` int64, the vector-arena columns where those outputs start, in the order wanted.
         row0, rows: row ``row0 + r`` of output ``k`` goes to ``out[r, k]`` (``r < rows``).
         out: ``(rows, K, B)`` contiguous (feature-major), of the vectors' dtype and device.
+        operand: ``None``, or ``(C, K, B)`` contiguous: then the stacked rows are wanted only
+            multiplied with it (:class:`spscan.engine.Collect`), and ``out`` is ``(rows, C)``.
     """
 
     cols: np.ndarray
     row0: int
     rows: int
     out: torch.Tensor
+    operand: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

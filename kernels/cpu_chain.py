@@ -57,13 +57,14 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import cpu_simd
+from . import cpu_nt, cpu_simd
 from .cpu_simd import LANES
 
 # The vector operations the kernel names: numba intrinsics (kernels/cpu_simd.py), bound by _kernel()
 # before the first compile (numba is optional and slow to import).
 get = vload = vstore = vzero = vscale = vmul = vadd = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
 prefetch = prefetch_read = None
+block_sums = None  # cpu_nt.block_sums(), bound with them
 _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmuladd", "vmuladdv", "vtranspose",
                "vtranspose_add", "prefetch", "prefetch_read")
 # A step's outputs and per-sample values are prefetched this many steps ahead (the T = 1000 LSTM
@@ -71,6 +72,10 @@ _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmu
 # at most PREFETCH_VALUES_MAX entries per tile (a small step's lines; a large one streams anyway)
 PREFETCH_STEPS = 4
 PREFETCH_VALUES_MAX = 1 << 14
+# A reducing tap multiplies out its rows every REDUCE_STEPS steps of a tile (its ring: rows x
+# REDUCE_STEPS * LANES values, 160 KB for the T = 1000 LSTM's 80 gate rows in float32, stays in L2;
+# storing the rows, 5 MB, and a GEMM over them afterwards cost the LSTM's backward ~0.4 ms more)
+REDUCE_STEPS = 32
 
 __all__ = ["available", "diagonal_bands", "numba_module", "resolve_steps", "run_chain", "shared_column_blocks"]
 
@@ -106,13 +111,19 @@ def numba_module():
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                   csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
                   tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
-                  feed_bufs):  # pragma: no cover - compiled
+                  feed_bufs, red_rows, red_cols, red_op, red_ring, red_zt, red_acc):  # pragma: no cover - compiled
     # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
     # out[j] < 0: y_j is not stored in vectors; tap_at[j] >= 0: row tap_row0[j] + r of y_j (r <
     # tap_rows[j]) goes to tap_bufs[tap_buf[j]][r * tap_ld[j] + tap_at[j]:][:batch], samples contiguous;
     # the tap tables have steps + 1 entries, the last one for the input y_{-1}; feed_at[j] >= 0: row
     # feed_row0[j] + r of y_j (r < feed_rows[j]) gets feed_bufs[feed_buf[j]][feed_at[j] + b * feed_bs[j]
     # + r * feed_fs[j]] added for sample b (an affine term read where the caller holds it)
+    # tap_buf[j] < 0: the reducing tap (at most one; never the input): rows tap_row0[j] .. + red_rows
+    # of y_j go to the ring red_ring (red_rows x rw positions, rw = red_zt.shape[0] // len(red_cols))
+    # and the operand's columns red_op[c * tap_ld[j] + tap_at[j] + b] (c < len(red_cols)) of the same
+    # samples to red_zt (len(red_cols) x rw); a full ring (and the last, at each tile's end) is
+    # multiplied out into red_acc by cpu_nt's block_sums: the tapped rows are never stored. Lanes
+    # past the batch are zeros there.
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
     # written out and never mix with the others (every operation is lane by lane), so they are not
@@ -122,9 +133,12 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     batch, sv = vectors.shape
     vflat = vectors.reshape(batch * sv)
     line = 64 // vectors.itemsize  # elements per cache line
+    nred = red_cols.shape[0]
+    rw = red_zt.shape[0] // nred if nred > 0 else 0
     for b0 in range(0, batch, LANES):
         nb = min(LANES, batch - b0)
         full = nb == LANES
+        nr = 0  # steps in the reducing tap's ring
         k0 = 0
         if full:
             while k0 + LANES <= cols[0]:
@@ -429,7 +443,31 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                     prefetch_read(sn, vb + q)
                                 prefetch_read(sn, vb + (nn - 1) * esn)
             ta = tap_at[j]
-            if ta >= 0:
+            if ta >= 0 and tap_buf[j] < 0:
+                # the reducing tap: the rows and the operand's columns into the rings
+                r0 = tap_row0[j]
+                ld = tap_ld[j]
+                tb = ta + b0
+                rb = nr * LANES
+                for i in range(red_rows):
+                    if full:
+                        vstore(red_ring, i * rw + rb, vload(nxt, (r0 + i) * LANES))
+                    else:
+                        vstore(red_ring, i * rw + rb, vzero(red_ring))
+                        for bb in range(nb):
+                            red_ring[i * rw + rb + bb] = nxt[(r0 + i) * LANES + bb]
+                for c in range(nred):
+                    if full:
+                        vstore(red_zt, c * rw + rb, vload(red_op, c * ld + tb))
+                    else:
+                        vstore(red_zt, c * rw + rb, vzero(red_zt))
+                        for bb in range(nb):
+                            red_zt[c * rw + rb + bb] = red_op[c * ld + tb + bb]
+                nr += 1
+                if nr * LANES == rw:
+                    block_sums(red_ring, rw, 0, red_zt, rw, 0, red_cols, rw, red_acc, red_rows, nred)
+                    nr = 0
+            elif ta >= 0:
                 # the tapped rows feature-major, as the tile holds them: one vector store per row (no
                 # transposes; each store fills a whole cache line when the batch is a multiple of LANES)
                 r0 = tap_row0[j]
@@ -454,6 +492,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     for bb in range(nb):
                         vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
             cur, nxt = nxt, cur
+        if nr > 0:  # the ring's last steps of this tile
+            block_sums(red_ring, rw, 0, red_zt, rw, 0, red_cols, nr * LANES, red_acc, red_rows, nred)
 
 
 _compiled = None
@@ -464,6 +504,7 @@ def _kernel():
     if _compiled is None:
         ops = cpu_simd.intrinsics()
         globals().update({name: ops[name] for name in _VECTOR_OPS})
+        globals()["block_sums"] = cpu_nt.block_sums()
         _compiled = _load().njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
     return _compiled
 
@@ -499,7 +540,11 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
             also written to ``buf[:, k]``
             (``buf``: a C-contiguous ``(rows, len(steps), B)`` array of ``vectors``' dtype, one per
             tap: feature-major, as a tile holds them), as the run produces them. A step is tapped at
-            most once.
+            most once. A tap ``(steps, row0, rows, buf, operand)`` with an ``operand`` (C-contiguous
+            ``(C, len(steps), B)``) reduces instead: ``buf`` ``(rows, C)`` receives
+            ``sum_k sum_b y_{steps[k]}[b, row0 + r] * operand[c, k, b]`` (the product of the stacked
+            rows with the operand's, over all steps and samples), computed a few dozen steps at a
+            time from rows that are never stored (at most one such tap; not of the input).
         feeds: ``(steps, row0, rows, buf, at, bstride, fstride)`` each: affine terms read where the
             caller holds them. For step ``k`` of ``steps``, row ``row0 + r`` (``r < rows``) of
             ``y_{steps[k]}`` for sample ``b`` gets ``buf[at[k] + b * bstride + r * fstride]`` added
@@ -556,9 +601,22 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = _tap_tables(taps, steps, rows, int(cols[0]), vectors,
                                                                         memo)
     feed_tables = _feed_tables(feeds, steps, rows, vectors)
+    red = next((t for t in taps if len(t) > 4 and t[4] is not None), None)
+    if red is None:
+        dummy = np.zeros(LANES, dtype=vectors.dtype)
+        reduce_args = (0, np.zeros(0, dtype=np.int64), dummy, dummy, dummy, dummy)
+    else:
+        nrows, operand, target = int(red[2]), red[4], red[3]
+        C = operand.shape[0]
+        acc = np.zeros(nrows * C * LANES, dtype=vectors.dtype)
+        reduce_args = (nrows, np.arange(C, dtype=np.int64), operand.reshape(-1),
+                       np.empty(nrows * REDUCE_STEPS * LANES, dtype=vectors.dtype),
+                       np.empty(C * REDUCE_STEPS * LANES, dtype=vectors.dtype), acc)
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
               csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
-              tap_rows, tap_bufs, *feed_tables)
+              tap_rows, tap_bufs, *feed_tables, *reduce_args)
+    if red is not None:
+        cpu_nt.lane_sums(acc, target)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
@@ -664,16 +722,16 @@ def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndar
     :func:`run_chain`'s ``taps``, checked. With ``memo`` (:func:`run_chain`'s), the per-step tables of taps
     of the same step arrays (the same objects), rows and batch are kept; the buffers are checked per call."""
     batch = vectors.shape[0]
-    key = ("taps", batch) + tuple((id(idx), int(row0), int(nrows)) for idx, row0, nrows, _ in taps)
+    key = ("taps", batch) + tuple((id(t[0]), int(t[1]), int(t[2]), _operand_of(t) is not None) for t in taps)
     hit = None if memo is None else memo.get(key)
     if hit is not None:
         kept, tables = hit
         bufs = []
-        for t, ((idx, _, nrows, buf), k) in enumerate(zip(taps, kept)):
-            if (not isinstance(buf, np.ndarray) or buf.dtype != vectors.dtype
-                    or buf.shape != (int(nrows), len(k), batch) or not buf.flags.c_contiguous):
+        for t, k in zip(taps, kept):
+            if not _tap_arrays_fit(t, len(k), batch, vectors.dtype):
                 break
-            bufs.append(buf.reshape(-1))
+            if _operand_of(t) is None:
+                bufs.append(t[3].reshape(-1))
         else:
             return tables + (_homogeneous(bufs or [np.zeros(1, vectors.dtype)]),)
     tables = _tap_tables_checked(taps, steps, rows, cols0, vectors)
@@ -699,16 +757,24 @@ def _tap_tables_checked(taps, steps: int, rows: np.ndarray, cols0: int, vectors:
     sizes = np.append(rows, cols0).astype(np.int64)  # rows of y_0 .. y_{steps-1}, then of y_{-1}
     batch = vectors.shape[0]
     bufs = []
-    for t, (idx, row0, nrows, buf) in enumerate(taps):
+    reducing = 0
+    for t, tap in enumerate(taps):
+        idx, row0, nrows, buf = tap[:4]
+        operand = _operand_of(tap)
         idx = np.asarray(idx, dtype=np.int64)
+        if operand is not None:
+            reducing += 1
+            if reducing > 1 or (idx.size and idx.min() == -1):
+                raise ValueError(f"taps[{t}]: at most one tap reduces against an operand, and not the input y_-1")
         idx = np.where(idx == -1, steps, idx)  # the input's entry
         row0, nrows = int(row0), int(nrows)
-        if (not isinstance(buf, np.ndarray) or buf.dtype != vectors.dtype
-                or buf.shape != (nrows, idx.shape[0], batch) or not buf.flags.c_contiguous):
-            got = f"{buf.shape} {buf.dtype} (contiguous={buf.flags.c_contiguous})" if isinstance(buf, np.ndarray) \
-                else type(buf).__name__
-            raise ValueError(f"taps[{t}]: expected a C-contiguous ({nrows}, {idx.shape[0]}, {batch}) {vectors.dtype} "
-                             f"array, got {got}")
+        if not _tap_arrays_fit(tap, idx.shape[0], batch, vectors.dtype):
+            shapes = [f"{a.shape} {a.dtype} (contiguous={a.flags.c_contiguous})" if isinstance(a, np.ndarray)
+                      else type(a).__name__ for a in ((buf,) if operand is None else (buf, operand))]
+            want = (f"({nrows}, {idx.shape[0]}, {batch})" if operand is None
+                    else f"(C, {idx.shape[0]}, {batch}) operand and a ({nrows}, C) buffer")
+            raise ValueError(f"taps[{t}]: expected C-contiguous {want} {vectors.dtype} arrays, got "
+                             f"{', '.join(shapes)}")
         if idx.size and (idx.min() < 0 or idx.max() > steps or row0 < 0 or nrows < 0
                          or np.any(row0 + nrows > sizes[idx])):
             raise ValueError(f"taps[{t}]: steps must lie in [-1, {steps}) and rows {row0}..{row0 + nrows} within "
@@ -717,13 +783,32 @@ def _tap_tables_checked(taps, steps: int, rows: np.ndarray, cols0: int, vectors:
         tap_at[idx] = 0
         if int(np.count_nonzero(tap_at >= 0)) != before + idx.size:  # a step seen before, or twice here
             raise ValueError(f"taps[{t}]: a step is tapped at most once")
-        tap_buf[idx] = t
+        # the buffer's index among the stored taps'; -1: the reducing tap (tap_ld: its operand's row stride)
+        tap_buf[idx] = len(bufs) if operand is None else -1
         tap_at[idx] = np.arange(idx.size, dtype=np.int64) * batch
         tap_ld[idx] = idx.size * batch
         tap_row0[idx] = row0
         tap_rows[idx] = nrows
-        bufs.append(buf.reshape(-1))
+        if operand is None:
+            bufs.append(buf.reshape(-1))
     return tap_buf, tap_at, tap_ld, tap_row0, tap_rows, _homogeneous(bufs or [np.zeros(1, vectors.dtype)])
+
+
+def _operand_of(tap) -> Optional[np.ndarray]:
+    """A tap's operand (its fifth entry), or ``None`` for a tap that stores its rows."""
+    return tap[4] if len(tap) > 4 else None
+
+
+def _tap_arrays_fit(tap, ksteps: int, batch: int, dtype) -> bool:
+    """Whether a tap's buffer (and operand) have the shapes, dtype and layout :func:`run_chain` needs."""
+    nrows, buf, operand = int(tap[2]), tap[3], _operand_of(tap)
+    arrays = (buf,) if operand is None else (buf, operand)
+    if not all(isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous for a in arrays):
+        return False
+    if operand is None:
+        return buf.shape == (nrows, ksteps, batch)
+    return (operand.ndim == 3 and operand.shape[0] > 0 and operand.shape[1:] == (ksteps, batch)
+            and buf.shape == (nrows, operand.shape[0]))
 
 
 def _homogeneous(arrays: Sequence[np.ndarray]) -> tuple:

@@ -336,7 +336,8 @@ def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], 
     cpu_chain.run_chain(code, src, off, bst, i64(op.rows), i64(op.cols), add, out, op.vin0,
                         sources, _as_numpy(vectors), i64(op.csr_ptr), indptr, indices, estride=est,
                         csr_blocks=cp.csr_blocks, csr_bands=cp.csr_bands,
-                        taps=[(st, t.row0, t.rows, t.out.numpy()) for st, t in zip(steps, taps)] if taken else (),
+                        taps=[(st, t.row0, t.rows, t.out.numpy()) + (() if t.operand is None else (t.operand.numpy(),))
+                              for st, t in zip(steps, taps)] if taken else (),
                         feeds=fed, memo=cp.checked)
     return taken
 
@@ -384,13 +385,16 @@ def _tap_steps(op: LinearRun, cp: _RunPlan, taps: Sequence[Tap]) -> Optional[lis
         cp.out_step = {int(o): j for j, o in enumerate(op.out)}
         cp.out_step.setdefault(int(op.vin0), -1)  # the run's input y_{-1} (the top gradient)
     steps = []
+    if sum(t.operand is not None for t in taps) > 1:  # the loop reduces against one operand per run
+        return None
     for t in taps:
-        if t.out.device.type != "cpu" or not t.out.is_contiguous():
+        if t.out.device.type != "cpu" or not t.out.is_contiguous() or (
+                t.operand is not None and (t.operand.device.type != "cpu" or not t.operand.is_contiguous())):
             return None
         # -2: not one of this run's columns
         st = _lookup(cp, ("tap", t.cols.tobytes()),
                      lambda: np.asarray([cp.out_step.get(int(c), -2) for c in t.cols], dtype=np.int64))
-        if st.size and st.min() < -1:
+        if st.size and st.min() < (-1 if t.operand is None else 0):  # the input is not reduced in the loop
             return None
         steps.append(st)
     if len(steps) > 1:

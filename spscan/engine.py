@@ -269,6 +269,14 @@ class Collect(NamedTuple):
     """Rows of some chain gradients, wanted stacked feature-major: after :meth:`BoundPlan.run`,
     ``out[r, k, b]`` holds ``dl/dx_{index[k]}[b, rows][r]``, i.e. ``out[:, k] = dl/dx_{index[k]}[:, rows].T``.
 
+    With an ``operand`` ``Z`` (``(C, len(index), B)``, contiguous, of the run's dtype and device), the
+    stacked rows are wanted only multiplied with it over all steps and samples: ``out`` is
+    ``(len(rows), C)`` and receives ``S Z^T`` for ``S`` the stacked rows viewed ``(len(rows),
+    len(index) * B)`` (a weight gradient: the gradients of a layer's pre-activations times its
+    inputs). A backend that can computes it a few steps at a time as it produces the rows, never
+    storing them (the compiled CPU linear scan; at most one such request per run); otherwise the
+    engine stacks them and runs one GEMM.
+
     ``index``: chain positions whose gradients have one size ``d``; ``rows``: a slice of ``range(d)``
     with step 1; ``out``: ``(len(rows), len(index), B)``, contiguous, of the run's dtype and device
     (the caller's: a buffer it recycles). ``out[r]`` viewed ``(len(index) * B,)`` is one row of a
@@ -280,6 +288,7 @@ class Collect(NamedTuple):
     index: range
     rows: slice
     out: torch.Tensor
+    operand: Optional[torch.Tensor] = None
 
 
 class ScanResult:
@@ -799,7 +808,12 @@ class BoundPlan:
             every = ScanResult(vectors, self.program, None, self._index_cache)
             with torch.no_grad():
                 for c in collect:
-                    c.out.copy_(every.stacked(c.index)[..., c.rows].permute(2, 0, 1))
+                    rows = every.stacked(c.index)[..., c.rows].permute(2, 0, 1)
+                    if c.operand is None:
+                        c.out.copy_(rows)
+                    else:
+                        torch.mm(rows.reshape(rows.shape[0], -1), c.operand.reshape(c.operand.shape[0], -1).t(),
+                                 out=c.out)
         return ScanResult(vectors, self.program, composite, self._index_cache, kept=keep)
 
     def _tap(self, c: Collect, batch: int, dtype: torch.dtype) -> Tap:
@@ -821,16 +835,26 @@ class BoundPlan:
             hit = self._index_cache[key] = (cols, dims.pop())
         cols, d = hit
         r0, r1, step = c.rows.indices(d)
-        out = c.out
+        out, operand = c.out, c.operand
         if step != 1 or r1 <= r0:
             raise ValueError(f"collect: rows must be a non-empty slice of range({d}) with step 1, got {c.rows}")
-        if (not isinstance(out, torch.Tensor) or out.shape != (r1 - r0, len(c.index), batch) or out.dtype != dtype
-                or out.device != self.device or not out.is_contiguous()):
-            got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
-                   else type(out).__name__)
-            raise ValueError(f"collect: out must be a contiguous ({r1 - r0}, {len(c.index)}, {batch}) {dtype} "
-                             f"tensor on {self.device}, got {got}")
-        return Tap(cols, r0, r1 - r0, out)
+
+        def fits(t, shape) -> bool:
+            return (isinstance(t, torch.Tensor) and (shape is None or t.shape == shape) and t.dtype == dtype
+                    and t.device == self.device and t.is_contiguous())
+
+        def got(t) -> str:
+            return f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+        if operand is not None and not (fits(operand, None) and operand.dim() == 3 and operand.shape[0] > 0
+                                        and operand.shape[1:] == (len(c.index), batch)):
+            raise ValueError(f"collect: operand must be a contiguous (C > 0, {len(c.index)}, {batch}) {dtype} tensor "
+                             f"on {self.device}, got {got(operand)}")
+        want = (r1 - r0, len(c.index), batch) if operand is None else (r1 - r0, operand.shape[0])
+        if not fits(out, want):
+            raise ValueError(f"collect: out must be a contiguous {want} {dtype} tensor on {self.device}, got "
+                             f"{got(out)}")
+        return Tap(cols, r0, r1 - r0, out, operand)
 
     def _execute(self, items, stacked: bool, batch: int, dtype: torch.dtype, grad: Optional[torch.Tensor],
                  extra, scratch: bool, graph: bool = False, taps: Sequence[Tap] = (),

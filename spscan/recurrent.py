@@ -651,8 +651,16 @@ class RecurrentPlan:
             per = len(factored_layout(self.kind, H))
             rows = {"rnn_tanh": H, "rnn_relu": H, "gru": 3 * H, "lstm": 4 * H}[self.kind]
             # element 1's output of step t (the gate pre-activation gradients) is chain position per*t + 1
+            index = range(1, per * (T - 1) + 2, per)
+            z = getattr(saved, "operands", None)
+            if self.kind != "gru" and z is not None and _reduce_in_scan(wanted):
+                # only the parameters' gradients: the scan multiplies those gradients with the forward's
+                # operands (h_{t-1}, x_t, ones) as it produces them (Collect.operand), never storing them
+                red = torch.empty(rows, z.shape[0], dtype=dt, device=dev)
+                G = self._scan(saved, top, extra, [Collect(index, slice(0, rows), red, operand=z)])
+                return self._pack(saved, G[0].clone(), None, None, wanted, reduced=red)
             pre = take("pre", (rows, T, B), dt, dev)
-            collect = [Collect(range(1, per * (T - 1) + 2, per), slice(0, rows), pre)]
+            collect = [Collect(index, slice(0, rows), pre)]
             if self.kind == "gru":
                 # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t, with
                 # dl/dh_t at chain position per*(t+1)
@@ -689,16 +697,25 @@ class RecurrentPlan:
         return p, p
 
     def _pack(self, saved: _Saved, g0: torch.Tensor, a_ih, a_hh,
-              wanted: Optional[frozenset] = None) -> dict[str, Optional[torch.Tensor]]:
+              wanted: Optional[frozenset] = None, reduced: Optional[torch.Tensor] = None
+              ) -> dict[str, Optional[torch.Tensor]]:
         """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients of the input and hidden
         GEMMs as ``(G, T*B)`` matrices (column ``t*B + b``: step ``t``, sample ``b``; any strides); of the
-        input and the parameters only those in ``wanted`` (default: all), the others ``None``."""
+        input and the parameters only those in ``wanted`` (default: all), the others ``None``. Or, for
+        a caller that wants no input gradient, from ``reduced``: those matrices already multiplied with
+        the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), ``(G, H + I + 1)``."""
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         params = saved.params
         want = (lambda name: True) if wanted is None else wanted.__contains__
         out: dict[str, Optional[torch.Tensor]] = {}
         x_grad = gw_ih = gw_hh = gb_ih = gb_hh = None
-        if a_ih is None:
+        if reduced is not None:
+            I = saved.x.shape[-1]
+            gw_hh = reduced[:, :H].contiguous() if want("weight_hh_l0") else None
+            gw_ih = reduced[:, H:H + I].contiguous() if want("weight_ih_l0") else None
+            if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
+                gb_ih, gb_hh = reduced[:, H + I].clone(), reduced[:, H + I].clone()
+        elif a_ih is None:
             x_grad = torch.zeros_like(saved.x) if want("input") else None
             gw_ih = torch.zeros_like(params[0]) if want("weight_ih_l0") else None
             gw_hh = torch.zeros_like(params[1]) if want("weight_hh_l0") else None
@@ -732,6 +749,15 @@ class RecurrentPlan:
         if m.bias:
             out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh
         return out
+
+
+def _reduce_in_scan(wanted: Optional[frozenset]) -> bool:
+    """Whether a backward wants parameter gradients but not the input's: then the weight gradients can be
+    reduced in the scan (:class:`~spscan.engine.Collect` with an operand) instead of from stored
+    pre-activation gradients, which the input gradient would need."""
+    if wanted is None:
+        return False
+    return "input" not in wanted and any(n.startswith(("weight_", "bias_")) for n in wanted)
 
 
 def _weight_grads_compile(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:

@@ -55,12 +55,13 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from spscan.kernels import cpu_nt
 from spscan.kernels.cpu_simd import LANES, last_level_cache_bytes
 
 # The vector operations the tiled kernel names: numba intrinsics (kernels/cpu_simd.py), bound before
 # its first compile (numba is optional and slow to import).
-vload = vstore = vstream = vzero = vadd = vmuladd = vmuladdv = vtranspose = None
-_VECTOR_OPS = ("vload", "vstore", "vstream", "vzero", "vadd", "vmuladd", "vmuladdv", "vtranspose")
+vload = vstore = vstream = vmuladd = vtranspose = None
+_VECTOR_OPS = ("vload", "vstore", "vstream", "vmuladd", "vtranspose")
 
 __all__ = ["FUSED_MAX_INPUT", "InputProjection", "available", "gate_inputs", "gru_forward", "input_projection",
            "lstm_forward", "rnn_forward", "weight_gradients"]
@@ -524,118 +525,15 @@ def _gru_tile_kernel(gif, gs, ts, wi, bt, xv, w, bhn, h0, cst, icst, hf, hts, hb
 def _weight_grad_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out):  # pragma: no cover - compiled
     # out[g, c] = sum_q a[g, q] z[zrows[c], q], q < n (a: M rows, row g at af[g * lda:]; z: rows at
     # zf[r * ldz:]; both feature-major, positions contiguous). Chunks of nc positions (the chunk of z's
-    # rows stays in L1 while every block of a's rows reads it): blocks of 4 rows x 4 columns, 16 vector
-    # accumulators over the chunk (4 x 1 and 1 x 1 at the edges), added to acc (M*K lane-wise partial
-    # sums, LANES each); at the end each partial is summed across its lanes in order, then the
-    # positions past the last whole vector one by one. Fixed order: reproducible bit for bit.
+    # rows stays in L1 while every block of a's rows reads it) through block_sums (lane-wise partials
+    # in acc); at the end each partial is summed across its lanes in order, then the positions past
+    # the last whole vector one by one. Fixed order: reproducible bit for bit.
     M, K = out.shape
     nv = n - n % LANES
     for i in range(acc.shape[0]):
         acc[i] = 0
     for c0 in range(0, nv, nc):
-        w = min(nc, nv - c0)
-        g = 0
-        while g < M:
-            a0 = g * lda + c0
-            if g + 4 <= M:
-                k = 0
-                while k + 4 <= K:
-                    s00 = vzero(af)
-                    s01 = vzero(af)
-                    s02 = vzero(af)
-                    s03 = vzero(af)
-                    s10 = vzero(af)
-                    s11 = vzero(af)
-                    s12 = vzero(af)
-                    s13 = vzero(af)
-                    s20 = vzero(af)
-                    s21 = vzero(af)
-                    s22 = vzero(af)
-                    s23 = vzero(af)
-                    s30 = vzero(af)
-                    s31 = vzero(af)
-                    s32 = vzero(af)
-                    s33 = vzero(af)
-                    y0 = zrows[k] * ldz + c0
-                    y1 = zrows[k + 1] * ldz + c0
-                    y2 = zrows[k + 2] * ldz + c0
-                    y3 = zrows[k + 3] * ldz + c0
-                    for q in range(0, w, LANES):
-                        x0 = vload(af, a0 + q)
-                        x1 = vload(af, a0 + lda + q)
-                        x2 = vload(af, a0 + 2 * lda + q)
-                        x3 = vload(af, a0 + 3 * lda + q)
-                        w0 = vload(zf, y0 + q)
-                        w1 = vload(zf, y1 + q)
-                        w2 = vload(zf, y2 + q)
-                        w3 = vload(zf, y3 + q)
-                        s00 = vmuladdv(s00, x0, w0)
-                        s01 = vmuladdv(s01, x0, w1)
-                        s02 = vmuladdv(s02, x0, w2)
-                        s03 = vmuladdv(s03, x0, w3)
-                        s10 = vmuladdv(s10, x1, w0)
-                        s11 = vmuladdv(s11, x1, w1)
-                        s12 = vmuladdv(s12, x1, w2)
-                        s13 = vmuladdv(s13, x1, w3)
-                        s20 = vmuladdv(s20, x2, w0)
-                        s21 = vmuladdv(s21, x2, w1)
-                        s22 = vmuladdv(s22, x2, w2)
-                        s23 = vmuladdv(s23, x2, w3)
-                        s30 = vmuladdv(s30, x3, w0)
-                        s31 = vmuladdv(s31, x3, w1)
-                        s32 = vmuladdv(s32, x3, w2)
-                        s33 = vmuladdv(s33, x3, w3)
-                    b = (g * K + k) * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s00))
-                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s01))
-                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s02))
-                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s03))
-                    b += K * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s10))
-                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s11))
-                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s12))
-                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s13))
-                    b += K * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s20))
-                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s21))
-                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s22))
-                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s23))
-                    b += K * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s30))
-                    vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s31))
-                    vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s32))
-                    vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s33))
-                    k += 4
-                for c in range(k, K):  # the last columns: 4 x 1
-                    s00 = vzero(af)
-                    s10 = vzero(af)
-                    s20 = vzero(af)
-                    s30 = vzero(af)
-                    y0 = zrows[c] * ldz + c0
-                    for q in range(0, w, LANES):
-                        w0 = vload(zf, y0 + q)
-                        s00 = vmuladdv(s00, vload(af, a0 + q), w0)
-                        s10 = vmuladdv(s10, vload(af, a0 + lda + q), w0)
-                        s20 = vmuladdv(s20, vload(af, a0 + 2 * lda + q), w0)
-                        s30 = vmuladdv(s30, vload(af, a0 + 3 * lda + q), w0)
-                    b = (g * K + c) * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s00))
-                    b += K * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s10))
-                    b += K * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s20))
-                    b += K * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s30))
-                g += 4
-            else:  # the last rows: 1 x 1
-                for c in range(K):
-                    s00 = vzero(af)
-                    y0 = zrows[c] * ldz + c0
-                    for q in range(0, w, LANES):
-                        s00 = vmuladdv(s00, vload(af, a0 + q), vload(zf, y0 + q))
-                    b = (g * K + c) * LANES
-                    vstore(acc, b, vadd(vload(acc, b), s00))
-                g += 1
+        _block_sums_c(af, lda, c0, zf, ldz, c0, zrows, min(nc, nv - c0), acc, M, K)
     for g in range(M):
         for c in range(K):
             b = (g * K + c) * LANES
@@ -754,7 +652,7 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 
 # The compiled helpers the kernels call by these names (bound by _prepare() before any kernel compiles)
 _vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_store_rows_c = _tile_gate_inputs_c = None
-_tile_hidden_product_c = _tile_inputs_c = _put_c = None
+_tile_hidden_product_c = _tile_inputs_c = _put_c = _block_sums_c = None
 _KERNELS = {"lstm": _lstm_kernel, "lstm_tile": _lstm_tile_kernel, "rnn": _rnn_kernel, "rnn_tile": _rnn_tile_kernel,
             "gru": _gru_kernel, "gru_tile": _gru_tile_kernel, "weight_grad": _weight_grad_kernel}
 _compiled_kernels: dict = {}
@@ -768,7 +666,7 @@ def _jit(fn, inline: str = "never"):
 def _prepare() -> None:
     """Bind the vector operations and compile the helpers the kernels call (once)."""
     global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_store_rows_c, _tile_gate_inputs_c
-    global _tile_hidden_product_c, _tile_inputs_c, _put_c
+    global _tile_hidden_product_c, _tile_inputs_c, _put_c, _block_sums_c
     if _vexpm1_c is None:
         from spscan.kernels import cpu_simd
 
@@ -785,6 +683,7 @@ def _prepare() -> None:
         _tile_hidden_product_c = _jit(_tile_hidden_product, "always")
         _tile_inputs_c = _jit(_tile_inputs, "always")
         _put_c = _jit(_put, "always")
+        _block_sums_c = cpu_nt.block_sums()
 
 
 def _compiled(name: str):

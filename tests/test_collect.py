@@ -103,6 +103,51 @@ def test_the_compiled_scan_writes_the_collected_rows_itself(monkeypatch):
     assert torch.equal(res[0], full[0])
 
 
+@pytest.mark.parametrize("levels", [0, 1])
+@pytest.mark.parametrize("batch", [1, 16, 19])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_collect_with_an_operand_is_the_product_of_the_stacked_rows(monkeypatch, levels, batch, dtype, compiled):
+    """``Collect(..., operand=Z)``: ``out = stacked rows @ Z^T`` over all steps and samples, whether the
+    compiled linear scan reduces as it goes (one such request), or the engine stacks and multiplies
+    (two requests, other backends, levels >= 1); other requests of the same run are unchanged."""
+    if compiled and not cpu_chain.available():
+        pytest.skip("numba not installed")
+    if not compiled:
+        monkeypatch.setattr(cpu_chain, "available", lambda: False)
+    n, d = 40, 6
+    pats = _chain(n, d, batch)
+    vals = _values(pats, batch, dtype, 4)
+    grad = torch.randn(batch, d, dtype=torch.float64).to(dtype)
+    bound = spscan.plan(pats, levels=levels).bind((False,) * n, (False,) * (n + 1))
+    full = [g.clone() for g in bound.run(vals, grad).grads]
+    every = range(0, n, 2)  # not the run's input (position n)
+    g = torch.Generator().manual_seed(batch)
+    z = torch.randn(5, len(every), batch, generator=g, dtype=torch.float64).to(dtype)
+    def check(got, rows, operand):
+        # within a few roundings of the magnitudes summed (float32: sums of K * B products)
+        a, b = rows.double().reshape(rows.shape[0], -1), operand.double().reshape(operand.shape[0], -1)
+        rtol = 1e-12 if dtype == torch.float64 else 1e-5 * a.shape[1] ** 0.5
+        assert ((got.double() - a @ b.t()).abs() <= rtol * (a.abs() @ b.abs().t()) + 1e-30).all()
+
+    stacked = torch.stack([full[i][:, 1:5].t() for i in every], 1)  # (4, K, B)
+    red = torch.full((4, 5), float("nan"), dtype=dtype)
+    odd = range(1, n, 2)
+    other = torch.zeros(d, len(odd), batch, dtype=dtype)
+    res = bound.run(vals, grad, collect=[Collect(every, slice(1, 5), red, operand=z), Collect(odd, slice(None), other)])
+    check(red, stacked, z)
+    for k, i in enumerate(odd):
+        assert torch.equal(other[:, k].t(), full[i])
+    assert all(torch.equal(a, b) for a, b in zip(res.grads, full))
+    # two reducing requests: the engine's GEMMs (the compiled scan reduces against one operand per run)
+    red2 = torch.zeros(d, 5, dtype=dtype)
+    z2 = z[:, : len(odd)].contiguous()
+    bound.run(vals, grad, collect=[Collect(every, slice(1, 5), red, operand=z), Collect(odd, slice(None), red2,
+                                                                                       operand=z2)])
+    check(red, stacked, z)
+    check(red2, torch.stack([full[i].t() for i in odd], 1), z2)
+
+
 def test_collect_checks_its_requests():
     pats = _chain(4, 5, 0) + [sp.csr_array(np.ones((5, 3)))]
     vals = _values(pats, 2, torch.float64, 0)
@@ -120,6 +165,16 @@ def test_collect_checks_its_requests():
         bound.run(vals, grad, collect=[(range(1, 3), slice(None), torch.zeros(5, 2, 2, dtype=torch.float64))])
     with pytest.raises(ValueError, match="keep: expected 6 flags"):
         bound.run(vals, grad, keep=[True])
+    z = torch.zeros(4, 2, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="operand must be a contiguous \\(C > 0, 2, 2\\)"):
+        bound.run(vals, grad, collect=[Collect(range(1, 3), slice(None), torch.zeros(5, 4, dtype=torch.float64),
+                                               operand=torch.zeros(4, 3, 2, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="operand"):
+        bound.run(vals, grad, collect=[Collect(range(1, 3), slice(None), torch.zeros(5, 4, dtype=torch.float64),
+                                               operand=z.float())])
+    with pytest.raises(ValueError, match="out must be a contiguous \\(5, 4\\)"):
+        bound.run(vals, grad, collect=[Collect(range(1, 3), slice(None), torch.zeros(5, 2, 2, dtype=torch.float64),
+                                               operand=z)])
 
 
 @pytest.mark.parametrize("levels", [0, 1])

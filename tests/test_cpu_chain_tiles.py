@@ -157,6 +157,58 @@ def test_tiled_run_equals_reference_and_is_per_sample(dtype, tol, batch, seed):
     assert np.array_equal(em, got)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("batch", [1, 16, 19, 33])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("ring", [None, 2])
+def test_reducing_tap_equals_the_product_of_the_stored_rows(monkeypatch, dtype, tol, batch, seed, ring):
+    """A tap with an operand hands back ``stacked rows @ operand^T`` over all its steps and samples (within
+    float rounding of the same products in float64), besides a plain tap in the same run, with the
+    run's outputs unchanged; rings of REDUCE_STEPS steps (and a tiny one: many flushes, a partial
+    last one) give the same sums. Only one reducing tap, and not of the input."""
+    if ring is not None:
+        monkeypatch.setattr(cpu_chain, "REDUCE_STEPS", ring)
+    rng = np.random.default_rng(3000 + 10 * seed + batch)
+    desc, sources, vectors, _ = _random_run(rng, int(rng.integers(3, 40)), batch, dtype)
+    full = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=full, **desc)
+    steps = desc["code"].shape[0]
+    order = rng.permutation(steps)
+    red_idx, plain_idx = order[: (steps + 1) // 2], np.sort(order[(steps + 1) // 2:])
+    mmin = int(desc["rows"][red_idx].min())
+    row0 = int(rng.integers(0, mmin))
+    nrows = int(rng.integers(1, mmin - row0 + 1))
+    C = int(rng.integers(1, 7))
+    operand = rng.standard_normal((C, red_idx.size, batch)).astype(dtype)
+    operand[:, :, 0] *= 1e3  # a sample's scale of its own: lanes do not mix
+    reduced = np.full((nrows, C), np.nan, dtype=dtype)
+    taps = [(red_idx, row0, nrows, reduced, operand)]
+    if plain_idx.size:
+        m2 = int(desc["rows"][plain_idx].min())
+        taps.append((plain_idx, 0, m2, np.zeros((m2, plain_idx.size, batch), dtype=dtype)))
+    got = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=got, taps=taps, **desc)
+    assert np.array_equal(got, full)
+    stacked = np.stack([full[:, int(desc["out"][j]) + row0:int(desc["out"][j]) + row0 + nrows].T for j in red_idx], 1)
+    want = stacked.reshape(nrows, -1).astype(np.float64) @ operand.reshape(C, -1).T.astype(np.float64)
+    bound = tol * (np.abs(stacked.reshape(nrows, -1)).astype(np.float64) @ np.abs(operand.reshape(C, -1)).T) + 1e-300
+    assert (np.abs(reduced - want) <= bound).all()
+    if plain_idx.size:
+        for k, j in enumerate(plain_idx):
+            o = int(desc["out"][j])
+            assert np.array_equal(taps[1][3][:, k].T, full[:, o:o + taps[1][2]])
+    with pytest.raises(ValueError, match="at most one tap reduces"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                            taps=[(red_idx[:1], 0, 1, np.zeros((1, 1), dtype=dtype), operand[:1, :1].copy()),
+                                  (red_idx[1:2], 0, 1, np.zeros((1, 1), dtype=dtype), operand[:1, :1].copy())], **desc)
+    with pytest.raises(ValueError, match="not the input"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                            taps=[(np.array([-1]), 0, 1, np.zeros((1, 1), dtype=dtype), operand[:1, :1].copy())], **desc)
+    with pytest.raises(ValueError, match="operand"):
+        cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                            taps=[(red_idx, 0, 1, np.zeros((2, C), dtype=dtype), operand)], **desc)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("batch", [1, 16, 19, 32])
 @pytest.mark.parametrize("seed", range(3))

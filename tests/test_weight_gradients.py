@@ -124,8 +124,9 @@ def test_forward_writes_previous_states_feature_major(kind, dtype, B, batch_firs
 @pytest.mark.parametrize("B", [3, 16, 21])
 @pytest.mark.parametrize("bias", [True, False])
 def test_wrapper_gradients_equal_the_gemm_path(monkeypatch, kind, dtype, B, bias):
-    """The wrapped layer's parameter gradients by the compiled pass and by the BLAS GEMMs agree (the
-    GEMM path is what runs without the compiled forward), and the compiled pass is the one taken."""
+    """The wrapped layer's parameter gradients by each path agree: reduced in the scan (the LSTM's and
+    RNN's when the input needs no gradient), by the compiled pass over stored pre-activation gradients
+    (the GRU's, or with the input's gradient), and by the BLAS GEMMs (without the compiled forward)."""
     torch.manual_seed(0)
     cls = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN}[kind]
     m = cls(3, 7, batch_first=True, bias=bias).to(dtype)
@@ -135,21 +136,28 @@ def test_wrapper_gradients_equal_the_gemm_path(monkeypatch, kind, dtype, B, bias
     real = rc.weight_gradients
     monkeypatch.setattr(rc, "weight_gradients", lambda *a: calls.append(1) or real(*a))
 
-    def grads():
+    def grads(input_grad: bool):
         m.zero_grad(set_to_none=True)
-        out, _ = w(x)
+        xi = x.clone().requires_grad_(input_grad)
+        out, _ = w(xi)
         (out.sin() * torch.linspace(-1, 1, 7, dtype=dtype)).sum().backward()
         return {n: p.grad.clone() for n, p in m.named_parameters()}
 
-    compiled = grads()
-    assert calls and all(g.is_contiguous() for g in compiled.values())
-    monkeypatch.setattr(rec, "_weight_grads_compile", lambda *a: False)
+    paths = {"default": grads(False)}
+    assert bool(calls) == (kind == "gru")  # the LSTM and RNN reduce in the scan
+    assert all(g.is_contiguous() for g in paths["default"].values())
     calls.clear()
-    gemm = grads()
+    paths["stored"] = grads(True)
+    assert calls
+    monkeypatch.setattr(rec, "_weight_grads_compile", lambda *a: False)
+    monkeypatch.setattr(rec, "_reduce_in_scan", lambda *a: False)
+    calls.clear()
+    paths["gemm"] = grads(False)
     assert not calls
     tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    assert compiled.keys() == gemm.keys()
-    for n in gemm:
-        torch.testing.assert_close(compiled[n], gemm[n], **tol)
+    for name, got in paths.items():
+        assert got.keys() == paths["gemm"].keys()
+        for n in got:
+            torch.testing.assert_close(got[n], paths["gemm"][n], **tol, msg=lambda e: f"{name} {n}: {e}")
     if bias and kind != "gru":  # separate tensors (an optimizer may update them in place, one after the other)
-        assert compiled["bias_ih_l0"].data_ptr() != compiled["bias_hh_l0"].data_ptr()
+        assert paths["default"]["bias_ih_l0"].data_ptr() != paths["default"]["bias_hh_l0"].data_ptr()

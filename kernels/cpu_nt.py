@@ -1,0 +1,154 @@
+"""Products ``A Z^T`` of two feature-major operands over a long dimension, in vector lanes: the compiled CPU
+weight-gradient GEMMs of the recurrent layers.
+
+A layer's weight gradient is ``sum_n a[:, n] z[:, n]^T`` over all ``N = T*B`` steps and samples:
+a ``(M x N) (N x K)`` product with a long reduction and a tiny output (``80 x 22`` over ``N = 16000``
+for the paper's LSTM). :func:`block_sums` adds ``a``'s rows times ``z``'s rows over ``w`` positions
+into lane-wise partial sums: blocks of 4 rows by 4 columns, 16 vector accumulators in registers
+over the positions (lanes along ``N``, both operands' rows contiguous there), 4 x 1 and 1 x 1 blocks
+at the edges. The caller sums the lanes at the end (:func:`lane_sums`): every sum runs in a fixed
+order, so results are reproducible bit for bit. Used by :func:`spscan.recurrent_cpu.weight_gradients`
+(chunk by chunk of memory it holds) and by the compiled linear scan (:mod:`.cpu_chain`, on the
+gradients it has just produced, a few dozen steps at a time, without storing them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu_simd
+from .cpu_simd import LANES
+
+__all__ = ["block_sums", "lane_sums"]
+
+# bound by block_sums() before the first compile (numba is optional and slow to import)
+vload = vstore = vzero = vadd = vmuladdv = None
+_VECTOR_OPS = ("vload", "vstore", "vzero", "vadd", "vmuladdv")
+
+_compiled = None
+
+
+def _block_sums(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K):  # pragma: no cover - compiled
+    # acc[(g * K + c) * LANES + l] += sum over q = l, l + LANES, ... < w of a[g, q] z[zrows[c], q], where
+    # row g of a is af[ab + g * lda:] and row r of z is zf[zb + r * ldz:] (w a multiple of LANES)
+    g = 0
+    while g < M:
+        a0 = g * lda + ab
+        if g + 4 <= M:
+            k = 0
+            while k + 4 <= K:
+                s00 = vzero(af)
+                s01 = vzero(af)
+                s02 = vzero(af)
+                s03 = vzero(af)
+                s10 = vzero(af)
+                s11 = vzero(af)
+                s12 = vzero(af)
+                s13 = vzero(af)
+                s20 = vzero(af)
+                s21 = vzero(af)
+                s22 = vzero(af)
+                s23 = vzero(af)
+                s30 = vzero(af)
+                s31 = vzero(af)
+                s32 = vzero(af)
+                s33 = vzero(af)
+                y0 = zrows[k] * ldz + zb
+                y1 = zrows[k + 1] * ldz + zb
+                y2 = zrows[k + 2] * ldz + zb
+                y3 = zrows[k + 3] * ldz + zb
+                for q in range(0, w, LANES):
+                    x0 = vload(af, a0 + q)
+                    x1 = vload(af, a0 + lda + q)
+                    x2 = vload(af, a0 + 2 * lda + q)
+                    x3 = vload(af, a0 + 3 * lda + q)
+                    w0 = vload(zf, y0 + q)
+                    w1 = vload(zf, y1 + q)
+                    w2 = vload(zf, y2 + q)
+                    w3 = vload(zf, y3 + q)
+                    s00 = vmuladdv(s00, x0, w0)
+                    s01 = vmuladdv(s01, x0, w1)
+                    s02 = vmuladdv(s02, x0, w2)
+                    s03 = vmuladdv(s03, x0, w3)
+                    s10 = vmuladdv(s10, x1, w0)
+                    s11 = vmuladdv(s11, x1, w1)
+                    s12 = vmuladdv(s12, x1, w2)
+                    s13 = vmuladdv(s13, x1, w3)
+                    s20 = vmuladdv(s20, x2, w0)
+                    s21 = vmuladdv(s21, x2, w1)
+                    s22 = vmuladdv(s22, x2, w2)
+                    s23 = vmuladdv(s23, x2, w3)
+                    s30 = vmuladdv(s30, x3, w0)
+                    s31 = vmuladdv(s31, x3, w1)
+                    s32 = vmuladdv(s32, x3, w2)
+                    s33 = vmuladdv(s33, x3, w3)
+                b = (g * K + k) * LANES
+                vstore(acc, b, vadd(vload(acc, b), s00))
+                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s01))
+                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s02))
+                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s03))
+                b += K * LANES
+                vstore(acc, b, vadd(vload(acc, b), s10))
+                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s11))
+                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s12))
+                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s13))
+                b += K * LANES
+                vstore(acc, b, vadd(vload(acc, b), s20))
+                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s21))
+                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s22))
+                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s23))
+                b += K * LANES
+                vstore(acc, b, vadd(vload(acc, b), s30))
+                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s31))
+                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s32))
+                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s33))
+                k += 4
+            for c in range(k, K):  # the last columns: 4 x 1
+                s00 = vzero(af)
+                s10 = vzero(af)
+                s20 = vzero(af)
+                s30 = vzero(af)
+                y0 = zrows[c] * ldz + zb
+                for q in range(0, w, LANES):
+                    w0 = vload(zf, y0 + q)
+                    s00 = vmuladdv(s00, vload(af, a0 + q), w0)
+                    s10 = vmuladdv(s10, vload(af, a0 + lda + q), w0)
+                    s20 = vmuladdv(s20, vload(af, a0 + 2 * lda + q), w0)
+                    s30 = vmuladdv(s30, vload(af, a0 + 3 * lda + q), w0)
+                b = (g * K + c) * LANES
+                vstore(acc, b, vadd(vload(acc, b), s00))
+                b += K * LANES
+                vstore(acc, b, vadd(vload(acc, b), s10))
+                b += K * LANES
+                vstore(acc, b, vadd(vload(acc, b), s20))
+                b += K * LANES
+                vstore(acc, b, vadd(vload(acc, b), s30))
+            g += 4
+        else:  # the last rows: 1 x 1
+            for c in range(K):
+                s00 = vzero(af)
+                y0 = zrows[c] * ldz + zb
+                for q in range(0, w, LANES):
+                    s00 = vmuladdv(s00, vload(af, a0 + q), vload(zf, y0 + q))
+                b = (g * K + c) * LANES
+                vstore(acc, b, vadd(vload(acc, b), s00))
+            g += 1
+
+
+def block_sums():
+    """The compiled :func:`_block_sums` (numba; compiled on first use, cached on disk): arguments
+    ``(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K)`` as its comment says. Callable from other
+    compiled kernels."""
+    global _compiled
+    if _compiled is None:
+        import numba
+
+        globals().update({name: op for name, op in cpu_simd.intrinsics().items() if name in _VECTOR_OPS})
+        _compiled = numba.njit(cache=True, nogil=True, error_model="numpy")(_block_sums)
+    return _compiled
+
+
+def lane_sums(acc: np.ndarray, out: np.ndarray) -> None:
+    """``out[g, c] = sum_l acc[(g * K + c) * LANES + l]`` (``out``: ``(M, K)``), the lanes in a fixed order."""
+    M, K = out.shape
+    np.sum(acc[: M * K * LANES].reshape(M, K, LANES), axis=2, out=out)
