@@ -111,7 +111,7 @@ def numba_module():
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                   csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
                   tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
-                  feed_bufs, red_rows, red_cols, red_op, red_ring, red_zt, red_acc):  # pragma: no cover - compiled
+                  feed_bufs, red_rows, red_cols, red_op, red_ring, red_zt, red_acc, red_out):  # pragma: no cover - compiled
     # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
     # out[j] < 0: y_j is not stored in vectors; tap_at[j] >= 0: row tap_row0[j] + r of y_j (r <
     # tap_rows[j]) goes to tap_bufs[tap_buf[j]][r * tap_ld[j] + tap_at[j]:][:batch], samples contiguous;
@@ -123,7 +123,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     # and the operand's columns red_op[c * tap_ld[j] + tap_at[j] + b] (c < len(red_cols)) of the same
     # samples to red_zt (len(red_cols) x rw); a full ring (and the last, at each tile's end) is
     # multiplied out into red_acc by cpu_nt's block_sums: the tapped rows are never stored. Lanes
-    # past the batch are zeros there.
+    # past the batch are zeros there. At the end red_out (red_rows x len(red_cols)) gets red_acc's
+    # lane sums.
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
     # written out and never mix with the others (every operation is lane by lane), so they are not
@@ -494,6 +495,13 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
             cur, nxt = nxt, cur
         if nr > 0:  # the ring's last steps of this tile
             block_sums(red_ring, rw, 0, red_zt, rw, 0, red_cols, nr * LANES, red_acc, red_rows, nred)
+    for g in range(red_rows):
+        for c in range(nred):
+            q = (g * nred + c) * LANES
+            acc = red_acc[q]
+            for r in range(1, LANES):
+                acc += red_acc[q + r]
+            red_out[g, c] = acc
 
 
 _compiled = None
@@ -604,19 +612,17 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     red = next((t for t in taps if len(t) > 4 and t[4] is not None), None)
     if red is None:
         dummy = np.zeros(LANES, dtype=vectors.dtype)
-        reduce_args = (0, np.zeros(0, dtype=np.int64), dummy, dummy, dummy, dummy)
+        reduce_args = (0, np.zeros(0, dtype=np.int64), dummy, dummy, dummy, dummy, np.zeros((0, 0), vectors.dtype))
     else:
         nrows, operand, target = int(red[2]), red[4], red[3]
         C = operand.shape[0]
         acc = np.zeros(nrows * C * LANES, dtype=vectors.dtype)
         reduce_args = (nrows, np.arange(C, dtype=np.int64), operand.reshape(-1),
                        np.empty(nrows * REDUCE_STEPS * LANES, dtype=vectors.dtype),
-                       np.empty(C * REDUCE_STEPS * LANES, dtype=vectors.dtype), acc)
+                       np.empty(C * REDUCE_STEPS * LANES, dtype=vectors.dtype), acc, target)
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
               csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
               tap_rows, tap_bufs, *feed_tables, *reduce_args)
-    if red is not None:
-        cpu_nt.lane_sums(acc, target)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,

@@ -6,20 +6,18 @@ a ``(M x N) (N x K)`` product with a long reduction and a tiny output (``80 x 22
 for the paper's LSTM). :func:`block_sums` adds ``a``'s rows times ``z``'s rows over ``w`` positions
 into lane-wise partial sums: blocks of 4 rows by 4 columns, 16 vector accumulators in registers
 over the positions (lanes along ``N``, both operands' rows contiguous there), 4 x 1 and 1 x 1 blocks
-at the edges. The caller sums the lanes at the end (:func:`lane_sums`): every sum runs in a fixed
-order, so results are reproducible bit for bit. Used by :func:`spscan.recurrent_cpu.weight_gradients`
+at the edges. The caller sums the lanes at the end, in order: every sum runs in a fixed order, so
+results are reproducible bit for bit. Used by :func:`spscan.recurrent_cpu.weight_gradients`
 (chunk by chunk of memory it holds) and by the compiled linear scan (:mod:`.cpu_chain`, on the
 gradients it has just produced, a few dozen steps at a time, without storing them).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import cpu_simd
 from .cpu_simd import LANES
 
-__all__ = ["block_sums", "lane_sums"]
+__all__ = ["block_sums"]
 
 # bound by block_sums() before the first compile (numba is optional and slow to import)
 vload = vstore = vzero = vadd = vmuladdv = None
@@ -147,8 +145,3 @@ def block_sums():
         _compiled = numba.njit(cache=True, nogil=True, error_model="numpy")(_block_sums)
     return _compiled
 
-
-def lane_sums(acc: np.ndarray, out: np.ndarray) -> None:
-    """``out[g, c] = sum_l acc[(g * K + c) * LANES + l]`` (``out``: ``(M, K)``), the lanes in a fixed order."""
-    M, K = out.shape
-    np.sum(acc[: M * K * LANES].reshape(M, K, LANES), axis=2, out=out)

@@ -419,16 +419,17 @@ class RecurrentPlan:
         h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
         return xt, T, B, unbatched, params, h0, c0
 
-    def _operands(self, xt: torch.Tensor) -> torch.Tensor:
+    def _operands(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight gradients' operand for a compiled forward of ``xt`` ``(T, B, I)``: ``(H + I + 1, T, B)``
         from the plan's recycled buffers, rows ``H ..`` filled here (``x_t``, then ones); the forward
-        writes rows ``0 .. H-1`` (``h_{t-1}``) as it goes."""
+        writes rows ``0 .. H-1`` (``h_{t-1}``) as it goes. Also its ``x`` rows viewed ``(T, B, I)``: the
+        input the forward reads (feature-major memory, as its tiles read it: no second copy)."""
         T, B, I = xt.shape
         H = self.hidden_size
         z = self.buffers.take("operands", (H + I + 1, T, B), xt.dtype)
         z[H: H + I].copy_(xt.permute(2, 0, 1))
         z[H + I].fill_(1)
-        return z
+        return z, z[H: H + I].permute(1, 2, 0)
 
     def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):
         """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
@@ -454,8 +455,8 @@ class RecurrentPlan:
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
         # both biases enter every gate pre-activation: added to the input part once
-        gi = input_projection(xt, params[0], params[2] + params[3] if m.bias else None)
-        z = self._operands(xt)
+        z, xz = self._operands(xt)
+        gi = input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
         hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched,
                                             buffers=self.buffers, prev=z)
         shared = lstm_weight_values(params[1], H)
@@ -474,8 +475,8 @@ class RecurrentPlan:
         m = self.module
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         # both biases enter the pre-activation: added to the input part once
-        gi = input_projection(xt, params[0], params[2] + params[3] if m.bias else None)
-        z = self._operands(xt)
+        z, xz = self._operands(xt)
+        gi = input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
         hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
                             batch_first=m.batch_first and not unbatched, buffers=self.buffers, prev=z)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
@@ -492,13 +493,13 @@ class RecurrentPlan:
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         b_hn = None
+        z, xz = self._operands(xt)
         if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
             bias = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
-            gi = input_projection(xt, params[0], bias)
+            gi = input_projection(xz, params[0], bias)
             b_hn = params[3][2 * H:]
         else:
-            gi = input_projection(xt, params[0], None)
-        z = self._operands(xt)
+            gi = input_projection(xz, params[0], None)
         hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
                                 buffers=self.buffers, prev=z)
         values = PeriodicValues([gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)

@@ -49,6 +49,7 @@ are bitwise reproducible run to run. No ``fastmath``, no ``parallel``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Sequence
 
@@ -102,8 +103,9 @@ _INT = {np.float64: (np.int64, 1075 << 52 | 1 << 51, 1023, 52), np.float32: (np.
 _SHORT = {np.float64: 0, np.float32: 1}
 
 
+@functools.lru_cache(maxsize=None)
 def _expm1_consts(np_dt):
-    """``(cst, icst)`` of :func:`_vexpm1` for ``np_dt``."""
+    """``(cst, icst)`` of :func:`_vexpm1` for ``np_dt`` (made once per dtype; the kernels only read them)."""
     itype, magic_bits, bias, shift = _INT[np_dt]
     cst = np.array(_CONSTS[np_dt] + _TAYLOR + [1.0], dtype=np_dt)
     return cst, np.array([magic_bits, bias, shift, _SHORT[np_dt]], dtype=itype)
