@@ -73,7 +73,7 @@ _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmu
 PREFETCH_STEPS = 4
 PREFETCH_VALUES_MAX = 1 << 14
 # A reducing tap multiplies out its rows every REDUCE_STEPS steps of a tile (its ring: rows x
-# REDUCE_STEPS * LANES values, 160 KB for the T = 1000 LSTM's 80 gate rows in float32, stays in L2;
+# REDUCE_STEPS * LANES values, 170 KB for the T = 1000 LSTM's 80 gate rows in float32, stays in L2;
 # storing the rows, 5 MB, and a GEMM over them afterwards cost the LSTM's backward ~0.4 ms more)
 REDUCE_STEPS = 32
 
@@ -119,9 +119,9 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     # feed_row0[j] + r of y_j (r < feed_rows[j]) gets feed_bufs[feed_buf[j]][feed_at[j] + b * feed_bs[j]
     # + r * feed_fs[j]] added for sample b (an affine term read where the caller holds it)
     # tap_buf[j] < 0: the reducing tap (at most one; never the input): rows tap_row0[j] .. + red_rows
-    # of y_j go to the ring red_ring (red_rows x rw positions, rw = red_zt.shape[0] // len(red_cols))
-    # and the operand's columns red_op[c * tap_ld[j] + tap_at[j] + b] (c < len(red_cols)) of the same
-    # samples to red_zt (len(red_cols) x rw); a full ring (and the last, at each tile's end) is
+    # of y_j go to the ring red_ring (red_rows rows of rw positions, rs = rw + LANES apart, rs =
+    # red_zt.shape[0] // len(red_cols)) and the operand's columns red_op[c * tap_ld[j] + tap_at[j] + b]
+    # (c < len(red_cols)) of the same samples to red_zt (rows likewise); a full ring (and the last, at each tile's end) is
     # multiplied out into red_acc by cpu_nt's block_sums: the tapped rows are never stored. Lanes
     # past the batch are zeros there. At the end red_out (red_rows x len(red_cols)) gets red_acc's
     # lane sums.
@@ -135,7 +135,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     vflat = vectors.reshape(batch * sv)
     line = 64 // vectors.itemsize  # elements per cache line
     nred = red_cols.shape[0]
-    rw = red_zt.shape[0] // nred if nred > 0 else 0
+    rs = red_zt.shape[0] // nred if nred > 0 else 0
+    rw = rs - LANES
     for b0 in range(0, batch, LANES):
         nb = min(LANES, batch - b0)
         full = nb == LANES
@@ -409,6 +410,11 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         for bb in range(nb):
                             nxt[(r0 + i) * LANES + bb] += fsrc[fb + bb * fbs + i * fs]
             jn = j + PREFETCH_STEPS
+            if jn < code.shape[0] and tap_at[jn] >= 0 and tap_buf[jn] < 0:
+                # the reducing tap's operand columns of a later step: a line in each of its rows, far
+                # apart (without, their misses cost the T = 1000 LSTM's scan ~0.15 ms)
+                for c in range(nred):
+                    prefetch_read(red_op, c * tap_ld[jn] + tap_at[jn] + b0)
             if jn < code.shape[0]:
                 # a later step's outputs (LANES rows of the sample-major buffer, far apart) and its
                 # per-sample values: lines the hardware prefetchers do not fetch ahead
@@ -452,21 +458,21 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                 rb = nr * LANES
                 for i in range(red_rows):
                     if full:
-                        vstore(red_ring, i * rw + rb, vload(nxt, (r0 + i) * LANES))
+                        vstore(red_ring, i * rs + rb, vload(nxt, (r0 + i) * LANES))
                     else:
-                        vstore(red_ring, i * rw + rb, vzero(red_ring))
+                        vstore(red_ring, i * rs + rb, vzero(red_ring))
                         for bb in range(nb):
-                            red_ring[i * rw + rb + bb] = nxt[(r0 + i) * LANES + bb]
+                            red_ring[i * rs + rb + bb] = nxt[(r0 + i) * LANES + bb]
                 for c in range(nred):
                     if full:
-                        vstore(red_zt, c * rw + rb, vload(red_op, c * ld + tb))
+                        vstore(red_zt, c * rs + rb, vload(red_op, c * ld + tb))
                     else:
-                        vstore(red_zt, c * rw + rb, vzero(red_zt))
+                        vstore(red_zt, c * rs + rb, vzero(red_zt))
                         for bb in range(nb):
-                            red_zt[c * rw + rb + bb] = red_op[c * ld + tb + bb]
+                            red_zt[c * rs + rb + bb] = red_op[c * ld + tb + bb]
                 nr += 1
                 if nr * LANES == rw:
-                    block_sums(red_ring, rw, 0, red_zt, rw, 0, red_cols, rw, red_acc, red_rows, nred)
+                    block_sums(red_ring, rs, 0, red_zt, rs, 0, red_cols, rw, red_acc, red_rows, nred)
                     nr = 0
             elif ta >= 0:
                 # the tapped rows feature-major, as the tile holds them: one vector store per row (no
@@ -494,7 +500,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
             cur, nxt = nxt, cur
         if nr > 0:  # the ring's last steps of this tile
-            block_sums(red_ring, rw, 0, red_zt, rw, 0, red_cols, nr * LANES, red_acc, red_rows, nred)
+            block_sums(red_ring, rs, 0, red_zt, rs, 0, red_cols, nr * LANES, red_acc, red_rows, nred)
     for g in range(red_rows):
         for c in range(nred):
             q = (g * nred + c) * LANES
@@ -617,9 +623,11 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         nrows, operand, target = int(red[2]), red[4], red[3]
         C = operand.shape[0]
         acc = np.zeros(nrows * C * LANES, dtype=vectors.dtype)
+        # ring rows one vector longer than they hold: rows a power of two apart would all fall in a
+        # few L1 sets (the 80 rows of 32 steps at float32: 2 of 64)
+        rs = (REDUCE_STEPS + 1) * LANES
         reduce_args = (nrows, np.arange(C, dtype=np.int64), operand.reshape(-1),
-                       np.empty(nrows * REDUCE_STEPS * LANES, dtype=vectors.dtype),
-                       np.empty(C * REDUCE_STEPS * LANES, dtype=vectors.dtype), acc, target)
+                       np.empty(nrows * rs, dtype=vectors.dtype), np.empty(C * rs, dtype=vectors.dtype), acc, target)
     _kernel()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
               csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
               tap_rows, tap_bufs, *feed_tables, *reduce_args)
