@@ -390,11 +390,35 @@ def factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> 
 
 def gru_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
     """Values ``(3H^2 + H,)`` of :func:`_gru_weight_pattern`: row ``k`` of ``W_hh^T``, then its identity's one."""
+    host = _host_weight_values(w_hh, H, 3 * H, interleaved=True)
+    if host is not None:
+        return host
     return torch.cat([w_hh.t(), torch.ones(H, 1, dtype=w_hh.dtype, device=w_hh.device)], dim=1).reshape(-1)
+
+
+def _host_weight_values(w_hh: torch.Tensor, H: int, G: int, interleaved: bool):
+    """:func:`gru_weight_values` / :func:`lstm_weight_values` of a float32/float64 CPU weight through NumPy
+    (a few microseconds, where the torch ops' dispatch costs ~50): ``W_hh^T`` row by row with a one after
+    each row (``interleaved``) or ``H`` ones after all of them; ``None`` for other weights."""
+    if w_hh.device.type != "cpu" or w_hh.dtype not in (torch.float32, torch.float64):
+        return None
+    w = w_hh.detach().numpy()
+    if interleaved:
+        out = np.empty((H, G + 1), dtype=w.dtype)
+        out[:, :G] = w.T
+        out[:, G] = 1
+    else:
+        out = np.empty(G * H + H, dtype=w.dtype)
+        out[: G * H].reshape(H, G)[:] = w.T
+        out[G * H:] = 1
+    return torch.from_numpy(out.reshape(-1))
 
 
 def lstm_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
     """Values ``(4H^2 + H,)`` of :func:`_lstm_weight_pattern`: row ``k`` of ``W_hh^T``, then ones."""
+    host = _host_weight_values(w_hh, H, 4 * H, interleaved=False)
+    if host is not None:
+        return host
     return torch.cat([w_hh.t().reshape(-1), torch.ones(H, dtype=w_hh.dtype, device=w_hh.device)])
 
 

@@ -89,6 +89,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
+from spscan import recurrent_cpu
 from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_values, jacobian_values,
                           lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
                           resolve_layout, shared_flags, state_size)
@@ -116,18 +117,26 @@ class _Slot:
 def _map_tensors(value, fn):
     """A copy of ``value`` with ``fn`` applied to every tensor (or :class:`_Slot`) it holds: inside
     dicts, lists, tuples, :class:`PeriodicValues` and objects that say they hold tensors
-    (``_holds_tensors``); other objects are kept as they are. Containers are rebuilt, not changed."""
-    if isinstance(value, (torch.Tensor, _Slot)):
+    (``_holds_tensors``); other objects are kept as they are. Containers are rebuilt, not changed.
+    (Dispatched on the exact type first: it runs twice per training step over a dozen objects.)"""
+    t = type(value)
+    if t in _ATOMS:
+        return value
+    if t is torch.Tensor or t is _Slot or isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, dict):
+    if t is dict or isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, PeriodicValues) or getattr(type(value), "_holds_tensors", False):
-        copy = object.__new__(type(value))
+    if t is list or t is tuple:
+        return t([_map_tensors(v, fn) for v in value])
+    if isinstance(value, PeriodicValues) or getattr(t, "_holds_tensors", False):
+        copy = object.__new__(t)
         copy.__dict__.update({k: _map_tensors(v, fn) for k, v in value.__dict__.items()})
         return copy
     return value
+
+
+# types _map_tensors returns as they are without a look inside
+_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, range, slice])
 
 
 def stash_saved(ctx, saved, inputs: Sequence) -> None:
@@ -382,8 +391,6 @@ class RecurrentPlan:
         """Whether the factored RNN's, GRU's or LSTM's forward runs in one compiled pass
         (:mod:`spscan.recurrent_cpu`): CPU, float32/float64 input and state of the parameters' dtype,
         well-formed shapes; anything else runs the module (whose own checks then speak)."""
-        from spscan import recurrent_cpu
-
         if self.kind not in ("lstm", "gru", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
                 or not recurrent_cpu.available():
             return False
@@ -427,8 +434,9 @@ class RecurrentPlan:
         T, B, I = xt.shape
         H = self.hidden_size
         z = self.buffers.take("operands", (H + I + 1, T, B), xt.dtype)
-        z[H: H + I].copy_(xt.permute(2, 0, 1))
-        z[H + I].fill_(1)
+        zn = z.numpy()  # CPU float32/float64 (the compiled forwards'): NumPy's copies dispatch faster
+        zn[H: H + I] = xt.numpy().transpose(2, 0, 1)
+        zn[H + I] = 1
         return z, z[H: H + I].permute(1, 2, 0)
 
     def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):

@@ -884,9 +884,9 @@ def _tile_input_operands(gi, np_dt):
     if isinstance(gi, InputProjection):
         x, w_ih, bias = gi
         G, I = w_ih.shape
-        b = torch.zeros(G, dtype=x.dtype) if bias is None else bias.to(x.dtype)
-        return (x.permute(2, 0, 1).contiguous().numpy().reshape(-1), w_ih.contiguous().numpy(),
-                b.repeat_interleave(LANES).numpy(), np.empty(I * LANES, dtype=np_dt))
+        bt = np.zeros(G * LANES, dtype=np_dt) if bias is None else np.repeat(bias.to(x.dtype).numpy(), LANES)
+        return (x.permute(2, 0, 1).contiguous().numpy().reshape(-1), w_ih.contiguous().numpy(), bt,
+                np.empty(I * LANES, dtype=np_dt))
     G = gi.shape[2]
     return (_gate_major(gi).permute(2, 0, 1).numpy().reshape(-1), np.empty((G, 0), dtype=np_dt),
             np.empty(0, dtype=np_dt), np.empty(0, dtype=np_dt))
