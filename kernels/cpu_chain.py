@@ -120,8 +120,9 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     # + r * feed_fs[j]] added for sample b (an affine term read where the caller holds it)
     # tap_buf[j] < 0: the reducing tap (at most one; never the input): rows tap_row0[j] .. + red_rows
     # of y_j go to the ring red_ring (red_rows rows of rw positions, rs = rw + LANES apart, rs =
-    # red_zt.shape[0] // len(red_cols)) and the operand's columns red_op[c * tap_ld[j] + tap_at[j] + b]
-    # (c < len(red_cols)) of the same samples to red_zt (rows likewise); a full ring (and the last, at each tile's end) is
+    # red_zt.shape[0] // len(red_cols)), to be multiplied with the operand's columns red_op[c *
+    # tap_ld[j] + tap_at[j] + b] (c < len(red_cols)) of the same samples (copied to red_zt, rows
+    # likewise, in a partial tile); a full ring (and the last, at each tile's end) is
     # multiplied out into red_acc by cpu_nt's block_sums: the tapped rows are never stored. Lanes
     # past the batch are zeros there. At the end red_out (red_rows x len(red_cols)) gets red_acc's
     # lane sums.
@@ -137,6 +138,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     nred = red_cols.shape[0]
     rs = red_zt.shape[0] // nred if nred > 0 else 0
     rw = rs - LANES
+    zc = zd = zld = 0  # the reducing tap's run of operand columns in a full tile (start, spacing, row stride)
     for b0 in range(0, batch, LANES):
         nb = min(LANES, batch - b0)
         full = nb == LANES
@@ -451,10 +453,19 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 prefetch_read(sn, vb + (nn - 1) * esn)
             ta = tap_at[j]
             if ta >= 0 and tap_buf[j] < 0:
-                # the reducing tap: the rows and the operand's columns into the rings
+                # the reducing tap: the rows into the ring; a full tile reads the operand where it lies, a
+                # run of evenly spaced columns at a time (zc, then zd apart; a break multiplies out first),
+                # a partial one copies its samples' columns, zero-padded, into red_zt
                 r0 = tap_row0[j]
-                ld = tap_ld[j]
                 tb = ta + b0
+                if full and nr > 1 and tb != zc + nr * zd:
+                    block_sums(red_ring, rs, 0, red_op, zld, zc, zd, red_cols, nr * LANES, red_acc, red_rows, nred)
+                    nr = 0
+                if nr == 0:
+                    zc = tb
+                    zld = tap_ld[j]
+                elif nr == 1:
+                    zd = tb - zc
                 rb = nr * LANES
                 for i in range(red_rows):
                     if full:
@@ -463,16 +474,17 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         vstore(red_ring, i * rs + rb, vzero(red_ring))
                         for bb in range(nb):
                             red_ring[i * rs + rb + bb] = nxt[(r0 + i) * LANES + bb]
-                for c in range(nred):
-                    if full:
-                        vstore(red_zt, c * rs + rb, vload(red_op, c * ld + tb))
-                    else:
+                if not full:
+                    for c in range(nred):
                         vstore(red_zt, c * rs + rb, vzero(red_zt))
                         for bb in range(nb):
-                            red_zt[c * rs + rb + bb] = red_op[c * ld + tb + bb]
+                            red_zt[c * rs + rb + bb] = red_op[c * zld + tb + bb]
                 nr += 1
                 if nr * LANES == rw:
-                    block_sums(red_ring, rs, 0, red_zt, rs, 0, red_cols, rw, red_acc, red_rows, nred)
+                    if full:
+                        block_sums(red_ring, rs, 0, red_op, zld, zc, zd, red_cols, rw, red_acc, red_rows, nred)
+                    else:
+                        block_sums(red_ring, rs, 0, red_zt, rs, 0, LANES, red_cols, rw, red_acc, red_rows, nred)
                     nr = 0
             elif ta >= 0:
                 # the tapped rows feature-major, as the tile holds them: one vector store per row (no
@@ -499,8 +511,10 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     for bb in range(nb):
                         vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
             cur, nxt = nxt, cur
-        if nr > 0:  # the ring's last steps of this tile
-            block_sums(red_ring, rs, 0, red_zt, rs, 0, red_cols, nr * LANES, red_acc, red_rows, nred)
+        if nr > 0 and full:  # the ring's last steps of this tile
+            block_sums(red_ring, rs, 0, red_op, zld, zc, zd, red_cols, nr * LANES, red_acc, red_rows, nred)
+        elif nr > 0:
+            block_sums(red_ring, rs, 0, red_zt, rs, 0, LANES, red_cols, nr * LANES, red_acc, red_rows, nred)
     for g in range(red_rows):
         for c in range(nred):
             q = (g * nred + c) * LANES

@@ -26,9 +26,11 @@ _VECTOR_OPS = ("vload", "vstore", "vzero", "vadd", "vmuladdv")
 _compiled = None
 
 
-def _block_sums(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K):  # pragma: no cover - compiled
+def _block_sums(af, lda, ab, zf, ldz, zb, zgs, zrows, w, acc, M, K):  # pragma: no cover - compiled
     # acc[(g * K + c) * LANES + l] += sum over q = l, l + LANES, ... < w of a[g, q] z[zrows[c], q], where
-    # row g of a is af[ab + g * lda:] and row r of z is zf[zb + r * ldz:] (w a multiple of LANES)
+    # row g of a is af[ab + g * lda:] (contiguous) and row r of z holds its positions in groups of
+    # LANES, group u at zf[zb + r * ldz + u * zgs:] (zgs = LANES: contiguous; any other distance,
+    # negative too: a caller's (steps, batch) memory read a tile at a time) (w a multiple of LANES)
     g = 0
     while g < M:
         a0 = g * lda + ab
@@ -55,15 +57,16 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K):  # pragma: no co
                 y1 = zrows[k + 1] * ldz + zb
                 y2 = zrows[k + 2] * ldz + zb
                 y3 = zrows[k + 3] * ldz + zb
+                zo = 0
                 for q in range(0, w, LANES):
                     x0 = vload(af, a0 + q)
                     x1 = vload(af, a0 + lda + q)
                     x2 = vload(af, a0 + 2 * lda + q)
                     x3 = vload(af, a0 + 3 * lda + q)
-                    w0 = vload(zf, y0 + q)
-                    w1 = vload(zf, y1 + q)
-                    w2 = vload(zf, y2 + q)
-                    w3 = vload(zf, y3 + q)
+                    w0 = vload(zf, y0 + zo)
+                    w1 = vload(zf, y1 + zo)
+                    w2 = vload(zf, y2 + zo)
+                    w3 = vload(zf, y3 + zo)
                     s00 = vmuladdv(s00, x0, w0)
                     s01 = vmuladdv(s01, x0, w1)
                     s02 = vmuladdv(s02, x0, w2)
@@ -80,6 +83,7 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K):  # pragma: no co
                     s31 = vmuladdv(s31, x3, w1)
                     s32 = vmuladdv(s32, x3, w2)
                     s33 = vmuladdv(s33, x3, w3)
+                    zo += zgs
                 b = (g * K + k) * LANES
                 vstore(acc, b, vadd(vload(acc, b), s00))
                 vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s01))
@@ -108,7 +112,8 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K):  # pragma: no co
                 s30 = vzero(af)
                 y0 = zrows[c] * ldz + zb
                 for q in range(0, w, LANES):
-                    w0 = vload(zf, y0 + q)
+                    w0 = vload(zf, y0)
+                    y0 += zgs
                     s00 = vmuladdv(s00, vload(af, a0 + q), w0)
                     s10 = vmuladdv(s10, vload(af, a0 + lda + q), w0)
                     s20 = vmuladdv(s20, vload(af, a0 + 2 * lda + q), w0)
@@ -127,7 +132,8 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K):  # pragma: no co
                 s00 = vzero(af)
                 y0 = zrows[c] * ldz + zb
                 for q in range(0, w, LANES):
-                    s00 = vmuladdv(s00, vload(af, a0 + q), vload(zf, y0 + q))
+                    s00 = vmuladdv(s00, vload(af, a0 + q), vload(zf, y0))
+                    y0 += zgs
                 b = (g * K + c) * LANES
                 vstore(acc, b, vadd(vload(acc, b), s00))
             g += 1

@@ -535,7 +535,7 @@ def _weight_grad_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out):  # pragma: no
     for i in range(acc.shape[0]):
         acc[i] = 0
     for c0 in range(0, nv, nc):
-        _block_sums_c(af, lda, c0, zf, ldz, c0, zrows, min(nc, nv - c0), acc, M, K)
+        _block_sums_c(af, lda, c0, zf, ldz, c0, LANES, zrows, min(nc, nv - c0), acc, M, K)
     for g in range(M):
         for c in range(K):
             b = (g * K + c) * LANES
