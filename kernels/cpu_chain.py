@@ -53,6 +53,7 @@ the batch size or its tile. The outputs a few steps ahead are prefetched: the sa
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -711,6 +712,8 @@ def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, c
 def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
     """Per-step ``(feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows)`` and the tuple of buffers of
     :func:`run_chain`'s ``feeds``, checked (every element a feed names lies within its buffer)."""
+    if not feeds:
+        return _no_feeds(steps, vectors.dtype)
     feed_buf = np.zeros(steps, dtype=np.int64)
     feed_at = np.full(steps, -1, dtype=np.int64)
     feed_bs = np.zeros(steps, dtype=np.int64)
@@ -743,6 +746,17 @@ def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
         feed_rows[idx] = nrows
         bufs.append(buf)
     return feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, _homogeneous(bufs or [np.zeros(1, vectors.dtype)])
+
+
+@functools.lru_cache(maxsize=16)
+def _no_feeds(steps: int, dtype) -> tuple:
+    """:func:`_feed_tables` of a run without feeds (the loop only reads them), made once per length and dtype."""
+    zeros = np.zeros(steps, dtype=np.int64)
+    tables = (zeros, np.full(steps, -1, dtype=np.int64), zeros, zeros, zeros, zeros,
+              _homogeneous([np.zeros(1, dtype)]))
+    for a in tables[:6]:
+        a.flags.writeable = False
+    return tables
 
 
 def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray, memo: Optional[dict] = None):

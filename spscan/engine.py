@@ -789,11 +789,18 @@ class BoundPlan:
         skip = None
         if keep is not None:
             keep = np.asarray(keep, dtype=bool)
-            offs = self._index_cache.get("output_offsets")
-            if offs is None:
-                offs = self._index_cache["output_offsets"] = np.fromiter(
-                    (off for off, _ in self.program.outputs), dtype=np.int64, count=self.n + 1)
-            skip = offs[~keep & (offs >= 0)]
+            key = ("skip", keep.tobytes())  # a caller passes the same flags step after step
+            skip = self._index_cache.get(key)
+            if skip is None:
+                offs = self._index_cache.get("output_offsets")
+                if offs is None:
+                    offs = self._index_cache["output_offsets"] = np.fromiter(
+                        (off for off, _ in self.program.outputs), dtype=np.int64, count=self.n + 1)
+                if sum(1 for k in self._index_cache if k[0] == "skip") > 8:  # bounded
+                    for k in [k for k in self._index_cache if k[0] == "skip"]:
+                        del self._index_cache[k]
+                skip = self._index_cache[key] = offs[~keep & (offs >= 0)]
+                skip.flags.writeable = False
         with torch.no_grad():
             vectors, tapped = self._execute(items, stacked, batch, dtype, grad, extra, scratch,
                                             graph and self._graphable, taps, skip)
