@@ -73,7 +73,7 @@ def intrinsics() -> dict[str, Any]:
     ``a[i : i + LANES]``; ``vstore(a, i, v)``; ``vstream(a, i, v)``: ``vstore`` with a
     non-temporal hint where the address is aligned (data written once and read much later, which
     need not be read into the cache first); ``vzero(a)``: zeros of ``a``'s dtype;
-    ``vscale(w, x)``: ``w * x`` for a scalar ``w``; ``vmul(a, x)``: ``a * x``; ``vadd(a, x)``;
+    ``vscale(w, x)``: ``w * x`` for a scalar ``w``; ``vmul(a, x)``: ``a * x``; ``vadd(a, x)``; ``vabs(x)``: ``|x|``;
     ``vmuladd(acc, w, x)``: ``acc + w * x`` for a scalar ``w``; ``vmuladdv(acc, a, x)``: ``acc + a * x``;
     ``vtranspose(src, sb, ss, dst, db, ds)``: the ``LANES x LANES`` block whose row ``r`` is
     ``src[sb + r * ss :][:LANES]`` is written transposed, column ``c`` to ``dst[db + c * ds :][:LANES]``
@@ -185,6 +185,19 @@ def _build() -> dict[str, Any]:
 
         return VecType(arr.dtype)(arr), codegen
 
+    @intrinsic
+    def vabs(typingctx, x):
+        if not isinstance(x, VecType):
+            raise TypeError(f"vabs: expected a vector, got {x}")
+
+        def codegen(context, builder, sig, args):
+            vty = args[0].type
+            name = f"llvm.fabs.v{LANES}{'f32' if x.dtype == types.float32 else 'f64'}"
+            fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vty, [vty]), name)
+            return builder.call(fn, [args[0]])
+
+        return x(x), codegen
+
     def _binary(name, op, scalar_first: bool):
         def typer(typingctx, a, x):
             if not isinstance(x, VecType) or (not scalar_first and a != x):
@@ -292,6 +305,7 @@ def _build() -> dict[str, Any]:
         "vstore": vstore,
         "vstream": vstream,
         "vzero": vzero,
+        "vabs": vabs,
         "vscale": _binary("vscale", "fmul", True),
         "vmul": _binary("vmul", "fmul", False),
         "vadd": _binary("vadd", "fadd", False),
