@@ -49,6 +49,14 @@ the tile is full, else first copied entry-major (``(n, LANES)``, a step or a row
 output is summed in ascending stored order lane by lane, so a sample's result does not depend on
 the batch size or its tile. The outputs a few steps ahead are prefetched: the sample-major buffer's
 ``LANES`` rows lie far apart, and the hardware prefetchers do not fetch them early.
+
+Taps: rows of chosen steps' outputs go, as the tile holds them (one vector store per row), to the
+caller's feature-major buffers; or, for one tap with an operand ``Z``, are multiplied with ``Z``'s
+columns of the same steps and samples (a weight gradient, ``sum_k y_k Z_k^T``): the tapped rows of
+``REDUCE_STEPS`` steps gather in a small ring (L2-resident) that :func:`.cpu_nt.block_sums`
+multiplies out in 4 x 4 register blocks, so they are never stored (a full tile reads ``Z`` where it
+lies, an evenly spaced run of its columns at a time). Lane-wise partial sums, summed in order at
+the end: reproducible bit for bit.
 """
 
 from __future__ import annotations

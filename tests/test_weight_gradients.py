@@ -161,3 +161,36 @@ def test_wrapper_gradients_equal_the_gemm_path(monkeypatch, kind, dtype, B, bias
             torch.testing.assert_close(got[n], paths["gemm"][n], **tol, msg=lambda e: f"{name} {n}: {e}")
     if bias and kind != "gru":  # separate tensors (an optimizer may update them in place, one after the other)
         assert paths["default"]["bias_ih_l0"].data_ptr() != paths["default"]["bias_hh_l0"].data_ptr()
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["lstm", "gru", "rnn_tanh", "rnn_relu"]), T=st.integers(1, 80), B=st.integers(1, 40),
+       H=st.integers(1, 9), I=st.integers(1, 6), batch_first=st.booleans(), bias=st.booleans(),
+       input_grad=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_parameter_gradients_equal_autograd_float64(kind, T, B, H, I, batch_first, bias, input_grad, seed):
+    """Every path of the parameter gradients (reduced in the scan: partial tiles, rings cut short by the
+    sequence's end; stored and passed to weight_gradients) against float64 autograd, with a loss on
+    every output and on h_n, a changing batch size in the same wrapper."""
+    torch.manual_seed(seed)
+    cls = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN, "rnn_relu": nn.RNN}[kind]
+    kw = {"nonlinearity": kind[4:]} if kind.startswith("rnn") else {}
+    ref = cls(I, H, batch_first=batch_first, bias=bias, **kw).double()
+    m = cls(I, H, batch_first=batch_first, bias=bias, **kw).double()
+    m.load_state_dict(ref.state_dict())
+    w = None
+    for b in (B, max(1, B // 2)):
+        g = torch.Generator().manual_seed(seed + b)
+        x = torch.randn((b, T, I) if batch_first else (T, b, I), generator=g, dtype=torch.float64)
+        proj = torch.randn(H, generator=g, dtype=torch.float64)
+        if w is None:
+            w = wrap_recurrent(m, x)
+        grads = []
+        for mod in (ref, w):
+            mod.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(input_grad)
+            out, state = mod(xi)
+            h_n = state[0] if kind == "lstm" else state
+            ((out * proj).sin().sum() + (h_n ** 2).sum()).backward()
+            grads.append([p.grad for p in mod.parameters()] + ([xi.grad] if input_grad else []))
+        for a, b_ in zip(*grads):
+            torch.testing.assert_close(b_, a, rtol=1e-10, atol=1e-12)
