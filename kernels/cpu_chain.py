@@ -73,7 +73,7 @@ from .cpu_simd import LANES
 # before the first compile (numba is optional and slow to import).
 get = vload = vstore = vzero = vscale = vmul = vadd = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
 prefetch = prefetch_read = None
-block_sums = None  # cpu_nt.block_sums(), bound with them
+block_sums = lane_sum = None  # cpu_nt.block_sums(), cpu_nt.lane_sum(), bound with them
 _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmuladd", "vmuladdv", "vtranspose",
                "vtranspose_add", "prefetch", "prefetch_read")
 # A step's outputs and per-sample values are prefetched this many steps ahead (the T = 1000 LSTM
@@ -526,11 +526,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
             block_sums(red_ring, rs, 0, red_zt, rs, 0, LANES, red_cols, nr * LANES, red_acc, red_rows, nred)
     for g in range(red_rows):
         for c in range(nred):
-            q = (g * nred + c) * LANES
-            acc = red_acc[q]
-            for r in range(1, LANES):
-                acc += red_acc[q + r]
-            red_out[g, c] = acc
+            red_out[g, c] = lane_sum(red_acc, (g * nred + c) * LANES)
 
 
 _compiled = None
@@ -542,6 +538,7 @@ def _kernel():
         ops = cpu_simd.intrinsics()
         globals().update({name: ops[name] for name in _VECTOR_OPS})
         globals()["block_sums"] = cpu_nt.block_sums()
+        globals()["lane_sum"] = cpu_nt.lane_sum()
         _compiled = _load().njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
     return _compiled
 

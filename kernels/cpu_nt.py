@@ -17,13 +17,14 @@ from __future__ import annotations
 from . import cpu_simd
 from .cpu_simd import LANES
 
-__all__ = ["block_sums"]
+__all__ = ["block_sums", "lane_sum"]
 
 # bound by block_sums() before the first compile (numba is optional and slow to import)
 vload = vstore = vzero = vadd = vmuladdv = None
 _VECTOR_OPS = ("vload", "vstore", "vzero", "vadd", "vmuladdv")
 
 _compiled = None
+_add4_c = _lane_sum_c = None  # compiled with block_sums() / lane_sum()
 
 
 def _block_sums(af, lda, ab, zf, ldz, zb, zgs, zrows, w, acc, M, K):  # pragma: no cover - compiled
@@ -84,26 +85,11 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zgs, zrows, w, acc, M, K):  # pragma: 
                     s32 = vmuladdv(s32, x3, w2)
                     s33 = vmuladdv(s33, x3, w3)
                     zo += zgs
-                b = (g * K + k) * LANES
-                vstore(acc, b, vadd(vload(acc, b), s00))
-                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s01))
-                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s02))
-                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s03))
-                b += K * LANES
-                vstore(acc, b, vadd(vload(acc, b), s10))
-                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s11))
-                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s12))
-                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s13))
-                b += K * LANES
-                vstore(acc, b, vadd(vload(acc, b), s20))
-                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s21))
-                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s22))
-                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s23))
-                b += K * LANES
-                vstore(acc, b, vadd(vload(acc, b), s30))
-                vstore(acc, b + LANES, vadd(vload(acc, b + LANES), s31))
-                vstore(acc, b + 2 * LANES, vadd(vload(acc, b + 2 * LANES), s32))
-                vstore(acc, b + 3 * LANES, vadd(vload(acc, b + 3 * LANES), s33))
+                b = (g * K + k) * LANES  # row g's partials of columns k .. k+3, then the next rows'
+                _add4_c(acc, b, LANES, s00, s01, s02, s03)
+                _add4_c(acc, b + K * LANES, LANES, s10, s11, s12, s13)
+                _add4_c(acc, b + 2 * K * LANES, LANES, s20, s21, s22, s23)
+                _add4_c(acc, b + 3 * K * LANES, LANES, s30, s31, s32, s33)
                 k += 4
             for c in range(k, K):  # the last columns: 4 x 1
                 s00 = vzero(af)
@@ -118,14 +104,7 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zgs, zrows, w, acc, M, K):  # pragma: 
                     s10 = vmuladdv(s10, vload(af, a0 + lda + q), w0)
                     s20 = vmuladdv(s20, vload(af, a0 + 2 * lda + q), w0)
                     s30 = vmuladdv(s30, vload(af, a0 + 3 * lda + q), w0)
-                b = (g * K + c) * LANES
-                vstore(acc, b, vadd(vload(acc, b), s00))
-                b += K * LANES
-                vstore(acc, b, vadd(vload(acc, b), s10))
-                b += K * LANES
-                vstore(acc, b, vadd(vload(acc, b), s20))
-                b += K * LANES
-                vstore(acc, b, vadd(vload(acc, b), s30))
+                _add4_c(acc, (g * K + c) * LANES, K * LANES, s00, s10, s20, s30)  # rows g .. g+3 of column c
             g += 4
         else:  # the last rows: 1 x 1
             for c in range(K):
@@ -139,6 +118,22 @@ def _block_sums(af, lda, ab, zf, ldz, zb, zgs, zrows, w, acc, M, K):  # pragma: 
             g += 1
 
 
+def _add4(acc, b, d, s0, s1, s2, s3):  # pragma: no cover - compiled
+    # the partials s0 .. s3 added to acc at b, b + d, b + 2d, b + 3d
+    vstore(acc, b, vadd(vload(acc, b), s0))
+    vstore(acc, b + d, vadd(vload(acc, b + d), s1))
+    vstore(acc, b + 2 * d, vadd(vload(acc, b + 2 * d), s2))
+    vstore(acc, b + 3 * d, vadd(vload(acc, b + 3 * d), s3))
+
+
+def _lane_sum(acc, q):  # pragma: no cover - compiled
+    # acc[q] + acc[q + 1] + ... + acc[q + LANES - 1], in that order
+    s = acc[q]
+    for r in range(1, LANES):
+        s += acc[q + r]
+    return s
+
+
 def block_sums():
     """The compiled :func:`_block_sums` (numba; compiled on first use, cached on disk): arguments
     ``(af, lda, ab, zf, ldz, zb, zrows, w, acc, M, K)`` as its comment says. Callable from other
@@ -148,6 +143,18 @@ def block_sums():
         import numba
 
         globals().update({name: op for name, op in cpu_simd.intrinsics().items() if name in _VECTOR_OPS})
+        globals()["_add4_c"] = numba.njit(cache=True, nogil=True, inline="always")(_add4)
         _compiled = numba.njit(cache=True, nogil=True, error_model="numpy")(_block_sums)
     return _compiled
+
+
+def lane_sum():
+    """The compiled :func:`_lane_sum` (``acc, q``: the ``LANES`` partial sums at ``q`` summed in order), for the
+    kernels that read :func:`block_sums`' partials; inlined where it is called."""
+    global _lane_sum_c
+    if _lane_sum_c is None:
+        import numba
+
+        _lane_sum_c = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")(_lane_sum)
+    return _lane_sum_c
 

@@ -548,10 +548,7 @@ def _weight_grad_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out):  # pragma: no
         _block_sums_c(af, lda, c0, zf, ldz, c0, LANES, zrows, min(nc, nv - c0), acc, M, K)
     for g in range(M):
         for c in range(K):
-            b = (g * K + c) * LANES
-            s = acc[b]
-            for r in range(1, LANES):
-                s += acc[b + r]
+            s = _lane_sum_c(acc, (g * K + c) * LANES)
             y = zrows[c] * ldz
             for q in range(nv, n):  # past the last whole vector
                 s += af[g * lda + q] * zf[y + q]
@@ -664,7 +661,7 @@ def _gru_kernel(gi, wt, bhn, h0, cst, icst, hs, d, ds, dn, acc, e, w, bits, bits
 
 # The compiled helpers the kernels call by these names (bound by _prepare() before any kernel compiles)
 _vexpm1_c = _lstm_cell_c = _tile_load_state_c = _tile_store_state_c = _tile_store_rows_c = _tile_gate_inputs_c = None
-_tile_hidden_product_c = _tile_inputs_c = _put_c = _block_sums_c = None
+_tile_hidden_product_c = _tile_inputs_c = _put_c = _block_sums_c = _lane_sum_c = None
 _KERNELS = {"lstm": _lstm_kernel, "lstm_tile": _lstm_tile_kernel, "rnn": _rnn_kernel, "rnn_tile": _rnn_tile_kernel,
             "gru": _gru_kernel, "gru_tile": _gru_tile_kernel, "weight_grad": _weight_grad_kernel}
 _compiled_kernels: dict = {}
@@ -678,7 +675,7 @@ def _jit(fn, inline: str = "never"):
 def _prepare() -> None:
     """Bind the vector operations and compile the helpers the kernels call (once)."""
     global _vexpm1_c, _lstm_cell_c, _tile_load_state_c, _tile_store_state_c, _tile_store_rows_c, _tile_gate_inputs_c
-    global _tile_hidden_product_c, _tile_inputs_c, _put_c, _block_sums_c
+    global _tile_hidden_product_c, _tile_inputs_c, _put_c, _block_sums_c, _lane_sum_c
     if _vexpm1_c is None:
         from spscan.kernels import cpu_simd
 
@@ -696,6 +693,7 @@ def _prepare() -> None:
         _tile_inputs_c = _jit(_tile_inputs, "always")
         _put_c = _jit(_put, "always")
         _block_sums_c = cpu_nt.block_sums()
+        _lane_sum_c = cpu_nt.lane_sum()
 
 
 def _compiled(name: str):

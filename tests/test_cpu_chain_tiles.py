@@ -157,6 +157,15 @@ def test_tiled_run_equals_reference_and_is_per_sample(dtype, tol, batch, seed):
     assert np.array_equal(em, got)
 
 
+def _run_and_order(seed: int, steps_range: tuple, batch: int, dtype):
+    """A random run of a length in ``steps_range``, its result (``full``) and a random order of its steps."""
+    rng = np.random.default_rng(seed)
+    desc, sources, vectors, _ = _random_run(rng, int(rng.integers(*steps_range)), batch, dtype)
+    full = vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=full, **desc)
+    return rng, desc, sources, vectors, full, rng.permutation(desc["code"].shape[0])
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 @pytest.mark.parametrize("batch", [1, 16, 19, 33])
 @pytest.mark.parametrize("seed", range(3))
@@ -168,12 +177,8 @@ def test_reducing_tap_equals_the_product_of_the_stored_rows(monkeypatch, dtype, 
     last one) give the same sums. Only one reducing tap, and not of the input."""
     if ring is not None:
         monkeypatch.setattr(cpu_chain, "REDUCE_STEPS", ring)
-    rng = np.random.default_rng(3000 + 10 * seed + batch)
-    desc, sources, vectors, _ = _random_run(rng, int(rng.integers(3, 40)), batch, dtype)
-    full = vectors.copy()
-    cpu_chain.run_chain(sources=sources, vectors=full, **desc)
-    steps = desc["code"].shape[0]
-    order = rng.permutation(steps)
+    rng, desc, sources, vectors, full, order = _run_and_order(3000 + 10 * seed + batch, (3, 40), batch, dtype)
+    steps = order.size
     red_idx, plain_idx = order[: (steps + 1) // 2], np.sort(order[(steps + 1) // 2:])
     mmin = int(desc["rows"][red_idx].min())
     row0 = int(rng.integers(0, mmin))
@@ -216,12 +221,8 @@ def test_taps_and_unstored_steps(dtype, batch, seed):
     """Taps hand out row ranges of chosen steps (and of the input) as (d, K, B) arrays (feature-major),
     bitwise what the run stores in ``vectors``; a step with ``out = -1`` leaves its columns untouched and
     changes nothing else."""
-    rng = np.random.default_rng(1000 + 10 * seed + batch)
-    desc, sources, vectors, _ = _random_run(rng, int(rng.integers(2, 14)), batch, dtype)
-    full = vectors.copy()
-    cpu_chain.run_chain(sources=sources, vectors=full, **desc)
-    steps = desc["code"].shape[0]
-    order = rng.permutation(steps)
+    rng, desc, sources, vectors, full, order = _run_and_order(1000 + 10 * seed + batch, (2, 14), batch, dtype)
+    steps = order.size
     # the second in no particular order and with the run's input (step -1)
     groups = [np.sort(order[: steps // 2]), np.append(order[steps // 2:], -1)[rng.permutation(steps - steps // 2 + 1)]]
     sizes = np.append(desc["rows"], desc["cols"][0])  # rows of each step's vector, then the input's
