@@ -120,7 +120,8 @@ def numba_module():
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                   csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
                   tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
-                  feed_bufs, red_rows, red_cols, red_op, red_ring, red_zt, red_acc, red_out):  # pragma: no cover - compiled
+                  feed_bufs, red_rows, red_cols, red_op, red_ring, red_zt, red_acc,
+                  red_out):  # pragma: no cover - compiled
     # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
     # out[j] < 0: y_j is not stored in vectors; tap_at[j] >= 0: row tap_row0[j] + r of y_j (r <
     # tap_rows[j]) goes to tap_bufs[tap_buf[j]][r * tap_ld[j] + tap_at[j]:][:batch], samples contiguous;

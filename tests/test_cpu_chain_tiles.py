@@ -208,7 +208,8 @@ def test_reducing_tap_equals_the_product_of_the_stored_rows(monkeypatch, dtype, 
                                   (red_idx[1:2], 0, 1, np.zeros((1, 1), dtype=dtype), operand[:1, :1].copy())], **desc)
     with pytest.raises(ValueError, match="not the input"):
         cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
-                            taps=[(np.array([-1]), 0, 1, np.zeros((1, 1), dtype=dtype), operand[:1, :1].copy())], **desc)
+                            taps=[(np.array([-1]), 0, 1, np.zeros((1, 1), dtype=dtype), operand[:1, :1].copy())],
+                            **desc)
     with pytest.raises(ValueError, match="operand"):
         cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
                             taps=[(red_idx, 0, 1, np.zeros((2, C), dtype=dtype), operand)], **desc)
