@@ -597,8 +597,8 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         memo: a dict the caller keeps for a run it makes again and again: the step tables' checks and
             what is worked out from them (scratch sizes, column blocks, bands) are kept there and
             skipped when the next call passes the very same table arrays (the same objects, which
-            the caller promises not to change in place), and so are the per-step tap tables of the
-            same tap steps (the buffers are checked every call).
+            the caller promises not to change in place), and so are the per-step tap and feed tables
+            of the same tap and feed steps and offsets (the buffers are checked every call).
 
     Raises ``RuntimeError`` without numba, ``TypeError``/``ValueError`` on mismatched arrays. Bounds
     are the caller's contract (the plan's offsets and patterns); they are not re-checked per element.
@@ -635,7 +635,7 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     tv = np.zeros(longest * LANES, dtype=vectors.dtype)
     tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = _tap_tables(taps, steps, rows, int(cols[0]), vectors,
                                                                         memo)
-    feed_tables = _feed_tables(feeds, steps, rows, vectors)
+    feed_tables = _feed_tables(feeds, steps, rows, vectors, memo)
     red = next((t for t in taps if len(t) > 4 and t[4] is not None), None)
     if red is None:
         dummy = np.zeros(LANES, dtype=vectors.dtype)
@@ -715,11 +715,37 @@ def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, c
     return estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest
 
 
-def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
+def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray, memo: Optional[dict] = None):
     """Per-step ``(feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows)`` and the tuple of buffers of
     :func:`run_chain`'s ``feeds``, checked (every element a feed names lies within its buffer)."""
     if not feeds:
         return _no_feeds(steps, vectors.dtype)
+    batch = vectors.shape[0]
+    # the tables of the same feeds (steps arrays, rows, strides and offsets) come back every call: kept, with
+    # the furthest element each feed reads from its offsets, so only the buffers are checked per call
+    key = ("feeds", steps, batch) + tuple((id(f[0]), int(f[1]), int(f[2]), int(f[5]), int(f[6]),
+                                            np.asarray(f[4], dtype=np.int64).tobytes()) for f in feeds)
+    hit = None if memo is None else memo.get(key)
+    if hit is not None:
+        tables, reach, _ = hit
+        bufs = [f[3] for f in feeds]
+        if all(isinstance(b, np.ndarray) and b.dtype == vectors.dtype and b.ndim == 1 and r < b.size
+               for b, r in zip(bufs, reach)):
+            return tables + (_homogeneous(bufs),)
+    tables = _feed_tables_checked(feeds, steps, rows, vectors)
+    if memo is not None:
+        kept = [k for k in memo if isinstance(k, tuple) and k[0] == "feeds"]
+        if len(kept) > 8:  # bounded
+            for k in kept:
+                del memo[k]
+        reach = [int(np.max(f[4], initial=-1)) + (batch - 1) * int(f[5]) + (int(f[2]) - 1) * int(f[6])
+                 for f in feeds]
+        memo[key] = (tables[:6], reach, [f[0] for f in feeds])  # the steps arrays kept: their ids stay theirs
+    return tables
+
+
+def _feed_tables_checked(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
+    """:func:`_feed_tables` without a memo: every feed checked, the tables made."""
     feed_buf = np.zeros(steps, dtype=np.int64)
     feed_at = np.full(steps, -1, dtype=np.int64)
     feed_bs = np.zeros(steps, dtype=np.int64)

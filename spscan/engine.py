@@ -234,7 +234,7 @@ class StackedExtra(Sequence):
         if not isinstance(index, range) or terms.dim() != 3 or len(index) != terms.shape[0]:
             raise ValueError(f"terms/index: expected a (K, B, r) tensor and a range of K positions, got "
                              f"{tuple(terms.shape)} and {index!r}")
-        if len(index) and (min(index) < 0 or max(index) >= length):
+        if len(index) and (min(index[0], index[-1]) < 0 or max(index[0], index[-1]) >= length):  # a range's ends
             raise ValueError(f"index: positions must lie in [0, {length}), got {index!r}")
         size = terms.shape[2] if size is None else int(size)
         if row0 < 0 or row0 + terms.shape[2] > size:

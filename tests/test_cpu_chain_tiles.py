@@ -308,8 +308,19 @@ def test_feeds_equal_affine_terms_in_the_vectors(dtype, batch, seed):
     got = np.concatenate([vectors] + [np.zeros_like(c) for c in extra_cols], axis=1) if extra_cols else vectors.copy()
     cpu_chain.run_chain(sources=sources, vectors=got, feeds=feeds, **desc)
     assert np.array_equal(got[:, :vectors.shape[1]], want_vec[:, :vectors.shape[1]])
+    # with a memo: the same feeds' tables are kept (same result), the buffers still checked every call
+    memo = {}
+    for _ in range(2):
+        again = np.concatenate([vectors] + [np.zeros_like(c) for c in extra_cols], axis=1) if extra_cols \
+            else vectors.copy()
+        cpu_chain.run_chain(sources=sources, vectors=again, feeds=feeds, memo=memo, **desc)
+        assert np.array_equal(again, got)
     if groups:
         idx, row0, nrows, mem, at, bs, fs = feeds[0]
+        assert any(isinstance(k, tuple) and k[0] == "feeds" for k in memo)
+        with pytest.raises(ValueError, match="past their buffer"):
+            cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
+                                feeds=[(idx, row0, nrows, mem[:-1], at, bs, fs)] + feeds[1:], memo=memo, **desc)
         with pytest.raises(ValueError, match="past their buffer"):
             cpu_chain.run_chain(sources=sources, vectors=vectors.copy(),
                                 feeds=[(idx, row0, nrows, mem[:-1], at, bs, fs)], **desc)
