@@ -734,13 +734,9 @@ def _feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray, memo:
             return tables + (_homogeneous(bufs),)
     tables = _feed_tables_checked(feeds, steps, rows, vectors)
     if memo is not None:
-        kept = [k for k in memo if isinstance(k, tuple) and k[0] == "feeds"]
-        if len(kept) > 8:  # bounded
-            for k in kept:
-                del memo[k]
         reach = [int(np.max(f[4], initial=-1)) + (batch - 1) * int(f[5]) + (int(f[2]) - 1) * int(f[6])
                  for f in feeds]
-        memo[key] = (tables[:6], reach, [f[0] for f in feeds])  # the steps arrays kept: their ids stay theirs
+        _memo_put(memo, key, (tables[:6], reach, [f[0] for f in feeds]))  # the steps arrays kept: their ids too
     return tables
 
 
@@ -810,14 +806,20 @@ def _tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndar
             return tables + (_homogeneous(bufs or [np.zeros(1, vectors.dtype)]),)
     tables = _tap_tables_checked(taps, steps, rows, cols0, vectors)
     if memo is not None:
-        if len(memo) > 16:  # bounded: tap requests that come back every call stay; the step tables' entry too
-            checked = memo.get("tables")
-            memo.clear()
-            if checked is not None:
-                memo["tables"] = checked
         # the step arrays are kept with the tables, so their ids in the key stay theirs
-        memo[key] = ([t[0] for t in taps], tables[:5])
+        _memo_put(memo, key, ([t[0] for t in taps], tables[:5]))
     return tables
+
+
+def _memo_put(memo: dict, key, value) -> None:
+    """``memo[key] = value`` in :func:`run_chain`'s memo, bounded: past 16 entries (a caller passing new tap
+    or feed step arrays every call) the tap and feed entries go; the step tables' entry stays."""
+    if len(memo) > 16:
+        checked = memo.get("tables")
+        memo.clear()
+        if checked is not None:
+            memo["tables"] = checked
+    memo[key] = value
 
 
 def _tap_tables_checked(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray):

@@ -106,13 +106,13 @@ def test_the_compiled_scan_writes_the_collected_rows_itself(monkeypatch):
 @pytest.mark.parametrize("levels", [0, 1])
 @pytest.mark.parametrize("batch", [1, 16, 19])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("compiled", [
+    pytest.param(True, marks=pytest.mark.skipif(not cpu_chain.available(), reason="numba (optional) not installed")),
+    False])
 def test_collect_with_an_operand_is_the_product_of_the_stacked_rows(monkeypatch, levels, batch, dtype, compiled):
     """``Collect(..., operand=Z)``: ``out = stacked rows @ Z^T`` over all steps and samples, whether the
     compiled linear scan reduces as it goes (one such request), or the engine stacks and multiplies
     (two requests, other backends, levels >= 1); other requests of the same run are unchanged."""
-    if compiled and not cpu_chain.available():
-        pytest.skip("numba not installed")
     if not compiled:
         monkeypatch.setattr(cpu_chain, "available", lambda: False)
     n, d = 40, 6
