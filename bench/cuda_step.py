@@ -76,7 +76,7 @@ def step_info(pairs: list[tuple[float, float]]) -> dict:
         median_ratio_of_pairs=statistics.median(ratios), ratio_q25=ratios[len(ratios) // 4],
         ratio_q75=ratios[(3 * len(ratios)) // 4], pairs=len(pairs), clock="synchronized wall",
         cudnn_benchmark=torch.backends.cudnn.benchmark, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
-        matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32, spscan_allow_tf32=launch.allow_tf32,
+        matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32, spscan_dot_precision=launch.dot_precision,
     )
 
 

@@ -13,7 +13,7 @@ run a lowered :class:`~spscan.planner.program.Program`:
   small dense nodes, ``tl.dot`` from 16), :mod:`.linear_run` (the linear-scan middle as one
   persistent launch, or in chunks for long uniform runs).
 
-Launch parameters come from :mod:`.launch` only (``allow_tf32`` lives there too);
+Launch parameters come from :mod:`.launch` only (``dot_precision`` lives there too);
 :mod:`.segments` lays out a step's segments long-first; :mod:`.aot` compiles recorded
 launches for CUDA targets without a GPU. :mod:`.cpu_pool` is the compiled CPU max-pool forward
 the layer library uses.

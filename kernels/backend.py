@@ -195,6 +195,11 @@ class Backend(ABC):
         plan, backend and device): an op object another program of the plan shares reuses its device
         tables from there instead of building them again."""
 
+    def launch_settings(self) -> tuple:
+        """The process-wide settings, read at each launch, that change what the launches compute: a CUDA
+        graph captured under one of them is replayed only under the same. None by default."""
+        return ()
+
     @abstractmethod
     def run(self, tables: Tables, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
             inputs: Optional[Callable[[int], torch.Tensor]] = None, taps: Sequence[Tap] = (),

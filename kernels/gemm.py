@@ -6,8 +6,8 @@ launch for all of them. Blocks sit row-major at ``BlockRef.offsets`` in their ar
 ``(N_S,)``: no batch stride, or per sample ``(B, N_P)``); outputs are ``nodes`` consecutive
 ``m x p`` blocks from ``out_offset``. A program computes one ``BLOCK_M x BLOCK_P`` tile of one
 node for ``BLOCK_B`` samples, loading a shared factor once when ``k`` fits one tile. Tiles of
-16 or more in every dimension use ``tl.dot`` (``input_precision="ieee"`` unless
-``launch.allow_tf32``); smaller nodes accumulate ``k`` rank-1 updates in order (two 2-D tiles;
+16 or more in every dimension use ``tl.dot`` (``input_precision`` from
+``launch.input_precision``: exact unless ``launch.dot_precision`` says otherwise); smaller nodes accumulate ``k`` rank-1 updates in order (two 2-D tiles;
 a 3-D broadcast-multiply-sum of small float32 tiles compiled wrong under Triton 3.6 on sm_90,
 e.g. ``12 x 12 x 12`` and ``11 x 2 x 9`` nodes).
 Accumulation is in the arena dtype. The inner size ``k`` is a compile-time constant (one
@@ -127,7 +127,7 @@ def gemm(a_off: torch.Tensor, b_off: torch.Tensor, a_ref: BlockRef, b_ref: Block
                          f"b {tuple(b.shape)}, c {tuple(c.shape)}")
     batch = 1 if c_sh else c.shape[0]
     cfg, one_k = launch.gemm_config(m, k, p, batch, c.element_size())
-    precision = "tf32" if (launch.allow_tf32 and c.dtype == torch.float32) else "ieee"
+    precision = launch.input_precision(c.dtype)
     grid = (nodes * triton.cdiv(batch, cfg.block_b), triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p))
     launch.launch(
         gemm_kernel, grid,

@@ -9,9 +9,13 @@ configuration per shape (no autotuning: the interpreter cannot run several).
 
 Module-level switches:
 
-* ``allow_tf32`` (default ``False``): dense nodes use ``tl.dot`` with ``input_precision="ieee"``
-  (exact fp32 products); set ``spscan.kernels.launch.allow_tf32 = True`` (or call
-  :func:`set_allow_tf32`) to let float32 dense nodes use TF32 tensor cores. Read at each launch.
+* ``dot_precision`` (default ``"ieee"``): how float32 ``tl.dot`` products (dense nodes, the chunk
+  maps of parallel linear runs) run: ``"ieee"`` exact fp32 multiply-adds; ``"tf32x3"`` three TF32
+  tensor-core products per product (the operands split into a TF32 high part and a TF32 remainder;
+  the remainders' product is dropped), within a few fp32 ulps; ``"tf32"`` one TF32 product (10-bit
+  mantissa inputs, ~1e-3 relative error). Set it with :func:`set_dot_precision`; read at each
+  launch (:func:`input_precision`); float64 is always exact. Triton's interpreter computes every
+  choice exactly, so only a GPU shows the difference.
 * ``chunk_steps`` (default ``None``: ``~sqrt(steps)``): the chunk length of linear runs that run
   parallel over their steps (:func:`chunked_run_config`), read when a plan's tables are built.
 * ``mode``: ``None`` follows ``TRITON_INTERPRET``; ``"device"`` or ``"interpret"`` forces one
@@ -27,27 +31,42 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
+import torch
 
 __all__ = [
-    "allow_tf32", "mode", "chunk_steps", "set_allow_tf32", "interpreting", "next_pow2", "choose_width",
+    "dot_precision", "DOT_PRECISIONS", "mode", "chunk_steps", "set_dot_precision", "input_precision", "interpreting",
+    "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
     "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "LaunchSpec", "launch",
     "recording",
 ]
 
-allow_tf32: bool = False
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+dot_precision: str = "ieee"
 mode: Optional[str] = None
 chunk_steps: Optional[int] = None
 
 _MAX_WIDTH = 128  # widest pair chunk per segment and step of the reduction loop
 
 
-def set_allow_tf32(flag: bool) -> None:
-    """Let float32 dense nodes (``tl.dot``) use TF32 inputs (faster, ~1e-3 relative error)."""
-    global allow_tf32
-    if not isinstance(flag, bool):
-        raise TypeError(f"allow_tf32: expected a bool, got {type(flag).__name__}")
-    allow_tf32 = flag
+def _checked_precision(precision: Any) -> str:
+    if not isinstance(precision, str) or precision not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision: expected one of {', '.join(map(repr, DOT_PRECISIONS))}, got {precision!r}")
+    return precision
+
+
+def set_dot_precision(precision: str) -> None:
+    """How float32 ``tl.dot`` products run from the next launch on: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``
+    (see the module docstring). A bound plan's CUDA graphs are kept per setting."""
+    global dot_precision
+    dot_precision = _checked_precision(precision)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for a launch on ``dtype`` values: ``dot_precision`` for float32,
+    ``"ieee"`` otherwise (TF32 applies to float32 inputs only)."""
+    precision = _checked_precision(dot_precision)
+    return precision if dtype == torch.float32 else "ieee"
 
 
 def interpreting() -> bool:

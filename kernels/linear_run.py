@@ -332,11 +332,12 @@ def linear_run_chunked(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch
 
     ``scratch``: ``(B, >= cfg.scratch_per_sample)`` working memory of ``v``'s dtype (rows may be strided); ``cfg`` from
     :func:`~spscan.kernels.launch.chunked_run_config` for this run's ``m`` and step count.
-    ``precision`` of the chunk maps' products (``tl.dot``): by default exact (``"ieee"``), or
-    ``"tf32"`` for float32 when ``launch.allow_tf32`` is set.
+    ``precision`` of the chunk maps' products (``tl.dot``'s ``input_precision``): by default
+    :func:`~spscan.kernels.launch.input_precision` of ``v``'s dtype (exact unless
+    ``launch.dot_precision`` says otherwise for float32).
     """
     if precision is None:
-        precision = "tf32" if (launch.allow_tf32 and v.dtype == torch.float32) else "ieee"
+        precision = launch.input_precision(v.dtype)
     steps = int(table.shape[0])
     batch = v.shape[0]
     if steps == 0 or batch == 0:

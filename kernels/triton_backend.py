@@ -275,6 +275,9 @@ class TritonBackend(Backend):
     def make_tables(self, program: Program, device: torch.device, memo: Optional[dict] = None) -> TritonTables:
         return make_tables(program, device, memo)
 
+    def launch_settings(self) -> tuple:
+        return (launch.dot_precision,)
+
     def run(self, tables, arenas, vectors, inputs=None, taps=(), skip=None, feeds=()) -> bool:
         load_feeds(vectors, feeds)
         run_program(tables, arenas, vectors, inputs)

@@ -955,7 +955,8 @@ class BoundPlan:
         if torch.cuda.is_current_stream_capturing():  # inside the caller's capture: record the launches there
             self.backend.run(self.tables, arenas, vectors, None)
             return
-        key = (batch, dtype, vectors.data_ptr(), *(t.data_ptr() for _, t in sorted(arenas.items())))
+        key = (batch, dtype, self.backend.launch_settings(), vectors.data_ptr(),
+               *(t.data_ptr() for _, t in sorted(arenas.items())))
         g = self._graphs.get(key)
         if g is not None:
             g.replay()

@@ -232,6 +232,36 @@ def test_bound_run_graph_equals_eager(case):
         assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{case} seed {seed}: graph differs from eager"
 
 
+@pytest.mark.parametrize("case", ["dense20-dot", "chunked-rnn20", "chunked-dense50"])
+def test_dot_precision_accuracy_and_graphs(case):
+    """``launch.dot_precision``: float32 ``tl.dot`` products (dense nodes, chunk maps) as exact FMAs,
+    three TF32 products or one, against the float64 reference; a bound plan's CUDA graph is kept per
+    setting, so replaying after a change gives bitwise what eager gives under the new setting."""
+    from spscan.kernels import launch
+
+    pats, shared, levels, batch, every = CASES[case]
+    vals, grad, extra = _inputs(pats, shared, batch, torch.float32, every)
+    ref = reference_backward(pats, vals, grad, extra)
+    seq = rel_err(sequential_f32(pats, vals, grad, extra), ref)
+    plan = spscan.plan(pats, levels=levels, backend="triton", device=CUDA, dtype=torch.float32, batch_size=batch)
+    bound = plan.bind(shared=shared, has_extra=None if extra is None else [e is not None for e in extra], device=CUDA)
+    saved = launch.dot_precision
+    # tf32x3 drops the product of the two TF32 remainders (~2^-22 relative per product): a few
+    # float32 ulps, so within twice the exact kernel's bound; one TF32 product keeps 10 mantissa bits
+    bounds = {"ieee": 4 * seq + F32_FLOOR, "tf32x3": 8 * seq + 2 * F32_FLOOR, "tf32": 2e-2}
+    try:
+        for precision in ["ieee", "tf32x3", "tf32", "ieee"]:
+            launch.set_dot_precision(precision)
+            eager = [g.clone() for g in bound.run(_cuda(vals), _cuda(grad), _cuda(extra), check=False).grads]
+            for _ in range(2):  # captured under this setting, then replayed
+                graphed = bound.run(_cuda(vals), _cuda(grad), _cuda(extra), check=False, graph=True).grads
+                assert all(torch.equal(a, w) for a, w in zip(graphed, eager)), f"{case} {precision}: graph != eager"
+            err = rel_err(eager, ref)
+            assert err <= bounds[precision], f"{case} {precision}: relative error {err:.2e} > {bounds[precision]:.2e}"
+    finally:
+        launch.dot_precision = saved
+
+
 def test_gemm_small_nodes_direct():
     """The dense-node GEMM on the device for small and odd node shapes (the rank-1-update path) and
     ``tl.dot`` sizes, every shared/per-sample mix, float32 and float64, against float64 torch."""

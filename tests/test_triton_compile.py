@@ -111,15 +111,15 @@ def record_specs() -> list:
                 with launch.recording(dry_run=True) as rec:
                     spscan.backward(plan, vals, grad, extra)
                 specs += rec
-            for tf32 in (True,):  # float32 dense nodes with TF32 allowed compile too
-                launch.set_allow_tf32(tf32)
+            for precision in ("tf32x3", "tf32"):  # float32 tl.dot with tensor-core products compiles too
+                launch.set_dot_precision(precision)
                 try:
                     vals = [torch.zeros(p.nnz if s else (batch, p.nnz), device=DEVICE) for p, s in zip(pats, shared)]
                     with launch.recording(dry_run=True) as rec:
                         spscan.backward(plan, vals, torch.zeros(batch, pats[-1].shape[1], device=DEVICE))
                     specs += [s for s in rec if s.kernel in ("gemm_kernel", "run_compose_kernel")]
                 finally:
-                    launch.set_allow_tf32(False)
+                    launch.set_dot_precision("ieee")
     finally:
         launch.mode = saved
     # arenas past 2**31 entries switch index tables (and sizes) to int64: compile one of each kernel so

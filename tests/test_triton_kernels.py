@@ -430,21 +430,25 @@ def test_launch_config_single_per_shape():
             launch.interpreting()
     finally:
         launch.mode = saved
-    with pytest.raises(TypeError, match="allow_tf32"):
-        launch.set_allow_tf32("yes")
+    for bad in ("TF32", True, None):
+        with pytest.raises(ValueError, match="dot_precision"):
+            launch.set_dot_precision(bad)
 
 
-def test_tf32_flag_selects_precision():
-    saved = launch.allow_tf32
+def test_dot_precision_selects_input_precision():
+    saved = launch.dot_precision
     try:
-        for flag, want in ((False, "ieee"), (True, "tf32")):
-            launch.set_allow_tf32(flag)
+        for want in launch.DOT_PRECISIONS:
+            launch.set_dot_precision(want)
             rec = _record([full(20, 20)] * 3, [False] * 3, torch.float32, "full")[1]
             assert {dict(s.constexprs)["PRECISION"] for s in rec if s.kernel == "gemm_kernel"} == {want}
-        rec = _record([full(20, 20)] * 3, [False] * 3, torch.float64, "full")[1]
-        assert {dict(s.constexprs)["PRECISION"] for s in rec if s.kernel == "gemm_kernel"} == {"ieee"}
+            rec = _record([full(20, 20)] * 3, [False] * 3, torch.float64, "full")[1]
+            assert {dict(s.constexprs)["PRECISION"] for s in rec if s.kernel == "gemm_kernel"} == {"ieee"}
+        launch.dot_precision = "half"  # set directly, past the setter: refused at the next launch
+        with pytest.raises(ValueError, match="dot_precision"):
+            _record([full(20, 20)] * 3, [False] * 3, torch.float32, "full")
     finally:
-        launch.set_allow_tf32(saved)
+        launch.dot_precision = saved
 
 
 def test_launcher_shape_errors():

@@ -7,12 +7,17 @@ autograd and of ``spscan.wrap`` under: the cost model's choice (``levels="auto"`
 parallel over its steps (``levels=0``) at several chunk lengths
 (``spscan.kernels.launch.chunk_steps``), the deep up-sweep the cost model chose before runs were
 chunked (``parallel_run_max_m = 0``), and for the GRU and the LSTM (T <= 10000) both layouts
-(materialized: one block per step) at the cost model's depth, depth 0 and depth 1. Prints one line
-per configuration with the ratio against cuDNN measured in the same process.
+(materialized: one block per step) at the cost model's depth, depth 0 and depth 1. The RNN's and
+the GRU's main shapes are timed again with float32 ``tl.dot`` products as three TF32 tensor-core
+products or one (``spscan.kernels.launch.dot_precision`` = ``"tf32x3"`` / ``"tf32"``; exact FMAs
+otherwise). Prints one line per configuration with the ratio against cuDNN measured in the same
+process and the weight gradients' largest relative error against float64 autograd (``err``;
+cuDNN's own float32 error on the cuDNN line).
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -22,6 +27,7 @@ from torch import nn
 
 import spscan
 from spscan.kernels import launch
+from spscan.cli.datasets import bitstream_dataset
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain
 from spscan.planner.planning import plan_scan
@@ -63,7 +69,37 @@ def _cell_forward(cls, T: int, scan: bool, **kw):
         gru.zero_grad(set_to_none=True)
         return mod(x)[0][-1].pow(2).sum()
 
+    forward.module = gru
+    forward.reference = lambda: _grads64(gru, lambda m: m(x.double())[0][-1].pow(2).sum())
     return mod, forward
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().double().clone() for p in module.parameters()]
+
+
+def _grads64(module: nn.Module, loss_of) -> list[torch.Tensor]:
+    """Parameter gradients of a float64 copy of ``module`` under ``loss_of(copy)``."""
+    m64 = copy.deepcopy(module).double()
+    m64.zero_grad(set_to_none=True)
+    loss_of(m64).backward()
+    return _grads(m64)
+
+
+def _err(forward, ref: list[torch.Tensor]) -> float:
+    """Largest relative error of ``forward``'s parameter gradients (one more backward) against ``ref``."""
+    forward().backward()
+    got = _grads(forward.module)
+    return max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(got, ref))
+
+
+def _rnn_forward(T: int, scan: bool, **kw):
+    model, forward = rnn_step_setup(T, DEV, scan=scan, **kw)[:2]
+    forward.module = model
+    if not scan:
+        x, y = (t.to(DEV) for t in bitstream_dataset(16, T, seed=0))
+        forward.reference = lambda: _grads64(model, lambda m: nn.functional.cross_entropy(m(x.double()), y))
+    return model.rnn, forward  # the wrapper, whose plan the line reports
 
 
 def _levels_without_chunked_runs(T: int) -> int:
@@ -72,11 +108,33 @@ def _levels_without_chunked_runs(T: int) -> int:
     return plan_scan(pats, "auto", profile_for("cuda", {"parallel_run_max_m": 0}), batch_hint=16).levels
 
 
-def _line(name: str, T: int, base: float, ours: float, mod) -> None:
+def _line(name: str, T: int, base: float, ours: float, mod, err: float) -> None:
     plan = getattr(mod, "plan", None)
     levels = plan.levels if plan is not None else "-"
     print(f"{name:<34} T={T:<6} cuDNN {base:8.3f} ms  spscan {ours:8.3f} ms  ratio {base / ours:7.2f}  "
-          f"levels {levels}", flush=True)
+          f"levels {levels}  err {err:.1e}", flush=True)
+
+
+def _baseline(name: str, T: int, forward) -> tuple[float, list[torch.Tensor]]:
+    """cuDNN's backward time and the float64 reference gradients; prints cuDNN's own error."""
+    base = _backward_ms(forward)
+    ref = forward.reference()
+    print(f"{name + ' cuDNN (float32)':<34} T={T:<6} cuDNN {base:8.3f} ms  err {_err(forward, ref):.1e}", flush=True)
+    return base, ref
+
+
+def _timed_config(label: str, T: int, base: float, ref, make, chunk=None, precision: str = "ieee") -> None:
+    """One configuration's line; a configuration the planner refuses says why and the sweep goes on."""
+    launch.chunk_steps = chunk
+    launch.set_dot_precision(precision)
+    try:
+        mod, fs = make()
+        _line(label, T, base, _backward_ms(fs), mod, _err(fs, ref))
+    except Exception as exc:
+        print(f"{label:<34} T={T:<6} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    finally:
+        launch.chunk_steps = None
+        launch.set_dot_precision("ieee")
 
 
 def main(ts, cells) -> None:
@@ -90,35 +148,26 @@ def main(ts, cells) -> None:
 
 
 def _rnn(T: int) -> None:
-    if True:
-        _, fa = rnn_step_setup(T, DEV, scan=False)[:2]
-        base = _backward_ms(fa)
-        configs = [("rnn auto", {}, None), ("rnn levels=0", {"levels": 0}, None)]
-        configs += [(f"rnn levels=0 chunk={c}", {"levels": 0}, c) for c in (32, 64, 128, 256, 512) if c * 8 <= 2 * T]
-        configs += [("rnn before (no chunked runs)", {"levels": _levels_without_chunked_runs(T)}, None)]
-        for name, kw, chunk in configs:
-            launch.chunk_steps = chunk
-            try:
-                model, fs = rnn_step_setup(T, DEV, scan=True, **kw)[:2]
-                _line(name, T, base, _backward_ms(fs), model.rnn)
-            except Exception as exc:  # keep sweeping: a configuration the planner refuses says why
-                print(f"{name:<34} T={T:<6} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            finally:
-                launch.chunk_steps = None
+    base, ref = _baseline("rnn", T, _rnn_forward(T, scan=False)[1])
+    configs = [("rnn auto", {}, None, "ieee"), ("rnn levels=0", {"levels": 0}, None, "ieee")]
+    configs += [(f"rnn levels=0 chunk={c}", {"levels": 0}, c, "ieee") for c in (32, 64, 128, 256, 512)
+                if c * 8 <= 2 * T]
+    configs += [("rnn before (no chunked runs)", {"levels": _levels_without_chunked_runs(T)}, None, "ieee")]
+    configs += [(f"rnn {label} {p}", kw, None, p) for p in ("tf32x3", "tf32")
+                for label, kw in (("auto", {}), ("levels=0", {"levels": 0}))]
+    for name, kw, chunk, precision in configs:
+        _timed_config(name, T, base, ref, lambda: _rnn_forward(T, scan=True, **kw), chunk, precision)
 
 
 def _cell(name: str, cls, T: int) -> None:
-    _, fa = _cell_forward(cls, T, scan=False)
-    base = _backward_ms(fa)
-    for label, kw in [("auto", {}), ("factored", {"layout": "factored"}),
-                      ("materialized auto", {"layout": "materialized"}),
-                      ("materialized levels=0", {"layout": "materialized", "levels": 0}),
-                      ("materialized levels=1", {"layout": "materialized", "levels": 1})]:
-        try:
-            mod, fs = _cell_forward(cls, T, True, **kw)
-            _line(f"{name} {label}", T, base, _backward_ms(fs), mod)
-        except Exception as exc:
-            print(f"{name} {label:<29} T={T:<6} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    base, ref = _baseline(name, T, _cell_forward(cls, T, scan=False)[1])
+    configs = [("auto", {}, "ieee"), ("factored", {"layout": "factored"}, "ieee"),
+               ("materialized auto", {"layout": "materialized"}, "ieee"),
+               ("materialized levels=0", {"layout": "materialized", "levels": 0}, "ieee"),
+               ("materialized levels=1", {"layout": "materialized", "levels": 1}, "ieee")]
+    configs += [(f"auto {p}", {}, p) for p in ("tf32x3", "tf32")]
+    for label, kw, precision in configs:
+        _timed_config(f"{name} {label}", T, base, ref, lambda: _cell_forward(cls, T, True, **kw), None, precision)
 
 
 if __name__ == "__main__":
