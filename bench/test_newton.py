@@ -9,9 +9,13 @@ the Newton forward is faster), the forward scan's depth and the device. ``mode="
 whole training step (forward + loss on every output + backward) of ``spscan.wrap(module, x,
 forward="newton")`` against autograd through the module.
 
-The default grid is small (a loaded 2-core CPU); ``SPSCAN_BENCH_NEWTON_FULL=1`` runs the whole grid
-T in (100, 1000, 10000, 100000) x H in (1, 20, 64, 256). The CUDA rows (cuDNN baseline, including
-the issue's target point T=30000, H=20) skip cleanly without a GPU.
+Each row runs one ``method`` (``newton={"method": ...}``): ``"newton"`` (the full ``J_t``, DEER:
+few iterations, each a scan of dense ``H x H`` steps) or ``"quasi"`` (its diagonal, quasi-DEER:
+more iterations, each a scan of diagonal steps, which costs ``O(H)`` per step instead of ``O(H^3)``
+in a parallel run's chunk maps). The default grid is small (a loaded 2-core CPU);
+``SPSCAN_BENCH_NEWTON_FULL=1`` runs the whole grid T in (100, 1000, 10000, 100000) x H in (1, 20,
+64, 256). The CUDA rows (cuDNN baseline, including the target point T=30000, H=20) skip cleanly
+without a GPU.
 """
 
 from __future__ import annotations
@@ -54,12 +58,13 @@ def _timed(fn, dev: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _setup(cell: str, T: int, H: int, dev: torch.device, mode: str):
+def _setup(cell: str, T: int, H: int, dev: torch.device, mode: str, method: str):
     torch.manual_seed(0)
+    options = {"forward": "newton", "newton": {"method": method}}
     m = CELLS[cell](8, H).to(dev)
     x = torch.randn(T, B, 8, device=dev)
     if mode == "forward":
-        plan = spscan.plan(m, x, forward="newton")
+        plan = spscan.plan(m, x, **options)
 
         def base():
             with torch.no_grad():
@@ -70,7 +75,7 @@ def _setup(cell: str, T: int, H: int, dev: torch.device, mode: str):
                 plan.forward(x)
 
         return base, ours, plan
-    w = spscan.wrap(m, x, forward="newton")
+    w = spscan.wrap(m, x, **options)
     xg = x.clone().requires_grad_(True)
 
     def base():
@@ -84,8 +89,9 @@ def _setup(cell: str, T: int, H: int, dev: torch.device, mode: str):
     return base, ours, w.plan
 
 
-def _run(benchmark, cell: str, T: int, H: int, dev: torch.device, mode: str, rounds: int) -> None:
-    base, ours, plan = _setup(cell, T, H, dev, mode)
+def _run(benchmark, cell: str, T: int, H: int, dev: torch.device, mode: str, rounds: int,
+         method: str = "newton") -> None:
+    base, ours, plan = _setup(cell, T, H, dev, mode, method)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NewtonNotConverged)  # a fallback would time the sequential forward twice
         _timed(base, dev), _timed(ours, dev)  # warm-up: allocator, binding
@@ -97,7 +103,7 @@ def _run(benchmark, cell: str, T: int, H: int, dev: torch.device, mode: str, rou
     fplan = plan.newton.forward_plan(T, dev, torch.float32, plan.newton_options.method)
     benchmark.extra_info.update({
         "device": device_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),
-        "cell": cell, "T": T, "H": H, "B": B, "mode": mode,
+        "cell": cell, "T": T, "H": H, "B": B, "mode": mode, "method": method,
         "iterations": info.iterations, "stop": info.reason,
         "baseline": "cuDNN" if dev.type == "cuda" else "torch CPU loop",
         "sequential_ms": seq * 1e3, "newton_ms": newton * 1e3,
@@ -105,17 +111,18 @@ def _run(benchmark, cell: str, T: int, H: int, dev: torch.device, mode: str, rou
         "ratio_sequential_over_newton": seq / newton,
         "forward_scan_levels": fplan.levels,
     })
-    print(f"\n[{benchmark.extra_info['device']}] {mode} {cell} T={T} H={H} B={B}: {info.iterations} iterations "
+    print(f"\n[{benchmark.extra_info['device']}] {mode} {method} {cell} T={T} H={H} B={B}: {info.iterations} iterations "
           f"({info.reason}), newton {newton * 1e3:.2f} ms ({newton * 1e3 / max(1, info.iterations):.2f} ms/iter, "
           f"scan levels {fplan.levels}) vs {benchmark.extra_info['baseline']} {seq * 1e3:.2f} ms: "
           f"ratio {seq / newton:.3f}")
 
 
+@pytest.mark.parametrize("method", ["newton", "quasi"])
 @pytest.mark.parametrize("cell", sorted(CELLS))
 @pytest.mark.parametrize("T,H", CPU_GRID)
-def test_newton_forward_cpu(benchmark, cell, T, H):
+def test_newton_forward_cpu(benchmark, cell, T, H, method):
     rounds = 3 if T * H <= 1_000_000 else 1  # one interleaved pair only for the full grid's biggest points
-    _run(benchmark, cell, T, H, torch.device("cpu"), "forward", rounds)
+    _run(benchmark, cell, T, H, torch.device("cpu"), "forward", rounds, method)
 
 
 @pytest.mark.parametrize("cell", ["gru"])
@@ -125,8 +132,9 @@ def test_newton_training_step_cpu(benchmark, cell, T, H):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["newton", "quasi"])
 @pytest.mark.parametrize("mode", ["forward", "step"])
 @pytest.mark.parametrize("cell", sorted(CELLS))
 @pytest.mark.parametrize("T,H", CUDA_GRID)
-def test_newton_cuda_vs_cudnn(benchmark, mode, cell, T, H):
-    _run(benchmark, cell, T, H, torch.device("cuda"), mode, 5)
+def test_newton_cuda_vs_cudnn(benchmark, mode, cell, T, H, method):
+    _run(benchmark, cell, T, H, torch.device("cuda"), mode, 5, method)

@@ -6,10 +6,10 @@ launch for all of them. Blocks sit row-major at ``BlockRef.offsets`` in their ar
 ``(N_S,)``: no batch stride, or per sample ``(B, N_P)``); outputs are ``nodes`` consecutive
 ``m x p`` blocks from ``out_offset``. A program computes one ``BLOCK_M x BLOCK_P`` tile of one
 node for ``BLOCK_B`` samples, loading a shared factor once when ``k`` fits one tile. Tiles of
-16 or more in every dimension use ``tl.dot`` (``input_precision`` from
-``launch.input_precision``: exact unless ``launch.dot_precision`` says otherwise); smaller nodes accumulate ``k`` rank-1 updates in order (two 2-D tiles;
-a 3-D broadcast-multiply-sum of small float32 tiles compiled wrong under Triton 3.6 on sm_90,
-e.g. ``12 x 12 x 12`` and ``11 x 2 x 9`` nodes).
+16 or more in every dimension use ``tl.dot`` (``input_precision`` from ``launch.input_precision``:
+exact unless ``launch.dot_precision`` says otherwise); smaller nodes accumulate ``k`` rank-1 updates
+in order (two 2-D tiles; a 3-D broadcast-multiply-sum of small float32 tiles compiled wrong under
+Triton 3.6 on sm_90, e.g. ``12 x 12 x 12`` and ``11 x 2 x 9`` nodes).
 Accumulation is in the arena dtype. The inner size ``k`` is a compile-time constant (one
 variant per size): the k loop is then a ``range`` loop that Triton software-pipelines and that
 Triton 3.6's interpreter runs (it cannot take a run-time value as a ``range`` bound).

@@ -37,7 +37,8 @@ __all__ = [
     "dot_precision", "DOT_PRECISIONS", "mode", "chunk_steps", "set_dot_precision", "input_precision", "interpreting",
     "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
-    "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "LaunchSpec", "launch",
+    "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "DiagonalRunConfig",
+    "diagonal_run_config", "LaunchSpec", "launch",
     "recording",
 ]
 
@@ -315,6 +316,13 @@ CHUNKED_MIN_STEPS = 64
 CHUNKED_MAX_M = 63  # a chunk map (m + 1 columns) fits one 64 x 64 register tile
 
 
+def _chunk_length(steps: int, chunk: Optional[int]) -> int:
+    """``chunk``, else ``chunk_steps``, else ``~sqrt(steps)`` (at least 8), within ``1..steps``."""
+    if chunk is None:
+        chunk = chunk_steps if chunk_steps is not None else max(8, int(round(math.sqrt(steps))))
+    return max(1, min(int(chunk), steps))
+
+
 def chunked_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Optional[ChunkedRunConfig]:
     """Chunking of a uniform run of ``steps`` square ``m x m`` steps, or ``None`` where the run stays
     sequential (``m`` too large, too few steps).
@@ -324,11 +332,37 @@ def chunked_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Optio
     """
     if not 0 < m <= CHUNKED_MAX_M or steps < CHUNKED_MIN_STEPS:
         return None
-    if chunk is None:
-        chunk = chunk_steps if chunk_steps is not None else max(8, int(round(math.sqrt(steps))))
-    chunk = max(1, min(int(chunk), steps))
+    chunk = _chunk_length(steps, chunk)
     bm = max(16, next_pow2(m + 1))
     return ChunkedRunConfig(m, chunk, -(-steps // chunk), bm, 4)
+
+
+@dataclass(frozen=True)
+class DiagonalRunConfig:
+    """A run of ``m``-entry diagonals parallel over its steps and lanes: ``chunks`` chunks of ``chunk``
+    steps, ``block_l`` lanes (sample, entry) per program."""
+
+    m: int
+    chunk: int
+    chunks: int
+    block_l: int
+    num_warps: int
+
+    @property
+    def scratch_per_sample(self) -> int:
+        """Working entries per sample: every chunk's scales, shifts and entry vector."""
+        return 3 * self.chunks * self.m
+
+
+def diagonal_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Optional[DiagonalRunConfig]:
+    """Chunking of a run of ``steps`` diagonals of ``m`` entries, or ``None`` where it stays sequential
+    (fewer than :data:`CHUNKED_MIN_STEPS` steps). Any ``m``: lanes are independent. ``chunk`` as in
+    :func:`chunked_run_config`."""
+    if m <= 0 or steps < CHUNKED_MIN_STEPS:
+        return None
+    chunk = _chunk_length(steps, chunk)
+    block = 1024 if interpreting() else 128  # the interpreter pays per program; a GPU wants many programs
+    return DiagonalRunConfig(m, chunk, -(-steps // chunk), block, 4)
 
 
 def launch(kernel, grid: tuple[int, ...], args: dict[str, Any], constexprs: dict[str, Any], num_warps: int) -> None:

@@ -22,7 +22,8 @@ tensor as a ``range`` bound.
 
 A long run whose every step is a square ``m x m`` dense block or diagonal (``m <= 63``) runs
 instead parallel over its steps (:func:`linear_run_chunked`, three launches; the comment above
-its kernels says how), which is what makes one run a scan rather than a loop on a GPU.
+its kernels says how), which is what makes one run a scan rather than a loop on a GPU. A long
+run of diagonals only (any ``m``) runs the same three phases per lane.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import triton.language as tl
 
 from . import launch
 
-__all__ = ["linear_run_table", "linear_run_kernel", "linear_run", "chunked_size", "run_compose_kernel",
-           "run_carry_kernel", "run_expand_kernel", "linear_run_chunked"]
+__all__ = ["linear_run_table", "linear_run_kernel", "linear_run", "chunked_size", "diagonal_size",
+           "run_compose_kernel", "run_carry_kernel", "run_expand_kernel", "diag_compose_kernel", "diag_carry_kernel",
+           "diag_expand_kernel", "linear_run_chunked"]
 
 FIELDS = 8  # kind (0 diagonal, 1 dense, 2 CSR), shared, rows, cols, mat_offset, add (-1: none), out, csr_ptr
 DIAG, DENSE, CSR = 0, 1, 2
@@ -313,6 +315,113 @@ def run_expand_kernel(
         j += 1
 
 
+# --- a run of diagonals, parallel over its steps and its lanes --------------------------------------
+#
+# When every step is an ``m``-entry diagonal (the quasi-Newton forward's ``J_t``), each of the
+# ``batch * m`` lanes (sample, entry) is its own scalar recurrence ``y <- d_j y + add_j``. The same
+# three launches as above then work on vectors of lanes instead of ``m x m`` tiles: a chunk's map is
+# a scale and a shift per lane (``m`` multiply-adds per step and sample instead of ``m^3``), and a
+# program serves ``BLOCK_L`` lanes of any samples, so ``m`` has no upper bound. Working memory per
+# sample: every chunk's scales, shifts and entries (``3 * chunks * m``, laid out in that order).
+
+
+@triton.jit
+def _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L: tl.constexpr):
+    """This program's lanes: validity, sample, entry, and the per-sample value and vector rows."""
+    lane = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    ok = lane < lanes
+    smp = lane // m
+    u = lane % m
+    return ok, smp, u, p_ptr + smp * stride_p + u, v_ptr + smp * stride_v + u
+
+
+@triton.jit
+def _diag_step(s_ptr, prow, vrow, meta, ok, u):
+    """Step ``meta``'s diagonal entries (shared or per sample) and additive term (0 without one)."""
+    sh = tl.load(meta + 1)
+    off = tl.load(meta + 4).to(tl.int64)
+    add = tl.load(meta + 5).to(tl.int64)
+    d = tl.load(s_ptr + off + u, mask=ok & (sh != 0), other=0.0) + tl.load(prow + off, mask=ok & (sh == 0), other=0.0)
+    return d, tl.load(vrow + add, mask=ok & (add >= 0), other=0.0)
+
+
+@triton.jit
+def diag_compose_kernel(
+    s_ptr, p_ptr, v_ptr, c_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), scratch
+    table, steps, m, lanes, chunk, chunks, stride_p, stride_v, stride_c,
+    NF: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    c = tl.program_id(0)
+    ok, smp, u, prow, vrow = _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L)
+    scale = tl.full([BLOCK_L], 1.0, dtype=v_ptr.dtype.element_ty)
+    shift = tl.zeros([BLOCK_L], dtype=v_ptr.dtype.element_ty)
+    j = c * chunk
+    end = tl.minimum(j + chunk, steps)
+    d_next, a_next = _diag_step(s_ptr, prow, vrow, table + j * NF, ok, u)
+    while j < end:
+        d, a = d_next, a_next
+        if j + 1 < end:  # the next step's terms do not depend on this one: load them first
+            d_next, a_next = _diag_step(s_ptr, prow, vrow, table + (j + 1) * NF, ok, u)
+        scale = d * scale
+        shift = d * shift + a
+        j += 1
+    crow = c_ptr + smp * stride_c + u
+    tl.store(crow + c * m, scale, mask=ok)
+    tl.store(crow + (chunks + c) * m, shift, mask=ok)
+
+
+@triton.jit(do_not_specialize=["chunks"])
+def diag_carry_kernel(
+    c_ptr, v_ptr,  # scratch (B, stride_c), vectors (B, N_V)
+    vin0, m, lanes, chunks, stride_v, stride_c,
+    BLOCK_L: tl.constexpr,
+):
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    ok = lane < lanes
+    smp = lane // m
+    u = lane % m
+    crow = c_ptr + smp * stride_c + u
+    erow = crow + 2 * chunks * m
+    y = tl.load(v_ptr + smp * stride_v + vin0 + u, mask=ok, other=0.0)
+    c = 0
+    while c < chunks - 1:
+        tl.store(erow + c * m, y, mask=ok)
+        y = tl.load(crow + c * m, mask=ok, other=0.0) * y + tl.load(crow + (chunks + c) * m, mask=ok, other=0.0)
+        c += 1
+    tl.store(erow + c * m, y, mask=ok)
+
+
+@triton.jit
+def diag_expand_kernel(
+    s_ptr, p_ptr, v_ptr, c_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), scratch
+    table, steps, m, lanes, chunk, chunks, stride_p, stride_v, stride_c,
+    NF: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    c = tl.program_id(0)
+    ok, smp, u, prow, vrow = _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L)
+    y = tl.load(c_ptr + smp * stride_c + u + (2 * chunks + c) * m, mask=ok, other=0.0)
+    j = c * chunk
+    end = tl.minimum(j + chunk, steps)
+    d_next, a_next = _diag_step(s_ptr, prow, vrow, table + j * NF, ok, u)
+    while j < end:
+        d, a = d_next, a_next
+        if j + 1 < end:
+            d_next, a_next = _diag_step(s_ptr, prow, vrow, table + (j + 1) * NF, ok, u)
+        y = d * y + a
+        tl.store(vrow + tl.load(table + j * NF + 6).to(tl.int64), y, mask=ok)
+        j += 1
+
+
+def diagonal_size(op) -> int:
+    """The common size ``m`` of a :class:`~spscan.planner.program.LinearRun` every step of which is an
+    ``m``-entry diagonal (what the diagonal kernels take), else 0."""
+    if not op.steps:
+        return 0
+    m = int(op.rows[0])
+    ok = np.all(op.rows == m) and np.all(op.cols == m) and not np.any(op.sparse) and not np.any(op.dense)
+    return m if ok else 0
+
+
 def chunked_size(op) -> int:
     """The common size ``m`` of a :class:`~spscan.planner.program.LinearRun` every step of which is a
     square ``m x m`` dense block or diagonal (what the chunked kernels take), else 0."""
@@ -324,14 +433,17 @@ def chunked_size(op) -> int:
 
 
 def linear_run_chunked(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch.Tensor,
-                       v: torch.Tensor, scratch: torch.Tensor, cfg: "launch.ChunkedRunConfig",
+                       v: torch.Tensor, scratch: torch.Tensor,
+                       cfg: "launch.ChunkedRunConfig | launch.DiagonalRunConfig",
                        precision: Optional[str] = None) -> None:
     """Run a uniform linear run (every step an ``m x m`` dense block or diagonal; see
     :func:`chunked_size`) parallel over its steps, in place on ``v``: compose each chunk's map, carry
-    the entry vectors across chunks, expand every chunk (see the comment above the kernels).
+    the entry vectors across chunks, expand every chunk (see the comment above the kernels). With a
+    :class:`~spscan.kernels.launch.DiagonalRunConfig` (a run of diagonals only, see
+    :func:`diagonal_size`) the same three phases run per lane.
 
     ``scratch``: ``(B, >= cfg.scratch_per_sample)`` working memory of ``v``'s dtype (rows may be strided); ``cfg`` from
-    :func:`~spscan.kernels.launch.chunked_run_config` for this run's ``m`` and step count.
+    :func:`~spscan.kernels.launch.chunked_run_config` (or ``diagonal_run_config``) for this run's ``m`` and step count.
     ``precision`` of the chunk maps' products (``tl.dot``'s ``input_precision``): by default
     :func:`~spscan.kernels.launch.input_precision` of ``v``'s dtype (exact unless
     ``launch.dot_precision`` says otherwise for float32).
@@ -346,6 +458,9 @@ def linear_run_chunked(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch
             or scratch.stride(1) != 1 or scratch.dtype != v.dtype:
         raise ValueError(f"linear_run_chunked: expected a {v.dtype} scratch ({batch}, >= {cfg.scratch_per_sample}) "
                          f"with unit column stride, got {tuple(scratch.shape)} {scratch.dtype}")
+    if isinstance(cfg, launch.DiagonalRunConfig):
+        _diagonal_run(table, vin0, s, p, v, scratch, cfg)
+        return
     m, bm, chunks = cfg.m, cfg.block_m, cfg.chunks
     stride_c = scratch.stride(0)
     e_off = chunks * bm * bm
@@ -363,3 +478,25 @@ def linear_run_chunked(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch
                       dict(BM=bm), cfg.num_warps)
     launch.launch(run_expand_kernel, (chunks, batch), dict(common, e_ptr=scratch, e_off=e_off),
                   dict(NF=FIELDS, BM=bm), cfg.num_warps)
+
+
+def _diagonal_run(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch.Tensor, v: torch.Tensor,
+                  scratch: torch.Tensor, cfg: "launch.DiagonalRunConfig") -> None:
+    """A run of ``m``-entry diagonals in chunks, per lane (see the comment above the diagonal kernels)."""
+    steps, batch = int(table.shape[0]), v.shape[0]
+    m, chunks, block = cfg.m, cfg.chunks, cfg.block_l
+    lanes = batch * m
+    lane_blocks = triton.cdiv(lanes, block)
+    common = dict(s_ptr=s, p_ptr=p, v_ptr=v, c_ptr=scratch, table=table, steps=steps, m=m, lanes=lanes,
+                  chunk=cfg.chunk, chunks=chunks, stride_p=p.stride(0), stride_v=v.stride(0),
+                  stride_c=scratch.stride(0))
+    consts = dict(NF=FIELDS, BLOCK_L=block)
+    if chunks > 1:
+        launch.launch(diag_compose_kernel, (chunks - 1, lane_blocks), common, consts, cfg.num_warps)
+        launch.launch(diag_carry_kernel, (lane_blocks,),
+                      dict(c_ptr=scratch, v_ptr=v, vin0=vin0, m=m, lanes=lanes, chunks=chunks,
+                           stride_v=v.stride(0), stride_c=scratch.stride(0)),
+                      dict(BLOCK_L=block), cfg.num_warps)
+    else:  # the only chunk starts from y_0: no carry
+        scratch[:, 2 * m: 3 * m].copy_(v[:, vin0: vin0 + m])
+    launch.launch(diag_expand_kernel, (chunks, lane_blocks), common, consts, cfg.num_warps)

@@ -27,7 +27,7 @@ from .segments import SegmentTable, index_dtype, segment_table
 from .spgemm import spgemm
 from .spgemm_rows import RowsTable, rows_table, spgemm_rows
 from .spmv import spmv
-from .linear_run import chunked_size, linear_run, linear_run_chunked, linear_run_table
+from .linear_run import chunked_size, diagonal_size, linear_run, linear_run_chunked, linear_run_table
 
 __all__ = ["TritonTables", "TritonBackend", "make_tables", "run_program"]
 
@@ -78,7 +78,8 @@ class _LinearRunLaunch:
     all_shared: bool
     csr_indptr: torch.Tensor
     csr_indices: torch.Tensor
-    chunked: Optional[launch.ChunkedRunConfig] = None  # parallel over the steps (a uniform run)
+    # parallel over the steps: a uniform run of m x m tiles, or of diagonals per lane
+    chunked: Optional[Union[launch.ChunkedRunConfig, launch.DiagonalRunConfig]] = None
     scratch_offset: int = 0  # where its working memory starts in each sample's row of arenas["C"]
 
 
@@ -87,8 +88,12 @@ Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch,
 
 def _run_launch(op: LinearRun, idt: torch.dtype, device: torch.device) -> _LinearRunLaunch:
     table, uniform_m, indptr, indices = linear_run_table(op, idt, device)
-    m = chunked_size(op)
-    chunked = launch.chunked_run_config(m, op.steps) if m else None
+    m = diagonal_size(op)
+    if m:  # diagonals only: per lane, any m
+        chunked = launch.diagonal_run_config(m, op.steps)
+    else:
+        m = chunked_size(op)
+        chunked = launch.chunked_run_config(m, op.steps) if m else None
     return _LinearRunLaunch(op, table, uniform_m, bool(np.all(op.shared)), indptr, indices, chunked)
 
 

@@ -489,17 +489,21 @@ def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern
     profile.parallel_run_max_m``, at least ``profile.parallel_run_min_steps`` steps) runs in chunks
     of ``L ~ sqrt(n)`` steps: ``2 L + n / L`` dependent steps on the critical path instead of ``n``,
     plus composing every chunk's map (``m^3`` multiply-adds per dense step, ``m^2`` per diagonal,
-    per sample, at ``parallel_run_rate``). The total is spread evenly over the run's steps.
+    per sample, at ``parallel_run_rate``). A run of diagonals only runs so per lane, for any ``m``
+    (``m`` multiply-adds per step and sample). The total is spread evenly over the run's steps.
     """
     n = len(run_steps)
     if not profile.parallel_run_max_m or n < max(1, profile.parallel_run_min_steps):
         return
     m = run_steps[0][1].rows
-    if m > profile.parallel_run_max_m or any(p.rows != m or p.cols != m or linear_run_kind(p) not in ("dense", "diag")
-                                            for _, p in run_steps):
+    kinds = [linear_run_kind(p) for _, p in run_steps]
+    if any(p.rows != m or p.cols != m for _, p in run_steps) or any(k not in ("dense", "diag") for k in kinds):
+        return
+    diagonal = all(k == "diag" for k in kinds)
+    if m > profile.parallel_run_max_m and not diagonal:
         return
     chunk = max(8.0, math.sqrt(n))
-    macs = sum(m ** 3 if linear_run_kind(p) == "dense" else m * m for _, p in run_steps)
+    macs = n * m if diagonal else sum(m ** 3 if k == "dense" else m * m for k in kinds)
     total = profile.chain_step_s * (2 * chunk + n / chunk) + batch * macs / profile.parallel_run_rate
     for i, _ in run_steps:
         c = out[i]

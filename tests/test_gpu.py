@@ -66,6 +66,8 @@ def _cases() -> dict:
         # adds on every other step; per-sample dense blocks with a 64-wide tile
         "chunked-rnn20": ([full(20, 20), diag(20)] * 150, [True, False] * 150, 0, 5, 2),
         "chunked-dense50": ([full(50, 50)] * 90, [False] * 90, 0, 3, 3),
+        # diagonals only (the quasi-Newton forward): per lane, m past the tiles' 63, one shared step
+        "chunked-diag300": ([diag(300)] * 80, [False] * 79 + [True], 0, 5, 2),
     }
 
 
@@ -122,7 +124,7 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
-DETERMINISM_CASES = ["sparse-mixed", "dense20-dot", "chain70-tiled", "rnn64-auto", "chunked-rnn20"]
+DETERMINISM_CASES = ["sparse-mixed", "dense20-dot", "chain70-tiled", "rnn64-auto", "chunked-rnn20", "chunked-diag300"]
 
 
 @pytest.mark.parametrize("case", DETERMINISM_CASES)

@@ -22,7 +22,7 @@ import torch
 
 import spscan
 from spscan.kernels import launch
-from spscan.kernels.linear_run import FIELDS, chunked_size, linear_run_chunked
+from spscan.kernels.linear_run import FIELDS, chunked_size, diagonal_size, linear_run_chunked
 from spscan.kernels.triton_backend import _compiled
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain
@@ -31,13 +31,15 @@ from spscan.reference import reference_backward
 
 DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")
 CHUNKED = {"run_compose_kernel", "run_carry_kernel", "run_expand_kernel"}
+DIAGONAL = {"diag_compose_kernel", "diag_carry_kernel", "diag_expand_kernel"}
 
 
-def _run_problem(m: int, steps: int, batch: int, dtype: torch.dtype, seed: int):
+def _run_problem(m: int, steps: int, batch: int, dtype: torch.dtype, seed: int, diagonal: bool = False):
     """A random uniform run in the kernels' layout: the table, shared and per-sample values, the
-    vector arena (``y_0`` first, outputs poisoned with NaN, some adds), and the float64 outputs."""
+    vector arena (``y_0`` first, outputs poisoned with NaN, some adds), and the float64 outputs.
+    ``diagonal``: every step a diagonal (else half of them dense blocks)."""
     rng = np.random.default_rng(seed)
-    dense = rng.random(steps) < 0.5
+    dense = (rng.random(steps) < 0.5) & (not diagonal)
     shared = rng.random(steps) < 0.5
     meta = np.zeros((steps, FIELDS), dtype=np.int64)
     s_parts, p_parts, so, po = [np.zeros(1)], [np.zeros((batch, 1))], 1, 1
@@ -92,6 +94,78 @@ def test_chunked_kernels_match_sequential(m, steps, batch, chunk, dtype):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all()
     assert err <= (1e-12 if dtype == torch.float64 else 2e-5), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("m,steps,batch,chunk", [
+    (20, 70, 3, None),  # default chunking (8 chunks of 9, the last short)
+    (5, 64, 1, 64),  # one chunk: no composition, no carry
+    (1, 64, 2, 1),  # chunks of one step, m = 1: lanes are samples
+    (7, 130, 2, 16),  # lanes of one program cover several samples
+    (300, 64, 4, 9),  # m far past the tiled kernels' 63; 1200 lanes: two lane blocks even at 1024 lanes
+])
+def test_diagonal_kernels_match_sequential(m, steps, batch, chunk, dtype):
+    """A run of diagonals (shared or per sample, adds on some steps) per lane, against a float64 loop."""
+    table, s, p, v, want = _run_problem(m, steps, batch, dtype, seed=m + steps, diagonal=True)
+    cfg = launch.diagonal_run_config(m, steps, chunk=chunk)
+    assert cfg is not None and cfg.chunks == -(-steps // cfg.chunk)
+    scratch = torch.full((batch, cfg.scratch_per_sample + 5), float("nan"), dtype=dtype, device=DEVICE)
+    with launch.recording(dry_run=False) as rec:
+        linear_run_chunked(table, 0, s, p, v, scratch[:, 2:], cfg)  # rows strided, offset into the buffer
+    want_kernels = DIAGONAL if cfg.chunks > 1 else {"diag_expand_kernel"}
+    assert {r.kernel for r in rec} == want_kernels
+    got = v[:, m: m * (steps + 1)].double().cpu().numpy()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.isfinite(got).all()
+    assert err <= (1e-12 if dtype == torch.float64 else 2e-5), err
+
+
+def test_diagonal_config_and_size():
+    assert launch.diagonal_run_config(20, 63) is None  # short runs stay sequential
+    cfg = launch.diagonal_run_config(500, 10000)  # no upper bound on m
+    assert (cfg.m, cfg.chunk, cfg.chunks) == (500, 100, 100) and cfg.scratch_per_sample == 3 * 100 * 500
+
+    def run(cols, dense=(False, False, False), sparse=(False, False, False)):
+        return SimpleNamespace(steps=3, rows=np.array([4, 4, 4]), cols=np.array(cols), dense=np.array(dense),
+                               sparse=np.array(sparse))
+
+    assert diagonal_size(run([4, 4, 4])) == 4
+    assert diagonal_size(run([4, 5, 4])) == 0
+    assert diagonal_size(run([4, 4, 4], dense=(False, True, False))) == 0  # a dense step: the tiled kernels
+    assert chunked_size(run([4, 4, 4], dense=(False, True, False))) == 4
+    assert diagonal_size(run([4, 4, 4], sparse=(False, True, False))) == 0
+    assert diagonal_size(SimpleNamespace(steps=0, rows=np.zeros(0), cols=np.zeros(0), dense=np.zeros(0),
+                                         sparse=np.zeros(0))) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_diagonal_run_through_the_engine(dtype):
+    """``spscan.backward`` on a chain of 90 per-sample diagonals (m = 70, past the tiled kernels'
+    bound) at depth 0: the diagonal kernels run; gradients match the float64 reference across batch
+    sizes; the CUDA profile costs depth 0 of a long such chain as a parallel run, not a loop."""
+    m, n = 70, 90
+    pats = [sp.csr_array(np.eye(m))] * n
+    shared = [False] * n
+    plan = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=dtype)
+    tol = 1e-11 if dtype == torch.float64 else 1e-4
+    for batch in (3, 1):
+        vals = _values(pats, shared, batch, dtype, seed=batch)
+        gen = torch.Generator().manual_seed(7)
+        grad = torch.randn(batch, m, generator=gen, dtype=torch.float64).to(dtype)
+        extra = [torch.randn(batch, m, generator=gen, dtype=torch.float64).to(dtype) if i % 4 == 1 else None
+                 for i in range(n + 1)]
+        with launch.recording(dry_run=False) as rec:
+            got = spscan.backward(plan, [x.to(DEVICE) for x in vals], grad.to(DEVICE),
+                                  [None if e is None else e.to(DEVICE) for e in extra])
+        assert DIAGONAL <= {r.kernel for r in rec}
+        ref = reference_backward(pats, vals, grad, extra)
+        scale = max(float(r.abs().max()) for r in ref)
+        err = max(float((g.double().cpu() - r).abs().max()) for g, r in zip(got, ref)) / scale
+        assert err <= tol, (batch, err)
+    long = as_chain([sp.csr_array(np.eye(m))] * 4000)
+    runs = plan_scan(long, "auto", profile_for("cuda"), batch_hint=16).candidates[0]
+    sequential = plan_scan(long, "auto", profile_for("cuda", {"parallel_run_max_m": 0}), batch_hint=16).candidates[0]
+    assert runs < 0.1 * sequential
 
 
 def test_chunked_config_bounds_and_errors():

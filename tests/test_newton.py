@@ -342,6 +342,24 @@ def test_triton_backend_forward_scan():
         assert rel_err(a, b) <= 1e-10
 
 
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru"])
+def test_triton_quasi_forward_runs_diagonals_per_lane(kind):
+    """The quasi-Newton forward's scan is a run of per-sample diagonals: on the Triton backend it runs
+    parallel over its steps per lane (the diagonal kernels), and converges to the sequential forward."""
+    from spscan.kernels import launch
+
+    m = tame(make_module(kind, 2, 5, batch_first=False, bias=True), 0.5)
+    x, hx = make_inputs(m, 70, 2, with_h0=True, dtype=torch.float64)
+    with launch.recording(dry_run=False) as rec:
+        out, state, info = newton_forward(m, x, hx, backend="triton", levels=0, newton={"method": "quasi"})
+    assert info.method == "quasi"
+    assert {"diag_compose_kernel", "diag_carry_kernel", "diag_expand_kernel"} <= {r.kernel for r in rec}
+    with torch.no_grad():
+        want = flat(*m(x, hx))
+    for a, b in zip(flat(out, state), want):
+        assert rel_err(a, b) <= 1e-10
+
+
 def test_iteration_counts_were_recorded():
     """Runs last in this file: every Newton forward above left its iteration count (shown with -s)."""
     if not ITERATIONS:

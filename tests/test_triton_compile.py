@@ -32,7 +32,8 @@ from spscan.kernels.triton_backend import _compiled
 DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recording launches nothing
 
 KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear_run_kernel",
-           "run_compose_kernel", "run_carry_kernel", "run_expand_kernel"}
+           "run_compose_kernel", "run_carry_kernel", "run_expand_kernel",
+           "diag_compose_kernel", "diag_carry_kernel", "diag_expand_kernel"}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
 
 
@@ -89,6 +90,13 @@ def _cases():
     cases.append(([_full(20, 20)] * 70, [False] * 70, 0, 16, 1))
     # m = 1 and batch 1: int arguments equal to 1 are compiled as the constant 1, as the JIT does
     cases.append(([_full(1, 1), _csr(np.eye(1, dtype=bool))] * 40, [True, False] * 40, 0, 1, 2))
+    # runs of diagonals only (the quasi-Newton forward's J_t) go parallel per lane, any m: H = 20, 64
+    # and 300, per sample, with a shared one and extra terms; batch 1 (a 1 x 1 step is a dense block)
+    eye = [_csr(np.eye(h, dtype=bool)) for h in (3, 20, 64, 300)]
+    cases.append(([eye[1]] * 70, [False] * 70, 0, 16, None))
+    cases.append(([eye[2]] * 70, [False] * 69 + [True], 0, 16, 2))
+    cases.append(([eye[3]] * 70, [False] * 70, 0, 3, 1))
+    cases.append(([eye[0]] * 70, [False] * 70, 0, 1, 2))
     return cases
 
 
@@ -148,8 +156,9 @@ def test_specs_cover_every_kernel(specs_file):
     assert {s["kernel"] for s in specs} == KERNELS
     assert any(dict(s["constexprs"]).get("USE_DOT") for s in specs)
     assert any(dict(s["constexprs"]).get("USE_DOT") is False for s in specs)
-    # every kernel that reads an index table has an int64-table variant (run_carry_kernel reads none)
-    assert {s["kernel"] for s in specs if "*i64" in dict(s["signature"]).values()} == KERNELS - {"run_carry_kernel"}
+    # every kernel that reads an index table has an int64-table variant (the carry kernels read none)
+    assert {s["kernel"] for s in specs if "*i64" in dict(s["signature"]).values()} \
+        == KERNELS - {"run_carry_kernel", "diag_carry_kernel"}
     assert {dict(s["signature"])["v_ptr" if "v_ptr" in dict(s["signature"]) else "c_ptr"] for s in specs} \
         == {"*fp32", "*fp64"}
 
