@@ -38,8 +38,8 @@ import triton.language as tl
 from . import launch
 
 __all__ = ["linear_run_table", "linear_run_kernel", "linear_run", "chunked_size", "diagonal_size",
-           "run_compose_kernel", "run_carry_kernel", "run_expand_kernel", "diag_compose_kernel", "diag_carry_kernel",
-           "diag_expand_kernel", "linear_run_chunked"]
+           "run_compose_kernel", "run_carry_kernel", "run_expand_kernel", "diag_chunk_kernel", "diag_carry_kernel",
+           "linear_run_chunked"]
 
 FIELDS = 8  # kind (0 diagonal, 1 dense, 2 CSR), shared, rows, cols, mat_offset, add (-1: none), out, csr_ptr
 DIAG, DENSE, CSR = 0, 1, 2
@@ -319,7 +319,8 @@ def run_expand_kernel(
 #
 # When every step is an ``m``-entry diagonal (the quasi-Newton forward's ``J_t``), each of the
 # ``batch * m`` lanes (sample, entry) is its own scalar recurrence ``y <- d_j y + add_j``. The same
-# three launches as above then work on vectors of lanes instead of ``m x m`` tiles: a chunk's map is
+# three phases as above then work on vectors of lanes instead of ``m x m`` tiles (compose and expand
+# are one kernel, ``diag_chunk_kernel``: both walk a chunk's steps with that recurrence): a chunk's map is
 # a scale and a shift per lane (``m`` multiply-adds per step and sample instead of ``m^3``), and a
 # program serves ``BLOCK_L`` lanes of any samples, so ``m`` has no upper bound. Working memory per
 # sample: every chunk's scales, shifts and entries (``3 * chunks * m``, laid out in that order).
@@ -346,15 +347,22 @@ def _diag_step(s_ptr, prow, vrow, meta, ok, u):
 
 
 @triton.jit
-def diag_compose_kernel(
+def diag_chunk_kernel(
     s_ptr, p_ptr, v_ptr, c_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), scratch
     table, steps, m, lanes, chunk, chunks, stride_p, stride_v, stride_c,
-    NF: tl.constexpr, BLOCK_L: tl.constexpr,
+    NF: tl.constexpr, BLOCK_L: tl.constexpr, EXPAND: tl.constexpr,
 ):
+    """Walk chunk ``program_id(0)``'s steps for ``BLOCK_L`` lanes. Both phases run the same recurrence
+    ``shift <- d_j shift + add_j``: composing (``EXPAND`` false) from 0, also multiplying up the
+    ``scale``, and storing both at the end; expanding from the chunk's entry, storing every ``y_j``."""
     c = tl.program_id(0)
     ok, smp, u, prow, vrow = _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L)
+    crow = c_ptr + smp * stride_c + u
     scale = tl.full([BLOCK_L], 1.0, dtype=v_ptr.dtype.element_ty)
-    shift = tl.zeros([BLOCK_L], dtype=v_ptr.dtype.element_ty)
+    if EXPAND:
+        shift = tl.load(crow + (2 * chunks + c) * m, mask=ok, other=0.0)
+    else:
+        shift = tl.zeros([BLOCK_L], dtype=v_ptr.dtype.element_ty)
     j = c * chunk
     end = tl.minimum(j + chunk, steps)
     d_next, a_next = _diag_step(s_ptr, prow, vrow, table + j * NF, ok, u)
@@ -362,12 +370,15 @@ def diag_compose_kernel(
         d, a = d_next, a_next
         if j + 1 < end:  # the next step's terms do not depend on this one: load them first
             d_next, a_next = _diag_step(s_ptr, prow, vrow, table + (j + 1) * NF, ok, u)
-        scale = d * scale
         shift = d * shift + a
+        if EXPAND:
+            tl.store(vrow + tl.load(table + j * NF + 6).to(tl.int64), shift, mask=ok)
+        else:
+            scale = d * scale
         j += 1
-    crow = c_ptr + smp * stride_c + u
-    tl.store(crow + c * m, scale, mask=ok)
-    tl.store(crow + (chunks + c) * m, shift, mask=ok)
+    if not EXPAND:
+        tl.store(crow + c * m, scale, mask=ok)
+        tl.store(crow + (chunks + c) * m, shift, mask=ok)
 
 
 @triton.jit(do_not_specialize=["chunks"])
@@ -389,27 +400,6 @@ def diag_carry_kernel(
         y = tl.load(crow + c * m, mask=ok, other=0.0) * y + tl.load(crow + (chunks + c) * m, mask=ok, other=0.0)
         c += 1
     tl.store(erow + c * m, y, mask=ok)
-
-
-@triton.jit
-def diag_expand_kernel(
-    s_ptr, p_ptr, v_ptr, c_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), scratch
-    table, steps, m, lanes, chunk, chunks, stride_p, stride_v, stride_c,
-    NF: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    c = tl.program_id(0)
-    ok, smp, u, prow, vrow = _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L)
-    y = tl.load(c_ptr + smp * stride_c + u + (2 * chunks + c) * m, mask=ok, other=0.0)
-    j = c * chunk
-    end = tl.minimum(j + chunk, steps)
-    d_next, a_next = _diag_step(s_ptr, prow, vrow, table + j * NF, ok, u)
-    while j < end:
-        d, a = d_next, a_next
-        if j + 1 < end:
-            d_next, a_next = _diag_step(s_ptr, prow, vrow, table + (j + 1) * NF, ok, u)
-        y = d * y + a
-        tl.store(vrow + tl.load(table + j * NF + 6).to(tl.int64), y, mask=ok)
-        j += 1
 
 
 def diagonal_size(op) -> int:
@@ -492,11 +482,12 @@ def _diagonal_run(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch.Tens
                   stride_c=scratch.stride(0))
     consts = dict(NF=FIELDS, BLOCK_L=block)
     if chunks > 1:
-        launch.launch(diag_compose_kernel, (chunks - 1, lane_blocks), common, consts, cfg.num_warps)
+        launch.launch(diag_chunk_kernel, (chunks - 1, lane_blocks), common, dict(consts, EXPAND=False),
+                      cfg.num_warps)
         launch.launch(diag_carry_kernel, (lane_blocks,),
                       dict(c_ptr=scratch, v_ptr=v, vin0=vin0, m=m, lanes=lanes, chunks=chunks,
                            stride_v=v.stride(0), stride_c=scratch.stride(0)),
                       dict(BLOCK_L=block), cfg.num_warps)
     else:  # the only chunk starts from y_0: no carry
         scratch[:, 2 * m: 3 * m].copy_(v[:, vin0: vin0 + m])
-    launch.launch(diag_expand_kernel, (chunks, lane_blocks), common, consts, cfg.num_warps)
+    launch.launch(diag_chunk_kernel, (chunks, lane_blocks), common, dict(consts, EXPAND=True), cfg.num_warps)

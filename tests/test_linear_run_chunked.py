@@ -31,7 +31,7 @@ from spscan.reference import reference_backward
 
 DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")
 CHUNKED = {"run_compose_kernel", "run_carry_kernel", "run_expand_kernel"}
-DIAGONAL = {"diag_compose_kernel", "diag_carry_kernel", "diag_expand_kernel"}
+DIAGONAL = {"diag_chunk_kernel", "diag_carry_kernel"}
 
 
 def _run_problem(m: int, steps: int, batch: int, dtype: torch.dtype, seed: int, diagonal: bool = False):
@@ -112,7 +112,7 @@ def test_diagonal_kernels_match_sequential(m, steps, batch, chunk, dtype):
     scratch = torch.full((batch, cfg.scratch_per_sample + 5), float("nan"), dtype=dtype, device=DEVICE)
     with launch.recording(dry_run=False) as rec:
         linear_run_chunked(table, 0, s, p, v, scratch[:, 2:], cfg)  # rows strided, offset into the buffer
-    want_kernels = DIAGONAL if cfg.chunks > 1 else {"diag_expand_kernel"}
+    want_kernels = DIAGONAL if cfg.chunks > 1 else {"diag_chunk_kernel"}
     assert {r.kernel for r in rec} == want_kernels
     got = v[:, m: m * (steps + 1)].double().cpu().numpy()
     err = np.abs(got - want).max() / np.abs(want).max()
@@ -147,21 +147,7 @@ def test_diagonal_run_through_the_engine(dtype):
     pats = [sp.csr_array(np.eye(m))] * n
     shared = [False] * n
     plan = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=dtype)
-    tol = 1e-11 if dtype == torch.float64 else 1e-4
-    for batch in (3, 1):
-        vals = _values(pats, shared, batch, dtype, seed=batch)
-        gen = torch.Generator().manual_seed(7)
-        grad = torch.randn(batch, m, generator=gen, dtype=torch.float64).to(dtype)
-        extra = [torch.randn(batch, m, generator=gen, dtype=torch.float64).to(dtype) if i % 4 == 1 else None
-                 for i in range(n + 1)]
-        with launch.recording(dry_run=False) as rec:
-            got = spscan.backward(plan, [x.to(DEVICE) for x in vals], grad.to(DEVICE),
-                                  [None if e is None else e.to(DEVICE) for e in extra])
-        assert DIAGONAL <= {r.kernel for r in rec}
-        ref = reference_backward(pats, vals, grad, extra)
-        scale = max(float(r.abs().max()) for r in ref)
-        err = max(float((g.double().cpu() - r).abs().max()) for g, r in zip(got, ref)) / scale
-        assert err <= tol, (batch, err)
+    _check_engine(plan, pats, shared, dtype, (3, 1), 4, DIAGONAL)
     long = as_chain([sp.csr_array(np.eye(m))] * 4000)
     runs = plan_scan(long, "auto", profile_for("cuda"), batch_hint=16).candidates[0]
     sequential = plan_scan(long, "auto", profile_for("cuda", {"parallel_run_max_m": 0}), batch_hint=16).candidates[0]
@@ -228,17 +214,25 @@ def test_chunked_run_through_the_engine(dtype):
     match the float64 reference; a second call and a different batch size give the same answers."""
     pats, shared = _rnn_chain(7, 160)
     plan = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=dtype)
+    _check_engine(plan, pats, shared, dtype, (3, 1, 3), 3, CHUNKED)
+
+
+def _check_engine(plan, pats, shared, dtype, batches, every: int, kernels: set) -> None:
+    """``spscan.backward`` through ``plan`` for each batch size (extra terms on every ``every``-th
+    vector): ``kernels`` among the launches, gradients against the float64 reference."""
     tol = 1e-11 if dtype == torch.float64 else 1e-4
-    for batch in (3, 1, 3):
+    m = pats[-1].shape[1]
+    for batch in batches:
         vals = _values(pats, shared, batch, dtype, seed=batch)
         gen = torch.Generator().manual_seed(7)
-        grad = torch.randn(batch, 7, generator=gen, dtype=torch.float64).to(dtype)
-        extra = [torch.randn(batch, 7, generator=gen, dtype=torch.float64).to(dtype) if i % 3 == 1 else None
+        grad = torch.randn(batch, m, generator=gen, dtype=torch.float64).to(dtype)
+        extra = [torch.randn(batch, pats[i - 1].shape[1] if i else pats[0].shape[0], generator=gen,
+                             dtype=torch.float64).to(dtype) if i % every == 1 else None
                  for i in range(len(pats) + 1)]
         with launch.recording(dry_run=False) as rec:
             got = spscan.backward(plan, [x.to(DEVICE) for x in vals], grad.to(DEVICE),
                                   [None if e is None else e.to(DEVICE) for e in extra])
-        assert CHUNKED <= {r.kernel for r in rec}
+        assert kernels <= {r.kernel for r in rec}
         ref = reference_backward(pats, vals, grad, extra)
         scale = max(float(r.abs().max()) for r in ref)
         err = max(float((g.double().cpu() - r).abs().max()) for g, r in zip(got, ref)) / scale

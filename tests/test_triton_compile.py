@@ -33,7 +33,7 @@ DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recordi
 
 KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear_run_kernel",
            "run_compose_kernel", "run_carry_kernel", "run_expand_kernel",
-           "diag_compose_kernel", "diag_carry_kernel", "diag_expand_kernel"}
+           "diag_chunk_kernel", "diag_carry_kernel"}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
 
 
