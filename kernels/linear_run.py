@@ -213,16 +213,19 @@ def linear_run(table: torch.Tensor, uniform_m: int, all_shared: bool, vin0: int,
 
 @triton.jit
 def _run_block(s_ptr, prow, meta, rows, ks, m, NF: tl.constexpr):
-    """Step ``meta``'s matrix as a dense ``(BM, BM)`` tile (zero outside ``m x m``): a dense block
-    or a diagonal, shared or per sample."""
+    """Step ``meta``'s matrix, shared or per sample: a dense block as a ``(BM, BM)`` tile (zero outside
+    ``m x m``) and a diagonal as a ``(BM,)`` vector; the other of the two is all zero (its loads
+    are masked off)."""
     kind = tl.load(meta)
     sh = tl.load(meta + 1)
     off = tl.load(meta + 4).to(tl.int64)
-    ok = (rows[:, None] < m) & (ks[None, :] < m)
-    pos = tl.where(kind == 1, rows[:, None] * m + ks[None, :], rows[:, None])  # diagonal: entry r of row r
-    ok = ok & ((kind == 1) | (rows[:, None] == ks[None, :]))
-    blk = off + pos
-    return tl.load(s_ptr + blk, mask=ok & (sh != 0), other=0.0) + tl.load(prow + blk, mask=ok & (sh == 0), other=0.0)
+    ok = (rows[:, None] < m) & (ks[None, :] < m) & (kind == 1)
+    blk = off + rows[:, None] * m + ks[None, :]
+    tile = tl.load(s_ptr + blk, mask=ok & (sh != 0), other=0.0) + tl.load(prow + blk, mask=ok & (sh == 0), other=0.0)
+    dok = (rows < m) & (kind != 1)
+    diag = tl.load(s_ptr + off + rows, mask=dok & (sh != 0), other=0.0) \
+        + tl.load(prow + off + rows, mask=dok & (sh == 0), other=0.0)
+    return tile, diag
 
 
 @triton.jit
@@ -241,18 +244,18 @@ def run_compose_kernel(
     acc = tl.where((rows[:, None] == ks[None, :]) & (rows[:, None] < m), 1.0, 0.0).to(v_ptr.dtype.element_ty)
     j = c * chunk
     end = tl.minimum(j + chunk, steps)
-    nxt = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    nxt, nxt_d = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
     while j < end:
-        a = nxt
+        a, d = nxt, nxt_d
         meta = table + j * NF
         kind = tl.load(meta)
         add = tl.load(meta + 5).to(tl.int64)
         if j + 1 < end:  # the next step's block is independent of this product: load it first
-            nxt = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+            nxt, nxt_d = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
         if kind == 1:
             acc = tl.dot(a, acc, input_precision=PRECISION)
-        else:  # a diagonal scales the rows (its tile's row sums are its entries): no product
-            acc = acc * tl.sum(a, axis=1)[:, None]
+        else:  # a diagonal scales the rows: no product
+            acc = acc * d[:, None]
         addv = tl.load(vrow + add + rows, mask=(rows < m) & (add >= 0), other=0.0)
         acc += tl.where(ks[None, :] == m, addv[:, None], 0.0)
         j += 1
@@ -297,19 +300,19 @@ def run_expand_kernel(
     y = tl.load(e_ptr + smp * stride_c + e_off + c * BM + rows, mask=rows < m, other=0.0)
     j = c * chunk
     end = tl.minimum(j + chunk, steps)
-    nxt = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    nxt, nxt_d = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
     while j < end:
-        a = nxt
+        a, d = nxt, nxt_d
         meta = table + j * NF
         kind = tl.load(meta)
         add = tl.load(meta + 5).to(tl.int64)
         out = tl.load(meta + 6).to(tl.int64)
         if j + 1 < end:
-            nxt = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+            nxt, nxt_d = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
         if kind == 1:
             y = tl.sum(a * y[None, :], axis=1)
         else:
-            y = tl.sum(a, axis=1) * y
+            y = d * y
         y += tl.load(vrow + add + rows, mask=(rows < m) & (add >= 0), other=0.0)
         tl.store(vrow + out + rows, y, mask=rows < m)
         j += 1
