@@ -42,7 +42,7 @@ def _bound(pats, shared, fused: bool):
     kind = planning.linear_run_kind
     saved = program_mod.linear_run_kind
     if not fused:
-        program_mod.linear_run_kind = lambda p: None if kind(p) == "sparse" else kind(p)
+        program_mod.linear_run_kind = lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile)
     try:
         plan = spscan.plan(pats, levels=0, backend="torch")
         bound = plan.bind(shared, (False,) * (len(pats) + 1))

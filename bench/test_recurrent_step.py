@@ -15,6 +15,9 @@ is far less disturbed than wall time when other processes share the cores); ``ex
 both medians and ``speedup_vs_autograd = autograd / spscan``. Autograd's ``nn.LSTM`` on CPU runs
 oneDNN's fused LSTM forward and backward (float32).
 
+``test_recurrent_step_cpu_wide``: the three cells at H = 64, 128 and 256 (T = 1000, B = 16, step,
+loss on the last output, 5 pairs).
+
 ``test_middle_chain_compiled_vs_numpy``: the paper's RNN chain as the recurrent wrapper plans it
 (factored: shared ``W_hh^T`` and per-sample diagonal ``1 - h^2``, T = 1000, 3000, 10000, B = 16,
 H = 20, linear scan), ``spscan.backward`` with the compiled loop (kernels/cpu_chain.py) against the
@@ -58,10 +61,10 @@ ROUNDS = {1000: 11, 3000: 11, 10000: 11}  # interleaved pairs per row (medians)
 CLOCK = time.process_time
 
 
-def _setup(cell: str, T: int, scan: bool, loss: str = "last", device: str = "cpu"):
+def _setup(cell: str, T: int, scan: bool, loss: str = "last", device: str = "cpu", hidden: int = H):
     torch.manual_seed(0)
-    rnn = CELLS[cell](1, H, batch_first=True).to(device)
-    head = nn.Linear(H, 2).to(device)
+    rnn = CELLS[cell](1, hidden, batch_first=True).to(device)
+    head = nn.Linear(hidden, 2).to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, T, 1, generator=g).to(device)
     y = torch.randint(0, 2, (B,), generator=g).to(device)
@@ -110,6 +113,30 @@ def test_recurrent_step_cpu(benchmark, flush_denormal, one_thread, cell, T, mode
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs), flush_denormal=flush_denormal,
         compiled_middle=cpu_chain.available(), clock=CLOCK.__name__, threads=torch.get_num_threads(),
         pairs=rounds,
+    )
+
+
+WIDE = [(cell, hidden) for cell in CELLS for hidden in (64, 128, 256)]
+
+
+@pytest.mark.parametrize("cell,hidden", WIDE, ids=[f"{c}-H{h}" for c, h in WIDE])
+def test_recurrent_step_cpu_wide(benchmark, flush_denormal, one_thread, cell, hidden):
+    """Wider cells (H = 64, 128, 256), T = 1000, B = 16, one training step, loss on the last output:
+    the LSTM's shared CSR element (``4 H^2 + H`` entries) passes 2**16 entries from H = 128."""
+    benchmark.group = f"{cell}-cpu-H{hidden}-step"
+    rounds = 5
+    _, a_fwd = _setup(cell, 1000, scan=False, hidden=hidden)
+    wrapped, s_fwd = _setup(cell, 1000, scan=True, hidden=hidden)
+    time_mode("step", a_fwd, CLOCK), time_mode("step", s_fwd, CLOCK)
+    pairs = [(time_mode("step", a_fwd, CLOCK), time_mode("step", s_fwd, CLOCK)) for _ in range(rounds)]
+    base = statistics.median(p[0] for p in pairs)
+    ours = statistics.median(p[1] for p in pairs)
+    benchmark.pedantic(lambda: s_fwd().backward(), rounds=rounds)
+    benchmark.extra_info.update(
+        device=device_name(), cell=cell, T=1000, B=B, H=hidden, mode="step", loss="last",
+        levels=wrapped.plan.levels, autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
+        flush_denormal=flush_denormal, compiled_middle=cpu_chain.available(), clock=CLOCK.__name__,
+        threads=torch.get_num_threads(), pairs=rounds,
     )
 
 

@@ -40,6 +40,11 @@ class DeviceProfile:
     parallel_run_rate: float = 1.0e12
     # fixed cost of one sparse (CSR) step of the fused middle chain; ``None``: ``chain_step_s``
     chain_sparse_step_s: Optional[float] = None
+    # largest CSR pattern (stored entries) a fused linear run takes as a step; a bigger one stays a
+    # standalone SpMV (``None``: no bound). On a GPU a run walks a step's rows in one program per
+    # block of samples, while a standalone SpMV spreads them over the device; on a CPU the compiled
+    # run loop is the fastest way through any CSR step (a standalone SpMV there is eager gathers)
+    run_sparse_max_nnz: Optional[int] = 1 << 16
 
     def run_step_s(self, kind: str) -> float:
         """Fixed cost of one fused linear-run step of kind ``"dense"``, ``"diag"`` or ``"sparse"``."""
@@ -66,7 +71,7 @@ class DeviceProfile:
 # A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
 # caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_CHAIN_MAX_WORK.
 _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0e9, gemv_rate=1.0e9,
-                     bytes_budget=2.0e9, chain_step_s=2.0e-6)
+                     bytes_budget=2.0e9, chain_step_s=2.0e-6, run_sparse_max_nnz=None)
 _CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
                       bytes_budget=8.0e9, chain_step_s=2.0e-6, pair_list_max_bytes=float(1 << 28),
                       parallel_run_max_m=63, parallel_run_rate=7.7e11, chain_sparse_step_s=5.0e-6)

@@ -155,7 +155,7 @@ def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict,
             distinct: set[str] = set()
             for op in ops:
                 p = mats[op.mat].pattern
-                if linear_run_kind(p) == "sparse" and p.key not in distinct:
+                if linear_run_kind(p, plan.profile) == "sparse" and p.key not in distinct:
                     distinct.add(p.key)
                     if p.key not in run_patterns:
                         run_patterns[p.key] = _run_csr_bytes(p)
@@ -209,7 +209,8 @@ def estimate_memory(plan: ScanPlan, bindings: Optional[Sequence[Signature]] = No
                 step_pairs += min(info.rw.npairs, 1 << 20) + min(info.pattern.rows * info.pattern.cols, 1 << 22)
             else:
                 step_pairs += info.pattern.nnz
-        in_run = st.phase == "mid" and len(st.mv) == 1 and linear_run_kind(mats[st.mv[0].mat].pattern) == "sparse"
+        in_run = (st.phase == "mid" and len(st.mv) == 1
+                  and linear_run_kind(mats[st.mv[0].mat].pattern, plan.profile) == "sparse")
         for op in st.mv:
             p = mats[op.mat].pattern
             if in_run or not p.is_full:

@@ -159,7 +159,7 @@ class StorageRule:
             else:
                 t += b * nnz / pr.pair_rate
             if phase == "mid":  # one mat-vec per middle step: a fused run step, or a launch of its own
-                kind = "dense" if dense else (linear_run_kind(x) if x is not None else None)
+                kind = "dense" if dense else (linear_run_kind(x, pr) if x is not None else None)
                 if kind is not None:
                     t += pr.run_step_s(kind)
                 else:
@@ -361,45 +361,39 @@ def bin_widths(lengths: np.ndarray) -> np.ndarray:
     return widths
 
 
-_RUN_KIND: dict[str, Optional[str]] = {}
+_RUN_KIND: dict[str, str] = {}
 _BINS: dict[tuple[str, int], int] = {}
 
 
-def linear_run_kind(p: Pattern) -> Optional[str]:
-    """How a fused linear run (the scan's middle) takes a matrix of pattern ``p``: ``"dense"``
-    (full pattern: a row-major block), ``"diag"`` (the identity pattern: ``m`` scale factors),
-    ``"sparse"`` (any other pattern: a CSR step over its ``indptr``/``indices``), or ``None`` (the
-    step stays a standalone SpMV; see :func:`_linear_run_kind`)."""
-    if p.key in _RUN_KIND:
-        return _RUN_KIND[p.key]
-    _RUN_KIND[p.key] = kind = _linear_run_kind(p)
+def linear_run_kind(p: Pattern, profile: DeviceProfile) -> Optional[str]:
+    """How a fused linear run (the scan's middle) takes a matrix of pattern ``p`` on ``profile``'s
+    device: ``"dense"`` (full pattern: a row-major block), ``"diag"`` (the identity pattern: ``m``
+    scale factors), ``"sparse"`` (any other pattern: a CSR step over its ``indptr``/``indices``), or
+    ``None`` (the step stays a standalone SpMV: a CSR pattern over ``profile.run_sparse_max_nnz``
+    entries). See :func:`_linear_run_kind`."""
+    kind = _RUN_KIND.get(p.key)
+    if kind is None:
+        _RUN_KIND[p.key] = kind = _linear_run_kind(p)
+    limit = profile.run_sparse_max_nnz
+    if kind == "sparse" and limit is not None and p.nnz > limit:
+        return None
     return kind
 
 
-# Largest pattern (stored entries) a run takes as a CSR step; see :func:`_linear_run_kind`.
-RUN_SPARSE_MAX_NNZ = 1 << 16
-
-
-def _linear_run_kind(p: Pattern) -> Optional[str]:
-    """The run kind of one pattern.
+def _linear_run_kind(p: Pattern) -> str:
+    """The run kind of one pattern, on any device.
 
     * Full patterns are ``"dense"`` and identity patterns ``"diag"`` (no index read at all).
     * Every other pattern is ``"sparse"``, nearly dense ones included: their values arrive in CSR
       order, so a dense step would need a scatter of the values into a block on every call, while
       the CSR step reads them in place at one index per entry (at most twice the dense step's reads).
-    * A sparse pattern with more than :data:`RUN_SPARSE_MAX_NNZ` entries stays out of runs: its
-      own work (``nnz * B`` multiply-adds, ~1 ms on one CPU core at ``B = 16``) dwarfs the per-step
-      overhead a run removes (microseconds), while a standalone SpMV launch spreads its rows over
-      the whole device (a run walks them in one program per block of samples).
     """
     if p.is_full:
         return "dense"
     if (p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows))
             and np.array_equal(p.indptr, np.arange(p.rows + 1))):
         return "diag"
-    if p.nnz <= RUN_SPARSE_MAX_NNZ:
-        return "sparse"
-    return None
+    return "sparse"
 
 
 def _seg_bins(counts: np.ndarray) -> int:
@@ -466,9 +460,11 @@ def _step_costs(
                 mv_bins = max(mv_bins, _row_bins(p))
             nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
         launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
-        if st.phase == "mid" and len(st.mv) == 1 and linear_run_kind(mats[st.mv[0].mat].pattern):
+        run_kind = linear_run_kind(mats[st.mv[0].mat].pattern, profile) \
+            if st.phase == "mid" and len(st.mv) == 1 else None
+        if run_kind is not None:
             launches = 0  # a step of a fused linear run: no launch of its own
-            t = profile.run_step_s(linear_run_kind(mats[st.mv[0].mat].pattern))
+            t = profile.run_step_s(run_kind)
             run_steps.append((len(out), mats[st.mv[0].mat].pattern))
         else:
             t = 0.0
@@ -496,7 +492,7 @@ def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern
     if not profile.parallel_run_max_m or n < max(1, profile.parallel_run_min_steps):
         return
     m = run_steps[0][1].rows
-    kinds = [linear_run_kind(p) for _, p in run_steps]
+    kinds = [linear_run_kind(p, profile) for _, p in run_steps]
     if any(p.rows != m or p.cols != m for _, p in run_steps) or any(k not in ("dense", "diag") for k in kinds):
         return
     diagonal = all(k == "diag" for k in kinds)

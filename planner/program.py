@@ -365,9 +365,9 @@ def mv_kind(op, phase: str, pattern: Pattern, n: int, operators: Sequence[bool],
     return "gemv" if pattern.is_full else "spmv"
 
 
-def middle_runs(steps, mats, operators: Sequence[bool] = ()) -> dict[int, int]:
-    """Start index -> length of each run (>= 2) of chainable single-MV middle steps (a layer that
-    comes as a structured operator applies itself and ends a run)."""
+def middle_runs(steps, mats, profile, operators: Sequence[bool] = ()) -> dict[int, int]:
+    """Start index -> length of each run (>= 2) of chainable single-MV middle steps on ``profile``'s
+    device (a layer that comes as a structured operator applies itself and ends a run)."""
     runs: dict[int, int] = {}
     n = len(operators)
     i = 0
@@ -375,7 +375,7 @@ def middle_runs(steps, mats, operators: Sequence[bool] = ()) -> dict[int, int]:
         j = i
         while (j < len(steps) and steps[j].phase == "mid" and len(steps[j].mv) == 1
                and not (steps[j].mv[0].mat < n and operators[steps[j].mv[0].mat])
-               and linear_run_kind(mats[steps[j].mv[0].mat].pattern) is not None):
+               and linear_run_kind(mats[steps[j].mv[0].mat].pattern, profile) is not None):
             j += 1
         if j - i >= 2:
             runs[i] = j - i
@@ -487,7 +487,7 @@ def layout(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
 
     pending = []  # (step, op-kind, payload) resolved once zero slots are known
     steps: list[ProgramStep] = []
-    runs = middle_runs(sched.steps, mats, operators)
+    runs = middle_runs(sched.steps, mats, plan.profile, operators)
     skip_until = -1
     for si, st in enumerate(sched.steps):
         if si < skip_until:
@@ -666,7 +666,7 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
                 pats_ = [mats[o.mat].pattern for o in ops]
                 csr_ids: dict[str, int] = {}  # distinct CSR patterns, by key, in order of first use
                 for p in pats_:
-                    if linear_run_kind(p) == "sparse":
+                    if linear_run_kind(p, plan.profile) == "sparse":
                         csr_ids.setdefault(p.key, len(csr_ids))
                 by_key = {p.key: p for p in pats_}
                 return LinearRun(

@@ -181,16 +181,19 @@ def _index_array(arrays: dict, name: str, ndim: int = 1) -> np.ndarray:
     return a
 
 
-# profile fields added after version 3 files were first written: a file without them was planned
-# by a profile that did not have them, whose behavior their defaults keep (no chunked linear runs)
-_LATER_PROFILE_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s")
+# profile fields added after version 3 files were first written, in the groups they came in: a
+# file without a group was planned by a profile that did not have it, whose behavior the group's
+# defaults keep (no chunked linear runs; CSR steps of at most 2**16 entries in runs)
+_LATER_PROFILE_FIELDS = (("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s"),
+                         ("run_sparse_max_nnz",))
 _LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps")
 
 
 def _profile(raw: Any) -> DeviceProfile:
     names = [f.name for f in fields(DeviceProfile)]
-    if isinstance(raw, dict) and all(k not in raw for k in _LATER_PROFILE_FIELDS):
-        raw = dict(raw, **{f.name: f.default for f in fields(DeviceProfile) if f.name in _LATER_PROFILE_FIELDS})
+    for group in _LATER_PROFILE_FIELDS:
+        if isinstance(raw, dict) and all(k not in raw for k in group):
+            raw = dict(raw, **{f.name: f.default for f in fields(DeviceProfile) if f.name in group})
     if not isinstance(raw, dict) or sorted(raw) != sorted(names):
         raise ValueError(f"header field 'profile': expected the keys {names}, got {raw!r}")
     if not isinstance(raw["name"], str):
@@ -204,6 +207,11 @@ def _profile(raw: Any) -> DeviceProfile:
             continue
         if k == "chain_sparse_step_s" and v is None:
             continue  # the dense steps' cost
+        if k == "run_sparse_max_nnz":
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"header field 'profile.run_sparse_max_nnz': expected null (no bound) or an int "
+                                 f">= 1, got {v!r}")
+            continue
         if k == "dense_threshold":
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1):
                 raise ValueError(f"header field 'profile.dense_threshold': expected null (storage by cost) or a "

@@ -26,8 +26,9 @@ import spscan
 from spscan.kernels import cpu_chain, torch_ops
 from spscan.planner import planning
 from spscan.planner import program as program_mod
+from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
-from spscan.planner.patterns import as_pattern
+from spscan.planner.patterns import as_chain, as_pattern
 from spscan.planner.program import LinearRun
 from spscan.reference import reference_backward
 
@@ -170,7 +171,7 @@ def path(request, monkeypatch):
         monkeypatch.setattr(torch_ops, "NUMPY_RUN_MAX_WORK", 0)
     if request.param == "unfused":
         kind = planning.linear_run_kind
-        monkeypatch.setattr(program_mod, "linear_run_kind", lambda p: None if kind(p) == "sparse" else kind(p))
+        monkeypatch.setattr(program_mod, "linear_run_kind", lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile))
     run = cpu_chain.run_chain
 
     def spy(*args, **kwargs):
@@ -189,7 +190,7 @@ def check(pats, vals, grad, extra, dtype, path_name, stacked=None):
     plan = spscan.plan(pats, levels=0, backend="torch")
     runs = runs_of(plan, shared, has_extra)
     csr_steps = sum(int(op.sparse.sum()) for op in runs)
-    n_sparse = sum(planning.linear_run_kind(as_pattern(p)) == "sparse" for p in pats)
+    n_sparse = sum(planning.linear_run_kind(as_pattern(p), profile_for("cpu")) == "sparse" for p in pats)
     if path_name == "unfused":
         assert csr_steps == 0
     elif n >= 2:
@@ -284,12 +285,59 @@ def test_patterns_are_interned_and_estimates_do_not_grow_with_t():
 
 def test_run_kind_of_patterns():
     rng = np.random.default_rng(0)
-    assert planning.linear_run_kind(as_pattern(_csr(np.ones((3, 4), dtype=bool)))) == "dense"
-    assert planning.linear_run_kind(as_pattern(_csr(np.eye(4, dtype=bool)))) == "diag"
-    assert planning.linear_run_kind(as_pattern(_sparse(rng, 4, 4, 0.95))) == "sparse"  # nearly dense stays CSR
-    assert planning.linear_run_kind(as_pattern(_csr(np.zeros((3, 2), dtype=bool)))) == "sparse"
-    big = sp.csr_array(sp.eye(planning.RUN_SPARSE_MAX_NNZ + 2, k=1, format="csr"))
-    assert planning.linear_run_kind(as_pattern(big)) is None  # its own work dwarfs a run's savings
+    cpu, cuda = profile_for("cpu"), profile_for("cuda")
+    for prof in (cpu, cuda):
+        assert planning.linear_run_kind(as_pattern(_csr(np.ones((3, 4), dtype=bool))), prof) == "dense"
+        assert planning.linear_run_kind(as_pattern(_csr(np.eye(4, dtype=bool))), prof) == "diag"
+        assert planning.linear_run_kind(as_pattern(_sparse(rng, 4, 4, 0.95)), prof) == "sparse"  # nearly dense: CSR
+        assert planning.linear_run_kind(as_pattern(_csr(np.zeros((3, 2), dtype=bool))), prof) == "sparse"
+    # a big CSR step: on a GPU its own work dwarfs a run's savings and a standalone SpMV spreads it
+    # over the device; on a CPU the compiled run loop is the fastest way through it
+    big = as_pattern(sp.csr_array(sp.eye(cuda.run_sparse_max_nnz + 2, k=1, format="csr")))
+    assert planning.linear_run_kind(big, cuda) is None
+    assert planning.linear_run_kind(big, cpu) == "sparse"
+    assert planning.linear_run_kind(big, profile_for("cpu", {"run_sparse_max_nnz": 1 << 16})) is None
+
+
+def test_big_csr_steps_take_the_compiled_loop_on_cpu():
+    """The LSTM step at H = 128 (a shared CSR element of 4 H^2 + H = 65664 entries, over the GPU
+    profile's bound for run steps): on the CPU profile it is a step of the one fused run, which takes
+    the compiled/NumPy loop (eager torch's gathers were 40x slower per step), and the gradients match
+    the float64 reference; the CUDA profile keeps such an element a standalone SpMV."""
+    shared_pat, sample_pat = lstm_step(128)
+    assert shared_pat.nnz > profile_for("cuda").run_sparse_max_nnz
+    pats = [shared_pat, sample_pat] * 3
+    shared = [True, False] * 3
+    plan = spscan.plan(pats, levels=0, backend="torch")
+    (run,) = runs_of(plan, shared, [False] * 7)
+    assert int(run.sparse.sum()) == 6
+    assert torch_ops.uses_numpy(torch_ops._run_plan(run), torch.empty(16, 1))
+    for device, want in (("cpu", {0: 6}), ("cuda", {})):  # the middle's runs: start step -> length
+        scan = planning.plan_scan(as_chain(pats), 0, profile_for(device))
+        assert program_mod.middle_runs(scan.schedule.steps, scan.mats, scan.profile) == want, device
+    vals = make_values(pats, shared, 2, torch.float64, 0, pooled=True)
+    grad = torch.randn(2, pats[-1].shape[1], dtype=torch.float64)
+    got = spscan.backward(plan, vals, grad)
+    ref = reference_backward(pats, vals, grad)
+    scale = max(float(r.abs().max()) for r in ref)
+    assert max(float((g - r).abs().max()) for g, r in zip(got, ref)) <= 1e-12 * scale
+
+
+def test_plan_files_keep_the_run_bound():
+    """The profile's bound on CSR run steps travels in plan files; a file written before the field
+    existed was planned with the former fixed bound (2**16 entries) and loads with it."""
+    from dataclasses import asdict
+
+    from spscan.planner.serialize import _profile
+
+    cpu, cuda = profile_for("cpu"), profile_for("cuda")
+    assert cpu.run_sparse_max_nnz is None and cuda.run_sparse_max_nnz == 1 << 16
+    assert _profile(asdict(cpu)) == cpu and _profile(asdict(cuda)) == cuda
+    old = {k: v for k, v in asdict(cpu).items() if k != "run_sparse_max_nnz"}
+    assert _profile(old).run_sparse_max_nnz == 1 << 16
+    for bad in (0, -3, 2.5, True, "big"):
+        with pytest.raises(ValueError, match="run_sparse_max_nnz"):
+            _profile(dict(asdict(cpu), run_sparse_max_nnz=bad))
 
 
 # ------------------------------------------------------------------ the compiled loop itself
