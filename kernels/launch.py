@@ -360,7 +360,7 @@ def diagonal_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Opti
     :func:`chunked_run_config`."""
     if m <= 0 or steps < CHUNKED_MIN_STEPS:
         return None
-    chunk = _chunk_length(steps, chunk)
+    chunk = max(_chunk_length(steps, chunk), -(-steps // 65535))  # chunks are grid dimension 1 (<= 65535)
     block = 1024 if interpreting() else 128  # the interpreter pays per program; a GPU wants many programs
     return DiagonalRunConfig(m, chunk, -(-steps // chunk), block, 4)
 

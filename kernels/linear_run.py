@@ -332,7 +332,7 @@ def run_expand_kernel(
 @triton.jit
 def _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L: tl.constexpr):
     """This program's lanes: validity, sample, entry, and the per-sample value and vector rows."""
-    lane = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     ok = lane < lanes
     smp = lane // m
     u = lane % m
@@ -355,10 +355,10 @@ def diag_chunk_kernel(
     table, steps, m, lanes, chunk, chunks, stride_p, stride_v, stride_c,
     NF: tl.constexpr, BLOCK_L: tl.constexpr, EXPAND: tl.constexpr,
 ):
-    """Walk chunk ``program_id(0)``'s steps for ``BLOCK_L`` lanes. Both phases run the same recurrence
+    """Walk chunk ``program_id(1)``'s steps for lane block ``program_id(0)``. Both phases run the same recurrence
     ``shift <- d_j shift + add_j``: composing (``EXPAND`` false) from 0, also multiplying up the
     ``scale``, and storing both at the end; expanding from the chunk's entry, storing every ``y_j``."""
-    c = tl.program_id(0)
+    c = tl.program_id(1)
     ok, smp, u, prow, vrow = _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L)
     crow = c_ptr + smp * stride_c + u
     scale = tl.full([BLOCK_L], 1.0, dtype=v_ptr.dtype.element_ty)
@@ -485,7 +485,7 @@ def _diagonal_run(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch.Tens
                   stride_c=scratch.stride(0))
     consts = dict(NF=FIELDS, BLOCK_L=block)
     if chunks > 1:
-        launch.launch(diag_chunk_kernel, (chunks - 1, lane_blocks), common, dict(consts, EXPAND=False),
+        launch.launch(diag_chunk_kernel, (lane_blocks, chunks - 1), common, dict(consts, EXPAND=False),
                       cfg.num_warps)
         launch.launch(diag_carry_kernel, (lane_blocks,),
                       dict(c_ptr=scratch, v_ptr=v, vin0=vin0, m=m, lanes=lanes, chunks=chunks,
@@ -493,4 +493,4 @@ def _diagonal_run(table: torch.Tensor, vin0: int, s: torch.Tensor, p: torch.Tens
                       dict(BLOCK_L=block), cfg.num_warps)
     else:  # the only chunk starts from y_0: no carry
         scratch[:, 2 * m: 3 * m].copy_(v[:, vin0: vin0 + m])
-    launch.launch(diag_chunk_kernel, (chunks, lane_blocks), common, dict(consts, EXPAND=True), cfg.num_warps)
+    launch.launch(diag_chunk_kernel, (lane_blocks, chunks), common, dict(consts, EXPAND=True), cfg.num_warps)

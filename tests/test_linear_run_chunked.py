@@ -124,6 +124,7 @@ def test_diagonal_config_and_size():
     assert launch.diagonal_run_config(20, 63) is None  # short runs stay sequential
     cfg = launch.diagonal_run_config(500, 10000)  # no upper bound on m
     assert (cfg.m, cfg.chunk, cfg.chunks) == (500, 100, 100) and cfg.scratch_per_sample == 3 * 100 * 500
+    assert launch.diagonal_run_config(4, 200000, chunk=1).chunks <= 65535  # a CUDA grid dimension
 
     def run(cols, dense=(False, False, False), sparse=(False, False, False)):
         return SimpleNamespace(steps=3, rows=np.array([4, 4, 4]), cols=np.array(cols), dense=np.array(dense),
