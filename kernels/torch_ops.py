@@ -280,10 +280,15 @@ def _run_plan(op: LinearRun, device: Optional[torch.device] = None) -> _RunPlan:
 
 # A CPU linear-run step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
 # and ``dot`` calls cost about a third of eager torch's (measured: a 1000-step RNN middle, B=16,
-# H=20, mul + mm per step, 2.8 ms vs 7.0 ms on one core), so CPU linear runs whose per-step product is
-# small run through NumPy views of the same buffers. Above this many multiply-adds in a dense step's
-# product (per step, all samples) the product dominates and torch's BLAS keeps the run.
-NUMPY_RUN_MAX_WORK = 1 << 18
+# H=20, mul + mm per step, 2.8 ms vs 7.0 ms on one core), and the compiled loop (kernels/cpu_chain)
+# removes the calls altogether, so CPU linear runs go through NumPy views of the same buffers unless
+# a dense step's product is big enough for torch's BLAS to spread it over its threads: above this
+# many multiply-adds per step (all samples) times torch's thread count. Measured on the factored
+# RNN's run (a dense H x H step per time step), training step, compiled loop vs the BLAS route: one
+# thread, the compiled loop faster at every size tried (up to 1.7e7 multiply-adds per step: H =
+# 1024, B = 16, 254 vs 328 ms); two threads (wall time), even at 4.2e6 (H = 512, B = 16: 64 vs
+# 63 ms) and BLAS ahead at 1.7e7 (270 vs 217 ms).
+NUMPY_RUN_MAX_WORK = 1 << 23
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -296,7 +301,8 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
     torch has no better way through them than NumPy's gathers, and the compiled loop has a much
     better one (measured on an LSTM with H = 64, T = 1000, B = 16, whose CSR steps hold
     ``4 H^2 + H`` entries: training step 20.6 ms compiled against 910 ms in eager torch)."""
-    return vectors.device.type == "cpu" and vectors.shape[0] * cp.max_dense <= NUMPY_RUN_MAX_WORK
+    return (vectors.device.type == "cpu"
+            and vectors.shape[0] * cp.max_dense * torch.get_num_threads() <= NUMPY_RUN_MAX_WORK)
 
 
 def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
