@@ -331,7 +331,8 @@ def run_expand_kernel(
 
 @triton.jit
 def _diag_lanes(p_ptr, v_ptr, lanes, m, stride_p, stride_v, BLOCK_L: tl.constexpr):
-    """This program's lanes: validity, sample, entry, and the per-sample value and vector rows."""
+    """This program's lanes (block ``program_id(0)``): validity, sample, entry, and each lane's
+    element in the rows of ``p_ptr`` and ``v_ptr`` (per-sample values or scratch, and vectors)."""
     lane = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     ok = lane < lanes
     smp = lane // m
@@ -390,13 +391,9 @@ def diag_carry_kernel(
     vin0, m, lanes, chunks, stride_v, stride_c,
     BLOCK_L: tl.constexpr,
 ):
-    lane = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
-    ok = lane < lanes
-    smp = lane // m
-    u = lane % m
-    crow = c_ptr + smp * stride_c + u
+    ok, smp, u, crow, vrow = _diag_lanes(c_ptr, v_ptr, lanes, m, stride_c, stride_v, BLOCK_L)
     erow = crow + 2 * chunks * m
-    y = tl.load(v_ptr + smp * stride_v + vin0 + u, mask=ok, other=0.0)
+    y = tl.load(vrow + vin0, mask=ok, other=0.0)
     c = 0
     while c < chunks - 1:
         tl.store(erow + c * m, y, mask=ok)

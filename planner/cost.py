@@ -69,7 +69,7 @@ class DeviceProfile:
 # A chunked run's composition on an H100 (fp32, exact products): 3.84e9 multiply-adds (the RNN at
 # T = 30000, B = 16, H = 20) in 5.1 ms, ~7.7e11/s; its expansion ~1.2 ms for chunks of 245 steps.
 # A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
-# caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_CHAIN_MAX_WORK.
+# caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_RUN_MAX_WORK.
 _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0e9, gemv_rate=1.0e9,
                      bytes_budget=2.0e9, chain_step_s=2.0e-6, run_sparse_max_nnz=None)
 _CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
