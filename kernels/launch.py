@@ -38,7 +38,7 @@ __all__ = [
     "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
     "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "DiagonalRunConfig",
-    "diagonal_run_config", "LaunchSpec", "launch",
+    "diagonal_run_config", "RecurrenceConfig", "recurrence_config", "LaunchSpec", "launch",
     "recording",
 ]
 
@@ -363,6 +363,69 @@ def diagonal_run_config(m: int, steps: int, chunk: Optional[int] = None) -> Opti
     chunk = max(_chunk_length(steps, chunk), -(-steps // 65535))  # chunks are grid dimension 1 (<= 65535)
     block = 1024 if interpreting() else 128  # the interpreter pays per program; a GPU wants many programs
     return DiagonalRunConfig(m, chunk, -(-steps // chunk), block, 4)
+
+
+@dataclass(frozen=True)
+class RecurrenceConfig:
+    """A structured recurrence (:mod:`spscan.kernels.recurrence`) parallel over its steps: ``chunks`` chunks
+    of ``chunk`` fused steps; blocks padded to ``block_n`` columns; the compose launch holds
+    ``compose_rows`` lanes per program, the expand launch ``expand_rows`` samples."""
+
+    chunk: int
+    chunks: int
+    block_n: int
+    compose_rows: int
+    compose_warps: int
+    expand_rows: int
+    expand_warps: int
+    carry_warps: int
+
+    @property
+    def compose_precision(self) -> str:
+        """``tl.dot``'s precision for float32 chunk maps, read at each launch (see :func:`input_precision`)."""
+        return input_precision(torch.float32)
+
+    @property
+    def expand_precision(self) -> str:
+        """The expansion writes the gradients themselves: float32-exact unless ``"tf32"`` was asked for."""
+        return input_precision(torch.float32)
+
+
+# Structured recurrences of fewer fused steps stay on the general kernels.
+RECURRENCE_MIN_STEPS = 16
+# Launch parameters of the structured recurrence on a GPU, by state size m = ny * n (the widest first):
+# (largest m, compose lanes per program, compose warps, expand warps, carry warps). Chosen by
+# ``bench/gpu/tune.py`` on the device named in ``RECURRENCE_TUNED_ON``.
+RECURRENCE_TUNED_ON = "untuned"
+RECURRENCE_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
+    (32, 64, 4, 4, 1),
+    (64, 32, 4, 4, 2),
+    (1 << 30, 16, 4, 4, 4),
+)
+# the chunk length as a multiple of sqrt(steps): the critical path is ~2 chunk + steps / chunk dependent steps,
+# but a chunk step costs more than a carry step
+RECURRENCE_CHUNK_SCALE = 0.7
+
+
+def recurrence_config(n: int, ny: int, steps: int, chunk: Optional[int] = None,
+                      interpret: Optional[bool] = None) -> Optional[RecurrenceConfig]:
+    """Launch parameters of a structured recurrence with blocks of ``n``, a state of ``ny`` blocks and
+    ``steps`` fused steps, or ``None`` where it stays on the general kernels (too few steps).
+
+    ``chunk``: chunk length (default ``chunk_steps``, else ``RECURRENCE_CHUNK_SCALE * sqrt(steps)``, at least 8).
+    """
+    interpret = interpreting() if interpret is None else interpret
+    if steps < RECURRENCE_MIN_STEPS:
+        return None
+    if chunk is None and chunk_steps is None:
+        chunk = max(8, int(round(RECURRENCE_CHUNK_SCALE * math.sqrt(steps))))
+    chunk = max(_chunk_length(steps, chunk), -(-steps // 65535))  # chunks are grid dimension 1 (<= 65535)
+    block_n = max(16, next_pow2(n))  # tl.dot takes tiles of 16 and more
+    m = n * ny
+    if interpret:  # the interpreter pays per program: few, large ones
+        return RecurrenceConfig(chunk, -(-steps // chunk), block_n, 256, 4, 64, 4, 4)
+    _, rows, cw, ew, kw = next(row for row in RECURRENCE_TABLE if m <= row[0])
+    return RecurrenceConfig(chunk, -(-steps // chunk), block_n, rows, cw, 16, ew, kw)
 
 
 def launch(kernel, grid: tuple[int, ...], args: dict[str, Any], constexprs: dict[str, Any], num_warps: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from spscan.planner.program import Apply, BlockRef, Gemm, Gemv, LinearRun, Program, RowSpGEMM, SpMM, SpMV
+from spscan.planner.recurrence import Recurrence, recurrence_of
 
 from .backend import Backend, Capabilities, Tables, load_feeds, run_apply
 from . import launch
@@ -28,6 +29,7 @@ from .spgemm import spgemm
 from .spgemm_rows import RowsTable, rows_table, spgemm_rows
 from .spmv import spmv
 from .linear_run import chunked_size, diagonal_size, linear_run, linear_run_chunked, linear_run_table
+from .recurrence import recurrence_scratch, run_recurrence
 
 __all__ = ["TritonTables", "TritonBackend", "make_tables", "run_program"]
 
@@ -83,10 +85,30 @@ class _LinearRunLaunch:
     scratch_offset: int = 0  # where its working memory starts in each sample's row of arenas["C"]
 
 
-Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _LinearRunLaunch]
+@dataclass
+class _RecurrenceLaunch:
+    """A linear run that is a structured recurrence (:mod:`spscan.planner.recurrence`): the fused kernels."""
+
+    op: LinearRun
+    rec: Recurrence
+    config: launch.RecurrenceConfig
+    scratch_offset: int = 0
+
+    @property
+    def scratch_per_sample(self) -> int:
+        return recurrence_scratch(self.rec, self.config)
 
 
-def _run_launch(op: LinearRun, idt: torch.dtype, device: torch.device) -> _LinearRunLaunch:
+Launch = Union[_ApplyLaunch, _SpMMLaunch, _RowsLaunch, _SpMVLaunch, _GemmLaunch, _GemvLaunch, _LinearRunLaunch,
+               _RecurrenceLaunch]
+
+
+def _run_launch(op: LinearRun, idt: torch.dtype, device: torch.device) -> Union[_LinearRunLaunch, _RecurrenceLaunch]:
+    rec = recurrence_of(op, min_steps=launch.RECURRENCE_MIN_STEPS)
+    if rec is not None:  # one shared block and per-step diagonals, repeated: the fused kernels
+        cfg = launch.recurrence_config(rec.n, rec.ny, rec.steps)
+        if cfg is not None:
+            return _RecurrenceLaunch(op, rec, cfg)
     table, uniform_m, indptr, indices = linear_run_table(op, idt, device)
     m = diagonal_size(op)
     if m:  # diagonals only: per lane, any m
@@ -184,7 +206,10 @@ class TritonTables(Tables):
                     limit = max(sizes["S"], sizes["P"], sizes["V"])
                     limit = max(limit, int(op.csr_indices.size) + 1)
                     item = shared(op, lambda op=op, limit=limit: _run_launch(op, index_dtype(limit), self.device))
-                    if item.chunked is not None:  # its own working memory, after the other runs'
+                    if isinstance(item, _RecurrenceLaunch):  # its own working memory, after the other runs'
+                        item = dataclasses.replace(item, scratch_offset=self.run_scratch)
+                        self.run_scratch += item.scratch_per_sample
+                    elif item.chunked is not None:
                         item = dataclasses.replace(item, scratch_offset=self.run_scratch)
                         self.run_scratch += item.chunked.scratch_per_sample
                     launches.append(item)
@@ -252,6 +277,9 @@ def run_program(tables: TritonTables, arenas: dict[str, torch.Tensor], vectors: 
                      arenas[op.kind_a], arenas[op.kind_b], arenas[op.kind_out])
             elif isinstance(item, _ApplyLaunch):
                 run_apply(item.op, vectors, inputs)
+            elif isinstance(item, _RecurrenceLaunch):
+                scratch = arenas["C"].view(vectors.shape[0], -1)[:, item.scratch_offset:]
+                run_recurrence(item.rec, arenas["S"], arenas["P"], vectors, scratch, item.config)
             elif isinstance(item, _LinearRunLaunch) and item.chunked is not None:
                 scratch = arenas["C"].view(vectors.shape[0], -1)[:, item.scratch_offset:]
                 linear_run_chunked(item.table, int(item.op.vin0), arenas["S"], arenas["P"], vectors, scratch,

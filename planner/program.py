@@ -243,6 +243,7 @@ class Program:
     root_vec: Optional[tuple[int, int]] = None  # reduce: (offset, dim) of its affine term in V, if any
     operators: tuple[bool, ...] = ()  # per layer: applied by its structured operator
     skipped_first: bool = False  # dl/dx_0 was not wanted and is not computed (outputs[0] has offset -1)
+    period: int = 0  # > 0: shared layer i's values are layer (i mod period)'s, held once (see layout)
 
     @property
     def zero_s(self) -> int:
@@ -411,6 +412,7 @@ class Layout:
     size_s: int
     size_p: int
     size_v: int
+    period: int = 0
 
 
 class LoweringCache:
@@ -432,12 +434,15 @@ class LoweringCache:
 
 
 def layout(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
-           operators: Optional[Sequence[bool]] = None, first_output: bool = True) -> Layout:
+           operators: Optional[Sequence[bool]] = None, first_output: bool = True, period: int = 0) -> Layout:
     """Lay out the arenas of one value signature and list the work tables it needs (see :func:`lower`).
 
     ``first_output=False`` leaves out the middle's mat-vec that only produces ``dl/dx_0`` but keeps
     its vector slot, so every other slot, and hence every other table, is the same as with
-    ``first_output=True``.
+    ``first_output=True``. ``period > 0``: the values repeat with that period (a recurrent chain:
+    shared layer ``i`` holds the values of layer ``i mod period``), so each shared element gets one
+    slot, which every period reads (the fused recurrence kernels need exactly that: a shared block
+    that stays put); per-sample layers keep their own slots.
     """
     n = plan.n
     shared = tuple(bool(s) for s in shared)
@@ -453,13 +458,17 @@ def layout(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
     offset: dict[int, int] = {}
     input_offsets = []
     in_products = {m for st in sched.steps for op in st.mm for m in (op.left, op.right) if m < n}
+    period = _checked_period(period, n, shared, pats)
     for i in range(n):
         k = SHARED if shared[i] else SAMPLE
         kind[i] = k
         if operators[i] and i not in in_products:
             input_offsets.append(-1)  # applied by its operator only: no CSR values at all
             continue
-        offset[i] = alloc[k].take(pats[i].nnz)
+        if period and i >= period and shared[i] and input_offsets[i - period] >= 0:
+            offset[i] = offset[i - period]  # the same values as one period before: one copy
+        else:
+            offset[i] = alloc[k].take(pats[i].nnz)
         input_offsets.append(offset[i])
     drop_out = None if first_output or reduce else sched.outputs[0]
 
@@ -571,9 +580,24 @@ def layout(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
     zero = {SHARED: alloc[SHARED].take(1), SAMPLE: alloc[SAMPLE].take(1)}
     zero_v = valloc.take(1)
     lay = Layout(sched, shared, has_extra, operators, kind, offset, input_offsets, voff, vdim, extra_slots, dropped,
-                 steps, [], zero, zero_v, alloc[SHARED].size, alloc[SAMPLE].size, valloc.size)
+                 steps, [], zero, zero_v, alloc[SHARED].size, alloc[SAMPLE].size, valloc.size, period)
     lay.pending = [(pstep, what, payload, _table_key(lay, mats, n, what, payload)) for pstep, what, payload in pending]
     return lay
+
+
+def _checked_period(period: int, n: int, shared: Sequence[bool], pats) -> int:
+    """``period`` when the chain repeats with it (layer ``i``'s pattern and sharedness are layer
+    ``i - period``'s), else a ``ValueError``; 0 stays 0."""
+    period = int(period)
+    if period == 0:
+        return 0
+    if period < 0 or n % period:
+        raise ValueError(f"period: expected 0 or a positive divisor of the chain's {n} layers, got {period}")
+    for i in range(period, n):
+        if shared[i] != shared[i - period] or pats[i].key != pats[i - period].key:
+            raise ValueError(f"period={period}: layer {i + 1} differs from layer {i + 1 - period} in pattern or "
+                             f"sharedness; the values cannot repeat with this period")
+    return period
 
 
 def _table_key(lay: Layout, mats, n: int, what: str, payload) -> Optional[tuple]:
@@ -608,17 +632,18 @@ def _table_key(lay: Layout, mats, n: int, what: str, payload) -> Optional[tuple]
 
 def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
           operators: Optional[Sequence[bool]] = None, first_output: bool = True,
-          cache: Optional[LoweringCache] = None) -> Program:
+          cache: Optional[LoweringCache] = None, period: int = 0) -> Program:
     """Lay out arenas and build every step's work tables for one value signature.
 
     ``operators[i]``: layer ``i+1`` comes as a structured operator (it applies ``J^T`` itself); its
     mat-vecs become :class:`Apply` ops and its CSR values get arena slots only if a planned product
     reads them. ``first_output=False``: ``dl/dx_0`` is not wanted, and the linear scan's last
     mat-vec, which only produces it, is left out. ``cache``: the plan's :class:`LoweringCache`; a
-    table another binding of the plan already built (same key) is reused, not rebuilt.
+    table another binding of the plan already built (same key) is reused, not rebuilt. ``period``:
+    the values repeat with this period (see :func:`layout`).
     """
     n = plan.n
-    lay = layout(plan, shared, has_extra, operators, first_output)
+    lay = layout(plan, shared, has_extra, operators, first_output, period)
     cache = LoweringCache() if cache is None else cache
     mats = plan.mats
     pats = plan.patterns
@@ -730,5 +755,5 @@ def lower(plan: ScanPlan, shared: Sequence[bool], has_extra: Sequence[bool],
         input_offsets=lay.input_offsets, grad_slot=-1 if reduce else voff[GRAD], extra_slots=lay.extra_slots,
         outputs=outputs, steps=[s for s in lay.steps if s.ops], mat_kind=kind, mat_offset=offset,
         root_mat=root_mat, root_vec=root_vec, operators=lay.operators,
-        skipped_first=bool(outputs) and outputs[0][0] < 0,
+        skipped_first=bool(outputs) and outputs[0][0] < 0, period=lay.period,
     )

@@ -193,20 +193,23 @@ class PeriodicValues(Sequence):
         return e if enc is None else enc.expand(e)
 
 
-def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch.Tensor, batch: int) -> None:
+def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch.Tensor, batch: int,
+                   once: bool = False) -> None:
     """Load a periodic chain's values into the input arenas as the layer-order concatenation
     would (shared layers back to back in ``S``, per-sample layers in ``P``), with one strided
-    copy per element instead of a Python look-up and a concatenation over ``n`` layers."""
+    copy per element instead of a Python look-up and a concatenation over ``n`` layers.
+    ``once``: the binding holds each shared element once (a periodic signature), not once per period."""
     T = values.periods
     elements = [values.expanded(k) for k in range(len(values.elements))]
     shared = [e for e in elements if e.dim() == 1]
     per = [e for e in elements if e.dim() == 3]
     if shared:
         width = sum(int(e.shape[0]) for e in shared)
-        block = s_arena[: T * width].view(T, width)
+        reps = 1 if once else T
+        block = s_arena[: reps * width].view(reps, width)
         off = 0
         for e in shared:
-            block[:, off : off + e.shape[0]].copy_(e.unsqueeze(0).expand(T, -1))
+            block[:, off : off + e.shape[0]].copy_(e.unsqueeze(0).expand(reps, -1))
             off += int(e.shape[0])
     if per:
         width = sum(int(e.shape[2]) for e in per)
@@ -566,7 +569,7 @@ class BoundPlan:
     def __init__(self, scan: ScanPlan, shared: tuple, has_extra: tuple, device: torch.device, backend: Backend,
                  dtype: Optional[torch.dtype], max_memory: Optional[int], operators: Optional[tuple] = None,
                  first_output: bool = True, lowering: Optional[LoweringCache] = None,
-                 table_memo: Optional[dict] = None) -> None:
+                 table_memo: Optional[dict] = None, period: int = 0) -> None:
         device = canonical_device(device)
         backend.check_device(device)
         self.shared = shared
@@ -585,7 +588,8 @@ class BoundPlan:
         self._nnz = [p.nnz for p in pats]
         self._dims = [p.rows for p in pats] + [pats[-1].cols]
         # ``lowering`` / ``table_memo``: the plan's caches, so tables equal to another binding's are held once
-        self.program = lower(scan, shared, has_extra, self.operators, first_output, lowering)
+        self.program = lower(scan, shared, has_extra, self.operators, first_output, lowering, period)
+        self.period = self.program.period  # > 0: values come as PeriodicValues of this many elements
         self.tables = backend.make_tables(self.program, device, table_memo)
         # run(graph=True) applies: launches only, on this plan's buffers (no caller tensor read by a launch)
         self._graphable = (device.type == "cuda" and backend.capabilities.graph_capturable
@@ -749,9 +753,14 @@ class BoundPlan:
                 that needs nothing below, e.g. frozen bottom layers and an input without gradient,
                 does no work there, as autograd). Ignored by other programs.
         """
+        periodic = values if isinstance(values, PeriodicValues) else None
+        if self.period and (periodic is None or len(periodic.elements) != self.period):
+            got = f"{len(periodic.elements)} elements" if periodic is not None else type(values).__name__
+            raise ValueError(f"values: this binding is periodic (period={self.period}): expected a PeriodicValues of "
+                             f"{self.period} elements, got {got}")
         if check:
             # the compact forms are validated as the lists they stand for
-            if isinstance(values, PeriodicValues):
+            if periodic is not None:
                 values = list(values)
             if isinstance(extra, StackedExtra):
                 extra = list(extra)
@@ -764,6 +773,8 @@ class BoundPlan:
             if shared != self.shared or has_extra != self.has_extra or operators != self.operators:
                 raise ValueError("values/extra: their sharedness or extra terms differ from the signature this plan "
                                  "was bound for (use spscan.backward, which binds per signature)")
+            if periodic is not None:
+                items = periodic  # loaded as the periodic form (one copy of each shared element)
         else:
             stacked = isinstance(values, torch.Tensor)
             items = [values] if stacked else values
@@ -907,7 +918,7 @@ class BoundPlan:
             if ps:
                 p_arena[:, : sum(t.shape[1] for t in ps)] = torch.cat(ps, dim=1)
         elif isinstance(items, PeriodicValues):
-            _load_periodic(items, s_arena, p_arena, batch)
+            _load_periodic(items, s_arena, p_arena, batch, once=self.period > 0)
         else:
             sh = [v.reshape(-1) for v, s in zip(items, prog.shared) if s]
             ps = [v for v, s in zip(items, prog.shared) if not s]

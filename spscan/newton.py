@@ -283,7 +283,9 @@ class NewtonSolver:
             has_extra = [False] * (m * seq_len + 1)
             for j in range(seq_len):
                 has_extra[m * j] = True  # r_{T-j} enters at chain index m*j
-            hit = self._bound[key] = plan.bind(shared, has_extra, torch.device(device))
+            # the factored forward values come as PeriodicValues (one copy of each shared element)
+            periodic = method != "quasi" and any(shared)
+            hit = self._bound[key] = plan.bind(shared, has_extra, torch.device(device), period=m if periodic else 0)
         return hit
 
     def prepare(self, seq_len: int, device, dtype: torch.dtype, method: str = "newton") -> None:

@@ -162,7 +162,8 @@ class Plan:
 
     # -- the run-time half ----------------------------------------------------------------
     def bind(self, shared: Optional[Sequence[bool]] = None, has_extra: Optional[Sequence[bool]] = None,
-             device=None, operators: Optional[Sequence[bool]] = None, first_output: bool = True) -> BoundPlan:
+             device=None, operators: Optional[Sequence[bool]] = None, first_output: bool = True,
+             period: int = 0) -> BoundPlan:
         """The run-time engine for one value signature on one device (made once, cached).
 
         Lowers the plan and uploads its index tables: every later :meth:`BoundPlan.run` is numeric
@@ -170,8 +171,11 @@ class Plan:
         ``extra[i]`` will be given; ``operators[i]``: layer ``i+1`` comes as a
         :class:`~spscan.kernels.backend.StructuredOperator` (applied matrix-free; its CSR values
         are asked for only where a planned product needs them); ``first_output=False``: ``dl/dx_0``
-        is not wanted (the scan's last mat-vec is left out). Defaults: all per sample, no extras,
-        no operators, ``self.device`` (else CPU).
+        is not wanted (the scan's last mat-vec is left out); ``period > 0``: the values will come as a
+        :class:`~spscan.engine.PeriodicValues` of ``period`` elements (a recurrent chain), so each
+        shared element is held once and every period reads it there (what the device's fused
+        recurrence kernels take). Defaults: all per sample, no extras, no operators, not periodic,
+        ``self.device`` (else CPU).
         """
         n = self.n
         shared = (False,) * n if shared is None else tuple(bool(s) for s in shared)
@@ -184,17 +188,17 @@ class Plan:
         if len(ops) != n:
             raise ValueError(f"operators: expected {n} flags (one per layer), got {len(ops)}")
         dev = resolve_device(device) if device is not None else (self._device or torch.device("cpu"))
-        return self._binding(shared, has_extra, dev, ops, bool(first_output))
+        return self._binding(shared, has_extra, dev, ops, bool(first_output), int(period))
 
     def _binding(self, shared: tuple, has_extra: tuple, device: torch.device, operators: Optional[tuple] = None,
-                 first_output: bool = True) -> BoundPlan:
+                 first_output: bool = True, period: int = 0) -> BoundPlan:
         operators = (False,) * self.n if operators is None else operators
-        key = (shared, has_extra, device, operators, first_output)
+        key = (shared, has_extra, device, operators, first_output, period)
         hit = self._bound.get(key)
         if hit is None:
             memo = self._table_memo.setdefault((self._backend, device), {})
             hit = BoundPlan(self._scan, shared, has_extra, device, get_backend(self._backend), self._dtype,
-                            self._max_memory, operators, first_output, self._lowering, memo)
+                            self._max_memory, operators, first_output, self._lowering, memo, period)
             self._bound[key] = hit
         return hit
 

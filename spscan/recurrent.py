@@ -280,7 +280,8 @@ class RecurrentPlan:
             shared = shared_flags(self.kind, self.hidden_size) * seq_len
         else:
             shared = [False] * n
-        return plan.bind(shared, has_extra, torch.device(device))
+        # the factored values come as PeriodicValues: each shared element held once (period = elements per step)
+        return plan.bind(shared, has_extra, torch.device(device), period=per if self.layout == "factored" else 0)
 
     def release_buffers(self) -> None:
         """Free the memory kept between steps: the recycled forward values and gradient copies
