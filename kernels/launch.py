@@ -9,13 +9,15 @@ configuration per shape (no autotuning: the interpreter cannot run several).
 
 Module-level switches:
 
-* ``dot_precision`` (default ``"ieee"``): how float32 ``tl.dot`` products (dense nodes, the chunk
-  maps of parallel linear runs) run: ``"ieee"`` exact fp32 multiply-adds; ``"tf32x3"`` three TF32
-  tensor-core products per product (the operands split into a TF32 high part and a TF32 remainder;
-  the remainders' product is dropped), within a few fp32 ulps; ``"tf32"`` one TF32 product (10-bit
-  mantissa inputs, ~1e-3 relative error). Set it with :func:`set_dot_precision`; read at each
-  launch (:func:`input_precision`); float64 is always exact. Triton's interpreter computes every
-  choice exactly, so only a GPU shows the difference.
+* ``dot_precision`` (default ``"exact"``): how float32 ``tl.dot`` products (dense nodes, the chunk
+  maps of parallel linear runs and structured recurrences) run: ``"exact"`` float32-exact by the
+  scheme each kernel was tuned fastest with (exact fp32 multiply-adds, or three TF32 products where
+  :data:`RECURRENCE_EXACT_DOT` says so); ``"ieee"`` exact fp32 multiply-adds everywhere; ``"tf32x3"``
+  three TF32 tensor-core products per product (the operands split into a TF32 high part and a TF32
+  remainder; the remainders' product is dropped), within a few fp32 ulps; ``"tf32"`` one TF32
+  product (10-bit mantissa inputs, ~1e-3 relative error). Set it with :func:`set_dot_precision`;
+  read at each launch (:func:`input_precision`); float64 is always exact. Triton's interpreter
+  computes every choice exactly, so only a GPU shows the difference.
 * ``chunk_steps`` (default ``None``: ``~sqrt(steps)``): the chunk length of linear runs that run
   parallel over their steps (:func:`chunked_run_config`), read when a plan's tables are built.
 * ``mode``: ``None`` follows ``TRITON_INTERPRET``; ``"device"`` or ``"interpret"`` forces one
@@ -42,8 +44,8 @@ __all__ = [
     "recording",
 ]
 
-DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
-dot_precision: str = "ieee"
+DOT_PRECISIONS = ("exact", "ieee", "tf32x3", "tf32")
+dot_precision: str = "exact"
 mode: Optional[str] = None
 chunk_steps: Optional[int] = None
 
@@ -57,17 +59,20 @@ def _checked_precision(precision: Any) -> str:
 
 
 def set_dot_precision(precision: str) -> None:
-    """How float32 ``tl.dot`` products run from the next launch on: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``
-    (see the module docstring). A bound plan's CUDA graphs are kept per setting."""
+    """How float32 ``tl.dot`` products run from the next launch on: ``"exact"``, ``"ieee"``, ``"tf32x3"``
+    or ``"tf32"`` (see the module docstring). A bound plan's CUDA graphs are kept per setting."""
     global dot_precision
     dot_precision = _checked_precision(precision)
 
 
-def input_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s ``input_precision`` for a launch on ``dtype`` values: ``dot_precision`` for float32,
-    ``"ieee"`` otherwise (TF32 applies to float32 inputs only)."""
+def input_precision(dtype: torch.dtype, exact: str = "ieee") -> str:
+    """``tl.dot``'s ``input_precision`` for a launch on ``dtype`` values: ``dot_precision`` for float32
+    (``"exact"`` as the kernel's float32-exact scheme ``exact``), ``"ieee"`` otherwise (TF32 applies to
+    float32 inputs only)."""
     precision = _checked_precision(dot_precision)
-    return precision if dtype == torch.float32 else "ieee"
+    if dtype != torch.float32:
+        return "ieee"
+    return exact if precision == "exact" else precision
 
 
 def interpreting() -> bool:
@@ -379,20 +384,24 @@ class RecurrenceConfig:
     expand_rows: int
     expand_warps: int
     carry_warps: int
+    compose_dot: Optional[str] = None  # a fixed float32 scheme (tuning); None: from dot_precision
+    expand_dot: Optional[str] = None
 
     @property
     def compose_precision(self) -> str:
         """``tl.dot``'s precision for float32 chunk maps, read at each launch (see :func:`input_precision`)."""
-        return input_precision(torch.float32)
+        return self.compose_dot or input_precision(torch.float32, RECURRENCE_EXACT_DOT["compose"])
 
     @property
     def expand_precision(self) -> str:
-        """The expansion writes the gradients themselves: float32-exact unless ``"tf32"`` was asked for."""
-        return input_precision(torch.float32)
+        """The same for the expansion's products."""
+        return self.expand_dot or input_precision(torch.float32, RECURRENCE_EXACT_DOT["expand"])
 
 
-# Structured recurrences of fewer fused steps stay on the general kernels.
+# Structured recurrences of fewer fused steps, or of blocks wider than this, stay on the general kernels
+# (the shared blocks are held for a whole launch; planner.cost's recurrence_max_n says the same).
 RECURRENCE_MIN_STEPS = 16
+RECURRENCE_MAX_N = 64
 # Launch parameters of the structured recurrence on a GPU, by state size m = ny * n (the widest first):
 # (largest m, compose lanes per program, compose warps, expand warps, carry warps). Chosen by
 # ``bench/gpu/tune.py`` on the device named in ``RECURRENCE_TUNED_ON``.
@@ -405,6 +414,8 @@ RECURRENCE_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
 # the chunk length as a multiple of sqrt(steps): the critical path is ~2 chunk + steps / chunk dependent steps,
 # but a chunk step costs more than a carry step
 RECURRENCE_CHUNK_SCALE = 0.7
+# the float32-exact scheme of each phase's products under dot_precision "exact": "ieee" (FMA) or "tf32x3"
+RECURRENCE_EXACT_DOT = {"compose": "tf32x3", "expand": "ieee"}
 
 
 def recurrence_config(n: int, ny: int, steps: int, chunk: Optional[int] = None,
@@ -415,7 +426,7 @@ def recurrence_config(n: int, ny: int, steps: int, chunk: Optional[int] = None,
     ``chunk``: chunk length (default ``chunk_steps``, else ``RECURRENCE_CHUNK_SCALE * sqrt(steps)``, at least 8).
     """
     interpret = interpreting() if interpret is None else interpret
-    if steps < RECURRENCE_MIN_STEPS:
+    if steps < RECURRENCE_MIN_STEPS or n > RECURRENCE_MAX_N:
         return None
     if chunk is None and chunk_steps is None:
         chunk = max(8, int(round(RECURRENCE_CHUNK_SCALE * math.sqrt(steps))))

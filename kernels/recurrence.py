@@ -344,12 +344,13 @@ def recurrence_scratch(rec: "Recurrence", cfg: "launch.RecurrenceConfig") -> int
 
 
 def run_recurrence(rec: "Recurrence", s: torch.Tensor, p: torch.Tensor, v: torch.Tensor, scratch: torch.Tensor,
-                   cfg: "launch.RecurrenceConfig") -> None:
+                   cfg: "launch.RecurrenceConfig", phases: str = "compose,carry,expand") -> None:
     """Run the structured recurrence ``rec`` (see the module docstring) in place on ``v``.
 
     ``s``: the shared values ``(N_S,)``; ``p``: per-sample values ``(B, N_P)``; ``v``: vectors ``(B, N_V)``;
     ``scratch``: ``(B, >= recurrence_scratch(rec, cfg))`` of ``v``'s dtype with unit column stride;
-    ``cfg`` from :func:`~spscan.kernels.launch.recurrence_config`.
+    ``cfg`` from :func:`~spscan.kernels.launch.recurrence_config`. ``phases``: the launches to make (all
+    three for a result; one alone times that phase, each reading what the previous call left).
     """
     batch = v.shape[0]
     if rec.steps == 0 or batch == 0:
@@ -369,18 +370,20 @@ def run_recurrence(rec: "Recurrence", s: torch.Tensor, p: torch.Tensor, v: torch
     consts = dict(N=rec.n, BN=cfg.block_n, NY=rec.ny, NZ=rec.nz, K1=rec.k1, ORDER=rec.order, E1=_flat(rec.e1),
                   E2=_flat(rec.e2), HAS_E2=len(rec.e2) > 0, SG=_flat(rec.sg), OUTS=rec.outs, HAS_ADD=rec.adds > 0,
                   AFFINE=rec.affine)
-    if chunks > 1:
+    if chunks > 1 and "compose" in phases:
         lanes = batch * (rec.m + rec.affine)
         launch.launch(recurrence_chunk_kernel, (triton.cdiv(lanes, cfg.compose_rows), chunks - 1),
                       dict(args, rows_total=lanes),
                       dict(consts, EXPAND=False, ROWS=cfg.compose_rows,
                            PRECISION="ieee" if exact else cfg.compose_precision), cfg.compose_warps)
-    launch.launch(recurrence_carry_kernel, (batch,),
-                  dict(c_ptr=scratch, v_ptr=v, v_in=rec.v_in, chunks=chunks, m=rec.m, stride_v=v.stride(0),
-                       stride_c=scratch.stride(0), e_off=e_off),
-                  dict(N=rec.n, BN=cfg.block_n, NY=rec.ny, AFFINE=rec.affine,
-                       MP=launch.next_pow2(rec.m + rec.affine)), cfg.carry_warps)
-    launch.launch(recurrence_chunk_kernel, (triton.cdiv(batch, cfg.expand_rows), chunks),
-                  dict(args, rows_total=batch),
-                  dict(consts, EXPAND=True, ROWS=cfg.expand_rows,
-                       PRECISION="ieee" if exact else cfg.expand_precision), cfg.expand_warps)
+    if "carry" in phases:
+        launch.launch(recurrence_carry_kernel, (batch,),
+                      dict(c_ptr=scratch, v_ptr=v, v_in=rec.v_in, chunks=chunks, m=rec.m, stride_v=v.stride(0),
+                           stride_c=scratch.stride(0), e_off=e_off),
+                      dict(N=rec.n, BN=cfg.block_n, NY=rec.ny, AFFINE=rec.affine,
+                           MP=launch.next_pow2(rec.m + rec.affine)), cfg.carry_warps)
+    if "expand" in phases:
+        launch.launch(recurrence_chunk_kernel, (triton.cdiv(batch, cfg.expand_rows), chunks),
+                      dict(args, rows_total=batch),
+                      dict(consts, EXPAND=True, ROWS=cfg.expand_rows,
+                           PRECISION="ieee" if exact else cfg.expand_precision), cfg.expand_warps)

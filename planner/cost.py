@@ -45,6 +45,12 @@ class DeviceProfile:
     # block of samples, while a standalone SpMV spreads them over the device; on a CPU the compiled
     # run loop is the fastest way through any CSR step (a standalone SpMV there is eager gathers)
     run_sparse_max_nnz: Optional[int] = 1 << 16
+    # structured recurrences (a run repeating one shared block and per-step diagonals, the fused kernels
+    # of kernels.recurrence): multiply-adds per second of composing the chunk maps (0: the device does
+    # not run them) and the time of one dependent step of a chunk or of the carry
+    recurrence_rate: float = 0.0
+    recurrence_step_s: float = 1.0e-6
+    recurrence_max_n: int = 0  # the widest block the fused recurrence kernels take (0: none)
 
     def run_step_s(self, kind: str) -> float:
         """Fixed cost of one fused linear-run step of kind ``"dense"``, ``"diag"`` or ``"sparse"``."""
@@ -74,7 +80,8 @@ _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0
                      bytes_budget=2.0e9, chain_step_s=2.0e-6, run_sparse_max_nnz=None)
 _CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
                       bytes_budget=8.0e9, chain_step_s=2.0e-6, pair_list_max_bytes=float(1 << 28),
-                      parallel_run_max_m=63, parallel_run_rate=7.7e11, chain_sparse_step_s=5.0e-6)
+                      parallel_run_max_m=63, parallel_run_rate=7.7e11, chain_sparse_step_s=5.0e-6,
+                      recurrence_rate=4.0e12, recurrence_step_s=6.0e-7, recurrence_max_n=64)
 
 
 def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:

@@ -14,6 +14,7 @@ import numpy as np
 
 from .cost import DeviceProfile
 from .patterns import FullPattern, Pattern, PatternTable, full_pattern, make_pattern
+from .recurrence import periodic_structure
 from .schedule import MMOp, ScanSchedule, Step, blelloch_schedule, max_levels
 from .rowwise import (RowwiseProduct, estimate_product_nnz, pair_list_bytes, rowwise_symbolic,
                       structural_product)
@@ -489,6 +490,17 @@ def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern
     (``m`` multiply-adds per step and sample). The total is spread evenly over the run's steps.
     """
     n = len(run_steps)
+    if profile.recurrence_rate > 0 and n:
+        rec = periodic_structure([p for _, p in run_steps], profile.recurrence_max_n)
+        if rec is not None:  # the fused recurrence kernels: a shared block and per-step diagonals
+            period, fused, macs = rec
+            chunk = max(8.0, 0.7 * math.sqrt(fused))
+            total = (profile.recurrence_step_s * (2 * chunk + fused / chunk) + 3 * profile.op_overhead_s
+                     + batch * fused * macs / profile.recurrence_rate)
+            for i, p in run_steps:
+                c = out[i]
+                out[i] = replace(c, time_s=c.time_s - profile.run_step_s(linear_run_kind(p, profile)) + total / n)
+            return
     if not profile.parallel_run_max_m or n < max(1, profile.parallel_run_min_steps):
         return
     m = run_steps[0][1].rows

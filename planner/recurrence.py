@@ -25,7 +25,7 @@ import numpy as np
 
 from .patterns import Pattern
 
-__all__ = ["Recurrence", "recurrence_of", "MAX_STATE_BLOCKS", "MAX_INNER_BLOCKS"]
+__all__ = ["Recurrence", "recurrence_of", "periodic_structure", "MAX_STATE_BLOCKS", "MAX_INNER_BLOCKS"]
 
 MAX_STATE_BLOCKS = 2  # blocks of the recurrence's state (the kernels hold them as named tiles)
 MAX_INNER_BLOCKS = 5  # blocks of the vectors between the parts
@@ -93,7 +93,7 @@ def _affine(values: np.ndarray) -> Optional[tuple[int, int]]:
 def _positions(p: Optional[Pattern], kind: str, rows: int, cols: int) -> np.ndarray:
     """Value position of every stored entry as a dense ``(rows, cols)`` array (-1: not stored)."""
     pos = np.full((rows, cols), -1, dtype=np.int64)
-    if kind == "dense":
+    if kind == "dense" or (kind == "sparse" and p.is_full):
         pos[:] = np.arange(rows * cols, dtype=np.int64).reshape(rows, cols)
     elif kind == "diag":
         pos[np.arange(rows), np.arange(rows)] = np.arange(rows)
@@ -132,6 +132,38 @@ def _blocks(pos: np.ndarray, n: int) -> Optional[list[list[tuple]]]:
                 return None
         grid.append(row)
     return grid
+
+
+def periodic_structure(patterns: list[Pattern], max_n: int = 1 << 30) -> Optional[tuple[int, int, int]]:
+    """Whether a run of these matrices (in run order) is a structured recurrence by its patterns alone:
+    ``(period, fused steps, multiply-adds per fused step and sample of composing a chunk map)``, else
+    ``None``. The cost model's view (:func:`recurrence_of` decides on the lowered run, where the
+    values' sharedness and places are known)."""
+    total = len(patterns)
+    for p in (2, 3):
+        if total % p or total // p < 2:
+            continue
+        if any(patterns[j].key != patterns[j % p].key for j in range(p, total)):
+            continue
+        n = 0
+        for q in patterns[:p]:
+            n = math.gcd(n, math.gcd(q.rows, q.cols))
+        grids = [_blocks(_positions(q, "sparse", q.rows, q.cols), n) for q in patterns[:p]]
+        if any(g is None for g in grids) or patterns[p - 1].rows != patterns[0].cols:
+            continue
+        dense = [r for r, g in enumerate(grids) if any(b[0] == "dense" for row in g for b in row)]
+        if not dense and n == 1:
+            dense = [p - 1]
+        if len(dense) != 1 or dense[0] not in (0, p - 1):
+            continue
+        m = patterns[0].cols
+        nblocks = sum(1 for g in grids for row in g for b in row if b[0] != "empty")
+        ndense = sum(1 for row in grids[dense[0]] for b in row if b[0] != "empty")
+        if m // n > MAX_STATE_BLOCKS or n > max_n:
+            continue
+        vec = ndense * n * n + (nblocks - ndense) * n
+        return p, total // p, vec * (m + 1)
+    return None
 
 
 def recurrence_of(op, min_steps: int = 2) -> Optional[Recurrence]:
@@ -194,6 +226,8 @@ def _with_period(op, p: int) -> Optional[Recurrence]:
     if any(g is None for g in grids):
         return None
     dense_subs = [r for r, g in enumerate(grids) if any(b[0] == "dense" for row in g for b in row)]
+    if not dense_subs and n == 1:  # 1 x 1 blocks read as diagonals: the shared part is the last or the first
+        dense_subs = [r for r in (p - 1, 0) if shared[r]][:1]
     if len(dense_subs) != 1 or not shared[dense_subs[0]]:
         return None
     s_sub = dense_subs[0]

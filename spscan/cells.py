@@ -21,10 +21,9 @@ from torch import nn
 
 from spscan.engine import PeriodicValues
 from spscan.kernels.backend import ValueEncoding
-from spscan.planner.cost import profile_for
 
 __all__ = [
-    "MATERIALIZED_MAX_GROWTH", "cell_kind", "cell_step", "coefficients", "factored_layout", "factored_step_values",
+    "cell_kind", "cell_step", "coefficients", "factored_layout", "factored_step_values",
     "gates", "gru_weight_values", "jacobian_values", "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern",
     "lstm_weight_values",
     "module_params", "recurrent_patterns", "resolve_layout", "shared_flags", "state_size",
@@ -219,20 +218,11 @@ def resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: int
         raise ValueError(f"layout: expected 'auto', 'factored' or 'materialized', got {layout!r}")
     if layout != "auto":
         return layout
-    # "auto": factored, except on a CUDA device the GRU where its H x H blocks make a chunked run and
-    # the LSTM where its 2H x 2H blocks would fit one, both while the per-sample values stay within
-    # MATERIALIZED_MAX_GROWTH times the factored chain's: measured (module docstring)
-    run_max = profile_for("cuda").parallel_run_max_m  # the widest block of a chunked run
-    if device_type == "cuda" and kind in ("gru", "lstm") and hidden <= run_max // (1 if kind == "gru" else 2):
-        materialized = hidden * hidden if kind == "gru" else 2 * hidden * hidden + 2 * hidden
-        factored = 4 * hidden if kind == "gru" else 9 * hidden  # per-sample entries per step
-        if materialized <= MATERIALIZED_MAX_GROWTH * factored:
-            return "materialized"
+    # "auto": factored on every device. On a CUDA device the factored chain runs as a structured
+    # recurrence (kernels.recurrence: the shared block held for the whole launch, only the per-step
+    # diagonals read), which does less work and moves fewer bytes than the materialized chain's
+    # per-sample H x H (LSTM 2H x 2H) blocks, formerly the faster choice on a GPU for small H
     return "factored"
-
-
-# "auto" materializes only while the per-sample values grow at most this much (GRU: H <= 32, LSTM: H <= 31)
-MATERIALIZED_MAX_GROWTH = 8
 
 
 def module_params(module: nn.Module) -> list[torch.Tensor]:

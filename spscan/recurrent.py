@@ -34,27 +34,12 @@ Chain layouts (``layout=``):
 * ``"materialized"``: ``T`` elements, each the per-sample ``J_t^T`` (``H x H`` dense for RNN and
   GRU; for the LSTM the ``2H x 2H`` pattern whose ``c_{t-1}`` rows hold two entries,
   ``nnz = 2H^2 + 2H``), values stacked ``(T, B, nnz)``.
-* ``"auto"``: factored, except when the module is on a CUDA device (where the plan is made) for
-  the GRU with ``H <= 32`` and the LSTM with ``H <= 31``: materialized (there, per step and
-  sample, at most 8 times the factored chain's values: ``H^2`` against ``4H``, ``2H^2 + 2H``
-  against ``9H``). The LSTM's materialized chain (one sparse ``2H x 2H`` element per step) halves
-  the sequential run's steps: on an H100 (``bench/gpu/sweep_runs.py``, B=16, H=20, loss on the
-  last output) its backward took 5.3 ms at T=1000 and 46.7 ms at T=10000 against the factored
-  chain's 13.4 and 128 ms (cuDNN: 1.3 and 8.7 ms; fixed depths 1 to full of the materialized
-  chain took 15.5-25.6 ms at T=10000, and with a CSR step of the run costed as measured the cost
-  model picks depth 6 at T=1000 and 9 at T=10000). The
-  materialized GRU's chain is one uniform run of dense ``H x H`` blocks, which the device runs
-  parallel over its steps: the backward took 0.97 ms at T=1000 and 2.9 ms at T=10000 against the
-  factored chain's 5.5 and 59.6 ms (cuDNN: 1.35 and 14.1 ms). On the CPU, factored: measured on a
-  2-core CPU shared with other work (B=16, H=20, input size 4
-  (GRU 24), a loss on every step, one thread, ``time.process_time``, min of 11 runs; levels "auto",
-  which picks the linear scan here): factored vs materialized, forward+values / backward (scan and
-  parameter GEMMs) in ms — RNN T=1000 ~5 / ~6 vs ~7 / ~10; GRU T=517 ~9 / ~11 vs ~15 / ~6; LSTM
-  T=1000 ~6 / ~23 vs ~57 / ~24. The core runs the factored chain's elements as one fused linear
-  scan (one small product per element); materializing writes ``T*B*nnz`` values per forward, which
-  costs more than having fewer elements per step saves (GRU: about even in total at H=20, the
-  materialized backward faster and its forward slower; the factored chain wins as H grows: at H=64 the
-  materialized GRU step is ~1.8x slower, and it holds nothing ``H x H`` per sample).
+* ``"auto"``: factored on every device. On a CUDA device the factored chain is a structured
+  recurrence (a shared block and per-step diagonals, repeated), which the fused kernels of
+  :mod:`spscan.kernels.recurrence` run without forming any per-step matrix; the materialized chain's
+  per-sample ``H x H`` blocks move more bytes for the same gradients. On the CPU the factored chain
+  costs less too (forward and values, backward; measured in ``bench/results/cpu-2core``): materializing
+  writes ``T*B*nnz`` values per forward, which costs more than having fewer elements per step saves.
   Against autograd (``bench/test_recurrent_step.py``: ``nn.LSTM(1, 20)``, B=16, loss on the last
   output, one thread, ``process_time``, medians of 11 interleaved pairs, quiet machine), autograd
   time / spscan time for forward, backward, step: T=1000 0.98, 0.75, 0.85; T=3000 1.62, 1.52, 1.58;

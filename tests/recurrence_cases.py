@@ -124,7 +124,7 @@ def reference(op: LinearRun, S: torch.Tensor, P: torch.Tensor, V: torch.Tensor) 
             pt = op.csr[int(op.pattern[j])]
             vals = S[off:off + pt.nnz].expand(V.shape[0], -1) if op.shared[j] else P[:, off:off + pt.nnz]
             rowi = np.repeat(np.arange(r), np.diff(pt.indptr))
-            prod = vals * y[:, torch.as_tensor(pt.indices)]
+            prod = vals * y[:, torch.as_tensor(np.array(pt.indices))]
             new = torch.zeros(V.shape[0], r, dtype=torch.float64).index_add_(1, torch.as_tensor(rowi), prod)
         elif op.dense[j]:
             M = (S[off:off + r * c].view(1, r, c) if op.shared[j] else P[:, off:off + r * c].view(-1, r, c))

@@ -240,18 +240,16 @@ def _check_engine(plan, pats, shared, dtype, batches, every: int, kernels: set) 
         assert err <= tol, (batch, err)
 
 
-def test_auto_layout_on_cuda():
+def test_auto_layout_is_factored_everywhere():
+    """The factored chain is a structured recurrence on a GPU (the fused kernels), so "auto" never
+    materializes per-sample ``H x H`` blocks."""
     from spscan.cells import resolve_layout
 
-    assert resolve_layout("gru", "auto", "cuda", 20) == "materialized"
-    assert resolve_layout("gru", "auto", "cuda", 32) == "materialized"
-    assert resolve_layout("gru", "auto", "cuda", 33) == "factored"  # over 8x the factored chain's values
-    assert resolve_layout("gru", "auto", "cuda", 64) == "factored"  # its blocks would not make a chunked run
-    assert resolve_layout("gru", "auto", "cpu", 20) == "factored"
-    assert resolve_layout("lstm", "auto", "cuda", 20) == "materialized"  # half the sequential steps (measured)
-    assert resolve_layout("lstm", "auto", "cuda", 32) == "factored"
-    assert resolve_layout("lstm", "auto", "cpu", 20) == "factored"
-    assert resolve_layout("gru", "factored", "cuda", 20) == "factored"
+    for kind in ("rnn_tanh", "gru", "lstm"):
+        for device in ("cuda", "cpu"):
+            for hidden in (1, 20, 32, 64, 300):
+                assert resolve_layout(kind, "auto", device, hidden) == "factored"
+    assert resolve_layout("gru", "materialized", "cuda", 20) == "materialized"
 
 
 def test_max_memory_counts_the_chunked_runs_working_memory():
