@@ -74,6 +74,9 @@ class DeviceProfile:
 # 2H^2 + 2H entries, H = 20, B = 16: 46.7 ms for 10000 steps) to 6.4 us (its factored chain).
 # A chunked run's composition on an H100 (fp32, exact products): 3.84e9 multiply-adds (the RNN at
 # T = 30000, B = 16, H = 20) in 5.1 ms, ~7.7e11/s; its expansion ~1.2 ms for chunks of 245 steps.
+# A structured recurrence on an H100 (kernels.recurrence, tf32x3 chunk maps; bench/gpu/tune.py): the chunk
+# maps' real multiply-adds at 9.3e12/s (RNN, m = 20), 5.9e12/s (GRU) and 4.8e12/s (LSTM, m = 40); a
+# dependent step ~1 us in a chunk and ~0.4 us in the carry.
 # A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
 # caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_RUN_MAX_WORK.
 _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0e9, gemv_rate=1.0e9,
@@ -81,7 +84,7 @@ _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0
 _CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
                       bytes_budget=8.0e9, chain_step_s=2.0e-6, pair_list_max_bytes=float(1 << 28),
                       parallel_run_max_m=63, parallel_run_rate=7.7e11, chain_sparse_step_s=5.0e-6,
-                      recurrence_rate=4.0e12, recurrence_step_s=6.0e-7, recurrence_max_n=64)
+                      recurrence_rate=6.0e12, recurrence_step_s=5.0e-7, recurrence_max_n=64)
 
 
 def profile_for(device_type: str, overrides: Optional[dict] = None) -> DeviceProfile:

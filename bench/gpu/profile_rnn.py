@@ -1,6 +1,8 @@
-"""Where the GPU time of the paper's RNN backward goes: ``python bench/gpu/profile_rnn.py [T ...]``.
+"""Where the GPU time of a recurrent backward goes: ``python bench/gpu/profile_rnn.py [[cell:]T ...]``.
 
-For each T (default 1000 and 30000; B = 16, H = 20, float32) it times cuDNN autograd's and
+For each T (default 1000 and 30000; B = 16, H = 20, float32) of the paper's RNN (``rnn``, the rows of
+``bench/test_rnn_step.py``) or of a GRU or an LSTM (``gru:10000``, ``lstm:10000``: the rows of
+``bench/test_recurrent_step.py``, loss on the last output) it times cuDNN autograd's and
 spscan's ``loss.backward()`` (CUDA events, medians), splits spscan's backward into its parts
 with ``torch.profiler`` (the kernels by device time, the host calls by self time, the number
 of launches) and prints the bound plan's program: how many steps and launches one scan makes.
@@ -18,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_recurrent_step import _setup as recurrent_step_setup  # noqa: E402
 from test_rnn_step import B, H  # noqa: E402
 from test_rnn_step import _setup as rnn_step_setup  # noqa: E402
 
@@ -34,9 +37,12 @@ def _median_ms(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def _setup(T: int, scan: bool):
+def _setup(cell: str, T: int, scan: bool):
+    if cell != "rnn":
+        rnn, forward = recurrent_step_setup(cell, T, scan, device="cuda")
+        return rnn, forward
     model, forward, _ = rnn_step_setup(T, torch.device("cuda"), scan)  # the rows of bench/test_rnn_step.py
-    return model, forward
+    return model.rnn, forward
 
 
 def _time_backward(forward) -> float:
@@ -48,10 +54,10 @@ def _time_backward(forward) -> float:
     return statistics.median(times)
 
 
-def main(ts) -> None:
-    for T in ts:
-        _, fwd_a = _setup(T, scan=False)
-        model, fwd_s = _setup(T, scan=True)
+def main(cases) -> None:
+    for cell, T in cases:
+        _, fwd_a = _setup(cell, T, scan=False)
+        wrapped, fwd_s = _setup(cell, T, scan=True)
         for f in (fwd_a, fwd_s):
             for _ in range(3):
                 f().backward()
@@ -61,8 +67,8 @@ def main(ts) -> None:
         ss = _median_ms(lambda: fwd_s().backward(), 5)
         fa = _median_ms(lambda: fwd_a(), 5)
         fs = _median_ms(lambda: fwd_s(), 5)
-        plan = model.rnn.plan
-        print(f"\n===== T={T} B={B} H={H}: levels={plan.levels} layout={plan.layout}")
+        plan = wrapped.plan
+        print(f"\n===== {cell} T={T} B={B} H={H}: levels={plan.levels} layout={plan.layout}")
         print(f"backward ms: autograd {ta:.3f}  spscan {ts_:.3f}  ratio {ta / ts_:.3f}")
         print(f"forward  ms: autograd {fa:.3f}  spscan {fs:.3f}")
         print(f"step     ms: autograd {sa:.3f}  spscan {ss:.3f}  ratio {sa / ss:.3f}")
@@ -99,4 +105,5 @@ def main(ts) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1000, 30000])
+    args = sys.argv[1:] or ["1000", "30000"]
+    main([(a.split(":")[0], int(a.split(":")[1])) if ":" in a else ("rnn", int(a)) for a in args])
