@@ -54,6 +54,7 @@ from spscan.kernels import cpu_chain
 
 from conftest import device_name, time_mode
 from cuda_step import checked_step, needs_cuda, plan_backend, record, step_info, time_pairs
+from floors import recurrent_floor
 
 H, B = 20, 16
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
@@ -199,7 +200,9 @@ def test_recurrent_step_cuda(benchmark, cell, T, mode):
     wrapped, a_fwd, s_fwd, worst = _cuda_pair(cell, T)
     pairs = time_pairs(mode, a_fwd, s_fwd, CUDA_ROUNDS)
     record(benchmark, mode, s_fwd, CUDA_ROUNDS)
+    info = step_info(pairs)
     benchmark.extra_info.update(
         device=device_name(), cell=cell, T=T, B=B, H=H, mode=mode, loss="last", levels=wrapped.plan.levels,
-        backend=plan_backend(wrapped.plan), grad_max_rel_diff=worst, **step_info(pairs),
+        backend=plan_backend(wrapped.plan), grad_max_rel_diff=worst, **info,
+        **recurrent_floor(cell, T, B, H, 1, mode, info["spscan_median_s"]),
     )

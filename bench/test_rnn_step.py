@@ -22,6 +22,8 @@ import spscan
 from spscan.cli.datasets import bitstream_dataset
 from spscan.cli.demo import BitstreamClassifier
 
+from floors import recurrent_floor
+
 H, B = 20, 16
 
 
@@ -96,6 +98,8 @@ def _run(benchmark, T: int, mode: str, dev: torch.device, rounds: int, **plan_kw
         autograd_median_s=base, spscan_median_s=ours, speedup_vs_autograd=base / ours,
         median_ratio_of_pairs=statistics.median(a / o for a, o in pairs),
     )
+    if dev.type == "cuda":  # the analytic floor of the row (bench/floors.py)
+        benchmark.extra_info.update(recurrent_floor("rnn", T, B, H, 1, mode, ours))
 
 
 @pytest.mark.parametrize("mode", ["step", "backward"])

@@ -1,8 +1,9 @@
 """Ahead-of-time compilation of recorded launches for CUDA targets, with no GPU present.
 
 ``python -m spscan.kernels.aot specs.json 80 90`` compiles every :class:`~spscan.kernels.launch.LaunchSpec`
-in ``specs.json`` for each compute capability and prints one line per failure (exit status 1
-if any). It must run with ``TRITON_INTERPRET=0``: under the interpreter ``@triton.jit`` returns
+in ``specs.json`` for each compute capability and prints one line per kernel: ``ok`` with what it uses
+(registers, spills and stack per thread, shared memory, matrix instructions: :func:`resources`) or
+``FAIL`` with the reason (exit status 1 if any). It must run with ``TRITON_INTERPRET=0``: under the interpreter ``@triton.jit`` returns
 an interpreted function that ``triton.compile`` cannot lower.
 """
 
@@ -14,7 +15,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-__all__ = ["ast_source", "specialized", "compile_spec", "specs_to_json", "main"]
+__all__ = ["ast_source", "specialized", "compile_spec", "resources", "specs_to_json", "main"]
 
 
 def ast_source(fn, signature: dict[str, str], constexprs: dict[str, Any]):
@@ -63,9 +64,44 @@ def compile_spec(spec: dict, capability: int):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_spec: TRITON_INTERPRET is set; kernels are interpreted functions")
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    signature, constexprs = specialized(fn, dict(spec["signature"]), dict(spec["constexprs"]))
+    # tuple constexprs (the recurrence kernels' block grids) come back from JSON as lists; names starting
+    # with "_" are annotations of the spec (carried to the report), not kernel arguments
+    consts = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(spec["constexprs"]).items()
+              if not k.startswith("_")}
+    signature, constexprs = specialized(fn, dict(spec["signature"]), consts)
     src = ast_source(fn, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": spec["num_warps"]})
+
+
+def resources(ck, capability: int) -> dict:
+    """What the compiled kernel ``ck`` uses, read off its PTX by Triton's own ``ptxas -v`` (no GPU needed):
+    registers, spill stores and loads and stack frame (bytes) per thread, shared memory (bytes), and
+    the matrix instructions in it (``"wgmma"``, ``"mma"`` or ``"none"``)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = ck.asm["ptx"]
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+    arch = target.group(1) if target else f"sm_{capability}"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name={arch}", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=600).stderr
+    finally:
+        os.unlink(f.name)
+
+    def num(pattern: str) -> int:
+        hit = re.search(pattern, out)
+        return int(hit.group(1)) if hit else -1
+
+    tc = "wgmma" if "wgmma.mma_async" in ptx else ("mma" if re.search(r"\bmma\.sync", ptx) else "none")
+    return {"regs": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
+            "shared": int(ck.metadata.shared), "tc": tc}
 
 
 def specs_to_json(specs: Sequence) -> str:
@@ -91,8 +127,10 @@ def main(argv: Sequence[str]) -> int:
         for spec in specs:
             try:
                 ck = compile_spec(spec, cap)
-                print(f"ok sm_{cap} {spec['kernel']} warps={spec['num_warps']} shared={ck.metadata.shared} "
-                      f"{dict(spec['constexprs'])}")
+                res = resources(ck, cap)
+                print(f"ok sm_{cap} {spec['kernel']} warps={spec['num_warps']} shared={res['shared']} "
+                      f"regs={res['regs']} spill_stores={res['spill_stores']} spill_loads={res['spill_loads']} "
+                      f"stack={res['stack']} tc={res['tc']} {json.dumps(dict(spec['constexprs']))}")
             except Exception as exc:  # report every failing kernel, not only the first
                 failures += 1
                 msg = " ".join(str(exc).split())[:400]

@@ -107,6 +107,17 @@ def _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G: tl.constexpr, ROW: tl.co
 
 
 @triton.jit
+def _eblock(pv, sv, ok, cols, cok, G: tl.constexpr, I: tl.constexpr):
+    """Block ``I`` (flat index) of a grid of diagonals: per-sample entries as ``(rows, BN)``, shared ones
+    as ``(1, BN)``."""
+    if G[I * 3] == 1:
+        out = tl.load(pv + G[I * 3 + 1] + G[I * 3 + 2] * cols[None, :], mask=ok, other=0.0)
+    else:
+        out = tl.load(sv + G[I * 3 + 1] + G[I * 3 + 2] * cols, mask=cok, other=0.0)[None, :]
+    return out
+
+
+@triton.jit
 def _egrid(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G: tl.constexpr, NO: tl.constexpr, NI: tl.constexpr):
     """A grid of diagonal blocks (``NO x NI``) applied to a vector of ``NI`` blocks."""
     o0 = _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G, 0, NI)
@@ -248,22 +259,91 @@ def recurrence_chunk_kernel(
     end = tl.minimum(s + chunk, steps)
     while s < end:
         pv = pv0 + s * p_step
+        orow = vrow + out_base + s * out_step  # this step's outputs (written when expanding)
+        acc0 = zero
+        acc1 = zero
         if ORDER == 0:
-            u0, u1, u2, u3, u4 = _egrid(y0, y1, zero, zero, zero, pv, sv, ok, cols, cok, E1, K1, NY)
-            if HAS_E2:
-                z0, z1, z2, z3, z4 = _egrid(u0, u1, u2, u3, u4, pv, sv, ok, cols, cok, E2, NZ, K1)
-            else:
-                z0, z1, z2, z3, z4 = u0, u1, u2, u3, u4
-            y0, y1, _w2, _w3, _w4 = _sgrid(z0, z1, z2, z3, z4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok,
-                                           SG, NY, NZ, PRECISION)
+            # y' = S z, z = E2 E1 y: each block of z is formed when its products with S are due, so one
+            # z tile is live at a time (E1's blocks are recomputed per use: elementwise work)
+            for zb in tl.static_range(NZ):
+                if HAS_E2:
+                    zc = zero
+                    for kb in tl.static_range(K1):
+                        if E2[(zb * K1 + kb) * 3] != 0:
+                            uk = _erow(y0, y1, zero, zero, zero, pv, sv, ok, cols, cok, E1, kb, NY)
+                            if EXPAND:
+                                tl.store(orow + OUTS[0] + kb * N + cols[None, :], uk, mask=ok)
+                            zc += _eblock(pv, sv, ok, cols, cok, E2, zb * K1 + kb) * uk
+                    if EXPAND:
+                        tl.store(orow + OUTS[1] + zb * N + cols[None, :], zc, mask=ok)
+                else:
+                    zc = _erow(y0, y1, zero, zero, zero, pv, sv, ok, cols, cok, E1, zb, NY)
+                    if EXPAND:
+                        tl.store(orow + OUTS[0] + zb * N + cols[None, :], zc, mask=ok)
+                for rb in tl.static_range(NY):
+                    if SG[(rb * NZ + zb) * 4] == 1:
+                        tile = _pick_tile(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, rb * NZ + zb)
+                        if rb == 0:
+                            acc0 = tl.dot(zc, tile, acc0, input_precision=PRECISION, out_dtype=acc0.dtype)
+                        else:
+                            acc1 = tl.dot(zc, tile, acc1, input_precision=PRECISION, out_dtype=acc1.dtype)
+                    elif SG[(rb * NZ + zb) * 4] == 2:
+                        d = tl.load(sv + SG[(rb * NZ + zb) * 4 + 1] + SG[(rb * NZ + zb) * 4 + 2] * cols, mask=cok,
+                                    other=0.0)[None, :]
+                        if rb == 0:
+                            acc0 += zc * d
+                        else:
+                            acc1 += zc * d
         else:
-            z0, z1, z2, z3, z4 = _sgrid(y0, y1, zero, zero, zero, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols,
-                                        cok, SG, NZ, NY, PRECISION)
-            u0, u1, u2, u3, u4 = _egrid(z0, z1, z2, z3, z4, pv, sv, ok, cols, cok, E1, K1, NZ)
+            # z = S y, y' = E2 E1 z: each block of z is formed once and folded into E1's outputs at once
+            ua0 = zero
+            ua1 = zero
+            ua2 = zero
+            ua3 = zero
+            ua4 = zero
+            for zb in tl.static_range(NZ):
+                zc = zero
+                for jb in tl.static_range(NY):
+                    if SG[(zb * NY + jb) * 4] == 1:
+                        zc = tl.dot(_pick(y0, y1, zero, zero, zero, jb),
+                                    _pick_tile(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, zb * NY + jb), zc,
+                                    input_precision=PRECISION, out_dtype=zc.dtype)
+                    elif SG[(zb * NY + jb) * 4] == 2:
+                        zc += _pick(y0, y1, zero, zero, zero, jb) * tl.load(
+                            sv + SG[(zb * NY + jb) * 4 + 1] + SG[(zb * NY + jb) * 4 + 2] * cols, mask=cok, other=0.0)[None, :]
+                if EXPAND:
+                    tl.store(orow + OUTS[0] + zb * N + cols[None, :], zc, mask=ok)
+                for kb in tl.static_range(K1):
+                    if E1[(kb * NZ + zb) * 3] != 0:
+                        part = _eblock(pv, sv, ok, cols, cok, E1, kb * NZ + zb) * zc
+                        if HAS_E2:
+                            if kb == 0:
+                                ua0 += part
+                            elif kb == 1:
+                                ua1 += part
+                            elif kb == 2:
+                                ua2 += part
+                            elif kb == 3:
+                                ua3 += part
+                            else:
+                                ua4 += part
+                        elif kb == 0:
+                            acc0 += part
+                        else:
+                            acc1 += part
             if HAS_E2:
-                y0, y1, _w2, _w3, _w4 = _egrid(u0, u1, u2, u3, u4, pv, sv, ok, cols, cok, E2, NY, K1)
-            else:
-                y0, y1 = u0, u1
+                for kb in tl.static_range(K1):
+                    uk = _pick(ua0, ua1, ua2, ua3, ua4, kb)
+                    if EXPAND:
+                        tl.store(orow + OUTS[1] + kb * N + cols[None, :], uk, mask=ok)
+                    for rb in tl.static_range(NY):
+                        if E2[(rb * K1 + kb) * 3] != 0:
+                            if rb == 0:
+                                acc0 += _eblock(pv, sv, ok, cols, cok, E2, rb * K1 + kb) * uk
+                            else:
+                                acc1 += _eblock(pv, sv, ok, cols, cok, E2, rb * K1 + kb) * uk
+        y0 = acc0
+        y1 = acc1
         if HAS_ADD:  # a_s: every sample row when expanding, the affine lane only when composing
             a_ok = ok & (s < adds)
             if not EXPAND:
@@ -272,23 +352,8 @@ def recurrence_chunk_kernel(
             y0 += tl.load(arow + cols[None, :], mask=a_ok, other=0.0)
             if NY > 1:
                 y1 += tl.load(arow + N + cols[None, :], mask=a_ok, other=0.0)
-        if EXPAND:  # every sub-step's output, where the run's table puts it
-            orow = vrow + out_base + s * out_step
-            if ORDER == 0:
-                if HAS_E2:
-                    _store(orow + OUTS[0], u0, u1, u2, u3, u4, K1, N, ok, cols)
-                    _store(orow + OUTS[1], z0, z1, z2, z3, z4, NZ, N, ok, cols)
-                    _store(orow + OUTS[2], y0, y1, zero, zero, zero, NY, N, ok, cols)
-                else:
-                    _store(orow + OUTS[0], z0, z1, z2, z3, z4, NZ, N, ok, cols)
-                    _store(orow + OUTS[1], y0, y1, zero, zero, zero, NY, N, ok, cols)
-            else:
-                _store(orow + OUTS[0], z0, z1, z2, z3, z4, NZ, N, ok, cols)
-                if HAS_E2:
-                    _store(orow + OUTS[1], u0, u1, u2, u3, u4, K1, N, ok, cols)
-                    _store(orow + OUTS[2], y0, y1, zero, zero, zero, NY, N, ok, cols)
-                else:
-                    _store(orow + OUTS[1], y0, y1, zero, zero, zero, NY, N, ok, cols)
+        if EXPAND:  # the state, where the run's table puts the period's last output
+            _store(orow + OUTS[2 if HAS_E2 else 1], y0, y1, zero, zero, zero, NY, N, ok, cols)
         s += 1
     if not EXPAND:  # lane (sample, col) holds column col of the chunk's map (col == m: its additive term)
         mrow = c_ptr + smp[:, None] * stride_c + (c * m1 + col[:, None]) * (NY * BN)

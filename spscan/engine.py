@@ -172,6 +172,12 @@ class PeriodicValues(Sequence):
     def __len__(self) -> int:
         return len(self.elements) * self.periods
 
+    def decoded(self) -> "PeriodicValues":
+        """The same values with every encoded element expanded to its CSR values (itself if none is encoded)."""
+        if all(e is None for e in self.encodings):
+            return self
+        return PeriodicValues([self.expanded(k) for k in range(len(self.elements))], self.periods)
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -592,8 +598,9 @@ class BoundPlan:
         self.period = self.program.period  # > 0: values come as PeriodicValues of this many elements
         self.tables = backend.make_tables(self.program, device, table_memo)
         # run(graph=True) applies: launches only, on this plan's buffers (no caller tensor read by a launch)
+        self._any_operators = any(self.operators)  # read per run: a chain of 60000 layers makes any() cost
         self._graphable = (device.type == "cuda" and backend.capabilities.graph_capturable
-                           and self.tables.reads_arena_inputs and not any(self.operators))
+                           and self.tables.reads_arena_inputs and not self._any_operators)
         # the planner's peak plus the backend's working memory for linear runs (per sample)
         self._peak_per_sample = (estimate_memory(scan).backward_peak(1) + self.tables.run_scratch * scan.elem_bytes
                                  if max_memory is not None else 0)
@@ -619,6 +626,12 @@ class BoundPlan:
         self._arenas: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._scratch: dict[str, torch.Tensor] = {}
         self._operator_chain = self._find_operator_chain()
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether :meth:`run` can be recorded in a CUDA graph (``graph=True`` applies): a CUDA device, a
+        backend whose launches read only the plan's own buffers, no structured operators."""
+        return self._graphable
 
     # -- a linear scan of structured operators only ---------------------------------------
     def _find_operator_chain(self) -> Optional[list[int]]:
@@ -773,8 +786,8 @@ class BoundPlan:
             if shared != self.shared or has_extra != self.has_extra or operators != self.operators:
                 raise ValueError("values/extra: their sharedness or extra terms differ from the signature this plan "
                                  "was bound for (use spscan.backward, which binds per signature)")
-            if periodic is not None:
-                items = periodic  # loaded as the periodic form (one copy of each shared element)
+            if periodic is not None:  # the periodic form (one copy of each shared element) of the checked list
+                items = periodic.decoded()
         else:
             stacked = isinstance(values, torch.Tensor)
             items = [values] if stacked else values
@@ -906,7 +919,7 @@ class BoundPlan:
                 s_arena[: n * nnz0] = v.reshape(-1)
             else:
                 p_arena[:, : n * nnz0].view(batch, n, nnz0).copy_(v.transpose(0, 1))
-        elif any(self.operators):
+        elif self._any_operators:
             # operator layers: CSR values only where a planned product reads them
             offs = prog.input_offsets
             vals = [(v.values() if op else v) for v, op, off in zip(items, self.operators, offs) if off >= 0]

@@ -218,9 +218,14 @@ def _quasi_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.T
 
 # Seconds per step of the library's sequential recurrent forward (one GEMM + pointwise ops per
 # step), launch/dispatch-bound for small H: torch's CPU loop ~10 us; cuDNN's fused forward on an
-# H100 0.53-0.57 us (B=16, H=20: RNN 16.1 ms and GRU 16.9 ms at T=30000, RNN 0.57 ms at T=1000),
-# where the Newton forward took 40-45 ms at T=30000 (4 iterations): "auto" stays sequential there.
+# H100 0.53-0.57 us (B=16, H=20: RNN 16.1 ms and GRU 16.9 ms at T=30000, RNN 0.57 ms at T=1000).
 _SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 5.5e-7}
+# The rest of a Newton iteration on a GPU (the batched cell evaluation, the residual and its norm, the
+# scan's values), per step, sample and gate unit: with the scan on the structured-recurrence kernels an
+# H100 took 2.6 ms per iteration for the RNN and 6.3 ms for the GRU at T = 30000, B = 16, H = 20
+# (bench/results/nvidia-h100-80gb-hbm3/recurrence/newton_4a553b2.jsonl), of which ~0.7 and ~1.1 ms scan:
+# ~1.9e-10 s per step, sample and gate unit either way.
+_ITERATION_S_PER_UNIT = {"cuda": 1.9e-10}
 
 
 def _gate_count(kind: str) -> int:
@@ -315,6 +320,7 @@ class NewtonSolver:
         scan_s = sum(c.time_s for c in plan.step_costs()) * max(1.0, batch / hint)
         gemm = seq_len * batch * G * H * H
         eval_s = prof.gemm_time(gemm, 12) + 10 * seq_len * batch * G * H / prof.gemv_rate
+        eval_s = max(eval_s, seq_len * batch * G * H * _ITERATION_S_PER_UNIT.get(dev.type, 0.0))
         seq_s = seq_len * (_SEQUENTIAL_STEP_S.get(dev.type, 1e-5) + batch * G * H * (H + own.module.input_size)
                            / prof.gemm_rate)
         return {"sequential": seq_s, "newton": it * (scan_s + eval_s), "iterations": float(it)}

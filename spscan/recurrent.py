@@ -152,6 +152,73 @@ def stashed_inputs(ctx) -> tuple:
     return ctx.saved_tensors[: ctx.n_inputs]
 
 
+class _GraphedBackward:
+    """A recurrent backward's device work replayed from one CUDA graph per input signature.
+
+    The wrapper's backward on a GPU is many small launches (the values' and gradients' loads, the
+    scan, the gathers of the gate gradients, the parameter GEMMs), and their host cost exceeded their
+    device time. The first call with a signature (shapes, strides and dtypes of every tensor read:
+    the upstream gradients and everything the forward saved, the module's weights included) copies
+    its inputs into buffers of its own, runs the backward eagerly on them (this call's result), then
+    records the same backward in a graph; a later call copies its inputs into those buffers, replays
+    the graph and returns copies of its outputs. The copies make the graph independent of where the
+    caller's tensors live; the weights are inputs too, so a parameter replaced by a new tensor is
+    read where it is. A signature whose capture fails runs eagerly from then on.
+    """
+
+    MAX_GRAPHS = 4
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+        self.eager: set = set()
+
+    @staticmethod
+    def _flatten(value) -> tuple[Any, list[torch.Tensor]]:
+        tensors: list[torch.Tensor] = []
+
+        def slot(t):
+            tensors.append(t)
+            return _Slot(len(tensors) - 1)
+
+        return _map_tensors(value, slot), tensors
+
+    def __call__(self, plan: "RecurrentPlan", saved: "_Saved", args: tuple, wanted) -> dict:
+        skeleton, tensors = self._flatten((saved, args))
+        key = (wanted, saved.T, saved.B, saved.unbatched, tuple(a is None for a in args),
+               tuple(k for k, v in sorted(saved.__dict__.items()) if v is None),
+               tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        if key in self.eager:
+            return plan._backward(saved, *args, wanted)
+        hit = self.entries.get(key)
+        if hit is not None:
+            static, replay, out = hit
+            for dst, src in zip(static, tensors):
+                dst.copy_(src)
+            replay()
+            return {k: (v.clone() if v is not None else None) for k, v in out.items()}
+        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t) for t in tensors]
+        s_saved, s_args = _map_tensors(skeleton, lambda sl: static[sl.index])
+        result = plan._backward(s_saved, *s_args, wanted)  # eager: compiles, binds, and gives this call's result
+        try:
+            replay, out = self.record(lambda: plan._backward(s_saved, *s_args, wanted), saved.device)
+        except Exception:  # a backward the graph cannot record runs eagerly (results are the same)
+            self.eager.add(key)
+            return result
+        if len(self.entries) >= self.MAX_GRAPHS:  # shapes of old calls: drop their graphs and buffers
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (static, replay, out)
+        return result
+
+    @staticmethod
+    def record(fn, device: torch.device):
+        """``fn``'s launches as a CUDA graph: ``(replay, outputs)``; a replay rewrites the outputs in place."""
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph.replay, out
+
+
 class _Saved:
     """What the backward needs from one forward: time-major tensors and the chain's values.
 
@@ -214,6 +281,9 @@ class RecurrentPlan:
         self._keep_first: dict[int, np.ndarray] = {}  # chain length -> keep flags of dl/ds_0 alone
         # the compiled forwards' chain values and the backward's gradient copies, recycled step to step
         self.buffers = RecycledBuffers()
+        # on a GPU the whole backward replays from CUDA graphs (set False to run it eagerly)
+        self.graph_backward = True
+        self._graphed = _GraphedBackward()
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
@@ -270,8 +340,10 @@ class RecurrentPlan:
 
     def release_buffers(self) -> None:
         """Free the memory kept between steps: the recycled forward values and gradient copies
-        (:attr:`buffers`) and every core plan's arenas and working buffers."""
+        (:attr:`buffers`), the backward's CUDA graphs with their buffers, and every core plan's arenas and
+        working buffers."""
         self.buffers.clear()
+        self._graphed = _GraphedBackward()
         for plan in self._plans.values():
             plan.release_buffers()
 
@@ -610,7 +682,18 @@ class RecurrentPlan:
         not computed (their GEMMs are skipped, as autograd skips what needs no gradient).
         """
         with torch.no_grad():
+            if self._graphs_apply(saved, grad_output):
+                return self._graphed(self, saved, (grad_output, grad_h_n, grad_c_n), wanted)
             return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
+
+    def _graphs_apply(self, saved: _Saved, grad_output: Optional[torch.Tensor]) -> bool:
+        """Whether this backward replays from a CUDA graph (:class:`_GraphedBackward`): on a GPU, with a
+        backend whose scan can be recorded, outside a graph the caller is recording."""
+        if not self.graph_backward or saved.device.type != "cuda" or saved.T == 0:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        return self._bound(saved.T, saved.device, saved.dtype, grad_output is not None).graph_capturable
 
     def _backward(self, saved, grad_output, grad_h_n, grad_c_n, wanted=None):
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B

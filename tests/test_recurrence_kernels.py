@@ -185,3 +185,43 @@ def test_wrapped_modules_run_the_fused_kernels(cell, forward):
         assert FUSED <= ran
         for a, b in zip(got, want):
             assert float((a - b).abs().max()) <= 1e-10 * max(1.0, float(b.abs().max()))
+
+
+@pytest.mark.parametrize("cell", [nn.RNN, nn.GRU, nn.LSTM])
+def test_graphed_backward_replays_on_new_inputs(cell, monkeypatch):
+    """The CUDA-graph backward's bookkeeping (inputs copied into its own buffers, outputs copied out,
+    one entry per signature), with a stand-in recorder that replays by running the backward again on
+    those buffers, so it runs anywhere: every call equals the eager backward, for new upstream
+    gradients, new forward values, new weights and a changed batch size."""
+    from spscan.recurrent import _GraphedBackward, plan_recurrent
+
+    def record(fn, device):
+        out = fn()
+
+        def replay():
+            for k, v in fn().items():
+                if v is not None:
+                    out[k].copy_(v)
+        return replay, out
+
+    monkeypatch.setattr(_GraphedBackward, "record", staticmethod(record))
+    torch.manual_seed(1)
+    mod = cell(2, 5).double()
+    plan = plan_recurrent(mod, torch.randn(7, 3, 2, dtype=torch.float64), backend="torch")
+    graphed = _GraphedBackward()
+    for step, batch in enumerate((3, 3, 3, 2, 3)):
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        x = torch.randn(7, batch, 2, dtype=torch.float64)
+        (out, _), saved = plan.forward(x, None)
+        go = torch.randn_like(out)
+        gh = torch.randn(1, batch, 5, dtype=torch.float64)
+        gc = torch.randn(1, batch, 5, dtype=torch.float64) if cell is nn.LSTM else None
+        want = plan._backward(saved, go, gh, gc)
+        got = graphed(plan, saved, (go, gh, gc), None)
+        for k, v in want.items():
+            assert (v is None) == (got[k] is None), k
+            if v is not None:
+                torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-12)
+    assert len(graphed.entries) == 2  # one per batch size

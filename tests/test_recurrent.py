@@ -576,7 +576,8 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
 
 def test_compact_gate_values_through_a_checked_run():
     """The engine's checked run validates encoded periodic values as the CSR list they stand for and
-    runs that list: bit for bit a run of the expanded values given as a plain list; the unchecked run
+    runs that list: bit for bit a run of the expanded values given as a plain list (to a binding that
+    is not periodic: the recurrent plan's binding takes PeriodicValues only); the unchecked run
     applies the compact numbers (code 5), rounded differently: close, not equal."""
     pytest.importorskip("numba")
     m = make_module("lstm", 1, 4, batch_first=False, bias=True, dtype=torch.float64)
@@ -588,7 +589,10 @@ def test_compact_gate_values_through_a_checked_run():
     top = torch.randn(16, 8, dtype=torch.float64)
     checked = [g.clone() for g in bound.run(saved.values, top, check=True)]
     unchecked = [g.clone() for g in bound.run(saved.values, top, check=False)]
-    as_list = [g.clone() for g in bound.run(list(saved.values), top, check=True)]
+    with pytest.raises(ValueError, match="periodic"):
+        bound.run(list(saved.values), top, check=True)
+    plain = plan.scan_plan(9, x.device, x.dtype).bind(bound.shared, bound.has_extra, x.device)
+    as_list = [g.clone() for g in plain.run(list(saved.values), top, check=True)]
     for a, b, c in zip(checked, unchecked, as_list):
         assert torch.equal(a, c)
         torch.testing.assert_close(b, c, rtol=1e-13, atol=1e-13)

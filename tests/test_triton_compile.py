@@ -33,7 +33,11 @@ DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recordi
 
 KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear_run_kernel",
            "run_compose_kernel", "run_carry_kernel", "run_expand_kernel",
-           "diag_chunk_kernel", "diag_carry_kernel"}
+           "diag_chunk_kernel", "diag_carry_kernel", "recurrence_chunk_kernel", "recurrence_carry_kernel"}
+RECURRENCE = {"recurrence_chunk_kernel", "recurrence_carry_kernel"}
+# the structured recurrence's kernels at the paper RNN's shape (H = 20) are the hot path: no spills there;
+# the GRU's and LSTM's compose kernels hold more blocks and may spill a little (measured on an H100 with it)
+HOT_SPILL_LIMIT, RECURRENCE_STACK_LIMIT = 0, 1024
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
 
 
@@ -100,12 +104,54 @@ def _cases():
     return cases
 
 
+def _recurrence_specs() -> list:
+    """Launches of the structured-recurrence kernels as the recurrent front end binds its chains (B = 16; the
+    RNN at H = 20 with and without a loss on every step and at H = 64, the GRU and the LSTM at H = 20 with
+    one; both dtypes, float32 with FMA, 3xTF32 and TF32 products), kernels not run; each spec carries its
+    cell and H as an annotation (``_tag``; ``hot``: the RNN at H = 20)."""
+    from torch import nn
+
+    from spscan.cells import factored_layout, recurrent_patterns, shared_flags
+    from spscan.engine import PeriodicValues
+
+    specs = []
+    T, B = 20, 16
+    for cell, kind, hidden, losses in ((nn.RNN, "rnn_tanh", 20, (False, True)), (nn.RNN, "rnn_tanh", 64, (True,)),
+                                       (nn.GRU, "gru", 20, (True,)), (nn.LSTM, "lstm", 20, (True,))):
+        pats = recurrent_patterns(cell(1, hidden), T, "factored")
+        per = len(factored_layout(kind, hidden))
+        plan = spscan.plan(pats, levels=0, backend="triton")
+        shared = shared_flags(kind, hidden)
+        for every in losses:
+            has_extra = [every and i % per == 0 and 0 < i < per * T for i in range(per * T + 1)]
+            bound = plan.bind(shared * T, has_extra, DEVICE, period=per)
+            for dtype, precisions in ((torch.float64, ("exact",)), (torch.float32, ("exact", "ieee", "tf32"))):
+                elements = [torch.zeros(p.nnz, dtype=dtype, device=DEVICE) if sh else
+                            torch.zeros(T, B, p.nnz, dtype=dtype, device=DEVICE)
+                            for p, sh in zip(plan.patterns[:per], shared)]
+                dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
+                extra = [torch.zeros(B, d, dtype=dtype, device=DEVICE) if e else None
+                         for d, e in zip(dims, has_extra)] if every else None
+                for precision in precisions:
+                    launch.set_dot_precision(precision)
+                    with launch.recording(dry_run=True) as rec:
+                        bound.run(PeriodicValues(elements, T), torch.zeros(B, dims[-1], dtype=dtype,
+                                                                             device=DEVICE), extra)
+                    tag = {"cell": kind, "hidden": hidden, "hot": kind == "rnn_tanh" and hidden == 20}
+                    specs += [dataclasses.replace(r, constexprs=r.constexprs + (("_tag", json.dumps(tag)),))
+                              for r in rec if r.kernel in RECURRENCE]
+    launch.set_dot_precision("exact")
+    return specs
+
+
 def record_specs() -> list:
     """Launch specs of every case in both dtypes, GPU configurations, kernels not run."""
     saved = launch.mode
+    saved_precision = launch.dot_precision
     launch.mode = "device"
     specs = []
     try:
+        specs += _recurrence_specs()
         for pats, shared, levels, batch, every in _cases():
             plan = spscan.plan(pats, levels=levels, backend="triton")
             for dtype in (torch.float32, torch.float64):
@@ -127,9 +173,10 @@ def record_specs() -> list:
                         spscan.backward(plan, vals, torch.zeros(batch, pats[-1].shape[1], device=DEVICE))
                     specs += [s for s in rec if s.kernel in ("gemm_kernel", "run_compose_kernel")]
                 finally:
-                    launch.set_dot_precision("ieee")
+                    launch.set_dot_precision(saved_precision)
     finally:
         launch.mode = saved
+        launch.set_dot_precision(saved_precision)
     # arenas past 2**31 entries switch index tables (and sizes) to int64: compile one of each kernel so
     wide, seen = [], set()
     for spec in specs:
@@ -177,6 +224,13 @@ def compiled(specs_file) -> dict[int, subprocess.CompletedProcess]:
     return out
 
 
+def _report(line: str) -> tuple[dict, dict]:
+    """An ``ok`` line of ``spscan.kernels.aot``: its resource fields and its constexprs."""
+    head, consts = line.split(" {", 1)
+    fields = dict(kv.split("=", 1) for kv in head.split()[3:])
+    return fields, json.loads("{" + consts)
+
+
 @pytest.mark.parametrize("capability", [80, 90])
 def test_compile_for_cuda(specs_file, compiled, capability):
     proc = compiled[capability]
@@ -184,10 +238,42 @@ def test_compile_for_cuda(specs_file, compiled, capability):
     failures = [ln for ln in lines if ln.startswith("FAIL")]
     assert proc.returncode == 0 and not failures, "\n".join(failures) or proc.stderr[-4000:]
     specs = json.loads(specs_file.read_text())
-    assert len([ln for ln in lines if ln.startswith("ok")]) == len(specs)
+    ok = [ln for ln in lines if ln.startswith("ok")]
+    assert len(ok) == len(specs)
+    for ln in ok:
+        fields, consts = _report(ln)
+        assert int(fields["shared"]) <= SHARED_LIMIT[capability], ln
+        assert int(fields["regs"]) > 0, ln  # ptxas reported
+        if ln.split()[2] in RECURRENCE:
+            tag = json.loads(consts["_tag"])
+            spilled = int(fields["spill_stores"]) + int(fields["spill_loads"])
+            if tag["hot"] and capability == 90:
+                assert spilled <= HOT_SPILL_LIMIT, f"hot kernel spills: {ln}"
+            if tag["hidden"] == 20 and capability == 90:
+                assert int(fields["stack"]) <= RECURRENCE_STACK_LIMIT, f"stack frame over the limit: {ln}"
+    # tensor-core schemes compile to matrix instructions (float32 recurrences and dense nodes)
+    tc = {}
+    for ln, spec in zip(ok, specs):
+        fields, consts = _report(ln)
+        if consts.get("PRECISION") in ("tf32x3", "tf32") and dict(spec["signature"]).get("v_ptr", dict(
+                spec["signature"]).get("c_ptr")) == "*fp32" and "USE_DOT" not in consts:
+            tc.setdefault(ln.split()[2], set()).add(fields["tc"])
+    assert tc and all("none" not in v for v in tc.values()), tc
+
+
+def test_resource_report_lists_every_recurrence_kernel(specs_file, compiled):
+    """The sm_90 report of the structured recurrence's kernels, one line each: what a reader checks for
+    spills and matrix instructions without a GPU (``-s`` shows it)."""
+    lines = [ln for ln in compiled[90].stdout.splitlines() if ln.startswith("ok") and ln.split()[2] in RECURRENCE]
+    assert lines
+    seen = set()
     for ln in lines:
-        shared = int(ln.split("shared=")[1].split()[0])
-        assert shared <= SHARED_LIMIT[capability], ln
+        fields, consts = _report(ln)
+        tag = json.loads(consts["_tag"])
+        key = (ln.split()[2], tag["cell"], tag["hidden"], consts.get("EXPAND"), consts.get("PRECISION"))
+        if key not in seen:
+            seen.add(key)
+            print(" ".join(map(str, key)), {k: fields[k] for k in ("regs", "spill_stores", "stack", "shared", "tc")})
 
 
 def test_interpreted_kernels_are_not_compilable_objects():

@@ -1,12 +1,15 @@
 """Driver of ``bench/gpu/run.sh``: GPU tests, then GPU benchmarks, then one report, inside a deadline.
 
 ``python bench/gpu/driver.py --out DIR --deadline EPOCH_S [--quick]`` (``run.sh`` installs the
-checkout first and passes a deadline 9 minutes after it started). Each test or benchmark
+checkout first and passes a deadline 8 minutes after it started). The full run measures the headline
+rows first, then tunes the structured-recurrence kernels (``tune.py``), then runs the GPU tests and
+the other suites while the budget lasts. Each test or benchmark
 suite is its own ``pytest`` process with a time limit cut to what is left before the deadline
 (a suite that runs over is stopped and reported as such; the others keep their rows, and so do the
 tests it finished: the ``rowlog`` plugin in this folder appends each row as its test ends). Suites
 that cannot run on one GPU (:data:`SUITES_NOT_ON_ONE_GPU`) are listed as skipped with the reason.
 DIR receives few files: ``summary.json`` (environment, test counts, suites, target checks),
+``tune.json`` (the tune's variants and winners, full run only),
 ``bench.json`` (every pytest-benchmark row, tagged with its suite), ``report.md`` (the paper
 figures' sections from :mod:`spscan.cli.report`, a table of the training steps against autograd
 and one of every ratio) and a few PNGs.
@@ -33,23 +36,28 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 REPORT_RESERVE_S = 25  # kept back from the deadline for the report
 
-# (suite name, bench file, pytest -k filter or None, time cap in seconds); quick mode uses the second list
-SUITES_FULL = [  # the targets' rows first (RNN, SpGEMM, then the Newton forward): later suites are cut when the budget runs out
-    ("rnn_step", "bench/test_rnn_step.py", "cuda", 90),
-    ("kernels", "bench/test_kernels_gpu.py", None, 150),
-    # the parallel (Newton) forward vs cuDNN at T = 30000, RNN and GRU, full and quasi-Newton (~10 s a
-    # row); the LSTM's rows (its forward scan is a sequential run, over 45 s a row) would use up the cap
-    ("newton", "bench/test_newton.py", "cuda and 30000-20 and not lstm", 110),
-    # training steps through spscan.wrap on the device vs cuDNN / cuBLAS autograd, timed in the same test
-    ("cnn_step", "bench/test_cnn_step.py", "cuda", 60),  # LeNet-5 B=64, small VGG B=32: step, backward
-    ("resnet_step", "bench/test_resnet_step.py", "cuda", 75),  # ResNet-20 train mode B=16 (plans ~3 s)
-    ("recurrent_step", "bench/test_recurrent_step.py", "cuda", 75),  # GRU, LSTM at T=1000, 10000
-    ("stacked_step", "bench/test_stacked_step.py", "cuda", 60),  # 2-layer GRU at T=1000, 10000
-    ("spgemm", "bench/test_paper_spgemm.py", None, 60),
-    ("rnn", "bench/test_paper_rnn.py", "not training", 120),
-    ("gru", "bench/test_paper_gru.py", None, 60),
-    ("core", "bench/test_core_bench.py", None, 45),
+# (suite name, bench file, pytest -k filter or None, time cap in seconds); quick mode uses the second list.
+# The headline rows run first (the RNN at T = 1000 and 30000, the GRU and the LSTM at T = 1000 and 10000),
+# then the structured-recurrence tune (TUNE), the GPU tests, and the rest while the budget lasts.
+HEADLINE = [
+    ("rnn_step", "bench/test_rnn_step.py", "cuda", 60),
+    ("recurrent_step", "bench/test_recurrent_step.py", "cuda", 70),  # GRU, LSTM at T=1000, 10000
 ]
+SUITES_FULL = HEADLINE + [
+    # the parallel (Newton) forward vs cuDNN at T = 30000, RNN and GRU, full and quasi-Newton
+    ("newton", "bench/test_newton.py", "cuda and 30000-20 and not lstm and forward", 60),
+    ("kernels", "bench/test_kernels_gpu.py", None, 100),
+    # training steps through spscan.wrap on the device vs cuDNN / cuBLAS autograd, timed in the same test
+    ("cnn_step", "bench/test_cnn_step.py", "cuda", 45),  # LeNet-5 B=64, small VGG B=32: step, backward
+    ("resnet_step", "bench/test_resnet_step.py", "cuda", 60),  # ResNet-20 train mode B=16 (plans ~3 s)
+    ("stacked_step", "bench/test_stacked_step.py", "cuda", 45),  # 2-layer GRU at T=1000, 10000
+    ("spgemm", "bench/test_paper_spgemm.py", None, 45),
+    ("rnn", "bench/test_paper_rnn.py", "not training", 60),
+    ("gru", "bench/test_paper_gru.py", None, 45),
+    ("core", "bench/test_core_bench.py", None, 30),
+]
+# bench/gpu/tune.py on the headline shapes (its quick variant set), after the headline rows: (arguments, cap)
+TUNE = (["--quick", "--cases", "rnn30000,gru10000,lstm10000"], 90)
 SUITES_QUICK = [
     ("kernels", "bench/test_kernels_gpu.py", "conv4x32x32 or 1000 or planning", 100),
     ("rnn_step", "bench/test_rnn_step.py", "cuda and 1000", 60),
@@ -67,10 +75,11 @@ SUITES_NOT_ON_ONE_GPU = [
 STEP_SUITES = ("rnn_step", "cnn_step", "resnet_step", "recurrent_step", "stacked_step")
 # the paper's RNN sweep over T and B (Figure 8): the sizes the full run keeps within its budget
 FULL_ONLY = "T=10,100,1000,10000,30000;B=1,4,16,64,256"
-TESTS_FULL = (["tests/test_gpu.py", "tests/test_linear_run_chunked.py", "tests/test_triton_kernels.py"], None, 220)
+TESTS_FULL = (["tests/test_recurrence_kernels.py", "tests/test_gpu.py", "tests/test_linear_run_chunked.py",
+               "tests/test_triton_kernels.py"], None, 150)
 TESTS_QUICK = (["tests/test_gpu.py", "tests/test_linear_run_chunked.py"],
                "sparse-mixed or dense20 or chain20 or graph or chunked", 100)
-MAX_PNGS = 3  # the output folder holds at most 8 files: 5 fixed + these
+MAX_PNGS = 2  # the output folder holds at most 8 files: 6 fixed (tune.json included) + these
 PNG_PRIORITY = ["gpu_ratios.png", "rnn_sweep_T.png", "spgemm.png", "gru.png", "rnn_sweep_B.png"]
 
 
@@ -171,11 +180,22 @@ def targets(rows: list[dict]) -> list[dict[str, Any]]:
                 if key in r.get("extra_info", {}) and pred(r["name"], r["extra_info"])]
         return max(vals) if vals else None
 
+    def rec(cell: str, T: int, mode: str):
+        return lambda n, i: (i.get("cell", "rnn") == cell and i.get("T") == T and i.get("mode") == mode
+                             and "newton" not in n)
+
     checks = [
-        ("RNN backward vs cuDNN, T=30000 B=16 H=20", 100.0,
-         pick(lambda n, i: i.get("T") == 30000 and i.get("mode") == "backward", "speedup_vs_autograd")),
-        ("RNN training step vs cuDNN, T=30000 B=16 H=20", 2.5,
-         pick(lambda n, i: i.get("T") == 30000 and i.get("mode") == "step", "speedup_vs_autograd")),
+        ("RNN backward vs cuDNN, T=30000 B=16 H=20", 30.0, pick(rec("rnn", 30000, "backward"), "speedup_vs_autograd")),
+        ("RNN training step vs cuDNN, T=30000 B=16 H=20", 3.0, pick(rec("rnn", 30000, "step"), "speedup_vs_autograd")),
+        ("GRU backward vs cuDNN, T=10000", 15.0, pick(rec("gru", 10000, "backward"), "speedup_vs_autograd")),
+        ("LSTM backward vs cuDNN, T=10000", 5.0, pick(rec("lstm", 10000, "backward"), "speedup_vs_autograd")),
+        ("RNN backward vs cuDNN, T=1000", 2.0, pick(rec("rnn", 1000, "backward"), "speedup_vs_autograd")),
+        ("Newton forward vs cuDNN's forward, RNN T=30000", 2.0,
+         pick(lambda n, i: "newton" in n and i.get("cell") == "rnn" and i.get("mode") == "forward",
+              "ratio_sequential_over_newton")),
+        ("Newton forward vs cuDNN's forward, GRU T=30000", 2.0,
+         pick(lambda n, i: "newton" in n and i.get("cell") == "gru" and i.get("mode") == "forward",
+              "ratio_sequential_over_newton")),
         ("numeric SpGEMM vs cuSPARSE (best product)", 3.0,
          pick(lambda n, i: "spgemm" in n, "speedup_vs_torch_sparse")),
         ("SpGEMM achieved / device-copy bandwidth", 0.5,
@@ -287,6 +307,27 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
     return summary
 
 
+def run_tune(out: Path, env: dict[str, str], limit: float) -> dict[str, Any]:
+    """``bench/gpu/tune.py`` with :data:`TUNE`'s arguments inside ``limit`` seconds; its JSON to ``out``."""
+    if limit < 15:
+        say(f"== tune: not run, {limit:.0f} s left")
+        return {"name": "tune", "status": "not run: out of time", "rc": None, "seconds": 0, "counts": {}}
+    say(f"== tune: bench/gpu/tune.py {' '.join(TUNE[0])} (limit {limit:.0f} s)")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            proc = subprocess.run([sys.executable, str(HERE / "tune.py"), *TUNE[0], "--out", tmp], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=limit)
+            rc, status = proc.returncode, "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            text = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, status, text = -9, f"stopped at its {limit:.0f} s limit", str(exc.stdout or "")
+        if (Path(tmp) / "tune.json").exists():
+            shutil.copy(Path(tmp) / "tune.json", out / "tune.json")
+    say("   " + "\n   ".join(text.strip().splitlines()[-8:]))
+    return {"name": "tune", "status": status, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "counts": {}}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output folder (created)")
@@ -295,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ns = ap.parse_args(argv)
     out = Path(ns.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    deadline = ns.deadline or time.time() + 530
+    deadline = ns.deadline or time.time() + 480
     left = lambda: deadline - time.time() - REPORT_RESERVE_S  # noqa: E731
 
     env_info = environment()
@@ -310,18 +351,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="spscan-gpu-"))
     failed = False
 
-    files, kfilter, cap = TESTS_QUICK if ns.quick else TESTS_FULL
-    args = [*files, *(["-k", kfilter] if kfilter else [])]
-    say(f"== tests: pytest {' '.join(args)} (limit {min(cap, left()):.0f} s)")
-    tests = run_pytest("tests", args, min(cap, left()), work / "tests.log", env)
-    shutil.copy(work / "tests.log", out / "tests.log")
-    say(f"   {tests['status']} {tests['counts']} in {tests['seconds']} s")
-    for f in tests["failed"]:
-        say(f"   FAILED {f}")
-    failed |= tests["rc"] not in (0, 5)
-
     suites = []
-    for name, path, kfilter, cap in (SUITES_QUICK if ns.quick else SUITES_FULL):
+
+    def run_tests() -> dict:
+        files, kfilter, cap = TESTS_QUICK if ns.quick else TESTS_FULL
+        args = [*files, *(["-k", kfilter] if kfilter else [])]
+        say(f"== tests: pytest {' '.join(args)} (limit {min(cap, left()):.0f} s)")
+        result = run_pytest("tests", args, min(cap, left()), work / "tests.log", env)
+        shutil.copy(work / "tests.log", out / "tests.log")
+        say(f"   {result['status']} {result['counts']} in {result['seconds']} s")
+        for f in result["failed"]:
+            say(f"   FAILED {f}")
+        return result
+
+    tests = None
+    if ns.quick or not cuda:
+        tests = run_tests()
+        failed |= tests["rc"] not in (0, 5)
+    plan = SUITES_QUICK if ns.quick else SUITES_FULL
+    for index, (name, path, kfilter, cap) in enumerate(plan):
+        if tests is None and index == len(HEADLINE):  # after the headline rows: the tune, then the tests
+            suites.append(run_tune(out, env, min(TUNE[1], left())))
+            failed |= suites[-1]["rc"] not in (0, None)
+            tests = run_tests()
+            failed |= tests["rc"] not in (0, 5)
         limit = min(cap, left())
         if limit < 15:
             suites.append({"name": name, "status": "not run: out of time", "rc": None, "seconds": 0, "counts": {}})
