@@ -387,6 +387,11 @@ class RecurrenceConfig:
     compose_dot: Optional[str] = None  # a fixed float32 scheme (tuning); None: from dot_precision
     expand_dot: Optional[str] = None
 
+    def lanes(self, itemsize: int) -> int:
+        """Compose lanes per program for values of ``itemsize`` bytes: float64 tiles hold half as many
+        (their registers spilled at the float32 count: compile report)."""
+        return self.compose_rows if itemsize <= 4 else max(16, self.compose_rows // 2)
+
     @property
     def compose_precision(self) -> str:
         """``tl.dot``'s precision for float32 chunk maps, read at each launch (see :func:`input_precision`)."""
@@ -438,6 +443,10 @@ def recurrence_config(n: int, ny: int, steps: int, chunk: Optional[int] = None,
     if interpret:  # the interpreter pays per program: few, large ones
         return RecurrenceConfig(chunk, -(-steps // chunk), block_n, 256, 4, 64, 4, 4)
     _, rows, cw, ew, kw = next(row for row in RECURRENCE_TABLE if m <= row[0])
+    if block_n >= 64:  # 64-wide blocks: twice the warps keep a 64-lane tile's registers from spilling (compile report)
+        cw = max(cw, 8)
+    # the carry holds two (m + 1)-square tiles: one warp per 2048 of their entries, so they stay in registers
+    kw = max(kw, min(16, next_pow2(m + 1) ** 2 // 2048))
     return RecurrenceConfig(chunk, -(-steps // chunk), block_n, rows, cw, 16, ew, kw)
 
 

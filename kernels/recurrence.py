@@ -69,26 +69,10 @@ def _pick(x0, x1, x2, x3, x4, I: tl.constexpr):
 @triton.jit
 def _pick_tile(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, I: tl.constexpr):
     """Shared tile ``I`` (row-major over the ``S`` grid) of the ten a launch preloads."""
-    if I == 0:
-        out = t0
-    elif I == 1:
-        out = t1
-    elif I == 2:
-        out = t2
-    elif I == 3:
-        out = t3
-    elif I == 4:
-        out = t4
-    elif I == 5:
-        out = t5
-    elif I == 6:
-        out = t6
-    elif I == 7:
-        out = t7
-    elif I == 8:
-        out = t8
+    if I < 5:
+        out = _pick(t0, t1, t2, t3, t4, I)
     else:
-        out = t9
+        out = _pick(t5, t6, t7, t8, t9, I - 5)
     return out
 
 
@@ -437,9 +421,10 @@ def run_recurrence(rec: "Recurrence", s: torch.Tensor, p: torch.Tensor, v: torch
                   AFFINE=rec.affine)
     if chunks > 1 and "compose" in phases:
         lanes = batch * (rec.m + rec.affine)
-        launch.launch(recurrence_chunk_kernel, (triton.cdiv(lanes, cfg.compose_rows), chunks - 1),
+        rows = cfg.lanes(v.element_size())
+        launch.launch(recurrence_chunk_kernel, (triton.cdiv(lanes, rows), chunks - 1),
                       dict(args, rows_total=lanes),
-                      dict(consts, EXPAND=False, ROWS=cfg.compose_rows,
+                      dict(consts, EXPAND=False, ROWS=rows,
                            PRECISION="ieee" if exact else cfg.compose_precision), cfg.compose_warps)
     if "carry" in phases:
         launch.launch(recurrence_carry_kernel, (batch,),

@@ -713,6 +713,13 @@ class BoundPlan:
             hit = self._scratch[name] = torch.empty(numel, dtype=dtype, device=self.device)
         return hit[:numel]
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The buffers a run writes and reads now (arenas, working buffers): a caller that records runs in
+        its own CUDA graph keeps these alive for as long as it replays it (a later batch size or dtype
+        makes the plan hold new ones and let go of these)."""
+        held = list(self._arenas) if self._arenas is not None else []
+        return held + list(self._scratch.values())
+
     def release_buffers(self) -> None:
         """Free the arenas, working buffers and CUDA graphs kept between calls (tables stay)."""
         self._graphs.clear()

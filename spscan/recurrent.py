@@ -152,6 +152,16 @@ def stashed_inputs(ctx) -> tuple:
     return ctx.saved_tensors[: ctx.n_inputs]
 
 
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i``, as one call where torch has it (a dozen copies per backward)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 class _GraphedBackward:
     """A recurrent backward's device work replayed from one CUDA graph per input signature.
 
@@ -189,15 +199,21 @@ class _GraphedBackward:
                tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
         if key in self.eager:
             return plan._backward(saved, *args, wanted)
+        # one buffer per distinct tensor (the RNN's Jacobian factor is also one of its coefficients)
+        first: dict = {}
+        slot = [first.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), i) for i, t in enumerate(tensors)]
+        key = key + (tuple(slot),)
+        unique = [tensors[i] for i in sorted(set(slot))]
         hit = self.entries.get(key)
         if hit is not None:
-            static, replay, out = hit
-            for dst, src in zip(static, tensors):
-                dst.copy_(src)
+            static, replay, out, _ = hit
+            _copy_all(static, unique)
             replay()
             return {k: (v.clone() if v is not None else None) for k, v in out.items()}
-        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t) for t in tensors]
-        s_saved, s_args = _map_tensors(skeleton, lambda sl: static[sl.index])
+        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in unique]
+        _copy_all(static, unique)
+        at = {i: static[n] for n, i in enumerate(sorted(set(slot)))}
+        s_saved, s_args = _map_tensors(skeleton, lambda sl: at[slot[sl.index]])
         result = plan._backward(s_saved, *s_args, wanted)  # eager: compiles, binds, and gives this call's result
         try:
             replay, out = self.record(lambda: plan._backward(s_saved, *s_args, wanted), saved.device)
@@ -206,7 +222,10 @@ class _GraphedBackward:
             return result
         if len(self.entries) >= self.MAX_GRAPHS:  # shapes of old calls: drop their graphs and buffers
             self.entries.pop(next(iter(self.entries)))
-        self.entries[key] = (static, replay, out)
+        # the engine's buffers the graph wrote and read stay alive with it: a later batch size makes the
+        # engine hold new ones, and a replay must not write into memory handed to something else
+        held = [b.held_buffers() for b in plan.bindings_for(saved.T, saved.device, saved.dtype)]
+        self.entries[key] = (static, replay, out, held)
         return result
 
     @staticmethod
@@ -322,6 +341,11 @@ class RecurrentPlan:
         if hit is None:
             hit = self._bindings[key] = self._bind(seq_len, device, dtype, with_extra)
         return hit
+
+    def bindings_for(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> list:
+        """The core plan's bindings made so far for this length, device and dtype (with and without
+        per-step losses)."""
+        return [b for k, b in self._bindings.items() if k[:3] == (seq_len, str(device), dtype)]
 
     def _bind(self, seq_len: int, device: torch.device, dtype: torch.dtype, with_extra: bool):
         plan = self.scan_plan(seq_len, device, dtype)

@@ -231,3 +231,43 @@ def test_graphed_backward_replays_on_new_inputs(cell, monkeypatch):
             if v is not None:
                 torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-12)
     assert len(graphed.entries) == 2  # one per batch size
+
+
+@pytest.mark.parametrize("cell", [nn.RNN, nn.GRU, nn.LSTM])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_periodic_chain_through_the_engine_matches_the_reference(cell, dtype):
+    """A recurrent chain's patterns and random periodic values through ``spscan.plan`` at depth 0 and a
+    periodic binding (the fused kernels), against ``spscan.reference`` in float64, with additive terms
+    on every step for two batch sizes on one binding; with terms on every other step the run is not one
+    recurrence and takes the general kernels, as correct."""
+    from spscan.cells import cell_kind, factored_layout, recurrent_patterns, shared_flags
+    from spscan.reference import reference_backward
+
+    T, H = 17, 5
+    mod = cell(1, H)
+    kind = cell_kind(mod)
+    pats = recurrent_patterns(mod, T, "factored")
+    per = len(factored_layout(kind, H))
+    shared = shared_flags(kind, H)
+    plan = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=dtype)
+    dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
+    every = [i % per == 0 and 0 < i < per * T for i in range(per * T + 1)]  # a loss on every step
+    some = [e and i % (2 * per) == 0 for i, e in enumerate(every)]  # on every other: not one recurrence
+    g = torch.Generator().manual_seed(3)
+    for has_extra, batch in ((every, 3), (every, 1), (some, 2)):
+        bound = plan.bind(shared * T, has_extra, DEVICE, period=per)
+        fused = any(hasattr(item, "rec") for st in bound.tables.steps for item in st)
+        assert fused == (has_extra is every)
+        elements = [torch.randn(p.nnz, generator=g, dtype=torch.float64) * 0.3 if sh else
+                    torch.rand(T, batch, p.nnz, generator=g, dtype=torch.float64)
+                    for p, sh in zip(plan.patterns[:per], shared)]
+        values = PeriodicValues(elements, T)
+        grad = torch.randn(batch, dims[-1], generator=g, dtype=torch.float64)
+        extra = [torch.randn(batch, d, generator=g, dtype=torch.float64) if e else None
+                 for d, e in zip(dims, has_extra)]
+        want = reference_backward(pats, list(values), grad, extra)
+        got = bound.run(PeriodicValues([e.to(DEVICE, dtype) for e in elements], T), grad.to(DEVICE, dtype),
+                        [None if e is None else e.to(DEVICE, dtype) for e in extra])
+        scale = max(float(w.abs().max()) for w in want)
+        err = max(float((got[i].double().cpu() - want[i]).abs().max()) for i in range(len(want))) / scale
+        assert err < (1e-12 if dtype == torch.float64 else 2e-6), err

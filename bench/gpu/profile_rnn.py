@@ -23,18 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_recurrent_step import _setup as recurrent_step_setup  # noqa: E402
 from test_rnn_step import B, H  # noqa: E402
 from test_rnn_step import _setup as rnn_step_setup  # noqa: E402
+from tune import events_ms  # noqa: E402
 
 
 def _median_ms(fn, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return events_ms(fn, reps, warmup=False)
 
 
 def _setup(cell: str, T: int, scan: bool):

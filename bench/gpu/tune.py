@@ -78,12 +78,14 @@ def _graph_ms(fn, calls: int = 20, replays: int = 5) -> float:
     return statistics.median(times)
 
 
-def _events_ms(fn, reps: int = 5) -> float:
+def events_ms(fn, reps: int = 5, warmup: bool = True) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events (``warmup``: one untimed call first)."""
     if DEV.type != "cuda":
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    fn()
+    if warmup:
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -100,7 +102,7 @@ def copy_bandwidth() -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
     x = torch.empty((256 if DEV.type == "cuda" else 1) << 20, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
-    ms = _events_ms(lambda: y.copy_(x), reps=10)
+    ms = events_ms(lambda: y.copy_(x), reps=10)
     return 2 * x.numel() / (ms * 1e-3)
 
 
@@ -195,7 +197,7 @@ class Case:
         out = self.module(x)[0]
         loss = (out[-1] ** 2).sum()
         grads = lambda: torch.autograd.grad(loss, [x] + params, retain_graph=True)  # noqa: E731
-        return _events_ms(grads, reps=5)
+        return events_ms(grads, reps=5)
 
 
 def _cfg(base, **kw):
