@@ -35,6 +35,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from spscan.planner.recurrence import CHUNK_SCALE
+
 __all__ = [
     "dot_precision", "DOT_PRECISIONS", "mode", "chunk_steps", "set_dot_precision", "input_precision", "interpreting",
     "next_pow2", "choose_width",
@@ -410,14 +412,13 @@ RECURRENCE_MAX_N = 64
 # Launch parameters of the structured recurrence on a GPU, by state size m = ny * n (the widest first):
 # (largest m, compose lanes per program, compose warps, expand warps, carry warps). Chosen by
 # ``bench/gpu/tune.py`` on the device named in ``RECURRENCE_TUNED_ON``.
-RECURRENCE_TUNED_ON = "NVIDIA H100 80GB HBM3 (bench/results/nvidia-h100-80gb-hbm3/tune.log)"
+RECURRENCE_TUNED_ON = "NVIDIA H100 80GB HBM3 (bench/results/nvidia-h100-80gb-hbm3/recurrence/tune_rnn.log)"
 RECURRENCE_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 64, 4, 4, 2),  # RNN, GRU at H = 20: 64 lanes beat 32, 128 and 256 (tf32x3); carry 1-4 warps within 5 %
     (1 << 30, 64, 4, 4, 4),  # LSTM at H = 20 (m = 40): 64 lanes 2.4 ms against 32 lanes 6.1 ms
 )
-# the chunk length as a multiple of sqrt(steps): the critical path is ~2 chunk + steps / chunk dependent steps,
-# but a chunk step costs more than a carry step
-RECURRENCE_CHUNK_SCALE = 0.7
+# the chunk length as a multiple of sqrt(steps) (the planner's, which costs it: tuned 0.35-2.8, 0.7 fastest)
+RECURRENCE_CHUNK_SCALE = CHUNK_SCALE
 # the float32-exact scheme of each phase's products under dot_precision "exact": "ieee" (FMA) or "tf32x3"
 # (tuned: three TF32 products composed the RNN's chunk maps 6.6x faster than FMA products, at the same error
 # against float64, 6e-8; the expansion's products are within 10 % either way, and 1.4x faster as tf32x3

@@ -77,20 +77,6 @@ def _pick_tile(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, I: tl.constexpr):
 
 
 @triton.jit
-def _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G: tl.constexpr, ROW: tl.constexpr, NI: tl.constexpr):
-    """Output block ``ROW`` of a grid of diagonals: ``sum_c diag(G[ROW][c]) x_c``."""
-    acc = tl.zeros_like(x0)
-    for c in tl.static_range(NI):
-        if G[(ROW * NI + c) * 3] == 1:  # per-sample entries: one row of the step's values per tile row
-            acc += tl.load(pv + G[(ROW * NI + c) * 3 + 1] + G[(ROW * NI + c) * 3 + 2] * cols[None, :], mask=ok, other=0.0) \
-                * _pick(x0, x1, x2, x3, x4, c)
-        elif G[(ROW * NI + c) * 3] == 2:  # shared entries
-            acc += tl.load(sv + G[(ROW * NI + c) * 3 + 1] + G[(ROW * NI + c) * 3 + 2] * cols, mask=cok, other=0.0)[None, :] \
-                * _pick(x0, x1, x2, x3, x4, c)
-    return acc
-
-
-@triton.jit
 def _eblock(pv, sv, ok, cols, cok, G: tl.constexpr, I: tl.constexpr):
     """Block ``I`` (flat index) of a grid of diagonals: per-sample entries as ``(rows, BN)``, shared ones
     as ``(1, BN)``."""
@@ -102,57 +88,13 @@ def _eblock(pv, sv, ok, cols, cok, G: tl.constexpr, I: tl.constexpr):
 
 
 @triton.jit
-def _egrid(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G: tl.constexpr, NO: tl.constexpr, NI: tl.constexpr):
-    """A grid of diagonal blocks (``NO x NI``) applied to a vector of ``NI`` blocks."""
-    o0 = _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G, 0, NI)
-    o1 = tl.zeros_like(x0)
-    o2 = tl.zeros_like(x0)
-    o3 = tl.zeros_like(x0)
-    o4 = tl.zeros_like(x0)
-    if NO > 1:
-        o1 = _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G, 1, NI)
-    if NO > 2:
-        o2 = _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G, 2, NI)
-    if NO > 3:
-        o3 = _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G, 3, NI)
-    if NO > 4:
-        o4 = _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G, 4, NI)
-    return o0, o1, o2, o3, o4
-
-
-@triton.jit
-def _srow(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok,
-          G: tl.constexpr, ROW: tl.constexpr, NI: tl.constexpr, PRECISION: tl.constexpr):
-    """One output block of the shared part: dense blocks by ``tl.dot`` with the preloaded (transposed)
-    tiles, diagonal blocks by scaling."""
+def _erow(x0, x1, x2, x3, x4, pv, sv, ok, cols, cok, G: tl.constexpr, ROW: tl.constexpr, NI: tl.constexpr):
+    """Output block ``ROW`` of a grid of diagonals: ``sum_c diag(G[ROW][c]) x_c``."""
     acc = tl.zeros_like(x0)
     for c in tl.static_range(NI):
-        if G[(ROW * NI + c) * 4] == 1:
-            acc = tl.dot(_pick(x0, x1, x2, x3, x4, c), _pick_tile(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, ROW * NI + c),
-                         acc, input_precision=PRECISION, out_dtype=acc.dtype)
-        elif G[(ROW * NI + c) * 4] == 2:
-            acc += tl.load(sv + G[(ROW * NI + c) * 4 + 1] + G[(ROW * NI + c) * 4 + 2] * cols, mask=cok, other=0.0)[None, :] \
-                * _pick(x0, x1, x2, x3, x4, c)
+        if G[(ROW * NI + c) * 3] != 0:  # per-sample (rows, BN) or shared (1, BN) entries
+            acc += _eblock(pv, sv, ok, cols, cok, G, ROW * NI + c) * _pick(x0, x1, x2, x3, x4, c)
     return acc
-
-
-@triton.jit
-def _sgrid(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok,
-           G: tl.constexpr, NO: tl.constexpr, NI: tl.constexpr, PRECISION: tl.constexpr):
-    o0 = _srow(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok, G, 0, NI, PRECISION)
-    o1 = tl.zeros_like(x0)
-    o2 = tl.zeros_like(x0)
-    o3 = tl.zeros_like(x0)
-    o4 = tl.zeros_like(x0)
-    if NO > 1:
-        o1 = _srow(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok, G, 1, NI, PRECISION)
-    if NO > 2:
-        o2 = _srow(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok, G, 2, NI, PRECISION)
-    if NO > 3:
-        o3 = _srow(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok, G, 3, NI, PRECISION)
-    if NO > 4:
-        o4 = _srow(x0, x1, x2, x3, x4, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, sv, cols, cok, G, 4, NI, PRECISION)
-    return o0, o1, o2, o3, o4
 
 
 @triton.jit
@@ -166,6 +108,12 @@ def _stile(sv, G: tl.constexpr, I: tl.constexpr, NI: tl.constexpr, NO: tl.conste
             tile = tl.load(sv + G[I * 4 + 1] + G[I * 4 + 2] * ii[None, :] + G[I * 4 + 3] * kk[:, None],
                            mask=(kk[:, None] < N) & (ii[None, :] < N), other=0.0)
     return tile
+
+
+@triton.jit
+def _sdiag(sv, G: tl.constexpr, I: tl.constexpr, cols, cok):
+    """Diagonal block ``I`` (flat index) of the shared part, as ``(1, BN)``."""
+    return tl.load(sv + G[I * 4 + 1] + G[I * 4 + 2] * cols, mask=cok, other=0.0)[None, :]
 
 
 @triton.jit
@@ -189,7 +137,8 @@ def recurrence_chunk_kernel(
     v_in, out_base, out_step, add_base, add_step, adds, stride_v,  # y_0, outputs, a_s (steps s < adds)
     steps, chunk, rows_total, m, stride_c, e_off,  # rows: lanes (compose) or samples (expand)
     N: tl.constexpr, BN: tl.constexpr, NY: tl.constexpr, NZ: tl.constexpr, K1: tl.constexpr,
-    ORDER: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, HAS_E2: tl.constexpr, SG: tl.constexpr, OUTS: tl.constexpr,
+    ORDER: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, HAS_E2: tl.constexpr, SG: tl.constexpr,
+    OUTS: tl.constexpr,
     HAS_ADD: tl.constexpr, AFFINE: tl.constexpr, EXPAND: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -272,8 +221,7 @@ def recurrence_chunk_kernel(
                         else:
                             acc1 = tl.dot(zc, tile, acc1, input_precision=PRECISION, out_dtype=acc1.dtype)
                     elif SG[(rb * NZ + zb) * 4] == 2:
-                        d = tl.load(sv + SG[(rb * NZ + zb) * 4 + 1] + SG[(rb * NZ + zb) * 4 + 2] * cols, mask=cok,
-                                    other=0.0)[None, :]
+                        d = _sdiag(sv, SG, rb * NZ + zb, cols, cok)
                         if rb == 0:
                             acc0 += zc * d
                         else:
@@ -293,8 +241,7 @@ def recurrence_chunk_kernel(
                                     _pick_tile(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, zb * NY + jb), zc,
                                     input_precision=PRECISION, out_dtype=zc.dtype)
                     elif SG[(zb * NY + jb) * 4] == 2:
-                        zc += _pick(y0, y1, zero, zero, zero, jb) * tl.load(
-                            sv + SG[(zb * NY + jb) * 4 + 1] + SG[(zb * NY + jb) * 4 + 2] * cols, mask=cok, other=0.0)[None, :]
+                        zc += _pick(y0, y1, zero, zero, zero, jb) * _sdiag(sv, SG, zb * NY + jb, cols, cok)
                 if EXPAND:
                     tl.store(orow + OUTS[0] + zb * N + cols[None, :], zc, mask=ok)
                 for kb in tl.static_range(K1):

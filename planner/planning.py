@@ -14,7 +14,7 @@ import numpy as np
 
 from .cost import DeviceProfile
 from .patterns import FullPattern, Pattern, PatternTable, full_pattern, make_pattern
-from .recurrence import periodic_structure
+from .recurrence import CHUNK_SCALE as RECURRENCE_CHUNK_SCALE, periodic_structure
 from .schedule import MMOp, ScanSchedule, Step, blelloch_schedule, max_levels
 from .rowwise import (RowwiseProduct, estimate_product_nnz, pair_list_bytes, rowwise_symbolic,
                       structural_product)
@@ -494,7 +494,7 @@ def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern
         rec = periodic_structure([p for _, p in run_steps], profile.recurrence_max_n)
         if rec is not None:  # the fused recurrence kernels: a shared block and per-step diagonals
             period, fused, macs = rec
-            chunk = max(8.0, 0.7 * math.sqrt(fused))
+            chunk = max(8.0, RECURRENCE_CHUNK_SCALE * math.sqrt(fused))
             total = (profile.recurrence_step_s * (2 * chunk + fused / chunk) + 3 * profile.op_overhead_s
                      + batch * fused * macs / profile.recurrence_rate)
             for i, p in run_steps:

@@ -25,11 +25,14 @@ import numpy as np
 
 from .patterns import Pattern
 
-__all__ = ["Recurrence", "recurrence_of", "periodic_structure", "MAX_STATE_BLOCKS", "MAX_INNER_BLOCKS"]
+__all__ = ["Recurrence", "recurrence_of", "periodic_structure", "MAX_STATE_BLOCKS", "MAX_INNER_BLOCKS", "CHUNK_SCALE"]
 
 MAX_STATE_BLOCKS = 2  # blocks of the recurrence's state (the kernels hold them as named tiles)
 MAX_INNER_BLOCKS = 5  # blocks of the vectors between the parts
 MAX_SHARED_BLOCKS = 10  # blocks of the shared part's grid
+# a run of F fused steps goes in chunks of CHUNK_SCALE * sqrt(F) steps: the critical path is ~2 chunk + F / chunk
+# dependent steps, and a chunk's step costs more than a carry's (the kernels' launches and the cost model agree)
+CHUNK_SCALE = 0.7
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,11 @@ class Recurrence:
         return 1 if self.adds > 0 else 0
 
     def flops_per_step(self) -> tuple[int, int]:
-        """Multiply-adds per fused step and sample: (vector step, composing a chunk map's ``m + 1`` columns)."""
-        dense = sum(1 for row in self.sg for b in row if b[0] == 1)
-        vec = dense * self.n * self.n + self.n * sum(1 for g in (self.e1, self.e2) for row in g for b in row if b[0])
+        """Multiply-adds per fused step and sample: (vector step, composing a chunk map's ``m + 1`` columns):
+        ``n^2`` per dense block, ``n`` per diagonal one."""
+        n = self.n
+        vec = sum(n * n if b[0] == 1 else n for row in self.sg for b in row if b[0]) + \
+            n * sum(1 for g in (self.e1, self.e2) for row in g for b in row if b[0])
         return vec, vec * (self.m + self.affine)
 
 
@@ -134,6 +139,35 @@ def _blocks(pos: np.ndarray, n: int) -> Optional[list[list[tuple]]]:
     return grid
 
 
+def _period_shape(positions: list[np.ndarray], shared: list[Optional[bool]]) -> Optional[tuple]:
+    """One period's sub-steps (their values' positions as dense arrays, in run order; ``shared[r]`` or
+    ``None`` where not known yet) as a structured recurrence: ``(n, grids, s_sub, order)`` (block size,
+    block grids, the shared part's sub-step, 0 for ``S E`` and 1 for ``E S``), else ``None``."""
+    p = len(positions)
+    n = 0
+    for pos in positions:
+        n = math.gcd(n, math.gcd(*pos.shape))
+    if positions[-1].shape[0] != positions[0].shape[1]:
+        return None  # a period maps the state to itself
+    grids = [_blocks(pos, n) for pos in positions]
+    if any(g is None for g in grids):
+        return None
+    dense = [r for r, g in enumerate(grids) if any(b[0] == "dense" for row in g for b in row)]
+    if not dense and n == 1:  # 1 x 1 blocks read as diagonals: the shared part is the last or the first
+        dense = [r for r in (p - 1, 0) if shared[r] is not False][:1]
+    if len(dense) != 1 or dense[0] not in (p - 1, 0) or shared[dense[0]] is False:
+        return None
+    s_sub = dense[0]
+    if positions[0].shape[1] // n > MAX_STATE_BLOCKS:
+        return None
+    return n, grids, s_sub, 0 if s_sub == p - 1 else 1
+
+
+def _vector_macs(grids: list, n: int) -> int:
+    """Multiply-adds of one step on one vector: ``n^2`` per dense block, ``n`` per diagonal one."""
+    return sum(n * n if b[0] == "dense" else n for g in grids for row in g for b in row if b[0] != "empty")
+
+
 def periodic_structure(patterns: list[Pattern], max_n: int = 1 << 30) -> Optional[tuple[int, int, int]]:
     """Whether a run of these matrices (in run order) is a structured recurrence by its patterns alone:
     ``(period, fused steps, multiply-adds per fused step and sample of composing a chunk map)``, else
@@ -145,24 +179,11 @@ def periodic_structure(patterns: list[Pattern], max_n: int = 1 << 30) -> Optiona
             continue
         if any(patterns[j].key != patterns[j % p].key for j in range(p, total)):
             continue
-        n = 0
-        for q in patterns[:p]:
-            n = math.gcd(n, math.gcd(q.rows, q.cols))
-        grids = [_blocks(_positions(q, "sparse", q.rows, q.cols), n) for q in patterns[:p]]
-        if any(g is None for g in grids) or patterns[p - 1].rows != patterns[0].cols:
+        shape = _period_shape([_positions(q, "sparse", q.rows, q.cols) for q in patterns[:p]], [None] * p)
+        if shape is None or shape[0] > max_n:
             continue
-        dense = [r for r, g in enumerate(grids) if any(b[0] == "dense" for row in g for b in row)]
-        if not dense and n == 1:
-            dense = [p - 1]
-        if len(dense) != 1 or dense[0] not in (0, p - 1):
-            continue
-        m = patterns[0].cols
-        nblocks = sum(1 for g in grids for row in g for b in row if b[0] != "empty")
-        ndense = sum(1 for row in grids[dense[0]] for b in row if b[0] != "empty")
-        if m // n > MAX_STATE_BLOCKS or n > max_n:
-            continue
-        vec = ndense * n * n + (nblocks - ndense) * n
-        return p, total // p, vec * (m + 1)
+        n, grids, _, _ = shape
+        return p, total // p, _vector_macs(grids, n) * (patterns[0].cols + 1)
     return None
 
 
@@ -184,7 +205,7 @@ def recurrence_of(op, min_steps: int = 2) -> Optional[Recurrence]:
 def _with_period(op, p: int) -> Optional[Recurrence]:
     F = op.steps // p
     idx = np.arange(F) * p
-    kinds, shared, mats, offs = [], [], [], []
+    shared, mats, offs = [], [], []
     for r in range(p):
         j = idx + r
         for field in (op.dense, op.shared, op.rows, op.cols, op.pattern):
@@ -193,7 +214,6 @@ def _with_period(op, p: int) -> Optional[Recurrence]:
         if r < p - 1 and np.any(op.add[j] >= 0):
             return None  # additive terms only on a period's last output
         kind = "dense" if op.dense[r] else ("sparse" if op.pattern[r] >= 0 else "diag")
-        kinds.append(kind)
         shared.append(bool(op.shared[r]))
         pat = op.csr[int(op.pattern[r])] if kind == "sparse" else None
         mats.append(_positions(pat, kind, int(op.rows[r]), int(op.cols[r])))
@@ -219,27 +239,12 @@ def _with_period(op, p: int) -> Optional[Recurrence]:
     add_prog = _affine(add[:adds]) if adds else (0, 0)
     if add_prog is None:
         return None
-    n = 0
-    for r in range(p):
-        n = math.gcd(n, math.gcd(int(op.rows[r]), int(op.cols[r])))
-    grids = [_blocks(pos, n) for pos in mats]
-    if any(g is None for g in grids):
+    shape = _period_shape(mats, shared)
+    if shape is None:
         return None
-    dense_subs = [r for r, g in enumerate(grids) if any(b[0] == "dense" for row in g for b in row)]
-    if not dense_subs and n == 1:  # 1 x 1 blocks read as diagonals: the shared part is the last or the first
-        dense_subs = [r for r in (p - 1, 0) if shared[r]][:1]
-    if len(dense_subs) != 1 or not shared[dense_subs[0]]:
-        return None
-    s_sub = dense_subs[0]
-    if s_sub == p - 1:
-        order, e_subs = 0, list(range(p - 1))
-    elif s_sub == 0:
-        order, e_subs = 1, list(range(1, p))
-    else:
-        return None
-    ny = int(op.cols[0]) // n if order == 0 else int(op.cols[0]) // n
-    if int(op.rows[p - 1]) != int(op.cols[0]):
-        return None  # a period maps the state to itself
+    n, grids, s_sub, order = shape
+    e_subs = list(range(p - 1)) if order == 0 else list(range(1, p))
+    ny = int(op.cols[0]) // n
     s_base = min((offs[r][0] for r in range(p) if shared[r]), default=0)
     per = [r for r in range(p) if not shared[r]]
     p_base = offs[per[0]][0] if per else 0
@@ -250,9 +255,6 @@ def _with_period(op, p: int) -> Optional[Recurrence]:
         return tuple(tuple((0, 0, 0) if b[0] == "empty" else (kind, base + b[1], b[2]) for b in row)
                      for row in grids[r])
 
-    for r in e_subs:
-        if any(b[0] == "dense" for row in grids[r] for b in row):
-            return None
     base_s = offs[s_sub][0] - s_base
     sg = tuple(tuple((0, 0, 0, 0) if b[0] == "empty" else
                      (1, base_s + b[1], b[2], b[3]) if b[0] == "dense" else (2, base_s + b[1], b[2], 0)
@@ -261,8 +263,7 @@ def _with_period(op, p: int) -> Optional[Recurrence]:
     e2 = e_grid(e_subs[1]) if len(e_subs) > 1 else ()
     k1 = len(e1)
     nz = len(sg[0]) if order == 0 else len(sg)
-    if ny > MAX_STATE_BLOCKS or nz > MAX_INNER_BLOCKS or k1 > MAX_INNER_BLOCKS \
-            or len(sg) * len(sg[0]) > MAX_SHARED_BLOCKS:
+    if nz > MAX_INNER_BLOCKS or k1 > MAX_INNER_BLOCKS or len(sg) * len(sg[0]) > MAX_SHARED_BLOCKS:
         return None
     return Recurrence(
         n=n, ny=ny, nz=nz, k1=k1, order=order, e1=e1, e2=e2, sg=sg,

@@ -124,19 +124,26 @@ def _map_tensors(value, fn):
 _ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, range, slice])
 
 
-def stash_saved(ctx, saved, inputs: Sequence) -> None:
-    """Keep ``saved`` (what :meth:`RecurrentPlan.run_forward` returns for the backward) on ``ctx`` with its
-    tensors handed to ``ctx.save_for_backward`` after ``inputs``: autograd then frees them after a
-    backward that does not retain the graph, as it frees any saved tensor (so the plan's
-    :class:`~spscan.engine.RecycledBuffers` hand their memory to the next step), and a second backward
-    through a freed graph raises autograd's own error."""
+def _flatten(value) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` with each tensor it holds replaced by a :class:`_Slot`, and those tensors in slot order
+    (:func:`_map_tensors` with the slots' indices rebuilds it)."""
     tensors: list[torch.Tensor] = []
 
     def slot(t):
         tensors.append(t)
         return _Slot(len(tensors) - 1)
 
-    ctx.saved = None if saved is None else _map_tensors(saved, slot)
+    return _map_tensors(value, slot), tensors
+
+
+def stash_saved(ctx, saved, inputs: Sequence) -> None:
+    """Keep ``saved`` (what :meth:`RecurrentPlan.run_forward` returns for the backward) on ``ctx`` with its
+    tensors handed to ``ctx.save_for_backward`` after ``inputs``: autograd then frees them after a
+    backward that does not retain the graph, as it frees any saved tensor (so the plan's
+    :class:`~spscan.engine.RecycledBuffers` hand their memory to the next step), and a second backward
+    through a freed graph raises autograd's own error."""
+    skeleton, tensors = _flatten(saved)
+    ctx.saved = None if saved is None else skeleton
     ctx.n_inputs = len(inputs)
     ctx.save_for_backward(*inputs, *tensors)
 
@@ -182,18 +189,8 @@ class _GraphedBackward:
         self.entries: dict = {}
         self.eager: set = set()
 
-    @staticmethod
-    def _flatten(value) -> tuple[Any, list[torch.Tensor]]:
-        tensors: list[torch.Tensor] = []
-
-        def slot(t):
-            tensors.append(t)
-            return _Slot(len(tensors) - 1)
-
-        return _map_tensors(value, slot), tensors
-
     def __call__(self, plan: "RecurrentPlan", saved: "_Saved", args: tuple, wanted) -> dict:
-        skeleton, tensors = self._flatten((saved, args))
+        skeleton, tensors = _flatten((saved, args))
         key = (wanted, saved.T, saved.B, saved.unbatched, tuple(a is None for a in args),
                tuple(k for k, v in sorted(saved.__dict__.items()) if v is None),
                tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
