@@ -62,8 +62,8 @@ import torch.nn.functional as F
 
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
-from spscan.model import (ForwardState, Jacobians, ModelPlan, ScanFunction, SpscanModule, check_hooks,
-                          collect_param_grads, refuse_functorch, refuse_second_derivative)
+from spscan.autograd import apply as autograd_apply, refuse_functorch
+from spscan.model import ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads
 from spscan.plan import build_composite, build_plan
 from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
 
@@ -1155,6 +1155,29 @@ class GraphPlan(ModelPlan):
         with torch.no_grad():
             return collect_param_grads(self.param_roles, self.unit_param_grads(jac.saved, jac.tensors, grads, needed))
 
+    def scan_backward(self, state: ForwardState, grad_outputs: tuple, needs: tuple) -> tuple:
+        """The autograd front end's backward (:class:`spscan.autograd.FrontEnd`): block values, the
+        block-level scan, then every branch's inner scan and all parameter gradients."""
+        gy = grad_outputs[0]
+        needed, pos = [], 1
+        for u in self.units:
+            needed.append(list(needs[pos:pos + len(u.roles)]))
+            pos += len(u.roles)
+        values = self._values(state.saved, state.tensors, needed)
+        grads = self.backward(values, gy.reshape(gy.shape[0], -1).contiguous(), first_output=needs[0],
+                              stop=0 if needs[0] else self.lowest_needed_element(needed))
+        gx = grads[0].reshape(state.x_shape) if needs[0] else None
+        # parameter gradients a unit's operator computed while the scan applied it (one conv backward each)
+        done = self.fused_param_grads(values)
+        rest = [[n and (k not in done or done[k][r] is None) for r, n in enumerate(nd)]
+                for k, nd in enumerate(needed)]
+        per_unit = self.unit_param_grads(state.saved, state.tensors, grads, rest)
+        for k, d in done.items():
+            for r, v in enumerate(d):
+                if v is not None and needed[k][r]:
+                    per_unit[k][r] = v
+        return (gx, *[g for gs in per_unit for g in gs])
+
 
 def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
                operators: bool = True, dag: str = "auto", **kwargs: Any) -> ModelPlan:
@@ -1229,39 +1252,6 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 # ----------------------------------------------------------------------------- autograd
 
 
-class _GraphScanFunction(ScanFunction):
-    """Forward: the blocks (the chain function's forward and context, unit by unit). Backward: block
-    values, the block-level scan, then every branch's inner scan and all parameter gradients."""
-
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
-        plan: GraphPlan = ctx.plan
-        st: ForwardState = ctx.state
-        b = gy.shape[0]
-        with torch.no_grad():
-            needed, pos = [], 2
-            for u in plan.units:
-                needed.append(list(ctx.needs_input_grad[pos:pos + len(u.roles)]))
-                pos += len(u.roles)
-            values = plan._values(st.saved, st.tensors, needed)
-            grads = plan.backward(values, gy.reshape(b, -1).contiguous(), first_output=ctx.needs_input_grad[1],
-                                  stop=0 if ctx.needs_input_grad[1] else plan.lowest_needed_element(needed))
-            gx = grads[0].reshape(st.x_shape) if ctx.needs_input_grad[1] else None
-            # parameter gradients a unit's operator computed while the scan applied it (one conv backward each)
-            done = plan.fused_param_grads(values)
-            rest = [[n and (k not in done or done[k][r] is None) for r, n in enumerate(nd)]
-                    for k, nd in enumerate(needed)]
-            per_unit = plan.unit_param_grads(st.saved, st.tensors, grads, rest)
-            for k, d in done.items():
-                for r, v in enumerate(d):
-                    if v is not None and needed[k][r]:
-                        per_unit[k][r] = v
-        out = (None, gx, *[g for gs in per_unit for g in gs])
-        if torch.is_grad_enabled():
-            out = refuse_second_derivative(list(ctx.saved_tensors) + [gy], out)
-        return out
-
-
 class GraphSpscanModule(SpscanModule):
     """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
 
@@ -1272,7 +1262,7 @@ class GraphSpscanModule(SpscanModule):
         if x.shape[0] == 0:
             return self.model(x)
         flat = [t for u in self.plan.units for t in u.tensors()]
-        return _GraphScanFunction.apply(self.plan, x, *flat)[0]
+        return autograd_apply(self.plan, x, *flat)[0]
 
 
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

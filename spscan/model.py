@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from spscan.autograd import apply as autograd_apply, keep_graph, refuse_functorch
 from spscan.engine import check_inputs
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import (AvgPoolUnit, ConvUnit, ElementwiseUnit, LayerUnit, LinearUnit, LowRankFactors, MaxPoolUnit,
@@ -416,6 +417,21 @@ class ModelPlan:
                 out.append(u.operator(s, t, needed[k] if fuse else None) if op else u.fill(s, t))
         return out
 
+    # -- the autograd front end (spscan.autograd.FrontEnd): inputs (x, *the units' tensors)
+    materialize_grads = True
+    stash_state = False  # the state lives with the graph; the backward frees activations itself
+
+    def scan_forward(self, inputs: tuple):
+        x, *flat = inputs
+        # grad mode is off here: the layers read the tensors as they are (no detached copies)
+        tensors = [list(flat[sl]) for sl in self._role_slices]
+        y, saved = self._run(x.detach(), tensors)
+        return (y,), ForwardState(saved, tensors, x.shape)
+
+    def scan_backward(self, state: "ForwardState", grad_outputs: tuple, needs: tuple) -> tuple:
+        gy = grad_outputs[0]
+        return self._step_backward((False, *needs), gy.device).run(state, gy.contiguous())[1:]
+
     def _step_backward(self, needs_input_grad: tuple, device: torch.device) -> "_StepBackward":
         """The wrapper's backward for one signature, decided once and cached: which inputs need
         gradients (``needs_input_grad`` of the autograd function), the device, and the state of the
@@ -669,106 +685,12 @@ def collect_param_grads(param_roles, per_unit) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- wrap
 
 
-_NOT_TWICE = ("spscan's scan backward cannot be differentiated twice: second derivatives (create_graph=True, "
-              "Hessian-vector products, gradient penalties) are not supported through a wrapped module; "
-              "compute them with plain autograd on the unwrapped model")
-
-
-class _RefuseSecondDerivative(torch.autograd.Function):
-    """Passes first-order gradients through; differentiating them raises (never a silent ``None``)."""
-
-    @staticmethod
-    def forward(n_sources: int, *tensors):  # type: ignore[override]
-        return tuple(t.clone() for t in tensors[n_sources:])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.n_sources = inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        raise RuntimeError(_NOT_TWICE)
-
-
-def refuse_second_derivative(sources: Sequence[torch.Tensor], grads: tuple) -> tuple:
-    """``grads`` as outputs of a node fed by ``sources`` (the function's inputs): a first-order
-    gradient stays usable, and differentiating it again with respect to any source raises."""
-    idx = [k for k, g in enumerate(grads) if isinstance(g, torch.Tensor)]
-    if not idx:
-        return grads
-    srcs = [s for s in sources if isinstance(s, torch.Tensor) and s.requires_grad]
-    out = _RefuseSecondDerivative.apply(len(srcs), *srcs, *[grads[k] for k in idx])
-    res = list(grads)
-    for k, t in zip(idx, out):
-        res[k] = t
-    return tuple(res)
-
-
-def refuse_functorch() -> None:
-    """Raise inside a ``torch.func`` transform: the scan's backward writes into its own buffers."""
-    level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)()
-    if level is not None:
-        raise RuntimeError("torch.func transforms (grad, vjp, jacrev, vmap) over a spscan-wrapped module are not "
-                           "supported: the scan's backward runs its own batched kernels on preallocated buffers; "
-                           "use loss.backward() or torch.autograd.grad, with the batch as the leading dimension")
-
-
 class ForwardState:
     """What one forward keeps for the backward (a non-tensor output of the autograd function)."""
 
     def __init__(self, saved: list[Any], tensors: list[list[torch.Tensor]], x_shape: torch.Size) -> None:
         self.saved, self.tensors, self.x_shape = saved, tensors, x_shape
         self.released = False  # the wrapper's backward freed the activations (graph not retained)
-
-
-class ScanFunction(torch.autograd.Function):
-    """Forward: the chain. Backward: values, scan, then all parameter gradients.
-
-    ``forward`` keeps the plan and the forward's state on ``ctx`` (kept with the graph, so repeated
-    backwards over a retained graph work) and returns ``(output, state)``. It takes ``ctx`` itself
-    rather than defining ``setup_context``: with that, every ``apply`` binds the arguments through
-    ``inspect.signature`` (tens of microseconds a step), and the ``torch.func`` support it would
-    buy is refused anyway (:func:`refuse_functorch`). A second derivative is refused with a clear
-    error.
-    """
-
-    @staticmethod
-    def forward(ctx, plan: ModelPlan, x: torch.Tensor, *flat: torch.Tensor):  # type: ignore[override]
-        # grad mode is off here: the layers read the tensors as they are (no detached copies)
-        tensors = [list(flat[sl]) for sl in plan._role_slices]
-        y, saved = plan._run(x.detach(), tensors)
-        state = ForwardState(saved, tensors, x.shape)
-        ctx.plan = plan
-        ctx.state = state  # kept with the graph: backward(retain_graph=True) can run again
-        ctx.save_for_backward(x, *flat)  # read only to attach the refusal of second derivatives
-        return (y.clone() if y is x else y), state
-
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor, _state=None):  # type: ignore[override]
-        grads = ScanFunction._backward(ctx, gy)
-        if torch.is_grad_enabled():  # create_graph=True, or a torch.func transform
-            grads = refuse_second_derivative(list(ctx.saved_tensors) + [gy], grads)
-        return grads
-
-    @staticmethod
-    def _backward(ctx, gy: torch.Tensor):
-        st: ForwardState = ctx.state
-        step = ctx.plan._step_backward(ctx.needs_input_grad, gy.device)
-        if not torch.is_grad_enabled():  # the usual backward (no create_graph): nothing records
-            return step.run(st, gy.contiguous())
-        with torch.no_grad():
-            return step.run(st, gy.contiguous())
-
-
-def _keep_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``); ``True`` where unknown."""
-    get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if get is None:
-        return True
-    try:
-        return bool(get())
-    except RuntimeError:
-        return True
 
 
 class _FusedOperator(UnitOperator):
@@ -915,7 +837,7 @@ class _StepBackward:
         ops: list[Any] = [None] * len(units)
         for k, step in self.chain:
             ops[k] = _ChainOperator(units[k], step, saved[k], tensors[k])
-        if self.release and not _keep_graph():
+        if self.release and not keep_graph():
             st.released = True  # see _run_general
             saved = st.saved = list(saved)
             for k in self.release:
@@ -951,7 +873,7 @@ class _StepBackward:
                     elements += u.factor_fill(s, t)
                 else:
                     elements.append(v)
-        if self.release and not _keep_graph():
+        if self.release and not keep_graph():
             # the graph is freed after this backward: each layer's activations can go once its operator
             # has run (the peak and the pages touched stay near autograd's); a retained graph keeps them
             st.released = True
@@ -1004,7 +926,7 @@ class SpscanModule(nn.Module):
         plan._check_layers()
         if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
             return self.model(x)
-        return ScanFunction.apply(plan, x, *flat)[0]
+        return autograd_apply(plan, x, *flat)[0]
 
 
 def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

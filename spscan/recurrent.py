@@ -79,7 +79,7 @@ from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_v
                           lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
                           resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
-from spscan.model import refuse_functorch, refuse_second_derivative
+from spscan.autograd import apply as autograd_apply, flatten_tensors, map_tensors, refuse_functorch
 from spscan.plan import build_plan
 
 __all__ = [
@@ -89,75 +89,6 @@ __all__ = [
     "wrap_recurrent",
     "recurrent_patterns",
 ]
-
-class _Slot:
-    """Where a saved-state object held a tensor that now lies in ``ctx.saved_tensors`` (index ``index``)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _map_tensors(value, fn):
-    """A copy of ``value`` with ``fn`` applied to every tensor (or :class:`_Slot`) it holds: inside
-    dicts, lists, tuples, :class:`PeriodicValues` and objects that say they hold tensors
-    (``_holds_tensors``); other objects are kept as they are. Containers are rebuilt, not changed.
-    (Dispatched on the exact type first: it runs twice per training step over a dozen objects.)"""
-    t = type(value)
-    if t in _ATOMS:
-        return value
-    if t is torch.Tensor or t is _Slot or isinstance(value, torch.Tensor):
-        return fn(value)
-    if t is dict or isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if t is list or t is tuple:
-        return t([_map_tensors(v, fn) for v in value])
-    if isinstance(value, PeriodicValues) or getattr(t, "_holds_tensors", False):
-        copy = object.__new__(t)
-        copy.__dict__.update({k: _map_tensors(v, fn) for k, v in value.__dict__.items()})
-        return copy
-    return value
-
-
-# types _map_tensors returns as they are without a look inside
-_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, range, slice])
-
-
-def _flatten(value) -> tuple[Any, list[torch.Tensor]]:
-    """``value`` with each tensor it holds replaced by a :class:`_Slot`, and those tensors in slot order
-    (:func:`_map_tensors` with the slots' indices rebuilds it)."""
-    tensors: list[torch.Tensor] = []
-
-    def slot(t):
-        tensors.append(t)
-        return _Slot(len(tensors) - 1)
-
-    return _map_tensors(value, slot), tensors
-
-
-def stash_saved(ctx, saved, inputs: Sequence) -> None:
-    """Keep ``saved`` (what :meth:`RecurrentPlan.run_forward` returns for the backward) on ``ctx`` with its
-    tensors handed to ``ctx.save_for_backward`` after ``inputs``: autograd then frees them after a
-    backward that does not retain the graph, as it frees any saved tensor (so the plan's
-    :class:`~spscan.engine.RecycledBuffers` hand their memory to the next step), and a second backward
-    through a freed graph raises autograd's own error."""
-    skeleton, tensors = _flatten(saved)
-    ctx.saved = None if saved is None else skeleton
-    ctx.n_inputs = len(inputs)
-    ctx.save_for_backward(*inputs, *tensors)
-
-
-def unstash_saved(ctx):
-    """The saved state :func:`stash_saved` kept, rebuilt with its tensors."""
-    tensors = ctx.saved_tensors[ctx.n_inputs:]
-    return None if ctx.saved is None else _map_tensors(ctx.saved, lambda s: tensors[s.index])
-
-
-def stashed_inputs(ctx) -> tuple:
-    """The ``inputs`` given to :func:`stash_saved` (without rebuilding the saved state)."""
-    return ctx.saved_tensors[: ctx.n_inputs]
-
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for all ``i``, as one call where torch has it (a dozen copies per backward)."""
@@ -190,7 +121,7 @@ class _GraphedBackward:
         self.eager: set = set()
 
     def __call__(self, plan: "RecurrentPlan", saved: "_Saved", args: tuple, wanted) -> dict:
-        skeleton, tensors = _flatten((saved, args))
+        skeleton, tensors = flatten_tensors((saved, args))
         key = (wanted, saved.T, saved.B, saved.unbatched, tuple(a is None for a in args),
                tuple(k for k, v in sorted(saved.__dict__.items()) if v is None),
                tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
@@ -210,7 +141,7 @@ class _GraphedBackward:
         static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in unique]
         _copy_all(static, unique)
         at = {i: static[n] for n, i in enumerate(sorted(set(slot)))}
-        s_saved, s_args = _map_tensors(skeleton, lambda sl: at[slot[sl.index]])
+        s_saved, s_args = map_tensors(skeleton, lambda sl: at[slot[sl.index]])
         result = plan._backward(s_saved, *s_args, wanted)  # eager: compiles, binds, and gives this call's result
         try:
             replay, out = self.record(lambda: plan._backward(s_saved, *s_args, wanted), saved.device)
@@ -243,10 +174,10 @@ class _Saved:
     values) and the sizes. The compiled CPU forwards also keep ``operands``: ``(H + I + 1, T, B)``,
     rows ``h_{t-1}``, ``x_t`` and ones, feature-major (``h_prev`` is a view of its first rows), the
     weight gradients' operand (:func:`spscan.recurrent_cpu.weight_gradients`); otherwise ``None``.
-    Through autograd its tensors are kept by ``ctx.save_for_backward`` (:func:`stash_saved`).
+    Through autograd its tensors are kept by ``ctx.save_for_backward`` (:mod:`spscan.autograd`).
     """
 
-    _holds_tensors = True  # its tensors go through ctx.save_for_backward (stash_saved)
+    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.autograd)
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
@@ -255,7 +186,39 @@ class _Saved:
 # --------------------------------------------------------------------------- the plan
 
 
-class RecurrentPlan:
+class RecurrentFront:
+    """The autograd front end (:class:`spscan.autograd.FrontEnd`) of a recurrent plan, single-layer or
+    stacked: inputs ``(x, h_0, c_0, *parameters in param_names() order)``, outputs ``(output, h_n)`` or
+    ``(output, h_n, c_n)``. Forward: the plan's ``run_forward`` (the module's own forward, or Newton's);
+    backward: the plan's ``backward`` (the scans, then batched parameter GEMMs)."""
+
+    materialize_grads = False
+    stash_state = True  # the forward's saved tensors are freed with the graph
+
+    def scan_forward(self, inputs: tuple):
+        x, h0, c0, *params = inputs
+        hx = None
+        if h0 is not None:
+            hx = (h0, c0) if self.kind == "lstm" else h0
+        (out, state), saved = self.run_forward(x, hx, need_saved=True)
+        outputs = (out, state[0], state[1]) if self.kind == "lstm" else (out, state)
+        return outputs, (saved, h0 is not None)
+
+    def scan_backward(self, state, grad_outputs: tuple, needs: tuple):
+        saved, has_h0 = state
+        names = self.param_names()
+        if saved is None:
+            return (None,) * (3 + len(names))
+        grad_out, grad_hn, grad_cn = (tuple(grad_outputs) + (None,))[:3]
+        wanted = frozenset([n for i, n in enumerate(names) if needs[3 + i]] + (["input"] if needs[0] else []))
+        r = self.backward(saved, grad_out, grad_hn, grad_cn, wanted)
+        gx = r["input"] if needs[0] else None
+        gh0 = r["h_0"] if (has_h0 and needs[1]) else None
+        gc0 = r["c_0"] if (has_h0 and self.kind == "lstm" and needs[2]) else None
+        return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
+
+
+class RecurrentPlan(RecurrentFront):
     """BPPSA plan of one single-layer recurrent module; the scan plans are cached per length ``T``.
 
     ``forward(x, hx)`` runs the module and returns ``(module outputs, saved)``;
@@ -401,6 +364,10 @@ class RecurrentPlan:
         return f"RecurrentPlan(kind={self.kind!r}, hidden_size={self.hidden_size}, layout={self.layout!r})"
 
     # -- forward
+
+    def param_names(self) -> list[str]:
+        """The module's parameter names in the order the autograd bridge takes them (:func:`module_params`)."""
+        return ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if self.module.bias else [])
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -918,56 +885,12 @@ def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool
     return hx.detach().reshape(B, H), None
 
 
-class RecurrentFunction(torch.autograd.Function):
-    """Forward: the module's own forward. Backward: the scan, then batched parameter GEMMs."""
-
-    @staticmethod
-    def forward(ctx, plan: RecurrentPlan, x: torch.Tensor, h0, c0, *params: torch.Tensor):
-        ctx.set_materialize_grads(False)
-        hx = None
-        if h0 is not None:
-            hx = (h0, c0) if plan.kind == "lstm" else h0
-        need = any(ctx.needs_input_grad[1:])
-        outputs, saved = plan.run_forward(x, hx, need_saved=need)
-        ctx.plan = plan
-        ctx.has_h0 = h0 is not None
-        stash_saved(ctx, saved, (x, h0, c0, *params))  # the inputs: read only to refuse second derivatives
-        out, state = outputs
-        if plan.kind == "lstm":
-            return out, state[0], state[1]
-        return out, state
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_hn, grad_cn=None):
-        with torch.no_grad():
-            grads = RecurrentFunction._backward(ctx, grad_out, grad_hn, grad_cn)
-        if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
-            grads = refuse_second_derivative(list(stashed_inputs(ctx)) + [grad_out, grad_hn, grad_cn], grads)
-        return grads
-
-    @staticmethod
-    def _backward(ctx, grad_out, grad_hn, grad_cn=None):
-        plan: RecurrentPlan = ctx.plan
-        saved = unstash_saved(ctx)
-        if saved is None:
-            return (None,) * (4 + len(module_params(plan.module)))
-        names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if plan.module.bias else [])
-        need = ctx.needs_input_grad
-        wanted = frozenset([n for i, n in enumerate(names) if need[4 + i]] + (["input"] if need[1] else []))
-        r = plan.backward(saved, grad_out, grad_hn, grad_cn, wanted)
-        gx = r["input"] if need[1] else None
-        gh0 = r["h_0"] if (ctx.has_h0 and need[2]) else None
-        gc0 = r["c_0"] if (ctx.has_h0 and plan.kind == "lstm" and need[3]) else None
-        gparams = [r[n] if need[4 + i] else None for i, n in enumerate(names)]
-        return (None, gx, gh0, gc0, *gparams)
-
-
-def run_wrapped(function, plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor]):
+def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor]):
     """A recurrent wrapper's forward once its inputs are checked: the module's own outputs.
 
     An empty batch or sequence runs the module itself (nothing to scan); without anything needing a
-    gradient the plan's forward runs without saving; otherwise ``function`` (the autograd function of
-    ``plan``) records the scan backward. Shared by the single-layer and the stacked wrappers.
+    gradient the plan's forward runs without saving; otherwise the autograd bridge records the
+    plan's scan backward. Shared by the single-layer and the stacked wrappers.
     """
     grad_on = torch.is_grad_enabled() and (
         x.requires_grad or any(p.requires_grad for p in params)
@@ -979,7 +902,7 @@ def run_wrapped(function, plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, 
     if not grad_on:
         with torch.no_grad():
             return plan.run_forward(x, hx, need_saved=False)[0]
-    outs = function.apply(plan, x, h0, c0, *params)
+    outs = autograd_apply(plan, x, h0, c0, *params)
     if plan.kind == "lstm":
         return outs[0], (outs[1], outs[2])
     return outs[0], outs[1]
@@ -1007,7 +930,7 @@ class RecurrentWrapper(nn.Module):
         h0 = c0 = None
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
-        return run_wrapped(RecurrentFunction, self.plan, self.module, x, hx, h0, c0, module_params(self.module))
+        return run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module))
 
     def extra_repr(self) -> str:
         return f"layout={self.plan.layout!r}"

@@ -56,8 +56,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from spscan.model import refuse_functorch, refuse_second_derivative
-from spscan.recurrent import RecurrentPlan, RecurrentFunction, run_wrapped, stashed_inputs, unstash_saved
+from spscan.autograd import refuse_functorch
+from spscan.recurrent import RecurrentFront, RecurrentPlan, run_wrapped
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
@@ -115,14 +115,14 @@ def _sync_view(view: nn.Module, module: nn.Module, layer: int, direction: int) -
 class _StackedSaved:
     """What one forward keeps for the backward: each (layer, direction)'s saved state and the masks."""
 
-    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.recurrent.stash_saved)
+    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.autograd)
 
     def __init__(self, subs: list, masks: list, T: int, B: int, unbatched: bool, batch_first: bool) -> None:
         self.subs, self.masks = subs, masks  # subs[l * D + d]; masks[l] scales layer l's output (None: no dropout)
         self.T, self.B, self.unbatched, self.batch_first = T, B, unbatched, batch_first
 
 
-class StackedRecurrentPlan:
+class StackedRecurrentPlan(RecurrentFront):
     """BPPSA plan of a stacked and/or bidirectional recurrent module: one
     :class:`spscan.recurrent.RecurrentPlan` per (layer, direction), composed as the module docstring says.
 
@@ -363,35 +363,6 @@ class StackedRecurrentPlan:
 # --------------------------------------------------------------------------- torch integration
 
 
-class _StackedFunction(RecurrentFunction):
-    """Forward: the single-layer function's (the plan's ``run_forward``: the layers' own forwards and
-    torch's dropout masks). Backward: one scan per (layer, direction), top down."""
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_hn, grad_cn=None):
-        with torch.no_grad():
-            grads = _StackedFunction._backward(ctx, grad_out, grad_hn, grad_cn)
-        if torch.is_grad_enabled():  # create_graph=True: differentiating these again raises
-            grads = refuse_second_derivative(list(stashed_inputs(ctx)) + [grad_out, grad_hn, grad_cn], grads)
-        return grads
-
-    @staticmethod
-    def _backward(ctx, grad_out, grad_hn, grad_cn=None):
-        plan: StackedRecurrentPlan = ctx.plan
-        names = plan.param_names()
-        saved = unstash_saved(ctx)
-        if saved is None:
-            return (None,) * (4 + len(names))
-        need = ctx.needs_input_grad
-        wanted = frozenset([n for i, n in enumerate(names) if need[4 + i]] + (["input"] if need[1] else []))
-        r = plan.backward(saved, grad_out, grad_hn, grad_cn, wanted)
-        gx = r["input"] if need[1] else None
-        gh0 = r["h_0"] if (ctx.has_h0 and need[2]) else None
-        gc0 = r["c_0"] if (ctx.has_h0 and plan.kind == "lstm" and need[3]) else None
-        gparams = [r[n] if need[4 + i] else None for i, n in enumerate(names)]
-        return (None, gx, gh0, gc0, *gparams)
-
-
 class StackedRecurrentWrapper(nn.Module):
     """A stacked and/or bidirectional ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through
     one BPPSA scan per (layer, direction).
@@ -424,7 +395,7 @@ class StackedRecurrentWrapper(nn.Module):
             else:
                 h0 = hx
         params = [getattr(self.module, n) for n in self.plan.param_names()]
-        return run_wrapped(_StackedFunction, self.plan, self.module, x, hx, h0, c0, params)
+        return run_wrapped(self.plan, self.module, x, hx, h0, c0, params)
 
     def extra_repr(self) -> str:
         return f"layers={self.plan.num_layers}, directions={self.plan.num_directions}"

@@ -368,6 +368,7 @@ def test_chain_output_period_detection():
 def test_no_index_work_at_run_time(backend, monkeypatch):
     """Planning binds the default signature; backward after that lowers nothing and uploads no table."""
     import spscan.engine as engine
+    import spscan.engine.bound as bound
     from spscan.kernels.registry import get_backend
 
     pats = [sp.csr_array(sp.random(6, 6, density=0.4, random_state=i)) + sp.csr_array(sp.eye(6)) for i in range(9)]
@@ -378,7 +379,7 @@ def test_no_index_work_at_run_time(backend, monkeypatch):
         raise AssertionError("index work inside backward")
 
     made = []
-    monkeypatch.setattr(engine, "lower", refuse)
+    monkeypatch.setattr(bound, "lower", refuse)
     monkeypatch.setattr(type(get_backend(backend)), "make_tables", refuse)
     monkeypatch.setattr(engine.BoundPlan, "__init__", lambda *a, **k: made.append(a) or refuse())
     vals = make_values(pats, 2, torch.float64, [False] * 9)

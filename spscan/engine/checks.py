@@ -1,0 +1,162 @@
+"""Input validation and small helpers shared by the engine and the front ends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from spscan.kernels.backend import StructuredOperator
+
+__all__ = ["canonical_device", "check_inputs", "fmt_bytes"]
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def canonical_device(device) -> torch.device:
+    """``device`` with its index filled in: ``cuda`` means the current CUDA device, as a tensor's
+    ``.device`` would name it (``cuda:0``), so plan and tensor devices compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def fmt_bytes(b: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return str(b)
+
+
+def _fail(kind, msg: str):
+    raise kind(msg)
+
+
+def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, plan_device, values: Any,
+                 grad: Optional[torch.Tensor], extra, check_finite: bool, *, needs_grad: bool = True):
+    """Validate one call's inputs; returns ``(items, stacked, shared, has_extra, batch, dtype, device, operators)``.
+
+    ``nnzs[i]``: nnz of ``J_{i+1}^T``; ``dims``: ``d_0 .. d_n``. Never copies or mutates the caller's
+    tensors. ``needs_grad=False`` (a reduction) takes ``grad=None`` and the batch from the values.
+    """
+    d_n = dims[n]
+    if needs_grad or grad is not None:
+        if not isinstance(grad, torch.Tensor):
+            _fail(TypeError, f"grad: expected a torch.Tensor of shape (B, {d_n}), got {type(grad).__name__}")
+        if grad.dtype not in _FLOATS:
+            _fail(TypeError, f"grad: expected dtype float32 or float64, got {grad.dtype}")
+        if grad.dim() != 2 or grad.shape[1] != d_n:
+            _fail(ValueError, f"grad: expected shape (B, {d_n}) for layer {n}'s output, got {tuple(grad.shape)}")
+        batch, dtype, device = grad.shape[0], grad.dtype, grad.device
+        if batch < 1:
+            _fail(ValueError, "grad: batch size must be at least 1, got 0")
+    else:
+        first = values if isinstance(values, torch.Tensor) else next(iter(values), None) if hasattr(values, "__iter__") else None
+        if not isinstance(first, torch.Tensor):
+            _fail(TypeError, f"values: expected a sequence of {n} tensors, got {type(values).__name__}")
+        dtype, device = first.dtype, first.device
+        if dtype not in _FLOATS:
+            _fail(TypeError, f"values[0] (layer 1): expected dtype float32 or float64, got {dtype}")
+        batch = None  # taken from the first per-sample value or extra
+    if plan_dtype is not None and dtype != plan_dtype:
+        _fail(TypeError, f"{'grad' if grad is not None else 'values'}: the plan was made for {plan_dtype}, got {dtype}")
+    if plan_device is not None and device != plan_device:
+        _fail(ValueError, f"{'grad' if grad is not None else 'values'}: the plan was made for device {plan_device}, "
+                          f"got {device}")
+
+    stacked = isinstance(values, torch.Tensor)
+    if stacked:
+        if values.dim() not in (2, 3) or values.shape[0] != n:
+            _fail(ValueError, f"values: a stacked tensor must be (n={n}, B, nnz) or (n, nnz), got {tuple(values.shape)}")
+        if len(set(nnzs)) != 1:
+            _fail(ValueError, "values: a stacked tensor needs every layer to have the same nnz; pass a list")
+        items: Sequence[torch.Tensor] = [values]
+    else:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            _fail(TypeError, f"values: expected a sequence of {n} tensors, got {type(values).__name__}")
+        if len(values) != n:
+            _fail(ValueError, f"values: expected {n} tensors (one per layer), got {len(values)}")
+        items = values
+    if batch is None:
+        for v in items:
+            if isinstance(v, torch.Tensor) and v.dim() == (3 if stacked else 2):
+                batch = int(v.shape[1 if stacked else 0])
+                break
+        else:
+            for e in extra or ():
+                if isinstance(e, torch.Tensor) and e.dim() == 2:
+                    batch = int(e.shape[0])
+                    break
+            else:
+                batch = 1
+    checked: dict[int, bool] = {}  # a tensor repeated along the chain is checked once per shape
+    shared = []
+    operators = [False] * n
+    for i, v in enumerate(items):
+        nnz = nnzs[0] if stacked else nnzs[i]
+        key = id(v)
+        hit = checked.get(key)
+        if hit is not None and v.shape[-1] == nnz:  # (operators are never recorded here)
+            shared.append(hit)
+            continue
+        layer = f"layer {i + 1}" if not stacked else "values"
+        if isinstance(v, StructuredOperator) and not stacked:
+            if tuple(v.shape) != (dims[i], dims[i + 1]):
+                _fail(ValueError, f"values[{i}] ({layer}): a structured operator of shape {tuple(v.shape)}, expected "
+                                  f"({dims[i]}, {dims[i + 1]})")
+            shared.append(bool(v.shared))
+            operators[i] = True
+            continue
+        if not isinstance(v, torch.Tensor):
+            _fail(TypeError, f"values[{i}] ({layer}): expected a torch.Tensor, got {type(v).__name__}")
+        if v.layout != torch.strided:
+            _fail(TypeError, f"values[{i}] ({layer}): expected a dense strided tensor of CSR values, got layout {v.layout}")
+        if v.dtype != dtype:
+            _fail(TypeError, f"values[{i}] ({layer}): dtype {v.dtype} differs from {'grad' if grad is not None else 'values[0]'}'s {dtype}")
+        if v.device != device:
+            _fail(ValueError, f"values[{i}] ({layer}): on {v.device}, {'grad' if grad is not None else 'values[0]'} is on {device}")
+        shape = tuple(v.shape[1:]) if stacked else tuple(v.shape)
+        if shape == (nnz,):
+            is_shared = True
+        elif shape == (batch, nnz):
+            is_shared = False
+        else:
+            _fail(ValueError, f"values[{i}] ({layer}): expected shape ({batch}, {nnz}) or ({nnz},) "
+                              f"for a ({dims[i if not stacked else 0]}, {dims[(i if not stacked else 0) + 1]}) "
+                              f"pattern with nnz={nnz}, got {tuple(v.shape)}")
+        checked[key] = is_shared
+        shared.append(is_shared)
+    if stacked:
+        shared = shared * n
+    has_extra = [False] * (n + 1)
+    if extra is not None:
+        if isinstance(extra, torch.Tensor) or not hasattr(extra, "__len__") or len(extra) != n + 1:
+            got = len(extra) if hasattr(extra, "__len__") and not isinstance(extra, torch.Tensor) else type(extra).__name__
+            _fail(ValueError, f"extra: expected a sequence of n+1={n + 1} entries (None or (B, d_i)), got {got}")
+        for i, e in enumerate(extra):
+            if e is None:
+                continue
+            d = dims[i]
+            if not isinstance(e, torch.Tensor):
+                _fail(TypeError, f"extra[{i}]: expected None or a tensor of shape ({batch}, {d}), got {type(e).__name__}")
+            if e.dtype != dtype:
+                _fail(TypeError, f"extra[{i}]: dtype {e.dtype} differs from the values' {dtype}")
+            if e.device != device:
+                _fail(ValueError, f"extra[{i}]: on {e.device}, the values are on {device}")
+            if tuple(e.shape) != (batch, d):
+                _fail(ValueError, f"extra[{i}]: expected shape ({batch}, {d}) (dl/dx_{i}), got {tuple(e.shape)}")
+            if i == n and not needs_grad:
+                _fail(ValueError, f"extra[{n}]: a composite covers dl/dx_0 .. dl/dx_{n - 1} only; expected None")
+            has_extra[i] = True
+    if check_finite:
+        tensors = ([("grad", grad)] if grad is not None else []) + [(f"values[{i}]", v) for i, v in enumerate(items)]
+        if extra is not None:
+            tensors += [(f"extra[{i}]", e) for i, e in enumerate(extra) if e is not None]
+        for name, t in tensors:
+            if not bool(torch.isfinite(t).all()):
+                _fail(ValueError, f"{name}: contains NaN or Inf (check_finite=True)")
+    return items, stacked, tuple(shared), tuple(has_extra), batch, dtype, device, tuple(operators)
