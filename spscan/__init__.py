@@ -13,40 +13,17 @@ schedule); ``backward()`` does only numeric work per step.
 
 from __future__ import annotations
 
-import torch as _torch
-
-from spscan.api import backward, load_plan, plan, plan_composite
+from spscan.api import backward, forward, load_plan, plan, plan_composite, wrap
 from spscan.engine import BoundPlan, ScanResult
-from spscan.graph import wrap_graph as _wrap_graph
 from spscan.model import ModelPlan, SpscanModule, param_grads
-from spscan.model import is_chain_model as _is_chain_model
-from spscan.model import wrap as _wrap_model
 from spscan.plan import Plan
-from spscan.recurrent import RecurrentPlan, wrap_recurrent as _wrap_recurrent
-from spscan.stacked import StackedRecurrentPlan, is_stacked as _is_stacked, wrap_stacked as _wrap_stacked
+from spscan.recurrent import RecurrentPlan
+from spscan.stacked import StackedRecurrentPlan
 from spscan.reference import reference_backward
 
 __version__ = "0.1.0"
 __all__ = ["plan", "backward", "plan_composite", "load_plan", "Plan", "BoundPlan", "ScanResult", "ModelPlan", "SpscanModule",
            "RecurrentPlan", "StackedRecurrentPlan", "reference_backward", "forward", "wrap", "param_grads", "__version__"]
-
-
-def forward(plan, x):
-    """Run the planned model on ``x``: ``(output, jacobians)`` for :func:`backward` (model plans only)."""
-    if not isinstance(plan, (ModelPlan, RecurrentPlan, StackedRecurrentPlan)):
-        raise TypeError("forward(plan, x) needs a plan made from a model: spscan.plan(model, example_input)")
-    return plan.forward(x)
-
-
-def wrap(model, example_input, **plan_kwargs):
-    """An ``nn.Module`` sharing ``model``'s parameters whose backward runs through the scan."""
-    if isinstance(model, (_torch.nn.RNN, _torch.nn.GRU, _torch.nn.LSTM)):
-        if _is_stacked(model):  # num_layers > 1 or bidirectional
-            return _wrap_stacked(model, example_input, **plan_kwargs)
-        return _wrap_recurrent(model, example_input, **plan_kwargs)
-    if _is_chain_model(model):
-        return _wrap_model(model, example_input, **plan_kwargs)
-    return _wrap_graph(model, example_input, **plan_kwargs)  # a model with its own forward: traced with torch.fx
 
 
 def __getattr__(name: str):

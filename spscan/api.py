@@ -12,15 +12,26 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from spscan.engine import check_inputs
-from spscan.graph import plan_graph
-from spscan.model import ModelPlan, is_chain_model, plan_model
+from spscan.graph import plan_graph, wrap_graph
+from spscan.model import ModelPlan, is_chain_model, plan_model, wrap_chain
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
-from spscan.recurrent import RecurrentPlan, plan_recurrent
-from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked
+from spscan.recurrent import RecurrentPlan, plan_recurrent, wrap_recurrent
+from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked, wrap_stacked
 
-__all__ = ["plan", "backward", "plan_composite", "load_plan"]
+__all__ = ["plan", "backward", "forward", "wrap", "plan_composite", "load_plan"]
 
 _RECURRENT = (torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM)
+
+
+def _front_end(model: torch.nn.Module):
+    """``(plan, wrap)`` of the front end that owns ``model``: the one place a model is dispatched."""
+    if isinstance(model, _RECURRENT):
+        if is_stacked(model):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
+            return plan_stacked, wrap_stacked
+        return plan_recurrent, wrap_recurrent
+    if is_chain_model(model):
+        return plan_model, wrap_chain
+    return plan_graph, wrap_graph  # a model with its own forward: traced with torch.fx
 
 
 def plan(
@@ -59,18 +70,30 @@ def plan(
     if isinstance(patterns, torch.nn.Module):
         opts = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
                     batch_size=batch_size, **kwargs)
-        if isinstance(patterns, _RECURRENT):
-            if is_stacked(patterns):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
-                return plan_stacked(patterns, *args, **opts)
-            return plan_recurrent(patterns, *args, **opts)
-        if is_chain_model(patterns):
-            return plan_model(patterns, *args, **opts)
-        return plan_graph(patterns, *args, **opts)  # a model with its own forward: traced with torch.fx
+        return _front_end(patterns)[0](patterns, *args, **opts)
     if args or kwargs:
         extra = list(kwargs) or [f"{len(args)} positional"]
         raise TypeError(f"plan(patterns, ...): unexpected arguments {extra}")
     return build_plan(patterns, levels=levels, backend=backend, device=device, dtype=dtype,
                       max_memory=max_memory, batch_size=batch_size)
+
+
+def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> torch.nn.Module:
+    """An ``nn.Module`` sharing ``model``'s parameters whose backward runs through the scan.
+
+    Planned as :func:`plan` plans a model (``plan_kwargs`` are its options); ``loss.backward()``
+    fills the input's and every parameter's ``.grad`` as autograd would.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
+    return _front_end(model)[1](model, example_input, **plan_kwargs)
+
+
+def forward(plan: Any, x: torch.Tensor):
+    """Run the planned model on ``x``: ``(output, jacobians)`` for :func:`backward` (model plans only)."""
+    if not isinstance(plan, (ModelPlan, RecurrentPlan, StackedRecurrentPlan)):
+        raise TypeError("forward(plan, x) needs a plan made from a model: spscan.plan(model, example_input)")
+    return plan.forward(x)
 
 
 def plan_composite(patterns: Any, *, backend: str = "auto", device=None, dtype: Optional[torch.dtype] = None,

@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
 from spscan.autograd import apply as autograd_apply, refuse_functorch
-from spscan.model import ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads
+from spscan.model import (ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads,
+                          levels_for_coupled_layers, plan_chain)
 from spscan.plan import build_composite, build_plan
 from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
 
@@ -1211,12 +1212,8 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         raise type(e)(f"{type(model).__name__}: {e}") from e
     in_shape = tuple(example_input.shape[1:])
     if all(isinstance(s, _Leaf) for s in segments):
-        from spscan import model as chain_model
-
-        adjust = getattr(chain_model, "_levels_for_coupled_layers", None)  # layers without CSR values
-        if adjust is not None:
-            kwargs = adjust(traced.units, kwargs)
-        core, factored = chain_model.plan_chain(traced.units, **kwargs)
+        kwargs = levels_for_coupled_layers(traced.units, kwargs)  # layers without CSR values
+        core, factored = plan_chain(traced.units, **kwargs)
         plan: ModelPlan = TracedChainPlan(model, traced.units, traced.names, in_shape, core, operators=operators,
                                           module_backed=traced.module_backed, factored=factored)
         plan.bind_signatures()
@@ -1266,7 +1263,7 @@ class GraphSpscanModule(SpscanModule):
 
 
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
-    """:func:`spscan.model.wrap` for a model with its own forward: planned by :func:`plan_graph`; a
+    """:func:`spscan.wrap` for a model with its own forward: planned by :func:`plan_graph`; a
     :class:`GraphSpscanModule` when the graph has blocks, else a chain's :class:`SpscanModule`."""
     plan = plan_graph(model, example_input, **plan_kwargs)
     if isinstance(plan, GraphPlan):

@@ -445,7 +445,7 @@ class ModelPlan:
         return hit
 
 
-def _levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
+def levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
     """A layer that couples the samples of a batch (train-mode BatchNorm) has no CSR values to
     multiply into up-sweep products: ``levels="auto"`` becomes the linear scan; a deeper forced
     depth is refused, naming the layer."""
@@ -597,7 +597,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
-    kwargs = _levels_for_coupled_layers(units, kwargs)
+    kwargs = levels_for_coupled_layers(units, kwargs)
     core, factored = plan_chain(units, **kwargs)
     plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators, factored=factored)
     plan.bind_signatures()
@@ -929,7 +929,7 @@ class SpscanModule(nn.Module):
         return autograd_apply(plan, x, *flat)[0]
 
 
-def wrap(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
+def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
     """An ``nn.Module`` equal to ``model`` in forward whose backward is the scan.
 
     ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with

@@ -386,3 +386,20 @@ def test_version_2_file_is_refused_naming_the_version(tmp_path):
     serialize._write(path, arrays)
     with pytest.raises(ValueError, match="version 2 files store pair-list products by a fixed density"):
         spscan.load_plan(path)
+
+
+def test_loads_a_plan_file_written_by_an_earlier_release():
+    """A plan file written by spscan 0.1 (commit c7b9444, before the engine and layer library were
+    restructured) still loads and gives the gradients it gave then and the reference's."""
+    data = os.path.join(os.path.dirname(__file__), "data")
+    plan = spscan.load_plan(os.path.join(data, "plan-v0.1-levels2.npz"))
+    case = np.load(os.path.join(data, "plan-v0.1-levels2-case.npz"))
+    n = plan.n
+    vals = [torch.from_numpy(case[f"v{i}"]) for i in range(n)]
+    grad = torch.from_numpy(case["grad"])
+    out = spscan.backward(plan, vals, grad)
+    ref = spscan.reference_backward(plan.patterns, vals, grad)
+    assert plan.levels == 2 and len(out) == n + 1
+    for i in range(n + 1):
+        assert torch.allclose(out[i], torch.from_numpy(case[f"g{i}"]), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(out[i], ref[i], rtol=1e-10, atol=1e-12)
