@@ -22,7 +22,7 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.planner import planning
+from spscan.planner import cost, planning
 from spscan.planner import program as program_mod
 from spscan.planner.program import LinearRun, SpMV
 
@@ -39,7 +39,7 @@ def lstm_step(h: int) -> tuple[sp.csr_array, sp.csr_array]:
 
 def _bound(pats, shared, fused: bool):
     """The level-0 plan bound for (shared, per-sample) values; ``fused=False`` keeps CSR elements out of runs."""
-    kind = planning.linear_run_kind
+    kind = cost.linear_run_kind
     saved = program_mod.linear_run_kind
     if not fused:
         program_mod.linear_run_kind = lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile)

@@ -107,7 +107,7 @@ def choose_width(lengths: np.ndarray, itemsize: int = 4, interpret: Optional[boo
     under 8 indices): the width minimising the total over programs wins, and among near-ties
     (within 5%) the widest, which gives more programs and longer contiguous reads.
 
-    Not the same decision as :func:`spscan.planner.planning.bin_widths`: that one pads the
+    Not the same decision as :func:`spscan.planner.cost.bin_widths`: that one pads the
     segments of a lowered work table into bins (the torch backend's gather layout and the
     planner's launch count), so it trades padding against the number of bins; this one is
     the Triton kernels' loop step over an unpadded long-first table (padding already removed

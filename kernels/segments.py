@@ -1,7 +1,7 @@
 """What the segment-reduction kernels (numeric SpGEMM and SpMV) share: the table and the loop.
 
 Host side: the planner hands each step's products as bins of padded pair lists (the torch
-backend's layout, see :func:`spscan.planner.planning.bin_widths`). For the kernels a step
+backend's layout, see :func:`spscan.planner.cost.bin_widths`). For the kernels a step
 becomes ONE flat table: segments sorted long-first (stable, so the order is deterministic),
 their pairs concatenated without padding, and ``seg_ptr`` offsets. A program then takes
 consecutive segments of similar length and loops only as far as its first (longest) one, so a

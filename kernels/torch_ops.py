@@ -183,7 +183,7 @@ def _segment_sum(x: torch.Tensor, dst: torch.Tensor, idx: Index) -> None:
 class _CsrSteps:
     """One CSR pattern of a linear run as gather tables: ``y_out[:, rows] = (vals * y[:, cols])[:, idx].sum(-1)``.
 
-    Rows are grouped by padded length (:func:`~spscan.planner.planning.bin_widths`: at most 2x padding);
+    Rows are grouped by padded length (:func:`~spscan.planner.cost.bin_widths`: at most 2x padding);
     ``idx`` pads with ``nnz``, the zero column after the products, so the sum of a row is over its
     stored entries only (empty rows sum to zero). O(nnz) work per step, no atomics.
     """
@@ -195,7 +195,7 @@ class _CsrSteps:
 
 def _csr_steps(indptr: np.ndarray, indices: np.ndarray, torch_device: Optional[torch.device]) -> _CsrSteps:
     """Gather tables of one pattern, as NumPy arrays (``torch_device=None``) or index tensors."""
-    from spscan.planner.planning import bin_widths
+    from spscan.planner.cost import bin_widths
 
     lengths = np.diff(indptr)
     nnz = int(indptr[-1] - indptr[0])

@@ -9,10 +9,23 @@ every planned product (by the cost of what reads it) and never affect results.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-__all__ = ["DeviceProfile", "profile_for"]
+import numpy as np
+
+from .patterns import Pattern
+from .recurrence import CHUNK_SCALE as RECURRENCE_CHUNK_SCALE, periodic_structure
+
+if TYPE_CHECKING:
+    from .schedule import ScanSchedule
+    from .storage import MatInfo
+
+__all__ = ["INDEX_BYTES", "DeviceProfile", "LevelCost", "bin_widths", "linear_run_kind", "profile_for",
+           "row_bins", "schedule_costs"]
+
+INDEX_BYTES = 8  # bytes of one stored index (int64)
 
 
 @dataclass(frozen=True)
@@ -28,7 +41,7 @@ class DeviceProfile:
     # pattern (O(nnz) index data, :mod:`spscan.planner.rowwise`) instead
     pair_list_max_bytes: float = float(1 << 26)
     # ``None`` (default): every planned product is stored dense or sparse by the cost of what reads
-    # it (:class:`spscan.planner.planning.StorageRule`). A density in (0, 1] overrides that: products
+    # it (:class:`spscan.planner.storage.StorageRule`). A density in (0, 1] overrides that: products
     # at least this dense are stored densely (the fixed rule of plan file version 2, where it was 0.35)
     dense_threshold: Optional[float] = None
     # the device runs a linear run of square ``m x m`` dense / diagonal steps parallel over its steps
@@ -99,3 +112,188 @@ def profile_for(device_type: str, overrides: Optional[dict] = None) -> DevicePro
     if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 < thr <= 1):
         raise ValueError(f"dense_threshold: expected None (storage by cost) or a density in (0, 1], got {thr!r}")
     return prof
+
+
+# --------------------------------------------------------------------------- the steps of a schedule
+
+
+@dataclass
+class LevelCost:
+    phase: str
+    level: int
+    nodes_mm: int
+    nodes_mv: int
+    nnz: int  # entries produced (matrices) per sample
+    flops: int  # 2 * multiply-adds, per sample
+    bytes: int  # values + indices touched, per sample for values
+    time_s: float
+
+
+def bin_widths(lengths: np.ndarray) -> np.ndarray:
+    """Padded width per segment of a launch: the exact length when there are few distinct
+    lengths (conv rows: interior, border and corner counts), else the next power of two (at
+    most 2x padding)."""
+    widths = np.maximum(lengths, 1)
+    if np.unique(widths).size <= 8:
+        return widths
+    pos = widths > 1
+    widths[pos] = 1 << np.ceil(np.log2(widths[pos])).astype(np.int64)
+    return widths
+
+
+_RUN_KIND: dict[str, str] = {}
+_BINS: dict[tuple[str, int], int] = {}
+
+
+def linear_run_kind(p: Pattern, profile: DeviceProfile) -> Optional[str]:
+    """How a fused linear run (the scan's middle) takes a matrix of pattern ``p`` on ``profile``'s
+    device: ``"dense"`` (full pattern: a row-major block), ``"diag"`` (the identity pattern: ``m``
+    scale factors), ``"sparse"`` (any other pattern: a CSR step over its ``indptr``/``indices``), or
+    ``None`` (the step stays a standalone SpMV: a CSR pattern over ``profile.run_sparse_max_nnz``
+    entries). See :func:`_linear_run_kind`."""
+    kind = _RUN_KIND.get(p.key)
+    if kind is None:
+        _RUN_KIND[p.key] = kind = _linear_run_kind(p)
+    limit = profile.run_sparse_max_nnz
+    if kind == "sparse" and limit is not None and p.nnz > limit:
+        return None
+    return kind
+
+
+def _linear_run_kind(p: Pattern) -> str:
+    """The run kind of one pattern, on any device.
+
+    * Full patterns are ``"dense"`` and identity patterns ``"diag"`` (no index read at all).
+    * Every other pattern is ``"sparse"``, nearly dense ones included: their values arrive in CSR
+      order, so a dense step would need a scatter of the values into a block on every call, while
+      the CSR step reads them in place at one index per entry (at most twice the dense step's reads).
+    """
+    if p.is_full:
+        return "dense"
+    if (p.rows == p.cols and p.nnz == p.rows and np.array_equal(p.indices, np.arange(p.rows))
+            and np.array_equal(p.indptr, np.arange(p.rows + 1))):
+        return "diag"
+    return "sparse"
+
+
+def _seg_bins(counts: np.ndarray) -> int:
+    """Number of launches (width bins) a set of segment lengths falls into."""
+    return int(np.unique(bin_widths(counts)).size) if counts.size else 0
+
+
+def row_bins(p: Pattern) -> int:
+    """Launches of an SpMV with pattern ``p`` (cached: long chains repeat a few patterns)."""
+    key = (p.key, 0)
+    if key not in _BINS:
+        _BINS[key] = _seg_bins(p.row_lengths())
+    return _BINS[key]
+
+
+def _pair_bins(info: "MatInfo") -> int:
+    """Launches of a planned SpGEMM (cached per own pattern and pair count): one per width bin of the own
+    entries' pair counts, and for a dense-stored product one more that zeroes its block."""
+    key = (info.sym.pattern.key, info.sym.npairs)
+    if key not in _BINS:
+        _BINS[key] = _seg_bins(np.diff(info.sym.pair_ptr))
+    return _BINS[key] + int(info.scatters)
+
+
+def schedule_costs(
+    sched: "ScanSchedule", mats: "dict[int, MatInfo]", profile: DeviceProfile, batch: int, elem: int
+) -> list[LevelCost]:
+    """The estimated time, work and bytes of every step of ``sched`` with its matrices ``mats``, for one
+    batch of ``batch`` samples of ``elem``-byte values on ``profile``'s device."""
+    out = []
+    run_steps: list[tuple[int, Pattern]] = []  # (index in out, pattern) of the fused linear-run steps
+    for st in sched.steps:
+        pairs = gemm = gemv = 0
+        launches = 0
+        nnz = 0
+        nbytes = 0
+        bins_pairs = 0
+        gemm_shapes = set()
+        for op in st.mm:
+            info = mats[op.out]
+            nnz += info.pattern.nnz
+            if info.algo == "gemm":
+                gemm += info.gemm_macs
+                l, r = mats[op.left].pattern, mats[op.right].pattern
+                gemm_shapes.add((l.shape, r.shape))
+                nbytes += (l.nnz + r.nnz + info.pattern.nnz) * elem
+            elif info.algo == "rows":  # one launch per step; indices O(nnz), read once per sample block
+                pairs += info.rw.npairs
+                bins_pairs = max(bins_pairs, 1)
+                nbytes += info.rw.npairs * 2 * elem + info.pattern.nnz * elem + info.rw.index_bytes
+            else:
+                pairs += info.sym.npairs
+                bins_pairs = max(bins_pairs, _pair_bins(info))
+                nbytes += info.sym.npairs * (2 * elem + 2 * INDEX_BYTES) + info.pattern.nnz * elem
+        mv_sparse = mv_dense = 0
+        mv_bins = 0
+        gemv_shapes = set()
+        for op in st.mv:
+            p = mats[op.mat].pattern
+            if p.is_full:
+                gemv += p.nnz
+                gemv_shapes.add(p.shape)
+                mv_dense += 1
+            else:
+                mv_sparse += p.nnz
+                mv_bins = max(mv_bins, row_bins(p))
+            nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
+        launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
+        run_kind = linear_run_kind(mats[st.mv[0].mat].pattern, profile) \
+            if st.phase == "mid" and len(st.mv) == 1 else None
+        if run_kind is not None:
+            launches = 0  # a step of a fused linear run: no launch of its own
+            t = profile.run_step_s(run_kind)
+            run_steps.append((len(out), mats[st.mv[0].mat].pattern))
+        else:
+            t = 0.0
+        t += launches * profile.op_overhead_s
+        t += batch * (pairs + mv_sparse) / profile.pair_rate
+        t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
+        flops = 2 * (pairs + gemm + mv_sparse + gemv)
+        out.append(LevelCost(st.phase, st.level, len(st.mm), len(st.mv), nnz, flops, nbytes, t))
+    _parallel_run_costs(out, run_steps, profile, batch)
+    return out
+
+
+def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern]], profile: DeviceProfile,
+                        batch: int) -> None:
+    """Re-cost the middle's linear run where the device runs it parallel over its steps.
+
+    A run whose every step is a square ``m x m`` dense block or diagonal (``m <=
+    profile.parallel_run_max_m``, at least ``profile.parallel_run_min_steps`` steps) runs in chunks
+    of ``L ~ sqrt(n)`` steps: ``2 L + n / L`` dependent steps on the critical path instead of ``n``,
+    plus composing every chunk's map (``m^3`` multiply-adds per dense step, ``m^2`` per diagonal,
+    per sample, at ``parallel_run_rate``). A run of diagonals only runs so per lane, for any ``m``
+    (``m`` multiply-adds per step and sample). The total is spread evenly over the run's steps.
+    """
+    n = len(run_steps)
+    if profile.recurrence_rate > 0 and n:
+        rec = periodic_structure([p for _, p in run_steps], profile.recurrence_max_n)
+        if rec is not None:  # the fused recurrence kernels: a shared block and per-step diagonals
+            period, fused, macs = rec
+            chunk = max(8.0, RECURRENCE_CHUNK_SCALE * math.sqrt(fused))
+            total = (profile.recurrence_step_s * (2 * chunk + fused / chunk) + 3 * profile.op_overhead_s
+                     + batch * fused * macs / profile.recurrence_rate)
+            for i, p in run_steps:
+                c = out[i]
+                out[i] = replace(c, time_s=c.time_s - profile.run_step_s(linear_run_kind(p, profile)) + total / n)
+            return
+    if not profile.parallel_run_max_m or n < max(1, profile.parallel_run_min_steps):
+        return
+    m = run_steps[0][1].rows
+    kinds = [linear_run_kind(p, profile) for _, p in run_steps]
+    if any(p.rows != m or p.cols != m for _, p in run_steps) or any(k not in ("dense", "diag") for k in kinds):
+        return
+    diagonal = all(k == "diag" for k in kinds)
+    if m > profile.parallel_run_max_m and not diagonal:
+        return
+    chunk = max(8.0, math.sqrt(n))
+    macs = n * m if diagonal else sum(m ** 3 if k == "dense" else m * m for k in kinds)
+    total = profile.chain_step_s * (2 * chunk + n / chunk) + batch * macs / profile.parallel_run_rate
+    for i, _ in run_steps:
+        c = out[i]
+        out[i] = replace(c, time_s=c.time_s - profile.chain_step_s + total / n)

@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .patterns import FullPattern, Pattern
-from .planning import INDEX_BYTES, ScanPlan, bin_widths, linear_run_kind
+from .cost import INDEX_BYTES, bin_widths, linear_run_kind
+from .planning import ScanPlan
 
 __all__ = ["MemoryEstimate", "Signature", "estimate_memory", "held_index_bytes"]
 

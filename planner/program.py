@@ -27,7 +27,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .patterns import Pattern
-from .planning import ScanPlan, bin_widths, dense_positions, linear_run_kind
+from .cost import bin_widths, linear_run_kind
+from .planning import ScanPlan
+from .storage import dense_positions
 from .schedule import GRAD, extra_vec, schedule_for
 
 __all__ = ["Program", "BlockRef", "SpMM", "RowSpGEMM", "RowProduct", "Gemm", "SpMV", "Gemv", "LinearRun", "Apply", "Bin",

@@ -17,7 +17,7 @@ plan whose indices could leave their arrays:
   product has);
 * every product records its storage decision (dense, or its own pattern); the stored pattern must
   match it, and the decision must be the one the planner's storage rule
-  (:class:`~spscan.planner.planning.StorageRule`: the cost of what reads the product at this
+  (:class:`~spscan.planner.storage.StorageRule`: the cost of what reads the product at this
   depth, or the profile's explicit ``dense_threshold``) makes from the file's own patterns;
 * the header's numbers and the options have the right types and values.
 
@@ -37,7 +37,8 @@ import numpy as np
 
 from .cost import DeviceProfile
 from .patterns import Pattern, PatternTable, validated_pattern
-from .planning import MatInfo, ScanPlan, StorageRule, decide_alone, dense_positions, matrix_uses
+from .planning import ScanPlan
+from .storage import MatInfo, StorageRule, decide_alone, dense_positions, matrix_uses
 from .patterns import full_pattern, make_pattern
 from .rowwise import estimate_product_nnz, pair_list_bytes, structural_product
 from .schedule import blelloch_schedule, max_levels

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import spscan
-from spscan.planner import planning
+from spscan.planner import planning, storage
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
 from spscan.planner.patterns import PatternTable, as_chain, as_pattern
@@ -92,7 +92,7 @@ MODELS = {"lenet5": lenet5, "vgg_small": vgg_small}
 # computed by the exhaustive search the bounded one replaced. Recomputed when the fused linear run
 # began to take CSR steps (small sparse matrices in the middle no longer cost a launch each, so most
 # of these chains now settle on the linear scan; e.g. perm_T100 at B=1: K=4 -> 0). Every product's
-# storage is now the cost model's choice (planning.StorageRule) instead of a fixed density: on these
+# storage is now the cost model's choice (storage.StorageRule) instead of a fixed density: on these
 # chains it gives this same table as the fixed 0.35 threshold. The CUDA rows were recomputed when the
 # CUDA profile began to run uniform linear runs in chunks (parallel over their steps): dense2_T1000's
 # middle became cheap, K=6 -> 3; and again when a CSR step of its linear run was costed as measured
@@ -237,7 +237,7 @@ def test_pair_lists_only_for_the_chosen_depth(name, monkeypatch):
         calls.append((a.key, b.key))
         return spgemm_symbolic(a, b, dense_out)
 
-    monkeypatch.setattr(planning, "spgemm_symbolic", counting)
+    monkeypatch.setattr(storage, "spgemm_symbolic", counting)
     plan = planning.plan_scan(_patterns(name), "auto", CPU, batch_hint=16)
     assert plan.levels == 0 and calls == []
     # and a chain that chooses a deeper plan plans only the products of its levels, once each
@@ -260,8 +260,8 @@ def test_counted_product_equals_planned_product(m, k, n, data):
     assert np.array_equal(indptr, sym.pattern.indptr) and np.array_equal(indices, sym.pattern.indices)
     assert np.array_equal(counts, np.diff(sym.pair_ptr)) and counts.sum() == product_counts(a, b)
     table = PatternTable()
-    real = planning._Products(table, CPU).product(table.intern(a), table.intern(b))
-    counted = planning._DepthSearch(planning._Products(table, CPU)).product(table.intern(a), table.intern(b))
+    real = storage._Products(table, CPU).product(table.intern(a), table.intern(b))
+    counted = planning._DepthSearch(storage._Products(table, CPU)).product(table.intern(a), table.intern(b))
     assert counted.algo == real.algo and counted.pattern.key == real.pattern.key
     assert counted.work == real.work
     if real.algo == "pairs":
@@ -273,7 +273,7 @@ def test_counted_product_equals_planned_product(m, k, n, data):
 def test_level_lower_bound_is_below_the_level_cost(name, batch):
     pats = as_chain(CHAINS[name]())
     plan = planning.plan_scan(pats, "full", CPU, batch_hint=batch)
-    search = planning._DepthSearch(planning._Products(PatternTable(), CPU))
+    search = planning._DepthSearch(storage._Products(PatternTable(), CPU))
     costs = planning.step_costs(plan)
     for d in range(plan.levels):
         bound = search.level_lower_bound(plan.schedule.steps[d], plan.mats, CPU, batch)

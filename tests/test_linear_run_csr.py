@@ -24,7 +24,7 @@ import torch
 
 import spscan
 from spscan.kernels import cpu_chain, torch_ops
-from spscan.planner import planning
+from spscan.planner import cost, planning
 from spscan.planner import program as program_mod
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
@@ -170,7 +170,7 @@ def path(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(torch_ops, "NUMPY_RUN_MAX_WORK", 0)
     if request.param == "unfused":
-        kind = planning.linear_run_kind
+        kind = cost.linear_run_kind
         monkeypatch.setattr(program_mod, "linear_run_kind", lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile))
     run = cpu_chain.run_chain
 
@@ -190,7 +190,7 @@ def check(pats, vals, grad, extra, dtype, path_name, stacked=None):
     plan = spscan.plan(pats, levels=0, backend="torch")
     runs = runs_of(plan, shared, has_extra)
     csr_steps = sum(int(op.sparse.sum()) for op in runs)
-    n_sparse = sum(planning.linear_run_kind(as_pattern(p), profile_for("cpu")) == "sparse" for p in pats)
+    n_sparse = sum(cost.linear_run_kind(as_pattern(p), profile_for("cpu")) == "sparse" for p in pats)
     if path_name == "unfused":
         assert csr_steps == 0
     elif n >= 2:
@@ -287,16 +287,16 @@ def test_run_kind_of_patterns():
     rng = np.random.default_rng(0)
     cpu, cuda = profile_for("cpu"), profile_for("cuda")
     for prof in (cpu, cuda):
-        assert planning.linear_run_kind(as_pattern(_csr(np.ones((3, 4), dtype=bool))), prof) == "dense"
-        assert planning.linear_run_kind(as_pattern(_csr(np.eye(4, dtype=bool))), prof) == "diag"
-        assert planning.linear_run_kind(as_pattern(_sparse(rng, 4, 4, 0.95)), prof) == "sparse"  # nearly dense: CSR
-        assert planning.linear_run_kind(as_pattern(_csr(np.zeros((3, 2), dtype=bool))), prof) == "sparse"
+        assert cost.linear_run_kind(as_pattern(_csr(np.ones((3, 4), dtype=bool))), prof) == "dense"
+        assert cost.linear_run_kind(as_pattern(_csr(np.eye(4, dtype=bool))), prof) == "diag"
+        assert cost.linear_run_kind(as_pattern(_sparse(rng, 4, 4, 0.95)), prof) == "sparse"  # nearly dense: CSR
+        assert cost.linear_run_kind(as_pattern(_csr(np.zeros((3, 2), dtype=bool))), prof) == "sparse"
     # a big CSR step: on a GPU its own work dwarfs a run's savings and a standalone SpMV spreads it
     # over the device; on a CPU the compiled run loop is the fastest way through it
     big = as_pattern(sp.csr_array(sp.eye(cuda.run_sparse_max_nnz + 2, k=1, format="csr")))
-    assert planning.linear_run_kind(big, cuda) is None
-    assert planning.linear_run_kind(big, cpu) == "sparse"
-    assert planning.linear_run_kind(big, profile_for("cpu", {"run_sparse_max_nnz": 1 << 16})) is None
+    assert cost.linear_run_kind(big, cuda) is None
+    assert cost.linear_run_kind(big, cpu) == "sparse"
+    assert cost.linear_run_kind(big, profile_for("cpu", {"run_sparse_max_nnz": 1 << 16})) is None
 
 
 def test_big_csr_steps_take_the_compiled_loop_on_cpu():

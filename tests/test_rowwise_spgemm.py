@@ -349,7 +349,7 @@ def test_rowwise_scan_both_backends(rowwise_everywhere, backend, dtype):
 def test_planner_picks_rowwise_only_when_pair_lists_are_large():
     from spscan.planner.cost import profile_for
     from spscan.planner.patterns import PatternTable
-    from spscan.planner.planning import _Products, dense_storage_by_cost
+    from spscan.planner.storage import _Products, dense_storage_by_cost
 
     cpu = profile_for("cpu")
     table = PatternTable()

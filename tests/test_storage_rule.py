@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 import spscan
 from spscan.plan import Plan
-from spscan.planner import planning
+from spscan.planner import planning, storage
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain, full_pattern
-from spscan.planner.planning import StorageRule, Uses, plan_scan
+from spscan.planner.planning import plan_scan
+from spscan.planner.storage import StorageRule, Uses
 from spscan.planner.schedule import blelloch_schedule, max_levels
 from spscan.reference import reference_backward
 
@@ -85,8 +86,8 @@ def test_cost_rule_keeps_a_product_another_product_reads_sparse(d, rho_l, rho, s
     # the storage rule's decision, restated: the level-1 pairs saved outweigh the dense mat-vec's gain
     r = StorageRule(CPU, batch)
     left = rule.mats[rule.schedule.steps[1].mm[0].left].pattern
-    uses = planning.matrix_uses(rule.schedule)
-    assert r.joint(left, own, None, uses[right], planning.product_counts(left, own)) == (False, False)
+    uses = storage.matrix_uses(rule.schedule)
+    assert r.joint(left, own, None, uses[right], storage.product_counts(left, own)) == (False, False)
     _check_gradients(_torch_plan(rule), seed)
 
 
@@ -109,7 +110,7 @@ def test_a_product_read_only_by_mat_vecs_is_stored_as_its_mat_vecs_cost_least(ba
     chain = [sp.csr_array((rng.random((20, 20)) < 0.12).astype(float)) if i % 2 else sp.csr_array(np.eye(20))
              for i in range(20)]
     plan = plan_scan(as_chain(chain), 2, CPU, batch_hint=batch, elem_bytes=8)
-    uses = planning.matrix_uses(plan.schedule)
+    uses = storage.matrix_uses(plan.schedule)
     rule = StorageRule(CPU, batch)
     seen = set()
     for m, op in plan.schedule.products.items():
@@ -130,12 +131,12 @@ def test_joint_rule_prefers_a_gemm_when_both_operands_are_nearly_dense():
     a = as_chain([_rand(64, 64, 0.9, rng)])[0]
     b = as_chain([_rand(64, 64, 0.9, rng)])[0]
     pend = Uses(("down",), None)
-    pairs = planning.product_counts(a, b)
+    pairs = storage.product_counts(a, b)
     assert StorageRule(CPU, 16).joint(a, b, pend, pend, pairs) == (True, True)
     # an already stored (sparse) partner: densifying one side alone only adds pairs
     assert StorageRule(CPU, 16).joint(a, b, pend, None, pairs)[0] is False
     full = full_pattern(64, 64)
-    assert StorageRule(CPU, 16).joint(full, b, None, pend, planning.product_counts(full, b)) == (False, True)
+    assert StorageRule(CPU, 16).joint(full, b, None, pend, storage.product_counts(full, b)) == (False, True)
 
 
 def test_threshold_override_is_validated():
@@ -156,7 +157,7 @@ def test_search_and_forced_plans_store_alike():
             {m: (i.pattern.key, i.densified) for m, i in forced.mats.items()}
         for k in range(max_levels(len(pats)) + 1):
             sched = blelloch_schedule(len(pats), k)
-            assert sorted(planning.matrix_uses(sched)) == sorted(
+            assert sorted(storage.matrix_uses(sched)) == sorted(
                 set(range(sched.num_mats)) - {m for m in range(sched.num_mats)
                                               if not any(m in (o.left, o.right) for s in sched.steps for o in s.mm)
                                               and not any(m == o.mat for s in sched.steps for o in s.mv)})
