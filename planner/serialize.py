@@ -380,7 +380,8 @@ def _storage_name(dense: bool) -> str:
     return "densely" if dense else "with its own pattern"
 
 
-def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
+def _header(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The header object, after the arrays' names, the format, the version and the digest are checked."""
     for name in ("header", "digest", "layers", "products"):
         if name not in arrays:
             raise ValueError(f"array {name!r} is missing")
@@ -404,8 +405,12 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
     digest = arrays["digest"]
     if digest.dtype != np.uint8 or digest.shape != (32,) or digest.tobytes() != _digest(arrays):
         raise ValueError("array 'digest': the SHA-256 digest does not match the contents (corrupted file)")
+    return header
 
-    # patterns: pat0.. contiguous, nothing else stored
+
+def _stored_patterns(arrays: dict[str, np.ndarray], n: int) -> tuple[PatternTable, list[Pattern], list[Pattern], int]:
+    """``(table, pats, chain, nsym)``: every stored pattern validated and interned, the layers' chain, and
+    the number of stored pair lists; nothing else may be stored."""
     npat = 0
     while f"pat{npat}_shape" in arrays:
         npat += 1
@@ -430,8 +435,6 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
         if p.key in table._by_key:
             raise ValueError(f"stored pattern {k} repeats an earlier one")
         pats.append(table.intern(p))
-
-    n = _int_field(header, "n", 1)
     layers = _index_array(arrays, "layers")
     if layers.shape != (n,):
         raise ValueError(f"array 'layers' has {layers.shape[0]} entries, header field 'n' is {n}")
@@ -445,14 +448,10 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
         if chain[i - 1].cols != chain[i].rows:
             raise ValueError(f"array 'layers': layer {i + 1} has shape {chain[i].shape}, layer {i} has "
                              f"{chain[i - 1].shape}: the chain does not chain")
-    kmax = max_levels(n)
-    levels = _int_field(header, "levels", 0, kmax)
-    explored = _int_field(header, "explored", levels, kmax)
-    batch_hint = _int_field(header, "batch_hint", 1)
-    elem_bytes = header.get("elem_bytes")
-    if elem_bytes not in (4, 8) or not _is_int(elem_bytes):
-        raise ValueError(f"header field 'elem_bytes': expected 4 or 8, got {elem_bytes!r}")
-    profile = _profile(header["profile"])
+    return table, pats, chain, nsym
+
+
+def _candidates(header: dict[str, Any], levels: int, explored: int) -> dict[int, float]:
     cand_raw = header["candidates"]
     if not isinstance(cand_raw, dict):
         raise ValueError(f"header field 'candidates': expected an object, got {cand_raw!r}")
@@ -465,46 +464,67 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
         candidates[int(k)] = float(v)
     if levels not in candidates:
         raise ValueError(f"header field 'candidates' has no entry for the depth in use ({levels})")
-    options = _options(header["options"], levels, kmax, elem_bytes)
+    return candidates
 
-    # products: exactly the schedule's, each consistent with its operands
-    sched = blelloch_schedule(n, levels)
-    prod = _index_array(arrays, "products", ndim=2)
-    if prod.shape[1:] != (_PRODUCT_FIELDS,):
-        raise ValueError(f"array 'products': expected rows of {_PRODUCT_FIELDS} fields, got shape {prod.shape}")
-    rows = prod.tolist()
-    mids = sorted(r[0] for r in rows)
-    if mids != sorted(sched.products):
-        raise ValueError(f"array 'products': holds product ids {mids[:8]}..., the depth-{levels} schedule has "
-                         f"{sorted(sched.products)[:8]}... ({len(sched.products)} products)")
-    by_mid = {r[0]: r for r in rows}
-    mats: dict[int, MatInfo] = {i: MatInfo(chain[i], "input") for i in range(n)}
-    syms: dict[tuple[int, str], ProductSymbolic] = {}
-    checked: dict = {}
-    rowwise_cache: dict = {}
-    used_syms = set()
-    # storage decisions, re-made as the planner makes them: a product's storage is settled when the
-    # step reading it comes (jointly with the other operand of the product taking it), else at the end
-    rule = StorageRule(profile, batch_hint)
-    rule_name = ("the cost of what reads it" if profile.dense_threshold is None
-                 else f"the dense threshold {profile.dense_threshold}")
-    uses = matrix_uses(sched) if sched.products else {}
-    no_uses = ((), None)
-    pending: dict[int, tuple[Pattern, Pattern, Any]] = {}  # product id -> operands' patterns, own pattern getter
-    flags: dict[int, bool] = {}
 
-    def settle(mid: int, dense: bool) -> None:
-        pending.pop(mid)
-        if flags[mid] != dense:
-            raise ValueError(f"product {mid}: stored {_storage_name(flags[mid])}, but the planner's storage rule "
-                             f"({rule_name}, batch hint {batch_hint}) stores it {_storage_name(dense)}")
+class _StoredProducts:
+    """The stored products checked against the schedule, their operands and the planner's storage rule.
 
-    def alone(mid: int) -> bool:
-        a, b, own = pending[mid]
-        rw = not (a.is_full and b.is_full) and pair_list_bytes(product_counts(a, b), 0) > profile.pair_list_max_bytes
-        return decide_alone(rule, a, b, uses.get(mid, no_uses)[0], rw, lambda: estimate_product_nnz(a, b), own)
+    Storage decisions are re-made as the planner makes them: a product's storage is settled when the
+    step reading it comes (jointly with the other operand of the product taking it), else at the end.
+    """
 
-    for st in sched.steps:  # operands are always products of earlier steps (or inputs)
+    def __init__(self, arrays, table: PatternTable, pats: list[Pattern], chain: list[Pattern], nsym: int,
+                 sched, profile, batch_hint: int) -> None:
+        self.arrays, self.table, self.pats, self.nsym = arrays, table, pats, nsym
+        self.profile, self.batch_hint = profile, batch_hint
+        prod = _index_array(arrays, "products", ndim=2)
+        if prod.shape[1:] != (_PRODUCT_FIELDS,):
+            raise ValueError(f"array 'products': expected rows of {_PRODUCT_FIELDS} fields, got shape {prod.shape}")
+        self.rows = prod.tolist()
+        mids = sorted(r[0] for r in self.rows)
+        if mids != sorted(sched.products):
+            raise ValueError(f"array 'products': holds product ids {mids[:8]}..., the depth-{sched.levels} schedule "
+                             f"has {sorted(sched.products)[:8]}... ({len(sched.products)} products)")
+        self.by_mid = {r[0]: r for r in self.rows}
+        self.mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(chain)}
+        self.syms: dict[tuple, ProductSymbolic] = {}
+        self.checked: dict = {}
+        self.rowwise_cache: dict = {}
+        self.used_syms: set[int] = set()
+        self.rule = StorageRule(profile, batch_hint)
+        self.rule_name = ("the cost of what reads it" if profile.dense_threshold is None
+                          else f"the dense threshold {profile.dense_threshold}")
+        self.uses = matrix_uses(sched) if sched.products else {}
+        self.pending: dict[int, tuple[Pattern, Pattern, Any]] = {}  # product id -> operands, own pattern getter
+        self.flags: dict[int, bool] = {}
+        for st in sched.steps:  # operands are always products of earlier steps (or inputs)
+            self._settle_step(st)
+            for op in st.mm:
+                self._check(op)
+        for mid in sorted(self.pending):
+            self._settle(mid, self._alone(mid))
+        if len(self.used_syms) != nsym:
+            raise ValueError(f"pair lists {sorted(set(range(nsym)) - self.used_syms)[:5]} are stored but no product "
+                             f"uses them")
+
+    def _settle(self, mid: int, dense: bool) -> None:
+        self.pending.pop(mid)
+        if self.flags[mid] != dense:
+            raise ValueError(f"product {mid}: stored {_storage_name(self.flags[mid])}, but the planner's storage rule "
+                             f"({self.rule_name}, batch hint {self.batch_hint}) stores it {_storage_name(dense)}")
+
+    def _alone(self, mid: int) -> bool:
+        a, b, own = self.pending[mid]
+        rw = not (a.is_full and b.is_full) and self._rowwise(a, b)
+        return decide_alone(self.rule, a, b, self.uses.get(mid, ((), None))[0], rw,
+                            lambda: estimate_product_nnz(a, b), own)
+
+    def _rowwise(self, a: Pattern, b: Pattern) -> bool:
+        return pair_list_bytes(product_counts(a, b), 0) > self.profile.pair_list_max_bytes
+
+    def _settle_step(self, st) -> None:
+        pending, mats, uses = self.pending, self.mats, self.uses
         for op in st.mm:
             pl, pr = op.left in pending, op.right in pending
             if not (pl or pr):
@@ -513,87 +533,113 @@ def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
             rp = pending[op.right][2]() if pr else mats[op.right].pattern
             dl = dr = False
             if (pl and not lp.is_full) or (pr and not rp.is_full):
-                dl, dr = rule.joint(lp, rp, uses[op.left] if pl else None, uses[op.right] if pr else None,
-                                    product_counts(lp, rp))
+                dl, dr = self.rule.joint(lp, rp, uses[op.left] if pl else None, uses[op.right] if pr else None,
+                                         product_counts(lp, rp))
             if pl:
-                settle(op.left, dl)
+                self._settle(op.left, dl)
             if pr:
-                settle(op.right, dr)
+                self._settle(op.right, dr)
         for op in st.mv:
             if op.mat in pending:
-                settle(op.mat, alone(op.mat))
-        for op in st.mm:
-            mid, pidx, algo, macs, sidx, dense = by_mid[op.out]
-            where = f"product {mid}"
-            if not 0 <= pidx < npat:
-                raise ValueError(f"{where}: pattern id {pidx} not in [0, {npat})")
-            if dense not in (0, 1):
-                raise ValueError(f"{where}: storage decision {dense} is not 0 (own pattern) or 1 (dense)")
-            dense = bool(dense)
-            c, a, b = pats[pidx], mats[op.left].pattern, mats[op.right].pattern
-            if c.shape != (a.rows, b.cols):
-                raise ValueError(f"{where}: pattern has shape {c.shape}, its operands give {(a.rows, b.cols)}")
-            if dense and not c.is_full:
-                raise ValueError(f"{where}: recorded as stored densely, but its stored pattern is not the full one")
-            dense_pair = a.is_full and b.is_full
-            flags[mid] = dense
-            if algo == 0:
-                if not (dense_pair and c.is_full):
-                    raise ValueError(f"{where}: stored as a dense GEMM, but its operands or output are not dense")
-                if macs != a.rows * a.cols * b.cols or sidx != -1:
-                    raise ValueError(f"{where}: GEMM work {macs} / pair list {sidx}, expected "
-                                     f"{a.rows * a.cols * b.cols} / -1")
-                if dense:
-                    raise ValueError(f"{where}: a GEMM product is dense by its operands, recorded as densified")
-                mats[mid] = MatInfo(c, "gemm", gemm_macs=macs)
-                pending[mid] = (a, b, lambda c=c: c)
-                continue
-            if algo not in (1, 2):
-                raise ValueError(f"{where}: storage kind {algo} is not 0 (GEMM), 1 (pairs) or 2 (row-wise)")
-            if dense_pair:
-                raise ValueError(f"{where}: both operands are dense, the planner multiplies them as a GEMM")
-            rowwise = pair_list_bytes(product_counts(a, b), 0) > profile.pair_list_max_bytes
-            if rowwise != (algo == 2):
-                raise ValueError(f"{where}: stored {'row-wise' if algo == 2 else 'with pair lists'}, but the planner "
-                                 f"runs it {'row-wise' if rowwise else 'with pair lists'} (pair-list limit "
-                                 f"{profile.pair_list_max_bytes:.0f} bytes)")
-            if algo == 2:
-                mats[mid] = _rowwise(where, a, b, c, macs, sidx, dense, rowwise_cache)
-                own = (lambda c=c: c) if not c.is_full else (lambda a=a, b=b: _own_rows(a, b, rowwise_cache))
-            else:
-                if macs != 0 or not 0 <= sidx < nsym:
-                    raise ValueError(f"{where}: expected GEMM work 0 and a pair list id in [0, {nsym}), "
-                                     f"got {macs} and {sidx}")
-                sym = syms.get((sidx, c.key))
-                if sym is None:
-                    sym = ProductSymbolic(c, _index_array(arrays, f"sym{sidx}_ptr"),
-                                          _index_array(arrays, f"sym{sidx}_a"), _index_array(arrays, f"sym{sidx}_b"))
-                    syms[(sidx, c.key)] = sym
-                own_pattern = _check_pairs(where, a, b, c, sym, checked)
-                used_syms.add(sidx)
-                if own_pattern.nnz != c.nnz:  # held over the own pattern (pair data O(pairs + nnz))
-                    ptr = sym.pair_ptr
-                    reached = np.flatnonzero(np.diff(ptr))
-                    own_sym = syms.get((sidx, c.key, "own"))
-                    if own_sym is None:
-                        own_sym = syms[(sidx, c.key, "own")] = ProductSymbolic(
-                            table.intern(own_pattern), np.concatenate([[0], ptr[reached + 1]]).astype(np.int64),
-                            sym.pair_a, sym.pair_b)
-                    sym = own_sym
-                mats[mid] = MatInfo(c, "pairs", sym=sym, densified=dense)
-                own = lambda p=own_pattern: p  # noqa: E731
-            if not dense and c.is_full and not own().is_full:
-                raise ValueError(f"{where}: recorded as stored with its own pattern, but stored dense while its own "
-                                 f"pattern is not full")
-            pending[mid] = (a, b, own)
-    for mid in sorted(pending):
-        settle(mid, alone(mid))
-    if len(used_syms) != nsym:
-        raise ValueError(f"pair lists {sorted(set(range(nsym)) - used_syms)[:5]} are stored but no product uses them")
-    used = set(layers.tolist()) | {r[1] for r in rows}
-    if len(used) != npat:
-        raise ValueError(f"stored patterns {sorted(set(range(npat)) - used)[:5]} are used by no layer or product")
-    plan = ScanPlan(chain, levels, mats, sched, profile, batch_hint, elem_bytes, candidates, explored)
+                self._settle(op.mat, self._alone(op.mat))
+
+    def _check(self, op) -> None:
+        """One stored product against its operands: pattern, kind, work and pair lists."""
+        mid, pidx, algo, macs, sidx, dense = self.by_mid[op.out]
+        where, npat = f"product {mid}", len(self.pats)
+        if not 0 <= pidx < npat:
+            raise ValueError(f"{where}: pattern id {pidx} not in [0, {npat})")
+        if dense not in (0, 1):
+            raise ValueError(f"{where}: storage decision {dense} is not 0 (own pattern) or 1 (dense)")
+        dense = bool(dense)
+        c, a, b = self.pats[pidx], self.mats[op.left].pattern, self.mats[op.right].pattern
+        if c.shape != (a.rows, b.cols):
+            raise ValueError(f"{where}: pattern has shape {c.shape}, its operands give {(a.rows, b.cols)}")
+        if dense and not c.is_full:
+            raise ValueError(f"{where}: recorded as stored densely, but its stored pattern is not the full one")
+        dense_pair = a.is_full and b.is_full
+        self.flags[mid] = dense
+        if algo == 0:
+            if not (dense_pair and c.is_full):
+                raise ValueError(f"{where}: stored as a dense GEMM, but its operands or output are not dense")
+            if macs != a.rows * a.cols * b.cols or sidx != -1:
+                raise ValueError(f"{where}: GEMM work {macs} / pair list {sidx}, expected "
+                                 f"{a.rows * a.cols * b.cols} / -1")
+            if dense:
+                raise ValueError(f"{where}: a GEMM product is dense by its operands, recorded as densified")
+            self.mats[mid] = MatInfo(c, "gemm", gemm_macs=macs)
+            self.pending[mid] = (a, b, lambda c=c: c)
+            return
+        if algo not in (1, 2):
+            raise ValueError(f"{where}: storage kind {algo} is not 0 (GEMM), 1 (pairs) or 2 (row-wise)")
+        if dense_pair:
+            raise ValueError(f"{where}: both operands are dense, the planner multiplies them as a GEMM")
+        rowwise = self._rowwise(a, b)
+        if rowwise != (algo == 2):
+            raise ValueError(f"{where}: stored {'row-wise' if algo == 2 else 'with pair lists'}, but the planner "
+                             f"runs it {'row-wise' if rowwise else 'with pair lists'} (pair-list limit "
+                             f"{self.profile.pair_list_max_bytes:.0f} bytes)")
+        if algo == 2:
+            self.mats[mid] = _rowwise(where, a, b, c, macs, sidx, dense, self.rowwise_cache)
+            cache = self.rowwise_cache
+            own = (lambda c=c: c) if not c.is_full else (lambda a=a, b=b: _own_rows(a, b, cache))
+        else:
+            own_pattern = self._pairs(where, a, b, c, macs, sidx, dense, mid)
+            own = lambda p=own_pattern: p  # noqa: E731
+        if not dense and c.is_full and not own().is_full:
+            raise ValueError(f"{where}: recorded as stored with its own pattern, but stored dense while its own "
+                             f"pattern is not full")
+        self.pending[mid] = (a, b, own)
+
+    def _pairs(self, where: str, a: Pattern, b: Pattern, c: Pattern, macs: int, sidx: int, dense: bool,
+               mid: int) -> Pattern:
+        """A pair-list product: its stored pairs checked; the own pattern they reach."""
+        if macs != 0 or not 0 <= sidx < self.nsym:
+            raise ValueError(f"{where}: expected GEMM work 0 and a pair list id in [0, {self.nsym}), "
+                             f"got {macs} and {sidx}")
+        syms, arrays = self.syms, self.arrays
+        sym = syms.get((sidx, c.key))
+        if sym is None:
+            sym = ProductSymbolic(c, _index_array(arrays, f"sym{sidx}_ptr"),
+                                  _index_array(arrays, f"sym{sidx}_a"), _index_array(arrays, f"sym{sidx}_b"))
+            syms[(sidx, c.key)] = sym
+        own_pattern = _check_pairs(where, a, b, c, sym, self.checked)
+        self.used_syms.add(sidx)
+        if own_pattern.nnz != c.nnz:  # held over the own pattern (pair data O(pairs + nnz))
+            ptr = sym.pair_ptr
+            reached = np.flatnonzero(np.diff(ptr))
+            own_sym = syms.get((sidx, c.key, "own"))
+            if own_sym is None:
+                own_sym = syms[(sidx, c.key, "own")] = ProductSymbolic(
+                    self.table.intern(own_pattern), np.concatenate([[0], ptr[reached + 1]]).astype(np.int64),
+                    sym.pair_a, sym.pair_b)
+            sym = own_sym
+        self.mats[mid] = MatInfo(c, "pairs", sym=sym, densified=dense)
+        return own_pattern
+
+
+def _parse(arrays: dict[str, np.ndarray]) -> tuple[ScanPlan, dict[str, Any]]:
+    header = _header(arrays)
+    n = _int_field(header, "n", 1)
+    table, pats, chain, nsym = _stored_patterns(arrays, n)
+    kmax = max_levels(n)
+    levels = _int_field(header, "levels", 0, kmax)
+    explored = _int_field(header, "explored", levels, kmax)
+    batch_hint = _int_field(header, "batch_hint", 1)
+    elem_bytes = header.get("elem_bytes")
+    if elem_bytes not in (4, 8) or not _is_int(elem_bytes):
+        raise ValueError(f"header field 'elem_bytes': expected 4 or 8, got {elem_bytes!r}")
+    profile = _profile(header["profile"])
+    candidates = _candidates(header, levels, explored)
+    options = _options(header["options"], levels, kmax, elem_bytes)
+    # products: exactly the schedule's, each consistent with its operands
+    sched = blelloch_schedule(n, levels)
+    products = _StoredProducts(arrays, table, pats, chain, nsym, sched, profile, batch_hint)
+    layers = _index_array(arrays, "layers")
+    used = set(layers.tolist()) | {r[1] for r in products.rows}
+    if len(used) != len(pats):
+        raise ValueError(f"stored patterns {sorted(set(range(len(pats))) - used)[:5]} are used by no layer or product")
+    plan = ScanPlan(chain, levels, products.mats, sched, profile, batch_hint, elem_bytes, candidates, explored)
     return plan, options
 
 
