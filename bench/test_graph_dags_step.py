@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.models import ResNet20
+from spscan.resnet import ResNet20
 
 from conftest import device_name
 

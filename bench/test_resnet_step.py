@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.models import ResNet20
+from spscan.resnet import ResNet20
 
 from conftest import device_name
 from cuda_step import checked_step, needs_cuda, plan_backend, record, step_info, time_pairs

@@ -16,7 +16,7 @@ p, p))``, are selection units, so He et al.'s option-A shortcut in a ``LambdaLay
   for a concatenation, where ``J_b^T`` is the branch's composite ``J_1^T ... J_m^T``, computed per
   step by the engine's composite plan (:func:`spscan.plan.build_composite`). The block's pattern
   (the union of the branch patterns) and the index maps that place each branch's values in it
-  are symbolic, made once (:mod:`spscan.planner.graph`). The graph is then a chain at block level,
+  are symbolic, made once (:mod:`spscan.planner.blocks`). The graph is then a chain at block level,
   planned by the ordinary scan. Inside a block, the gradients at the branch's own activations
   (what its parameter gradients need) come from a scan over the branch with the block output's
   gradient, after the block-level scan.
@@ -29,7 +29,7 @@ p, p))``, are selection units, so He et al.'s option-A shortcut in a ``LambdaLay
   from its output's columns to its inputs' rows (added to the identity where an input stays
   live), and no identity for the tensors whose last use it is. A node reading the whole live set
   alone stays a plain unit step. Patterns are placed blocks, unioned once
-  (:func:`spscan.planner.graph.block_union`); per step the values are a constant (the identity
+  (:func:`spscan.planner.blocks.block_union`); per step the values are a constant (the identity
   entries) plus the node's unit values at planned positions, and the structured operator copies
   the passing tensors and applies the node's own operator to its slice, so train-mode BatchNorm
   runs matrix-free at depth 0 as in the block path.
@@ -66,7 +66,7 @@ from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.model import (ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads,
                           levels_for_coupled_layers, plan_chain)
 from spscan.plan import build_composite, build_plan
-from spscan.planner.graph import block_union, identity_pattern, place, product_pattern, union_pattern
+from spscan.planner.blocks import block_union, identity_pattern, place, product_pattern, union_pattern
 
 __all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS",
            "supported_node_targets",

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import spscan
 from layer_checks import run_errors
 from spscan.graph import GraphPlan
-from spscan.models import ResNet20
+from spscan.resnet import ResNet20
 from test_graph_models import _grads, _init, _loss, _rel
 
 
@@ -406,7 +406,7 @@ def test_block_union_against_dense():
     import numpy as np
     import scipy.sparse as sp
 
-    from spscan.planner.graph import block_union, identity_pattern
+    from spscan.planner.blocks import block_union, identity_pattern
 
     rng = np.random.default_rng(0)
     blocks = [(0, 0, identity_pattern(3)), (3, 2, sp.csr_array(sp.random(4, 5, density=0.4, random_state=1,
@@ -431,8 +431,8 @@ def test_block_union_against_dense():
 
 
 def test_reference_resnet_shortcut_arguments():
-    """``spscan.models``: the shortcut is 'A' or 'B'; option A needs stride 2 and an even channel growth."""
-    from spscan.models import BasicBlock
+    """``spscan.resnet``: the shortcut is 'A' or 'B'; option A needs stride 2 and an even channel growth."""
+    from spscan.resnet import BasicBlock
 
     with pytest.raises(ValueError, match="shortcut: expected 'A' or 'B', got 'C'"):
         ResNet20(width=2, shortcut="C")

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import spscan
 from layer_checks import run_errors
 from spscan.graph import GraphPlan, TracedChainPlan
-from spscan.models import ResNet20
+from spscan.resnet import ResNet20
 
 
 # ----------------------------------------------------------------------------- models
@@ -455,7 +455,7 @@ def test_block_pattern_symbolics():
     import numpy as np
     import scipy.sparse as sp
 
-    from spscan.planner.graph import place, product_pattern, union_pattern
+    from spscan.planner.blocks import place, product_pattern, union_pattern
 
     pats = [sp.csr_array(sp.random(5, 4, density=0.4, random_state=i, format="csr")) for i in range(3)]
     for p in pats:
