@@ -414,15 +414,13 @@ RECURRENCE_MAX_N = 64
 # ``bench/gpu/tune.py`` on the device named in ``RECURRENCE_TUNED_ON``.
 RECURRENCE_TUNED_ON = "NVIDIA H100 80GB HBM3 (bench/results/nvidia-h100-80gb-hbm3/recurrence/tune_rnn.log)"
 RECURRENCE_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 64, 4, 4, 2),  # RNN, GRU at H = 20: 64 lanes beat 32, 128 and 256 (tf32x3); carry 1-4 warps within 5 %
-    (1 << 30, 64, 4, 4, 4),  # LSTM at H = 20 (m = 40): 64 lanes 2.4 ms against 32 lanes 6.1 ms
+    (32, 64, 4, 4, 2),  # the RNN and GRU at H = 20
+    (1 << 30, 64, 4, 4, 4),  # the LSTM at H = 20 (m = 40)
 )
-# the chunk length as a multiple of sqrt(steps) (the planner's, which costs it: tuned 0.35-2.8, 0.7 fastest)
+# the chunk length as a multiple of sqrt(steps): the planner's, which costs it
 RECURRENCE_CHUNK_SCALE = CHUNK_SCALE
 # the float32-exact scheme of each phase's products under dot_precision "exact": "ieee" (FMA) or "tf32x3"
-# (tuned: three TF32 products composed the RNN's chunk maps 6.6x faster than FMA products, at the same error
-# against float64, 6e-8; the expansion's products are within 10 % either way, and 1.4x faster as tf32x3
-# for the LSTM's five blocks)
+# (three TF32 products: as exact against float64 and faster; the tune is in bench/results/calibration.md)
 RECURRENCE_EXACT_DOT = {"compose": "tf32x3", "expand": "tf32x3"}
 
 

@@ -278,16 +278,11 @@ def _run_plan(op: LinearRun, device: Optional[torch.device] = None) -> _RunPlan:
                     [_csr_steps(p, i, dev) for p, i in zip(ptrs, idxs)], nnz.tolist())
 
 
-# A CPU linear-run step is a few microseconds of call overhead around a tiny product. NumPy's ufunc
-# and ``dot`` calls cost about a third of eager torch's (measured: a 1000-step RNN middle, B=16,
-# H=20, mul + mm per step, 2.8 ms vs 7.0 ms on one core), and the compiled loop (kernels/cpu_chain)
-# removes the calls altogether, so CPU linear runs go through NumPy views of the same buffers unless
-# a dense step's product is big enough for torch's BLAS to spread it over its threads: above this
-# many multiply-adds per step (all samples) times torch's thread count. Measured on the factored
-# RNN's run (a dense H x H step per time step), training step, compiled loop vs the BLAS route: one
-# thread, the compiled loop faster at every size tried (up to 1.7e7 multiply-adds per step: H =
-# 1024, B = 16, 254 vs 328 ms); two threads (wall time), even at 4.2e6 (H = 512, B = 16: 64 vs
-# 63 ms) and BLAS ahead at 1.7e7 (270 vs 217 ms).
+# A CPU linear-run step is a few microseconds of call overhead around a tiny product. NumPy's calls cost
+# less than eager torch's and the compiled loop (kernels/cpu_chain) removes them, so CPU linear runs go
+# through NumPy views of the same buffers unless a dense step's product is big enough for torch's BLAS to
+# spread over its threads: above this many multiply-adds per step (all samples) times torch's thread
+# count (bench/results/calibration.md).
 NUMPY_RUN_MAX_WORK = 1 << 23
 
 
@@ -299,8 +294,7 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
     """Whether this linear run goes through NumPy (the compiled loop where available): CPU tensors and
     dense steps small enough that a BLAS call per step would not pay. CSR steps do not count: eager
     torch has no better way through them than NumPy's gathers, and the compiled loop has a much
-    better one (measured on an LSTM with H = 64, T = 1000, B = 16, whose CSR steps hold
-    ``4 H^2 + H`` entries: training step 20.6 ms compiled against 910 ms in eager torch)."""
+    better one."""
     return (vectors.device.type == "cpu"
             and vectors.shape[0] * cp.max_dense * torch.get_num_threads() <= NUMPY_RUN_MAX_WORK)
 

@@ -81,17 +81,9 @@ class DeviceProfile:
         return launches * self.op_overhead_s + macs / self.gemv_rate
 
 
-# Measured orders of magnitude: torch eager ops on a small multi-core CPU, and Triton launches
-# on a recent datacenter GPU (launch-latency bound for small levels, bandwidth bound for big ones).
-# A CSR step of the persistent Triton run on an H100: 4.7 us (the materialized LSTM, 2H x 2H with
-# 2H^2 + 2H entries, H = 20, B = 16: 46.7 ms for 10000 steps) to 6.4 us (its factored chain).
-# A chunked run's composition on an H100 (fp32, exact products): 3.84e9 multiply-adds (the RNN at
-# T = 30000, B = 16, H = 20) in 5.1 ms, ~7.7e11/s; its expansion ~1.2 ms for chunks of 245 steps.
-# A structured recurrence on an H100 (kernels.recurrence, tf32x3 chunk maps; bench/gpu/tune.py): the chunk
-# maps' real multiply-adds at 9.3e12/s (RNN, m = 20), 5.9e12/s (GRU) and 4.8e12/s (LSTM, m = 40); a
-# dependent step ~1 us in a chunk and ~0.4 us in the carry.
-# A CPU middle-chain step is one NumPy dot or multiply on views (~1.4 us) plus reading the
-# caller's tensor (~0.7 us); see kernels.torch_ops.NUMPY_RUN_MAX_WORK.
+# Orders of magnitude of a small multi-core CPU (torch eager) and a recent datacenter GPU (Triton launches:
+# latency-bound for small levels, bandwidth-bound for big ones), fitted to the measurements listed in
+# bench/results/calibration.md.
 _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0e9, gemv_rate=1.0e9,
                      bytes_budget=2.0e9, chain_step_s=2.0e-6, run_sparse_max_nnz=None)
 _CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,

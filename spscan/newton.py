@@ -216,15 +216,11 @@ def _quasi_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.T
 
 # --------------------------------------------------------------------------- cost model for "auto"
 
-# Seconds per step of the library's sequential recurrent forward (one GEMM + pointwise ops per
-# step), launch/dispatch-bound for small H: torch's CPU loop ~10 us; cuDNN's fused forward on an
-# H100 0.53-0.57 us (B=16, H=20: RNN 16.1 ms and GRU 16.9 ms at T=30000, RNN 0.57 ms at T=1000).
+# Seconds per step of the library's sequential recurrent forward (one GEMM + pointwise ops per step,
+# dispatch-bound for small H), and the rest of a Newton iteration on a GPU (batched cell evaluation,
+# residual and norm, the scan's values) per step, sample and gate unit; fitted to the measurements
+# in bench/results/calibration.md.
 _SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 5.5e-7}
-# The rest of a Newton iteration on a GPU (the batched cell evaluation, the residual and its norm, the
-# scan's values), per step, sample and gate unit: with the scan on the structured-recurrence kernels an
-# H100 took 2.6 ms per iteration for the RNN and 6.3 ms for the GRU at T = 30000, B = 16, H = 20
-# (bench/results/nvidia-h100-80gb-hbm3/recurrence/newton_4a553b2.jsonl), of which ~0.7 and ~1.1 ms scan:
-# ~1.9e-10 s per step, sample and gate unit either way.
 _ITERATION_S_PER_UNIT = {"cuda": 1.9e-10}
 
 
