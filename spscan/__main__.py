@@ -1,19 +1,34 @@
-"""Command line: ``python -m spscan demo`` (the main job) and ``python -m spscan bench``."""
+"""Command line of spscan: ``python -m spscan demo`` (the main job) and ``python -m spscan bench``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+_DESCRIPTION = "spscan: back-propagation as a parallel scan over sparse transposed Jacobians."
+
+_EPILOG = """commands:
+  demo    train the paper's RNN with autograd and with spscan, check their gradients agree,
+          and write a plot and summary.json (python -m spscan demo --quick: a short run)
+  bench   run the benchmark suites and write a report (python -m spscan bench --quick)
+
+Each command has its own options: python -m spscan demo --help, python -m spscan bench --help."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m spscan", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["demo", "bench"], help="what to run (see below)")
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m spscan", description=__doc__)
-    parser.add_argument("command", choices=["demo", "bench"], help="what to run")
+    parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+        parser.print_help(sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    ns, rest = parser.parse_known_args(argv[:1])
+    ns, _ = parser.parse_known_args(argv[:1])
     if ns.command == "demo":
         from spscan.cli.demo import main as run
     else:

@@ -153,3 +153,24 @@ def test_load_irmas_mfcc_layout(tmp_path):
     np.savez(tmp_path / "bad.npz", features=np.zeros((2, F, C)), labels=np.array([0, 11]))
     with pytest.raises(ValueError, match="labels in 0..10"):
         load_irmas_mfcc(tmp_path / "bad.npz", "M")
+
+
+def test_cli_help_is_plain_text_and_points_to_each_command():
+    """``python -m spscan --help``: plain text (no reStructuredText markup), naming both commands, their
+    ``--help`` and the short ``--quick`` runs; no command at all is a usage error."""
+    import contextlib
+    import io
+
+    from spscan.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--help"]) == 0
+    text = out.getvalue()
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    for want in ("demo --help", "bench --help", "demo --quick", "bench --quick"):
+        assert want in text
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([]) == 2
+    assert "usage: python -m spscan" in err.getvalue()
