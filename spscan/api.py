@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from spscan.engine import check_inputs
+from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, options_doc, unknown_option
 from spscan.graph import plan_graph, wrap_graph
 from spscan.model import ModelPlan, is_chain_model, plan_model, wrap_chain
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
@@ -24,26 +25,48 @@ _RECURRENT = (torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM)
 
 
 def _front_end(model: torch.nn.Module):
-    """``(plan, wrap)`` of the front end that owns ``model``: the one place a model is dispatched."""
+    """``(kind, plan, wrap)`` of the front end that owns ``model``: the one place a model is dispatched."""
     if isinstance(model, _RECURRENT):
         if is_stacked(model):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
-            return plan_stacked, wrap_stacked
-        return plan_recurrent, wrap_recurrent
+            return RECURRENT, plan_stacked, wrap_stacked
+        return RECURRENT, plan_recurrent, wrap_recurrent
     if is_chain_model(model):
-        return plan_model, wrap_chain
-    return plan_graph, wrap_graph  # a model with its own forward: traced with torch.fx
+        return CHAIN, plan_model, wrap_chain
+    return GRAPH, plan_graph, wrap_graph  # a model with its own forward: traced with torch.fx
+
+
+def _model_options(func: str, model: torch.nn.Module, example_input, options: dict, unknown: dict):
+    if unknown:
+        raise unknown_option(func, next(iter(unknown)))
+    kind, plan_fn, wrap_fn = _front_end(model)
+    if example_input is None and kind != RECURRENT:
+        raise TypeError(f"{func}(model, example_input): a {type(model).__name__} is planned from an example input "
+                        f"(B, *in_shape); pass one, e.g. a batch of your data")
+    if options.get("batch_size") is None and kind != RECURRENT and isinstance(example_input, torch.Tensor) \
+            and example_input.dim() >= 1 and example_input.shape[0] > 0:
+        # the cost model plans for the batch the user showed (a recurrent front end reads its own layout)
+        options = {**options, "batch_size": int(example_input.shape[0])}
+    return plan_fn, wrap_fn, check_options(func, kind, options, f"a {type(model).__name__}")
 
 
 def plan(
     patterns: Any,
-    *args: Any,
+    example_input: Optional[torch.Tensor] = None,
+    *,
     levels: Union[str, int] = "auto",
     backend: str = "auto",
     device=None,
     dtype: Optional[torch.dtype] = None,
     max_memory: Optional[float] = None,
-    batch_size: int = 16,
-    **kwargs: Any,
+    batch_size: Optional[int] = None,
+    operators: bool = True,
+    prune_zeros: bool = False,
+    norm_form: str = "auto",
+    dag: str = "auto",
+    layout: str = "auto",
+    forward: str = "sequential",
+    newton: Any = None,
+    **unknown: Any,
 ):
     """Plan the backward scan over a chain of transposed-Jacobian patterns (or a model).
 
@@ -53,40 +76,71 @@ def plan(
             CSR tensor (values ignored). A model followed by an example input plans that model
             instead: an ``nn.Sequential`` chain (:mod:`spscan.model`), an ``nn.RNN``/``GRU``/``LSTM``
             (:mod:`spscan.recurrent`; stacked and bidirectional ones through :mod:`spscan.stacked`)
-            or any other model ``torch.fx`` traces into supported nodes (:mod:`spscan.graph`).
-        levels: ``"auto"`` (cost model of the critical path), ``"full"`` (pure Blelloch) or an int
-            ``K >= 0`` (0 = linear scan; clamped to the chain's maximum depth).
-        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
-        device, dtype: what the plan is for; ``None`` accepts whatever each call passes. A device
-            that is not available is refused here.
-        max_memory: byte limit for ``backward``'s peak at ``batch_size``; ``"auto"`` lowers the
-            depth to fit, a forced depth that does not fit raises ``ValueError`` with the numbers.
-        batch_size: the batch size the cost model and memory check assume (calls may use any).
+            or any other model ``torch.fx`` traces (:mod:`spscan.graph`).
+        example_input: for a model, a batch ``(B, *in_shape)`` (a recurrent module: ``(T, B, I)``,
+            or ``(B, T, I)`` if batch_first); its per-sample shape is planned.
 
     Returns:
         a :class:`Plan`, already bound (lowered, tables on its device) for per-sample values
-        without ``extra`` terms; other signatures are bound on first use or with :meth:`Plan.bind`.
+        without ``extra`` terms (other signatures are bound on first use or with :meth:`Plan.bind`);
+        for a model, the front end's plan.
+
     """
+    options = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
+                   batch_size=batch_size, operators=operators, prune_zeros=prune_zeros, norm_form=norm_form,
+                   dag=dag, layout=layout, forward=forward, newton=newton)
     if isinstance(patterns, torch.nn.Module):
-        opts = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
-                    batch_size=batch_size, **kwargs)
-        return _front_end(patterns)[0](patterns, *args, **opts)
-    if args or kwargs:
-        extra = list(kwargs) or [f"{len(args)} positional"]
-        raise TypeError(f"plan(patterns, ...): unexpected arguments {extra}")
-    return build_plan(patterns, levels=levels, backend=backend, device=device, dtype=dtype,
-                      max_memory=max_memory, batch_size=batch_size)
+        plan_fn, _, opts = _model_options("plan", patterns, example_input, options, unknown)
+        return plan_fn(patterns, example_input, **opts)
+    if unknown:
+        raise unknown_option("plan", next(iter(unknown)))
+    if example_input is not None:
+        raise TypeError("plan(patterns): an example input is for a model; a chain of patterns takes none")
+    return build_plan(patterns, **check_options("plan", PATTERNS, options, "a chain of patterns"))
 
 
-def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> torch.nn.Module:
+def wrap(
+    model: torch.nn.Module,
+    example_input: Optional[torch.Tensor] = None,
+    *,
+    levels: Union[str, int] = "auto",
+    backend: str = "auto",
+    device=None,
+    dtype: Optional[torch.dtype] = None,
+    max_memory: Optional[float] = None,
+    batch_size: Optional[int] = None,
+    operators: bool = True,
+    prune_zeros: bool = False,
+    norm_form: str = "auto",
+    dag: str = "auto",
+    layout: str = "auto",
+    forward: str = "sequential",
+    newton: Any = None,
+    **unknown: Any,
+) -> torch.nn.Module:
     """An ``nn.Module`` sharing ``model``'s parameters whose backward runs through the scan.
 
-    Planned as :func:`plan` plans a model (``plan_kwargs`` are its options); ``loss.backward()``
-    fills the input's and every parameter's ``.grad`` as autograd would.
+    ``loss.backward()`` fills the input's and every parameter's ``.grad`` as autograd would. The
+    model is planned as :func:`plan` plans it, with the same options.
+
+    Args:
+        model: an ``nn.Sequential``, an ``nn.RNN``/``GRU``/``LSTM`` (stacked, bidirectional) or any
+            model ``torch.fx`` traces.
+        example_input: a batch ``(B, *in_shape)`` (a recurrent module: ``(T, B, I)``, or
+            ``(B, T, I)`` if batch_first; optional there: lengths are planned on first use).
+
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
-    return _front_end(model)[1](model, example_input, **plan_kwargs)
+    options = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
+                   batch_size=batch_size, operators=operators, prune_zeros=prune_zeros, norm_form=norm_form,
+                   dag=dag, layout=layout, forward=forward, newton=newton)
+    _, wrap_fn, opts = _model_options("wrap", model, example_input, options, unknown)
+    return wrap_fn(model, example_input, **opts)
+
+
+plan.__doc__ += options_doc(4)
+wrap.__doc__ += options_doc(4)
 
 
 def forward(plan: Any, x: torch.Tensor):

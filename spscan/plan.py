@@ -69,6 +69,11 @@ class Plan:
         return self._scan.levels
 
     @property
+    def batch_size(self) -> int:
+        """The batch size the cost model and the memory check planned for (calls may use any)."""
+        return self._scan.batch_hint
+
+    @property
     def max_levels(self) -> int:
         return max_levels(self.n)
 
