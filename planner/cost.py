@@ -119,6 +119,7 @@ class LevelCost:
     flops: int  # 2 * multiply-adds, per sample
     bytes: int  # values + indices touched, per sample for values
     time_s: float
+    nnz_read: int = 0  # stored entries of the matrices the step multiplies (products' operands, mat-vecs')
 
 
 def bin_widths(lengths: np.ndarray) -> np.ndarray:
@@ -246,7 +247,9 @@ def schedule_costs(
         t += batch * (pairs + mv_sparse) / profile.pair_rate
         t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
         flops = 2 * (pairs + gemm + mv_sparse + gemv)
-        out.append(LevelCost(st.phase, st.level, len(st.mm), len(st.mv), nnz, flops, nbytes, t))
+        nnz_read = sum(mats[op.left].pattern.nnz + mats[op.right].pattern.nnz for op in st.mm)
+        nnz_read += sum(mats[op.mat].pattern.nnz for op in st.mv)
+        out.append(LevelCost(st.phase, st.level, len(st.mm), len(st.mv), nnz, flops, nbytes, t, nnz_read))
     _parallel_run_costs(out, run_steps, profile, batch)
     return out
 

@@ -120,34 +120,43 @@ class Plan:
         """Bytes held by the plan and the per-sample peak of ``backward`` (see :class:`MemoryEstimate`)."""
         return estimate_memory(self._scan)
 
-    def summary(self, batch: Optional[int] = None) -> str:
-        """A table per scan step: nodes (mm/mv), nnz produced, FLOPs, bytes; totals; critical path; memory."""
+    def summary(self, batch: Optional[int] = None, verbose: bool = False) -> str:
+        """The plan in a few lines: its depth, per up-sweep level, linear scan and down-sweep level the
+        nodes (products ``mm``, mat-vecs ``mv``), the stored entries of the matrices they read, FLOPs,
+        bytes and the estimated time; totals, the cost model's candidates and memory. ``verbose``: one
+        row per scan step. ``batch``: the batch the FLOPs and bytes are for (default: the batch
+        planned for)."""
         scan = self._scan
         batch = scan.batch_hint if batch is None else batch
         costs = step_costs(scan)
+        rows: list[tuple[str, list]] = []
+        for c in costs:
+            if verbose:
+                rows.append((f"{c.phase}{c.level}", [c]))
+                continue
+            name = "linear scan" if c.phase == "mid" else f"{c.phase} {c.level}"
+            if rows and rows[-1][0] == name:
+                rows[-1][1].append(c)
+            else:
+                rows.append((name, [c]))
         lines = [
             f"spscan plan: n={self.n} Jacobians, levels K={self.levels} (max {self.max_levels}), "
-            f"backend={self.backend}, device={self.device or 'any'}, dtype={self.dtype or 'any'}",
-            f"{'step':<10}{'mm':>7}{'mv':>7}{'nnz':>14}{'FLOPs':>16}{'bytes':>14}{'est. time':>12}",
+            f"backend={self.backend}, device={self.device or 'any'}, dtype={self.dtype or 'any'}, "
+            f"planned for batch {scan.batch_hint}",
+            f"{'step':<16}{'steps':>6}{'mm':>7}{'mv':>7}{'nnz read':>14}{'FLOPs':>16}{'bytes':>12}{'est. time':>12}",
         ]
-        tot_flops = tot_bytes = tot_nnz = 0
-        crit_flops = 0
-        for c in costs:
-            name = f"{c.phase}{c.level}" if c.phase != "mid" else f"mid{c.level}"
-            flops = c.flops * batch
-            by = c.bytes * batch
-            lines.append(f"{name:<10}{c.nodes_mm:>7}{c.nodes_mv:>7}{c.nnz:>14,}{flops:>16,}{fmt_bytes(by):>14}"
-                         f"{c.time_s * 1e3:>10.3f}ms")
-            tot_flops += flops
-            tot_bytes += by
-            tot_nnz += c.nnz
-            # the critical path runs one node per step: the costliest one
-            crit_flops += flops // max(1, c.nodes_mm + c.nodes_mv) if c.phase != "mid" else flops
-        lines.append(f"{'total':<10}{sum(c.nodes_mm for c in costs):>7}{sum(c.nodes_mv for c in costs):>7}"
-                     f"{tot_nnz:>14,}{tot_flops:>16,}{fmt_bytes(tot_bytes):>14}"
-                     f"{sum(c.time_s for c in costs) * 1e3:>10.3f}ms")
-        lines.append(f"steps on the critical path: {len(costs)}; critical-path FLOPs ~ {crit_flops:,} "
-                     f"(batch {batch})")
+
+        def row(name: str, cs: list) -> str:
+            return (f"{name:<16}{len(cs):>6}{sum(c.nodes_mm for c in cs):>7}{sum(c.nodes_mv for c in cs):>7}"
+                    f"{sum(c.nnz_read for c in cs):>14,}{batch * sum(c.flops for c in cs):>16,}"
+                    f"{fmt_bytes(batch * sum(c.bytes for c in cs)):>12}{sum(c.time_s for c in cs) * 1e3:>10.3f}ms")
+
+        lines += [row(name, cs) for name, cs in rows]
+        lines.append(row("total", costs))
+        # the critical path runs one node per step: the costliest one
+        crit = sum(batch * c.flops // max(1, c.nodes_mm + c.nodes_mv) if c.phase != "mid" else batch * c.flops
+                   for c in costs)
+        lines.append(f"steps on the critical path: {len(costs)}; critical-path FLOPs ~ {crit:,} (batch {batch})")
         if scan.candidates:
             cand = ", ".join(f"K={k}: {t * 1e3:.3f}ms" for k, t in sorted(scan.candidates.items()))
             lines.append(f"cost model ({scan.profile.name}, batch {scan.batch_hint}): {cand}")

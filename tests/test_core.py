@@ -195,7 +195,12 @@ def test_summary_and_memory():
     pats = [sp.csr_array((rng.random((8, 8)) < 0.3).astype(float)) for _ in range(16)]
     plan = spscan.plan(pats, levels=2)
     text = plan.summary()
-    for word in ("up0", "up1", "mid", "down0", "total", "critical-path FLOPs", "memory"):
+    for word in ("up 0", "up 1", "linear scan", "down 0", "total", "critical-path FLOPs", "memory", "batch 16"):
+        assert word in text
+    verbose = plan.summary(verbose=True)
+    for word in ("up0", "up1", "mid", "down0", "total"):
+        assert word in verbose
+    for word in ():
         assert word in text
     mem = plan.memory()
     assert mem.backward_peak(8) == 8 * mem.backward_peak(1) > 0

@@ -32,3 +32,15 @@ def test_readme_block_runs(index, tmp_path, monkeypatch):
         assert "rank 0: dl/dx_0" in run.stdout, run.stdout
         return
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_first_example_shows_a_real_scan_in_a_compact_summary(tmp_path, monkeypatch, capsys):
+    """The first example forces a depth >= 1 (saying why "auto" picks the linear scan on a CPU), and
+    its summary is a few lines per level that name the batch planned for."""
+    monkeypatch.chdir(tmp_path)
+    ns = {"__name__": "__readme__"}
+    exec(compile(BLOCKS[0], "README.md python block 0", "exec"), ns)
+    assert ns["plan"].levels >= 1
+    summary = ns["plan"].summary()
+    assert len(summary.splitlines()) <= 15 and "planned for batch 8" in summary
+    assert "on a CPU" in BLOCKS[0]
