@@ -82,3 +82,10 @@ def test_gpu_driver_turns_links_to_left_out_figures_into_notes():
     out = driver.unlinked_figure(md, "gru.png")
     assert "](gru.png)" not in out and out.count("figure gru.png left out of this folder") == 2
     assert "![T](rnn_sweep_T.png)" in out
+
+
+def test_ratio_figure_rows_have_human_labels():
+    driver = _driver()
+    assert driver.bar_label("test_rnn_step_cuda[30000-backward]", "speedup_vs_autograd") == \
+        "rnn step cuda (30000, backward) vs autograd"
+    assert driver.bar_label("test_spgemm", "speedup_vs_torch_sparse") == "spgemm vs torch sparse"

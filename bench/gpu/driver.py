@@ -166,6 +166,17 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def bar_label(test_name: str, key: str) -> str:
+    """A row's label in the ratio figure: ``test_rnn_step_cuda[30000-backward]`` and
+    ``speedup_vs_autograd`` read ``rnn step cuda (30000, backward) vs autograd``."""
+    base, _, params = test_name.partition("[")
+    words = base.removeprefix("test_").replace("_", " ")
+    if params:
+        words += " (" + params.rstrip("]").replace("-", ", ") + ")"
+    baseline = key.removeprefix("speedup_").replace("vs_", "vs ").replace("_", " ")
+    return f"{words} {baseline}".strip()
+
+
 def _ratio_items(info: dict[str, Any]) -> list[tuple[str, float]]:
     keys = ("speedup", "ratio", "fraction", "GBps")
     return [(k, float(v)) for k, v in info.items()
@@ -259,7 +270,7 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
         ratios = ", ".join(f"{k}={v:.3g}" for k, v in items)
         parts.append(f"| {r['suite']} | `{r['name']}` | {med:.4g} s | {info.get('device', '')} | {ratios} |"
                      if med is not None else f"| {r['suite']} | `{r['name']}` | n/a | | {ratios} |")
-        bars += [(f"{r['name']} {k}", v) for k, v in items if "speedup" in k and v > 0]
+        bars += [(bar_label(r["name"], k), v) for k, v in items if "speedup" in k and v > 0]
     parts.append("\n## Suites\n\n| suite | status | tests | seconds |\n|---|---|---|---|")
     parts += [f"| {s['name']} | {s['status']}{'; ' + s['note'] if s.get('note') else ''} | "
               f"{', '.join(f'{v} {k}' for k, v in s['counts'].items())} | {s['seconds']} |" for s in suites]
@@ -274,10 +285,10 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
             ax.barh([b[0] for b in bars], [b[1] for b in bars])
             ax.axvline(1.0, color="k", lw=0.8)
             ax.set_xscale("log")
-            ax.set_xlabel("speedup over the baseline timed in the same run (log)")
+            ax.set_xlabel("speedup over the baseline timed in the same run (log scale; > 1: spscan faster)")
             ax.set_title(str(env_info.get("device")))
             fig.tight_layout()
-            fig.savefig(out / "gpu_ratios.png", dpi=110)
+            fig.savefig(out / "gpu_ratios.png", dpi=110, bbox_inches="tight")  # long labels: keep every axis label
             plt.close(fig)
             pngs.append(out / "gpu_ratios.png")
         except Exception as exc:  # a plotting problem must not lose the numbers
