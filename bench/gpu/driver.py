@@ -177,6 +177,25 @@ def bar_label(test_name: str, key: str) -> str:
     return f"{words} {baseline}".strip()
 
 
+def ratio_figure(bars: list[tuple[str, float]], device: str, path: Path) -> Path:
+    """One horizontal bar per (label, speedup), log scale, a line at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(bars) + 1.5))
+    ax.barh([b[0] for b in bars], [b[1] for b in bars])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("speedup over the baseline timed in the same run (log scale; > 1: spscan faster)")
+    ax.set_title(device)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # long labels: keep every axis label
+    plt.close(fig)
+    return path
+
+
 def _ratio_items(info: dict[str, Any]) -> list[tuple[str, float]]:
     keys = ("speedup", "ratio", "fraction", "GBps")
     return [(k, float(v)) for k, v in info.items()
@@ -276,21 +295,7 @@ def write_outputs(out: Path, work: Path, env_info: dict, tests: Optional[dict], 
               f"{', '.join(f'{v} {k}' for k, v in s['counts'].items())} | {s['seconds']} |" for s in suites]
     if bars:
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, ax = plt.subplots(figsize=(9, 0.3 * len(bars) + 1.5))
-            ax.barh([b[0] for b in bars], [b[1] for b in bars])
-            ax.axvline(1.0, color="k", lw=0.8)
-            ax.set_xscale("log")
-            ax.set_xlabel("speedup over the baseline timed in the same run (log scale; > 1: spscan faster)")
-            ax.set_title(str(env_info.get("device")))
-            fig.tight_layout()
-            fig.savefig(out / "gpu_ratios.png", dpi=110, bbox_inches="tight")  # long labels: keep every axis label
-            plt.close(fig)
-            pngs.append(out / "gpu_ratios.png")
+            pngs.append(ratio_figure(bars, str(env_info.get("device")), out / "gpu_ratios.png"))
         except Exception as exc:  # a plotting problem must not lose the numbers
             parts.append(f"\n_ratio figure not drawn: {type(exc).__name__}: {exc}_")
     paper = ""
