@@ -2,7 +2,8 @@
 functional ops and any DAG of supported nodes, planned for scan backprop.
 
 ``plan_graph(model, example_input)`` traces ``model`` with ``torch.fx`` and maps every node to a
-layer unit through one registry (:data:`NODE_UNITS`: module types and functions/methods alike;
+layer unit through one registry (:data:`spscan.layers.registry.NODE_UNITS`: module types and
+functions/methods alike;
 basic-indexing slices ``x[:, :, ::2, ::2]`` and zero padding of any dims, ``F.pad(x, (0, 0, 0, 0,
 p, p))``, are selection units, so He et al.'s option-A shortcut in a ``LambdaLayer`` plans).
 
@@ -51,18 +52,19 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from spscan.kernels.backend import StructuredOperator
-from spscan.layers import LayerUnit, ReshapeUnit, make_unit, supported_layer_types
 from spscan.autograd import apply as autograd_apply, refuse_functorch
+from spscan.layers import LayerUnit, UnitOperator, make_unit, supported_layer_types, unit_capabilities
+from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, supported_node_targets
+from spscan.layers.shape import PerSampleReshapeUnit, SelectionUnit, _Selection  # noqa: F401 (importable here)
 from spscan.model import (ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads,
                           levels_for_coupled_layers, plan_chain)
 from spscan.plan import build_composite, build_plan
@@ -73,246 +75,12 @@ __all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSps
            "SelectionUnit", "LIVE_STATE_LIMIT"]
 
 
-# ----------------------------------------------------------------------------- the node registry
-
-
-class _PerSampleReshape(nn.Module):
-    """``view``/``reshape``/``flatten`` that keeps the batch dim: ``(B, *a) -> (B, *shape)``."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.shape = tuple(shape)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape((x.shape[0],) + self.shape)
-
-
-class PerSampleReshapeUnit(ReshapeUnit):
-    """A traced ``view``/``reshape``/``flatten``/``contiguous`` keeping the batch dim: ``J^T = I``."""
-
-
-class _Selection(nn.Module):
-    """A traced basic-indexing slice ``x[key]`` or a constant zero ``F.pad(x, pad)`` (any dims, channels too)."""
-
-    def __init__(self, kind: str, arg: Any) -> None:
-        super().__init__()
-        self.kind, self.arg = kind, arg
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.arg] if self.kind == "slice" else F.pad(x, self.arg)
-
-    def extra_repr(self) -> str:
-        return f"{self.kind}, {self.arg!r}"
-
-
-class SelectionUnit(LayerUnit):
-    """A per-sample selection: every output entry is one input entry or a zero, each input entry
-    read at most once. ``x[:, :, ::2, ::2]`` (a strided slice: ``J^T`` scatters the gradient into
-    zeros) and ``F.pad(x, (0, 0, 0, 0, p, p))`` (zero padding, here of channels: ``J^T`` crops), the
-    two halves of He et al.'s option-A shortcut. ``J^T`` is a 0/1 matrix with at most one entry per
-    row and column (shared by the batch); its operator is the scatter or the crop itself."""
-
-    shared = True
-
-    def __init__(self, index: int, module: _Selection, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
-        super().__init__(index, module, in_shape, out_shape)
-        d_in = self.d_in
-        with torch.no_grad():
-            if module.kind == "slice":
-                probe = torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + self.in_shape)[module.arg]
-                if probe.dim() < 1 or probe.shape[0] != 2 or not bool((probe[1] - probe[0] == d_in).all()):
-                    raise ValueError(f"index {module.arg!r}: the batch dim must be kept whole (first index ':')")
-                src = probe[0].reshape(-1)
-            else:
-                src = F.pad(torch.arange(d_in, dtype=torch.int64).reshape((1,) + self.in_shape), module.arg,
-                            value=-1).reshape(-1)
-        src = src.numpy()
-        if src.size != self.d_out:
-            raise ValueError(f"{module.kind}: {src.size} selected entries for an output of {self.d_out}")
-        cols = np.flatnonzero(src >= 0)
-        rows = src[cols]
-        order = np.argsort(rows, kind="stable")
-        rows, cols = rows[order], cols[order]
-        if rows.size > 1 and not bool((rows[1:] != rows[:-1]).all()):
-            raise ValueError(f"{module.kind}: an input entry is read twice (not a selection)")
-        indptr = np.zeros(d_in + 1, dtype=np.int64)
-        np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
-        self.pattern = sp.csr_array((np.ones(rows.size), cols.astype(np.int64), indptr), shape=(d_in, self.d_out))
-        self._ones: dict[tuple, torch.Tensor] = {}
-
-    @property
-    def name(self) -> str:
-        return "getitem" if self.module.kind == "slice" else "pad"
-
-    def run(self, x, tensors):
-        return self.module(x), (x.dtype, x.device)
-
-    def fill(self, saved, tensors):
-        key = saved
-        if key not in self._ones:
-            self._ones[key] = torch.ones(self.nnz, dtype=key[0], device=key[1])
-        return self._ones[key]
-
-    def apply_transposed(self, saved, tensors, g):
-        b = g.shape[0]
-        gy = g.reshape((b,) + self.out_shape)
-        if self.module.kind == "pad":
-            return F.pad(gy, tuple(-p for p in self.module.arg)).reshape(b, self.d_in)
-        gi = gy.new_zeros((b,) + self.in_shape)
-        gi[self.module.arg] = gy
-        return gi.reshape(b, self.d_in)
-
-
-def _arg(args: Sequence[Any], kwargs: dict, i: int, name: str, default: Any) -> Any:
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
-
-
-def _module_builder(mod_from_args: Callable[[Sequence[Any], dict], nn.Module]):
-    def build(index, args, kwargs, in_shape, out_shape, prune_zeros):
-        return make_unit(index, mod_from_args(args, kwargs), in_shape, out_shape, prune_zeros=prune_zeros)
-    return build
-
-
-def _reshape_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
-    return PerSampleReshapeUnit(index, _PerSampleReshape(out_shape), in_shape, out_shape)
-
-
-def _act(cls: type, *params: tuple[str, Any]):
-    """A functional activation ``f(x, p1, p2, ...)`` as the module ``cls(p1, p2, ...)``."""
-    def make(args, kwargs):
-        vals = [_arg(args, kwargs, 1 + i, n, d) for i, (n, d) in enumerate(params)]
-        if kwargs.get("inplace"):
-            pass  # the plan runs its own forward out of place; the values are the same
-        return cls(*vals)
-    return _module_builder(make)
-
-
-def _softmax(cls: type):
-    def make(args, kwargs):
-        if _arg(args, kwargs, 2, "_stacklevel", 3) not in (3,) or kwargs.get("dtype") is not None:
-            raise ValueError("a dtype argument is not supported")
-        return cls(dim=_arg(args, kwargs, 1, "dim", None))
-    return _module_builder(make)
-
-
-def _pool(cls: type, names: Sequence[tuple[str, Any]]):
-    def make(args, kwargs):
-        return cls(*[_arg(args, kwargs, 1 + i, n, d) for i, (n, d) in enumerate(names)])
-    return _module_builder(make)
-
-
-def _pad_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
-    """``F.pad`` with zeros: ``nn.ZeroPad1d/2d``'s unit for the last dims of a ``(B, C, L)`` / ``(B, C, H, W)``
-    input, else (e.g. channel padding, as in the option-A shortcut) a :class:`SelectionUnit`."""
-    pad = tuple(int(p) for p in _arg(args, kwargs, 1, "pad", None))
-    mode = _arg(args, kwargs, 2, "mode", "constant")
-    value = _arg(args, kwargs, 3, "value", None)
-    if mode != "constant" or value not in (None, 0, 0.0):
-        raise ValueError(f"F.pad: zero padding (mode='constant', value=0) expected, got mode={mode!r}, value={value!r}")
-    nd = len(in_shape) + 1
-    if len(pad) % 2 or not 2 <= len(pad) <= 2 * len(in_shape):
-        raise ValueError(f"F.pad: an even number of padding values for at most the {len(in_shape)} per-sample dims "
-                         f"expected, got {len(pad)}")
-    if len(pad) == 2 and nd == 3:
-        return make_unit(index, nn.ZeroPad1d(pad), in_shape, out_shape, prune_zeros=prune_zeros)
-    if len(pad) == 4 and nd == 4:
-        return make_unit(index, nn.ZeroPad2d(pad), in_shape, out_shape, prune_zeros=prune_zeros)
-    return SelectionUnit(index, _Selection("pad", pad), in_shape, out_shape)
-
-
-def _slice_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
-    """``x[key]`` with basic indexing (slices with any step, integers, ``...``, ``None``), batch dim kept whole."""
-    key = args[1] if len(args) > 1 else None
-    items = key if isinstance(key, tuple) else (key,)
-    if kwargs or not all(k is None or k is Ellipsis or isinstance(k, (slice, int)) and not isinstance(k, bool)
-                         for k in items):
-        raise TypeError(f"indexing with {key!r}: only basic indexing (slices, integers, '...', None) is supported, "
-                        "not tensors, lists or masks")
-    for k in items:
-        if isinstance(k, slice) and not all(v is None or isinstance(v, int) for v in (k.start, k.stop, k.step)):
-            raise TypeError(f"indexing with {key!r}: slice bounds must be Python integers")
-    return SelectionUnit(index, _Selection("slice", key), in_shape, out_shape)
-
-
-def _interpolate(args, kwargs) -> nn.Module:
-    return nn.Upsample(size=_arg(args, kwargs, 1, "size", None), scale_factor=_arg(args, kwargs, 2, "scale_factor", None),
-                       mode=_arg(args, kwargs, 3, "mode", "nearest"),
-                       align_corners=_arg(args, kwargs, 4, "align_corners", None),
-                       recompute_scale_factor=_arg(args, kwargs, 5, "recompute_scale_factor", None))
-
-
-_ADD = "add"
-_CAT = "cat"
-
-#: One registry from node target to what the node is. Keys: an ``nn.Module`` type (call_module),
-#: a function (call_function), or ``("method", name)`` (call_method). Values: a builder
-#: ``(index, args, kwargs, in_shape, out_shape, prune_zeros) -> LayerUnit`` (for modules the
-#: module itself is the first argument instead), or ``"add"`` / ``"cat"`` for joins.
-NODE_UNITS: dict[Any, Any] = {}
-
-for _t in supported_layer_types():
-    NODE_UNITS[_t] = "module"
-
-for _keys, _builder in [
-    ((F.relu, torch.relu, ("method", "relu")), _act(nn.ReLU)),
-    ((F.relu6,), _act(nn.ReLU6)),
-    ((F.leaky_relu,), _act(nn.LeakyReLU, ("negative_slope", 0.01))),
-    ((torch.tanh, F.tanh, ("method", "tanh")), _act(nn.Tanh)),
-    ((torch.sigmoid, F.sigmoid, ("method", "sigmoid")), _act(nn.Sigmoid)),
-    ((F.gelu,), _module_builder(lambda a, k: nn.GELU(approximate=k.get("approximate", "none")))),
-    ((F.silu,), _act(nn.SiLU)),
-    ((F.elu,), _act(nn.ELU, ("alpha", 1.0))),
-    ((F.selu, torch.selu), _act(nn.SELU)),
-    ((F.celu,), _act(nn.CELU, ("alpha", 1.0))),
-    ((F.softplus,), _act(nn.Softplus, ("beta", 1.0), ("threshold", 20.0))),
-    ((F.hardtanh,), _act(nn.Hardtanh, ("min_val", -1.0), ("max_val", 1.0))),
-    ((F.hardswish,), _act(nn.Hardswish)),
-    ((F.hardsigmoid,), _act(nn.Hardsigmoid)),
-    ((F.mish,), _act(nn.Mish)),
-    ((F.softsign,), _act(nn.Softsign)),
-    ((F.softmax, torch.softmax, ("method", "softmax")), _softmax(nn.Softmax)),
-    ((F.log_softmax, torch.log_softmax, ("method", "log_softmax")), _softmax(nn.LogSoftmax)),
-    ((F.max_pool2d,), _pool(nn.MaxPool2d, [("kernel_size", None), ("stride", None), ("padding", 0),
-                                           ("dilation", 1), ("ceil_mode", False)])),
-    ((F.max_pool1d,), _pool(nn.MaxPool1d, [("kernel_size", None), ("stride", None), ("padding", 0),
-                                           ("dilation", 1), ("ceil_mode", False)])),
-    ((F.avg_pool2d,), _pool(nn.AvgPool2d, [("kernel_size", None), ("stride", None), ("padding", 0),
-                                           ("ceil_mode", False), ("count_include_pad", True),
-                                           ("divisor_override", None)])),
-    ((F.avg_pool1d,), _pool(nn.AvgPool1d, [("kernel_size", None), ("stride", None), ("padding", 0),
-                                           ("ceil_mode", False), ("count_include_pad", True)])),
-    ((F.adaptive_avg_pool2d,), _pool(nn.AdaptiveAvgPool2d, [("output_size", None)])),
-    ((F.adaptive_avg_pool1d,), _pool(nn.AdaptiveAvgPool1d, [("output_size", None)])),
-    ((F.pad,), _pad_builder),
-    ((operator.getitem,), _slice_builder),
-    ((F.interpolate,), _module_builder(_interpolate)),
-    ((torch.flatten, torch.reshape, ("method", "flatten"), ("method", "view"), ("method", "reshape"),
-      ("method", "contiguous"), ("method", "unflatten"), torch.unflatten), _reshape_builder),
-    ((operator.add, operator.iadd, torch.add, ("method", "add")), _ADD),
-    ((torch.cat, torch.concat, torch.concatenate), _CAT),
-]:
-    for _k in _keys:
-        NODE_UNITS[_k] = _builder
+# ----------------------------------------------------------------------------- node targets
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
 _SHAPE_QUERIES = _TENSOR_QUERIES | {operator.getitem, operator.mul, operator.floordiv, operator.add,
                                     operator.sub}
-
-
-def supported_node_targets() -> list[str]:
-    """Readable names of every supported node target (module types, functions, methods)."""
-    out = []
-    for k in NODE_UNITS:
-        if isinstance(k, type):
-            out.append(k.__name__)
-        elif isinstance(k, tuple):
-            out.append(f"Tensor.{k[1]}")
-        else:
-            out.append(f"{getattr(k, '__module__', '') or ''}.{getattr(k, '__name__', repr(k))}".lstrip("."))
-    return out
 
 
 def _node_key(node: fx.Node, root: nn.Module) -> Any:
@@ -363,8 +131,7 @@ class _Leaf:
         self.d_in, self.d_out = unit.d_in, unit.d_out
         # units without a matrix-free operator apply their CSR values through a one-layer plan on the
         # engine: its planned segment sums are deterministic on every device (no index_add_ atomics)
-        self.spmv_plan = None if getattr(unit, "has_operator", False) else build_plan([unit.pattern], levels=0,
-                                                                                       bind=None)
+        self.spmv_plan = None if unit.has_operator else build_plan([unit.pattern], levels=0, bind=None)
 
     @property
     def shared(self) -> bool:
@@ -379,7 +146,7 @@ class _Leaf:
     def operator(self, saved, T, needed: Optional[Sequence[bool]] = None) -> StructuredOperator:
         """``needed``: the roles whose parameter gradients the unit's operator may compute while it is
         applied (depth 0, where it is applied once, to this unit's output gradient)."""
-        if getattr(self.unit, "has_operator", False):
+        if self.unit.has_operator:
             return self.unit.operator(saved, T[self.k], needed)
         return _FilledOperator(self, self.unit.fill(saved, T[self.k]))
 
@@ -389,6 +156,14 @@ class _Leaf:
 
     def describe(self) -> str:
         return self.unit.name
+
+
+def _grads_while_applied(op: Optional[StructuredOperator]) -> Optional[list]:
+    """The parameter gradients a unit's operator computed while it was applied exactly once, else ``None``
+    (an operator filled from CSR values never computes any)."""
+    if isinstance(op, UnitOperator) and op.applied == 1:
+        return op.param_grads
+    return None
 
 
 class _FilledOperator(StructuredOperator):
@@ -441,7 +216,7 @@ class _BlockOperator(StructuredOperator):
             for s, op in zip(br, ops):
                 if isinstance(op, _BlockOperator):
                     op.collect_param_grads(done)
-                elif getattr(op, "applied", 0) == 1 and getattr(op, "param_grads", None) is not None:
+                elif _grads_while_applied(op) is not None:
                     done[s.k] = op.param_grads
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
@@ -842,7 +617,7 @@ class _Traced:
             self.tin[node] = [node.args[0], node.args[1]]
         else:
             seq = node.args[0] if node.args else node.kwargs.get("tensors")
-            dim = _arg(node.args, node.kwargs, 1, "dim", 0)
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             if not isinstance(seq, (list, tuple)) or not all(isinstance(a, fx.Node) for a in seq):
                 raise _refuse(node, "a concatenation of graph tensors expected")
             nd = env[seq[0]].dim()
@@ -858,13 +633,12 @@ class _Traced:
         src = tensor_inputs[0]
         xin = env[src]
         k = len(self.units)
-        if builder == "module":
+        if node.op == "call_module":
             m = self.model.get_submodule(node.target)
             check_hooks(k, node.target, m)
             if len(node.args) != 1 or node.kwargs:
                 raise _refuse(node, "a module called with extra arguments is not supported")
-            shape_preserving = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.BatchNorm1d, nn.BatchNorm2d)
-            if isinstance(m, shape_preserving):
+            if unit_capabilities(m).shape_preserving:
                 y = xin  # no call: dropout would draw random numbers, train-mode BN would update its statistics
             else:
                 try:
@@ -1106,7 +880,7 @@ class GraphPlan(ModelPlan):
                 continue
             leaf = self._leaf_of(s)
             op = v._op if isinstance(v, _LiveOperator) else v
-            if leaf is not None and getattr(op, "applied", 0) == 1 and getattr(op, "param_grads", None) is not None:
+            if leaf is not None and _grads_while_applied(op) is not None:
                 done[leaf.k] = op.param_grads
         return done
 
@@ -1223,7 +997,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         raise ValueError(f"{type(model).__name__}: norm_form={norm_form!r}: a model with skips or concatenations "
                          "plans its blocks' composites with dense normalization blocks (the factored form is for "
                          "chains); use norm_form='auto' or 'dense'")
-    coupled = [(u, name) for u, name in zip(traced.units, traced.names) if not getattr(u, "has_csr_values", True)]
+    coupled = [(u, name) for u, name in zip(traced.units, traced.names) if not u.has_csr_values]
     if coupled:
         # train-mode BatchNorm: its J^T couples the batch and exists only as an operator, so every block
         # runs matrix-free and the block-level scan stays linear (no composite values are ever formed)

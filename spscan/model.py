@@ -27,8 +27,7 @@ import torch.nn as nn
 from spscan.autograd import apply as autograd_apply, keep_graph, refuse_functorch
 from spscan.engine import check_inputs
 from spscan.kernels.backend import StructuredOperator
-from spscan.layers import (AvgPoolUnit, ConvUnit, ElementwiseUnit, LayerUnit, LinearUnit, LowRankFactors, MaxPoolUnit,
-                           ReshapeUnit, UnitOperator, make_unit, supported_layer_types)
+from spscan.layers import LayerUnit, UnitOperator, make_unit, supported_layer_types, unit_capabilities
 from spscan.plan import build_plan
 
 __all__ = ["ModelPlan", "Jacobians", "plan_model", "plan_chain", "param_grads", "wrap", "SpscanModule"]
@@ -141,9 +140,6 @@ class Jacobians(Sequence[torch.Tensor]):
 
 # ----------------------------------------------------------------------------- the plan
 
-# unit types whose sharedness and operator flag never change after planning (no mode-dependent state)
-_STATIC_UNITS = frozenset({ConvUnit, LinearUnit, ElementwiseUnit, ReshapeUnit, MaxPoolUnit, AvgPoolUnit})
-
 
 class ModelPlan:
     """A plan for an ``nn.Sequential`` chain: the layer units, their patterns and the core scan plan.
@@ -189,9 +185,9 @@ class ModelPlan:
         # per-step bookkeeping decided once (see _flat_tensors, _check_layers, _step_backward)
         self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
-        self._static_units = [type(u) in _STATIC_UNITS for u in units]
         self._role_names = [(u, u.roles, tuple(r + "_orig" for r in u.roles)) for u in units if u.roles]
-        self._dynamic_units = [u for u, static in zip(units, self._static_units) if not static]
+        # units whose sharedness and operator flag follow the module's mode (dropout, batch-norm)
+        self._dynamic_units = [u for u in units if u.capabilities.mode_dependent]
         # the effective tensors' slice of the autograd function's inputs, per layer
         ends = [0]
         for u in units:
@@ -504,7 +500,7 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: An
     """
     if norm_form not in NORM_FORMS:
         raise ValueError(f"norm_form: expected one of {NORM_FORMS}, got {norm_form!r}")
-    can = [isinstance(u, LowRankFactors) and u.has_csr_values for u in units]
+    can = [u.capabilities.low_rank_factors and u.has_csr_values for u in units]
     dense = [False] * len(units)
 
     def core_of(flags: Sequence[bool], **over: Any):
@@ -578,13 +574,10 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     x = example_input.detach()[:1]
     in_shape0 = tuple(x.shape[1:])
     units: list[LayerUnit] = []
-    shape_preserving = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU,
-                        nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus, nn.Hardtanh,
-                        nn.Identity)
     with torch.no_grad():
         for k, (name, m) in enumerate(chain):
             in_shape = tuple(x.shape[1:])
-            if isinstance(m, shape_preserving):
+            if unit_capabilities(m).shape_preserving:
                 y = x  # no call: dropout would draw random numbers, train-mode BN would update stats
             else:
                 try:
@@ -609,14 +602,14 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 
 def _unit_param_grads(plan: ModelPlan, jac: Jacobians, grads: Sequence[torch.Tensor],
                       needed: list[list[bool]]) -> list[list[Optional[torch.Tensor]]]:
-    """dl/dθ for every unit's roles w.r.t. the effective tensors; same-shaped Linear layers share one bmm."""
+    """dl/dθ for every unit's roles w.r.t. the effective tensors; weight gradients the units declare
+    batchable (:meth:`~spscan.layers.LayerUnit.batched_weight_grad_key`: same-shaped Linear layers) share one bmm."""
     out: list[list[Optional[torch.Tensor]]] = [[None] * len(u.roles) for u in plan.units]
     groups: dict[tuple, list[int]] = {}
     for k, u in enumerate(plan.units):
-        if (isinstance(u, LinearUnit) and len(u.in_shape) == 1 and u.roles and u.roles[0] == "weight"
-                and needed[k][0]):
-            groups.setdefault((tuple(u.module.weight.shape) if not hasattr(u.module, "weight_orig")
-                               else tuple(u.module.weight_orig.shape)), []).append(k)
+        key = u.batched_weight_grad_key() if u.roles and needed[k][0] else None
+        if key is not None:
+            groups.setdefault(key, []).append(k)
     batched: set[int] = set()
     for ks in groups.values():
         if len(ks) < 2:
@@ -703,11 +696,11 @@ class _FusedOperator(UnitOperator):
 
     def apply_into(self, g: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         unit = self.unit
-        if self.needed is None or hasattr(unit, "apply_transposed_and_param_grads"):
+        if self.needed is None or unit.capabilities.fused_param_grads:
             gi = super().apply_into(g, out)
         else:
             self.applied += 1
-            if out is not None and hasattr(unit, "apply_transposed_into"):
+            if out is not None:
                 gi = unit.apply_transposed_into(self.saved, self.tensors, g, out)
             else:
                 gi = unit.apply_transposed(self.saved, self.tensors, g)
@@ -800,11 +793,11 @@ class _StepBackward:
         self.chain: Optional[list[tuple[int, Any]]] = None
         if chain is not None and fuse:
             applied = set(chain)
-            # a ReLU right below a 2-d max-pool with disjoint windows: the pool's step applies the ReLU's
-            # mask at the pooled resolution and the ReLU's step passes g on (dl/dx between them not kept)
+            # a layer whose step applies the ReLU mask of the layer right below (a 2-d max-pool with disjoint
+            # windows, at the pooled resolution): the ReLU's step passes g on (dl/dx between them not kept)
             relu_pool = {k for k in applied
-                         if k - 1 in applied and isinstance(units[k], MaxPoolUnit) and units[k].has_chain_step
-                         and isinstance(units[k - 1], ElementwiseUnit) and units[k - 1].is_relu and not self.keep[k]}
+                         if k - 1 in applied and units[k].capabilities.fuses_relu_below
+                         and units[k - 1].capabilities.relu_mask and not self.keep[k]}
             masked = {k - 1 for k in relu_pool}
             self.chain = []
             for k in chain:

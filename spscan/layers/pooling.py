@@ -1,0 +1,207 @@
+"""Channel-wise window pooling: ``nn.MaxPool1d/2d`` and ``nn.AvgPool1d/2d``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import has_torch_function_unary
+
+from spscan.kernels import cpu_pool
+from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _flat_index, _IndexCache, _tuple, coo_to_csr
+
+__all__ = ["MaxPoolUnit", "AvgPoolUnit"]
+
+
+def _window_entries(c: int, s_in: Sequence[int], s_out: Sequence[int], k, s, p, d):
+    """Every in-bounds window candidate of a channel-wise pool, as flat (input, output, plane
+    position) index arrays in (c, o..., k...) order."""
+    nd = len(s_in)
+    nax = 1 + 2 * nd
+    def ax(n: int, pos: int) -> np.ndarray:
+        shape = [1] * nax
+        shape[pos] = n
+        return np.arange(n, dtype=np.int64).reshape(shape)
+    ch = ax(c, 0)
+    o = [ax(s_out[t], 1 + t) for t in range(nd)]
+    kk = [ax(k[t], 1 + nd + t) for t in range(nd)]
+    i = [o[t] * s[t] - p[t] + kk[t] * d[t] for t in range(nd)]
+    full = np.broadcast(ch, *o, *kk).shape
+    valid = np.ones(full, dtype=bool)
+    for t in range(nd):
+        valid &= (i[t] >= 0) & (i[t] < s_in[t])
+    plane = np.broadcast_to(_flat_index(i, s_in), full)
+    rows = np.broadcast_to(_flat_index([ch, *i], [c, *s_in]), full)[valid]
+    cols = np.broadcast_to(_flat_index([ch, *o], [c, *s_out]), full)[valid]
+    return rows, cols, plane[valid], valid, full
+
+
+def _check_pool_input(unit: LayerUnit, index: int, in_shape: tuple[int, ...]) -> int:
+    """The number of spatial dims of a 1-d or 2-d pool, after checking the input has them."""
+    nd = 1 if isinstance(unit.module, (nn.MaxPool1d, nn.AvgPool1d)) else 2
+    if len(in_shape) != nd + 1:
+        raise ValueError(f"layer {index} ({unit.name}): expected per-sample input of {nd + 1} dims "
+                         f"(C, spatial), got {tuple(in_shape)}")
+    return nd
+
+
+class MaxPoolUnit(LayerUnit):
+    """``nn.MaxPool1d`` / ``nn.MaxPool2d`` (any kernel, stride, padding, dilation, ceil_mode).
+
+    The pattern holds every in-bounds candidate of every window; the value is 1 exactly at the
+    index ``max_pool(..., return_indices=True)`` reports for that output (ties: torch's pick).
+    The structured operator (a scatter) exists where the windows never overlap."""
+
+    shared = False
+    capabilities = UnitCapabilities(structured_operator=True, fuses_relu_below=True)
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if module.return_indices:
+            raise ValueError(f"layer {index} ({self.name}): return_indices=False expected (a chain passes one "
+                             "tensor on), got return_indices=True")
+        nd = self.nd = _check_pool_input(self, index, in_shape)
+        k = _tuple(module.kernel_size, nd)
+        s = _tuple(module.stride if module.stride is not None else module.kernel_size, nd)
+        p = _tuple(module.padding, nd)
+        d = _tuple(module.dilation, nd)
+        rows, cols, plane, _, _ = _window_entries(in_shape[0], in_shape[1:], out_shape[1:], k, s, p, d)
+        empty = np.flatnonzero(np.bincount(cols, minlength=self.d_out) == 0)
+        if empty.size:
+            # torch returns -inf and an out-of-range argmax there: no well-defined Jacobian to plan
+            raise ValueError(f"layer {index} ({self.name}): output element {int(empty[0])} pools a window that "
+                             f"lies entirely in the padding (input {tuple(in_shape)}, kernel {k}, stride {s}, "
+                             f"padding {p}, dilation {d}); expected every window to hold an input element")
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.entry_out = _IndexCache(cols[order])
+        self.entry_plane = _IndexCache(plane[order])
+        # windows that never overlap: every input takes at most one gradient, so the scatter below is
+        # deterministic on every device (overlapping windows keep the CSR values and their fixed-order sums)
+        self.disjoint_windows = all(ss >= (kk - 1) * dd + 1 for ss, kk, dd in zip(s, k, d))
+        self.capabilities = replace(self.capabilities, structured_operator=self.disjoint_windows,
+                                    fuses_relu_below=self.has_chain_step)
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.apply_transposed_into(saved, tensors, g, g.new_empty(g.shape[0], self.d_in))
+
+    def apply_transposed_into(self, saved, tensors, g, out):
+        idx = saved[0]
+        b, c = idx.shape[0], idx.shape[1]
+        dst = out.view(b, c, self.d_in // c)
+        dst.zero_()
+        dst.scatter_(2, idx.reshape(b, c, -1), g.reshape(b, c, -1))
+        return out
+
+    def run(self, x, tensors):
+        m = self.module
+        if self.nd == 2 and not has_torch_function_unary(x):  # F.max_pool2d(..., return_indices=True)'s call
+            # on a CPU, the compiled kernel gives ATen's (output, indices) bit for bit
+            got = cpu_pool.max_pool2d_with_indices(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            y, idx = got if got is not None else torch._C._nn.max_pool2d_with_indices(
+                x, m.kernel_size, m.stride if m.stride is not None else [], m.padding, m.dilation, m.ceil_mode)
+        else:
+            fn = F.max_pool1d if self.nd == 1 else F.max_pool2d
+            y, idx = fn(x, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
+        # the input, as autograd keeps it (its pooling backward reads the shape), and the output (held
+        # by the next layer anyway) for a ReLU mask applied at the pooled resolution (chain_step)
+        return y, (idx, x, y)
+
+    @property
+    def has_chain_step(self) -> bool:
+        """Whether :meth:`chain_step` is the single ATen pooling backward (2-d, disjoint windows)."""
+        return self.nd == 2 and self.disjoint_windows
+
+    def chain_step(self, needed=None, relu_below: bool = False):
+        """``relu_below``: the layer below is a ReLU whose mask this step applies, at the pooled
+        resolution: with disjoint windows each input takes the gradient of at most one output, that
+        of its window's argmax, whose ReLU output is the pooled value; so masking ``g`` where the
+        pooled output is ``<= 0`` before the scatter gives exactly ``threshold_backward(scatter(g), x, 0)``
+        with a quarter (a window's share) of the elementwise work. The ReLU's own step is then the
+        identity (:meth:`ElementwiseUnit.chain_step` with ``masked_above``)."""
+        if not self.has_chain_step:
+            if relu_below:
+                raise ValueError(f"layer {self.index} ({self.name}): relu_below needs a 2-d pool with disjoint "
+                                 f"windows, got {self.nd}-d, disjoint={self.disjoint_windows}")
+            return super().chain_step(needed)
+        m = self.module
+        args = (list(_tuple(m.kernel_size, 2)), list(_tuple(m.stride if m.stride is not None else m.kernel_size, 2)),
+                list(_tuple(m.padding, 2)), list(_tuple(m.dilation, 2)), bool(m.ceil_mode))
+        pool_backward = torch.ops.aten.max_pool2d_with_indices_backward
+        threshold_backward = torch.ops.aten.threshold_backward
+
+        if relu_below:
+            def step(saved, tensors, g):
+                idx, x, y = saved
+                if g.dim() != 4:
+                    g = g.reshape(idx.shape)
+                return pool_backward(threshold_backward(g, y, 0), x, *args, idx), None
+            return step
+
+        def step(saved, tensors, g):  # autograd's pooling backward (disjoint windows: one write per input)
+            idx, x = saved[0], saved[1]
+            if g.dim() != 4:
+                g = g.reshape(idx.shape)
+            return pool_backward(g, x, *args, idx), None
+
+        return step
+
+    def fill(self, saved, tensors):
+        idx, x = saved[0], saved[1]
+        dtype = x.dtype
+        idx = idx.reshape(idx.shape[0], -1)
+        picked = torch.index_select(idx, 1, self.entry_out.on(idx.device))
+        return (picked == self.entry_plane.on(idx.device)).to(dtype)
+
+
+def _avg_divisors(s_in: Sequence[int], s_out: Sequence[int], k, s, p, count_include_pad: bool,
+                  divisor_override) -> np.ndarray:
+    """The divisor of every output position ``(*s_out)``, as torch's avg_pool kernels compute it."""
+    nd = len(s_out)
+    size_pad = np.ones(s_out, dtype=np.int64)
+    size_in = np.ones(s_out, dtype=np.int64)
+    for t in range(nd):
+        o = np.arange(s_out[t], dtype=np.int64)
+        start = o * s[t] - p[t]
+        end = np.minimum(start + k[t], s_in[t] + p[t])
+        span_pad = end - start
+        span_in = np.minimum(end, s_in[t]) - np.maximum(start, 0)
+        shape = [1] * nd
+        shape[t] = s_out[t]
+        size_pad = size_pad * span_pad.reshape(shape)
+        size_in = size_in * span_in.reshape(shape)
+    if divisor_override:
+        return np.full(s_out, float(divisor_override))
+    return (size_pad if count_include_pad else size_in).astype(np.float64)
+
+
+class AvgPoolUnit(LayerUnit):
+    """``nn.AvgPool1d`` / ``nn.AvgPool2d`` (count_include_pad, ceil_mode, divisor_override):
+    ``J^T[in, out] = 1/divisor(out)`` over the in-bounds window candidates; values are shared."""
+
+    shared = True
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = self.nd = _check_pool_input(self, index, in_shape)
+        k = _tuple(module.kernel_size, nd)
+        s = _tuple(module.stride if module.stride is not None else module.kernel_size, nd)
+        p = _tuple(module.padding, nd)
+        s_in, s_out = in_shape[1:], out_shape[1:]
+        rows, cols, _, valid, full = _window_entries(in_shape[0], s_in, s_out, k, s, p, (1,) * nd)
+        div = _avg_divisors(s_in, s_out, k, s, p, module.count_include_pad, getattr(module, "divisor_override", None))
+        div_full = np.broadcast_to(div.reshape((1,) + tuple(s_out) + (1,) * nd), full)[valid]
+        self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
+        self.entry_divisor = div_full[order]
+        # 1/divisor computed in float64 then rounded once: what the backward kernel yields for grad 1
+        self._values = _ConstantValues(
+            lambda dtype, device: torch.from_numpy(1.0 / self.entry_divisor).to(device=device, dtype=dtype))
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        return self._values.get(*saved)

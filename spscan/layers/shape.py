@@ -1,0 +1,153 @@
+"""Layers that move entries without changing them: reshapes (``J^T = I``) and per-sample
+selections (slices and zero padding: a 0/1 ``J^T`` with at most one entry per row and column)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern
+
+__all__ = ["ReshapeUnit", "UnflattenUnit", "PerSampleReshapeUnit", "SelectionUnit"]
+
+
+class ReshapeUnit(LayerUnit):
+    """``nn.Flatten`` / ``nn.Identity``: the flattened activation is unchanged, ``J^T = I`` (shared)."""
+
+    shared = True
+    capabilities = UnitCapabilities(structured_operator=True)
+
+    @classmethod
+    def capabilities_for(cls, module):
+        return replace(cls.capabilities, shape_preserving=isinstance(module, nn.Identity))
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if isinstance(module, nn.Flatten):
+            nd = len(in_shape) + 1
+            sd = module.start_dim % nd
+            if sd == 0:
+                raise ValueError(f"layer {index} (Flatten): start_dim >= 1 expected (the batch dim must stay), "
+                                 f"got start_dim={module.start_dim}")
+        self.pattern = _identity_pattern(self.d_in)
+        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
+
+    def run(self, x, tensors):
+        m = self.module
+        if type(m) is nn.Flatten:  # its forward, without the module call
+            return x.flatten(m.start_dim, m.end_dim), (x.dtype, x.device)
+        return m(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        return self._ones.get(*saved)
+
+    def apply_transposed(self, saved, tensors, g):
+        return g
+
+    def chain_step(self, needed=None):
+        if type(self).apply_transposed is not ReshapeUnit.apply_transposed:
+            return super().chain_step(needed)
+        in_shape = self.in_shape
+        return lambda saved, tensors, g: (g.reshape((g.shape[0],) + in_shape), None)
+
+
+class UnflattenUnit(ReshapeUnit):
+    """``nn.Unflatten`` of a per-sample dim: the flattened activation is unchanged, ``J^T = I``."""
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        nd = len(in_shape) + 1
+        if isinstance(module.dim, int) and module.dim % nd == 0:
+            raise ValueError(f"layer {index} (Unflatten): dim >= 1 expected (the batch dim must stay), "
+                             f"got dim={module.dim}")
+        super().__init__(index, module, in_shape, out_shape)
+
+
+class _PerSampleReshape(nn.Module):
+    """``view``/``reshape``/``flatten`` that keeps the batch dim: ``(B, *a) -> (B, *shape)``."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape((x.shape[0],) + self.shape)
+
+
+class PerSampleReshapeUnit(ReshapeUnit):
+    """A traced ``view``/``reshape``/``flatten``/``contiguous`` keeping the batch dim: ``J^T = I``."""
+
+
+class _Selection(nn.Module):
+    """A traced basic-indexing slice ``x[key]`` or a constant zero ``F.pad(x, pad)`` (any dims, channels too)."""
+
+    def __init__(self, kind: str, arg: Any) -> None:
+        super().__init__()
+        self.kind, self.arg = kind, arg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.arg] if self.kind == "slice" else F.pad(x, self.arg)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.arg!r}"
+
+
+class SelectionUnit(LayerUnit):
+    """A per-sample selection: every output entry is one input entry or a zero, each input entry
+    read at most once. ``x[:, :, ::2, ::2]`` (a strided slice: ``J^T`` scatters the gradient into
+    zeros) and ``F.pad(x, (0, 0, 0, 0, p, p))`` (zero padding, here of channels: ``J^T`` crops), the
+    two halves of He et al.'s option-A shortcut. ``J^T`` is a 0/1 matrix with at most one entry per
+    row and column (shared by the batch); its operator is the scatter or the crop itself."""
+
+    shared = True
+    capabilities = UnitCapabilities(structured_operator=True)
+
+    def __init__(self, index: int, module: _Selection, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
+        super().__init__(index, module, in_shape, out_shape)
+        d_in = self.d_in
+        with torch.no_grad():
+            if module.kind == "slice":
+                probe = torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + self.in_shape)[module.arg]
+                if probe.dim() < 1 or probe.shape[0] != 2 or not bool((probe[1] - probe[0] == d_in).all()):
+                    raise ValueError(f"index {module.arg!r}: the batch dim must be kept whole (first index ':')")
+                src = probe[0].reshape(-1)
+            else:
+                src = F.pad(torch.arange(d_in, dtype=torch.int64).reshape((1,) + self.in_shape), module.arg,
+                            value=-1).reshape(-1)
+        src = src.numpy()
+        if src.size != self.d_out:
+            raise ValueError(f"{module.kind}: {src.size} selected entries for an output of {self.d_out}")
+        cols = np.flatnonzero(src >= 0)
+        rows = src[cols]
+        order = np.argsort(rows, kind="stable")
+        rows, cols = rows[order], cols[order]
+        if rows.size > 1 and not bool((rows[1:] != rows[:-1]).all()):
+            raise ValueError(f"{module.kind}: an input entry is read twice (not a selection)")
+        indptr = np.zeros(d_in + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
+        self.pattern = sp.csr_array((np.ones(rows.size), cols.astype(np.int64), indptr), shape=(d_in, self.d_out))
+        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.nnz, dtype=dtype, device=device))
+
+    @property
+    def name(self) -> str:
+        return "getitem" if self.module.kind == "slice" else "pad"
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        return self._ones.get(*saved)
+
+    def apply_transposed(self, saved, tensors, g):
+        b = g.shape[0]
+        gy = g.reshape((b,) + self.out_shape)
+        if self.module.kind == "pad":
+            return F.pad(gy, tuple(-p for p in self.module.arg)).reshape(b, self.d_in)
+        gi = gy.new_zeros((b,) + self.in_shape)
+        gi[self.module.arg] = gy
+        return gi.reshape(b, self.d_in)
