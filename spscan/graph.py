@@ -66,7 +66,7 @@ from spscan.layers import LayerUnit, UnitOperator, make_unit, supported_layer_ty
 from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, supported_node_targets
 from spscan.layers.shape import PerSampleReshapeUnit, SelectionUnit, _Selection  # noqa: F401 (importable here)
 from spscan.model import (ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads,
-                          levels_for_coupled_layers, plan_chain)
+                          example_rejected, levels_for_coupled_layers, plan_chain)
 from spscan.plan import build_composite, build_plan
 from spscan.planner.blocks import block_union, identity_pattern, place, product_pattern, union_pattern
 
@@ -115,8 +115,35 @@ class _NotSeriesParallel(TypeError):
     """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
 
 
+def _op_text(node: fx.Node) -> str:
+    """``node`` as the call it stands for: ``operator.mul(relu, 2)``, ``x.view(...)``, ``self.fc(x)``."""
+    args = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
+    args += [f"{k}={v.name if isinstance(v, fx.Node) else repr(v)}" for k, v in node.kwargs.items()]
+    if node.op == "call_method":
+        return f"{args[0]}.{node.target}({', '.join(args[1:])})" if args else f".{node.target}()"
+    if node.op == "call_module":
+        name = f"self.{node.target}"
+    else:
+        t = node.target
+        mod = {"_operator": "operator"}.get(getattr(t, "__module__", None) or "", getattr(t, "__module__", None) or "")
+        name = f"{mod}.{getattr(t, '__name__', repr(t))}".lstrip(".")
+    return f"{name}({', '.join(args)})"
+
+
 def _refuse(node: fx.Node, why: str, exc: type = TypeError) -> Exception:
-    return exc(f"node {node.format_node()} (at {_source(node)}): {why}")
+    """An error naming the layer the node is in (its path and type), the call, where it was written, and
+    why; a layer that subclasses a supported type with its own forward is told so."""
+    stack = node.meta.get("nn_module_stack")
+    head, hint = "", ""
+    if stack:
+        path, cls = list(stack.values())[-1]
+        cls = cls if isinstance(cls, type) else None
+        head = f"layer '{path}' ({getattr(cls, '__name__', cls)}): "
+        base = next((b for b in (cls.__mro__[1:] if cls else ()) if b in NODE_UNITS), None)
+        if base is not None and cls.forward is not base.forward:
+            hint = (f"; {cls.__name__} subclasses nn.{base.__name__} but defines its own forward, which is traced "
+                    f"op by op instead of taking nn.{base.__name__}'s Jacobian")
+    return exc(f"{head}{_op_text(node)} (node {node.name}, at {_source(node)}): {why}{hint}")
 
 
 # ----------------------------------------------------------------------------- segments
@@ -644,8 +671,7 @@ class _Traced:
                 try:
                     y = m(xin)
                 except Exception as e:
-                    raise _refuse(node, f"the example input reaching it has per-sample shape {tuple(xin.shape[1:])}, "
-                                  f"which it rejects: {e}", ValueError) from e
+                    raise _refuse(node, example_rejected(k, tuple(xin.shape[1:]), e), ValueError) from e
             try:
                 unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
             except (TypeError, ValueError) as e:

@@ -441,6 +441,16 @@ class ModelPlan:
         return hit
 
 
+def example_rejected(k: int, in_shape: tuple, error: Exception) -> str:
+    """Why layer ``k`` refused the example input that reached it, with what to do where the cause is likely
+    a missing batch dimension (the first layer rejecting a per-sample shape of one dimension or none)."""
+    msg = f"the example input reaching it has per-sample shape {in_shape}, which it rejects: {error}"
+    if k == 0 and len(in_shape) <= 1:
+        msg += (". The example input's first dimension is the batch (spscan plans per sample): a single sample "
+                "needs a batch dimension; pass x.unsqueeze(0) (a batch of one) or a batch of your data")
+    return msg
+
+
 def levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
     """A layer that couples the samples of a batch (train-mode BatchNorm) has no CSR values to
     multiply into up-sweep products: ``levels="auto"`` becomes the linear scan; a deeper forced
@@ -583,8 +593,8 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                 try:
                     y = m(x)
                 except Exception as e:  # the layer's own message says what it expected
-                    raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): the example input reaching "
-                                     f"it has per-sample shape {in_shape}, which it rejects: {e}") from e
+                    raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): "
+                                     + example_rejected(k, in_shape, e)) from e
                 if not isinstance(y, torch.Tensor):
                     raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): returns {type(y).__name__}; "
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")

@@ -926,7 +926,12 @@ class RecurrentWrapper(nn.Module):
         refuse_functorch()
         self.plan._check_input(x)
         # re-check: the wrapped module's configuration may have been changed after wrapping
-        cell_kind(self.module)
+        m = self.module
+        if m.num_layers != 1 or m.bidirectional:
+            raise ValueError(f"{type(m).__name__}: num_layers / bidirectional changed after wrapping (planned 1 layer, "
+                             f"1 direction; now {m.num_layers} x {2 if m.bidirectional else 1}): wrap the module again "
+                             "(spscan.wrap plans stacked and bidirectional modules too)")
+        cell_kind(m)
         h0 = c0 = None
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)

@@ -136,3 +136,26 @@ def test_corrupted_plan_file(tmp_path, corrupt):
             np.savez(f, **arrays)
     with pytest.raises(ValueError, match="plan"):
         spscan.load_plan(path)
+
+
+def test_first_hour_messages_name_the_object_and_what_to_do():
+    """The messages a new user meets first: a missing batch dimension, a module reconfigured after
+    wrapping, and a supported layer subclassed with its own forward."""
+    from torch import nn
+
+    mlp = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(ValueError, match=r"layer 0 \(0: Linear\).*needs a batch dimension; pass x.unsqueeze\(0\)"):
+        spscan.wrap(mlp, torch.randn(32))
+    gru = nn.GRU(2, 3)
+    wrapped = spscan.wrap(gru, torch.randn(5, 1, 2))
+    gru.bidirectional = True
+    with pytest.raises(ValueError, match=r"GRU: num_layers / bidirectional changed after wrapping .* wrap the module again"):
+        wrapped(torch.randn(5, 1, 2))
+
+    class MyReLU(nn.ReLU):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    with pytest.raises(TypeError, match=r"layer '1' \(MyReLU\): operator.mul\(relu, 2\).*MyReLU subclasses nn.ReLU "
+                                        r"but defines its own forward"):
+        spscan.wrap(nn.Sequential(nn.Linear(4, 4), MyReLU(), nn.Linear(4, 2)), torch.randn(2, 4))
