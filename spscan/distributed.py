@@ -460,7 +460,7 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
     queue.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
-    # the result is delivered: skip the interpreter teardown, which costs seconds with torch loaded
+    # the result is delivered: skip the interpreter teardown, which is slow with torch loaded
     os._exit(0)
 
 

@@ -147,8 +147,8 @@ def time_stage(mods: Sequence[nn.Module], x: torch.Tensor, y: Optional[torch.Ten
 def burst_share(mods: Sequence[nn.Module], x: torch.Tensor, bursts: int = 8, pause: float = 5e-4
                  ) -> tuple[float, float]:
     """``(CPU s, wall s)`` of ``bursts`` forwards of ``mods`` on ``x``, each after a ``pause`` asleep: the
-    share of a core a thread gets when, like a pipeline rank, it computes for a millisecond or two at a
-    time between waits (a scheduler favours such threads over ones that never sleep)."""
+    share of a core a thread gets when, like a pipeline rank, it computes in short bursts between
+    waits (a scheduler favours such threads over ones that never sleep)."""
     cpu = wall = 0.0
     for _ in range(bursts):
         time.sleep(pause)

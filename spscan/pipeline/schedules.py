@@ -72,8 +72,8 @@ def ooo_pipe(costs: LayerCosts, p: int, m: int, link: Link = Link(), modulo: boo
     any backward work); default ``True`` for OOO-Pipe1 (GPipe with fast-forwarding) and ``False``
     for OOO-Pipe2, whose micro-batches start their backward as soon as their gradient arrives
     (the forward stall modulo allocation removes). With the out-of-order paper's unit costs
-    (16 layers, 4 devices, 4 micro-batches) these settings give its 1.22x and 1.62x over GPipe;
-    OOO-Pipe2 with ``flush=True`` gives 1.57x.
+    (16 layers, 4 devices, 4 micro-batches) these defaults reproduce its speedups over GPipe
+    (``tests/test_pipeline_sim.py``); OOO-Pipe2 with ``flush=True`` keeps most of its gain.
     """
     check_pm(costs, p, m)
     flush = (not modulo) if flush is None else bool(flush)
