@@ -23,12 +23,12 @@ Schedules:
 * :func:`bppsa_scan` — spscan's model-parallel scan, from a real
   :class:`spscan.distributed.DistributedPlan` (its rounds, peers and planned composites).
 
-Every schedule is run by one list scheduler (:func:`list_schedule`): non-preemptive devices,
-each picking its ready task of smallest priority key; a dependency between devices waits the
-link time (:class:`Link`: ``latency + bytes / bandwidth``, the sender free meanwhile or, blocking,
-busy). A runtime's costs outside the compute (:class:`Overheads`: per action of each kind, before
-and after each device's step) are added as measured. Everything is deterministic (ties broken by
-task creation order).
+Every schedule but DualPipe (whose devices advance in lock-step time units, timed directly) is run
+by one list scheduler (:func:`list_schedule`): non-preemptive devices, each picking its ready task
+of smallest priority key; a dependency between devices waits the link time (:class:`Link`:
+``latency + bytes / bandwidth``, the sender free meanwhile or, blocking, busy). A runtime's costs
+outside the compute (:class:`Overheads`: per action of each kind, before and after each device's
+step) are added as measured. Everything is deterministic (ties broken by task creation order).
 
 Where each part lives: the inputs in :mod:`spscan.pipeline.costs`, the list scheduler and the
 timeline in :mod:`spscan.pipeline.timeline`, placements and task graphs in
