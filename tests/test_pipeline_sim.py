@@ -260,6 +260,17 @@ def test_draw_writes_png(tmp_path):
     assert os.path.getsize(path) > 10_000
 
 
+def test_timeline_panels_share_a_labelled_time_axis_and_a_legend():
+    from spscan.pipeline.draw import timeline_figure
+
+    fig = timeline_figure([gpipe(UNIT16, 4, 4), ooo_pipe(UNIT16, 4, 4, modulo=True)])
+    axes = fig.axes
+    assert len({ax.get_xlim() for ax in axes}) == 1  # one time scale for every panel
+    assert axes[-1].get_xlabel().startswith("time")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "F: forward" in labels and any(label.startswith("W: ") for label in labels)
+
+
 # ----------------------------------------------------------------------------- runtime costs
 
 

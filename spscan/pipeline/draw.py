@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from spscan.pipeline.simulator import Timeline
 
-__all__ = ["draw_timelines", "KIND_COLORS"]
+__all__ = ["draw_timelines", "timeline_figure", "KIND_COLORS", "KIND_NAMES"]
 
 KIND_COLORS = {
     "F": "#7fd3e6",  # forward (the papers' cyan)
@@ -21,6 +21,10 @@ KIND_COLORS = {
     "R": "#b39ddb",  # scan: slice reduction
     "X": "#9e9e9e",  # scan: one round
 }
+
+
+KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input gradient", "W": "weight gradient",
+              "R": "scan: slice reduction", "X": "scan: one round"}
 
 
 def _label(a) -> str:
@@ -37,9 +41,19 @@ def draw_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
     """Write the timelines, stacked, to the PNG ``path`` (its folder is created); returns ``path``.
 
     Each box is one action: colour by kind (``F`` cyan, ``I``/``B`` yellow, ``W`` orange, ``R`` purple,
-    ``X`` grey), labelled with the kind, layer (per-layer schedules) and micro-batch. ``until``
-    crops the time axis (asynchronous timelines are long).
+    ``X`` grey), labelled with the kind, layer (per-layer schedules) and micro-batch. Every panel has
+    the same time axis (the longest timeline's, or ``until``, which crops it: asynchronous timelines are
+    long), so the schedules compare at a glance; a legend names each kind.
     """
+    fig = timeline_figure(timelines, title, until)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def timeline_figure(timelines: Sequence[Timeline], title: Optional[str] = None, until: Optional[float] = None):
+    """The figure :func:`draw_timelines` writes (a matplotlib ``Figure`` on an Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -51,8 +65,9 @@ def draw_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(timelines), 1, squeeze=False,
                         gridspec_kw={"height_ratios": [max(1, t.devices) for t in timelines]})[:, 0]
+    end = until if until is not None else max((a.end for tl in timelines for dev in tl.actions for a in dev),
+                                              default=1.0)
     for ax, tl in zip(axes, timelines):
-        end = until if until is not None else max((a.end for dev in tl.actions for a in dev), default=1.0)
         for d, dev in enumerate(tl.actions):
             for a in dev:
                 if a.start >= end:
@@ -76,13 +91,13 @@ def draw_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
         stale = f", max staleness {tl.max_staleness}" if tl.max_staleness else ""
         ax.set_title(f"{tl.schedule}: p={tl.devices}, m={tl.microbatches}, step {tl.step_time:.4g}, "
                      f"bubble {tl.bubble_fraction:.0%}{stale}", fontsize=8, loc="left")
-    kinds = sorted({a.kind for tl in timelines for dev in tl.actions for a in dev})
-    fig.legend(handles=[Patch(facecolor=KIND_COLORS.get(k, "#cccccc"), edgecolor="black", label=k) for k in kinds],
+    axes[-1].set_xlabel("time (in the units of the layer costs)", fontsize=8)
+    present = {a.kind for tl in timelines for dev in tl.actions for a in dev}
+    kinds = [k for k in KIND_COLORS if k in present] + sorted(present - set(KIND_COLORS))
+    fig.legend(handles=[Patch(facecolor=KIND_COLORS.get(k, "#cccccc"), edgecolor="black",
+                              label=f"{k}: {KIND_NAMES.get(k, k)}") for k in kinds],
                loc="upper right", fontsize=7, ncol=len(kinds))
     if title:
         fig.suptitle(title, fontsize=9, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
+    return fig
