@@ -8,11 +8,11 @@ composites. Rank 0 prints the slices, the per-step time and each rank's communic
 Usage (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT):
 
     # several GPUs on one host (NCCL, one GPU per process)
-    torchrun --standalone --nproc_per_node=4 examples/distributed_chain.py --layers 64 --width 1024
+    torchrun --standalone --nproc_per_node=4 examples/distributed_chain.py --backend nccl --layers 64 --width 1024
 
     # several hosts, 8 GPUs each: run the same line on every host
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_id=bppsa --rdzv_backend=c10d \\
-        --rdzv_endpoint=HOST0:29500 examples/distributed_chain.py --layers 256
+        --rdzv_endpoint=HOST0:29500 examples/distributed_chain.py --backend nccl --layers 256
 
     # CPU processes (Gloo), e.g. to try it on a laptop
     torchrun --standalone --nproc_per_node=2 examples/distributed_chain.py --backend gloo --check
@@ -21,7 +21,8 @@ Usage (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT):
     # for the demo and keeps its own layers' Jacobians)
     torchrun --standalone --nproc_per_node=2 examples/distributed_chain.py --model mlp --check
 
-Options: ``--backend {auto,nccl,gloo}`` (auto: NCCL when CUDA is available), ``--kernels
+Options: ``--backend {auto,nccl,gloo}`` (nccl refuses without GPUs; auto: NCCL when CUDA is available,
+else Gloo, saying so), ``--kernels
 {auto,torch,triton}`` (the local scan backend), ``--batch``, ``--steps``, ``--dtype``,
 ``--check`` (compare each rank's gradients with the float64 reference; small chains only).
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -81,8 +83,14 @@ def main() -> None:
     args = ap.parse_args()
 
     backend = args.backend
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise SystemExit("--backend nccl needs CUDA GPUs (one per process) and this machine has none; "
+                         "run CPU processes with --backend gloo")
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "gloo" and int(os.environ.get("RANK", 0)) == 0:
+            print("distributed_chain: no CUDA device, so the ranks are CPU processes over Gloo "
+                  "(--backend nccl refuses instead)", file=sys.stderr, flush=True)
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
