@@ -33,7 +33,7 @@ def _rows() -> list[dict]:
     rows = [_rnn("rnn_T", "T", t) for t in (10, 100)] + [_rnn("rnn_B", "B", b) for b in (2, 16)]
     rows.append(_row("test_rnn_training_curves", 3.0, **COMMON, experiment="rnn_training", seq_len=100, samples=32,
                      epochs=1, batch_size=16, autograd_backward_s=1.0, bppsa_backward_s=0.5, backward_speedup=2.0,
-                     overall_speedup=1.2, final_loss_autograd=2.2, final_loss_bppsa=2.2, autograd_loss=[2.3, 2.2],
+                     overall_speedup=1.2, last_step_loss_autograd=2.2, last_step_loss_bppsa=2.2, autograd_loss=[2.3, 2.2],
                      autograd_wall_s=[0.1, 0.2], spscan_loss=[2.3, 2.2], spscan_wall_s=[0.05, 0.1]))
     rows.append(_row("test_gru_irmas[S-16]", 0.1, **COMMON, experiment="gru", set="S", frames=259, coeffs=38, B=16,
                      levels=0, autograd_forward_s=0.1, autograd_backward_s=0.3, spscan_forward_s=0.1, spscan_fill_s=0.05,

@@ -31,6 +31,7 @@ def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):
     assert summary["gradient_max_rel_diff_float64"] < 1e-12
     assert 0 <= summary["held_out_accuracy_autograd"] <= 1 and 0 <= summary["held_out_accuracy_bppsa"] <= 1
     assert summary["steps_with_equal_loss"] == 6  # 2 epochs x 3 batches, T=40: far from float32 drift
+    assert summary["last_step_loss_autograd"] > 0 and "final_loss_autograd" not in summary
     captured = capsys.readouterr()
     text = captured.out
     epochs = [ln for ln in text.splitlines() if ln.startswith("epoch ")]

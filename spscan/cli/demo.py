@@ -263,8 +263,10 @@ def _summary(auto: RunLog, ours: RunLog, dev: torch.device, model: BitstreamClas
         "bppsa_step_s": o_step,
         "backward_speedup": a_bwd / o_bwd if o_bwd else float("nan"),
         "overall_speedup": a_step / o_step if o_step else float("nan"),
-        "final_loss_autograd": auto.losses[-1],
-        "final_loss_bppsa": ours.losses[-1],
+        # the loss of the last training step (one mini-batch); the printed epoch losses are means over
+        # an epoch's steps (epoch_log)
+        "last_step_loss_autograd": auto.losses[-1],
+        "last_step_loss_bppsa": ours.losses[-1],
     }
 
 
@@ -402,7 +404,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log=lambda line: print(line, flush=True),
     )
     last = summary["epoch_log"][-1]
-    print(f"last epoch: autograd loss {last['autograd']['loss']:.4f} acc {last['autograd']['accuracy']:.3f}, "
+    print(f"last epoch (mean over its steps): autograd loss {last['autograd']['loss']:.4f} acc {last['autograd']['accuracy']:.3f}, "
           f"BPPSA loss {last['bppsa']['loss']:.4f} acc {last['bppsa']['accuracy']:.3f}")
     steps = summary["epochs"] * (summary["samples"] // summary["batch_size"])
     same = summary["steps_with_equal_loss"]
