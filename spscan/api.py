@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from spscan.engine import check_inputs
+from spscan.engine import Gradients, check_inputs
 from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, options_doc, unknown_option
 from spscan.graph import plan_graph, wrap_graph
 from spscan.model import ModelPlan, is_chain_model, plan_model, wrap_chain
@@ -176,7 +176,7 @@ def backward(
     extra: Optional[Sequence[Optional[torch.Tensor]]] = None,
     *,
     check_finite: bool = False,
-) -> list[torch.Tensor]:
+) -> Sequence[torch.Tensor]:
     """Run the planned scan: ``dl/dx_i`` for every ``i`` from one step's Jacobian values.
 
     Args:
@@ -192,8 +192,10 @@ def backward(
             by default non-finite values propagate as in autograd.
 
     Returns:
-        ``n+1`` tensors ``(B, d_i)``; ``[n]`` is ``grad`` (+ ``extra[n]``). They are views into one
-        buffer owned by the result (not necessarily contiguous). Inputs are never modified.
+        a sequence of ``n+1`` tensors ``(B, d_i)`` (:class:`spscan.engine.Gradients`: indexable,
+        ``len``, iterable, ``.stacked()``); ``[n]`` is ``grad`` (+ ``extra[n]``). They are views into
+        one buffer owned by the result (not necessarily contiguous), each made only when asked for,
+        so a long chain costs no per-layer host work. Inputs are never modified.
     """
     if isinstance(plan, ModelPlan):
         return plan.backward(values, grad, extra)
@@ -215,7 +217,7 @@ def backward(
                          "detached tensors; to train a model, use spscan.wrap(model), whose backward runs the scan "
                          "inside autograd")
     bound = plan.bind(shared, has_extra, device, operators)
-    return bound.run(items[0] if stacked else items, grad, extra, check=False).grads
+    return Gradients(bound.run(items[0] if stacked else items, grad, extra, check=False))
 
 
 def _any_requires_grad(grad, items, extra) -> bool:

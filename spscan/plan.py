@@ -10,6 +10,8 @@ front end uses.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import math
 from typing import Any, Optional, Sequence, Union
 
@@ -83,16 +85,20 @@ class Plan:
             self._patterns_cache = [p.to_scipy() for p in self._scan.patterns]
         return list(self._patterns_cache)
 
+    @cached_property
+    def _shape_tables(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        pats = self._scan.patterns
+        return tuple(p.rows for p in pats) + (pats[-1].cols,), tuple(p.nnz for p in pats)
+
     @property
     def dims(self) -> list[int]:
         """``d_0 .. d_n``: the size of each ``x_i``."""
-        pats = self._scan.patterns
-        return [p.rows for p in pats] + [pats[-1].cols]
+        return list(self._shape_tables[0])
 
     @property
     def nnz(self) -> list[int]:
         """Stored entries of each ``J_i^T``, in layer order."""
-        return [p.nnz for p in self._scan.patterns]
+        return list(self._shape_tables[1])
 
     @property
     def kind(self) -> str:
@@ -192,13 +198,17 @@ class Plan:
         ``self.device`` (else CPU).
         """
         n = self.n
-        shared = (False,) * n if shared is None else tuple(bool(s) for s in shared)
-        has_extra = (False,) * (n + 1) if has_extra is None else tuple(bool(e) for e in has_extra)
+        # a tuple is taken as it is (equal flags hash equal, numpy's bools included): a long chain's
+        # flags are not copied on every call
+        shared = (False,) * n if shared is None else shared if isinstance(shared, tuple) else tuple(map(bool, shared))
+        has_extra = (False,) * (n + 1) if has_extra is None else \
+            has_extra if isinstance(has_extra, tuple) else tuple(map(bool, has_extra))
         if len(shared) != n:
             raise ValueError(f"shared: expected {n} flags (one per layer), got {len(shared)}")
         if len(has_extra) != n + 1:
             raise ValueError(f"has_extra: expected {n + 1} flags (one per dl/dx_i), got {len(has_extra)}")
-        ops = (False,) * n if operators is None else tuple(bool(o) for o in operators)
+        ops = (False,) * n if operators is None else operators if isinstance(operators, tuple) else \
+            tuple(map(bool, operators))
         if len(ops) != n:
             raise ValueError(f"operators: expected {n} flags (one per layer), got {len(ops)}")
         dev = resolve_device(device) if device is not None else (self._device or torch.device("cpu"))

@@ -396,3 +396,26 @@ def test_no_index_work_at_run_time(backend, monkeypatch):
     extra = [torch.ones(2, 6, dtype=torch.float64)] + [None] * 9
     out = spscan.backward(plan, vals, grad, extra)
     assert rel_err(out[1], ref[1]) <= 1e-12 and not made
+
+
+def test_backward_returns_one_buffer_as_a_sequence():
+    """spscan.backward's result: indexable (negative indices, slices), len, iterable, list()-able and
+    stacked() without a tensor per layer; equal to the reference."""
+    n, B = 7, 3
+    pats = [sp.csr_array(sp.eye(4))] * n
+    plan = spscan.plan(pats, levels=0)
+    vals = torch.randn(n, B, 4, dtype=torch.float64)
+    grad = torch.randn(B, 4, dtype=torch.float64)
+    out = spscan.backward(plan, vals, grad)
+    ref = reference_backward(pats, list(vals), grad)
+    assert len(out) == n + 1 and not isinstance(out, list)
+    assert torch.equal(out[-1], out[n]) and torch.equal(out[n], grad)
+    assert [t.shape for t in out[2:4]] == [(B, 4), (B, 4)]
+    assert all(torch.allclose(a, r) for a, r in zip(out, ref))
+    stacked = out.stacked()
+    assert stacked.shape == (n + 1, B, 4) and torch.equal(stacked, torch.stack(list(out)))
+    assert out.stacked(copy=True).is_contiguous()
+    with pytest.raises(IndexError, match="out of range for 8 gradients"):
+        out[8]
+    with pytest.raises(TypeError, match="integers or slices"):
+        out["0"]

@@ -16,10 +16,10 @@ model-parallel scan) runs through it; none reads arenas or work tables.
 from spscan.engine.bound import BoundPlan, BoundProgram
 from spscan.engine.checks import canonical_device, check_inputs, fmt_bytes
 from spscan.engine.request import Collect, PeriodicValues, RunRequest, StackedExtra, ValuesBuffer
-from spscan.engine.result import ScanResult
+from spscan.engine.result import Gradients, ScanResult
 from spscan.engine.workspace import RecycledBuffers, Workspace
 from spscan.kernels.backend import StructuredOperator
 
-__all__ = ["BoundPlan", "BoundProgram", "Collect", "PeriodicValues", "RecycledBuffers", "RunRequest", "ScanResult",
+__all__ = ["BoundPlan", "BoundProgram", "Collect", "Gradients", "PeriodicValues", "RecycledBuffers", "RunRequest", "ScanResult",
            "StackedExtra", "StructuredOperator", "ValuesBuffer", "Workspace", "canonical_device", "check_inputs",
            "fmt_bytes"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import numpy as np
@@ -10,7 +10,7 @@ import torch
 
 from spscan.planner.program import Program
 
-__all__ = ["ScanResult"]
+__all__ = ["Gradients", "ScanResult"]
 
 
 class ScanResult:
@@ -140,3 +140,50 @@ class _ListResult(ScanResult):
     @property
     def composite_vector(self) -> Optional[torch.Tensor]:
         return None
+
+
+class Gradients(Sequence):
+    """``[dl/dx_0, ..., dl/dx_n]`` of one run, as views of the buffer the run wrote (what
+    :func:`spscan.backward` returns).
+
+    A sequence (``len``, indexing, negative indices, slices, iteration) that makes a tensor only for the
+    element asked for, so a chain of tens of thousands of layers costs the scan, not one tensor object
+    per layer. ``grads[i]`` is ``(B, d_i)``; :meth:`stacked` gives all of them as one ``(n+1, B, d)``
+    tensor when every ``d_i`` is equal (a strided view where the engine wrote them evenly spaced).
+    ``list(grads)`` makes the plain list (``torch.stack`` takes lists and tuples only:
+    ``torch.stack(list(grads))``, or ``grads.stacked()`` without the per-element tensors).
+    """
+
+    __slots__ = ("_result", "_n")
+
+    def __init__(self, result: ScanResult) -> None:
+        self._result = result
+        self._n = len(result)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._result[j] for j in range(*i.indices(self._n))]
+        try:
+            k = i.__index__()
+        except AttributeError:
+            raise TypeError(f"gradient indices must be integers or slices, not {type(i).__name__}") from None
+        if k < 0:
+            k += self._n
+        if not 0 <= k < self._n:
+            raise IndexError(f"gradient index {i} out of range for {self._n} gradients (dl/dx_0 .. dl/dx_{self._n - 1})")
+        return self._result[k]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        result = self._result
+        return (result[k] for k in range(self._n))
+
+    def stacked(self, copy: bool = False) -> torch.Tensor:
+        """All ``n+1`` gradients as one ``(n+1, B, d)`` tensor (every ``d_i`` must be equal); a view of the
+        run's buffer where it can be, a new contiguous tensor with ``copy=True``."""
+        return self._result.stacked(range(self._n), copy=copy)
+
+    def __repr__(self) -> str:
+        return f"Gradients(n+1={self._n}: dl/dx_0 .. dl/dx_{self._n - 1} as views of one buffer)"
