@@ -65,8 +65,9 @@ from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.layers import LayerUnit, UnitOperator, make_unit, supported_layer_types, unit_capabilities
 from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, supported_node_targets
 from spscan.layers.shape import PerSampleReshapeUnit, SelectionUnit, _Selection  # noqa: F401 (importable here)
-from spscan.model import (ForwardState, Jacobians, ModelPlan, SpscanModule, check_hooks, collect_param_grads,
-                          example_rejected, levels_for_coupled_layers, plan_chain)
+from spscan.chain_backward import ForwardState, Jacobians, collect_param_grads
+from spscan.model import (ModelPlan, SpscanModule, check_hooks, example_rejected, levels_for_coupled_layers,
+                          plan_chain)
 from spscan.plan import build_composite, build_plan
 from spscan.planner.blocks import block_union, identity_pattern, place, product_pattern, union_pattern
 
