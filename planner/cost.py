@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -20,7 +20,6 @@ from .recurrence import CHUNK_SCALE as RECURRENCE_CHUNK_SCALE, periodic_structur
 
 if TYPE_CHECKING:
     from .schedule import ScanSchedule
-    from .storage import MatInfo
 
 __all__ = ["INDEX_BYTES", "DeviceProfile", "LevelCost", "bin_widths", "linear_run_kind", "profile_for",
            "row_bins", "schedule_costs"]
@@ -182,7 +181,7 @@ def row_bins(p: Pattern) -> int:
     return _BINS[key]
 
 
-def _pair_bins(info: "MatInfo") -> int:
+def _pair_bins(info: Any) -> int:
     """Launches of a planned SpGEMM (cached per own pattern and pair count): one per width bin of the own
     entries' pair counts, and for a dense-stored product one more that zeroes its block."""
     key = (info.sym.pattern.key, info.sym.npairs)
@@ -192,9 +191,10 @@ def _pair_bins(info: "MatInfo") -> int:
 
 
 def schedule_costs(
-    sched: "ScanSchedule", mats: "dict[int, MatInfo]", profile: DeviceProfile, batch: int, elem: int
+    sched: "ScanSchedule", mats: dict[int, Any], profile: DeviceProfile, batch: int, elem: int
 ) -> list[LevelCost]:
-    """The estimated time, work and bytes of every step of ``sched`` with its matrices ``mats``, for one
+    """The estimated time, work and bytes of every step of ``sched`` with its matrices ``mats`` (each a
+    :class:`~spscan.planner.storage.MatInfo`: storage reads the costs, never the other way), for one
     batch of ``batch`` samples of ``elem``-byte values on ``profile``'s device."""
     out = []
     run_steps: list[tuple[int, Pattern]] = []  # (index in out, pattern) of the fused linear-run steps

@@ -227,7 +227,7 @@ def test_dag_gradients_float64(name):
         plan = _check_float64(model, x, **kw).plan
         assert isinstance(plan, GraphPlan)
     if name != "three_way_add":  # nested binary adds of one fork are series-parallel blocks
-        assert any(type(s).__name__ == "_LiveStep" for s in plan.segments), plan.summary()
+        assert any(type(s).__name__ == "LiveStep" for s in plan.segments), plan.summary()
 
 
 @pytest.mark.parametrize("name", list(DAGS))

@@ -1,0 +1,344 @@
+"""Tracing a model with ``torch.fx`` into layer units and the segments of its block-level chain,
+and the refusals that name the layer, the call and its source line.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from spscan.graph_segments import Leaf, LiveStep, Parallel
+from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
+from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS
+from spscan.model import check_hooks, example_rejected
+
+__all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "refuse_node"]
+
+# nodes that compute shapes for a view/reshape (never tensors of the graph)
+_TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
+_SHAPE_QUERIES = _TENSOR_QUERIES | {operator.getitem, operator.mul, operator.floordiv, operator.add,
+                                    operator.sub}
+
+#: A general DAG is refused when its live-set chain would carry more than this many times the values
+#: of the graph's own tensors (``sum_s d_live(s) > LIVE_STATE_LIMIT * sum_n d_n``, per sample).
+LIVE_STATE_LIMIT = 16
+
+
+def node_key(node: fx.Node, root: nn.Module) -> Any:
+    if node.op == "call_module":
+        return type(root.get_submodule(node.target))
+    if node.op == "call_method":
+        return ("method", node.target)
+    return node.target
+
+
+def node_source(node: fx.Node) -> str:
+    """The innermost user frame that made ``node`` (``file:line in fn: code``), and the module it is in."""
+    frames, lines = [], (node.stack_trace or "").splitlines()
+    for i, ln in enumerate(lines):
+        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', ln)
+        if m:
+            nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            frames.append(m.groups() + ("" if nxt.startswith("File ") else nxt,))
+    user = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
+    where = "source line unknown"
+    if user:
+        f, line, fn, code = user[-1]
+        where = f"{f}:{line} in {fn}" + (f": {code.strip()}" if code else "")
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, cls = list(stack.values())[-1]
+        where += f", in module '{path}' ({getattr(cls, '__name__', cls)})"
+    return where
+
+
+class NotSeriesParallel(TypeError):
+    """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
+
+
+def node_text(node: fx.Node) -> str:
+    """``node`` as the call it stands for: ``operator.mul(relu, 2)``, ``x.view(...)``, ``self.fc(x)``."""
+    args = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
+    args += [f"{k}={v.name if isinstance(v, fx.Node) else repr(v)}" for k, v in node.kwargs.items()]
+    if node.op == "call_method":
+        return f"{args[0]}.{node.target}({', '.join(args[1:])})" if args else f".{node.target}()"
+    if node.op == "call_module":
+        name = f"self.{node.target}"
+    else:
+        t = node.target
+        mod = {"_operator": "operator"}.get(getattr(t, "__module__", None) or "", getattr(t, "__module__", None) or "")
+        name = f"{mod}.{getattr(t, '__name__', repr(t))}".lstrip(".")
+    return f"{name}({', '.join(args)})"
+
+
+def refuse_node(node: fx.Node, why: str, exc: type = TypeError) -> Exception:
+    """An error naming the layer the node is in (its path and type), the call, where it was written, and
+    why; a layer that subclasses a supported type with its own forward is told so."""
+    stack = node.meta.get("nn_module_stack")
+    head, hint = "", ""
+    if stack:
+        path, cls = list(stack.values())[-1]
+        cls = cls if isinstance(cls, type) else None
+        head = f"layer '{path}' ({getattr(cls, '__name__', cls)}): "
+        base = next((b for b in (cls.__mro__[1:] if cls else ()) if b in NODE_UNITS), None)
+        if base is not None and cls.forward is not base.forward:
+            hint = (f"; {cls.__name__} subclasses nn.{base.__name__} but defines its own forward, which is traced "
+                    f"op by op instead of taking nn.{base.__name__}'s Jacobian")
+    return exc(f"{head}{node_text(node)} (node {node.name}, at {node_source(node)}): {why}{hint}")
+
+
+class Traced:
+    """The traced graph with per-node example values, units and the series-parallel parse."""
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor, prune_zeros: bool, opts: dict) -> None:
+        self.model, self.prune_zeros, self.opts = model, prune_zeros, opts
+        tracer = fx.Tracer()
+        tracer.record_stack_traces = True
+        try:
+            self.graph = tracer.trace(model)
+        except Exception as e:  # data-dependent control flow and the like
+            raise TypeError(f"{type(model).__name__}: torch.fx.symbolic_trace cannot capture its forward ({e}); "
+                            "spscan plans models whose graph fx can trace") from e
+        self.units: list[LayerUnit] = []
+        self.names: list[str] = []
+        self.module_backed: list[bool] = []
+        self.leaf_of: dict[fx.Node, Leaf] = {}
+        self.kind: dict[fx.Node, str] = {}  # "input", "unit", "add", "cat"
+        self.tin: dict[fx.Node, list[fx.Node]] = {}
+        self._propagate(example_input)
+
+    def _propagate(self, example_input: torch.Tensor) -> None:
+        x = example_input.detach()
+        x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            raise TypeError(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
+                            f"{len(placeholders)} inputs ({', '.join(n.name for n in placeholders)})")
+        with torch.no_grad():
+            for node in self.graph.nodes:
+                if node.op == "placeholder":
+                    env[node] = x2
+                    self.kind[node] = "input"
+                    self.tin[node] = []
+                    self.input_node = node
+                    continue
+                if node.op == "output":
+                    res = node.args[0]
+                    if not isinstance(res, fx.Node) or not isinstance(env.get(res), torch.Tensor):
+                        raise refuse_node(node, "expected the forward to return one tensor")
+                    self.output_node = res
+                    continue
+                if node.op == "get_attr":
+                    raise refuse_node(node, "reads a module attribute (a parameter or buffer used functionally); "
+                                  "only parameters held by supported layer modules are planned")
+                key = node_key(node, self.model)
+                args = fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                tensor_inputs = [n for n in node.all_input_nodes if isinstance(env.get(n), torch.Tensor)]
+                if node.op != "call_module" and (not tensor_inputs or key in _TENSOR_QUERIES):
+                    # shape arithmetic for a view/reshape: evaluated here, never part of the graph
+                    if key not in _SHAPE_QUERIES:
+                        raise refuse_node(node, "unsupported op (outside the tensor graph only shape arithmetic is "
+                                      "supported)")
+                    env[node] = self._call(node, args, kwargs)
+                    if isinstance(env[node], torch.Tensor):
+                        raise refuse_node(node, "an op creating a tensor outside the graph's input is not supported")
+                    continue
+                builder = NODE_UNITS.get(key)
+                if builder is None:
+                    if isinstance(key, type):
+                        kind = ("a container with its own forward that fx did not trace through"
+                                if list(self.model.get_submodule(node.target).children()) else "an unsupported layer type")
+                        raise refuse_node(node, f"{key.__module__}.{key.__name__} is {kind}; supported layer types: "
+                                      f"{', '.join(t.__name__ for t in supported_layer_types())}")
+                    raise refuse_node(node, "unsupported op (spscan.graph.supported_node_targets() lists the supported "
+                                  "functions and tensor methods)")
+                if builder in (_ADD, _CAT):
+                    y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
+                else:
+                    y = self._unit(node, key, builder, args, kwargs, tensor_inputs, env)
+                if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != 2:
+                    raise refuse_node(node, f"expected a tensor (B, ...) keeping the batch dim; got "
+                                  f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
+                                  "an example batch of 2", ValueError)
+                env[node] = y
+        self.env = env
+
+    def _call(self, node, args, kwargs):
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            return self.model.get_submodule(node.target)(*args, **kwargs)
+        return node.target(*args, **kwargs)
+
+    def _join(self, node, key, builder, args, kwargs, tensor_inputs, env):
+        if builder == _ADD:
+            if len(node.args) != 2 or not all(isinstance(a, fx.Node) and isinstance(env.get(a), torch.Tensor)
+                                              for a in node.args) \
+                    or node.kwargs.get("alpha", 1) != 1 or len(node.kwargs) > (1 if "alpha" in node.kwargs else 0):
+                raise refuse_node(node, "an add is supported between two tensors of the graph (the join of two "
+                              "branches), without alpha or scalars")
+            a, b = args[0], args[1]
+            if a.shape != b.shape:
+                raise refuse_node(node, f"an add of two branches needs equal shapes (no broadcasting), got "
+                              f"{tuple(a.shape)} and {tuple(b.shape)}", ValueError)
+            self.tin[node] = [node.args[0], node.args[1]]
+        else:
+            seq = node.args[0] if node.args else node.kwargs.get("tensors")
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            if not isinstance(seq, (list, tuple)) or not all(isinstance(a, fx.Node) for a in seq):
+                raise refuse_node(node, "a concatenation of graph tensors expected")
+            nd = env[seq[0]].dim()
+            if dim % nd != 1:
+                raise refuse_node(node, f"concatenation along dim 1 (channels/features) expected, got dim={dim}", ValueError)
+            self.tin[node] = list(seq)
+        self.kind[node] = builder
+        return self._call(node, args, kwargs)
+
+    def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
+        if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):
+            raise refuse_node(node, "a layer reading one tensor of the graph (its first argument) expected")
+        src = tensor_inputs[0]
+        xin = env[src]
+        k = len(self.units)
+        if node.op == "call_module":
+            m = self.model.get_submodule(node.target)
+            check_hooks(k, node.target, m)
+            if len(node.args) != 1 or node.kwargs:
+                raise refuse_node(node, "a module called with extra arguments is not supported")
+            if unit_capabilities(m).shape_preserving:
+                y = xin  # no call: dropout would draw random numbers, train-mode BN would update its statistics
+            else:
+                try:
+                    y = m(xin)
+                except Exception as e:
+                    raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), ValueError) from e
+            try:
+                unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{e} [node {node.format_node()} at {node_source(node)}]") from e
+            name, backed = node.target, True
+        else:
+            y = self._call(node, args, kwargs)
+            if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != xin.shape[0]:
+                raise refuse_node(node, "expected a tensor keeping the batch dim", ValueError)
+            try:
+                unit = builder(k, args, kwargs, tuple(xin.shape[1:]), tuple(y.shape[1:]), self.prune_zeros)
+            except (TypeError, ValueError) as e:
+                raise refuse_node(node, str(e), type(e)) from e
+            name, backed = node.name, False
+        self.units.append(unit)
+        self.names.append(name)
+        self.module_backed.append(backed)
+        self.leaf_of[node] = Leaf(unit, k)
+        self.kind[node] = "unit"
+        self.tin[node] = [src]
+        return y
+
+    # -- the live-set chain (any DAG)
+    def live_steps(self) -> list[Any]:
+        """The graph as a chain over its live set (see :class:`LiveStep`), in fx's topological order.
+        A node whose only input is the whole live set and is read by nothing else stays a plain unit.
+        Nodes the output does not depend on are left out (their parameters get no gradient, as in autograd).
+        """
+        nodes = [n for n in self.graph.nodes if n in self.kind]
+        alive = {self.output_node}
+        for n in reversed(nodes):
+            if n in alive:
+                alive.update(self.tin[n])
+        if self.input_node not in alive:
+            raise refuse_node(self.output_node, "the output does not depend on the input", ValueError)
+        nodes = [n for n in nodes if n in alive]
+        last = {p: i for i, n in enumerate(nodes) for p in self.tin[n]}
+        dim = {n: int(np.prod(self.env[n].shape[1:])) for n in nodes}
+        # the live sets first (cheap), so that a graph past the limit is refused before any pattern is built
+        live, plan, widths = [self.input_node], [], []
+        for i, n in enumerate(nodes[1:], 1):
+            keep = [j for j, t in enumerate(live) if last.get(t, -1) > i]
+            plan.append((n, list(live), keep))
+            live = [live[j] for j in keep] + [n]
+            widths.append((sum(dim[t] for t in live), n, live))
+        total, own = sum(w for w, _, _ in widths), sum(dim[n] for n in nodes[1:])
+        if total > LIVE_STATE_LIMIT * own:
+            w, n, ts = max(widths, key=lambda t: t[0])
+            raise refuse_node(n, f"as a live-set chain (the graph is not series-parallel) it would carry {total} values per "
+                          f"sample over its {len(plan)} steps, more than {LIVE_STATE_LIMIT}x the {own} of the graph's "
+                          f"own tensors (widest after this node: {len(ts)} live tensors, {w} values: "
+                          f"{', '.join(t.name for t in ts)})", ValueError)
+        steps: list[Any] = []
+        for n, before, keep in plan:
+            inputs = [before.index(p) for p in self.tin[n]]
+            kind, leaf = self.kind[n], self.leaf_of.get(n)
+            if kind == "unit" and len(before) == 1 and not keep:
+                steps.append(leaf)
+                continue
+            offs = [0] * len(inputs)
+            if kind == _CAT:
+                offs = [int(o) for o in np.cumsum([0] + [dim[p] for p in self.tin[n][:-1]])]
+            steps.append(LiveStep(kind, leaf, [dim[t] for t in before], keep, inputs, offs, n.name,
+                                   [t.name for t in before]))
+        return steps
+
+    # -- series-parallel parse
+    def parse(self) -> list[Any]:
+        nodes = [n for n in self.graph.nodes if n in self.kind]
+        users: dict[fx.Node, int] = {n: 0 for n in nodes}
+        for n in nodes:
+            for p in set(self.tin[n]):
+                users[p] += 1
+            if len(set(self.tin[n])) != len(self.tin[n]):
+                raise refuse_node(n, "a join reading the same tensor twice", NotSeriesParallel)
+        dom: dict[fx.Node, set] = {}
+        for n in nodes:
+            preds = self.tin[n]
+            dom[n] = ({n} | set.intersection(*[dom[p] for p in preds])) if preds else {n}
+        order = {n: i for i, n in enumerate(nodes)}
+        self.consumed: dict[fx.Node, int] = {n: 0 for n in nodes}
+        self.visited: set = set()
+        segs = self._back(self.output_node, self.input_node, dom, order)
+        for n in nodes:
+            if n is not self.output_node and self.consumed[n] != users[n]:
+                raise refuse_node(n, "its output is read across branches of different blocks (the graph is not a "
+                              "chain of series-parallel blocks)", NotSeriesParallel)
+        return segs
+
+    def _back(self, end, start, dom, order) -> list[Any]:
+        segs: list[Any] = []
+        node = end
+        while node is not start:
+            if node in self.visited:
+                raise refuse_node(node, "read by two branches of one block (not series-parallel)", NotSeriesParallel)
+            self.visited.add(node)
+            kind = self.kind[node]
+            if kind == "unit":
+                segs.insert(0, self.leaf_of[node])
+                src = self.tin[node][0]
+                self.consumed[src] += 1
+                node = src
+            elif kind in (_ADD, _CAT):
+                fork = max(dom[node] - {node}, key=lambda n: order[n])
+                if order[fork] < order[start]:
+                    raise refuse_node(node, f"this join's branches start before {start.format_node()}, outside the block "
+                                  "it belongs to (not series-parallel)", NotSeriesParallel)
+                branches = []
+                for inp in self.tin[node]:
+                    if inp is fork:
+                        self.consumed[fork] += 1
+                        branches.append([])
+                    else:
+                        self.consumed[inp] += 1
+                        branches.append(self._back(inp, fork, dom, order))
+                d_in = int(np.prod(self.env[fork].shape[1:]))
+                d_outs = [int(np.prod(self.env[i].shape[1:])) for i in self.tin[node]]
+                segs.insert(0, Parallel(kind, branches, d_in, d_outs, self.opts))
+                node = fork
+            else:
+                raise refuse_node(node, "unexpected node in the graph")
+        return segs
