@@ -444,11 +444,8 @@ NORM_FORMS = ("auto", "dense", "factored")
 DENSE_BLOCK_LIMIT = 1 << 22
 
 # ``norm_form="auto"`` keeps the factors only when their estimated time is below the dense blocks' divided
-# by this. The CPU profile prices per-sample dense GEMMs at 4e9 multiply-adds/s, where one core runs the
-# dense blocks' products at ~1.7e10 in float32: measured on one core (B = 8, float32), a Linear(256) next
-# to a LayerNorm(256) ran its dense blocks 1.1-1.45x faster than its factors, which the model estimated
-# 1.4-1.6x slower; a conv next to a GroupNorm and a token-wise LayerNorm ran factored 3.7-7.3x faster, and
-# were estimated 5.7-10x faster
+# by this: the CPU profile prices per-sample dense GEMMs below what a core runs, so the margin keeps the
+# estimate from picking factors that run slower (bench/results/calibration.md)
 FACTORED_MARGIN = 2.0
 
 
