@@ -91,12 +91,10 @@ class _DepthSearch:
 
     def product(self, a: Pattern, b: Pattern, dense: Optional[bool] = None) -> MatInfo:
         """``MatInfo`` of ``A @ B`` equal to ``_Products.product`` in pattern, algo and pairs per entry."""
-        if dense is None:
-            dense = self.decide_alone(a, b, ("down",))
-        key = (a.key, b.key, bool(dense))
-        hit = self.cache.get(key)
-        if hit is not None:
-            return hit
+        key = (a.key, b.key, bool(self.decide_alone(a, b, ("down",)) if dense is None else dense))
+        if key in self.cache:
+            return self.cache[key]
+        dense = key[2]
         if self._planned_like(a, b):
             info = self.products.product(a, b, dense)
         else:

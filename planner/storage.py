@@ -289,12 +289,10 @@ class _Products:
     def product(self, a: Pattern, b: Pattern, dense: Optional[bool] = None) -> MatInfo:
         """``A @ B`` stored densely (``dense``) or with its own pattern; ``None``: as the storage rule
         stores a product read by one down-sweep mat-vec and no product."""
-        if dense is None:
-            dense = self.decide_alone(a, b, ("down",))
-        key = (a.key, b.key, bool(dense))
-        hit = self.cache.get(key)
-        if hit is not None:
-            return hit
+        key = (a.key, b.key, bool(self.decide_alone(a, b, ("down",)) if dense is None else dense))
+        if key in self.cache:
+            return self.cache[key]
+        dense = key[2]
         if a.is_full and b.is_full:
             info = MatInfo(self.table.intern(full_pattern(a.rows, b.cols)), "gemm")
             info.gemm_macs = a.rows * a.cols * b.cols

@@ -7,12 +7,12 @@ to its front end (:mod:`spscan.model` for traced chains, :mod:`spscan.recurrent`
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 
 from spscan.engine import Gradients, check_inputs
-from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, options_doc, unknown_option
+from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, takes_options
 from spscan.graph import plan_graph, wrap_graph
 from spscan.model import ModelPlan, is_chain_model, plan_model, wrap_chain
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
@@ -35,9 +35,7 @@ def _front_end(model: torch.nn.Module):
     return GRAPH, plan_graph, wrap_graph  # a model with its own forward: traced with torch.fx
 
 
-def _model_options(func: str, model: torch.nn.Module, example_input, options: dict, unknown: dict):
-    if unknown:
-        raise unknown_option(func, next(iter(unknown)))
+def _model_options(func: str, model: torch.nn.Module, example_input, options: dict):
     kind, plan_fn, wrap_fn = _front_end(model)
     if example_input is None and kind != RECURRENT:
         raise TypeError(f"{func}(model, example_input): a {type(model).__name__} is planned from an example input "
@@ -49,25 +47,8 @@ def _model_options(func: str, model: torch.nn.Module, example_input, options: di
     return plan_fn, wrap_fn, check_options(func, kind, options, f"a {type(model).__name__}")
 
 
-def plan(
-    patterns: Any,
-    example_input: Optional[torch.Tensor] = None,
-    *,
-    levels: Union[str, int] = "auto",
-    backend: str = "auto",
-    device=None,
-    dtype: Optional[torch.dtype] = None,
-    max_memory: Optional[float] = None,
-    batch_size: Optional[int] = None,
-    operators: bool = True,
-    prune_zeros: bool = False,
-    norm_form: str = "auto",
-    dag: str = "auto",
-    layout: str = "auto",
-    forward: str = "sequential",
-    newton: Any = None,
-    **unknown: Any,
-):
+@takes_options
+def plan(patterns: Any, example_input: Optional[torch.Tensor] = None, **options: Any):
     """Plan the backward scan over a chain of transposed-Jacobian patterns (or a model).
 
     Args:
@@ -86,38 +67,16 @@ def plan(
         for a model, the front end's plan.
 
     """
-    options = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
-                   batch_size=batch_size, operators=operators, prune_zeros=prune_zeros, norm_form=norm_form,
-                   dag=dag, layout=layout, forward=forward, newton=newton)
     if isinstance(patterns, torch.nn.Module):
-        plan_fn, _, opts = _model_options("plan", patterns, example_input, options, unknown)
+        plan_fn, _, opts = _model_options("plan", patterns, example_input, options)
         return plan_fn(patterns, example_input, **opts)
-    if unknown:
-        raise unknown_option("plan", next(iter(unknown)))
     if example_input is not None:
         raise TypeError("plan(patterns): an example input is for a model; a chain of patterns takes none")
     return build_plan(patterns, **check_options("plan", PATTERNS, options, "a chain of patterns"))
 
 
-def wrap(
-    model: torch.nn.Module,
-    example_input: Optional[torch.Tensor] = None,
-    *,
-    levels: Union[str, int] = "auto",
-    backend: str = "auto",
-    device=None,
-    dtype: Optional[torch.dtype] = None,
-    max_memory: Optional[float] = None,
-    batch_size: Optional[int] = None,
-    operators: bool = True,
-    prune_zeros: bool = False,
-    norm_form: str = "auto",
-    dag: str = "auto",
-    layout: str = "auto",
-    forward: str = "sequential",
-    newton: Any = None,
-    **unknown: Any,
-) -> torch.nn.Module:
+@takes_options
+def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, **options: Any) -> torch.nn.Module:
     """An ``nn.Module`` sharing ``model``'s parameters whose backward runs through the scan.
 
     ``loss.backward()`` fills the input's and every parameter's ``.grad`` as autograd would. The
@@ -132,15 +91,8 @@ def wrap(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
-    options = dict(levels=levels, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
-                   batch_size=batch_size, operators=operators, prune_zeros=prune_zeros, norm_form=norm_form,
-                   dag=dag, layout=layout, forward=forward, newton=newton)
-    _, wrap_fn, opts = _model_options("wrap", model, example_input, options, unknown)
+    _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
     return wrap_fn(model, example_input, **opts)
-
-
-plan.__doc__ += options_doc(4)
-wrap.__doc__ += options_doc(4)
 
 
 def forward(plan: Any, x: torch.Tensor):

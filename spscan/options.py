@@ -10,11 +10,12 @@ keyword (with the closest valid name).
 from __future__ import annotations
 
 import difflib
+import inspect
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "Option", "check_options", "options_doc", "unknown_option"]
+__all__ = ["OPTIONS", "Option", "check_options", "options_doc", "takes_options", "unknown_option"]
 
 # kinds of what is planned
 PATTERNS = "patterns"  # a chain of transposed-Jacobian patterns
@@ -87,13 +88,15 @@ def unknown_option(func: str, name: str) -> TypeError:
 
 
 def check_options(func: str, kind: str, given: dict[str, Any], what: str) -> dict[str, Any]:
-    """The options that apply to ``kind``, as the front end takes them.
+    """The options that apply to ``kind``, as the front end takes them (``given``: what the caller
+    passed; the others take their defaults).
 
     An option set (to other than its default) that does not apply to ``kind`` raises ``TypeError``
     naming it, ``what`` (the user's object) and the kinds it is for. ``batch_size=None`` for a chain
     of patterns means 16.
     """
     out: dict[str, Any] = {}
+    given = {**{o.name: o.default for o in OPTIONS}, **given}
     for name, value in given.items():
         opt = _BY_NAME.get(name)
         if opt is None:
@@ -121,3 +124,15 @@ def options_doc(indent: int = 4) -> str:
         body = textwrap.fill(o.doc, width=100, initial_indent=head, subsequent_indent=pad + " " * 8)
         lines.append(body)
     return "\n".join(lines) + "\n"
+
+
+def takes_options(func):
+    """Give ``func(..., **options)`` the options as its keyword-only parameters: its signature (what
+    ``help``, ``inspect`` and editors show) and an ``Options`` section appended to its docstring, both
+    from :data:`OPTIONS`. ``func`` validates what it receives with :func:`check_options`."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in OPTIONS]
+    func.__signature__ = sig.replace(parameters=params)
+    func.__doc__ = (func.__doc__ or "").rstrip() + "\n\n" + options_doc(4)
+    return func
