@@ -15,6 +15,11 @@ run a lowered :class:`~spscan.planner.program.Program`:
 
 Launch parameters come from :mod:`.launch` only (``dot_precision`` lives there too);
 :mod:`.segments` lays out a step's segments long-first; :mod:`.aot` compiles recorded
-launches for CUDA targets without a GPU. :mod:`.cpu_pool` is the compiled CPU max-pool forward
-the layer library uses.
+launches for CUDA targets without a GPU.
+
+Compiled CPU loops that front ends call directly, always through :data:`.backend.cpu_ops`:
+:mod:`.cpu_recurrence` (recurrence forwards that also write the chain's values; loops in
+:mod:`.cpu_recurrence_loops`, their inlined pieces in :mod:`.cpu_recurrence_steps`),
+:mod:`.cpu_nt` (long-reduction products ``A Z^T``: weight gradients) and :mod:`.cpu_pool` (the
+max-pool forward). :mod:`.cpu_numba` imports numba on first use for all of them.
 """

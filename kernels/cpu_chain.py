@@ -67,6 +67,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from . import cpu_nt, cpu_simd
+from .backend import GATE_BANDS
+from .cpu_numba import available, numba_module
 from .cpu_simd import LANES
 
 # The vector operations the kernel names: numba intrinsics (kernels/cpu_simd.py), bound by _kernel()
@@ -87,35 +89,6 @@ PREFETCH_VALUES_MAX = 1 << 14
 REDUCE_STEPS = 32
 
 __all__ = ["available", "diagonal_bands", "numba_module", "resolve_steps", "run_chain", "shared_column_blocks"]
-
-_numba = None  # the numba module once imported; False if it is not installed
-
-
-def _load():
-    """Import numba on first use (it takes a while to import and most plans never need it)."""
-    global _numba
-    if _numba is None:
-        try:
-            import numba
-        except ImportError:  # the NumPy loop is the fallback
-            _numba = False
-        else:
-            _numba = numba
-    return _numba
-
-
-def available() -> bool:
-    """Whether the compiled loop can run (numba importable)."""
-    return bool(_load())
-
-
-def numba_module():
-    """The numba module (imported once, on first use), for the other compiled CPU kernels."""
-    mod = _load()
-    if not mod:
-        raise RuntimeError("spscan's compiled CPU kernels need numba (pip install numba)")
-    return mod
-
 
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                   csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
@@ -540,7 +513,7 @@ def _kernel():
         globals().update({name: ops[name] for name in _VECTOR_OPS})
         globals()["block_sums"] = cpu_nt.block_sums()
         globals()["lane_sum"] = cpu_nt.lane_sum()
-        _compiled = _load().njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
+        _compiled = numba_module().njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
     return _compiled
 
 
@@ -959,7 +932,7 @@ def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarra
 MAX_SOURCES = 16
 
 # the compact value forms (kernels.backend.ValueEncoding names) this loop applies directly, and their codes
-ENCODED_CODES = {"lstm_gate": 5}
+ENCODED_CODES = {GATE_BANDS: 5}
 
 
 def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[int], offsets: Sequence[int],
