@@ -6,7 +6,8 @@ run a lowered :class:`~spscan.planner.program.Program`:
 * :mod:`.torch_ops` — vectorized gather-multiply-segment-sum with torch ops (CPU default,
   reference for the Triton kernels), with :mod:`.spgemm_rows_torch` (row-wise SpGEMM) and
   :mod:`.cpu_chain` (the linear-scan middle as one compiled loop, numba, over the fixed-width
-  vectors of :mod:`.cpu_simd`);
+  vectors of :mod:`.cpu_simd`: the loop in :mod:`.cpu_chain_tiles`, its tables in
+  :mod:`.cpu_chain_tables`);
 * :mod:`.triton_backend` — Triton kernels, one launch per scan step per primitive:
   :mod:`.spgemm` / :mod:`.spgemm_rows` (numeric SpGEMM from planned pair lists or row patterns),
   :mod:`.spmv` (batched ``J^T g`` with the affine term), :mod:`.gemm` / :mod:`.gemv` (batched

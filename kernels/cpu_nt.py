@@ -9,7 +9,7 @@ partial sums: blocks of 4 rows by 4 columns, 16 vector accumulators in registers
 (lanes along ``N``, both operands' rows contiguous there), 4 x 1 and 1 x 1 blocks at the edges. The
 caller sums the lanes at the end, in order: every sum runs in a fixed order, so results are
 reproducible bit for bit. Used by :func:`matmul_nt` (chunk by chunk of memory it holds) and by the
-compiled linear scan (:mod:`.cpu_chain`, on the gradients it has just produced, a few dozen
+compiled linear scan (:mod:`.cpu_chain_tiles`, on the gradients it has just produced, a few dozen
 steps at a time, without storing them).
 """
 

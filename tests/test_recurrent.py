@@ -550,7 +550,7 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
     pytest.importorskip("numba")
     from spscan.cells import lstm_gate_encoding
     from spscan.engine import PeriodicValues
-    from spscan.kernels import cpu_chain
+    from spscan.kernels import cpu_chain, cpu_chain_tables
 
     m = make_module("lstm", 2, 5, batch_first=True, bias=True, dtype=dtype)
     x, hx = make_inputs(m, 17, 21, with_h0=True, dtype=dtype)
@@ -566,7 +566,7 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
     if path == "numpy":
         monkeypatch.setattr(cpu_chain, "available", lambda: False)
     elif path == "unknown_form":
-        monkeypatch.setattr(cpu_chain, "ENCODED_CODES", {})
+        monkeypatch.setattr(cpu_chain_tables, "ENCODED_CODES", {})
     want = grads_of(m, m, x, hx, "both")
     got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
     for i, (a, b) in enumerate(zip(got, want)):
