@@ -38,6 +38,7 @@ __all__ = ["compiled"]
 get = vload = vstore = vzero = vscale = vmul = vadd = vmuladd = vmuladdv = vtranspose = vtranspose_add = None
 prefetch = prefetch_read = None
 block_sums = lane_sum = None  # cpu_nt.block_sums(), cpu_nt.lane_sum(), bound with them
+_four_rows_alike_c = _store4_c = None  # the helpers below, compiled (inlined where called)
 _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmuladd", "vmuladdv", "vtranspose",
                "vtranspose_add", "prefetch", "prefetch_read")
 # A step's outputs and per-sample values are prefetched this many steps ahead (2 to 8 steps measured
@@ -45,6 +46,20 @@ _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vscale", "vmul", "vadd", "vmu
 # lines; a large one streams anyway)
 PREFETCH_STEPS = 4
 PREFETCH_VALUES_MAX = 1 << 14
+
+
+def _four_rows_alike(indptr, r, n):  # pragma: no cover - compiled
+    # rows r + 1 .. r + 3 of the CSR tables hold n entries each, as row r does
+    return (indptr[r + 2] - indptr[r + 1] == n and indptr[r + 3] - indptr[r + 2] == n
+            and indptr[r + 4] - indptr[r + 3] == n)
+
+
+def _store4(a, i, a0, a1, a2, a3):  # pragma: no cover - compiled
+    # rows i .. i + 3 of the tile a (at i * LANES, ...) = a0 .. a3
+    vstore(a, i * LANES, a0)
+    vstore(a, (i + 1) * LANES, a1)
+    vstore(a, (i + 2) * LANES, a2)
+    vstore(a, (i + 3) * LANES, a3)
 
 
 def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
@@ -133,14 +148,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                     if i + 8 <= m and (cj == 1 or (same[cp + i] and same[cp + i + 1] and same[cp + i + 4])):
                         # eight rows of one column list: eight independent accumulators (four leave the
                         # adds' latency exposed on long rows)
-                        a0 = vzero(cur)
-                        a1 = vzero(cur)
-                        a2 = vzero(cur)
-                        a3 = vzero(cur)
-                        a4 = vzero(cur)
-                        a5 = vzero(cur)
-                        a6 = vzero(cur)
-                        a7 = vzero(cur)
+                        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(cur)
                         # row r's entry q: get(s, p + r * n + q) (dense: o + (i + r) * k + q; CSR: o + p + ...)
                         vb = p if cj == 1 else o + p
                         for q in range(n):
@@ -153,14 +161,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                             a5 = vmuladd(a5, get(s, vb + 5 * n + q), x)
                             a6 = vmuladd(a6, get(s, vb + 6 * n + q), x)
                             a7 = vmuladd(a7, get(s, vb + 7 * n + q), x)
-                        vstore(nxt, i * LANES, a0)
-                        vstore(nxt, (i + 1) * LANES, a1)
-                        vstore(nxt, (i + 2) * LANES, a2)
-                        vstore(nxt, (i + 3) * LANES, a3)
-                        vstore(nxt, (i + 4) * LANES, a4)
-                        vstore(nxt, (i + 5) * LANES, a5)
-                        vstore(nxt, (i + 6) * LANES, a6)
-                        vstore(nxt, (i + 7) * LANES, a7)
+                        _store4_c(nxt, i, a0, a1, a2, a3)
+                        _store4_c(nxt, i + 4, a4, a5, a6, a7)
                         i += 8
                     elif cj == 3 and bands[cp + i] > 1 and n <= 2:
                         # a diagonal band of short rows (row i + r: row i's columns + r): no per-row lookups
@@ -173,14 +175,9 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 a0 = vmuladd(a0, get(s, o + p + r * n + 1), vload(cur, c1 + r * LANES))
                             vstore(nxt, (i + r) * LANES, a0)
                         i += L
-                    elif i + 4 <= m and (cj == 1 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
-                                                   and csr_indptr[cp + i + 3] - csr_indptr[cp + i + 2] == n
-                                                   and csr_indptr[cp + i + 4] - csr_indptr[cp + i + 3] == n)):
+                    elif i + 4 <= m and (cj == 1 or _four_rows_alike_c(csr_indptr, cp + i, n)):
                         # four rows of one length at once: four independent accumulators
-                        a0 = vzero(cur)
-                        a1 = vzero(cur)
-                        a2 = vzero(cur)
-                        a3 = vzero(cur)
+                        a0 = a1 = a2 = a3 = vzero(cur)
                         if cj == 1:
                             for q in range(n):
                                 x = vload(cur, q * LANES)
@@ -203,10 +200,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                              vload(cur, get(csr_indices, p + 2 * n + q) * LANES))
                                 a3 = vmuladd(a3, get(s, o + p + 3 * n + q),
                                              vload(cur, get(csr_indices, p + 3 * n + q) * LANES))
-                        vstore(nxt, i * LANES, a0)
-                        vstore(nxt, (i + 1) * LANES, a1)
-                        vstore(nxt, (i + 2) * LANES, a2)
-                        vstore(nxt, (i + 3) * LANES, a3)
+                        _store4_c(nxt, i, a0, a1, a2, a3)
                         i += 4
                     else:
                         a0 = vzero(cur)
@@ -280,14 +274,9 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                             a0 = vmuladdv(a0, vload(tv, q * LANES), vload(cur, c * LANES))
                         vstore(nxt, i * LANES, a0)
                         i += 1
-                    elif i + 4 <= m and (cj == 2 or (csr_indptr[cp + i + 2] - csr_indptr[cp + i + 1] == n
-                                                     and csr_indptr[cp + i + 3] - csr_indptr[cp + i + 2] == n
-                                                     and csr_indptr[cp + i + 4] - csr_indptr[cp + i + 3] == n)):
+                    elif i + 4 <= m and (cj == 2 or _four_rows_alike_c(csr_indptr, cp + i, n)):
                         # four rows of one length at once (their entries are consecutive)
-                        a0 = vzero(cur)
-                        a1 = vzero(cur)
-                        a2 = vzero(cur)
-                        a3 = vzero(cur)
+                        a0 = a1 = a2 = a3 = vzero(cur)
                         if cj == 2:
                             for q in range(n):
                                 x = vload(cur, q * LANES)
@@ -309,10 +298,7 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 e0 += n
                                 a3 = vmuladdv(a3, vload(varr, vbase + e0 * vstr),
                                               vload(cur, get(csr_indices, g0 + e0) * LANES))
-                        vstore(nxt, i * LANES, a0)
-                        vstore(nxt, (i + 1) * LANES, a1)
-                        vstore(nxt, (i + 2) * LANES, a2)
-                        vstore(nxt, (i + 3) * LANES, a3)
+                        _store4_c(nxt, i, a0, a1, a2, a3)
                         i += 4
                     else:
                         a0 = vzero(cur)
@@ -472,5 +458,10 @@ def compiled():
         globals().update({name: ops[name] for name in _VECTOR_OPS})
         globals()["block_sums"] = cpu_nt.block_sums()
         globals()["lane_sum"] = cpu_nt.lane_sum()
-        _compiled = numba_module().njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
+        numba = numba_module()
+        # inlined where called (numba's IR inlining): the same code as written out in the loop
+        for name in ("_four_rows_alike", "_store4"):
+            globals()[name + "_c"] = numba.njit(cache=True, nogil=True, error_model="numpy",
+                                                inline="always")(globals()[name])
+        _compiled = numba.njit(cache=True, nogil=True, error_model="numpy")(_chain_kernel)
     return _compiled
