@@ -10,6 +10,11 @@ Two implementations: ``"torch"`` (:mod:`spscan.kernels.torch_ops`: vectorized to
 CPU default and the reference for the kernels) and ``"triton"``
 (:mod:`spscan.kernels.triton_backend`: the Triton kernels, on CUDA or in Triton's interpreter),
 found by name through :mod:`spscan.kernels.registry`. This module imports neither.
+
+The compiled CPU loops (numba) that front ends call outside a program run are declared here too, in
+:data:`cpu_ops` (:class:`CpuOps`): the forwards of three recurrence forms, the long-reduction
+product of their weight gradients and the max-pooling forward. Each imports its module on first
+use, so importing spscan imports neither those modules nor numba.
 """
 
 from __future__ import annotations
@@ -21,23 +26,24 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "Feed", "StructuredOperator", "Tap", "ValueEncoding", "load_feeds",
-           "run_apply"]
+__all__ = ["Capabilities", "Tables", "Backend", "CpuOps", "Feed", "GATE_BANDS", "StructuredOperator", "Tap",
+           "ValueEncoding", "cpu_ops", "load_feeds", "run_apply"]
 
 
 @dataclass(frozen=True)
 class ValueEncoding:
     """Per-sample values of a layer stored in a compact form instead of its CSR values.
 
-    Some layers' ``J^T`` has fewer free numbers than stored entries (the LSTM's gate element: ``9H``
-    CSR entries made of ``6H`` coefficients). A layer may hand over those numbers and say how to make
+    Some layers' ``J^T`` has fewer free numbers than stored entries (e.g. :data:`GATE_BANDS`: ``9H``
+    CSR entries made of ``6H`` numbers). A layer may hand over those numbers and say how to make
     the CSR values from them: every path that needs CSR values (products of the schedule, the
     NumPy loop, Triton) expands them with ``expand``; a kernel that knows the form by ``name``
-    applies it from the compact numbers directly (:mod:`.cpu_chain`: ``"lstm_gate"``), reading and
-    computing less.
+    applies it from the compact numbers directly (:mod:`.cpu_chain`: :data:`GATE_BANDS`), reading
+    and computing less.
 
     Attributes:
-        name: the form, as the kernels know it.
+        name: the form, as the kernels know it (:data:`GATE_BANDS`), or any other name (then only
+            ``expand`` is used).
         width: compact numbers per sample.
         expand: ``(..., width)`` -> ``(..., nnz)``: the pattern's CSR values (any leading dimensions).
     """
@@ -45,6 +51,16 @@ class ValueEncoding:
     name: str
     width: int
     expand: Callable[[torch.Tensor], torch.Tensor]
+
+
+GATE_BANDS = "gate_bands"
+"""A :class:`ValueEncoding` form: a ``(5H, 2H)`` per-sample ``J^T`` of five diagonal bands of ``H`` rows,
+given by ``6H`` numbers per sample, blocks of ``H`` in the order ``k, f, c_0, c_1, c_2, c_3``. With the
+input ``(x_1, x_2)`` (two blocks of ``H``) and ``w = x_2 + k x_1``, the output is ``(c_0 w, c_1 w, c_2 w,
+c_3 x_1, f w)``: bands 0-2 and 4 read columns ``(u, H + u)`` of row ``u`` of their block, band 3 column
+``u``. Its ``9H`` CSR values (rows in that order; a two-entry row ``[c k, c]``) are products of the
+numbers. A gated recurrence with a cell state has such a step Jacobian; the compiled linear scan
+applies it from the numbers (``w`` once, then five products per unit)."""
 
 
 @dataclass(frozen=True)
@@ -219,3 +235,75 @@ class Backend(ABC):
         ``feeds`` are the program's extra terms that the engine did not load into ``vectors``: a
         backend reads them where they lie, or writes them into their slots first (:func:`load_feeds`).
         """
+
+
+class CpuOps:
+    """The compiled CPU operations (numba) front ends may call, declared in one place (:data:`cpu_ops`).
+
+    Each method imports its module on first use and forwards its arguments unchanged; the module's
+    function documents them. Where numba is absent :meth:`recurrence_available` is false and
+    :meth:`max_pool2d_with_indices` returns ``None``, and the callers run their torch paths.
+    """
+
+    @staticmethod
+    def recurrence_available() -> bool:
+        """Whether the compiled recurrence forwards and :meth:`matmul_nt` can run (numba importable)."""
+        from . import cpu_recurrence
+
+        return cpu_recurrence.available()
+
+    @staticmethod
+    def input_projection(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor]):
+        """The input part ``x W_ih^T + bias`` of a forward's pre-activations, in the form the forwards read
+        (:func:`spscan.kernels.cpu_recurrence.input_projection`)."""
+        from . import cpu_recurrence
+
+        return cpu_recurrence.input_projection(x, w_ih, bias)
+
+    @staticmethod
+    def activation_recurrence_forward(gi, w_hh: torch.Tensor, h0: torch.Tensor, relu: bool,
+                                      batch_first: bool = False, buffers=None,
+                                      prev: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h_t = act(gi_t + h_{t-1} W^T)``: ``(hs, d)``
+        (:func:`spscan.kernels.cpu_recurrence.activation_recurrence_forward`)."""
+        from . import cpu_recurrence
+
+        return cpu_recurrence.activation_recurrence_forward(gi, w_hh, h0, relu, batch_first, buffers, prev)
+
+    @staticmethod
+    def gated_cell_forward(gi, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, batch_first: bool = False,
+                           buffers=None, prev: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Four gates and a cell state: ``(hs, c_T, values)``, the values in the :data:`GATE_BANDS` form
+        (:func:`spscan.kernels.cpu_recurrence.gated_cell_forward`)."""
+        from . import cpu_recurrence
+
+        return cpu_recurrence.gated_cell_forward(gi, w_hh, h0, c0, batch_first, buffers, prev)
+
+    @staticmethod
+    def reset_gated_forward(gi, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor], h0: torch.Tensor,
+                            batch_first: bool = False, buffers=None, prev: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reset and update gates: ``(hs, d, dn)`` (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`)."""
+        from . import cpu_recurrence
+
+        return cpu_recurrence.reset_gated_forward(gi, w_hh, b_hn, h0, batch_first, buffers, prev)
+
+    @staticmethod
+    def matmul_nt(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """``a @ z[rows].T`` over a long reduction, in one pass over ``a`` (:func:`spscan.kernels.cpu_nt.matmul_nt`)."""
+        from . import cpu_nt
+
+        return cpu_nt.matmul_nt(a, z, rows)
+
+    @staticmethod
+    def max_pool2d_with_indices(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode: bool
+                                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """ATen's ``max_pool2d_with_indices`` on CPU, or ``None`` where the compiled loop does not apply
+        (:func:`spscan.kernels.cpu_pool.max_pool2d_with_indices`)."""
+        from . import cpu_pool
+
+        return cpu_pool.max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+cpu_ops = CpuOps()

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from spscan.kernels import cpu_chain
+from .cpu_numba import available, numba_module
 
 __all__ = ["max_pool2d_with_indices", "output_size"]
 
@@ -98,7 +98,7 @@ def _kernel(name: str):
     fn = _compiled.get(name)
     if fn is None:
         src = _pool2_kernel if name == "pool2" else _pool_kernel
-        fn = _compiled[name] = cpu_chain.numba_module().njit(cache=True, nogil=True)(src)
+        fn = _compiled[name] = numba_module().njit(cache=True, nogil=True)(src)
     return fn
 
 
@@ -138,7 +138,7 @@ def max_pool2d_with_indices(x: torch.Tensor, kernel_size, stride: Optional[Seque
     ATen's kernel is the one to run). ``stride`` empty or ``None``: the kernel size."""
     if (x.dim() != 4 or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
             or x.numel() < MIN_NUMEL or not x.is_contiguous() or x.requires_grad
-            or torch.get_num_threads() > MAX_THREADS or not cpu_chain.available()):
+            or torch.get_num_threads() > MAX_THREADS or not available()):
         return None
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(stride) if stride else (kh, kw)

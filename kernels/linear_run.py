@@ -229,29 +229,52 @@ def _run_block(s_ptr, prow, meta, rows, ks, m, NF: tl.constexpr):
 
 
 @triton.jit
+def _chunk_program(p_ptr, v_ptr, stride_p, stride_v, BM: tl.constexpr):
+    """A (chunk, sample) program's chunk, sample, rows of the per-sample values and of the vectors, and the
+    row and column indices of a ``(BM, BM)`` tile."""
+    c = tl.program_id(0)
+    smp = tl.program_id(1).to(tl.int64)
+    return c, smp, p_ptr + smp * stride_p, v_ptr + smp * stride_v, tl.arange(0, BM), tl.arange(0, BM)
+
+
+@triton.jit
+def _chunk_first(s_ptr, prow, table, c, chunk, steps, rows, ks, m, NF: tl.constexpr):
+    """Chunk ``c``'s first step, the step past its last, and its first step's block (:func:`_run_block`)."""
+    j = c * chunk
+    end = tl.minimum(j + chunk, steps)
+    nxt, nxt_d = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    return j, end, nxt, nxt_d
+
+
+@triton.jit
+def _chunk_step(s_ptr, prow, table, j, end, rows, ks, m, nxt, nxt_d, NF: tl.constexpr, OUT: tl.constexpr):
+    """Step ``j`` of a chunk ending before ``end``: its block (``nxt, nxt_d``, loaded a step ahead), kind,
+    affine-term column and (with ``OUT``) output column; and the next step's block, loaded first: it
+    does not depend on this step's product."""
+    meta = table + j * NF
+    kind = tl.load(meta)
+    add = tl.load(meta + 5).to(tl.int64)
+    out = add
+    if OUT:
+        out = tl.load(meta + 6).to(tl.int64)
+    a, d = nxt, nxt_d
+    if j + 1 < end:
+        nxt, nxt_d = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+    return a, d, kind, add, out, nxt, nxt_d
+
+
+@triton.jit
 def run_compose_kernel(
     s_ptr, p_ptr, v_ptr, c_ptr,  # shared values, per-sample values (B, N_P), vectors (B, N_V), chunk maps
     table, steps, m, chunk, stride_p, stride_v, stride_c,
     NF: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    smp = tl.program_id(1).to(tl.int64)
-    prow = p_ptr + smp * stride_p
-    vrow = v_ptr + smp * stride_v
-    rows = tl.arange(0, BM)
-    ks = tl.arange(0, BM)
+    c, smp, prow, vrow, rows, ks = _chunk_program(p_ptr, v_ptr, stride_p, stride_v, BM)
     # [I | 0]: the identity on the first m columns, the chunk's additive term in column m
     acc = tl.where((rows[:, None] == ks[None, :]) & (rows[:, None] < m), 1.0, 0.0).to(v_ptr.dtype.element_ty)
-    j = c * chunk
-    end = tl.minimum(j + chunk, steps)
-    nxt, nxt_d = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    j, end, nxt, nxt_d = _chunk_first(s_ptr, prow, table, c, chunk, steps, rows, ks, m, NF)
     while j < end:
-        a, d = nxt, nxt_d
-        meta = table + j * NF
-        kind = tl.load(meta)
-        add = tl.load(meta + 5).to(tl.int64)
-        if j + 1 < end:  # the next step's block is independent of this product: load it first
-            nxt, nxt_d = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+        a, d, kind, add, _, nxt, nxt_d = _chunk_step(s_ptr, prow, table, j, end, rows, ks, m, nxt, nxt_d, NF, False)
         if kind == 1:
             acc = tl.dot(a, acc, input_precision=PRECISION)
         else:  # a diagonal scales the rows: no product
@@ -291,24 +314,11 @@ def run_expand_kernel(
     table, steps, m, chunk, stride_p, stride_v, stride_c, e_off,
     NF: tl.constexpr, BM: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    smp = tl.program_id(1).to(tl.int64)
-    prow = p_ptr + smp * stride_p
-    vrow = v_ptr + smp * stride_v
-    rows = tl.arange(0, BM)
-    ks = tl.arange(0, BM)
+    c, smp, prow, vrow, rows, ks = _chunk_program(p_ptr, v_ptr, stride_p, stride_v, BM)
     y = tl.load(e_ptr + smp * stride_c + e_off + c * BM + rows, mask=rows < m, other=0.0)
-    j = c * chunk
-    end = tl.minimum(j + chunk, steps)
-    nxt, nxt_d = _run_block(s_ptr, prow, table + j * NF, rows, ks, m, NF)
+    j, end, nxt, nxt_d = _chunk_first(s_ptr, prow, table, c, chunk, steps, rows, ks, m, NF)
     while j < end:
-        a, d = nxt, nxt_d
-        meta = table + j * NF
-        kind = tl.load(meta)
-        add = tl.load(meta + 5).to(tl.int64)
-        out = tl.load(meta + 6).to(tl.int64)
-        if j + 1 < end:
-            nxt, nxt_d = _run_block(s_ptr, prow, meta + NF, rows, ks, m, NF)
+        a, d, kind, add, out, nxt, nxt_d = _chunk_step(s_ptr, prow, table, j, end, rows, ks, m, nxt, nxt_d, NF, True)
         if kind == 1:
             y = tl.sum(a * y[None, :], axis=1)
         else:

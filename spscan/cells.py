@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spscan.engine import PeriodicValues
-from spscan.kernels.backend import ValueEncoding
+from spscan.kernels.backend import GATE_BANDS, ValueEncoding
 
 __all__ = [
     "cell_kind", "cell_step", "coefficients", "factored_layout", "factored_step_values",
@@ -149,8 +149,8 @@ def lstm_gate_encoding(hidden: int) -> ValueEncoding:
     """The LSTM gate element's values as ``6H`` numbers per sample: ``k`` (``o (1 - tanh^2 c_t)``), ``f``,
     ``c_i``, ``c_f``, ``c_g``, ``c_o`` (blocks of ``H``), of which its ``9H`` CSR values are products
     (:func:`lstm_gate_pattern`). The compiled CPU forward writes these (a third fewer bytes than the
-    CSR values) and the compiled linear scan applies them as they are (``"lstm_gate"``)."""
-    return ValueEncoding("lstm_gate", 6 * hidden, _expand_lstm_gate)
+    CSR values) and the compiled linear scan applies them as they are (their form, ``GATE_BANDS``)."""
+    return ValueEncoding(GATE_BANDS, 6 * hidden, _expand_lstm_gate)
 
 
 # element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``

@@ -74,7 +74,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan import recurrent_cpu
+from spscan.kernels.backend import cpu_ops
 from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_values, jacobian_values,
                           lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
                           resolve_layout, shared_flags, state_size)
@@ -435,10 +435,10 @@ class RecurrentPlan(RecurrentFront):
 
     def _compiled_forward_applies(self, x: torch.Tensor, hx) -> bool:
         """Whether the factored RNN's, GRU's or LSTM's forward runs in one compiled pass
-        (:mod:`spscan.recurrent_cpu`): CPU, float32/float64 input and state of the parameters' dtype,
+        (:mod:`spscan.kernels.cpu_recurrence`): CPU, float32/float64 input and state of the parameters' dtype,
         well-formed shapes; anything else runs the module (whose own checks then speak)."""
         if self.kind not in ("lstm", "gru", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
-                or not recurrent_cpu.available():
+                or not cpu_ops.recurrence_available():
             return False
         m, p = self.module, self.module.weight_hh_l0
         if x.device.type != "cpu" or p.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) \
@@ -504,15 +504,14 @@ class RecurrentPlan(RecurrentFront):
     def _lstm_compiled_forward(self, x: torch.Tensor, hx):
         """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
         are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import input_projection, lstm_forward
-
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
         # both biases enter every gate pre-activation: added to the input part once
         z, xz = self._operands(xt)
-        gi = input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
-        hs, c_n, gate_values = lstm_forward(gi, params[1], h0, c0, batch_first=m.batch_first and not unbatched,
-                                            buffers=self.buffers, prev=z)
+        gi = cpu_ops.input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
+        hs, c_n, gate_values = cpu_ops.gated_cell_forward(gi, params[1], h0, c0,
+                                                          batch_first=m.batch_first and not unbatched,
+                                                          buffers=self.buffers, prev=z)
         shared = lstm_weight_values(params[1], H)
         # the gate element as its compact numbers: the compiled CPU linear scan applies them as they are,
         # every other path expands them to CSR values
@@ -523,16 +522,15 @@ class RecurrentPlan(RecurrentFront):
 
     def _rnn_compiled_forward(self, x: torch.Tensor, hx):
         """The RNN forward on CPU in one compiled pass that also writes the diagonal element's values
-        (:func:`spscan.recurrent_cpu.rnn_forward`). Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import input_projection, rnn_forward
-
+        (:func:`spscan.kernels.cpu_recurrence.activation_recurrence_forward`). Returns ``(outputs, saved)``."""
         m = self.module
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         # both biases enter the pre-activation: added to the input part once
         z, xz = self._operands(xt)
-        gi = input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
-        hs, d = rnn_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
-                            batch_first=m.batch_first and not unbatched, buffers=self.buffers, prev=z)
+        gi = cpu_ops.input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
+        hs, d = cpu_ops.activation_recurrence_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
+                                                      batch_first=m.batch_first and not unbatched,
+                                                      buffers=self.buffers, prev=z)
         values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
         out, h_n = self._compiled_outputs(hs, unbatched)
         saved = self._compiled_saved(xt, z, {"d": d}, values, unbatched, params)
@@ -540,22 +538,20 @@ class RecurrentPlan(RecurrentFront):
 
     def _gru_compiled_forward(self, x: torch.Tensor, hx):
         """The GRU forward on CPU in one compiled pass that also writes the diagonal element's values
-        ``(dr, dz, dm, z)`` and ``dn`` (:func:`spscan.recurrent_cpu.gru_forward`): the gates are evaluated
-        once, not recomputed from the module's outputs. Returns ``(outputs, saved)``."""
-        from spscan.recurrent_cpu import gru_forward, input_projection
-
+        ``(dr, dz, dm, z)`` and ``dn`` (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`): the gates are
+        evaluated once, not recomputed from the module's outputs. Returns ``(outputs, saved)``."""
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
         b_hn = None
         z, xz = self._operands(xt)
         if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
             bias = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
-            gi = input_projection(xz, params[0], bias)
+            gi = cpu_ops.input_projection(xz, params[0], bias)
             b_hn = params[3][2 * H:]
         else:
-            gi = input_projection(xz, params[0], None)
-        hs, d, dn = gru_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
-                                buffers=self.buffers, prev=z)
+            gi = cpu_ops.input_projection(xz, params[0], None)
+        hs, d, dn = cpu_ops.reset_gated_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
+                                                buffers=self.buffers, prev=z)
         values = PeriodicValues([gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
         out, h_n = self._compiled_outputs(hs, unbatched)
         saved = self._compiled_saved(xt, z, {"dn": dn}, values, unbatched, params)
@@ -836,10 +832,10 @@ def _weight_grads_compile(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tenso
 def _compiled_weight_grads(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
     """``(W_ih, W_hh, b_ih, b_hh)`` gradients (biases ``None`` without ``bias``) from the pre-activation
     gradients ``(G, T*B)`` and the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), by
-    :func:`spscan.recurrent_cpu.weight_gradients`: one compiled pass over ``a`` for all of them where
+    :func:`spscan.kernels.cpu_nt.matmul_nt`: one compiled pass over ``a`` for all of them where
     both sides share it (RNN, LSTM), one per side otherwise (GRU). On CPU it replaces two GEMMs and
     a sum, each reading ``a`` (the LSTM at T = 1000, B = 16: ~0.4 against 0.72 ms, one thread)."""
-    weight_gradients = recurrent_cpu.weight_gradients
+    weight_gradients = cpu_ops.matmul_nt
     z = saved.operands
     H, I = saved.h_prev.shape[-1], saved.x.shape[-1]
     z = z.view(z.shape[0], -1)

@@ -208,7 +208,8 @@ def test_forward_outputs_equal_module_and_no_grad_path():
     x = torch.randn(6, 2, 3, dtype=torch.float64)
     o1, h1 = m(x)
     o2, h2 = w(x)
-    # the GRU's CPU forward is spscan.recurrent_cpu's compiled pass (its own summation order): rounding may differ
+    # the GRU's CPU forward is spscan.kernels.cpu_recurrence's compiled pass (its own summation order): rounding
+    # may differ
     assert o2.shape == o1.shape and h2.shape == h1.shape
     assert (o1 - o2).abs().max() <= 1e-14 * o1.abs().max() and (h1 - h2).abs().max() <= 1e-14 * h1.abs().max()
     with torch.no_grad():
@@ -499,7 +500,7 @@ def test_triton_backend_equals_autograd(kind, levels):
 
 
 def _no_compiled_forward(monkeypatch):
-    import spscan.recurrent_cpu as rc
+    import spscan.kernels.cpu_recurrence as rc
 
     monkeypatch.setattr(rc, "available", lambda: False)
 
@@ -549,7 +550,7 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
     pytest.importorskip("numba")
     from spscan.cells import lstm_gate_encoding
     from spscan.engine import PeriodicValues
-    from spscan.kernels import cpu_chain
+    from spscan.kernels import cpu_chain, cpu_chain_tables
 
     m = make_module("lstm", 2, 5, batch_first=True, bias=True, dtype=dtype)
     x, hx = make_inputs(m, 17, 21, with_h0=True, dtype=dtype)
@@ -565,7 +566,7 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
     if path == "numpy":
         monkeypatch.setattr(cpu_chain, "available", lambda: False)
     elif path == "unknown_form":
-        monkeypatch.setattr(cpu_chain, "ENCODED_CODES", {})
+        monkeypatch.setattr(cpu_chain_tables, "ENCODED_CODES", {})
     want = grads_of(m, m, x, hx, "both")
     got = grads_of(wrap_recurrent(m, x), m, x, hx, "both")
     for i, (a, b) in enumerate(zip(got, want)):
@@ -680,7 +681,7 @@ def test_compiled_forward_input_projection(kind, input_size, dtype, bias):
     outputs, the same chain values as each other, and autograd's gradients (a full and a partial tile,
     a non-contiguous batch-first input)."""
     pytest.importorskip("numba")
-    import spscan.recurrent_cpu as rc
+    import spscan.kernels.cpu_recurrence as rc
 
     assert rc.FUSED_MAX_INPUT == 4  # the sizes above sit at and past the bound
     T, B = 9, 20
@@ -701,15 +702,16 @@ def test_compiled_forward_input_projection(kind, input_size, dtype, bias):
     assert rel_err(materialized, gemm) <= (1e-15 if dtype == torch.float64 else 1e-7)
     h0 = (hx[0] if isinstance(hx, tuple) else hx)[0]
     if kind == "lstm":
-        fused = rc.lstm_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], h0, hx[1][0])
-        read = rc.lstm_forward(gemm, params[1], h0, hx[1][0])
+        fused = rc.gated_cell_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], h0, hx[1][0])
+        read = rc.gated_cell_forward(gemm, params[1], h0, hx[1][0])
     elif kind == "gru":
         b_hn = params[3][12:] if bias else None
-        fused = rc.gru_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], b_hn, h0)
-        read = rc.gru_forward(gemm, params[1], b_hn, h0)
+        fused = rc.reset_gated_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], b_hn, h0)
+        read = rc.reset_gated_forward(gemm, params[1], b_hn, h0)
     else:
-        fused = rc.rnn_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], h0, relu=kind == "rnn_relu")
-        read = rc.rnn_forward(gemm, params[1], h0, relu=kind == "rnn_relu")
+        fused = rc.activation_recurrence_forward(rc.InputProjection(xt, params[0], bias_vec), params[1], h0,
+                                                 relu=kind == "rnn_relu")
+        read = rc.activation_recurrence_forward(gemm, params[1], h0, relu=kind == "rnn_relu")
     tol = 1e-13 if dtype == torch.float64 else 2e-6
     for a, b in zip(fused, read):
         assert a.shape == b.shape and rel_err(a, b) <= tol
@@ -733,7 +735,7 @@ def test_compiled_forward_streamed_values_equal_plain(monkeypatch, kind, dtype):
     last-level cache and with plain stores below: both give the same outputs and values, bit for bit
     (full and partial tiles; the partial one goes through a scratch tile either way)."""
     pytest.importorskip("numba")
-    import spscan.recurrent_cpu as rc
+    import spscan.kernels.cpu_recurrence as rc
 
     T, B, I = 7, 21, 1
     m = make_module(kind, I, 6, batch_first=False, bias=True, dtype=dtype)
@@ -745,10 +747,10 @@ def test_compiled_forward_streamed_values_equal_plain(monkeypatch, kind, dtype):
 
     def run():
         if kind == "lstm":
-            return rc.lstm_forward(gi, params[1], h0, hx[1][0])
+            return rc.gated_cell_forward(gi, params[1], h0, hx[1][0])
         if kind == "gru":
-            return rc.gru_forward(gi, params[1], params[3][12:], h0)
-        return rc.rnn_forward(gi, params[1], h0, relu=False)
+            return rc.reset_gated_forward(gi, params[1], params[3][12:], h0)
+        return rc.activation_recurrence_forward(gi, params[1], h0, relu=False)
 
     results = {}
     for streamed, cache in ((True, 0), (False, 1 << 40)):
@@ -797,26 +799,25 @@ def test_compiled_expm1_within_a_few_ulp(np_dtype):
     pytest.importorskip("numba")
     import numpy as np
 
-    import spscan.recurrent_cpu as rc
+    import spscan.kernels.cpu_recurrence_steps as rs
 
-    assert rc.available()
-    rc._prepare()
+    vexpm1 = rs.compiled()["_vexpm1_c"]
     dt = np.dtype(np_dtype).type
-    itype = rc._INT[dt][0]
-    cst, icst = rc._expm1_consts(dt)  # float32: the shorter series
+    itype = rs.int_type(dt)
+    cst, icst = rs.expm1_consts(dt)  # float32: the shorter series
     g = np.random.default_rng(0)
     y = np.concatenate([g.uniform(-80, 80, 4000), g.uniform(-1, 1, 4000), g.uniform(-1e-6, 1e-6, 1000),
                         [0.0, -0.0, 1e-30, -1e-30, 0.34657, -0.34657, 0.5, -0.5, 80.0, -80.0]]).astype(dt)
     buf = y.copy()
     bits = np.empty(buf.shape[0], dtype=itype)
-    rc._vexpm1_c(buf, bits, bits.view(dt), cst, icst)
+    vexpm1(buf, bits, bits.view(dt), cst, icst)
     ref = np.expm1(y.astype(np.longdouble))
     ulp = np.finfo(dt).eps
     err = np.abs(buf.astype(np.longdouble) - ref) / np.abs(ref).clip(np.finfo(dt).tiny)
     assert float(err.max()) <= 4 * ulp, float(err.max() / ulp)
     # the clamp keeps 2^k a normal number: far outside the range the result saturates, finite
     far = np.array([-1e4, 1e4 if np_dtype == "float64" else 88.0], dtype=dt)
-    rc._vexpm1_c(far, bits[:2], bits[:2].view(dt), cst, icst)
+    vexpm1(far, bits[:2], bits[:2].view(dt), cst, icst)
     assert far[0] == -1.0 and np.isfinite(far[1])
 
 

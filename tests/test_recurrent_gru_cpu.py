@@ -1,4 +1,4 @@
-"""The GRU's one-pass compiled CPU forward (:func:`spscan.recurrent_cpu.gru_forward`) and the wrapper around it.
+"""The GRU's one-pass compiled CPU forward (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`) and the wrapper around it.
 
 The forward is compared with ``nn.GRU``'s own (float64 to a few units in the last place, float32 to
 float32 rounding), its saved chain values with those of the module path (the module's forward and
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import spscan.recurrent_cpu as rc
+import spscan.kernels.cpu_recurrence as rc
 from spscan.recurrent import plan_recurrent, wrap_recurrent
 
 needs_numba = pytest.mark.skipif(not rc.available(), reason="numba not installed")
@@ -195,19 +195,19 @@ def test_gru_forward_refuses_bad_arguments():
     gi = torch.zeros(3, 2, 12, dtype=torch.float64)
     w = torch.zeros(12, 4, dtype=torch.float64)
     h0 = torch.zeros(2, 4, dtype=torch.float64)
-    hs, d, dn = rc.gru_forward(gi, w, None, h0)
+    hs, d, dn = rc.reset_gated_forward(gi, w, None, h0)
     assert hs.shape == (3, 2, 4) and d.shape == (3, 2, 16) and dn.shape == (3, 2, 4)
     # zero weights: r = z = 1/2, n = 0, h stays 0; dz = (h - n) z (1 - z) = 0, dn = 1/2, dm = 1/4
     assert torch.equal(hs, torch.zeros_like(hs)) and torch.all(d[..., 12:] == 0.5) and torch.all(dn == 0.5)
     assert torch.all(d[..., 8:12] == 0.25) and torch.all(d[..., :8] == 0)
-    with pytest.raises(TypeError, match="gru_forward.*float32/float64"):
-        rc.gru_forward(gi.float(), w, None, h0)
+    with pytest.raises(TypeError, match="reset_gated_forward.*float32/float64"):
+        rc.reset_gated_forward(gi.float(), w, None, h0)
     with pytest.raises(TypeError, match="b_hn torch.float32"):
-        rc.gru_forward(gi, w, torch.zeros(4), h0)
+        rc.reset_gated_forward(gi, w, torch.zeros(4), h0)
     with pytest.raises(ValueError, match=r"w_hh \(3H, H\).*w_hh \(12, 5\)"):
-        rc.gru_forward(gi, torch.zeros(12, 5, dtype=torch.float64), None, h0)
+        rc.reset_gated_forward(gi, torch.zeros(12, 5, dtype=torch.float64), None, h0)
     with pytest.raises(ValueError, match=r"b_hn \(5,\)"):
-        rc.gru_forward(gi, w, torch.zeros(5, dtype=torch.float64), h0)
+        rc.reset_gated_forward(gi, w, torch.zeros(5, dtype=torch.float64), h0)
 
 
 # --------------------------------------------------------------------------- gradients

@@ -1,4 +1,4 @@
-"""The recurrent layers' weight and bias gradients in one compiled pass (:func:`spscan.recurrent_cpu.weight_gradients`),
+"""The recurrent layers' weight and bias gradients in one compiled pass (:func:`spscan.kernels.cpu_nt.matmul_nt`),
 and the forwards' feature-major operands they read (``prev``).
 
 Compared with float64 products of the same operands; then through the wrappers, where the compiled
@@ -14,14 +14,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 import spscan.recurrent as rec
-import spscan.recurrent_cpu as rc
+import spscan.kernels.cpu_recurrence as rc
+from spscan.kernels import cpu_nt
 from spscan.recurrent import wrap_recurrent
 
 pytestmark = pytest.mark.skipif(not rc.available(), reason="numba not installed")
 
 
 def _check(a, z, rows, dtype):
-    out = rc.weight_gradients(a, z, rows)
+    out = cpu_nt.matmul_nt(a, z, rows)
     zr = z if rows is None else z[list(rows)]
     ref = a.double() @ zr.double().t()
     assert out.dtype == dtype and out.shape == ref.shape
@@ -48,7 +49,7 @@ def test_equals_float64_products(dtype, M, N, K, rows):
     a = torch.randn(M, N, generator=g, dtype=torch.float64).to(dtype)
     z = torch.randn(K, N, generator=g, dtype=torch.float64).to(dtype)
     out = _check(a, z, rows, dtype)
-    assert torch.equal(out, rc.weight_gradients(a, z, rows))  # fixed order: bitwise run to run
+    assert torch.equal(out, cpu_nt.matmul_nt(a, z, rows))  # fixed order: bitwise run to run
 
 
 @settings(max_examples=30, deadline=None)
@@ -68,7 +69,7 @@ def test_non_finite_values_propagate():
     z = torch.ones(3, 40)
     a[1, 3] = float("nan")
     z[0, 7] = float("inf")
-    out = rc.weight_gradients(a, z)
+    out = cpu_nt.matmul_nt(a, z)
     assert out[1].isnan().all()
     assert out[0, 0] == float("inf") and out[0, 1] == 40 and out[0, 2] == 40
 
@@ -76,17 +77,17 @@ def test_non_finite_values_propagate():
 def test_bad_input_is_refused():
     a = torch.randn(6, 20)
     with pytest.raises(TypeError, match="float32/float64"):
-        rc.weight_gradients(a.double(), torch.randn(3, 20))
+        cpu_nt.matmul_nt(a.double(), torch.randn(3, 20))
     with pytest.raises(TypeError, match="float32/float64"):
-        rc.weight_gradients(a.half(), torch.randn(3, 20).half())
+        cpu_nt.matmul_nt(a.half(), torch.randn(3, 20).half())
     with pytest.raises(ValueError, match="contiguous rows"):
-        rc.weight_gradients(torch.randn(20, 6).t(), torch.randn(3, 20))
+        cpu_nt.matmul_nt(torch.randn(20, 6).t(), torch.randn(3, 20))
     with pytest.raises(ValueError, match="contiguous rows"):
-        rc.weight_gradients(a, torch.randn(20, 3).t())
+        cpu_nt.matmul_nt(a, torch.randn(20, 3).t())
     with pytest.raises(ValueError, match="z"):
-        rc.weight_gradients(a, torch.randn(3, 19))
+        cpu_nt.matmul_nt(a, torch.randn(3, 19))
     with pytest.raises(ValueError, match="rows"):
-        rc.weight_gradients(a, torch.randn(3, 20), [0, 3])
+        cpu_nt.matmul_nt(a, torch.randn(3, 20), [0, 3])
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
@@ -105,18 +106,19 @@ def test_forward_writes_previous_states_feature_major(kind, dtype, B, batch_firs
     gi = rc.input_projection(x, w_ih, None)
     prev = torch.full((H + 2, T, B), 7.0, dtype=dtype)
     if kind == "lstm":
-        hs = rc.lstm_forward(gi, w_hh, h0, torch.zeros(B, H, dtype=dtype), batch_first, prev=prev)[0]
+        hs = rc.gated_cell_forward(gi, w_hh, h0, torch.zeros(B, H, dtype=dtype), batch_first, prev=prev)[0]
     elif kind == "gru":
-        hs = rc.gru_forward(gi, w_hh, None, h0, batch_first, prev=prev)[0]
+        hs = rc.reset_gated_forward(gi, w_hh, None, h0, batch_first, prev=prev)[0]
     else:
-        hs = rc.rnn_forward(gi, w_hh, h0, False, batch_first, prev=prev)[0]
+        hs = rc.activation_recurrence_forward(gi, w_hh, h0, False, batch_first, prev=prev)[0]
     tm = hs.transpose(0, 1) if batch_first else hs
     expect = torch.cat([h0.unsqueeze(0), tm[:-1]]).permute(2, 0, 1)
     assert torch.equal(prev[:H], expect)
     assert (prev[H:] == 7).all()
     with pytest.raises(ValueError, match="prev"):
-        rc.rnn_forward(rc.input_projection(x, torch.randn(H, I, dtype=dtype), None), torch.randn(H, H, dtype=dtype),
-                       h0, False, prev=torch.empty(H - 1, T, B, dtype=dtype))
+        rc.activation_recurrence_forward(rc.input_projection(x, torch.randn(H, I, dtype=dtype), None),
+                                         torch.randn(H, H, dtype=dtype), h0, False,
+                                         prev=torch.empty(H - 1, T, B, dtype=dtype))
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
@@ -133,8 +135,8 @@ def test_wrapper_gradients_equal_the_gemm_path(monkeypatch, kind, dtype, B, bias
     x = torch.randn(B, 11, 3, dtype=dtype)
     w = wrap_recurrent(m, x)
     calls = []
-    real = rc.weight_gradients
-    monkeypatch.setattr(rc, "weight_gradients", lambda *a: calls.append(1) or real(*a))
+    real = cpu_nt.matmul_nt
+    monkeypatch.setattr(cpu_nt, "matmul_nt", lambda *a: calls.append(1) or real(*a))
 
     def grads(input_grad: bool):
         m.zero_grad(set_to_none=True)
@@ -169,7 +171,7 @@ def test_wrapper_gradients_equal_the_gemm_path(monkeypatch, kind, dtype, B, bias
        input_grad=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_parameter_gradients_equal_autograd_float64(kind, T, B, H, I, batch_first, bias, input_grad, seed):
     """Every path of the parameter gradients (reduced in the scan: partial tiles, rings cut short by the
-    sequence's end; stored and passed to weight_gradients) against float64 autograd, with a loss on
+    sequence's end; stored and passed to matmul_nt) against float64 autograd, with a loss on
     every output and on h_n, a changing batch size in the same wrapper."""
     torch.manual_seed(seed)
     cls = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN, "rnn_relu": nn.RNN}[kind]
