@@ -9,7 +9,7 @@ with ``J_t = ds_t/ds_{t-1}``: an *affine* scan (a loss on every time step enters
 ``extra``). The transposed Jacobians are built analytically for all ``t`` at once from the
 gates, which are recomputed in one batched GEMM from ``x`` and ``h_{t-1}`` after the module's
 own (cuDNN on GPU) forward has produced ``h_1..h_T`` (paper Appendix E, eq. 11) — except for the
-factored RNN, GRU and LSTM on CPU, whose forwards run in one compiled pass (:mod:`spscan.recurrent_cpu`)
+factored RNN, GRU and LSTM on CPU, whose forwards run in one compiled pass (:data:`spscan.kernels.backend.cpu_ops`)
 that evaluates the gates once and writes ``h_t`` (LSTM: ``c_T``) and the step's Jacobian values as
 it goes (``c_t`` comes from the recurrence itself, not from a recomputation). A Newton forward that
 falls back runs the module's own forward. Parameter gradients have
@@ -173,7 +173,7 @@ class _Saved:
     the caller may change in place), gate coefficients per kind, ``values`` (the chain's Jacobian
     values) and the sizes. The compiled CPU forwards also keep ``operands``: ``(H + I + 1, T, B)``,
     rows ``h_{t-1}``, ``x_t`` and ones, feature-major (``h_prev`` is a view of its first rows), the
-    weight gradients' operand (:func:`spscan.recurrent_cpu.weight_gradients`); otherwise ``None``.
+    weight gradients' operand (:meth:`~spscan.kernels.backend.CpuOps.matmul_nt`); otherwise ``None``.
     Through autograd its tensors are kept by ``ctx.save_for_backward`` (:mod:`spscan.autograd`).
     """
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import has_torch_function_unary
 
-from spscan.kernels import cpu_pool
+from spscan.kernels.backend import cpu_ops
 from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _flat_index, _IndexCache, _tuple, coo_to_csr
 
 __all__ = ["MaxPoolUnit", "AvgPoolUnit"]
@@ -100,7 +100,7 @@ class MaxPoolUnit(LayerUnit):
         m = self.module
         if self.nd == 2 and not has_torch_function_unary(x):  # F.max_pool2d(..., return_indices=True)'s call
             # on a CPU, the compiled kernel gives ATen's (output, indices) bit for bit
-            got = cpu_pool.max_pool2d_with_indices(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            got = cpu_ops.max_pool2d_with_indices(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
             y, idx = got if got is not None else torch._C._nn.max_pool2d_with_indices(
                 x, m.kernel_size, m.stride if m.stride is not None else [], m.padding, m.dilation, m.ceil_mode)
         else:
