@@ -79,8 +79,10 @@ from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_v
                           lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
                           resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
-from spscan.autograd import apply as autograd_apply, flatten_tensors, map_tensors, refuse_functorch
+from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.plan import build_plan
+from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
+                                       weight_grad, weight_grads_compile)
 
 __all__ = [
     "RecurrentPlan",
@@ -89,82 +91,6 @@ __all__ = [
     "wrap_recurrent",
     "recurrent_patterns",
 ]
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i``, as one call where torch has it (a dozen copies per backward)."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
-
-
-class _GraphedBackward:
-    """A recurrent backward's device work replayed from one CUDA graph per input signature.
-
-    The wrapper's backward on a GPU is many small launches (the values' and gradients' loads, the
-    scan, the gathers of the gate gradients, the parameter GEMMs), and their host cost exceeded their
-    device time. The first call with a signature (shapes, strides and dtypes of every tensor read:
-    the upstream gradients and everything the forward saved, the module's weights included) copies
-    its inputs into buffers of its own, runs the backward eagerly on them (this call's result), then
-    records the same backward in a graph; a later call copies its inputs into those buffers, replays
-    the graph and returns copies of its outputs. The copies make the graph independent of where the
-    caller's tensors live; the weights are inputs too, so a parameter replaced by a new tensor is
-    read where it is. A signature whose capture fails runs eagerly from then on.
-    """
-
-    MAX_GRAPHS = 4
-
-    def __init__(self) -> None:
-        self.entries: dict = {}
-        self.eager: set = set()
-
-    def __call__(self, plan: "RecurrentPlan", saved: "_Saved", args: tuple, wanted) -> dict:
-        skeleton, tensors = flatten_tensors((saved, args))
-        key = (wanted, saved.T, saved.B, saved.unbatched, tuple(a is None for a in args),
-               tuple(k for k, v in sorted(saved.__dict__.items()) if v is None),
-               tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
-        if key in self.eager:
-            return plan._backward(saved, *args, wanted)
-        # one buffer per distinct tensor (the RNN's Jacobian factor is also one of its coefficients)
-        first: dict = {}
-        slot = [first.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), i) for i, t in enumerate(tensors)]
-        key = key + (tuple(slot),)
-        unique = [tensors[i] for i in sorted(set(slot))]
-        hit = self.entries.get(key)
-        if hit is not None:
-            static, replay, out, _ = hit
-            _copy_all(static, unique)
-            replay()
-            return {k: (v.clone() if v is not None else None) for k, v in out.items()}
-        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in unique]
-        _copy_all(static, unique)
-        at = {i: static[n] for n, i in enumerate(sorted(set(slot)))}
-        s_saved, s_args = map_tensors(skeleton, lambda sl: at[slot[sl.index]])
-        result = plan._backward(s_saved, *s_args, wanted)  # eager: compiles, binds, and gives this call's result
-        try:
-            replay, out = self.record(lambda: plan._backward(s_saved, *s_args, wanted), saved.device)
-        except Exception:  # a backward the graph cannot record runs eagerly (results are the same)
-            self.eager.add(key)
-            return result
-        if len(self.entries) >= self.MAX_GRAPHS:  # shapes of old calls: drop their graphs and buffers
-            self.entries.pop(next(iter(self.entries)))
-        # the engine's buffers the graph wrote and read stay alive with it: a later batch size makes the
-        # engine hold new ones, and a replay must not write into memory handed to something else
-        held = [b.held_buffers() for b in plan.bindings_for(saved.T, saved.device, saved.dtype)]
-        self.entries[key] = (static, replay, out, held)
-        return result
-
-    @staticmethod
-    def record(fn, device: torch.device):
-        """``fn``'s launches as a CUDA graph: ``(replay, outputs)``; a replay rewrites the outputs in place."""
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph.replay, out
-
 
 class _Saved:
     """What the backward needs from one forward: time-major tensors and the chain's values.
@@ -262,7 +188,7 @@ class RecurrentPlan(RecurrentFront):
         self.buffers = RecycledBuffers()
         # on a GPU the whole backward replays from CUDA graphs (set False to run it eagerly)
         self.graph_backward = True
-        self._graphed = _GraphedBackward()
+        self._graphed = GraphedBackward()
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
@@ -327,7 +253,7 @@ class RecurrentPlan(RecurrentFront):
         (:attr:`buffers`), the backward's CUDA graphs with their buffers, and every core plan's arenas and
         working buffers."""
         self.buffers.clear()
-        self._graphed = _GraphedBackward()
+        self._graphed = GraphedBackward()
         for plan in self._plans.values():
             plan.release_buffers()
 
@@ -671,7 +597,7 @@ class RecurrentPlan(RecurrentFront):
             return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
 
     def _graphs_apply(self, saved: _Saved, grad_output: Optional[torch.Tensor]) -> bool:
-        """Whether this backward replays from a CUDA graph (:class:`_GraphedBackward`): on a GPU, with a
+        """Whether this backward replays from a CUDA graph (:class:`GraphedBackward`): on a GPU, with a
         backend whose scan can be recorded, outside a graph the caller is recording."""
         if not self.graph_backward or saved.device.type != "cuda" or saved.T == 0:
             return False
@@ -693,7 +619,7 @@ class RecurrentPlan(RecurrentFront):
             top[:, H:] += grad_c_n.reshape(B, H)
         extra = None
         if go is not None and T > 0:
-            if dev.type == "cpu" and T > 1 and not _any_nonzero(go[:-1]):
+            if dev.type == "cpu" and T > 1 and not any_nonzero(go[:-1]):
                 # only the last output has a gradient (a loss on the last step): it joins the top, and
                 # the scan runs without affine terms (NaN and inf are not zero: they keep them)
                 top[:, :H] += go[-1]
@@ -715,7 +641,7 @@ class RecurrentPlan(RecurrentFront):
             # element 1's output of step t (the gate pre-activation gradients) is chain position per*t + 1
             index = range(1, per * (T - 1) + 2, per)
             z = getattr(saved, "operands", None)
-            if self.kind != "gru" and z is not None and _reduce_in_scan(wanted):
+            if self.kind != "gru" and z is not None and reduce_in_scan(wanted):
                 # only the parameters' gradients: the scan multiplies those gradients with the forward's
                 # operands (h_{t-1}, x_t, ones) as it produces them (Collect.operand), never storing them
                 red = torch.empty(rows, z.shape[0], dtype=dt, device=dev)
@@ -786,15 +712,15 @@ class RecurrentPlan(RecurrentFront):
             # one GEMM over all T*B steps and samples per parameter: no loop over time
             if want("input"):
                 x_grad = a_ih.t().mm(params[0]).view(T, B, -1)
-            if want("weight_hh_l0") and _weight_grads_compile(saved, a_ih, a_hh):
-                gw_ih, gw_hh, gb_ih, gb_hh = _compiled_weight_grads(
+            if want("weight_hh_l0") and weight_grads_compile(saved, a_ih, a_hh):
+                gw_ih, gw_hh, gb_ih, gb_hh = compiled_weight_grads(
                     saved, a_ih, a_hh, m.bias and (want("bias_ih_l0") or want("bias_hh_l0")))
                 gw_ih = gw_ih if want("weight_ih_l0") else None
             else:
                 if want("weight_ih_l0"):
-                    gw_ih = _weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
+                    gw_ih = weight_grad(a_ih.t(), saved.x.reshape(T * B, -1))
                 if want("weight_hh_l0"):
-                    gw_hh = _weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
+                    gw_hh = weight_grad(a_hh.t(), saved.h_prev.reshape(T * B, -1))
                 if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
                     gb_ih = a_ih.sum(1)
                     gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
@@ -811,62 +737,6 @@ class RecurrentPlan(RecurrentFront):
         if m.bias:
             out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh
         return out
-
-
-def _reduce_in_scan(wanted: Optional[frozenset]) -> bool:
-    """Whether a backward wants parameter gradients but not the input's: then the weight gradients can be
-    reduced in the scan (:class:`~spscan.engine.Collect` with an operand) instead of from stored
-    pre-activation gradients, which the input gradient would need."""
-    if wanted is None:
-        return False
-    return "input" not in wanted and any(n.startswith(("weight_", "bias_")) for n in wanted)
-
-
-def _weight_grads_compile(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
-    """Whether :func:`_compiled_weight_grads` applies: a compiled forward kept the operands, and the
-    pre-activation gradients have contiguous rows (as the factored scan collects them)."""
-    return getattr(saved, "operands", None) is not None and all(
-        a.shape[1] < 2 or a.stride(1) == 1 for a in (a_ih, a_hh))
-
-
-def _compiled_weight_grads(saved: "_Saved", a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
-    """``(W_ih, W_hh, b_ih, b_hh)`` gradients (biases ``None`` without ``bias``) from the pre-activation
-    gradients ``(G, T*B)`` and the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), by
-    :func:`spscan.kernels.cpu_nt.matmul_nt`: one compiled pass over ``a`` for all of them where
-    both sides share it (RNN, LSTM), one per side otherwise (GRU). On CPU it replaces two GEMMs and
-    a sum, each reading ``a`` (the LSTM at T = 1000, B = 16: ~0.4 against 0.72 ms, one thread)."""
-    weight_gradients = cpu_ops.matmul_nt
-    z = saved.operands
-    H, I = saved.h_prev.shape[-1], saved.x.shape[-1]
-    z = z.view(z.shape[0], -1)
-    if a_ih is a_hh:
-        both = weight_gradients(a_hh, z)
-        hh, ih, b_hh = both[:, :H], both[:, H:H + I], both[:, H + I]
-        b_ih = b_hh
-    else:
-        hh_all = weight_gradients(a_hh, z, [*range(H), H + I])
-        ih_all = weight_gradients(a_ih, z, [*range(H, H + I + 1)])
-        hh, b_hh, ih, b_ih = hh_all[:, :H], hh_all[:, H], ih_all[:, :I], ih_all[:, I]
-    biases = (b_ih.clone(), b_hh.clone()) if bias else (None, None)  # separate tensors, each contiguous
-    return (ih.contiguous(), hh.contiguous()) + biases
-
-
-def _weight_grad(pre: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """``pre^T inp`` (``(G, K)`` from ``(N, G)`` and ``(N, K)``, ``N = T*B`` rows), computed as ``(inp^T pre)^T``:
-    with ``K < G`` (the hidden and input sides) the BLAS GEMM runs ~1.3x faster that way round on CPU
-    (``G, K = 80, 20``, ``N = 16000``: 0.57 against 0.78 ms, one thread)."""
-    return inp.t().mm(pre).t()
-
-
-def _any_nonzero(t: torch.Tensor) -> bool:
-    """``bool(t.any())`` for a CPU tensor (NaN counts, -0.0 does not), through NumPy for float32/float64:
-    its reduction over a strided view is ~4x faster than torch's (the T = 1000 LSTM's gradients of all
-    but the last output, time-major views of batch-first memory: 30 us against 120 us)."""
-    if t.dtype in (torch.float32, torch.float64):
-        a = t.detach().numpy()
-        # a loss on every step: its first step answers (NumPy's any reads everything, ~50 us here)
-        return bool(a.size and np.any(a[0])) or bool(np.any(a))
-    return bool(t.any())
 
 
 def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):

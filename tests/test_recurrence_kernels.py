@@ -199,7 +199,8 @@ def test_graphed_backward_replays_on_new_inputs(cell, monkeypatch):
     one entry per signature), with a stand-in recorder that replays by running the backward again on
     those buffers, so it runs anywhere: every call equals the eager backward, for new upstream
     gradients, new forward values, new weights and a changed batch size."""
-    from spscan.recurrent import _GraphedBackward, plan_recurrent
+    from spscan.recurrent import plan_recurrent
+    from spscan.recurrent_backward import GraphedBackward as _GraphedBackward
 
     def record(fn, device):
         out = fn()

@@ -1,0 +1,149 @@
+"""The recurrent wrapper's backward beyond the scan: its replay from a CUDA graph
+(:class:`GraphedBackward`) and the weight-gradient rules (compiled on CPU, batched GEMMs elsewhere).
+
+Used by :class:`spscan.recurrent.RecurrentPlan`; imports no front end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from spscan.autograd import flatten_tensors, map_tensors
+from spscan.kernels.backend import cpu_ops
+
+__all__ = ["GraphedBackward", "any_nonzero", "compiled_weight_grads", "copy_all", "reduce_in_scan", "weight_grad",
+           "weight_grads_compile"]
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i``, as one call where torch has it (a dozen copies per backward)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+class GraphedBackward:
+    """A recurrent backward's device work replayed from one CUDA graph per input signature.
+
+    The wrapper's backward on a GPU is many small launches (the values' and gradients' loads, the
+    scan, the gathers of the gate gradients, the parameter GEMMs), and their host cost exceeded their
+    device time. The first call with a signature (shapes, strides and dtypes of every tensor read:
+    the upstream gradients and everything the forward saved, the module's weights included) copies
+    its inputs into buffers of its own, runs the backward eagerly on them (this call's result), then
+    records the same backward in a graph; a later call copies its inputs into those buffers, replays
+    the graph and returns copies of its outputs. The copies make the graph independent of where the
+    caller's tensors live; the weights are inputs too, so a parameter replaced by a new tensor is
+    read where it is. A signature whose capture fails runs eagerly from then on.
+    """
+
+    MAX_GRAPHS = 4
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+        self.eager: set = set()
+
+    def __call__(self, plan, saved, args: tuple, wanted) -> dict:
+        skeleton, tensors = flatten_tensors((saved, args))
+        key = (wanted, saved.T, saved.B, saved.unbatched, tuple(a is None for a in args),
+               tuple(k for k, v in sorted(saved.__dict__.items()) if v is None),
+               tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        if key in self.eager:
+            return plan._backward(saved, *args, wanted)
+        # one buffer per distinct tensor (the RNN's Jacobian factor is also one of its coefficients)
+        first: dict = {}
+        slot = [first.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), i) for i, t in enumerate(tensors)]
+        key = key + (tuple(slot),)
+        unique = [tensors[i] for i in sorted(set(slot))]
+        hit = self.entries.get(key)
+        if hit is not None:
+            static, replay, out, _ = hit
+            copy_all(static, unique)
+            replay()
+            return {k: (v.clone() if v is not None else None) for k, v in out.items()}
+        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in unique]
+        copy_all(static, unique)
+        at = {i: static[n] for n, i in enumerate(sorted(set(slot)))}
+        s_saved, s_args = map_tensors(skeleton, lambda sl: at[slot[sl.index]])
+        result = plan._backward(s_saved, *s_args, wanted)  # eager: compiles, binds, and gives this call's result
+        try:
+            replay, out = self.record(lambda: plan._backward(s_saved, *s_args, wanted), saved.device)
+        except Exception:  # a backward the graph cannot record runs eagerly (results are the same)
+            self.eager.add(key)
+            return result
+        if len(self.entries) >= self.MAX_GRAPHS:  # shapes of old calls: drop their graphs and buffers
+            self.entries.pop(next(iter(self.entries)))
+        # the engine's buffers the graph wrote and read stay alive with it: a later batch size makes the
+        # engine hold new ones, and a replay must not write into memory handed to something else
+        held = [b.held_buffers() for b in plan.bindings_for(saved.T, saved.device, saved.dtype)]
+        self.entries[key] = (static, replay, out, held)
+        return result
+
+    @staticmethod
+    def record(fn, device: torch.device):
+        """``fn``'s launches as a CUDA graph: ``(replay, outputs)``; a replay rewrites the outputs in place."""
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph.replay, out
+
+
+def reduce_in_scan(wanted: Optional[frozenset]) -> bool:
+    """Whether a backward wants parameter gradients but not the input's: then the weight gradients can be
+    reduced in the scan (:class:`~spscan.engine.Collect` with an operand) instead of from stored
+    pre-activation gradients, which the input gradient would need."""
+    if wanted is None:
+        return False
+    return "input" not in wanted and any(n.startswith(("weight_", "bias_")) for n in wanted)
+
+
+def weight_grads_compile(saved: Any, a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
+    """Whether :func:`compiled_weight_grads` applies: a compiled forward kept the operands, and the
+    pre-activation gradients have contiguous rows (as the factored scan collects them)."""
+    return getattr(saved, "operands", None) is not None and all(
+        a.shape[1] < 2 or a.stride(1) == 1 for a in (a_ih, a_hh))
+
+
+def compiled_weight_grads(saved: Any, a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
+    """``(W_ih, W_hh, b_ih, b_hh)`` gradients (biases ``None`` without ``bias``) from the pre-activation
+    gradients ``(G, T*B)`` and the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), by
+    :func:`spscan.kernels.cpu_nt.matmul_nt`: one compiled pass over ``a`` for all of them where
+    both sides share it (RNN, LSTM), one per side otherwise (GRU). On CPU it replaces two GEMMs and
+    a sum, each reading ``a``."""
+    weight_gradients = cpu_ops.matmul_nt
+    z = saved.operands
+    H, I = saved.h_prev.shape[-1], saved.x.shape[-1]
+    z = z.view(z.shape[0], -1)
+    if a_ih is a_hh:
+        both = weight_gradients(a_hh, z)
+        hh, ih, b_hh = both[:, :H], both[:, H:H + I], both[:, H + I]
+        b_ih = b_hh
+    else:
+        hh_all = weight_gradients(a_hh, z, [*range(H), H + I])
+        ih_all = weight_gradients(a_ih, z, [*range(H, H + I + 1)])
+        hh, b_hh, ih, b_ih = hh_all[:, :H], hh_all[:, H], ih_all[:, :I], ih_all[:, I]
+    biases = (b_ih.clone(), b_hh.clone()) if bias else (None, None)  # separate tensors, each contiguous
+    return (ih.contiguous(), hh.contiguous()) + biases
+
+
+def weight_grad(pre: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``pre^T inp`` (``(G, K)`` from ``(N, G)`` and ``(N, K)``, ``N = T*B`` rows), computed as ``(inp^T pre)^T``:
+    with ``K < G`` (the hidden and input sides) the BLAS GEMM runs faster that way round on CPU."""
+    return inp.t().mm(pre).t()
+
+
+def any_nonzero(t: torch.Tensor) -> bool:
+    """``bool(t.any())`` for a CPU tensor (NaN counts, -0.0 does not), through NumPy for float32/float64:
+    its reduction over a strided view is faster than torch's (a recurrent module's output gradients
+    arrive as time-major views of batch-first memory)."""
+    if t.dtype in (torch.float32, torch.float64):
+        a = t.detach().numpy()
+        # a loss on every step: its first step answers (NumPy's any reads everything)
+        return bool(a.size and np.any(a[0])) or bool(np.any(a))
+    return bool(t.any())
