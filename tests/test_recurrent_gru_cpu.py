@@ -1,4 +1,5 @@
-"""The GRU's one-pass compiled CPU forward (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`) and the wrapper around it.
+"""The GRU's one-pass compiled CPU forward (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`) and the
+wrapper around it.
 
 The forward is compared with ``nn.GRU``'s own (float64 to a few units in the last place, float32 to
 float32 rounding), its saved chain values with those of the module path (the module's forward and
