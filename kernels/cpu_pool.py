@@ -1,9 +1,8 @@
 """Compiled CPU max-pooling forward (2-d, NCHW) with torch's indices, bit for bit ATen's results.
 
 ATen's CPU ``max_pool2d_with_indices`` for contiguous NCHW input walks each window with a scalar
-compare-and-branch per element: measured on one x86 core it takes ~4 ns per input element (a
-64x6x28x28 float32 input: 1.2 ms, two and a half times the 3x3 convolution before it, forty times
-the ReLU). It is the largest single cost of a small CNN's forward on a CPU. This module runs the
+compare-and-branch per element, slower than the convolution before it (bench/results/calibration.md):
+the largest single cost of a small CNN's forward on a CPU. This module runs the
 same loop compiled by numba, with a straight-line 2x2/stride-2 path (the common VGG/LeNet pool),
 and returns the same ``(output, indices)``:
 

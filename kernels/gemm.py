@@ -1,7 +1,6 @@
 """Batched small dense GEMMs for dense scan nodes: ``C_j = A_j @ B_j`` for every node ``j`` and sample.
 
-When both factors of an up-sweep product are full (e.g. an RNN's ``20 x 20`` per-sample
-Jacobians), the planner groups a step's same-shaped products into one work table; this is one
+When both factors of an up-sweep product are full (e.g. ``20 x 20`` dense per-sample blocks), the planner groups a step's same-shaped products into one work table; this is one
 launch for all of them. Blocks sit row-major at ``BlockRef.offsets`` in their arena (shared
 ``(N_S,)``: no batch stride, or per sample ``(B, N_P)``); outputs are ``nodes`` consecutive
 ``m x p`` blocks from ``out_offset``. A program computes one ``BLOCK_M x BLOCK_P`` tile of one
