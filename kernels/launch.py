@@ -414,8 +414,8 @@ RECURRENCE_MAX_N = 64
 # ``bench/gpu/tune.py`` on the device named in ``RECURRENCE_TUNED_ON``.
 RECURRENCE_TUNED_ON = "NVIDIA H100 80GB HBM3 (bench/results/nvidia-h100-80gb-hbm3/recurrence/tune_rnn.log)"
 RECURRENCE_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 64, 4, 4, 2),  # the RNN and GRU at H = 20
-    (1 << 30, 64, 4, 4, 4),  # the LSTM at H = 20 (m = 40)
+    (32, 64, 4, 4, 2),  # states up to 32 wide (tuned at m = 20)
+    (1 << 30, 64, 4, 4, 4),  # wider states (tuned at m = 40)
 )
 # the chunk length as a multiple of sqrt(steps): the planner's, which costs it
 RECURRENCE_CHUNK_SCALE = CHUNK_SCALE
