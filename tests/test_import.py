@@ -55,3 +55,19 @@ def test_import_changes_nothing(order, tmp_path):
         code = threads + "import spscan\n" + _USER_KERNEL + _CHECKS
     res = _run(textwrap.dedent(code), tmp_path)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_every_package_folder_is_installed():
+    """pyproject's package list names every folder of the library (a wheel would leave out one it misses)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for name, folder in config["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *rel)) if rel else name)
+    assert found <= listed, f"not installed: {sorted(found - listed)}"
