@@ -277,14 +277,9 @@ class StackedRecurrentPlan(RecurrentFront):
 
     # -- backward
 
-    def backward(
-        self,
-        saved: _StackedSaved,
-        grad_output: Optional[torch.Tensor],
-        grad_h_n: Optional[torch.Tensor],
-        grad_c_n: Optional[torch.Tensor] = None,
-        wanted: Optional[frozenset] = None,
-    ) -> dict[str, Optional[torch.Tensor]]:
+    def backward(self, saved: _StackedSaved, grad_output: Optional[torch.Tensor], grad_h_n: Optional[torch.Tensor],
+                 grad_c_n: Optional[torch.Tensor] = None,
+                 wanted: Optional[frozenset] = None) -> dict[str, Optional[torch.Tensor]]:
         """Gradients from the upstream gradients of the module's outputs (each may be None = zero).
 
         ``grad_output`` in the module's output layout (``(T, B, D*H)`` time-major, ``(B, T, D*H)`` if
