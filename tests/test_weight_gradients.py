@@ -151,8 +151,8 @@ def test_wrapper_gradients_equal_the_gemm_path(monkeypatch, kind, dtype, B, bias
     calls.clear()
     paths["stored"] = grads(True)
     assert calls
-    monkeypatch.setattr(rec, "_weight_grads_compile", lambda *a: False)
-    monkeypatch.setattr(rec, "_reduce_in_scan", lambda *a: False)
+    monkeypatch.setattr(rec, "weight_grads_compile", lambda *a: False)
+    monkeypatch.setattr(rec, "reduce_in_scan", lambda *a: False)
     calls.clear()
     paths["gemm"] = grads(False)
     assert not calls
