@@ -150,6 +150,18 @@ class _DepthSearch:
         t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
         return t
 
+    def down_lower_bound(self, sched: ScanSchedule, level: int, mats: dict[int, MatInfo], profile: DeviceProfile,
+                         batch: int) -> float:
+        """A lower bound of the cost of ``sched``'s down-sweep step at ``level`` from the matrices already
+        planned (its mat-vecs read the matrices of that level, all known before the next level's products
+        are formed); 0 where one of them is not planned yet."""
+        for st in sched.steps:
+            if st.phase == "down" and st.level == level:
+                if any(op.mat not in mats for op in st.mv):
+                    return 0.0
+                return self.level_lower_bound(st, mats, profile, batch)
+        return 0.0
+
 
 class _Levels:
     """Up-sweep products formed level by level, each stored as :class:`StorageRule` decides once the
@@ -315,6 +327,13 @@ def plan_scan(
             if best is not None and (up_prev + search.level_lower_bound(level, lv.mats, profile, batch_hint)
                                      >= candidates[best[0]]):
                 break  # deeper plans only add up-sweep work: none can win
+            if best is not None and not profile.parallel_run_max_m and (
+                    up_prev + search.level_lower_bound(level, lv.mats, profile, batch_hint)
+                    + search.down_lower_bound(sched, k - 1, lv.mats, profile, batch_hint) >= candidates[best[0]]):
+                # every depth from k on runs up-sweep levels 0..k-1 and the down-sweep level k-1 over the
+                # same matrices: their bound already costs more than the best depth, so no product of this
+                # level need be formed (a chunked-run profile costs depth 0 otherwise: not used there)
+                break
             lv.form(level)
             explored = k
         mats = lv.finalize()
