@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from .choose import Candidate, Decision, choose
 from .cost import DeviceProfile, LevelCost, row_bins, schedule_costs
 from .patterns import Pattern, PatternTable, full_pattern, make_pattern
 from .schedule import ScanSchedule, Step, blelloch_schedule, max_levels
@@ -362,16 +363,25 @@ def plan_scan(
         else:
             worse += 1
     if best is None:
-        k, sched = 0, blelloch_schedule(n, 0)
+        sched = blelloch_schedule(n, 0)
         mats0 = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
         candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, mats0, profile, batch_hint, elem_bytes))
-    else:
-        k, sched = best
+    k = depth_decision(candidates, profile).chosen.value
+    sched = blelloch_schedule(n, k)
     plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "levels=auto"), sched, profile,
                     batch_hint, elem_bytes)
     plan.candidates = candidates
     plan.explored = explored
     return plan
+
+
+def depth_decision(candidates: dict[int, float], profile: DeviceProfile, forced: Optional[int] = None) -> Decision:
+    """The scan depth as a :class:`~spscan.planner.choose.Decision` over the depths the search costed
+    (the shallowest among equal estimates)."""
+    cands = [Candidate(f"depth {k}", t, "linear scan" if k == 0 else f"{k} up-sweep level{'s' if k > 1 else ''}", k)
+             for k, t in sorted(candidates.items())]
+    return choose("scan depth", cands, None if forced is None else f"depth {forced}",
+                  basis=f"{profile.name} critical-path model")
 
 
 def step_costs(plan: ScanPlan) -> list[LevelCost]:

@@ -1,4 +1,5 @@
-"""Command line of spscan: ``python -m spscan demo`` (the main job) and ``python -m spscan bench``."""
+"""Command line of spscan: ``python -m spscan demo`` (the main job), ``python -m spscan bench`` and
+``python -m spscan calibrate``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ _EPILOG = """commands:
   demo    train the paper's RNN with autograd and with spscan, check their gradients agree,
           and write a plot and summary.json (python -m spscan demo --quick: a short run)
   bench   run the benchmark suites and write a report (python -m spscan bench --quick)
+  calibrate
+          fit this machine's step-cost profile (what spscan.wrap's backward="auto" predicts
+          from) and cache it; once per machine, torch build and thread count
 
 Each command has its own options: python -m spscan demo --help, python -m spscan bench --help."""
 
@@ -18,7 +22,7 @@ Each command has its own options: python -m spscan demo --help, python -m spscan
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m spscan", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["demo", "bench"], help="what to run (see below)")
+    parser.add_argument("command", choices=["demo", "bench", "calibrate"], help="what to run (see below)")
     return parser
 
 
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ns, _ = parser.parse_known_args(argv[:1])
     if ns.command == "demo":
         from spscan.cli.demo import main as run
+    elif ns.command == "calibrate":
+        from spscan.cli.calibrate import main as run
     else:
         from spscan.cli.bench import main as run
     return int(run(argv[1:]) or 0)

@@ -68,7 +68,10 @@ def plan(patterns: Any, example_input: Optional[torch.Tensor] = None, **options:
 
     """
     if isinstance(patterns, torch.nn.Module):
+        if options.get("backward", "auto") != "auto":
+            raise TypeError("plan(): option 'backward' chooses what a wrapped model runs; pass it to spscan.wrap")
         plan_fn, _, opts = _model_options("plan", patterns, example_input, options)
+        opts.pop("backward", None)
         return plan_fn(patterns, example_input, **opts)
     if example_input is not None:
         raise TypeError("plan(patterns): an example input is for a model; a chain of patterns takes none")

@@ -65,6 +65,8 @@ from spscan.graph_trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
 from spscan.layers.registry import NODE_UNITS, supported_node_targets
 from spscan.layers.shape import PerSampleReshapeUnit, SelectionUnit, _Selection  # noqa: F401 (importable here)
 from spscan.model import ModelPlan, SpscanModule, levels_for_coupled_layers, plan_chain
+from spscan.options import option_default
+from spscan.choices import batch_of
 from spscan.plan import build_composite, build_plan
 from spscan.planner.blocks import block_union, place
 
@@ -323,6 +325,8 @@ class GraphSpscanModule(SpscanModule):
     """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(batch_of(x)):
+            return self.model(x)
         refuse_functorch()
         self.plan._check_input(x)
         self.plan._check_layers()
@@ -335,7 +339,7 @@ class GraphSpscanModule(SpscanModule):
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
     """:func:`spscan.wrap` for a model with its own forward: planned by :func:`plan_graph`; a
     :class:`GraphSpscanModule` when the graph has blocks, else a chain's :class:`SpscanModule`."""
+    backward = plan_kwargs.pop("backward", option_default("backward"))
     plan = plan_graph(model, example_input, **plan_kwargs)
-    if isinstance(plan, GraphPlan):
-        return GraphSpscanModule(model, plan)
-    return SpscanModule(model, plan)
+    cls = GraphSpscanModule if isinstance(plan, GraphPlan) else SpscanModule
+    return cls(model, plan, backward, example_input.shape[0])

@@ -28,6 +28,9 @@ from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.chain_backward import (ForwardState, Jacobians, StepBackward, collect_param_grads,  # noqa: F401
                                    unit_param_grads)
 from spscan.engine import check_inputs
+from spscan.options import option_default
+from spscan.choices import BackwardChoice, batch_of, layers_decision
+from spscan.planner.choose import Decision
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
 from spscan.plan import build_plan
 
@@ -604,19 +607,35 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
 # ----------------------------------------------------------------------------- wrap
 
 
-class SpscanModule(nn.Module):
+class SpscanModule(BackwardChoice, nn.Module):
     """``model`` with the same forward, whose backward runs through the scan.
 
     Holds ``model`` as a submodule, so ``parameters()`` yields the model's own parameter objects
     and optimizers work unchanged. Input ``(B, *in_shape)``, output ``(B, *out_shape)``.
+    ``backward``: ``"auto"`` (the planner chooses, per batch size, the scan or the model's own
+    autograd backward: :attr:`decision`, :meth:`explain`), ``"scan"`` or ``"native"``.
     """
 
-    def __init__(self, model: nn.Module, plan: ModelPlan):
+    def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None):
         super().__init__()
         self.model = model
         self.plan = plan
+        self._init_choice(backward, batch)
+
+    def _wrapped_model(self) -> nn.Module:
+        return self.model
+
+    def _backward_decision(self, batch) -> Decision:
+        plan = self.plan
+        detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
+        return layers_decision(plan.units, batch, plan.core.device, self.backward_mode, detail)
+
+    def _plan_decisions(self) -> list[Decision]:
+        return [self.plan.core.decision]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(batch_of(x)):
+            return self.model(x)
         refuse_functorch()
         plan = self.plan
         # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
@@ -634,4 +653,5 @@ def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
     ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
     """
-    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs))
+    backward = plan_kwargs.pop("backward", option_default("backward"))
+    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0])

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "Option", "check_options", "options_doc", "takes_options", "unknown_option"]
+__all__ = ["OPTIONS", "Option", "check_options", "option_default", "options_doc", "takes_options", "unknown_option"]
 
 # kinds of what is planned
 PATTERNS = "patterns"  # a chain of transposed-Jacobian patterns
@@ -72,6 +73,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("forward", "sequential", frozenset({RECURRENT}),
            '"sequential" (the module\'s own forward), "newton" (Newton iterations over the '
            'forward-direction scan) or "auto".'),
+    Option("backward", "auto", _MODELS,
+           '(spscan.wrap) "auto" (the cost model chooses, per input signature, the scan or the model\'s own '
+           'autograd backward, whichever it predicts faster: wrapped.explain() says which and why), "scan" or '
+           '"native" (always the model\'s own backward: autograd\'s gradients bit for bit). The environment '
+           'variable SPSCAN_BACKWARD sets the default.'),
     Option("newton", None, frozenset({RECURRENT}),
            "a spscan.newton.NewtonOptions (or a dict of its fields) for forward='newton'/'auto'."),
 )
@@ -96,7 +102,8 @@ def check_options(func: str, kind: str, given: dict[str, Any], what: str) -> dic
     of patterns means 16.
     """
     out: dict[str, Any] = {}
-    given = {**{o.name: o.default for o in OPTIONS}, **given}
+    env = {k: v for k, v in environment_defaults().items() if kind in _BY_NAME[k].applies}
+    given = {**{o.name: o.default for o in OPTIONS}, **env, **given}
     for name, value in given.items():
         opt = _BY_NAME.get(name)
         if opt is None:
@@ -112,6 +119,25 @@ def check_options(func: str, kind: str, given: dict[str, Any], what: str) -> dic
         else:
             del out["batch_size"]
     return out
+
+
+#: option -> the environment variable that overrides its default (e.g. a test suite that must exercise
+#: the scan on every model sets ``SPSCAN_BACKWARD=scan``); a value given in the call always wins
+ENVIRONMENT = {"backward": "SPSCAN_BACKWARD"}
+
+
+def environment_defaults() -> dict[str, Any]:
+    out = {}
+    for name, var in ENVIRONMENT.items():
+        value = os.environ.get(var)
+        if value:
+            out[name] = value
+    return out
+
+
+def option_default(name: str) -> Any:
+    """The default of option ``name`` in effect: its environment override if set, else :data:`OPTIONS`'."""
+    return environment_defaults().get(name, _BY_NAME[name].default)
 
 
 def options_doc(indent: int = 4) -> str:

@@ -20,11 +20,12 @@ import torch
 
 from spscan.engine import BoundPlan, ValuesBuffer, canonical_device, fmt_bytes
 from spscan.kernels.registry import backend_names, default_backend, get_backend
+from spscan.planner.choose import Decision
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
 from spscan.planner.patterns import Pattern, as_chain
 from spscan.planner.program import LoweringCache
-from spscan.planner.planning import ScanPlan, composite_pattern, plan_reduction, plan_scan, step_costs
+from spscan.planner.planning import ScanPlan, composite_pattern, depth_decision, plan_reduction, plan_scan, step_costs
 from spscan.planner.schedule import max_levels
 
 __all__ = ["Plan", "build_plan", "build_composite", "resolve_device", "check_plan_options"]
@@ -116,6 +117,17 @@ class Plan:
     def candidates(self) -> dict[int, float]:
         """Estimated critical-path seconds of each depth the cost model evaluated (``levels="auto"``)."""
         return dict(self._scan.candidates)
+
+    @property
+    def decision(self) -> Decision:
+        """The depth as the planner's :class:`~spscan.planner.choose.Decision`: the depths it costed, their
+        estimates, and whether ``levels`` forced it."""
+        forced = None if self._requested_levels == "auto" else self.levels
+        return depth_decision(self._scan.candidates, self._scan.profile, forced)
+
+    def explain(self) -> str:
+        """What the planner chose and what it compared it with (see :mod:`spscan.planner.choose`)."""
+        return self.decision.explain()
 
     @property
     def explored_levels(self) -> int:

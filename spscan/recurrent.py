@@ -80,6 +80,9 @@ from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_v
                           resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.autograd import apply as autograd_apply, refuse_functorch
+from spscan.options import option_default
+from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.planner.choose import Decision
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
                                        weight_grad, weight_grads_compile)
@@ -774,7 +777,7 @@ def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Se
     return outs[0], outs[1]
 
 
-class RecurrentWrapper(nn.Module):
+class RecurrentWrapper(BackwardChoice, nn.Module):
     """A single-layer ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through the BPPSA scan.
 
     Holds the module itself (``self.module``), so ``parameters()`` are the module's own
@@ -786,9 +789,21 @@ class RecurrentWrapper(nn.Module):
     def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
         super().__init__()
         self.module = module
+        backward = plan_kwargs.pop("backward", option_default("backward"))
         self.plan = RecurrentPlan(module, example_input, **plan_kwargs)
+        self._init_choice(backward, sequence_signature(module, example_input))
+
+    def _wrapped_model(self) -> nn.Module:
+        return self.module
+
+    def _backward_decision(self, key) -> Decision:
+        m = self.module
+        return recurrent_decision(self.plan.kind, [(m.input_size, m.hidden_size)], key[0], key[1],
+                                  m.weight_hh_l0.device, self.backward_mode, f"layout {self.plan.layout}")
 
     def forward(self, x: torch.Tensor, hx=None):
+        if self._native(sequence_signature(self.module, x)):
+            return self.module(x, hx)
         refuse_functorch()
         self.plan._check_input(x)
         # re-check: the wrapped module's configuration may have been changed after wrapping

@@ -57,6 +57,9 @@ import torch
 from torch import nn
 
 from spscan.autograd import refuse_functorch
+from spscan.options import option_default
+from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.planner.choose import Decision
 from spscan.recurrent import RecurrentFront, RecurrentPlan, run_wrapped
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
@@ -358,7 +361,7 @@ class StackedRecurrentPlan(RecurrentFront):
 # --------------------------------------------------------------------------- torch integration
 
 
-class StackedRecurrentWrapper(nn.Module):
+class StackedRecurrentWrapper(BackwardChoice, nn.Module):
     """A stacked and/or bidirectional ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through
     one BPPSA scan per (layer, direction).
 
@@ -371,9 +374,24 @@ class StackedRecurrentWrapper(nn.Module):
     def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
         super().__init__()
         self.module = module
+        backward = plan_kwargs.pop("backward", option_default("backward"))
         self.plan = StackedRecurrentPlan(module, example_input, **plan_kwargs)
+        self._init_choice(backward, sequence_signature(module, example_input))
+
+    def _wrapped_model(self) -> nn.Module:
+        return self.module
+
+    def _backward_decision(self, key) -> Decision:
+        m = self.module
+        dirs = 2 if m.bidirectional else 1
+        shapes = [(m.input_size if layer == 0 else m.hidden_size * dirs, m.hidden_size)
+                  for layer in range(m.num_layers) for _ in range(dirs)]
+        return recurrent_decision(self.plan.kind, shapes, key[0], key[1], m.weight_hh_l0.device, self.backward_mode,
+                                  f"{m.num_layers} layers x {dirs} directions")
 
     def forward(self, x: torch.Tensor, hx=None):
+        if self._native(sequence_signature(self.module, x)):
+            return self.module(x, hx)
         refuse_functorch()
         self.plan._check_input(x)
         _check_module(self.module)  # the module's configuration may have been changed after wrapping

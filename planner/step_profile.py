@@ -1,0 +1,166 @@
+"""What one training step of a wrapped model costs, run through the scan or through the model's own
+autograd backward (``native``): the fitted constants of a machine and the predictions made from them.
+
+A step's cost is a sum over the model's layers (units, each of a family such as ``ConvUnit``) plus a
+fixed part per regime::
+
+    t_regime(model) = base[regime] + sum_u (fixed[family_u, regime] + per_work[family_u, regime] * work_u)
+
+with ``work_u = B * (nnz of J_u^T + d_in + d_out)`` (multiply-adds of ``J^T g`` plus the elements the
+layer reads and writes). A recurrent module costs
+``fixed + per_step * T + per_mac * T * B * (I + H) * H * gates`` per (layer, direction).
+
+The constants are fitted on the machine at hand by :func:`spscan.calibrate` and cached per
+machine (device name, cores, torch version, thread count) under :func:`cache_dir`; until a machine is
+calibrated the reference profile of its device class is used (``data/step-profile-<device>.json``,
+fitted on the machines ``bench/results/calibration.md`` lists), and the plan's ``explain()`` says which.
+Predictions decide; they never change a result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+__all__ = ["REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "reference_profile"]
+
+REGIMES = ("native", "scan")
+FORMAT = 1
+_DATA = Path(__file__).with_name("data")
+
+
+def cache_dir() -> Path:
+    """Where fitted profiles are kept: ``$SPSCAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/spscan``, else
+    ``~/.cache/spscan``."""
+    env = os.environ.get("SPSCAN_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "spscan"
+
+
+def machine_key(device_type: str, device_name: str, threads: int, torch_version: str) -> str:
+    """The cache key of one machine configuration: what changes the constants (the device, the CPU's
+    cores, the torch build, the thread count)."""
+    text = "|".join([device_type, device_name, platform.machine(), str(os.cpu_count()), torch_version,
+                     str(int(threads))])
+    return f"{device_type}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+@dataclass
+class StepProfile:
+    """Fitted step-cost constants of one machine configuration (see the module docstring).
+
+    ``families[family][regime] = (fixed_s, per_work_s)``; ``recurrent[cell][regime] =
+    (fixed_s, per_step_s, per_mac_s)``; ``base[regime]`` the fixed seconds of a step.
+    """
+
+    name: str
+    device_type: str
+    base: dict[str, float]
+    families: dict[str, dict[str, tuple[float, float]]]
+    recurrent: dict[str, dict[str, tuple[float, float, float]]] = field(default_factory=dict)
+    source: str = "reference"  # "reference" (shipped) or "calibrated" (fitted on this machine)
+    fitted_on: str = ""
+
+    # ---------------------------------------------------------------- predictions
+
+    def _family(self, family: str) -> dict[str, tuple[float, float]]:
+        got = self.families.get(family)
+        return got if got is not None else self.families["default"]
+
+    def layers_time(self, layers: Iterable[tuple[str, float]], regime: str) -> float:
+        """Predicted seconds of one step of a model whose layers are ``(family, work)`` pairs."""
+        t = self.base[regime]
+        for family, work in layers:
+            fixed, per = self._family(family)[regime]
+            t += fixed + per * work
+        return t
+
+    def recurrent_time(self, cell: str, seq_len: int, batch: int, input_size: int, hidden: int,
+                       regime: str) -> float:
+        """Predicted seconds of one step (forward and backward) of one (layer, direction) of a recurrent
+        module of ``cell`` kind (``rnn``/``rnn_tanh``/``rnn_relu``, ``gru``, ``lstm``)."""
+        cell = "rnn" if cell.startswith("rnn") else cell  # rnn_tanh, rnn_relu
+        fixed, per_step, per_mac = self.recurrent[cell][regime]
+        gates = {"rnn": 1, "gru": 3, "lstm": 4}[cell]
+        return fixed + per_step * seq_len + per_mac * seq_len * batch * (input_size + hidden) * hidden * gates
+
+    def describe(self) -> str:
+        what = "calibrated on this machine" if self.source == "calibrated" else "reference profile, not calibrated here"
+        return f"step profile {self.name} ({what})"
+
+    # ---------------------------------------------------------------- files
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "name": self.name, "device_type": self.device_type, "base": self.base,
+                "families": {f: {r: list(v) for r, v in d.items()} for f, d in self.families.items()},
+                "recurrent": {c: {r: list(v) for r, v in d.items()} for c, d in self.recurrent.items()},
+                "source": self.source, "fitted_on": self.fitted_on}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepProfile":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"step profile format {d.get('format')!r}, expected {FORMAT}")
+        fams = {f: {r: _pair(v) for r, v in regs.items()} for f, regs in d["families"].items()}
+        rec = {c: {r: _triple(v) for r, v in regs.items()} for c, regs in d.get("recurrent", {}).items()}
+        base = {r: float(d["base"][r]) for r in REGIMES}
+        if "default" not in fams or any(set(v) != set(REGIMES) for v in fams.values()):
+            raise ValueError("step profile: every family needs both regimes, and a 'default' family is required")
+        return cls(str(d["name"]), str(d["device_type"]), base, fams, rec, str(d.get("source", "reference")),
+                   str(d.get("fitted_on", "")))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def _pair(v: Sequence[float]) -> tuple[float, float]:
+    a, b = (float(t) for t in v)
+    return a, b
+
+
+def _triple(v: Sequence[float]) -> tuple[float, float, float]:
+    a, b, c = (float(t) for t in v)
+    return a, b, c
+
+
+def reference_profile(device_type: str) -> StepProfile:
+    """The shipped profile of a device class (``cpu`` or ``cuda``)."""
+    name = "cuda" if device_type == "cuda" else "cpu"
+    return StepProfile.from_json(json.loads((_DATA / f"step-profile-{name}.json").read_text()))
+
+
+_LOADED: dict[str, StepProfile] = {}
+
+
+def load_step_profile(device_type: str, key: Optional[str]) -> StepProfile:
+    """The profile fitted for ``key`` (:func:`machine_key`) if this machine was calibrated, else the
+    reference profile of ``device_type``. Read once per process."""
+    if key is not None and key in _LOADED:
+        return _LOADED[key]
+    prof = None
+    if key is not None:
+        path = cache_dir() / f"{key}.json"
+        if path.is_file():
+            try:
+                prof = StepProfile.from_json(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                prof = None  # a stale or damaged cache entry: the reference profile is used
+    if prof is None:
+        prof = reference_profile(device_type)
+    if key is not None:
+        _LOADED[key] = prof
+    return prof
+
+
+def forget_loaded() -> None:
+    """Drop the profiles read so far (a new calibration is read on next use)."""
+    _LOADED.clear()

@@ -1,0 +1,181 @@
+"""Fitting the step-cost profile of the machine at hand (:class:`spscan.planner.step_profile.StepProfile`).
+
+``spscan.calibrate()`` (or ``python -m spscan calibrate``) times one training step of small models,
+each run through the scan and through plain autograd (``native``), fits the profile's constants
+(non-negative least squares) and caches them for this machine configuration. Planning reads the
+cache and never times anything itself: a machine that was not calibrated plans with the reference
+profile of its device class. It takes a few seconds to a minute, once per machine, torch build and
+thread count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+from scipy.optimize import nnls
+
+from spscan.choices import current_key, device_label, unit_work
+from spscan.planner.step_profile import REGIMES, StepProfile, cache_dir, forget_loaded
+
+__all__ = ["calibrate"]
+
+
+# --------------------------------------------------------------------------- what is timed
+
+# family -> [(module factory, per-sample input shape, batch)]: two sizes each, the first small
+_FAMILIES: dict[str, list[tuple[Callable[[], nn.Module], tuple[int, ...], int]]] = {
+    "ConvUnit": [(lambda: nn.Conv2d(4, 8, 3, padding=1), (4, 12, 12), 8),
+                 (lambda: nn.Conv2d(16, 32, 3, padding=1), (16, 16, 16), 16)],
+    "LinearUnit": [(lambda: nn.Linear(32, 32), (32,), 8), (lambda: nn.Linear(256, 256), (256,), 64)],
+    "ElementwiseUnit": [(nn.ReLU, (8, 8, 8), 8), (nn.ReLU, (32, 16, 16), 32)],
+    "MaxPoolUnit": [(lambda: nn.MaxPool2d(2), (4, 12, 12), 8), (lambda: nn.MaxPool2d(2), (16, 32, 32), 32)],
+    "csr": [(nn.Tanh, (8, 8, 8), 8), (nn.Tanh, (32, 16, 16), 32)],  # timed with operators=False
+    "AvgPoolUnit": [(lambda: nn.AvgPool2d(2), (4, 12, 12), 8), (lambda: nn.AvgPool2d(2), (16, 32, 32), 32)],
+    "BatchNormUnit": [(lambda: nn.BatchNorm2d(4), (4, 8, 8), 8), (lambda: nn.BatchNorm2d(32), (32, 16, 16), 32)],
+    "DropoutUnit": [(nn.Dropout, (256,), 8), (nn.Dropout, (4096,), 32)],
+    "LayerNormUnit": [(lambda: nn.LayerNorm(32), (32,), 8), (lambda: nn.LayerNorm(256), (256,), 64)],
+    "ReshapeUnit": [(nn.Flatten, (4, 4, 4), 8), (nn.Flatten, (32, 16, 16), 32)],
+}
+_CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
+_RECURRENT_POINTS = ((16, 1), (64, 1), (256, 1), (32, 8), (128, 8), (64, 32))  # (T, B)
+_RNN_IN, _RNN_H = 16, 32
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_step(step: Callable[[], None], device: torch.device, reps: int) -> float:
+    for _ in range(2):  # warm-up: lowering for this shape, allocator, compiled loops
+        step()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _step_of(net: nn.Module, x: torch.Tensor, hx: bool = False) -> Callable[[], None]:
+    def step() -> None:
+        x.grad = None
+        out = net(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+
+    return step
+
+
+def _wrapped(model: nn.Module, x: torch.Tensor, regime: str, **options: Any) -> nn.Module:
+    if regime == "native":
+        return model
+    from spscan.api import wrap
+
+    return wrap(model, x, backward="scan", **options)
+
+
+def _layer_time(make, in_shape, batch, regime, device, dtype, reps, csr: bool) -> tuple[float, float]:
+    from spscan.model import plan_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(make()).to(device=device, dtype=dtype)
+    x = torch.randn((batch, *in_shape), device=device, dtype=dtype, requires_grad=True)
+    work = unit_work(plan_model(model, x, levels=0).units[0], batch)
+    net = _wrapped(model, x, regime, **({"operators": False} if csr else {}))
+    return work, _median_step(_step_of(net, x), device, reps)
+
+
+def _fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    coef, _ = nnls(np.asarray(rows, dtype=np.float64), np.asarray(times, dtype=np.float64))
+    return [float(c) for c in coef]
+
+
+def _fit_families(device, dtype, reps) -> tuple[dict, dict]:
+    base: dict[str, float] = {}
+    for regime in REGIMES:
+        x = torch.randn((8, 4), device=device, dtype=dtype, requires_grad=True)
+        base[regime] = _median_step(_step_of(_wrapped(nn.Sequential(nn.Identity()).to(device, dtype), x, regime), x),
+                                    device, reps)
+    families: dict[str, dict[str, tuple[float, float]]] = {}
+    for family, samples in _FAMILIES.items():
+        families[family] = {}
+        for regime in REGIMES:
+            rows, times = [], []
+            for make, shape, batch in samples:
+                work, t = _layer_time(make, shape, batch, regime, device, dtype, reps, family == "csr")
+                rows.append([1.0, work])
+                times.append(max(t - base[regime], 0.0))
+            fixed, per = _fit(rows, times)
+            families[family][regime] = (fixed, per)
+    # a layer of a family not timed here costs what the costliest timed elementwise family does per element
+    generic = ("ElementwiseUnit", "LayerNormUnit", "MaxPoolUnit")
+    families["default"] = {r: max((families[f][r] for f in generic), key=lambda v: v[0] + v[1] * 1e5)
+                           for r in REGIMES}
+    return base, families
+
+
+def _fit_recurrent(device, dtype, reps) -> dict:
+    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for cell, cls in _CELLS.items():
+        out[cell] = {}
+        gates = {"rnn": 1, "gru": 3, "lstm": 4}[cell]
+        for regime in REGIMES:
+            rows, times = [], []
+            for seq_len, batch in _RECURRENT_POINTS:
+                torch.manual_seed(0)
+                module = cls(_RNN_IN, _RNN_H).to(device=device, dtype=dtype)
+                x = torch.randn((seq_len, batch, _RNN_IN), device=device, dtype=dtype, requires_grad=True)
+                t = _median_step(_step_of(_wrapped(module, x, regime), x), device, reps)
+                rows.append([1.0, float(seq_len), float(seq_len * batch * (_RNN_IN + _RNN_H) * _RNN_H * gates)])
+                times.append(t)
+            a, b, c = _fit(rows, times)
+            out[cell][regime] = (a, b, c)
+    return out
+
+
+def calibrate(device: Any = None, *, reps: int = 7, save: bool = True, recurrent: bool = True,
+              log: Optional[Callable[[str], None]] = None) -> StepProfile:
+    """Fit this machine's step-cost profile (see the module docstring) at the current torch thread count.
+
+    Args:
+        device: the device to calibrate (default: CUDA when available, else the CPU).
+        reps: timed steps per measurement (their median is fitted).
+        save: cache the profile for this machine configuration (:func:`current_key`); planning reads it.
+        recurrent: also fit the recurrent cells (``nn.RNN``/``GRU``/``LSTM``).
+        log: called with one line per fitted family.
+
+    Returns:
+        the fitted :class:`~spscan.planner.step_profile.StepProfile`.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32
+    key = current_key(dev)
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        base, families = _fit_families(dev, dtype, reps)
+        cells = _fit_recurrent(dev, dtype, reps) if recurrent else {}
+    label = f"{device_label(dev)}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    prof = StepProfile(key, dev.type, base, families, cells, "calibrated", label)
+    if not recurrent:
+        from spscan.planner.step_profile import reference_profile
+
+        prof.recurrent = reference_profile(dev.type).recurrent
+    if log is not None:
+        for f, regs in families.items():
+            log(f"{f:<16} " + "  ".join(f"{r}: {a * 1e6:8.1f} us + {b * 1e9:7.3f} ns/work" for r, (a, b) in regs.items()))
+        for c, regs in prof.recurrent.items():
+            log(f"{c:<16} " + "  ".join(f"{r}: {a * 1e6:8.1f} us + {b * 1e6:6.2f} us/step + {m * 1e12:6.2f} ps/mac"
+                                        for r, (a, b, m) in regs.items()))
+        log(f"fitted in {time.perf_counter() - t0:.1f} s ({label})")
+    if save:
+        prof.save(cache_dir() / f"{key}.json")
+        forget_loaded()
+    return prof

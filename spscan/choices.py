@@ -1,0 +1,147 @@
+"""Whether a wrapped model's step runs the scan or its own autograd backward (``native``).
+
+Both are candidates of one :class:`~spscan.planner.choose.Decision`, predicted from the machine's step
+profile (:mod:`spscan.planner.step_profile`; fitted by :func:`spscan.calibrate`). ``backward="scan"`` or
+``"native"`` forces one. A wrapped model that runs ``native`` calls the model's own forward and lets
+autograd do the backward: its gradients are autograd's, bit for bit, and it costs nothing besides
+a dictionary lookup. The choice depends on the batch (and a recurrent module's length), so it is made
+per input signature, on first use, from the formula (no timing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+
+from spscan.planner.choose import Candidate, Decision, choose, explain
+from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
+
+__all__ = ["BACKWARD_MODES", "BackwardChoice", "batch_of", "sequence_signature", "current_key", "device_label", "unit_family", "unit_work", "layers_decision", "recurrent_decision", "step_profile"]
+
+BACKWARD_MODES = ("auto", "scan", "native")
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def current_key(device: torch.device) -> str:
+    """:func:`~spscan.planner.step_profile.machine_key` of ``device`` with this process's torch and threads."""
+    return machine_key(device.type, device_label(device), torch.get_num_threads(), torch.__version__)
+
+
+def unit_family(unit: Any) -> str:
+    """The profile family of a layer unit: its class name, or ``csr`` for a unit applied through its CSR
+    values (no structured operator: gathers and segment sums, whatever the layer)."""
+    return type(unit).__name__ if unit.has_operator else "csr"
+
+
+def unit_work(unit: Any, batch: int) -> float:
+    """The work measure of one layer unit for a batch: ``B * (nnz of J^T + d_in + d_out)``."""
+    pattern = getattr(unit, "pattern", None)
+    nnz = int(getattr(pattern, "nnz", 0) or 0)
+    return float(batch) * (nnz + unit.d_in + unit.d_out)
+
+
+def check_backward(mode: Any) -> str:
+    if mode not in BACKWARD_MODES:
+        raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {mode!r}")
+    return mode
+
+
+def step_profile(device: Optional[torch.device]) -> StepProfile:
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return load_step_profile(dev.type, current_key(dev))
+
+
+def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
+            notes: Sequence[str] = ()) -> Decision:
+    cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward")]
+    return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), notes=notes)
+
+
+def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
+                    scan_detail: str) -> Decision:
+    """Scan or native for a chain or traced graph of ``units`` at batch ``batch``."""
+    prof = step_profile(device)
+    layers = [(unit_family(u), unit_work(u, batch)) for u in units]
+    return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
+                   scan_detail, mode, prof)
+
+
+def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: int, batch: int,
+                       device: Optional[torch.device], mode: str, scan_detail: str) -> Decision:
+    """Scan or native for a recurrent module of ``cell`` kind whose (layer, direction)s have
+    ``(input_size, hidden_size)`` ``shapes``, for a ``(seq_len, batch)`` input."""
+    prof = step_profile(device)
+    t = {r: sum(prof.recurrent_time(cell, seq_len, batch, i, h, r) for i, h in shapes) for r in ("native", "scan")}
+    return _decide(f"backward (T {seq_len}, batch {batch})", t["native"], t["scan"], scan_detail, mode, prof)
+
+
+class BackwardChoice:
+    """Mixin of the wrapped modules: the scan-or-native decision per input signature.
+
+    A subclass sets :attr:`backward_mode` and implements :meth:`_backward_decision`. ``decision`` is
+    the decision of the last signature seen (the example input's before any call)."""
+
+    backward_mode: str = "auto"
+
+    def _init_choice(self, mode: str, first: Optional[Hashable]) -> None:
+        self.backward_mode = check_backward(mode)
+        self._decisions: dict[Hashable, Decision] = {}
+        self._last_key = first
+        if first is not None and mode == "auto":
+            self._decision_for(first)  # planned with the example input: decided now, not in the first step
+
+    def _backward_decision(self, key: Hashable) -> Decision:  # pragma: no cover - each wrapper defines it
+        raise NotImplementedError
+
+    def _decision_for(self, key: Hashable) -> Decision:
+        d = self._decisions.get(key)
+        if d is None:
+            d = self._decisions[key] = self._backward_decision(key)
+        self._last_key = key
+        return d
+
+    def _native(self, key: Optional[Hashable]) -> bool:
+        """Whether a call of signature ``key`` runs the model's own backward (``None``: an input the scan's
+        checks will refuse, never native unless forced)."""
+        if self.backward_mode != "auto":
+            return self.backward_mode == "native"
+        return key is not None and self._decision_for(key).chosen.name == "native"
+
+    @property
+    def decision(self) -> Optional[Decision]:
+        """The scan-or-native :class:`~spscan.planner.choose.Decision` for the last input signature."""
+        return None if self._last_key is None else self._decision_for(self._last_key)
+
+    def _plan_decisions(self) -> list[Decision]:
+        return []
+
+    def explain(self) -> str:
+        """What the planner chose for this model and what it compared each choice with."""
+        ds = ([self.decision] if self.decision is not None else []) + self._plan_decisions()
+        return explain(ds, f"{type(self).__name__} around {type(self._wrapped_model()).__name__}:")
+
+    def _wrapped_model(self) -> torch.nn.Module:  # pragma: no cover - each wrapper defines it
+        raise NotImplementedError
+
+
+def sequence_signature(module: Any, x: Any) -> Optional[tuple[int, int]]:
+    """``(T, B)`` of a recurrent module's input (``(T, B, I)``, ``(B, T, I)`` if batch_first, or
+    unbatched ``(T, I)``), or ``None`` for anything else."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.numel() == 0:
+        return None
+    if x.dim() == 2:
+        return int(x.shape[0]), 1
+    return (int(x.shape[1]), int(x.shape[0])) if module.batch_first else (int(x.shape[0]), int(x.shape[1]))
+
+
+def batch_of(x: Any) -> Optional[int]:
+    """The batch size of a model input ``(B, ...)``, or ``None`` for anything else."""
+    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] > 0 else None

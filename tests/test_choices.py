@@ -1,0 +1,165 @@
+"""The planner's decision point: candidates, the scan-or-native choice of a wrapped model, profiles."""
+
+import copy
+import json
+
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn as nn
+
+import spscan
+from spscan.calibration import calibrate
+from spscan.choices import current_key
+from spscan.planner.choose import Candidate, choose
+from spscan.planner.step_profile import StepProfile, forget_loaded, reference_profile
+
+
+def test_choose_lowest_forced_and_unknown():
+    a, b, c = Candidate("a", 2.0), Candidate("b", 1.0), Candidate("c", None)
+    d = choose("q", [a, b, c])
+    assert d.chosen is b and not d.forced and d.candidate("a") is a
+    assert choose("q", [a, b, c], forced="a").chosen is a
+    assert choose("q", [c]).chosen is c  # alone: chosen without a prediction
+    assert choose("q", [Candidate("x", 1.0), Candidate("y", 1.0)]).chosen.name == "x"  # first among equals
+    with pytest.raises(ValueError, match="'z' is not a candidate"):
+        choose("q", [a, b], forced="z")
+    with pytest.raises(ValueError, match="no candidate"):
+        choose("q", [])
+    text = d.explain()
+    assert "q: b (lowest predicted" in text and "2 s" in text and "1 s" in text and "*" in text
+
+
+def test_plan_explains_its_depth():
+    p = spscan.plan([sp.csr_array(sp.eye(3))] * 20)
+    d = p.decision
+    assert d.chosen.value == p.levels and d.question == "scan depth" and not d.forced
+    assert set(c.value for c in d.candidates) == set(p.candidates)
+    forced = spscan.plan([sp.csr_array(sp.eye(3))] * 20, levels=2).decision
+    assert forced.forced and forced.chosen.name == "depth 2"
+    assert "depth 2 (forced" in spscan.plan([sp.csr_array(sp.eye(3))] * 20, levels=2).explain()
+
+
+def _chain():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 3 * 3, 4))
+
+
+def _grads(net, x):
+    x = x.clone().requires_grad_(True)
+    net.zero_grad(set_to_none=True)
+    out = net(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.square().sum().backward()
+    return [x.grad] + [p.grad for p in net.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["chain", "graph", "rnn", "stacked"])
+def test_native_backward_is_autograd_bit_for_bit(kind):
+    if kind == "chain":
+        model, x = _chain(), torch.randn(5, 2, 8, 8, dtype=torch.float64)
+    elif kind == "graph":
+        class Res(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+            def forward(self, x):
+                return self.b(torch.relu(self.a(x)) + x)
+
+        torch.manual_seed(0)
+        model, x = Res(), torch.randn(4, 6, dtype=torch.float64)
+    elif kind == "rnn":
+        torch.manual_seed(0)
+        model, x = nn.GRU(3, 5), torch.randn(7, 2, 3, dtype=torch.float64)
+    else:
+        torch.manual_seed(0)
+        model, x = nn.LSTM(3, 4, num_layers=2, bidirectional=True), torch.randn(6, 2, 3, dtype=torch.float64)
+    model = model.double()
+    ref = copy.deepcopy(model)
+    wrapped = spscan.wrap(model, x, backward="native")
+    assert wrapped.decision.chosen.name == "native" and wrapped.decision.forced
+    for step in range(2):  # repeated steps, and a changed batch size
+        xs = x if step == 0 else torch.cat([x, x], 1 if kind in ("rnn", "stacked") else 0)
+        got, want = _grads(wrapped, xs), _grads(ref, xs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def _profile(native_cost: float, scan_cost: float) -> StepProfile:
+    """The reference CPU profile with every layer costing ``native_cost`` / ``scan_cost`` seconds."""
+    prof = reference_profile("cpu")
+    fams = {f: {"native": (native_cost, 0.0), "scan": (scan_cost, 0.0)} for f in prof.families}
+    rec = {c: {"native": (0.0, native_cost, 0.0), "scan": (0.0, scan_cost, 0.0)} for c in prof.recurrent}
+    return StepProfile("test", "cpu", {"native": 0.0, "scan": 0.0}, fams, rec, "calibrated", "test")
+
+
+@pytest.fixture
+def calibrated_as(tmp_path, monkeypatch):
+    """Install a profile as this machine's calibrated one (in a temporary cache)."""
+    monkeypatch.setenv("SPSCAN_CACHE_DIR", str(tmp_path))
+    forget_loaded()
+
+    def install(prof: StepProfile) -> None:
+        prof.save(tmp_path / f"{current_key(torch.device('cpu'))}.json")
+        forget_loaded()
+
+    yield install
+    forget_loaded()
+
+
+def test_auto_follows_the_profile(calibrated_as):
+    x = torch.randn(4, 2, 8, 8)
+    calibrated_as(_profile(native_cost=1e-3, scan_cost=1e-4))
+    w = spscan.wrap(_chain(), x, backward="auto")
+    assert w.decision.chosen.name == "scan" and w.decision.basis.endswith("(calibrated on this machine)")
+    calibrated_as(_profile(native_cost=1e-4, scan_cost=1e-3))
+    w = spscan.wrap(_chain(), x, backward="auto")
+    d = w.decision
+    assert d.chosen.name == "native" and d.candidate("scan").predicted_s == pytest.approx(5e-3)
+    text = w.explain()
+    assert "backward (batch 4): native" in text and "scan depth" in text and "5 ms" in text
+    rnn = spscan.wrap(nn.RNN(3, 4), torch.randn(10, 2, 3), backward="auto")
+    assert rnn.decision.chosen.name == "native" and "T 10, batch 2" in rnn.decision.question
+
+
+def test_decision_per_batch_size(calibrated_as):
+    prof = _profile(1e-4, 1e-4)
+    prof.base = {"native": 0.0, "scan": 5e-2}  # a fixed cost: the scan wins only on big batches
+    prof.families["ConvUnit"] = {"native": (0.0, 1e-6), "scan": (0.0, 1e-7)}
+    calibrated_as(prof)
+    w = spscan.wrap(_chain(), torch.randn(64, 2, 8, 8), backward="auto")
+    assert w.decision.chosen.name == "scan"
+    small = torch.randn(1, 2, 8, 8, requires_grad=True)
+    w(small).sum().backward()
+    assert w.decision.question == "backward (batch 1)" and w.decision.chosen.name == "native"
+    assert small.grad is not None
+
+
+def test_backward_option_errors_and_environment(monkeypatch):
+    x = torch.randn(2, 2, 8, 8)
+    with pytest.raises(ValueError, match="backward: expected one of"):
+        spscan.wrap(_chain(), x, backward="fast")
+    with pytest.raises(TypeError, match="pass it to spscan.wrap"):
+        spscan.plan(_chain(), x, backward="native")
+    with pytest.raises(TypeError, match="'backward' is for"):
+        spscan.plan([sp.csr_array(sp.eye(2))], backward="native")
+    monkeypatch.setenv("SPSCAN_BACKWARD", "native")
+    assert spscan.wrap(_chain(), x).backward_mode == "native"
+    spscan.plan([sp.csr_array(sp.eye(2))])  # the environment sets no option a chain of patterns lacks
+
+
+def test_calibration_is_cached_and_read(calibrated_as, tmp_path):
+    prof = calibrate("cpu", reps=1, recurrent=False)
+    saved = json.loads((tmp_path / f"{current_key(torch.device('cpu'))}.json").read_text())
+    assert saved["source"] == "calibrated" and set(saved["families"]) >= {"ConvUnit", "csr", "default"}
+    assert all(v >= 0 for regs in prof.families.values() for pair in regs.values() for v in pair)
+    w = spscan.wrap(_chain(), torch.randn(3, 2, 8, 8), backward="auto")
+    assert "calibrated on this machine" in w.decision.basis
+
+
+def test_reference_profiles_load():
+    for dev in ("cpu", "cuda"):
+        p = reference_profile(dev)
+        assert p.device_type == dev and {"rnn", "gru", "lstm"} <= set(p.recurrent)
+        assert p.layers_time([("NoSuchUnit", 100.0)], "scan") > 0  # an unknown family costs the default's
