@@ -30,7 +30,7 @@ from spscan.chain_backward import (ForwardState, Jacobians, StepBackward, collec
 from spscan.engine import check_inputs
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, batch_of, layers_decision
-from spscan.planner.choose import Decision
+from spscan.planner.choose import Candidate, Decision, choose, explain as explain_decisions
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
 from spscan.plan import build_plan
 
@@ -136,6 +136,7 @@ class ModelPlan:
         self.in_shape = in_shape
         self.out_shape = units[-1].out_shape
         self.core = core
+        self.decisions: list[Decision] = []  # the front end's choices besides the core's depth (norm form, ...)
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")
@@ -200,6 +201,14 @@ class ModelPlan:
     __str__ = summary
 
     # -- per step
+    def all_decisions(self) -> list[Decision]:
+        """The planner's choices for this model: the core scan's depth, then the front end's."""
+        return [self.core.decision] + list(self.decisions)
+
+    def explain(self) -> str:
+        """What the planner chose for this model and what it compared each choice with."""
+        return explain_decisions(self.all_decisions(), f"{type(self).__name__} of {type(self.model).__name__}:")
+
     def _check_input(self, x: torch.Tensor, flat: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Refuse an input of the wrong per-sample shape, or of another dtype/device than the parameters.
         ``flat``: the step's effective tensors (:meth:`_flat_tensors`), read instead of the modules."""
@@ -452,8 +461,9 @@ DENSE_BLOCK_LIMIT = 1 << 22
 FACTORED_MARGIN = 2.0
 
 
-def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: Any) -> tuple[Any, list[bool]]:
-    """The core plan of a chain of layer units, and per layer whether it is factored.
+def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: Any) -> tuple[Any, list[bool], Any]:
+    """The core plan of a chain of layer units, per layer whether it is factored, and the normalization-form
+    :class:`~spscan.planner.choose.Decision` (``None`` when no layer has factors).
 
     A layer whose ``J^T`` is a block-diagonal of diagonal-plus-low-rank blocks
     (:class:`~spscan.layers.LowRankFactors`: LayerNorm, GroupNorm, Softmax, LogSoftmax) enters the
@@ -484,28 +494,45 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: An
         pats = [p for u, f in zip(units, flags) for p in (u.factor_patterns() if f else (u.pattern,))]
         return build_plan(pats, bind=None, **{**kwargs, **over})
 
-    if not any(can) or norm_form == "dense":
-        return core_of(dense), dense
+    def decided(core, flags, why: str, rivals: Sequence[tuple[str, Any]] = ()):
+        """``(core, flags, the norm-form decision)``: the chain kept, and the rivals costed against it."""
+        name = "factored" if any(flags) else "dense"
+        best = core.candidates.get(core.levels)
+        cands = [Candidate(name, best, why)]
+        for other, plan in rivals:
+            t = plan.candidates.get(plan.levels)
+            factor = FACTORED_MARGIN if other == "factored" else 1.0
+            cands.append(Candidate(other, None if t is None else t * factor,
+                                   f"depth {plan.levels}" + (f", estimate x {FACTORED_MARGIN} (must win by it)"
+                                                             if factor != 1.0 else "")))
+        forced = name if norm_form != "auto" else None
+        return core, flags, choose("normalization form", cands, forced, basis="critical-path model of each chain")
+
+    if not any(can):
+        return core_of(dense), dense, None
+    if norm_form == "dense":
+        return decided(core_of(dense), dense, "as asked")
     if norm_form == "factored":
-        return core_of(can), can
+        return decided(core_of(can), can, "as asked")
     levels = kwargs.get("levels", "auto")
     if levels == 0:
-        return core_of(dense), dense
+        return decided(core_of(dense), dense, "depth 0: each layer's own backward kernel, nothing multiplied")
     if any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can)):
         other = core_of(can)
         if other.levels == 0:  # the linear scan: each layer's own kernel (faster than the factors' SpMVs)
-            return core_of(dense, levels=0), dense
-        return other, can
+            return decided(core_of(dense, levels=0), dense, "the factored chain's best depth is 0: kernels instead",
+                           [("factored", other)])
+        return decided(other, can, f"dense blocks exceed {DENSE_BLOCK_LIMIT} entries")
     plain = core_of(dense)
     if plain.levels == 0 and levels == "auto":
-        return plain, dense  # the linear scan: each layer's kernel, no products to fill
+        return decided(plain, dense, "depth 0 chosen: each layer's kernel, no products to fill")
     other = core_of(can)
     if other.levels == 0:
-        return plain, dense  # the factored chain's own best is the linear scan: the kernels are faster
+        return decided(plain, dense, "the factored chain's best depth is 0: kernels are faster", [("factored", other)])
     t_plain, t_other = plain.candidates.get(plain.levels), other.candidates.get(other.levels)
     if t_plain is not None and t_other is not None and t_other * FACTORED_MARGIN < t_plain:
-        return other, can
-    return plain, dense
+        return decided(other, can, f"depth {other.levels}", [("dense", plain)])
+    return decided(plain, dense, f"depth {plain.levels}", [("factored", other)])
 
 
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
@@ -568,8 +595,9 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
     kwargs = levels_for_coupled_layers(units, kwargs)
-    core, factored = plan_chain(units, **kwargs)
+    core, factored, norm = plan_chain(units, **kwargs)
     plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators, factored=factored)
+    plan.decisions = [d for d in (norm,) if d is not None]
     plan.bind_signatures()
     return plan
 
@@ -631,7 +659,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         return layers_decision(plan.units, batch, plan.core.device, self.backward_mode, detail)
 
     def _plan_decisions(self) -> list[Decision]:
-        return [self.plan.core.decision]
+        return self.plan.all_decisions()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(batch_of(x)):

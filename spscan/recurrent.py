@@ -82,7 +82,7 @@ from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, 
 from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
-from spscan.planner.choose import Decision
+from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
                                        weight_grad, weight_grads_compile)
@@ -181,6 +181,7 @@ class RecurrentPlan(RecurrentFront):
         self.newton_options = NewtonOptions.coerce(newton)
         self.newton = NewtonSolver(self)
         self.last_forward = None  # NewtonInfo of the most recent Newton forward (None: none ran yet)
+        self.forward_decision: Optional[Decision] = None  # the last forward="auto" choice
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
         self.state_size = state_size(self.kind, module.hidden_size)
@@ -329,7 +330,21 @@ class RecurrentPlan(RecurrentFront):
         last = self.last_forward
         est = self.newton.estimate(seq_len, batch, device, dtype, self.newton_options,
                                    iterations=last.iterations if (last is not None and last.converged) else None)
-        return "newton" if est["newton"] < est["sequential"] else "sequential"
+        self.forward_decision = choose(
+            f"recurrent forward (T {seq_len}, batch {batch})",
+            [Candidate("sequential", est["sequential"], "the module's own forward"),
+             Candidate("newton", est["newton"], f"{int(est.get('iterations', 0))} Newton iterations over the scan")],
+            basis=f"{torch.device(device).type} cost model")
+        return self.forward_decision.chosen.name
+
+    def all_decisions(self) -> list[Decision]:
+        """The planner's choices so far: the depth of the last scan planned and the last forward chosen."""
+        out = []
+        if self._plans:
+            out.append(list(self._plans.values())[-1].decision)
+        if self.forward_decision is not None:
+            out.append(self.forward_decision)
+        return out
 
     def run_forward(self, x: torch.Tensor, hx=None, need_saved: bool = True):
         """The module's outputs by the plan's forward (sequential or Newton), and what the backward needs.
@@ -795,6 +810,9 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
 
     def _wrapped_model(self) -> nn.Module:
         return self.module
+
+    def _plan_decisions(self) -> list[Decision]:
+        return self.plan.all_decisions()
 
     def _backward_decision(self, key) -> Decision:
         m = self.module

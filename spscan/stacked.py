@@ -182,6 +182,10 @@ class StackedRecurrentPlan(RecurrentFront):
             lines.append(f"  layer {l}{' reverse' if d else ''}: " + p.summary().replace("\n", "\n    "))
         return "\n".join(lines)
 
+    def all_decisions(self) -> list[Decision]:
+        """The choices of the first (layer, direction)'s plan (every one is planned alike)."""
+        return self.layer_plans[0].all_decisions() if self.layer_plans else []
+
     def __repr__(self) -> str:
         return (f"StackedRecurrentPlan(kind={self.kind!r}, num_layers={self.num_layers}, "
                 f"bidirectional={self.num_directions == 2}, hidden_size={self.hidden_size})")
@@ -380,6 +384,9 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
 
     def _wrapped_model(self) -> nn.Module:
         return self.module
+
+    def _plan_decisions(self) -> list[Decision]:
+        return self.plan.all_decisions()
 
     def _backward_decision(self, key) -> Decision:
         m = self.module

@@ -82,10 +82,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _make_bppsa(model: BitstreamClassifier, example: torch.Tensor, **plan_kwargs) -> None:
-    """Swap ``model.rnn`` for its BPPSA wrapper (same parameter objects)."""
+    """Swap ``model.rnn`` for its BPPSA wrapper (same parameter objects), which always runs the scan: the
+    demo compares it with autograd (``backward="auto"`` could choose autograd's own backward)."""
     import spscan
 
-    model.rnn = spscan.wrap(model.rnn, example, **plan_kwargs)
+    model.rnn = spscan.wrap(model.rnn, example, **{"backward": "scan", **plan_kwargs})
 
 
 def gradient_difference(reference: nn.Module, probe: nn.Module) -> float:
