@@ -79,13 +79,13 @@ from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_v
                           lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
                           resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
-from spscan.autograd import apply as autograd_apply, refuse_functorch
+from spscan.autograd import refuse_functorch
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
-                                       weight_grad, weight_grads_compile)
+                                       run_wrapped, split_hx, weight_grad, weight_grads_compile)
 
 __all__ = [
     "RecurrentPlan",
@@ -413,7 +413,7 @@ class RecurrentPlan(RecurrentFront):
         xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
         T, B, _ = xt.shape
         params = [q.detach() for q in module_params(m)]
-        h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        h0, c0 = split_hx(self.kind, hx, B, H, xt, unbatched)
         return xt, T, B, unbatched, params, h0, c0
 
     def _operands(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,7 +512,7 @@ class RecurrentPlan(RecurrentFront):
         xt = xt.contiguous()
         T, B, _ = xt.shape
         params = [q.detach() for q in module_params(m)]
-        h0, c0 = _split_hx(self.kind, hx, B, H, xt, unbatched)
+        h0, c0 = split_hx(self.kind, hx, B, H, xt, unbatched)
         s0 = h0 if self.kind != "lstm" else torch.cat([h0, c0], dim=-1)
         states, coefs, step_values, info = self.newton.solve(xt, s0, params, self.newton_options)
         self.last_forward = info
@@ -546,7 +546,7 @@ class RecurrentPlan(RecurrentFront):
             x, out = x.transpose(0, 1), out.transpose(0, 1)
         T, B, _ = x.shape
         params = [p.detach() for p in module_params(m)]
-        h0, c0 = _split_hx(self.kind, hx, B, H, x, unbatched)
+        h0, c0 = split_hx(self.kind, hx, B, H, x, unbatched)
         hs = out.detach()
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0) if T > 0 else hs
         c_prev = cs = None
@@ -755,41 +755,6 @@ class RecurrentPlan(RecurrentFront):
         if m.bias:
             out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh
         return out
-
-
-def _split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):
-    """Initial ``h_0`` (B, H) and ``c_0`` (B, H) (LSTM) from the module's ``hx`` (zeros when None)."""
-    dt, dev = like.dtype, like.device
-    if hx is None:
-        z = torch.zeros(B, H, dtype=dt, device=dev)
-        return z, (z if kind == "lstm" else None)
-    if kind == "lstm":
-        h0, c0 = hx
-        return h0.detach().reshape(B, H), c0.detach().reshape(B, H)
-    return hx.detach().reshape(B, H), None
-
-
-def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor]):
-    """A recurrent wrapper's forward once its inputs are checked: the module's own outputs.
-
-    An empty batch or sequence runs the module itself (nothing to scan); without anything needing a
-    gradient the plan's forward runs without saving; otherwise the autograd bridge records the
-    plan's scan backward. Shared by the single-layer and the stacked wrappers.
-    """
-    grad_on = torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in params)
-        or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
-    )
-    empty = x.dim() == 3 and x.shape[0 if module.batch_first else 1] == 0
-    if empty or x.shape[-2 if x.dim() == 2 else (1 if module.batch_first else 0)] == 0:
-        return module(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
-    if not grad_on:
-        with torch.no_grad():
-            return plan.run_forward(x, hx, need_saved=False)[0]
-    outs = autograd_apply(plan, x, h0, c0, *params)
-    if plan.kind == "lstm":
-        return outs[0], (outs[1], outs[2])
-    return outs[0], outs[1]
 
 
 class RecurrentWrapper(BackwardChoice, nn.Module):

@@ -1,4 +1,5 @@
-"""The recurrent wrapper's backward beyond the scan: its replay from a CUDA graph
+"""The recurrent wrapper's run through the autograd bridge (:func:`run_wrapped`), its backward beyond the
+scan: its replay from a CUDA graph
 (:class:`GraphedBackward`) and the weight-gradient rules (compiled on CPU, batched GEMMs elsewhere).
 
 Used by :class:`spscan.recurrent.RecurrentPlan`; imports no front end.
@@ -6,15 +7,17 @@ Used by :class:`spscan.recurrent.RecurrentPlan`; imports no front end.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.nn as nn
 
-from spscan.autograd import flatten_tensors, map_tensors
+from spscan.autograd import apply as autograd_apply, flatten_tensors, map_tensors
 from spscan.kernels.backend import cpu_ops
 
-__all__ = ["GraphedBackward", "any_nonzero", "compiled_weight_grads", "copy_all", "reduce_in_scan", "weight_grad",
+__all__ = ["GraphedBackward", "any_nonzero", "compiled_weight_grads", "copy_all", "reduce_in_scan", "run_wrapped",
+           "split_hx", "weight_grad",
            "weight_grads_compile"]
 
 
@@ -147,3 +150,38 @@ def any_nonzero(t: torch.Tensor) -> bool:
         # a loss on every step: its first step answers (NumPy's any reads everything)
         return bool(a.size and np.any(a[0])) or bool(np.any(a))
     return bool(t.any())
+
+
+def split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):
+    """Initial ``h_0`` (B, H) and ``c_0`` (B, H) (LSTM) from the module's ``hx`` (zeros when None)."""
+    dt, dev = like.dtype, like.device
+    if hx is None:
+        z = torch.zeros(B, H, dtype=dt, device=dev)
+        return z, (z if kind == "lstm" else None)
+    if kind == "lstm":
+        h0, c0 = hx
+        return h0.detach().reshape(B, H), c0.detach().reshape(B, H)
+    return hx.detach().reshape(B, H), None
+
+
+def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor]):
+    """A recurrent wrapper's forward once its inputs are checked: the module's own outputs.
+
+    An empty batch or sequence runs the module itself (nothing to scan); without anything needing a
+    gradient the plan's forward runs without saving; otherwise the autograd bridge records the
+    plan's scan backward. Shared by the single-layer and the stacked wrappers.
+    """
+    grad_on = torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in params)
+        or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
+    )
+    empty = x.dim() == 3 and x.shape[0 if module.batch_first else 1] == 0
+    if empty or x.shape[-2 if x.dim() == 2 else (1 if module.batch_first else 0)] == 0:
+        return module(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
+    if not grad_on:
+        with torch.no_grad():
+            return plan.run_forward(x, hx, need_saved=False)[0]
+    outs = autograd_apply(plan, x, h0, c0, *params)
+    if plan.kind == "lstm":
+        return outs[0], (outs[1], outs[2])
+    return outs[0], outs[1]

@@ -60,7 +60,8 @@ from spscan.autograd import refuse_functorch
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
 from spscan.planner.choose import Decision
-from spscan.recurrent import RecurrentFront, RecurrentPlan, run_wrapped
+from spscan.recurrent import RecurrentFront, RecurrentPlan
+from spscan.recurrent_backward import run_wrapped
 
 __all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
 
