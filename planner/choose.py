@@ -69,9 +69,12 @@ class Decision:
 
 
 def choose(question: str, candidates: Sequence[Candidate], forced: Optional[str] = None, basis: str = "",
-           notes: Sequence[str] = ()) -> Decision:
+           notes: Sequence[str] = (), incumbent: Optional[str] = None, margin: float = 1.0) -> Decision:
     """The candidate with the lowest predicted time (the first offered among equals), or the one named
     ``forced``. Candidates without a prediction are chosen only when forced or when no other is offered.
+
+    ``incumbent``/``margin``: the candidate kept unless another is predicted at least ``margin`` times
+    faster (a prediction's error should not make the choice lose to the safe option).
 
     Raises ``ValueError`` when there is no candidate or ``forced`` names none of them.
     """
@@ -86,6 +89,11 @@ def choose(question: str, candidates: Sequence[Candidate], forced: Optional[str]
         return Decision(question, pick, cands, True, basis, tuple(notes))
     known = [c for c in cands if c.predicted_s is not None and math.isfinite(c.predicted_s)]
     pick = min(known, key=lambda c: c.predicted_s) if known else cands[0]
+    keep = next((c for c in known if c.name == incumbent), None)
+    if keep is not None and pick is not keep:
+        if pick.predicted_s * margin > keep.predicted_s:
+            pick = keep
+        notes = (*notes, f"{keep.name} is kept unless another is predicted {margin:g}x faster")
     return Decision(question, pick, cands, False, basis, tuple(notes))
 
 

@@ -20,6 +20,9 @@ from spscan.planner.step_profile import StepProfile, load_step_profile, machine_
 __all__ = ["BACKWARD_MODES", "BackwardChoice", "batch_of", "sequence_signature", "current_key", "device_label", "unit_family", "unit_work", "layers_decision", "recurrent_decision", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native")
+#: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
+#: backward: near a tie the prediction's error could make the scan the slower one, and native never loses
+SCAN_MARGIN = 1.1
 
 
 def device_label(device: torch.device) -> str:
@@ -62,7 +65,8 @@ def step_profile(device: Optional[torch.device]) -> StepProfile:
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
             notes: Sequence[str] = ()) -> Decision:
     cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward")]
-    return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), notes=notes)
+    return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), notes=notes,
+                  incumbent="native", margin=SCAN_MARGIN)
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,

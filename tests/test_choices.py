@@ -22,6 +22,9 @@ def test_choose_lowest_forced_and_unknown():
     assert choose("q", [a, b, c], forced="a").chosen is a
     assert choose("q", [c]).chosen is c  # alone: chosen without a prediction
     assert choose("q", [Candidate("x", 1.0), Candidate("y", 1.0)]).chosen.name == "x"  # first among equals
+    kept = choose("q", [Candidate("s", 0.95), Candidate("n", 1.0)], incumbent="n", margin=1.1)
+    assert kept.chosen.name == "n" and "kept unless another is predicted 1.1x faster" in kept.explain()
+    assert choose("q", [Candidate("s", 0.5), Candidate("n", 1.0)], incumbent="n", margin=1.1).chosen.name == "s"
     with pytest.raises(ValueError, match="'z' is not a candidate"):
         choose("q", [a, b], forced="z")
     with pytest.raises(ValueError, match="no candidate"):
