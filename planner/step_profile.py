@@ -12,7 +12,7 @@ layer reads and writes). A recurrent module costs
 
 The constants are fitted on the machine at hand by :func:`spscan.calibrate` and cached per
 machine (device name, cores, torch version, thread count) under :func:`cache_dir`; until a machine is
-calibrated the reference profile of its device class is used (``data/step-profile-<device>.json``,
+calibrated the reference profile of its device class is used (``data/step-profile-<device>*.json``,
 fitted on the machines ``bench/results/calibration.md`` lists), and the plan's ``explain()`` says which.
 Predictions decide; they never change a result.
 """
@@ -132,18 +132,24 @@ def _triple(v: Sequence[float]) -> tuple[float, float, float]:
     return a, b, c
 
 
-def reference_profile(device_type: str) -> StepProfile:
-    """The shipped profile of a device class (``cpu`` or ``cuda``)."""
-    name = "cuda" if device_type == "cuda" else "cpu"
-    return StepProfile.from_json(json.loads((_DATA / f"step-profile-{name}.json").read_text()))
+def reference_profile(device_type: str, threads: Optional[int] = None) -> StepProfile:
+    """The shipped profile of a device class (``cpu`` or ``cuda``); for a CPU, the one fitted at the thread
+    count nearest ``threads`` (files ``step-profile-cpu-<threads>t.json``; None: the fewest threads)."""
+    if device_type == "cuda":
+        path = _DATA / "step-profile-cuda.json"
+    else:
+        fitted = sorted((int(p.stem.rsplit("-", 1)[1][:-1]), p) for p in _DATA.glob("step-profile-cpu-*t.json"))
+        want = fitted[0][0] if threads is None else int(threads)
+        path = min(fitted, key=lambda tp: (abs(tp[0] - want), tp[0]))[1]
+    return StepProfile.from_json(json.loads(path.read_text()))
 
 
 _LOADED: dict[str, StepProfile] = {}
 
 
-def load_step_profile(device_type: str, key: Optional[str]) -> StepProfile:
+def load_step_profile(device_type: str, key: Optional[str], threads: Optional[int] = None) -> StepProfile:
     """The profile fitted for ``key`` (:func:`machine_key`) if this machine was calibrated, else the
-    reference profile of ``device_type``. Read once per process."""
+    reference profile of ``device_type`` (at ``threads``). Read once per process."""
     if key is not None and key in _LOADED:
         return _LOADED[key]
     prof = None
@@ -155,7 +161,7 @@ def load_step_profile(device_type: str, key: Optional[str]) -> StepProfile:
             except (ValueError, KeyError, TypeError, json.JSONDecodeError):
                 prof = None  # a stale or damaged cache entry: the reference profile is used
     if prof is None:
-        prof = reference_profile(device_type)
+        prof = reference_profile(device_type, threads)
     if key is not None:
         _LOADED[key] = prof
     return prof

@@ -167,7 +167,7 @@ def calibrate(device: Any = None, *, reps: int = 7, save: bool = True, recurrent
     if not recurrent:
         from spscan.planner.step_profile import reference_profile
 
-        prof.recurrent = reference_profile(dev.type).recurrent
+        prof.recurrent = reference_profile(dev.type, torch.get_num_threads()).recurrent
     if log is not None:
         for f, regs in families.items():
             log(f"{f:<16} " + "  ".join(f"{r}: {a * 1e6:8.1f} us + {b * 1e9:7.3f} ns/work" for r, (a, b) in regs.items()))

@@ -59,7 +59,7 @@ def check_backward(mode: Any) -> str:
 
 def step_profile(device: Optional[torch.device]) -> StepProfile:
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return load_step_profile(dev.type, current_key(dev))
+    return load_step_profile(dev.type, current_key(dev), torch.get_num_threads())
 
 
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
