@@ -171,9 +171,12 @@ def _avg_divisors(s_in: Sequence[int], s_out: Sequence[int], k, s, p, count_incl
 
 class AvgPoolUnit(LayerUnit):
     """``nn.AvgPool1d`` / ``nn.AvgPool2d`` (count_include_pad, ceil_mode, divisor_override):
-    ``J^T[in, out] = 1/divisor(out)`` over the in-bounds window candidates; values are shared."""
+    ``J^T[in, out] = 1/divisor(out)`` over the in-bounds window candidates; values are shared.
+    The structured operator is ATen's ``avg_pool2d_backward`` (a 1-d pool over ``1 x L`` planes), as
+    autograd applies it."""
 
     shared = True
+    capabilities = UnitCapabilities(structured_operator=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -190,9 +193,30 @@ class AvgPoolUnit(LayerUnit):
         # 1/divisor computed in float64 then rounded once: what the backward kernel yields for grad 1
         self._values = _ConstantValues(
             lambda dtype, device: torch.from_numpy(1.0 / self.entry_divisor).to(device=device, dtype=dtype))
+        one = ((1,), (1,), (0,)) if nd == 1 else ((), (), ())
+        self._backward_args = ([*one[0], *k], [*one[1], *s], [*one[2], *p], bool(module.ceil_mode),
+                               bool(module.count_include_pad), getattr(module, "divisor_override", None))
+        self._planes = ((1,) + tuple(s_in), (1,) + tuple(s_out)) if nd == 1 else (tuple(s_in), tuple(s_out))
 
     def run(self, x, tensors):
-        return self.module(x), (x.dtype, x.device)
+        # the input, as autograd keeps it: its pooling backward reads the shape
+        return self.module(x), (x.dtype, x.device, x)
 
     def fill(self, saved, tensors):
-        return self._values.get(*saved)
+        return self._values.get(saved[0], saved[1])
+
+    def _pool_backward(self, saved, g):
+        x = saved[2]
+        b, c = x.shape[0], x.shape[1]
+        if self.nd == 1 or g.dim() != 4:
+            g, x = g.reshape((b, c) + self._planes[1]), x.reshape((b, c) + self._planes[0])
+        gi = torch.ops.aten.avg_pool2d_backward(g, x, *self._backward_args)
+        return gi.view((b,) + self.in_shape) if self.nd == 1 else gi
+
+    def apply_transposed(self, saved, tensors, g):
+        return self._pool_backward(saved, g).reshape(g.shape[0], self.d_in)
+
+    def chain_step(self, needed=None):
+        """Autograd's pooling backward, ``(B, *out_shape) -> (B, *in_shape)``."""
+        backward = self._pool_backward
+        return lambda saved, tensors, g: (backward(saved, g), None)
