@@ -87,3 +87,22 @@ def test_backward_time(benchmark, chain, levels):
     linear = _medians.get((chain, "0"))
     if linear is not None and str(levels) != "0":
         benchmark.extra_info["speedup_vs_linear"] = linear / benchmark.stats.stats.median
+
+
+@pytest.mark.parametrize("form", ["stacked", "list"])
+def test_backward_host_cost(benchmark, form):
+    """``spscan.backward`` on a chain of 30000 4x4 diagonal patterns (B = 4, depth 0): numeric work is a
+    few microseconds per layer, so the row shows the per-call host work. ``form``: the values as one
+    stacked ``(n, B, nnz)`` tensor, or as a Python list of its ``n`` rows (checked, then run, as one)."""
+    n, batch = 30000, 4
+    plan = spscan.plan([sp.csr_array(sp.eye(4))] * n, levels=0, device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(n, batch, 4, generator=g).to(DEVICE)
+    values = stacked if form == "stacked" else list(stacked)
+    grad = torch.randn(batch, 4, generator=g).to(DEVICE)
+    spscan.backward(plan, values, grad)  # lower once, outside the timing
+    benchmark(lambda: spscan.backward(plan, values, grad))
+    benchmark.extra_info.update(device=device_name(), levels=plan.levels, n=n, batch=batch, form=form)
+    _medians[("host", form)] = benchmark.stats.stats.median
+    if form == "list" and ("host", "stacked") in _medians:
+        benchmark.extra_info["list_vs_stacked"] = benchmark.stats.stats.median / _medians[("host", "stacked")]

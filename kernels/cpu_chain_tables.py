@@ -306,15 +306,8 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
                     memo.clear()
                 memo[key] = tables
         return None if tables is None else (*tables, sources)
-    code_a, src, off, bst, est = _arena_tables(code, shared, offsets, arena_p)
-    lay = np.asarray(layers, dtype=np.int64)
     sources = [arena_s.reshape(-1), arena_p.reshape(-1)]
-    if inputs is None:
-        return code_a, src, off, bst, est, sources
-    from_input = np.flatnonzero(lay >= 0)
-    if from_input.size == 0:
-        return code_a, src, off, bst, est, sources
-    if isinstance(owner, torch.Tensor) and owner.dim() in (2, 3):
+    if isinstance(owner, torch.Tensor) and owner.dim() in (2, 3) and inputs is not None:
         # stacked values: one tensor (n, nnz) or (n, B, nnz), layer i at row i
         if owner.dtype != dtype or owner.device.type != "cpu" or owner.stride(-1) != 1:
             return None
@@ -322,10 +315,30 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
         if not base.is_contiguous():
             return None
         start = (owner.data_ptr() - base.data_ptr()) // owner.element_size()
-        src[from_input] = len(sources)
-        off[from_input] = start + lay[from_input] * owner.stride(0)
-        bst[from_input] = owner.stride(1) if owner.dim() == 3 else 0
         sources.append(base.detach().numpy().reshape(-1))
+        # the step tables follow from the layout alone: the same objects every call of that layout (the
+        # loop's checks of them are kept too, cpu_chain.run_chain's memo)
+        layout = ("stacked", start, owner.stride(0), owner.stride(1) if owner.dim() == 3 else 0,
+                  arena_p.shape[1] if arena_p.ndim == 2 else 0)
+        tables = None if memo is None else memo.get(layout)
+        if tables is None:
+            code_a, src, off, bst, est = tables = _arena_tables(code, shared, offsets, arena_p)
+            lay = np.asarray(layers, dtype=np.int64)
+            from_input = np.flatnonzero(lay >= 0)
+            src[from_input] = len(sources) - 1
+            off[from_input] = start + lay[from_input] * owner.stride(0)
+            bst[from_input] = layout[3]
+            if memo is not None:
+                if len(memo) > 16:
+                    memo.clear()
+                memo[layout] = tables
+        return (*tables, sources)
+    code_a, src, off, bst, est = _arena_tables(code, shared, offsets, arena_p)
+    lay = np.asarray(layers, dtype=np.int64)
+    if inputs is None:
+        return code_a, src, off, bst, est, sources
+    from_input = np.flatnonzero(lay >= 0)
+    if from_input.size == 0:
         return code_a, src, off, bst, est, sources
     get = owner.__getitem__ if isinstance(owner, (list, tuple)) else inputs
     tensors = [get(i) for i in lay[from_input].tolist()]

@@ -239,6 +239,7 @@ class StepBackward:
             # layers whose parameter gradients come after the scan (not applied: the bottom layer when
             # dl/dx_0 is not wanted), from the kept dl/dx_{k+1}
             self.rest = [k for k in range(len(units)) if any(needed[k]) and k not in applied]
+            self.release_flags = [k in self.release for k in range(len(units))]
             self.role_slots = [(k, r) for k, u in enumerate(units) for r in range(len(u.roles))]
 
     def run(self, st: ForwardState, g: torch.Tensor) -> tuple:
@@ -252,28 +253,59 @@ class StepBackward:
             return self._run_chain(st, g)
         return self._run_general(st, g.reshape(g.shape[0], -1))
 
-    def _run_chain(self, st: ForwardState, g: torch.Tensor) -> tuple:
-        units, saved, tensors = self.plan.units, st.saved, st.tensors
-        ops: list[Any] = [None] * len(units)
-        for k, step in self.chain:
-            ops[k] = _ChainOperator(units[k], step, saved[k], tensors[k])
-        if self.release and not keep_graph():
+    def _apply_chain(self, st: ForwardState, g: torch.Tensor) -> tuple[list, list]:
+        """The chain's steps applied to ``g`` in the engine's order (:attr:`BoundPlan.operator_chain`), as
+        its run of :class:`_ChainOperator` objects does, without them: ``(dl/dx_i kept, flattened,
+        or None; parameter gradients per layer, or None)``. Activations nothing reads any more are freed
+        as each step has run (a graph not retained)."""
+        saved, tensors, keep = st.saved, st.tensors, self.keep
+        n = len(saved)
+        grads: list[Optional[torch.Tensor]] = [None] * (n + 1)
+        per_unit: list[Any] = [None] * n
+        release = self.release_flags if self.release and not keep_graph() else None
+        if release is not None:
             st.released = True  # see _run_general
             saved = st.saved = list(saved)
-            for k in self.release:
-                ops[k].release = (saved, k)
-        grads = self.bound.run(ops, g, check=False, keep=self.keep, stop=self.stop).grads
+        if keep[n]:
+            grads[n] = g.clone()
+        for k, step in self.chain:
+            g, per_unit[k] = step(saved[k], tensors[k], g)
+            if release is not None and release[k]:
+                saved[k] = None
+            if keep[k]:
+                grads[k] = g
+        for i, t in enumerate(grads):
+            if t is not None and t.dim() != 2:
+                grads[i] = t.reshape(t.shape[0], -1)
+        return grads, per_unit
+
+    def _run_chain(self, st: ForwardState, g: torch.Tensor) -> tuple:
+        units = self.plan.units
+        if self.bound.max_memory is None:  # (the engine's run checks the memory budget)
+            grads, per_unit = self._apply_chain(st, g)
+            saved, tensors = st.saved, st.tensors
+        else:
+            saved, tensors = st.saved, st.tensors
+            ops: list[Any] = [None] * len(units)
+            for k, step in self.chain:
+                ops[k] = _ChainOperator(units[k], step, saved[k], tensors[k])
+            if self.release and not keep_graph():
+                st.released = True  # see _run_general
+                saved = st.saved = list(saved)
+                for k in self.release:
+                    ops[k].release = (saved, k)
+            grads = self.bound.run(ops, g, check=False, keep=self.keep, stop=self.stop).grads
+            per_unit = [op.param_grads if op is not None else None for op in ops]
         gx = grads[0].reshape(st.x_shape) if self.first else None
         if not self.has_roles:
             return (None, gx)
-        per_unit = [op.param_grads if op is not None else None for op in ops]
         rest = self.rest
         if len(rest) == 1:
             k = rest[0]
             per_unit[k] = units[k].param_grads(saved[k], tensors[k], grads[k + 1], self.needed[k])
         elif rest:  # same-shaped Linear layers share one GEMM there
             mask = [nd if k in rest else [False] * len(nd) for k, nd in enumerate(self.needed)]
-            jac = Jacobians(ops, g.shape[0], saved, tensors)
+            jac = Jacobians([], g.shape[0], saved, tensors)  # (the parameter-gradient rules read saved, tensors)
             for k, gs in enumerate(unit_param_grads(self.plan, jac, grads, mask)):
                 if k in rest:
                     per_unit[k] = gs

@@ -359,10 +359,11 @@ class ModelPlan:
             for e, t in zip(self._ends, extra[1:]):
                 per_element[e] = t
             extra = per_element
-        items, _, shared, has_extra, _, _, device, operators = check_inputs(
+        items, stacked, shared, has_extra, _, _, device, operators = check_inputs(
             self.core.n, self.core.nnz, self.core.dims, self.core.dtype, self.core.device, vals, grad, extra, False)
         bound = self.core.bind(shared, has_extra, device, operators, first_output)
-        return self._layer_grads(bound.run(items, grad, extra, check=False, graph=True, stop=stop).grads)
+        values = items[0] if stacked else items
+        return self._layer_grads(bound.run(values, grad, extra, check=False, graph=True, stop=stop).grads)
 
     def bind_signatures(self, device=None) -> None:
         """Bind the core plan for what the wrapper's backward passes (shared flags, operators, with and

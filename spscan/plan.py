@@ -52,6 +52,7 @@ class Plan:
         self._requested_levels = requested_levels
         self._patterns_cache: Optional[list] = None
         self._bound: dict[tuple, BoundPlan] = {}  # run-time halves, one per (signature, device)
+        self._last_binding: Optional[tuple] = None  # (shared, has_extra, operators, rest of the key, binding)
         # work tables and their device copies shared by the bindings (each distinct table built once)
         self._lowering = LoweringCache()
         self._table_memo: dict[tuple, dict] = {}  # (backend, device) -> the backend's per-table memo
@@ -229,6 +230,12 @@ class Plan:
     def _binding(self, shared: tuple, has_extra: tuple, device: torch.device, operators: Optional[tuple] = None,
                  first_output: bool = True, period: int = 0) -> BoundPlan:
         operators = (False,) * self.n if operators is None else operators
+        # the last signature by identity first: a long chain's flag tuples are made once per signature
+        # (engine.checks.uniform_flags), so a repeated call skips hashing and comparing n flags
+        last = self._last_binding
+        if (last is not None and last[0] is shared and last[1] is has_extra and last[2] is operators
+                and last[3] == (device, first_output, period)):
+            return last[4]
         key = (shared, has_extra, device, operators, first_output, period)
         hit = self._bound.get(key)
         if hit is None:
@@ -236,6 +243,7 @@ class Plan:
             hit = BoundPlan(self._scan, shared, has_extra, device, get_backend(self._backend), self._dtype,
                             self._max_memory, operators, first_output, self._lowering, memo, period)
             self._bound[key] = hit
+        self._last_binding = (shared, has_extra, operators, (device, first_output, period), hit)
         return hit
 
     def bindings(self) -> list[BoundPlan]:

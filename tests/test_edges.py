@@ -119,3 +119,30 @@ def test_recurrent_plan_refused_by_chain_backward():
     _, saved = spscan.forward(plan, torch.randn(4, 1, 2))
     with pytest.raises(TypeError, match=r"plan\.backward\(saved"):
         spscan.backward(plan, saved, torch.randn(1, 3))
+
+
+def test_long_value_lists_are_checked_as_one():
+    """A long list of value tensors (checked and run as one stacked tensor) gives the stacked input's
+    gradients, and a bad entry is still named by its layer."""
+    n = 80
+    plan = spscan.plan([EYE] * n, levels=0)
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(n, 2, 3, dtype=torch.float64, generator=g)
+    grad = torch.randn(2, 3, dtype=torch.float64, generator=g)
+    want = spscan.backward(plan, stacked, grad).stacked()
+    for values in (list(stacked), [v.clone() for v in stacked], tuple(stacked)):
+        assert torch.equal(spscan.backward(plan, values, grad).stacked(), want)
+    shared = torch.randn(n, 3, dtype=torch.float64, generator=g)
+    assert torch.equal(spscan.backward(plan, list(shared), grad).stacked(), spscan.backward(plan, shared, grad).stacked())
+    bad = list(stacked)
+    bad[41] = bad[41].float()
+    with pytest.raises(TypeError, match=r"values\[41\] \(layer 42\): dtype torch.float32"):
+        spscan.backward(plan, bad, grad)
+    bad = list(stacked)
+    bad[7] = torch.randn(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"values\[7\] \(layer 8\): expected shape \(2, 3\) or \(3,\)"):
+        spscan.backward(plan, bad, grad)
+    bad = list(stacked)
+    bad[5] = bad[5].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="not differentiable"):
+        spscan.backward(plan, bad, grad)

@@ -77,10 +77,18 @@ def test_input_gradient_skipped_when_not_needed():
     assert first.program.skipped_first and count(first) == count(full) - 1
 
 
-def test_overlapping_max_pool_keeps_csr_values():
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(3, stride=1), nn.Flatten())
-    w = spscan.wrap(net, torch.randn(1, 1, 6, 6))
-    assert w.plan.operator_flags == [True, False, True]
+@pytest.mark.parametrize("levels", [0, 1, "full"])
+def test_overlapping_max_pool_is_an_operator_with_csr_values(levels):
+    """Overlapping windows: the pool's operator is ATen's pooling backward (an input's gradients summed
+    in the kernel's order), its CSR values serve the planned products; both agree with autograd."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
+                        nn.Flatten(), nn.Linear(2 * 3 * 3, 3)).double()
+    x = torch.randn(2, 1, 7, 7, dtype=torch.float64)
+    w = spscan.wrap(net, x, levels=levels)
+    assert w.plan.operator_flags == [True] * 5
+    for u, r in zip(_grads(net, w, x), _grads(net, net, x)):
+        torch.testing.assert_close(u, r, rtol=0, atol=1e-12)
 
 
 def test_operators_on_the_triton_backend():

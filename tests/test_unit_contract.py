@@ -169,17 +169,27 @@ def test_flags_follow_the_mode_only_where_declared(t):
         m.train(not m.training)
 
 
-def test_max_pool_applies_the_relu_mask_below_it():
-    relu_m, (pool_m, shape) = nn.ReLU(), (nn.MaxPool2d(2), (2, 4, 4))
+@pytest.mark.parametrize("pool_m, shape, out", [
+    (nn.MaxPool2d(2), (2, 4, 4), (2, 2, 2)),
+    (nn.MaxPool2d(3, stride=1), (2, 4, 4), (2, 2, 2)),  # overlapping windows
+    (nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), (2, 5, 5), (2, 3, 3)),
+    (nn.MaxPool1d(3, stride=2), (2, 7), (2, 3)),
+])
+def test_max_pool_applies_the_relu_mask_below_it(pool_m, shape, out):
+    """The pool's step with the ReLU mask below it applied at the pooled resolution equals the two steps
+    one after the other bit for bit, overlapping windows included, and its operator is ATen's backward."""
+    relu_m = nn.ReLU()
     x = seq(BATCH, *shape, seed=3)
-    relu, pool = make_unit(0, relu_m, shape, shape), make_unit(1, pool_m, shape, (2, 2, 2))
-    assert relu.capabilities.relu_mask and pool.capabilities.fuses_relu_below
+    relu, pool = make_unit(0, relu_m, shape, shape), make_unit(1, pool_m, shape, out)
+    assert relu.capabilities.relu_mask and pool.capabilities.fuses_relu_below and pool.has_operator
     with torch.no_grad():
         h, s_relu = relu.run(x, [])
         _, s_pool = pool.run(h, [])
-        g = seq(BATCH, 2, 2, 2, seed=4)
-        plain = relu.chain_step()(s_relu, [], pool.chain_step()(s_pool, [], g)[0])[0]
+        g = seq(BATCH, *out, seed=4)
+        pooled = pool.chain_step()(s_pool, [], g)[0]
+        plain = relu.chain_step()(s_relu, [], pooled)[0]
         fused = relu.chain_step(masked_above=True)(s_relu, [], pool.chain_step(relu_below=True)(s_pool, [], g)[0])[0]
+    hh = h.clone().requires_grad_(True)
+    assert torch.equal(torch.autograd.grad(pool_m(hh), hh, g)[0], pooled)
     assert torch.equal(plain, fused)
-    overlapping = make_unit(1, nn.MaxPool2d(3, stride=1), shape, (2, 2, 2))
-    assert not overlapping.capabilities.fuses_relu_below and not overlapping.has_operator
+    assert torch.equal(pool.apply_transposed(s_pool, [], g.reshape(BATCH, -1)), pooled.reshape(BATCH, -1))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, Optional
 
 import torch
@@ -34,6 +36,39 @@ def fmt_bytes(b: float) -> str:
 
 def _fail(kind, msg: str):
     raise kind(msg)
+
+
+@functools.lru_cache(maxsize=64)
+def uniform_flags(flag: bool, n: int) -> tuple[bool, ...]:
+    """``(flag,) * n``, one object per ``(flag, n)``: a signature of a long chain made once, so its
+    binding is found by identity (:meth:`spscan.Plan.bind`) rather than by hashing ``n`` flags."""
+    return (bool(flag),) * n
+
+
+# a list of at least this many value tensors is checked and run as one stacked tensor (a copy): per
+# layer, host checks and the run's per-tensor lookups cost more than copying a layer's values
+LIST_STACK_MIN = 64
+
+_DTYPE = attrgetter("dtype")
+
+
+def _list_as_stacked(values: Sequence, nnz: int, batch: int, dtype, device) -> Optional[torch.Tensor]:
+    """A long list of value tensors as one ``(n, B, nnz)`` / ``(n, nnz)`` tensor, checked in a few
+    vectorised passes: the entries' types and dtypes compared as sets, ``torch.stack`` for their
+    shapes and devices (it refuses unequal ones), the result's shape, layout and device against the
+    call's. ``None`` where any check fails (the per-layer checks then name the layer) or the list is
+    short. The stack runs in the caller's grad mode: a result that requires grad tells the caller
+    some entry does."""
+    if (type(values) not in (list, tuple) or len(values) < LIST_STACK_MIN
+            or set(map(type, values)) != {torch.Tensor} or set(map(_DTYPE, values)) != {dtype}):
+        return None
+    try:
+        out = torch.stack(values)
+    except (RuntimeError, TypeError):
+        return None
+    if out.layout != torch.strided or out.device != device or tuple(out.shape[1:]) not in ((nnz,), (batch, nnz)):
+        return None
+    return out
 
 
 def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, plan_device, values: Any,
@@ -69,10 +104,11 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
                           f"got {device}")
 
     stacked = isinstance(values, torch.Tensor)
+    uniform_nnz = n > 0 and list(nnzs).count(nnzs[0]) == n
     if stacked:
         if values.dim() not in (2, 3) or values.shape[0] != n:
             _fail(ValueError, f"values: a stacked tensor must be (n={n}, B, nnz) or (n, nnz), got {tuple(values.shape)}")
-        if len(set(nnzs)) != 1:
+        if not uniform_nnz:
             _fail(ValueError, "values: a stacked tensor needs every layer to have the same nnz; pass a list")
         items: Sequence[torch.Tensor] = [values]
     else:
@@ -81,6 +117,12 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
         if len(values) != n:
             _fail(ValueError, f"values: expected {n} tensors (one per layer), got {len(values)}")
         items = values
+        if uniform_nnz and n >= LIST_STACK_MIN:
+            per = batch if batch is not None else next(  # (values all (nnz,) where none is 2-d: any batch fits)
+                (int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim() == 2), 1)
+            as_one = _list_as_stacked(values, nnzs[0], per, dtype, device)
+            if as_one is not None:
+                stacked, items = True, [as_one]
     if batch is None:
         for v in items:
             if isinstance(v, torch.Tensor) and v.dim() == (3 if stacked else 2):
@@ -94,8 +136,8 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
             else:
                 batch = 1
     checked: dict[int, bool] = {}  # a tensor repeated along the chain is checked once per shape
-    shared = []
-    operators = [False] * n
+    shared: Any = []
+    operators: Any = uniform_flags(False, n)
     for i, v in enumerate(items):
         nnz = nnzs[0] if stacked else nnzs[i]
         key = id(v)
@@ -109,6 +151,8 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
                 _fail(ValueError, f"values[{i}] ({layer}): a structured operator of shape {tuple(v.shape)}, expected "
                                   f"({dims[i]}, {dims[i + 1]})")
             shared.append(bool(v.shared))
+            if not isinstance(operators, list):
+                operators = list(operators)
             operators[i] = True
             continue
         if not isinstance(v, torch.Tensor):
@@ -131,9 +175,10 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
         checked[key] = is_shared
         shared.append(is_shared)
     if stacked:
-        shared = shared * n
-    has_extra = [False] * (n + 1)
+        shared = uniform_flags(shared[0], n)
+    has_extra: Any = uniform_flags(False, n + 1)
     if extra is not None:
+        has_extra = list(has_extra)
         if isinstance(extra, torch.Tensor) or not hasattr(extra, "__len__") or len(extra) != n + 1:
             got = len(extra) if hasattr(extra, "__len__") and not isinstance(extra, torch.Tensor) else type(extra).__name__
             _fail(ValueError, f"extra: expected a sequence of n+1={n + 1} entries (None or (B, d_i)), got {got}")
@@ -159,4 +204,5 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
         for name, t in tensors:
             if not bool(torch.isfinite(t).all()):
                 _fail(ValueError, f"{name}: contains NaN or Inf (check_finite=True)")
-    return items, stacked, tuple(shared), tuple(has_extra), batch, dtype, device, tuple(operators)
+    flags = [f if isinstance(f, tuple) else tuple(f) for f in (shared, has_extra, operators)]
+    return items, stacked, *flags[:2], batch, dtype, device, flags[2]

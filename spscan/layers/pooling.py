@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -54,7 +53,11 @@ class MaxPoolUnit(LayerUnit):
 
     The pattern holds every in-bounds candidate of every window; the value is 1 exactly at the
     index ``max_pool(..., return_indices=True)`` reports for that output (ties: torch's pick).
-    The structured operator (a scatter) exists where the windows never overlap."""
+    The structured operator is ATen's pooling backward with the forward's indices (a 1-d pool runs it
+    as a ``1 x L`` plane), as autograd applies it: one kernel call where the CSR path gathers and sums.
+    Overlapping windows (kernel > stride) sum an input's gradients in the kernel's fixed order, so
+    the result is deterministic (on a CUDA device too: its 2-d pooling backward gathers per input, no
+    atomics); the CSR values stay available for a planned product that needs them."""
 
     shared = False
     capabilities = UnitCapabilities(structured_operator=True, fuses_relu_below=True)
@@ -79,22 +82,36 @@ class MaxPoolUnit(LayerUnit):
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.entry_out = _IndexCache(cols[order])
         self.entry_plane = _IndexCache(plane[order])
-        # windows that never overlap: every input takes at most one gradient, so the scatter below is
-        # deterministic on every device (overlapping windows keep the CSR values and their fixed-order sums)
+        # windows that never overlap: every input takes at most one output's gradient
         self.disjoint_windows = all(ss >= (kk - 1) * dd + 1 for ss, kk, dd in zip(s, k, d))
-        self.capabilities = replace(self.capabilities, structured_operator=self.disjoint_windows,
-                                    fuses_relu_below=self.has_chain_step)
+        # ATen's 2-d pooling backward arguments; a 1-d pool is a 2-d one over (1, L) planes
+        one = ((1,), (1,), (0,), (1,)) if nd == 1 else ((), (), (), ())
+        self._backward_args = ([*one[0], *k], [*one[1], *s], [*one[2], *p], [*one[3], *d], bool(module.ceil_mode))
+        self._plane_shape = ((1,) + tuple(in_shape[1:]) if nd == 1 else tuple(in_shape[1:]),
+                             (1,) + tuple(out_shape[1:]) if nd == 1 else tuple(out_shape[1:]))
+
+    def _pool_backward(self, saved, g, relu_below: bool = False):
+        """``J^T g`` as ``(B, C, *in_spatial)`` by ATen's pooling backward; ``relu_below``: ``g`` masked
+        first where the pooled output is ``<= 0`` (see :meth:`chain_step`). A 2-d ``g`` already in the
+        output's shape is read as it is (no view: the step dispatches what autograd's node does)."""
+        idx, x, y = saved
+        if self.nd == 2:
+            if g.dim() != 4:
+                g = g.reshape(idx.shape)
+            if relu_below:
+                g = torch.ops.aten.threshold_backward(g, y, 0)
+            return torch.ops.aten.max_pool2d_with_indices_backward(g, x, *self._backward_args, idx)
+        b, c = idx.shape[0], idx.shape[1]
+        s_in, s_out = self._plane_shape
+        g = g.reshape((b, c) + s_out)
+        if relu_below:
+            g = torch.ops.aten.threshold_backward(g, y.reshape((b, c) + s_out), 0)
+        x, idx = x.reshape((b, c) + s_in), idx.reshape((b, c) + s_out)
+        gi = torch.ops.aten.max_pool2d_with_indices_backward(g, x, *self._backward_args, idx)
+        return gi.view((b,) + self.in_shape)
 
     def apply_transposed(self, saved, tensors, g):
-        return self.apply_transposed_into(saved, tensors, g, g.new_empty(g.shape[0], self.d_in))
-
-    def apply_transposed_into(self, saved, tensors, g, out):
-        idx = saved[0]
-        b, c = idx.shape[0], idx.shape[1]
-        dst = out.view(b, c, self.d_in // c)
-        dst.zero_()
-        dst.scatter_(2, idx.reshape(b, c, -1), g.reshape(b, c, -1))
-        return out
+        return self._pool_backward(saved, g).reshape(g.shape[0], self.d_in)
 
     def run(self, x, tensors):
         m = self.module
@@ -110,44 +127,18 @@ class MaxPoolUnit(LayerUnit):
         # by the next layer anyway) for a ReLU mask applied at the pooled resolution (chain_step)
         return y, (idx, x, y)
 
-    @property
-    def has_chain_step(self) -> bool:
-        """Whether :meth:`chain_step` is the single ATen pooling backward (2-d, disjoint windows)."""
-        return self.nd == 2 and self.disjoint_windows
-
     def chain_step(self, needed=None, relu_below: bool = False):
-        """``relu_below``: the layer below is a ReLU whose mask this step applies, at the pooled
-        resolution: with disjoint windows each input takes the gradient of at most one output, that
-        of its window's argmax, whose ReLU output is the pooled value; so masking ``g`` where the
-        pooled output is ``<= 0`` before the scatter gives exactly ``threshold_backward(scatter(g), x, 0)``
-        with a quarter (a window's share) of the elementwise work. The ReLU's own step is then the
-        identity (:meth:`ElementwiseUnit.chain_step` with ``masked_above``)."""
-        if not self.has_chain_step:
-            if relu_below:
-                raise ValueError(f"layer {self.index} ({self.name}): relu_below needs a 2-d pool with disjoint "
-                                 f"windows, got {self.nd}-d, disjoint={self.disjoint_windows}")
-            return super().chain_step(needed)
-        m = self.module
-        args = (list(_tuple(m.kernel_size, 2)), list(_tuple(m.stride if m.stride is not None else m.kernel_size, 2)),
-                list(_tuple(m.padding, 2)), list(_tuple(m.dilation, 2)), bool(m.ceil_mode))
-        pool_backward = torch.ops.aten.max_pool2d_with_indices_backward
-        threshold_backward = torch.ops.aten.threshold_backward
-
+        """Autograd's pooling backward, ``(B, *out_shape) -> (B, *in_shape)``. ``relu_below``: the layer
+        below is a ReLU whose mask this step applies, at the pooled resolution: every input that takes a
+        gradient is the argmax of each window that gives it one, and each such window's pooled value is
+        that input (the ReLU's output), so masking ``g`` where the pooled output is ``<= 0`` before the
+        pooling backward gives exactly ``threshold_backward(pool_backward(g), x, 0)`` (the same terms
+        summed in the same order where windows overlap) with a window's share of the elementwise work.
+        The ReLU's own step is then the identity (:meth:`ElementwiseUnit.chain_step` with ``masked_above``)."""
+        backward = self._pool_backward
         if relu_below:
-            def step(saved, tensors, g):
-                idx, x, y = saved
-                if g.dim() != 4:
-                    g = g.reshape(idx.shape)
-                return pool_backward(threshold_backward(g, y, 0), x, *args, idx), None
-            return step
-
-        def step(saved, tensors, g):  # autograd's pooling backward (disjoint windows: one write per input)
-            idx, x = saved[0], saved[1]
-            if g.dim() != 4:
-                g = g.reshape(idx.shape)
-            return pool_backward(g, x, *args, idx), None
-
-        return step
+            return lambda saved, tensors, g: (backward(saved, g, True), None)
+        return lambda saved, tensors, g: (backward(saved, g), None)
 
     def fill(self, saved, tensors):
         idx, x = saved[0], saved[1]
@@ -180,9 +171,12 @@ def _avg_divisors(s_in: Sequence[int], s_out: Sequence[int], k, s, p, count_incl
 
 class AvgPoolUnit(LayerUnit):
     """``nn.AvgPool1d`` / ``nn.AvgPool2d`` (count_include_pad, ceil_mode, divisor_override):
-    ``J^T[in, out] = 1/divisor(out)`` over the in-bounds window candidates; values are shared."""
+    ``J^T[in, out] = 1/divisor(out)`` over the in-bounds window candidates; values are shared.
+    The structured operator is ATen's ``avg_pool2d_backward`` (a 1-d pool over ``1 x L`` planes), as
+    autograd applies it."""
 
     shared = True
+    capabilities = UnitCapabilities(structured_operator=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -199,9 +193,30 @@ class AvgPoolUnit(LayerUnit):
         # 1/divisor computed in float64 then rounded once: what the backward kernel yields for grad 1
         self._values = _ConstantValues(
             lambda dtype, device: torch.from_numpy(1.0 / self.entry_divisor).to(device=device, dtype=dtype))
+        one = ((1,), (1,), (0,)) if nd == 1 else ((), (), ())
+        self._backward_args = ([*one[0], *k], [*one[1], *s], [*one[2], *p], bool(module.ceil_mode),
+                               bool(module.count_include_pad), getattr(module, "divisor_override", None))
+        self._planes = ((1,) + tuple(s_in), (1,) + tuple(s_out)) if nd == 1 else (tuple(s_in), tuple(s_out))
 
     def run(self, x, tensors):
-        return self.module(x), (x.dtype, x.device)
+        # the input, as autograd keeps it: its pooling backward reads the shape
+        return self.module(x), (x.dtype, x.device, x)
 
     def fill(self, saved, tensors):
-        return self._values.get(*saved)
+        return self._values.get(saved[0], saved[1])
+
+    def _pool_backward(self, saved, g):
+        x = saved[2]
+        b, c = x.shape[0], x.shape[1]
+        if self.nd == 1 or g.dim() != 4:
+            g, x = g.reshape((b, c) + self._planes[1]), x.reshape((b, c) + self._planes[0])
+        gi = torch.ops.aten.avg_pool2d_backward(g, x, *self._backward_args)
+        return gi.view((b,) + self.in_shape) if self.nd == 1 else gi
+
+    def apply_transposed(self, saved, tensors, g):
+        return self._pool_backward(saved, g).reshape(g.shape[0], self.d_in)
+
+    def chain_step(self, needed=None):
+        """Autograd's pooling backward, ``(B, *out_shape) -> (B, *in_shape)``."""
+        backward = self._pool_backward
+        return lambda saved, tensors, g: (backward(saved, g), None)
