@@ -122,6 +122,9 @@ def test_auto_follows_the_profile(calibrated_as):
     assert d.chosen.name == "native" and d.candidate("scan").predicted_s == pytest.approx(5e-3)
     text = w.explain()
     assert "backward (batch 4): native" in text and "scan depth" in text and "5 ms" in text
+    ref = copy.deepcopy(w.model)
+    for g, want in zip(_grads(w, x), _grads(ref, x)):  # chosen, not forced: autograd's gradients bit for bit
+        assert torch.equal(g, want)
     rnn = spscan.wrap(nn.RNN(3, 4), torch.randn(10, 2, 3), backward="auto")
     assert rnn.decision.chosen.name == "native" and "T 10, batch 2" in rnn.decision.question
 
