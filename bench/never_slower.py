@@ -76,6 +76,7 @@ class Row:
     other_s: Optional[float] = None
     predicted_other_s: Optional[float] = None
     other_refused: Optional[str] = None
+    option_refused: Optional[str] = None  # wrap(..., backward="auto") refused, wrap(...) did not
     grad_rel_diff: Optional[float] = None
     wrong: Optional[str] = None  # the wrapped gradients differ from autograd's: not timed
     load_1min: Optional[float] = None
@@ -190,6 +191,8 @@ def row_notes(row: Row, bar: float = BAR) -> list[str]:
     if row.wrong:
         return [row.wrong]
     notes = []
+    if row.option_refused:
+        notes.append(f"backward='auto' {row.option_refused}")
     if row.choice == "native":
         notes.append("native backward chosen")
     if row.other_refused:
@@ -275,7 +278,16 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
         wrapped = wrap(model, x, backward="auto") if row.option else wrap(model, x)
     except Exception as e:  # noqa: BLE001 - any refusal is the row's result
         row.refused = refusal(e)
-        return
+        if not row.option:
+            return
+        # a model kind that does not take backward= (yet) is still a row: wrapped without it
+        model = copy.deepcopy(plain)
+        try:
+            wrapped = wrap(model, x)
+        except Exception:  # noqa: BLE001 - the refusal of backward="auto" stands
+            return
+        row.option, row.refused = False, None
+        row.option_refused = refusal(e)
     dec = read_decision(wrapped)
     row.choice, row.predicted_chosen_s, row.explain = dec.chosen, dec.predicted_s, dec.explain
     sides = [(plain, plain_head, plain), (wrapped, head, model)]

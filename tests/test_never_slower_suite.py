@@ -157,6 +157,17 @@ def test_the_decision_api_is_read_and_the_other_candidate_timed():
     assert "| native |" in text and "scan: 2.00 / " in text
 
 
+def test_a_model_refusing_the_backward_option_is_wrapped_without_it():
+    def wrap(model, x, *, backward=None):
+        if backward is not None:
+            raise TypeError("backward= does not apply to this model")
+        return model
+
+    row = ns.measure_row(TINY, wrap=wrap, **FAST)
+    assert row.ran and not row.option and row.choice == "scan" and row.other is None
+    assert row.notes == ["backward='auto' refused: backward= does not apply to this model"]
+
+
 def test_a_lost_choice_is_flagged_beyond_three_percent():
     assert ns.choice_lost(1.04, 1.0) and not ns.choice_lost(1.02, 1.0)
     assert not ns.choice_lost(None, 1.0) and not ns.choice_lost(1.0, None)
