@@ -19,7 +19,9 @@ option exists, the candidate the wrapper did not choose, forced (``backward="sca
 ratio is the median over rounds of ``autograd_time / wrapped_time`` (> 1: the wrapped step is
 faster). The choice comes from ``wrapped.decision`` (``.chosen.name``, ``.chosen.predicted_s``,
 ``.candidates``); without it the choice is reported as ``"scan"``. A model ``spscan.wrap``
-refuses is recorded as ``refused: <first line of the error>``.
+refuses is recorded as ``refused: <first line of the error>`` (one that refuses only
+``backward="auto"`` is wrapped without it, the refusal in its note); a row whose wrapped gradients
+differ from autograd's is recorded as such and not timed.
 
 Environment: ``NEVER_SLOWER_OUT`` (write the table there), ``NEVER_SLOWER_STRICT=1`` (a row
 whose ratio is below :data:`BAR` fails), ``SPSCAN_BENCH_QUICK=1`` (fewer rounds per row).
@@ -111,7 +113,7 @@ class Decision:
     explain: str = ""
 
 
-# ----------------------------------------------------------------------------- pure helpers
+# ----------------------------------------------------------------------------- pure functions
 
 
 def median_ratio(pairs: Sequence[Sequence[float]]) -> float:
