@@ -46,8 +46,18 @@ TINY = models.Case("tiny", "cnn", 4, lambda: nn.Sequential(nn.Linear(3, 6), nn.R
 FAST = dict(budget_s=0.0, min_rounds=3, max_rounds=3, warmup=1)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: a 1000-step recurrent forward on two threads of a loaded 2-core machine
+    waits at a thread barrier every step (seconds instead of milliseconds)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("case", models.CASES, ids=[c.name for c in models.CASES])
-def test_models_have_their_declared_shapes(case):
+def test_models_have_their_declared_shapes(case, one_thread):
     model, head = case.build()
     x, y = case.data()
     assert tuple(x.shape) == (case.batch, *case.input_shape) and tuple(y.shape) == (case.batch,)
