@@ -34,6 +34,8 @@ _FAMILIES: dict[str, list[tuple[Callable[[], nn.Module], tuple[int, ...], int]]]
     "LinearUnit": [(lambda: nn.Linear(32, 32), (32,), 8), (lambda: nn.Linear(256, 256), (256,), 64)],
     "ElementwiseUnit": [(nn.ReLU, (8, 8, 8), 8), (nn.ReLU, (32, 16, 16), 32)],
     "MaxPoolUnit": [(lambda: nn.MaxPool2d(2), (4, 12, 12), 8), (lambda: nn.MaxPool2d(2), (16, 32, 32), 32)],
+    "MaxPoolUnit/window": [(lambda: nn.MaxPool2d(3, 2), (4, 13, 13), 8),
+                           (lambda: nn.MaxPool2d(3, 2), (16, 31, 31), 32)],
     "csr": [(nn.Tanh, (8, 8, 8), 8), (nn.Tanh, (32, 16, 16), 32)],  # timed with operators=False
     "AvgPoolUnit": [(lambda: nn.AvgPool2d(2), (4, 12, 12), 8), (lambda: nn.AvgPool2d(2), (16, 32, 32), 32)],
     "BatchNormUnit": [(lambda: nn.BatchNorm2d(4), (4, 8, 8), 8), (lambda: nn.BatchNorm2d(32), (32, 16, 16), 32)],
@@ -116,7 +118,7 @@ def _fit_families(device, dtype, reps) -> tuple[dict, dict]:
             fixed, per = _fit(rows, times)
             families[family][regime] = (fixed, per)
     # a layer of a family not timed here costs what the costliest timed elementwise family does per element
-    generic = ("ElementwiseUnit", "LayerNormUnit", "MaxPoolUnit")
+    generic = ("ElementwiseUnit", "LayerNormUnit", "MaxPoolUnit/window")
     families["default"] = {r: max((families[f][r] for f in generic), key=lambda v: v[0] + v[1] * 1e5)
                            for r in REGIMES}
     return base, families

@@ -39,9 +39,9 @@ def current_key(device: torch.device) -> str:
 
 
 def unit_family(unit: Any) -> str:
-    """The profile family of a layer unit: its class name, or ``csr`` for a unit applied through its CSR
-    values (no structured operator: gathers and segment sums, whatever the layer)."""
-    return type(unit).__name__ if unit.has_operator else "csr"
+    """The profile family of a layer unit (:attr:`~spscan.layers.LayerUnit.cost_family`: its class name,
+    ``csr`` for a unit applied through its CSR values, or what the unit declares)."""
+    return unit.cost_family
 
 
 def unit_work(unit: Any, batch: int) -> float:

@@ -295,6 +295,12 @@ class LayerUnit(abc.ABC):
         return self.apply_transposed(saved, tensors, g), self.param_grads(saved, tensors, g, needed)
 
     @property
+    def cost_family(self) -> str:
+        """The family whose fitted step costs predict this layer's (:mod:`spscan.planner.step_profile`): the
+        unit's class, or ``csr`` for a unit applied through its CSR values."""
+        return type(self).__name__ if self.has_operator else "csr"
+
+    @property
     def has_operator(self) -> bool:
         """Whether :meth:`apply_transposed` is available (the unit has a structured operator)."""
         return self.capabilities.structured_operator
