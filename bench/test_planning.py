@@ -26,6 +26,7 @@ from torch import nn
 import spscan
 
 from conftest import device_name
+from never_slower_models import mobilenet_like as _mobilenet_stack
 
 
 def lenet5():
@@ -49,15 +50,8 @@ def vgg_small():
 
 
 def mobilenet_like():
-    """A depthwise-separable block stack (3x3 depthwise + 1x1 pointwise, BatchNorm, ReLU) on 32x32 inputs."""
-    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU()]
-    c = 16
-    for out, stride in [(32, 1), (64, 2), (64, 1), (128, 2)]:
-        layers += [nn.Conv2d(c, c, 3, stride=stride, padding=1, groups=c), nn.BatchNorm2d(c), nn.ReLU(),
-                   nn.Conv2d(c, out, 1), nn.BatchNorm2d(out), nn.ReLU()]
-        c = out
-    model = nn.Sequential(*layers, nn.AvgPool2d(4), nn.Flatten(), nn.Linear(c, 10)).eval()
-    return model, torch.randn(1, 3, 32, 32)
+    """The depthwise-separable block stack of the never-slower suite, in eval mode, on 32x32 inputs."""
+    return _mobilenet_stack().eval(), torch.randn(1, 3, 32, 32)
 
 
 def random_chain():

@@ -124,16 +124,13 @@ class BackwardChoice:
         """The scan-or-native :class:`~spscan.planner.choose.Decision` for the last input signature."""
         return None if self._last_key is None else self._decision_for(self._last_key)
 
-    def _plan_decisions(self) -> list[Decision]:
-        return []
+    #: the attribute holding the wrapped model (one module registered once, under this name)
+    _model_attr = "model"
 
     def explain(self) -> str:
         """What the planner chose for this model and what it compared each choice with."""
-        ds = ([self.decision] if self.decision is not None else []) + self._plan_decisions()
-        return explain(ds, f"{type(self).__name__} around {type(self._wrapped_model()).__name__}:")
-
-    def _wrapped_model(self) -> torch.nn.Module:  # pragma: no cover - each wrapper defines it
-        raise NotImplementedError
+        ds = ([self.decision] if self.decision is not None else []) + self.plan.all_decisions()
+        return explain(ds, f"{type(self).__name__} around {type(getattr(self, self._model_attr)).__name__}:")
 
 
 def sequence_signature(module: Any, x: Any) -> Optional[tuple[int, int]]:

@@ -651,16 +651,10 @@ class SpscanModule(BackwardChoice, nn.Module):
         self.plan = plan
         self._init_choice(backward, batch)
 
-    def _wrapped_model(self) -> nn.Module:
-        return self.model
-
     def _backward_decision(self, batch) -> Decision:
         plan = self.plan
         detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
         return layers_decision(plan.units, batch, plan.core.device, self.backward_mode, detail)
-
-    def _plan_decisions(self) -> list[Decision]:
-        return self.plan.all_decisions()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(batch_of(x)):

@@ -376,18 +376,14 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
     ``(output, (h_n, c_n))``; batch size and sequence length may change between calls.
     """
 
+    _model_attr = "module"
+
     def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
         super().__init__()
         self.module = module
         backward = plan_kwargs.pop("backward", option_default("backward"))
         self.plan = StackedRecurrentPlan(module, example_input, **plan_kwargs)
         self._init_choice(backward, sequence_signature(module, example_input))
-
-    def _wrapped_model(self) -> nn.Module:
-        return self.module
-
-    def _plan_decisions(self) -> list[Decision]:
-        return self.plan.all_decisions()
 
     def _backward_decision(self, key) -> Decision:
         m = self.module

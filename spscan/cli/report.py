@@ -16,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from spscan.planner.choose import format_seconds
+
 __all__ = ["load_rows", "write_report", "FIGURES"]
 
 #: figure file names, by experiment
@@ -60,14 +62,9 @@ def load_rows(json_paths: Iterable[Path]) -> tuple[dict[str, list[dict]], dict[s
 # ------------------------------------------------------------------ formatting
 
 def _t(s: Optional[float]) -> str:
-    """Seconds in a readable unit."""
-    if s is None or (isinstance(s, float) and math.isnan(s)):
-        return "n/a"
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
+    """Seconds in a readable unit (``n/a`` when unknown)."""
+    text = format_seconds(s)
+    return "n/a" if text == "-" else text
 
 
 def _x(r: Optional[float]) -> str:
