@@ -57,7 +57,8 @@ class Decision:
         return next((c for c in self.candidates if c.name == name), None)
 
     def explain(self) -> str:
-        how = "forced" if self.forced else ("only candidate" if len(self.candidates) == 1 else "lowest predicted")
+        how = ("forced" if self.forced else "only candidate" if len(self.candidates) == 1 else
+               "the only one available" if self.chosen.predicted_s is None else "lowest predicted")
         head = f"{self.question}: {self.chosen.name} ({how}"
         head += f"; {self.basis})" if self.basis else ")"
         lines = [head]

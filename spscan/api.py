@@ -7,10 +7,12 @@ to its front end (:mod:`spscan.model` for traced chains, :mod:`spscan.recurrent`
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
 
+from spscan.choices import NativeModule
 from spscan.engine import Gradients, check_inputs
 from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, takes_options
 from spscan.graph import plan_graph, wrap_graph
@@ -95,7 +97,16 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
     _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
-    return wrap_fn(model, example_input, **opts)
+    try:
+        return wrap_fn(model, example_input, **opts)
+    except TypeError as e:
+        if opts.get("backward") != "auto":
+            raise
+        # backward="auto" never refuses a model: what the scan cannot plan runs autograd's own backward
+        reason = str(e).splitlines()[0]
+        warnings.warn(f"spscan.wrap: {reason}; the model runs autograd's own backward (backward='native'). "
+                      "wrap(..., backward='scan') raises instead", stacklevel=2)
+        return NativeModule(model, reason)
 
 
 def forward(plan: Any, x: torch.Tensor):

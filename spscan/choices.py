@@ -17,7 +17,7 @@ import torch
 from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "BackwardChoice", "batch_of", "sequence_signature", "current_key", "device_label", "unit_family", "unit_work", "layers_decision", "recurrent_decision", "step_profile"]
+__all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "sequence_signature", "current_key", "device_label", "unit_family", "unit_work", "layers_decision", "recurrent_decision", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
@@ -146,3 +146,28 @@ def sequence_signature(module: Any, x: Any) -> Optional[tuple[int, int]]:
 def batch_of(x: Any) -> Optional[int]:
     """The batch size of a model input ``(B, ...)``, or ``None`` for anything else."""
     return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] > 0 else None
+
+
+class NativeModule(torch.nn.Module):
+    """A model the scan cannot plan (fx cannot trace it, or a node or layer has no unit), wrapped with
+    ``backward="auto"``: it runs its own forward and autograd's backward, and says why.
+
+    ``decision`` offers the scan as a candidate without a prediction, its reason as the detail, so
+    ``explain()`` reads like any other wrapper's.
+    """
+
+    backward_mode = "native"
+
+    def __init__(self, model: torch.nn.Module, reason: str) -> None:
+        super().__init__()
+        self.model = model
+        self.reason = reason
+        self.decision = choose("backward", [Candidate("native", None, "the model's own autograd backward"),
+                                            Candidate("scan", None, f"not available: {reason}")],
+                               basis="the scan cannot plan this model")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def explain(self) -> str:
+        return explain([self.decision], f"{type(self).__name__} around {type(self.model).__name__}:")

@@ -103,7 +103,7 @@ class Traced:
         try:
             self.graph = tracer.trace(model)
         except Exception as e:  # data-dependent control flow and the like
-            raise TypeError(f"{type(model).__name__}: torch.fx.symbolic_trace cannot capture its forward ({e}); "
+            raise TypeError(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
                             "spscan plans models whose graph fx can trace") from e
         self.units: list[LayerUnit] = []
         self.names: list[str] = []

@@ -169,3 +169,27 @@ def test_reference_profiles_load():
         p = reference_profile(dev)
         assert p.device_type == dev and {"rnn", "gru", "lstm"} <= set(p.recurrent)
         assert p.layers_time([("NoSuchUnit", 100.0)], "scan") > 0  # an unknown family costs the default's
+
+
+def test_auto_never_refuses_a_model_the_scan_cannot_plan():
+    class Mixer(nn.Module):  # a node without a unit today: transpose of an activation
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 5)
+
+        def forward(self, x):
+            return x + self.fc(x.transpose(1, 2)).transpose(1, 2)
+
+    torch.manual_seed(0)
+    for model, x in ((nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0), torch.randn(3, 4, 8)),
+                     (Mixer(), torch.randn(2, 5, 3))):
+        model = model.double()
+        x = x.double()
+        ref = copy.deepcopy(model)
+        with pytest.warns(UserWarning, match="runs autograd's own backward"):
+            net = spscan.wrap(model, x, backward="auto")
+        assert net.decision.chosen.name == "native" and "not available" in net.explain()
+        for g, want in zip(_grads(net, x), _grads(ref, x)):
+            assert torch.equal(g, want)
+        with pytest.raises(TypeError):
+            spscan.wrap(model, x, backward="scan")
