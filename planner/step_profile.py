@@ -8,7 +8,8 @@ fixed part per regime::
 
 with ``work_u = B * (nnz of J_u^T + d_in + d_out)`` (multiply-adds of ``J^T g`` plus the elements the
 layer reads and writes). A recurrent module costs
-``fixed + per_step * T + per_mac * T * B * (I + H) * H * gates`` per (layer, direction).
+``fixed + per_step * T + per_mac * T * B * (I + H) * H * gates + per_state * T * B * H * gates`` per
+(layer, direction).
 
 The constants are fitted on the machine at hand by :func:`spscan.calibrate` and cached per
 machine (device name, cores, torch version, thread count) under :func:`cache_dir`; until a machine is
@@ -30,7 +31,7 @@ from typing import Iterable, Optional, Sequence
 __all__ = ["REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "reference_profile"]
 
 REGIMES = ("native", "scan")
-FORMAT = 1
+FORMAT = 2
 _DATA = Path(__file__).with_name("data")
 
 
@@ -57,14 +58,14 @@ class StepProfile:
     """Fitted step-cost constants of one machine configuration (see the module docstring).
 
     ``families[family][regime] = (fixed_s, per_work_s)``; ``recurrent[cell][regime] =
-    (fixed_s, per_step_s, per_mac_s)``; ``base[regime]`` the fixed seconds of a step.
+    (fixed_s, per_step_s, per_mac_s, per_state_s)``; ``base[regime]`` the fixed seconds of a step.
     """
 
     name: str
     device_type: str
     base: dict[str, float]
     families: dict[str, dict[str, tuple[float, float]]]
-    recurrent: dict[str, dict[str, tuple[float, float, float]]] = field(default_factory=dict)
+    recurrent: dict[str, dict[str, tuple[float, ...]]] = field(default_factory=dict)
     source: str = "reference"  # "reference" (shipped) or "calibrated" (fitted on this machine)
     fitted_on: str = ""
 
@@ -87,9 +88,10 @@ class StepProfile:
         """Predicted seconds of one step (forward and backward) of one (layer, direction) of a recurrent
         module of ``cell`` kind (``rnn``/``rnn_tanh``/``rnn_relu``, ``gru``, ``lstm``)."""
         cell = "rnn" if cell.startswith("rnn") else cell  # rnn_tanh, rnn_relu
-        fixed, per_step, per_mac = self.recurrent[cell][regime]
+        fixed, per_step, per_mac, per_state = self.recurrent[cell][regime]
         gates = {"rnn": 1, "gru": 3, "lstm": 4}[cell]
-        return fixed + per_step * seq_len + per_mac * seq_len * batch * (input_size + hidden) * hidden * gates
+        states = seq_len * batch * hidden * gates  # gate values written and read back once per step
+        return fixed + per_step * seq_len + per_mac * states * (input_size + hidden) + per_state * states
 
     def describe(self) -> str:
         what = "calibrated on this machine" if self.source == "calibrated" else "reference profile, not calibrated here"
@@ -108,7 +110,7 @@ class StepProfile:
         if d.get("format") != FORMAT:
             raise ValueError(f"step profile format {d.get('format')!r}, expected {FORMAT}")
         fams = {f: {r: _pair(v) for r, v in regs.items()} for f, regs in d["families"].items()}
-        rec = {c: {r: _triple(v) for r, v in regs.items()} for c, regs in d.get("recurrent", {}).items()}
+        rec = {c: {r: _quad(v) for r, v in regs.items()} for c, regs in d.get("recurrent", {}).items()}
         base = {r: float(d["base"][r]) for r in REGIMES}
         if "default" not in fams or any(set(v) != set(REGIMES) for v in fams.values()):
             raise ValueError("step profile: every family needs both regimes, and a 'default' family is required")
@@ -127,9 +129,11 @@ def _pair(v: Sequence[float]) -> tuple[float, float]:
     return a, b
 
 
-def _triple(v: Sequence[float]) -> tuple[float, float, float]:
-    a, b, c = (float(t) for t in v)
-    return a, b, c
+def _quad(v: Sequence[float]) -> tuple[float, ...]:
+    out = tuple(float(t) for t in v)
+    if len(out) != 4:
+        raise ValueError(f"a recurrent cost needs 4 constants (fixed, per step, per mac, per state), got {len(out)}")
+    return out
 
 
 def reference_profile(device_type: str, threads: Optional[int] = None) -> StepProfile:

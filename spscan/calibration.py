@@ -44,8 +44,11 @@ _FAMILIES: dict[str, list[tuple[Callable[[], nn.Module], tuple[int, ...], int]]]
     "ReshapeUnit": [(nn.Flatten, (4, 4, 4), 8), (nn.Flatten, (32, 16, 16), 32)],
 }
 _CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
-_RECURRENT_POINTS = ((16, 1), (64, 1), (256, 1), (32, 8), (128, 8), (64, 32))  # (T, B)
-_RNN_IN, _RNN_H = 16, 32
+# (input, hidden, T, B): short and long sequences, one sample and a batch (a long sequence's activations
+# leave the caches), narrow and wide cells (a one-feature input runs other kernels than a wide one)
+_RECURRENT_POINTS = ((16, 32, 16, 1), (16, 32, 256, 1), (16, 32, 1000, 1), (16, 32, 128, 8), (16, 32, 1000, 16),
+                     (16, 32, 2000, 16), (1, 20, 100, 16), (1, 20, 1000, 16), (1, 20, 3000, 16), (32, 64, 100, 16),
+                     (32, 64, 1000, 16))
 
 
 def _sync(device: torch.device) -> None:
@@ -96,7 +99,11 @@ def _layer_time(make, in_shape, batch, regime, device, dtype, reps, csr: bool) -
 
 
 def _fit(rows: list[list[float]], times: list[float]) -> list[float]:
-    coef, _ = nnls(np.asarray(rows, dtype=np.float64), np.asarray(times, dtype=np.float64))
+    """Non-negative least squares in relative error (each measurement weighted by ``1 / time``): a choice
+    compares two predictions, so a short step's error counts as much as a long one's."""
+    a, t = np.asarray(rows, dtype=np.float64), np.asarray(times, dtype=np.float64)
+    w = 1.0 / np.maximum(t, 1e-9)
+    coef, _ = nnls(a * w[:, None], t * w)
     return [float(c) for c in coef]
 
 
@@ -131,15 +138,15 @@ def _fit_recurrent(device, dtype, reps) -> dict:
         gates = {"rnn": 1, "gru": 3, "lstm": 4}[cell]
         for regime in REGIMES:
             rows, times = [], []
-            for seq_len, batch in _RECURRENT_POINTS:
+            for n_in, hidden, seq_len, batch in _RECURRENT_POINTS:
                 torch.manual_seed(0)
-                module = cls(_RNN_IN, _RNN_H).to(device=device, dtype=dtype)
-                x = torch.randn((seq_len, batch, _RNN_IN), device=device, dtype=dtype, requires_grad=True)
+                module = cls(n_in, hidden).to(device=device, dtype=dtype)
+                x = torch.randn((seq_len, batch, n_in), device=device, dtype=dtype, requires_grad=True)
                 t = _median_step(_step_of(_wrapped(module, x, regime), x), device, reps)
-                rows.append([1.0, float(seq_len), float(seq_len * batch * (_RNN_IN + _RNN_H) * _RNN_H * gates)])
+                states = seq_len * batch * hidden * gates
+                rows.append([1.0, float(seq_len), float(states * (n_in + hidden)), float(states)])
                 times.append(t)
-            a, b, c = _fit(rows, times)
-            out[cell][regime] = (a, b, c)
+            out[cell][regime] = tuple(_fit(rows, times))
     return out
 
 
@@ -174,8 +181,8 @@ def calibrate(device: Any = None, *, reps: int = 7, save: bool = True, recurrent
         for f, regs in families.items():
             log(f"{f:<16} " + "  ".join(f"{r}: {a * 1e6:8.1f} us + {b * 1e9:7.3f} ns/work" for r, (a, b) in regs.items()))
         for c, regs in prof.recurrent.items():
-            log(f"{c:<16} " + "  ".join(f"{r}: {a * 1e6:8.1f} us + {b * 1e6:6.2f} us/step + {m * 1e12:6.2f} ps/mac"
-                                        for r, (a, b, m) in regs.items()))
+            log(f"{c:<16} " + "  ".join(f"{r}: {v[0] * 1e6:8.1f} us + {v[1] * 1e6:6.2f} us/step + {v[2] * 1e12:6.2f} "
+                                        f"ps/mac + {v[3] * 1e9:6.2f} ns/state" for r, v in regs.items()))
         log(f"fitted in {time.perf_counter() - t0:.1f} s ({label})")
     if save:
         prof.save(cache_dir() / f"{key}.json")

@@ -93,7 +93,7 @@ def _profile(native_cost: float, scan_cost: float) -> StepProfile:
     """The reference CPU profile with every layer costing ``native_cost`` / ``scan_cost`` seconds."""
     prof = reference_profile("cpu")
     fams = {f: {"native": (native_cost, 0.0), "scan": (scan_cost, 0.0)} for f in prof.families}
-    rec = {c: {"native": (0.0, native_cost, 0.0), "scan": (0.0, scan_cost, 0.0)} for c in prof.recurrent}
+    rec = {c: {"native": (0.0, native_cost, 0.0, 0.0), "scan": (0.0, scan_cost, 0.0, 0.0)} for c in prof.recurrent}
     return StepProfile("test", "cpu", {"native": 0.0, "scan": 0.0}, fams, rec, "calibrated", "test")
 
 
