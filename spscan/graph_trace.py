@@ -14,7 +14,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spscan.graph_segments import Leaf, LiveStep, Parallel
-from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
+from spscan.layers import LayerUnit, make_unit, unit_capabilities
+from spscan.layers.opaque import OpaqueUnit
 from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS
 from spscan.model import check_hooks, example_rejected
 
@@ -153,14 +154,8 @@ class Traced:
                     continue
                 builder = NODE_UNITS.get(key)
                 if builder is None:
-                    if isinstance(key, type):
-                        kind = ("a container with its own forward that fx did not trace through"
-                                if list(self.model.get_submodule(node.target).children()) else "an unsupported layer type")
-                        raise refuse_node(node, f"{key.__module__}.{key.__name__} is {kind}; supported layer types: "
-                                      f"{', '.join(t.__name__ for t in supported_layer_types())}")
-                    raise refuse_node(node, "unsupported op (spscan.graph.supported_node_targets() lists the supported "
-                                  "functions and tensor methods)")
-                if builder in (_ADD, _CAT):
+                    y = self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                elif builder in (_ADD, _CAT):
                     y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
                 else:
                     y = self._unit(node, key, builder, args, kwargs, tensor_inputs, env)
@@ -201,6 +196,51 @@ class Traced:
             self.tin[node] = list(seq)
         self.kind[node] = builder
         return self._call(node, args, kwargs)
+
+    def _opaque(self, node, key, args, kwargs, tensor_inputs, env):
+        """A node without an analytic unit: its own call and its own autograd backward (:class:`OpaqueUnit`)."""
+        if len(tensor_inputs) != 1:
+            raise refuse_node(node, f"a node without an analytic unit reading {len(tensor_inputs)} tensors of the "
+                              "graph (an opaque node reads one)")
+        src = tensor_inputs[0]
+        xin = env[src]
+        k = len(self.units)
+        if node.op == "call_module":
+            m = self.model.get_submodule(node.target)
+            check_hooks(k, node.target, m)
+            name, backed, label = node.target, True, f"self.{node.target} ({type(m).__name__})"
+
+            def call(t, m=m, node=node, src=src):
+                a = fx.node.map_arg(node.args, lambda n: t if n is src else env[n])
+                kw = fx.node.map_arg(node.kwargs, lambda n: t if n is src else env[n])
+                return m(*a, **kw)
+        else:
+            m, name, backed, label = nn.Module(), node.name, False, node_text(node)
+            fn = self._call
+
+            def call(t, node=node, src=src):
+                a = fx.node.map_arg(node.args, lambda n: t if n is src else env[n])
+                kw = fx.node.map_arg(node.kwargs, lambda n: t if n is src else env[n])
+                return fn(node, a, kw)
+        with torch.random.fork_rng(devices=[]):  # planning draws no random numbers of the model's
+            state = [b.clone() for b in m.buffers()]
+            try:
+                y = call(xin)
+            except Exception as e:
+                raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), ValueError) from e
+            finally:
+                for b, v in zip(m.buffers(), state):  # nor updates its running statistics
+                    b.copy_(v)
+        if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != xin.shape[0]:
+            raise refuse_node(node, "expected a tensor keeping the batch dim", ValueError)
+        unit = OpaqueUnit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), call, label)
+        self.units.append(unit)
+        self.names.append(name)
+        self.module_backed.append(backed)
+        self.leaf_of[node] = Leaf(unit, k)
+        self.kind[node] = "unit"
+        self.tin[node] = [src]
+        return y
 
     def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):
