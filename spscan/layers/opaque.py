@@ -30,10 +30,12 @@ class OpaqueUnit(LayerUnit):
 
     capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
 
-    def __init__(self, index: int, module: nn.Module, in_shape: tuple, out_shape: tuple,
-                 call: Callable[[torch.Tensor], torch.Tensor], label: str) -> None:
-        super().__init__(index, module, in_shape, out_shape)
-        self._params = [(n, p) for n, p in module.named_parameters()]
+    def __init__(self, index: int, module: nn.Module, in_shapes: Sequence[tuple], out_shape: tuple,
+                 call: Callable[..., torch.Tensor], label: str,
+                 params: Optional[Sequence[tuple[str, nn.Parameter]]] = None) -> None:
+        super().__init__(index, module, in_shapes[0], out_shape)
+        self.in_shapes = [tuple(s) for s in in_shapes]
+        self._params = list(module.named_parameters() if params is None else params)
         self.roles = tuple(n for n, _ in self._params)
         self.call, self.label = call, label
         self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
@@ -53,31 +55,40 @@ class OpaqueUnit(LayerUnit):
         return [(p, None) for _, p in self._params]
 
     def run(self, x, tensors):
+        return self.run_inputs([x], tensors)
+
+    def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
+        """The node's own call on its graph tensors ``xs`` (detached, recorded); what its backward needs."""
         with torch.enable_grad():
-            xi = x.detach()
-            if xi.is_floating_point() or xi.is_complex():
-                xi.requires_grad_(True)
-            y = self.call(xi.reshape((x.shape[0],) + self.in_shape))
-        return y.detach(), (xi, y)
+            xis = []
+            for x, shape in zip(xs, self.in_shapes):
+                xi = x.detach().reshape((x.shape[0],) + shape)
+                if xi.is_floating_point() or xi.is_complex():
+                    xi.requires_grad_(True)
+                xis.append(xi)
+            y = self.call(*xis)
+        return y.detach(), (xis, y)
 
     def fill(self, saved, tensors):
         raise ValueError(f"layer {self.index} ({self.name}): an opaque node has no J^T values; it runs only as its "
                          "own autograd backward (levels=0)")
 
-    def _grad(self, saved, g: torch.Tensor, want_input: bool, needed: Sequence[bool]):
-        xi, y = saved
-        inputs = ([xi] if want_input and xi.requires_grad else [])
+    def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
+        """``([J_i^T g for the inputs asked, (B, d_i) each], parameter gradients per role)`` from one
+        autograd backward of the node's recorded call (kept for later calls)."""
+        xis, y = saved
+        want = [x for x, w in zip(xis, inputs) if w and x.requires_grad]
         params = [p for (_, p), n in zip(self._params, needed) if n and p.requires_grad]
-        gi = None
         got: list = []
-        if (inputs or params) and y.requires_grad:
-            got = list(torch.autograd.grad(y, inputs + params, g.reshape(y.shape), retain_graph=True,
-                                           allow_unused=True))
-        if want_input:
-            gi = got.pop(0) if inputs else None
-            if gi is None:
-                gi = g.new_zeros((g.shape[0], self.d_in))
-            gi = gi.reshape(g.shape[0], self.d_in)
+        if (want or params) and y.requires_grad:
+            got = list(torch.autograd.grad(y, want + params, g.reshape(y.shape), retain_graph=True, allow_unused=True))
+        gis: list[Optional[torch.Tensor]] = []
+        for x, w in zip(xis, inputs):
+            if not w:
+                gis.append(None)
+                continue
+            gi = got.pop(0) if x.requires_grad else None
+            gis.append((g.new_zeros(x.shape) if gi is None else gi).reshape(g.shape[0], -1))
         out: list[Optional[torch.Tensor]] = []
         for (_, p), n in zip(self._params, needed):
             if n and p.requires_grad:
@@ -85,14 +96,15 @@ class OpaqueUnit(LayerUnit):
                 out.append(torch.zeros_like(p) if v is None else v)
             else:
                 out.append(None)
-        return gi, out
+        return gis, out
 
     def apply_transposed(self, saved, tensors, g):
-        return self._grad(saved, g, True, [False] * len(self.roles))[0]
+        return self.vjp(saved, g, [True], [False] * len(self.roles))[0][0]
 
     def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
-        return self._grad(saved, g, True, needed)
+        gis, out = self.vjp(saved, g, [True], needed)
+        return gis[0], out
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         needed = [True] * len(self.roles) if needed is None else needed
-        return self._grad(saved, g_out, False, needed)[1]
+        return self.vjp(saved, g_out, [False] * len(self.in_shapes), needed)[1]
