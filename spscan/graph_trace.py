@@ -134,6 +134,8 @@ class Traced:
                     continue
                 if node.op == "output":
                     res = node.args[0]
+                    if isinstance(res, fx.Node) and res in self.virtual:
+                        raise refuse_node(res, "the forward's output does not keep the batch dim first", ValueError)
                     if not isinstance(res, fx.Node) or res not in self.kind:
                         raise refuse_node(node, "expected the forward to return one tensor")
                     self.output_node = res
