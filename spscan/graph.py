@@ -59,9 +59,8 @@ from parameters (``self.cls.expand(B, -1, -1)``) are not part of the chain: each
 them recomputes them from its graph tensors and the live parameters, at the current batch size. The
 plan's summary names them (``opaque: self.attn (MultiheadAttention)``).
 
-Refused: a forward ``torch.fx`` cannot trace (data-dependent control flow, named with the model), an
-output that does not keep the batch dim first, an add or concatenation of graph tensors the join units
-do not cover that no other path plans; each names the node and its source line.
+Refused: a forward ``torch.fx`` cannot trace (data-dependent control flow, named with the model), and an
+output that does not keep the batch dim first (named with its node and source line).
 """
 
 from __future__ import annotations

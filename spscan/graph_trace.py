@@ -183,21 +183,19 @@ class Traced:
             if len(node.args) != 2 or not all(isinstance(a, fx.Node) and isinstance(env.get(a), torch.Tensor)
                                               for a in node.args) \
                     or node.kwargs.get("alpha", 1) != 1 or len(node.kwargs) > (1 if "alpha" in node.kwargs else 0):
-                raise refuse_node(node, "an add is supported between two tensors of the graph (the join of two "
-                              "branches), without alpha or scalars")
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # scalars, alpha: its own backward
             a, b = args[0], args[1]
             if a.shape != b.shape:
-                raise refuse_node(node, f"an add of two branches needs equal shapes (no broadcasting), got "
-                              f"{tuple(a.shape)} and {tuple(b.shape)}", ValueError)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # broadcasting
             self.tin[node] = [node.args[0], node.args[1]]
         else:
             seq = node.args[0] if node.args else node.kwargs.get("tensors")
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             if not isinstance(seq, (list, tuple)) or not all(isinstance(a, fx.Node) for a in seq):
-                raise refuse_node(node, "a concatenation of graph tensors expected")
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             nd = env[seq[0]].dim()
             if dim % nd != 1:
-                raise refuse_node(node, f"concatenation along dim 1 (channels/features) expected, got dim={dim}", ValueError)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # along another dim
             self.tin[node] = list(seq)
         self.kind[node] = builder
         return self._call(node, args, kwargs)

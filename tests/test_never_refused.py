@@ -176,3 +176,22 @@ def test_data_dependent_control_flow_still_refused():
 
     with pytest.raises(TypeError, match="Branchy.*fx"):
         spscan.wrap(Branchy(), torch.zeros(2, 3))
+
+
+class Odd(nn.Module):
+    """Joins the join units do not cover: a scalar add, a broadcast add, a square and a concatenation along
+    the last dim, each its own backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 4)
+
+    def forward(self, x):
+        y = self.f(x) + 1.0
+        z = y + y.mean(-1, keepdim=True)
+        return torch.cat([z * z, y], -1)
+
+
+def test_joins_outside_the_join_units():
+    torch.manual_seed(6)
+    _check(Odd(), [torch.randn(2, 5, 3), torch.randn(1, 5, 3), torch.randn(3, 5, 3)])
