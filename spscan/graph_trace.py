@@ -148,7 +148,8 @@ class Traced:
                 kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
                 tensor_inputs = list(dict.fromkeys(t for n in node.all_input_nodes
                                                    for t in ([n] if n in self.kind else self.virtual.get(n, []))))
-                consts = [n for n in node.all_input_nodes if n not in self.kind and isinstance(env[n], torch.Tensor)]
+                consts = [n for n in node.all_input_nodes if n not in self.kind and
+                          (isinstance(env[n], torch.Tensor) or n in self.virtual)]
                 if node.op != "call_module" and (not tensor_inputs or key in _TENSOR_QUERIES):
                     # shape arithmetic for a view/reshape, or a tensor made from parameters (``self.cls.expand(B,
                     # -1, -1)``): evaluated here, never part of the graph (an opaque node reading it recomputes it)
@@ -229,6 +230,9 @@ class Traced:
         env, fn, attr = self.env_, self._call, self._attr
         params = [(n.target, attr(n.target)) for n in order if n.op == "get_attr"]
         params = [(t, v) for t, v in params if isinstance(v, nn.Parameter)]
+        mods = [n.target for n in order if n.op == "call_module"]  # a module recomputed here (a tuple output)
+        params += [(f"{t}.{n}", p) for t in mods for n, p in self.model.get_submodule(t).named_parameters()]
+        self.inner_modules = [f"self.{t} ({type(self.model.get_submodule(t)).__name__})" for t in mods]
 
         def call(*ts: torch.Tensor) -> Any:
             vals: dict[fx.Node, Any] = dict(zip(inputs, ts))
@@ -261,6 +265,8 @@ class Traced:
             name, backed, label = node.target, True, f"self.{node.target} ({type(m).__name__})"
         else:
             m, name, backed, label = nn.Module(), node.name, False, node_text(node)
+            if self.inner_modules:
+                label += f" of {', '.join(self.inner_modules)}"
         with torch.random.fork_rng(devices=[]):  # planning draws none of the model's random numbers
             state = [t.clone() for t in m.buffers()]
             try:
@@ -271,9 +277,7 @@ class Traced:
             finally:
                 for t, v in zip(m.buffers(), state):  # nor updates its running statistics
                     t.copy_(v)
-        if not isinstance(y, torch.Tensor) or not isinstance(one, torch.Tensor):
-            raise refuse_node(node, f"expected a tensor, got {type(y).__name__}")
-        if y.dim() < 1 or y.shape[0] != xins[0].shape[0] or one.shape != (1,) + y.shape[1:]:
+        if not isinstance(y, torch.Tensor) or not isinstance(one, torch.Tensor) or y.dim() < 1 or y.shape[0] != xins[0].shape[0] or one.shape != (1,) + y.shape[1:]:
             self.virtual[node] = list(tensor_inputs)
             return y
         unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)

@@ -195,3 +195,21 @@ class Odd(nn.Module):
 def test_joins_outside_the_join_units():
     torch.manual_seed(6)
     _check(Odd(), [torch.randn(2, 5, 3), torch.randn(1, 5, 3), torch.randn(3, 5, 3)])
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` as a leaf submodule: three graph arguments and a tuple output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn, self.out = nn.LayerNorm(8), nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.out(x + self.attn(h, h, h)[0])
+
+
+def test_multihead_attention_submodule():
+    torch.manual_seed(7)
+    w = _check(Attention(), [torch.randn(2, 3, 8), torch.randn(1, 3, 8)])
+    assert "of self.attn (MultiheadAttention)" in w.plan.summary()
