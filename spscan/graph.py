@@ -1,5 +1,6 @@
 """Models ``torch.fx`` can trace: residual blocks, pre-activation blocks, channel concatenations,
-functional ops and any DAG of supported nodes, planned for scan backprop.
+functional ops and any DAG of nodes (analytic units, or opaque nodes that run their own autograd
+backward), planned for scan backprop.
 
 ``plan_graph(model, example_input)`` traces ``model`` with ``torch.fx`` and maps every node to a
 layer unit through one registry (:data:`spscan.layers.registry.NODE_UNITS`: module types and
@@ -44,8 +45,22 @@ p, p))``, are selection units, so He et al.'s option-A shortcut in a ``LambdaLay
   graphs keep the block path (its live-set form would carry the skip through every node of the
   branch).
 
-Unsupported ops (and joins other than an add of two tensors without ``alpha`` or a
-concatenation along channels) are refused naming the node and its source line.
+**Opaque nodes.** A node without an analytic unit (a function or tensor method the registry does not
+know, a form its unit does not cover, a leaf module such as ``nn.MultiheadAttention`` or
+``nn.TransformerEncoderLayer``, a node reading a parameter functionally, ``x + self.pos_embed``, or
+reading several graph tensors, ``q @ k.transpose(-2, -1)``, ``a * b``) is an
+:class:`~spscan.layers.opaque.OpaqueUnit`: its forward is the node's own call, recorded by autograd on
+its detached inputs (a module's own call, so dropout draws its masks as the module does), and its
+``J^T g`` for every graph input and its parameter gradients come from its own autograd backward. It has
+no CSR values, so the scan runs at depth 0 around it, as around train-mode BatchNorm. A node reading
+several graph tensors makes the graph a live-set chain; its step applies one backward for all its
+inputs. Tensors that do not keep the batch dim first (``qkv.permute(2, 0, 3, 1, 4)``) and tensors made
+from parameters (``self.cls.expand(B, -1, -1)``) are not part of the chain: each opaque node reading
+them recomputes them from its graph tensors and the live parameters, at the current batch size. The
+plan's summary names them (``opaque: self.attn (MultiheadAttention)``).
+
+Refused: a forward ``torch.fx`` cannot trace (data-dependent control flow, named with the model), and an
+output that does not keep the batch dim first (named with its node and source line).
 """
 
 from __future__ import annotations

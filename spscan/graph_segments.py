@@ -321,14 +321,17 @@ class LiveStep:
         # the node's J^T blocks: (row offset, column offset within y, width of the input)
         self.in_rows = [(b_off[i], c, before[i]) for i, c in zip(inputs, cat_offsets)]
         blocks = [(r, c, identity_pattern(d)) for r, c, d in self.copies]
+        # a unit reading several graph tensors (an opaque node, operator only) has an empty block per input
+        self.multi = leaf is not None and len(inputs) > 1
         for (r, c, d) in self.in_rows:
-            blocks.append((r, self.new_off + c, leaf.pattern if leaf is not None else identity_pattern(d)))
+            blocks.append((r, self.new_off + c, identity_pattern(d) if leaf is None else
+                           sp.csr_array((d, leaf.d_out), dtype=np.float64) if self.multi else leaf.pattern))
         self.pattern, maps = block_union((self.d_in, self.d_out), blocks)
         const = np.zeros(self.pattern.nnz)
         for m in maps[:len(self.copies)] + ([] if leaf is not None else maps[len(self.copies):]):
             const[m] += 1.0  # identity entries (an input read twice gets 2 on its diagonal)
         self._const_np = const
-        self._unit_map = torch.from_numpy(maps[-1]) if leaf is not None else None
+        self._unit_map = torch.from_numpy(maps[-1]) if leaf is not None and not self.multi else None
         self._const: dict = {}
 
     @property
@@ -338,7 +341,9 @@ class LiveStep:
     def run(self, x, T):
         live = x if isinstance(x, list) else [x]
         sv = None
-        if self.leaf is not None:
+        if self.multi:
+            y, sv = self.leaf.unit.run_inputs([live[i] for i in self.inputs], T[self.leaf.k])
+        elif self.leaf is not None:
             y, sv = self.leaf.run(live[self.inputs[0]], T)
         elif self.kind == _ADD:
             y = live[self.inputs[0]] + live[self.inputs[1]]
@@ -397,7 +402,11 @@ class LiveOperator(StructuredOperator):
         for r, c, d in st.copies:
             out[:, r:r + d] = g[:, c:c + d]
         h = g[:, st.new_off:]
-        if st.leaf is not None:
+        if st.multi:  # one backward of the node for all its inputs (its parameter gradients come later)
+            gis, _ = st.leaf.unit.vjp(self.saved[0], h, [True] * len(st.inputs), [False] * len(st.leaf.unit.roles))
+            for (r, _, d), gi in zip(st.in_rows, gis):
+                out[:, r:r + d] += gi
+        elif st.leaf is not None:
             if self._op is None:
                 self._op = st.leaf.operator(self.saved[0], self.T, self.needed)
             r, _, d = st.in_rows[0]

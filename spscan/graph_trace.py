@@ -14,7 +14,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spscan.graph_segments import Leaf, LiveStep, Parallel
-from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
+from spscan.layers import LayerUnit, make_unit, unit_capabilities
+from spscan.layers.opaque import OpaqueUnit
 from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS
 from spscan.model import check_hooks, example_rejected
 
@@ -22,8 +23,6 @@ __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "re
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
-_SHAPE_QUERIES = _TENSOR_QUERIES | {operator.getitem, operator.mul, operator.floordiv, operator.add,
-                                    operator.sub}
 
 #: A general DAG is refused when its live-set chain would carry more than this many times the values
 #: of the graph's own tensors (``sum_s d_live(s) > LIVE_STATE_LIMIT * sum_n d_n``, per sample).
@@ -111,6 +110,9 @@ class Traced:
         self.leaf_of: dict[fx.Node, Leaf] = {}
         self.kind: dict[fx.Node, str] = {}  # "input", "unit", "add", "cat"
         self.tin: dict[fx.Node, list[fx.Node]] = {}
+        # tensors computed from graph tensors that do not keep the batch dim first (``qkv.permute(2, 0, 3, 1,
+        # 4)``): not part of the chain, recomputed inside each opaque node reading them; -> their graph tensors
+        self.virtual: dict[fx.Node, list[fx.Node]] = {}
         self._propagate(example_input)
 
     def _propagate(self, example_input: torch.Tensor) -> None:
@@ -121,6 +123,7 @@ class Traced:
         if len(placeholders) != 1:
             raise TypeError(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
                             f"{len(placeholders)} inputs ({', '.join(n.name for n in placeholders)})")
+        self.env_ = env
         with torch.no_grad():
             for node in self.graph.nodes:
                 if node.op == "placeholder":
@@ -131,39 +134,37 @@ class Traced:
                     continue
                 if node.op == "output":
                     res = node.args[0]
-                    if not isinstance(res, fx.Node) or not isinstance(env.get(res), torch.Tensor):
+                    if isinstance(res, fx.Node) and res in self.virtual:
+                        raise refuse_node(res, "the forward's output does not keep the batch dim first", ValueError)
+                    if not isinstance(res, fx.Node) or res not in self.kind:
                         raise refuse_node(node, "expected the forward to return one tensor")
                     self.output_node = res
                     continue
-                if node.op == "get_attr":
-                    raise refuse_node(node, "reads a module attribute (a parameter or buffer used functionally); "
-                                  "only parameters held by supported layer modules are planned")
+                if node.op == "get_attr":  # a parameter or buffer read functionally: a constant of the graph
+                    env[node] = self._attr(node.target)
+                    continue
                 key = node_key(node, self.model)
                 args = fx.node.map_arg(node.args, lambda n: env[n])
                 kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-                tensor_inputs = [n for n in node.all_input_nodes if isinstance(env.get(n), torch.Tensor)]
+                tensor_inputs = list(dict.fromkeys(t for n in node.all_input_nodes
+                                                   for t in ([n] if n in self.kind else self.virtual.get(n, []))))
+                consts = [n for n in node.all_input_nodes if n not in self.kind and
+                          (isinstance(env[n], torch.Tensor) or n in self.virtual)]
                 if node.op != "call_module" and (not tensor_inputs or key in _TENSOR_QUERIES):
-                    # shape arithmetic for a view/reshape: evaluated here, never part of the graph
-                    if key not in _SHAPE_QUERIES:
-                        raise refuse_node(node, "unsupported op (outside the tensor graph only shape arithmetic is "
-                                      "supported)")
+                    # shape arithmetic for a view/reshape, or a tensor made from parameters (``self.cls.expand(B,
+                    # -1, -1)``): evaluated here, never part of the graph (an opaque node reading it recomputes it)
                     env[node] = self._call(node, args, kwargs)
-                    if isinstance(env[node], torch.Tensor):
-                        raise refuse_node(node, "an op creating a tensor outside the graph's input is not supported")
                     continue
                 builder = NODE_UNITS.get(key)
-                if builder is None:
-                    if isinstance(key, type):
-                        kind = ("a container with its own forward that fx did not trace through"
-                                if list(self.model.get_submodule(node.target).children()) else "an unsupported layer type")
-                        raise refuse_node(node, f"{key.__module__}.{key.__name__} is {kind}; supported layer types: "
-                                      f"{', '.join(t.__name__ for t in supported_layer_types())}")
-                    raise refuse_node(node, "unsupported op (spscan.graph.supported_node_targets() lists the supported "
-                                  "functions and tensor methods)")
-                if builder in (_ADD, _CAT):
+                if builder is None or consts or (builder not in (_ADD, _CAT) and len(tensor_inputs) > 1):
+                    y = self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                elif builder in (_ADD, _CAT):
                     y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
                 else:
                     y = self._unit(node, key, builder, args, kwargs, tensor_inputs, env)
+                if node in self.virtual:
+                    env[node] = y
+                    continue
                 if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != 2:
                     raise refuse_node(node, f"expected a tensor (B, ...) keeping the batch dim; got "
                                   f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
@@ -183,28 +184,114 @@ class Traced:
             if len(node.args) != 2 or not all(isinstance(a, fx.Node) and isinstance(env.get(a), torch.Tensor)
                                               for a in node.args) \
                     or node.kwargs.get("alpha", 1) != 1 or len(node.kwargs) > (1 if "alpha" in node.kwargs else 0):
-                raise refuse_node(node, "an add is supported between two tensors of the graph (the join of two "
-                              "branches), without alpha or scalars")
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # scalars, alpha: its own backward
             a, b = args[0], args[1]
             if a.shape != b.shape:
-                raise refuse_node(node, f"an add of two branches needs equal shapes (no broadcasting), got "
-                              f"{tuple(a.shape)} and {tuple(b.shape)}", ValueError)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # broadcasting
             self.tin[node] = [node.args[0], node.args[1]]
         else:
             seq = node.args[0] if node.args else node.kwargs.get("tensors")
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             if not isinstance(seq, (list, tuple)) or not all(isinstance(a, fx.Node) for a in seq):
-                raise refuse_node(node, "a concatenation of graph tensors expected")
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             nd = env[seq[0]].dim()
             if dim % nd != 1:
-                raise refuse_node(node, f"concatenation along dim 1 (channels/features) expected, got dim={dim}", ValueError)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # along another dim
             self.tin[node] = list(seq)
         self.kind[node] = builder
         return self._call(node, args, kwargs)
 
+    def _attr(self, target: str) -> Any:
+        obj: Any = self.model
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
+        """``call(*ts)``: ``node`` computed from its graph tensors ``ts``, with the constants it reads
+        recomputed every call (parameters read live, shape arithmetic at the current batch size: a graph
+        tensor read only for its shape stands in as a meta tensor); and the parameters it reads."""
+        order: list[fx.Node] = []
+        shapes: list[fx.Node] = []
+        seen: set = set(inputs)
+
+        def visit(n: fx.Node) -> None:
+            for p in n.all_input_nodes:
+                if p in seen:
+                    continue
+                seen.add(p)
+                if p in self.kind:
+                    shapes.append(p)
+                    continue
+                visit(p)
+                order.append(p)
+
+        visit(node)
+        env, fn, attr = self.env_, self._call, self._attr
+        params = [(n.target, attr(n.target)) for n in order if n.op == "get_attr"]
+        params = [(t, v) for t, v in params if isinstance(v, nn.Parameter)]
+        mods = [n.target for n in order if n.op == "call_module"]  # a module recomputed here (a tuple output)
+        params += [(f"{t}.{n}", p) for t in mods for n, p in self.model.get_submodule(t).named_parameters()]
+        self.inner_modules = [f"self.{t} ({type(self.model.get_submodule(t)).__name__})" for t in mods]
+
+        def call(*ts: torch.Tensor) -> Any:
+            vals: dict[fx.Node, Any] = dict(zip(inputs, ts))
+            b = ts[0].shape[0]
+            for p in shapes:
+                vals[p] = torch.empty((b,) + tuple(env[p].shape[1:]), dtype=env[p].dtype, device="meta")
+            for p in order + [node]:
+                if p.op == "get_attr":
+                    vals[p] = attr(p.target)
+                else:
+                    a = fx.node.map_arg(p.args, lambda n: vals[n])
+                    kw = fx.node.map_arg(p.kwargs, lambda n: vals[n])
+                    vals[p] = fn(p, a, kw)
+            return vals[node]
+
+        return call, params
+
+    def _opaque(self, node, key, args, kwargs, tensor_inputs, env):
+        """A node without an analytic unit (or one reading parameters, or several graph tensors): its own call
+        and its own autograd backward (:class:`OpaqueUnit`)."""
+        if not tensor_inputs:
+            raise refuse_node(node, "a node of the graph that reads no tensor of the graph")
+        xins = [env[n] for n in tensor_inputs]
+        k = len(self.units)
+        call, params = self._evaluator(node, tensor_inputs)
+        if node.op == "call_module":
+            m = self.model.get_submodule(node.target)
+            check_hooks(k, node.target, m)
+            params = [(f"{node.target}.{n}", p) for n, p in m.named_parameters()] + params
+            name, backed, label = node.target, True, f"self.{node.target} ({type(m).__name__})"
+        else:
+            m, name, backed, label = nn.Module(), node.name, False, node_text(node)
+            if self.inner_modules:
+                label += f" of {', '.join(self.inner_modules)}"
+        with torch.random.fork_rng(devices=[]):  # planning draws none of the model's random numbers
+            state = [t.clone() for t in m.buffers()]
+            try:
+                y = call(*xins)
+                one = call(*[t[:1] for t in xins])  # which output dim is the batch: not told by the size alone
+            except Exception as e:
+                raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), ValueError) from e
+            finally:
+                for t, v in zip(m.buffers(), state):  # nor updates its running statistics
+                    t.copy_(v)
+        if not isinstance(y, torch.Tensor) or not isinstance(one, torch.Tensor) or y.dim() < 1 or y.shape[0] != xins[0].shape[0] or one.shape != (1,) + y.shape[1:]:
+            self.virtual[node] = list(tensor_inputs)
+            return y
+        unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)
+        self.units.append(unit)
+        self.names.append(name)
+        self.module_backed.append(backed)
+        self.leaf_of[node] = Leaf(unit, k)
+        self.kind[node] = "unit"
+        self.tin[node] = list(tensor_inputs)
+        return y
+
     def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):
-            raise refuse_node(node, "a layer reading one tensor of the graph (its first argument) expected")
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # e.g. ``x * x``, ``2 * x``
         src = tensor_inputs[0]
         xin = env[src]
         k = len(self.units)
@@ -231,8 +318,8 @@ class Traced:
                 raise refuse_node(node, "expected a tensor keeping the batch dim", ValueError)
             try:
                 unit = builder(k, args, kwargs, tuple(xin.shape[1:]), tuple(y.shape[1:]), self.prune_zeros)
-            except (TypeError, ValueError) as e:
-                raise refuse_node(node, str(e), type(e)) from e
+            except (TypeError, ValueError):  # a form the analytic unit does not cover: the node's own backward
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             name, backed = node.name, False
         self.units.append(unit)
         self.names.append(name)
@@ -276,7 +363,7 @@ class Traced:
         for n, before, keep in plan:
             inputs = [before.index(p) for p in self.tin[n]]
             kind, leaf = self.kind[n], self.leaf_of.get(n)
-            if kind == "unit" and len(before) == 1 and not keep:
+            if kind == "unit" and len(before) == 1 and not keep and len(self.tin[n]) == 1:
                 steps.append(leaf)
                 continue
             offs = [0] * len(inputs)
@@ -317,6 +404,8 @@ class Traced:
                 raise refuse_node(node, "read by two branches of one block (not series-parallel)", NotSeriesParallel)
             self.visited.add(node)
             kind = self.kind[node]
+            if kind == "unit" and len(self.tin[node]) > 1:
+                raise refuse_node(node, "a node reading several graph tensors", NotSeriesParallel)
             if kind == "unit":
                 segs.insert(0, self.leaf_of[node])
                 src = self.tin[node][0]

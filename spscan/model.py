@@ -233,7 +233,7 @@ class ModelPlan:
 
     def _input_mismatch(self, x: torch.Tensor, k: int, t: torch.Tensor) -> None:
         u = self.units[k]
-        if t.dtype != x.dtype:
+        if t.dtype != x.dtype and not (u.integer_input and not x.is_floating_point()):
             raise TypeError(f"input: dtype {x.dtype}, but layer {k} ({self.layer_names[k] or '-'}: "
                             f"{type(u.module).__name__}) has {t.dtype} parameters; convert the input "
                             f"(x.to({t.dtype})) or the model")

@@ -206,6 +206,8 @@ class LayerUnit(abc.ABC):
     shared: bool = False
     roles: tuple[str, ...] = ()
     capabilities: UnitCapabilities = UnitCapabilities()
+    #: the unit reads an integer input (token ids into an embedding): it has no input gradient
+    integer_input: bool = False
     pattern: sp.csr_array
 
     _DECLARED: ClassVar[tuple[tuple[str, str], ...]] = (

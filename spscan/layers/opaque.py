@@ -1,0 +1,111 @@
+"""Opaque units: a traced node without an analytic unit (a function, a tensor method or a module
+type the registry does not know, such as ``nn.MultiheadAttention`` or ``nn.TransformerEncoderLayer``
+used as a submodule) runs its own call with autograd recording on its detached input, and its
+``J^T g`` and its parameter gradients come from its own autograd backward
+(``torch.autograd.grad``). It has no CSR values (``has_csr_values`` is ``False``): the scan runs at
+depth 0 around it, as it does around train-mode BatchNorm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn as nn
+
+from spscan.layers.base import LayerUnit, UnitCapabilities
+
+__all__ = ["OpaqueUnit"]
+
+
+class OpaqueUnit(LayerUnit):
+    """A node planned as its own forward and its own autograd backward.
+
+    ``call(x)`` is the node's computation of its one graph tensor (the module's own call for a
+    module node, so dropout draws its random numbers as the module does). ``roles`` are the module's
+    parameters (qualified names; none for a function node).
+    """
+
+    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
+    integer_input = True  # its own call takes what it takes (an nn.Embedding its token ids)
+
+    def __init__(self, index: int, module: nn.Module, in_shapes: Sequence[tuple], out_shape: tuple,
+                 call: Callable[..., torch.Tensor], label: str,
+                 params: Optional[Sequence[tuple[str, nn.Parameter]]] = None) -> None:
+        super().__init__(index, module, in_shapes[0], out_shape)
+        self.in_shapes = [tuple(s) for s in in_shapes]
+        self._params = list(module.named_parameters() if params is None else params)
+        self.roles = tuple(n for n, _ in self._params)
+        self.call, self.label = call, label
+        self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
+
+    @property
+    def name(self) -> str:
+        return f"opaque: {self.label}"
+
+    @property
+    def has_csr_values(self) -> bool:  # type: ignore[override]
+        return False
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [p for _, p in self._params]
+
+    def parameters_for_roles(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
+        return [(p, None) for _, p in self._params]
+
+    def run(self, x, tensors):
+        return self.run_inputs([x], tensors)
+
+    def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
+        """The node's own call on its graph tensors ``xs`` (detached, recorded); what its backward needs."""
+        with torch.enable_grad():
+            xis = []
+            for x, shape in zip(xs, self.in_shapes):
+                xi = x.detach().reshape((x.shape[0],) + shape)
+                if xi.is_floating_point() or xi.is_complex():
+                    xi.requires_grad_(True)
+                xis.append(xi)
+            y = self.call(*xis)
+        return y.detach(), (xis, y)
+
+    def fill(self, saved, tensors):
+        raise ValueError(f"layer {self.index} ({self.name}): an opaque node has no J^T values; it runs only as its "
+                         "own autograd backward (levels=0)")
+
+    def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
+        """``([J_i^T g for the inputs asked, (B, d_i) each], parameter gradients per role)`` from one
+        autograd backward of the node's recorded call (kept for later calls)."""
+        xis, y = saved
+        want = [x for x, w in zip(xis, inputs) if w and x.requires_grad]
+        params = [p for (_, p), n in zip(self._params, needed) if n and p.requires_grad]
+        got: list = []
+        if (want or params) and y.requires_grad:
+            got = list(torch.autograd.grad(y, want + params, g.reshape(y.shape), retain_graph=True, allow_unused=True))
+        gis: list[Optional[torch.Tensor]] = []
+        for x, w in zip(xis, inputs):
+            if not w:
+                gis.append(None)
+                continue
+            gi = got.pop(0) if x.requires_grad else None
+            gis.append((g.new_zeros(x.shape) if gi is None else gi).reshape(g.shape[0], -1))
+        out: list[Optional[torch.Tensor]] = []
+        for (_, p), n in zip(self._params, needed):
+            if n and p.requires_grad:
+                v = got.pop(0)
+                out.append(torch.zeros_like(p) if v is None else v)
+            else:
+                out.append(None)
+        return gis, out
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.vjp(saved, g, [True], [False] * len(self.roles))[0][0]
+
+    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
+        gis, out = self.vjp(saved, g, [True], needed)
+        return gis[0], out
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        needed = [True] * len(self.roles) if needed is None else needed
+        return self.vjp(saved, g_out, [False] * len(self.in_shapes), needed)[1]

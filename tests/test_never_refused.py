@@ -1,0 +1,215 @@
+"""Traced models with nodes that have no analytic unit: each runs as an opaque unit (its own call and its
+own autograd backward, the scan at depth 0 around it), with gradients equal to autograd's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spscan
+
+
+def _check(model, xs, dtype=torch.float64, tol=1e-9, seed=0):
+    """Wrap ``model`` on ``xs[0]``; for each input in ``xs`` (a training step each), outputs and gradients of the
+    input and of every parameter equal those of a deep copy under plain autograd (same dropout masks)."""
+    model = model.to(dtype)
+    ref = copy.deepcopy(model)
+    xs = [x.to(dtype) if x.is_floating_point() else x for x in xs]
+    wrapped = spscan.wrap(model, xs[0])
+    for step, x in enumerate(xs):
+        for m in (model, ref):
+            m.zero_grad()
+        xa, xb = x.clone(), x.clone()
+        if x.is_floating_point():
+            xa.requires_grad_(True)
+            xb.requires_grad_(True)
+        torch.manual_seed(seed + step)
+        ya = wrapped(xa)
+        torch.manual_seed(seed + step)
+        yb = ref(xb)
+        w = torch.randn_like(yb)
+        (ya * w).sum().backward()
+        (yb * w).sum().backward()
+        scale = max(1.0, yb.abs().max().item())
+        assert (ya - yb).abs().max().item() <= tol * scale
+        pairs = [(xa.grad, xb.grad)] if x.is_floating_point() else []
+        pairs += [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+        for a, b in pairs:
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+    return wrapped
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner: nn.Module, c: int) -> None:
+        super().__init__()
+        self.inner, self.out = inner, nn.Linear(c, 3)
+
+    def forward(self, x):
+        return self.out(self.inner(x))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("train", [True, False])
+def test_transformer_encoder_layer(norm_first, train):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True,
+                                       norm_first=norm_first)
+    model = _Wrap(layer, 16).train(train)
+    w = _check(model, [torch.randn(3, 5, 16), torch.randn(3, 5, 16), torch.randn(1, 5, 16)])
+    assert "opaque: self.inner (TransformerEncoderLayer)" in w.plan.summary()
+
+
+class Mixer(nn.Module):
+    def __init__(self, s: int = 5, c: int = 6) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.tok = nn.Sequential(nn.Linear(s, 7), nn.GELU(), nn.Linear(7, s))
+        self.ch = nn.Sequential(nn.Linear(c, 9), nn.GELU(), nn.Linear(9, c))
+
+    def forward(self, x):
+        x = x + self.tok(self.n1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.ch(self.n2(x))
+
+
+def test_mixer_block():
+    torch.manual_seed(1)
+    _check(Mixer(), [torch.randn(3, 5, 6), torch.randn(1, 5, 6), torch.randn(4, 5, 6)])
+
+
+class ViT(nn.Module):
+    def __init__(self, c: int = 8, patch: int = 2, heads: int = 2, tokens: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, c, patch, patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, c))
+        self.pos = nn.Parameter(torch.randn(1, tokens + 1, c))
+        self.n1, self.n2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.mlp = nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
+        self.head = nn.Linear(c, 3)
+        self.heads = heads
+
+    def forward(self, x):
+        x = self.embed(x).flatten(2).transpose(1, 2)
+        b, n, c = x.shape
+        x = torch.cat([self.cls.expand(b, -1, -1), x], 1) + self.pos
+        qkv = self.qkv(self.n1(x)).reshape(b, n + 1, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        a = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        o = (a.softmax(-1) @ v).transpose(1, 2).reshape(b, n + 1, c)
+        x = x + self.proj(o)
+        x = x + self.mlp(self.n2(x))
+        return self.head(x[:, 0])
+
+
+def test_small_vit():
+    torch.manual_seed(2)
+    w = _check(ViT(), [torch.randn(3, 3, 4, 4), torch.randn(1, 3, 4, 4), torch.randn(2, 3, 4, 4)])
+    assert "opaque: torch.cat([expand, transpose], 1)" in w.plan.summary()
+
+
+def test_small_vit_float32():
+    torch.manual_seed(3)
+    _check(ViT(), [torch.randn(3, 3, 4, 4), torch.randn(2, 3, 4, 4)], dtype=torch.float32, tol=1e-5)
+
+
+class TextClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(self.emb(x).mean(1))
+
+
+def test_embedding_classifier_with_token_input():
+    torch.manual_seed(4)
+    w = _check(TextClassifier(), [torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (1, 7)),
+                                  torch.randint(0, 11, (3, 7))])
+    assert "opaque: self.emb (Embedding)" in w.plan.summary()
+
+
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        y = self.f(x)
+        z = torch.special.erf(y) + x
+        return self.g(_Cube.apply(z * y))  # a product of two graph tensors and a custom function
+
+
+def test_unknown_functions_and_two_tensor_products():
+    torch.manual_seed(5)
+    w = _check(Custom(), [torch.randn(1, 5), torch.randn(3, 5), torch.randn(3, 5)])
+    text = w.plan.summary()
+    assert "opaque: operator.mul(add, f)" in text and "special_erf" in text
+
+
+def test_data_dependent_control_flow_still_refused():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.f(x)
+            return x
+
+    with pytest.raises(TypeError, match="Branchy.*fx"):
+        spscan.wrap(Branchy(), torch.zeros(2, 3))
+
+
+class Odd(nn.Module):
+    """Joins the join units do not cover: a scalar add, a broadcast add, a square and a concatenation along
+    the last dim, each its own backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 4)
+
+    def forward(self, x):
+        y = self.f(x) + 1.0
+        z = y + y.mean(-1, keepdim=True)
+        return torch.cat([z * z, y], -1)
+
+
+def test_joins_outside_the_join_units():
+    torch.manual_seed(6)
+    _check(Odd(), [torch.randn(2, 5, 3), torch.randn(1, 5, 3), torch.randn(3, 5, 3)])
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` as a leaf submodule: three graph arguments and a tuple output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn, self.out = nn.LayerNorm(8), nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.out(x + self.attn(h, h, h)[0])
+
+
+def test_multihead_attention_submodule():
+    torch.manual_seed(7)
+    w = _check(Attention(), [torch.randn(2, 3, 8), torch.randn(1, 3, 8)])
+    assert "of self.attn (MultiheadAttention)" in w.plan.summary()
