@@ -70,7 +70,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import scipy.sparse as sp
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 from spscan.autograd import apply as autograd_apply, refuse_functorch
@@ -82,8 +81,7 @@ from spscan.layers.shape import PerSampleReshapeUnit, SelectionUnit, _Selection 
 from spscan.model import ModelPlan, SpscanModule, levels_for_coupled_layers, plan_chain
 from spscan.options import option_default
 from spscan.choices import batch_of
-from spscan.plan import build_composite, build_plan
-from spscan.planner.blocks import block_union, place
+from spscan.plan import build_plan
 
 __all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS",
            "supported_node_targets", "SelectionUnit", "LIVE_STATE_LIMIT"]

@@ -6,16 +6,12 @@ per-step values and its structured operator. See :mod:`spscan.graph` for how a g
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 import torch
-import torch.fx as fx
-import torch.nn as nn
 
-from spscan.chain_backward import collect_param_grads
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, UnitOperator
 from spscan.layers.registry import JOIN_ADD as _ADD
