@@ -175,7 +175,8 @@ def test_a_model_refusing_the_backward_option_is_wrapped_without_it():
 
     row = ns.measure_row(TINY, wrap=wrap, **FAST)
     assert row.ran and not row.option and row.choice == "scan" and row.other is None
-    assert row.notes == ["backward='auto' refused: backward= does not apply to this model"]
+    # the row's other notes depend on its timing (two identical models: "below 0.97" is noise); not checked
+    assert row.notes[0] == "backward='auto' refused: backward= does not apply to this model"
 
 
 def test_a_lost_choice_is_flagged_beyond_three_percent():
