@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "reference_profile"]
+__all__ = ["REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "recurrent_features",
+           "reference_profile"]
 
 REGIMES = ("native", "scan")
 FORMAT = 2
@@ -87,11 +88,8 @@ class StepProfile:
                        regime: str) -> float:
         """Predicted seconds of one step (forward and backward) of one (layer, direction) of a recurrent
         module of ``cell`` kind (``rnn``/``rnn_tanh``/``rnn_relu``, ``gru``, ``lstm``)."""
-        cell = "rnn" if cell.startswith("rnn") else cell  # rnn_tanh, rnn_relu
-        fixed, per_step, per_mac, per_state = self.recurrent[cell][regime]
-        gates = {"rnn": 1, "gru": 3, "lstm": 4}[cell]
-        states = seq_len * batch * hidden * gates  # gate values written and read back once per step
-        return fixed + per_step * seq_len + per_mac * states * (input_size + hidden) + per_state * states
+        coef = self.recurrent[_cell(cell)][regime]
+        return sum(c * f for c, f in zip(coef, recurrent_features(cell, seq_len, batch, input_size, hidden)))
 
     def describe(self) -> str:
         what = "calibrated on this machine" if self.source == "calibrated" else "reference profile, not calibrated here"
@@ -127,6 +125,20 @@ class StepProfile:
 def _pair(v: Sequence[float]) -> tuple[float, float]:
     a, b = (float(t) for t in v)
     return a, b
+
+
+_GATES = {"rnn": 1, "gru": 3, "lstm": 4}
+
+
+def _cell(cell: str) -> str:
+    return "rnn" if cell.startswith("rnn") else cell  # rnn_tanh, rnn_relu
+
+
+def recurrent_features(cell: str, seq_len: int, batch: int, input_size: int, hidden: int) -> list[float]:
+    """What a recurrent (layer, direction)'s constants multiply: ``[1, T, multiply-adds, states]``, with
+    ``states = T * B * H * gates`` (gate values written and read back once per step)."""
+    states = seq_len * batch * hidden * _GATES[_cell(cell)]
+    return [1.0, float(seq_len), float(states * (input_size + hidden)), float(states)]
 
 
 def _quad(v: Sequence[float]) -> tuple[float, ...]:

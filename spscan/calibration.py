@@ -19,8 +19,11 @@ import torch
 import torch.nn as nn
 from scipy.optimize import nnls
 
+from spscan.api import wrap
 from spscan.choices import current_key, device_label, unit_work
-from spscan.planner.step_profile import REGIMES, StepProfile, cache_dir, forget_loaded
+from spscan.model import plan_model
+from spscan.planner.step_profile import (REGIMES, StepProfile, cache_dir, forget_loaded, recurrent_features,
+                                         reference_profile)
 
 __all__ = ["calibrate"]
 
@@ -69,7 +72,7 @@ def _median_step(step: Callable[[], None], device: torch.device, reps: int) -> f
     return statistics.median(times)
 
 
-def _step_of(net: nn.Module, x: torch.Tensor, hx: bool = False) -> Callable[[], None]:
+def _step_of(net: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
         x.grad = None
         out = net(x)
@@ -80,16 +83,10 @@ def _step_of(net: nn.Module, x: torch.Tensor, hx: bool = False) -> Callable[[], 
 
 
 def _wrapped(model: nn.Module, x: torch.Tensor, regime: str, **options: Any) -> nn.Module:
-    if regime == "native":
-        return model
-    from spscan.api import wrap
-
-    return wrap(model, x, backward="scan", **options)
+    return model if regime == "native" else wrap(model, x, backward="scan", **options)
 
 
 def _layer_time(make, in_shape, batch, regime, device, dtype, reps, csr: bool) -> tuple[float, float]:
-    from spscan.model import plan_model
-
     torch.manual_seed(0)
     model = nn.Sequential(make()).to(device=device, dtype=dtype)
     x = torch.randn((batch, *in_shape), device=device, dtype=dtype, requires_grad=True)
@@ -132,10 +129,9 @@ def _fit_families(device, dtype, reps) -> tuple[dict, dict]:
 
 
 def _fit_recurrent(device, dtype, reps) -> dict:
-    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    out: dict[str, dict[str, tuple[float, ...]]] = {}
     for cell, cls in _CELLS.items():
         out[cell] = {}
-        gates = {"rnn": 1, "gru": 3, "lstm": 4}[cell]
         for regime in REGIMES:
             rows, times = [], []
             for n_in, hidden, seq_len, batch in _RECURRENT_POINTS:
@@ -143,8 +139,7 @@ def _fit_recurrent(device, dtype, reps) -> dict:
                 module = cls(n_in, hidden).to(device=device, dtype=dtype)
                 x = torch.randn((seq_len, batch, n_in), device=device, dtype=dtype, requires_grad=True)
                 t = _median_step(_step_of(_wrapped(module, x, regime), x), device, reps)
-                states = seq_len * batch * hidden * gates
-                rows.append([1.0, float(seq_len), float(states * (n_in + hidden)), float(states)])
+                rows.append(recurrent_features(cell, seq_len, batch, n_in, hidden))
                 times.append(t)
             out[cell][regime] = tuple(_fit(rows, times))
     return out
@@ -174,8 +169,6 @@ def calibrate(device: Any = None, *, reps: int = 7, save: bool = True, recurrent
     label = f"{device_label(dev)}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     prof = StepProfile(key, dev.type, base, families, cells, "calibrated", label)
     if not recurrent:
-        from spscan.planner.step_profile import reference_profile
-
         prof.recurrent = reference_profile(dev.type, torch.get_num_threads()).recurrent
     if log is not None:
         for f, regs in families.items():

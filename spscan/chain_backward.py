@@ -16,8 +16,7 @@ from typing import Any, Optional
 import torch
 
 from spscan.autograd import keep_graph
-from spscan.kernels.backend import StructuredOperator
-from spscan.layers import LayerUnit, UnitOperator
+from spscan.layers import UnitOperator
 
 __all__ = ["ForwardState", "Jacobians", "StepBackward", "collect_param_grads", "unit_param_grads"]
 
@@ -138,40 +137,6 @@ class _FusedOperator(UnitOperator):
         return gi
 
 
-class _ChainOperator(StructuredOperator):
-    """A layer's ``J^T`` in the wrapper's depth-0 operator chain: its step function
-    (:meth:`~spscan.layers.LayerUnit.chain_step`, dispatch and arguments decided once per signature)
-    bound to one backward's saved activations and tensors. :meth:`apply` takes ``g = dl/dy`` as
-    ``(B, *out_shape)`` and returns ``(B, *in_shape)`` (the chain passes activations in their natural
-    shapes, as autograd does), keeping the parameter gradients computed from the same ``g``."""
-
-    def __init__(self, unit: LayerUnit, step, saved: Any, tensors: Sequence[torch.Tensor]) -> None:
-        self.unit, self.step, self.saved, self.tensors = unit, step, saved, tensors
-        self.param_grads: Optional[list] = None
-        self.release: Optional[tuple[list, int]] = None  # (the forward's saved list, this layer): drop once applied
-
-    @property
-    def shape(self) -> tuple[int, int]:  # type: ignore[override]
-        return (self.unit.d_in, self.unit.d_out)
-
-    @property
-    def shared(self) -> bool:  # type: ignore[override]
-        return bool(self.unit.shared)
-
-    def apply(self, g: torch.Tensor) -> torch.Tensor:
-        gi, self.param_grads = self.step(self.saved, self.tensors, g)
-        if self.release is not None:  # as autograd frees a node's saved tensors once it has run
-            saved, k = self.release
-            saved[k] = self.saved = None
-        return gi
-
-    def apply_into(self, g: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-        return self.apply(g).reshape(g.shape[0], -1)  # the engine's strided form: (B, d_in)
-
-    def values(self) -> torch.Tensor:
-        return self.unit.fill(self.saved, self.tensors)
-
-
 class StepBackward:
     """The wrapper's backward for one signature (see :meth:`ModelPlan._step_backward`), decided once:
     the bound plan, each layer's operator flag and wanted parameter gradients, and which ``dl/dx_i``
@@ -254,9 +219,8 @@ class StepBackward:
         return self._run_general(st, g.reshape(g.shape[0], -1))
 
     def _apply_chain(self, st: ForwardState, g: torch.Tensor) -> tuple[list, list]:
-        """The chain's steps applied to ``g`` in the engine's order (:attr:`BoundPlan.operator_chain`), as
-        its run of :class:`_ChainOperator` objects does, without them: ``(dl/dx_i kept, flattened,
-        or None; parameter gradients per layer, or None)``. Activations nothing reads any more are freed
+        """The chain's steps applied to ``g`` in the engine's order (:attr:`BoundPlan.operator_chain`):
+        ``(dl/dx_i kept, flattened, or None; parameter gradients per layer, or None)``. Activations nothing reads any more are freed
         as each step has run (a graph not retained)."""
         saved, tensors, keep = st.saved, st.tensors, self.keep
         n = len(saved)
@@ -281,21 +245,9 @@ class StepBackward:
 
     def _run_chain(self, st: ForwardState, g: torch.Tensor) -> tuple:
         units = self.plan.units
-        if self.bound.max_memory is None:  # (the engine's run checks the memory budget)
-            grads, per_unit = self._apply_chain(st, g)
-            saved, tensors = st.saved, st.tensors
-        else:
-            saved, tensors = st.saved, st.tensors
-            ops: list[Any] = [None] * len(units)
-            for k, step in self.chain:
-                ops[k] = _ChainOperator(units[k], step, saved[k], tensors[k])
-            if self.release and not keep_graph():
-                st.released = True  # see _run_general
-                saved = st.saved = list(saved)
-                for k in self.release:
-                    ops[k].release = (saved, k)
-            grads = self.bound.run(ops, g, check=False, keep=self.keep, stop=self.stop).grads
-            per_unit = [op.param_grads if op is not None else None for op in ops]
+        self.bound.check_memory(g.shape[0])
+        grads, per_unit = self._apply_chain(st, g)
+        saved, tensors = st.saved, st.tensors
         gx = grads[0].reshape(st.x_shape) if self.first else None
         if not self.has_roles:
             return (None, gx)

@@ -10,6 +10,8 @@ per input signature, on first use, from the formula (no timing).
 
 from __future__ import annotations
 
+import abc
+import platform
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
@@ -17,7 +19,8 @@ import torch
 from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "sequence_signature", "current_key", "device_label", "unit_family", "unit_work", "layers_decision", "recurrent_decision", "step_profile"]
+__all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "current_key", "device_label",
+           "layers_decision", "recurrent_decision", "sequence_signature", "step_profile", "unit_work"]
 
 BACKWARD_MODES = ("auto", "scan", "native")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
@@ -28,8 +31,6 @@ SCAN_MARGIN = 1.1
 def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
-
     return platform.processor() or platform.machine()
 
 
@@ -38,17 +39,9 @@ def current_key(device: torch.device) -> str:
     return machine_key(device.type, device_label(device), torch.get_num_threads(), torch.__version__)
 
 
-def unit_family(unit: Any) -> str:
-    """The profile family of a layer unit (:attr:`~spscan.layers.LayerUnit.cost_family`: its class name,
-    ``csr`` for a unit applied through its CSR values, or what the unit declares)."""
-    return unit.cost_family
-
-
 def unit_work(unit: Any, batch: int) -> float:
     """The work measure of one layer unit for a batch: ``B * (nnz of J^T + d_in + d_out)``."""
-    pattern = getattr(unit, "pattern", None)
-    nnz = int(getattr(pattern, "nnz", 0) or 0)
-    return float(batch) * (nnz + unit.d_in + unit.d_out)
+    return float(batch) * (unit.pattern.nnz + unit.d_in + unit.d_out)
 
 
 def check_backward(mode: Any) -> str:
@@ -62,18 +55,17 @@ def step_profile(device: Optional[torch.device]) -> StepProfile:
     return load_step_profile(dev.type, current_key(dev), torch.get_num_threads())
 
 
-def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
-            notes: Sequence[str] = ()) -> Decision:
+def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile) -> Decision:
     cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward")]
-    return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), notes=notes,
-                  incumbent="native", margin=SCAN_MARGIN)
+    return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), incumbent="native",
+                  margin=SCAN_MARGIN)
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
                     scan_detail: str) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``."""
     prof = step_profile(device)
-    layers = [(unit_family(u), unit_work(u, batch)) for u in units]
+    layers = [(u.cost_family, unit_work(u, batch)) for u in units]
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
                    scan_detail, mode, prof)
 
@@ -87,7 +79,7 @@ def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: in
     return _decide(f"backward (T {seq_len}, batch {batch})", t["native"], t["scan"], scan_detail, mode, prof)
 
 
-class BackwardChoice:
+class BackwardChoice(abc.ABC):
     """Mixin of the wrapped modules: the scan-or-native decision per input signature.
 
     A subclass sets :attr:`backward_mode` and implements :meth:`_backward_decision`. ``decision`` is
@@ -102,8 +94,9 @@ class BackwardChoice:
         if first is not None and mode == "auto":
             self._decision_for(first)  # planned with the example input: decided now, not in the first step
 
-    def _backward_decision(self, key: Hashable) -> Decision:  # pragma: no cover - each wrapper defines it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _backward_decision(self, key: Hashable) -> Decision:
+        """The decision for an input of signature ``key`` (a batch size, or ``(T, B)``)."""
 
     def _decision_for(self, key: Hashable) -> Decision:
         d = self._decisions.get(key)

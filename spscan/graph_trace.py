@@ -123,7 +123,7 @@ class Traced:
         if len(placeholders) != 1:
             raise TypeError(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
                             f"{len(placeholders)} inputs ({', '.join(n.name for n in placeholders)})")
-        self.env_ = env
+        self.env = env  # filled as the nodes are propagated; opaque nodes' evaluators read it
         with torch.no_grad():
             for node in self.graph.nodes:
                 if node.op == "placeholder":
@@ -170,7 +170,6 @@ class Traced:
                                   f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
                                   "an example batch of 2", ValueError)
                 env[node] = y
-        self.env = env
 
     def _call(self, node, args, kwargs):
         if node.op == "call_method":
@@ -210,7 +209,8 @@ class Traced:
     def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
         """``call(*ts)``: ``node`` computed from its graph tensors ``ts``, with the constants it reads
         recomputed every call (parameters read live, shape arithmetic at the current batch size: a graph
-        tensor read only for its shape stands in as a meta tensor); and the parameters it reads."""
+        tensor read only for its shape stands in as a meta tensor); the parameters it reads; and the
+        modules it recomputes (named for its label)."""
         order: list[fx.Node] = []
         shapes: list[fx.Node] = []
         seen: set = set(inputs)
@@ -227,12 +227,12 @@ class Traced:
                 order.append(p)
 
         visit(node)
-        env, fn, attr = self.env_, self._call, self._attr
+        env, fn, attr = self.env, self._call, self._attr
         params = [(n.target, attr(n.target)) for n in order if n.op == "get_attr"]
         params = [(t, v) for t, v in params if isinstance(v, nn.Parameter)]
         mods = [n.target for n in order if n.op == "call_module"]  # a module recomputed here (a tuple output)
         params += [(f"{t}.{n}", p) for t in mods for n, p in self.model.get_submodule(t).named_parameters()]
-        self.inner_modules = [f"self.{t} ({type(self.model.get_submodule(t)).__name__})" for t in mods]
+        inner = [f"self.{t} ({type(self.model.get_submodule(t)).__name__})" for t in mods]
 
         def call(*ts: torch.Tensor) -> Any:
             vals: dict[fx.Node, Any] = dict(zip(inputs, ts))
@@ -248,7 +248,7 @@ class Traced:
                     vals[p] = fn(p, a, kw)
             return vals[node]
 
-        return call, params
+        return call, params, inner
 
     def _opaque(self, node, key, args, kwargs, tensor_inputs, env):
         """A node without an analytic unit (or one reading parameters, or several graph tensors): its own call
@@ -257,7 +257,7 @@ class Traced:
             raise refuse_node(node, "a node of the graph that reads no tensor of the graph")
         xins = [env[n] for n in tensor_inputs]
         k = len(self.units)
-        call, params = self._evaluator(node, tensor_inputs)
+        call, params, inner = self._evaluator(node, tensor_inputs)
         if node.op == "call_module":
             m = self.model.get_submodule(node.target)
             check_hooks(k, node.target, m)
@@ -265,8 +265,8 @@ class Traced:
             name, backed, label = node.target, True, f"self.{node.target} ({type(m).__name__})"
         else:
             m, name, backed, label = nn.Module(), node.name, False, node_text(node)
-            if self.inner_modules:
-                label += f" of {', '.join(self.inner_modules)}"
+            if inner:
+                label += f" of {', '.join(inner)}"
         with torch.random.fork_rng(devices=[]):  # planning draws none of the model's random numbers
             state = [t.clone() for t in m.buffers()]
             try:
@@ -277,7 +277,9 @@ class Traced:
             finally:
                 for t, v in zip(m.buffers(), state):  # nor updates its running statistics
                     t.copy_(v)
-        if not isinstance(y, torch.Tensor) or not isinstance(one, torch.Tensor) or y.dim() < 1 or y.shape[0] != xins[0].shape[0] or one.shape != (1,) + y.shape[1:]:
+        keeps_batch = (isinstance(y, torch.Tensor) and isinstance(one, torch.Tensor) and y.dim() >= 1
+                       and y.shape[0] == xins[0].shape[0] and one.shape == (1,) + y.shape[1:])
+        if not keeps_batch:
             self.virtual[node] = list(tensor_inputs)
             return y
         unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)

@@ -191,3 +191,17 @@ def test_auto_never_refuses_a_model_the_scan_cannot_plan():
         assert torch.equal(g, want)
     with pytest.raises(TypeError, match="cannot capture its forward"):
         spscan.wrap(model, x, backward="scan")
+
+
+def test_wrapped_chain_keeps_its_memory_budget():
+    """The depth-0 wrapper's step loop checks the plan's max_memory as the engine does."""
+    torch.manual_seed(0)
+    model = _chain().double()
+    x = torch.randn(2, 2, 8, 8, dtype=torch.float64)
+    limit = 16 * spscan.plan(model, x, levels=0).core.memory().backward_peak(1)  # batch 2 fits, 64 does not
+    net = spscan.wrap(model, x, levels=0, max_memory=limit, backward="scan")
+    ref = copy.deepcopy(model)
+    for g, want in zip(_grads(net, x), _grads(ref, x)):
+        assert torch.allclose(g, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="max_memory"):
+        _grads(net, torch.randn(64, 2, 8, 8, dtype=torch.float64))

@@ -328,13 +328,17 @@ class BoundPlan(BoundProgram):
             items = periodic.decoded()
         return items, stacked, batch, dtype
 
+    def check_memory(self, batch: int) -> None:
+        """Refuse a backward at ``batch`` whose peak would exceed the plan's ``max_memory``."""
+        if self.max_memory is not None and batch * self._peak_per_sample > self.max_memory:
+            raise ValueError(f"max_memory={fmt_bytes(self.max_memory)}: backward at batch {batch} needs "
+                             f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
+
     def execute(self, req: RunRequest) -> ScanResult:
         """Run the bound program for one :class:`~spscan.engine.request.RunRequest`."""
         items, stacked, batch, dtype = self._check(req)
         grad, keep, collect = req.grad, req.keep, req.collect
-        if self.max_memory is not None and batch * self._peak_per_sample > self.max_memory:
-            raise ValueError(f"max_memory={fmt_bytes(self.max_memory)}: backward at batch {batch} needs "
-                             f"~{fmt_bytes(batch * self._peak_per_sample)}; use a smaller batch or re-plan")
+        self.check_memory(batch)
         if self._operator_chain is not None and not stacked:
             if collect:
                 raise ValueError("collect: not available for a linear scan of structured operators (use keep)")
