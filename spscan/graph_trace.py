@@ -317,7 +317,8 @@ class Traced:
         else:
             y = self._call(node, args, kwargs)
             if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != xin.shape[0]:
-                raise refuse_node(node, "expected a tensor keeping the batch dim", ValueError)
+                # not a per-sample map (``x.transpose(0, 1)``): what opaque nodes do with such a tensor
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             try:
                 unit = builder(k, args, kwargs, tuple(xin.shape[1:]), tuple(y.shape[1:]), self.prune_zeros)
             except (TypeError, ValueError):  # a form the analytic unit does not cover: the node's own backward

@@ -111,11 +111,14 @@ def test_resnet20_option_a_eval_full_depth():
     ("pad", (0, 0, 0, 0, 1, 2), (2, 3, 3)),
     ("pad", (1, -1, 2, 0), (3, 4)),
     ("pad", (2, 1), (2, 3, 2)),
+    ("permute", (0, 2, 1), (5, 3)),
+    ("permute", (0, 3, 1, 2), (2, 3, 4)),
+    ("permute", (0, 1), (7,)),
 ])
 def test_selection_unit_is_the_jacobian(op):
-    """The slice/pad unit's pattern is exactly the nonzeros of autograd's Jacobian (all ones), and
+    """The slice/pad/permute unit's pattern is exactly the nonzeros of autograd's Jacobian (all ones), and
     its operator (scatter / crop) equals the pattern times a vector."""
-    from spscan.graph import SelectionUnit, _Selection
+    from spscan.layers.shape import SelectionUnit, _Selection
 
     kind, arg, shape = op
     mod = _Selection(kind, arg)
@@ -143,8 +146,58 @@ def test_selection_refusals_name_the_node():
             return F.pad(x, (0, 0, 1, 1), mode="reflect")
 
     run_errors(lambda: spscan.wrap(Batch(), torch.zeros(3, 4)), ValueError, "getitem", "batch dim", "Batch")
+    with pytest.raises(ValueError, match="batch dim must be kept whole and first"):
+        from spscan.layers.shape import SelectionUnit, _Selection
+        SelectionUnit(0, _Selection("permute", (1, 0, 2)), (2, 2), (2, 2))
     # reflection padding has no selection unit: it runs as its own backward (opaque)
     assert "opaque: torch.nn.functional.pad(x" in spscan.wrap(Reflect(), torch.zeros(3, 2, 4, 4)).plan.summary()
+
+
+class Permutes(nn.Module):
+    """Token mixing (an MLP-Mixer block) and every form of a per-sample permutation of dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1 = nn.LayerNorm(6)
+        self.tok = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 5))
+        self.ch = nn.Linear(6, 6)
+        self.conv = nn.Conv1d(5, 4, 3, padding=1)
+
+    def forward(self, x):  # (B, 5, 6)
+        x = x + self.tok(self.n1(x).transpose(1, 2)).transpose(-1, -2)
+        x = self.ch(torch.transpose(x, 2, 1).swapaxes(1, 2))
+        x = x.permute(0, 2, 1).permute([0, 2, 1])
+        x = torch.permute(x.unsqueeze(1), (0, 1, 3, 2)).movedim(1, 3).squeeze(3)  # (B, 6, 5)
+        return self.conv(x.movedim(2, 1)).swapdims(1, 2).flatten(1)
+
+
+@pytest.mark.parametrize("kw", [{}, {"levels": "full", "operators": False}, {"levels": 1}])
+def test_permutations_are_analytic_selections(kw):
+    """Permutations of per-sample dims (``transpose``, ``swapaxes``, ``swapdims``, ``permute``, ``movedim``,
+    method and function forms, negative dims) are selection units with a 0/1 J^T, at any depth."""
+    torch.manual_seed(5)
+    model = Permutes().double()
+    for b in (3, 1):
+        x = torch.randn(b, 5, 6, dtype=torch.float64)
+        plan = _check_float64(model, x, **kw).plan
+        text = plan.summary()
+        assert "opaque" not in text and "permute" in text
+
+
+def test_transpose_of_the_batch_dim_is_its_own_backward():
+    """A transpose that moves the batch dim is no per-sample map: it is recomputed inside the node that reads
+    it (an opaque node), and gradients still equal autograd's."""
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):  # (B, T, 4) -> (T, B, 4) -> back
+            return self.fc(x.transpose(0, 1).relu().transpose(0, 1))
+
+    torch.manual_seed(6)
+    wrapped = _check_float64(SeqFirst().double(), torch.randn(3, 2, 4, dtype=torch.float64))
+    assert "opaque" in wrapped.plan.summary()
 
 
 # ----------------------------------------------------------------------------- general DAGs

@@ -147,6 +147,20 @@ def _reshape_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
     return PerSampleReshapeUnit(index, _PerSampleReshape(out_shape), in_shape, out_shape)
 
 
+def _squeeze_builder(how: str) -> NodeBuilder:
+    """``x.unsqueeze(d)`` / ``x.squeeze(d)`` of a per-sample dim (``d`` given, not the batch dim: ``x.squeeze()``
+    would drop the batch dim of a batch of one): ``J^T = I``."""
+    def build(index, args, kwargs, in_shape, out_shape, prune_zeros):
+        d = _arg(args, kwargs, 1, "dim", None)
+        nd = len(in_shape) + 1 + (how == "unsqueeze")
+        dims = d if isinstance(d, (tuple, list)) else (d,)
+        if not dims or not all(isinstance(v, int) and not isinstance(v, bool) and -nd <= v < nd and v % nd != 0
+                               for v in dims):
+            raise ValueError(f"{how}: per-sample dims (not the batch dim, not all dims) expected, got {d!r}")
+        return _reshape_builder(index, args, kwargs, in_shape, out_shape, prune_zeros)
+    return build
+
+
 def _pad_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
     """``F.pad`` with zeros: ``nn.ZeroPad1d/2d``'s unit for the last dims of a ``(B, C, L)`` / ``(B, C, H, W)``
     input, else (e.g. channel padding, as in the option-A shortcut) a :class:`SelectionUnit`."""
@@ -178,6 +192,49 @@ def _slice_builder(index, args, kwargs, in_shape, out_shape, prune_zeros):
         if isinstance(k, slice) and not all(v is None or isinstance(v, int) for v in (k.start, k.stop, k.step)):
             raise TypeError(f"indexing with {key!r}: slice bounds must be Python integers")
     return SelectionUnit(index, _Selection("slice", key), in_shape, out_shape)
+
+
+def _dims_permutation(nd: int, args: Sequence[Any], kwargs: dict, how: str) -> tuple[int, ...]:
+    """The permutation of ``nd`` dims that ``permute``/``transpose``/``swapaxes``/``movedim`` make."""
+    def dim(d: Any) -> int:
+        if isinstance(d, bool) or not isinstance(d, int) or not -nd <= d < nd:
+            raise TypeError(f"{how}: integer dims in [-{nd}, {nd}) expected, got {d!r}")
+        return d % nd
+
+    if how == "permute":
+        dims = list(args[1:]) or list(kwargs.get("dims", ()))
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = list(dims[0])
+        perm = tuple(dim(d) for d in dims)
+        if sorted(perm) != list(range(nd)):
+            raise TypeError(f"permute: {dims!r} is not a permutation of {nd} dims")
+        return perm
+    if how == "movedim":
+        src, dst = _arg(args, kwargs, 1, "source", None), _arg(args, kwargs, 2, "destination", None)
+        src, dst = ([src], [dst]) if isinstance(src, int) else (list(src), list(dst))
+        src, dst = [dim(d) for d in src], [dim(d) for d in dst]
+        if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+            raise TypeError("movedim: source and destination of the same length, without repeats, expected")
+        rest = iter(d for d in range(nd) if d not in src)
+        at = dict(zip(dst, src))
+        return tuple(at[i] if i in at else next(rest) for i in range(nd))
+    names = ("axis0", "axis1") if how == "swapaxes" else ("dim0", "dim1")
+    a, b = dim(_arg(args, kwargs, 1, names[0], None)), dim(_arg(args, kwargs, 2, names[1], None))
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return tuple(perm)
+
+
+def _permute_builder(how: str) -> NodeBuilder:
+    """``x.permute(...)``, ``x.transpose(a, b)``, ``x.swapaxes(a, b)``, ``x.movedim(s, d)`` keeping the batch dim
+    first: a :class:`SelectionUnit` (``J^T`` is the inverse permutation). One that moves the batch dim is not a
+    per-sample map (refused here; the graph front end then treats it as it treats any such tensor)."""
+    def build(index, args, kwargs, in_shape, out_shape, prune_zeros):
+        perm = _dims_permutation(len(in_shape) + 1, args, kwargs, how)
+        if perm[0] != 0:
+            raise ValueError(f"{how}: the permutation {perm} moves the batch dim")
+        return SelectionUnit(index, _Selection("permute", perm), in_shape, out_shape)
+    return build
 
 
 def _interpolate(args, kwargs) -> nn.Module:
@@ -218,6 +275,13 @@ _targets(_positional(nn.AdaptiveAvgPool1d, ("output_size", None)), F.adaptive_av
 _targets(_pad_builder, F.pad)
 _targets(_slice_builder, operator.getitem)
 _targets(_module_builder(_interpolate), F.interpolate)
+_targets(_permute_builder("permute"), torch.permute, ("method", "permute"))
+_targets(_permute_builder("transpose"), torch.transpose, ("method", "transpose"))
+_targets(_permute_builder("swapaxes"), torch.swapaxes, ("method", "swapaxes"))
+_targets(_permute_builder("swapdims"), torch.swapdims, ("method", "swapdims"))
+_targets(_permute_builder("movedim"), torch.movedim, torch.moveaxis, ("method", "movedim"), ("method", "moveaxis"))
+_targets(_squeeze_builder("unsqueeze"), torch.unsqueeze, ("method", "unsqueeze"))
+_targets(_squeeze_builder("squeeze"), torch.squeeze, ("method", "squeeze"))
 _targets(_reshape_builder, torch.flatten, torch.reshape, ("method", "flatten"), ("method", "view"),
          ("method", "reshape"), ("method", "contiguous"), ("method", "unflatten"), torch.unflatten)
 _targets(JOIN_ADD, operator.add, operator.iadd, torch.add, ("method", "add"))

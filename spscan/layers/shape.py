@@ -1,5 +1,6 @@
 """Layers that move entries without changing them: reshapes (``J^T = I``) and per-sample
-selections (slices and zero padding: a 0/1 ``J^T`` with at most one entry per row and column)."""
+selections (slices, zero padding and permutations of the per-sample dims: a 0/1 ``J^T`` with at most
+one entry per row and column)."""
 
 from __future__ import annotations
 
@@ -84,14 +85,21 @@ class PerSampleReshapeUnit(ReshapeUnit):
 
 
 class _Selection(nn.Module):
-    """A traced basic-indexing slice ``x[key]`` or a constant zero ``F.pad(x, pad)`` (any dims, channels too)."""
+    """A traced basic-indexing slice ``x[key]``, a constant zero ``F.pad(x, pad)`` (any dims, channels too)
+    or a permutation of the dims ``x.permute(dims)`` (``transpose``/``swapaxes`` of two dims; dim 0 stays)."""
 
     def __init__(self, kind: str, arg: Any) -> None:
         super().__init__()
+        if kind not in ("slice", "pad", "permute"):
+            raise ValueError(f"unknown selection kind {kind!r}")
         self.kind, self.arg = kind, arg
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.arg] if self.kind == "slice" else F.pad(x, self.arg)
+        if self.kind == "slice":
+            return x[self.arg]
+        if self.kind == "pad":
+            return F.pad(x, self.arg)
+        return x.permute(self.arg)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.arg!r}"
@@ -101,8 +109,10 @@ class SelectionUnit(LayerUnit):
     """A per-sample selection: every output entry is one input entry or a zero, each input entry
     read at most once. ``x[:, :, ::2, ::2]`` (a strided slice: ``J^T`` scatters the gradient into
     zeros) and ``F.pad(x, (0, 0, 0, 0, p, p))`` (zero padding, here of channels: ``J^T`` crops), the
-    two halves of He et al.'s option-A shortcut. ``J^T`` is a 0/1 matrix with at most one entry per
-    row and column (shared by the batch); its operator is the scatter or the crop itself."""
+    two halves of He et al.'s option-A shortcut; ``x.transpose(1, 2)`` (a permutation: ``J^T`` is the
+    inverse permutation), the token mixing of an MLP-Mixer. ``J^T`` is a 0/1 matrix with at most one
+    entry per row and column (shared by the batch); its operator is the scatter, the crop or the
+    inverse permutation itself."""
 
     shared = True
     capabilities = UnitCapabilities(structured_operator=True)
@@ -111,10 +121,11 @@ class SelectionUnit(LayerUnit):
         super().__init__(index, module, in_shape, out_shape)
         d_in = self.d_in
         with torch.no_grad():
-            if module.kind == "slice":
-                probe = torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + self.in_shape)[module.arg]
+            if module.kind != "pad":
+                probe = module(torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + self.in_shape))
                 if probe.dim() < 1 or probe.shape[0] != 2 or not bool((probe[1] - probe[0] == d_in).all()):
-                    raise ValueError(f"index {module.arg!r}: the batch dim must be kept whole (first index ':')")
+                    what = "index" if module.kind == "slice" else "permutation"
+                    raise ValueError(f"{what} {module.arg!r}: the batch dim must be kept whole and first")
                 src = probe[0].reshape(-1)
             else:
                 src = F.pad(torch.arange(d_in, dtype=torch.int64).reshape((1,) + self.in_shape), module.arg,
@@ -131,11 +142,13 @@ class SelectionUnit(LayerUnit):
         indptr = np.zeros(d_in + 1, dtype=np.int64)
         np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
         self.pattern = sp.csr_array((np.ones(rows.size), cols.astype(np.int64), indptr), shape=(d_in, self.d_out))
+        if module.kind == "permute":
+            self._inverse = tuple(int(i) for i in np.argsort(module.arg))
         self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.nnz, dtype=dtype, device=device))
 
     @property
     def name(self) -> str:
-        return "getitem" if self.module.kind == "slice" else "pad"
+        return {"slice": "getitem", "pad": "pad", "permute": "permute"}[self.module.kind]
 
     def run(self, x, tensors):
         return self.module(x), (x.dtype, x.device)
@@ -148,6 +161,8 @@ class SelectionUnit(LayerUnit):
         gy = g.reshape((b,) + self.out_shape)
         if self.module.kind == "pad":
             return F.pad(gy, tuple(-p for p in self.module.arg)).reshape(b, self.d_in)
+        if self.module.kind == "permute":
+            return gy.permute(self._inverse).reshape(b, self.d_in)
         gi = gy.new_zeros((b,) + self.in_shape)
         gi[self.module.arg] = gy
         return gi.reshape(b, self.d_in)
