@@ -16,7 +16,8 @@ import torch.nn as nn
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.opaque import OpaqueUnit
-from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS
+from spscan.layers.products import ProductUnit
+from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL, PRODUCT_MUL
 from spscan.model import check_hooks, example_rejected
 
 __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "refuse_node"]
@@ -156,7 +157,9 @@ class Traced:
                     env[node] = self._call(node, args, kwargs)
                     continue
                 builder = NODE_UNITS.get(key)
-                if builder is None or consts or (builder not in (_ADD, _CAT) and len(tensor_inputs) > 1):
+                if builder in (PRODUCT_MATMUL, PRODUCT_MUL):
+                    y = self._product(node, key, builder, args, kwargs, tensor_inputs, env)
+                elif builder is None or consts or (builder not in (_ADD, _CAT) and len(tensor_inputs) > 1):
                     y = self._opaque(node, key, args, kwargs, tensor_inputs, env)
                 elif builder in (_ADD, _CAT):
                     y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
@@ -283,13 +286,30 @@ class Traced:
             self.virtual[node] = list(tensor_inputs)
             return y
         unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)
+        self._add_unit(node, unit, name, backed, tensor_inputs)
+        return y
+
+    def _product(self, node, key, kind, args, kwargs, tensor_inputs, env):
+        """``a @ b`` / ``a * b`` of two distinct graph tensors: a :class:`ProductUnit` (any other form, such as
+        ``2 * x``, ``x * x`` or a broadcast, is an opaque node)."""
+        if kwargs or len(node.args) != 2 or list(node.args) != tensor_inputs or len(tensor_inputs) != 2:
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        a, b = (env[n] for n in tensor_inputs)
+        y = self._call(node, args, kwargs)
+        try:
+            unit = ProductUnit(len(self.units), kind, [tuple(a.shape[1:]), tuple(b.shape[1:])], tuple(y.shape[1:]))
+        except ValueError:
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        self._add_unit(node, unit, node.name, False, tensor_inputs)
+        return y
+
+    def _add_unit(self, node: fx.Node, unit: LayerUnit, name: str, backed: bool, inputs: list[fx.Node]) -> None:
+        self.leaf_of[node] = Leaf(unit, len(self.units))
         self.units.append(unit)
         self.names.append(name)
         self.module_backed.append(backed)
-        self.leaf_of[node] = Leaf(unit, k)
         self.kind[node] = "unit"
-        self.tin[node] = list(tensor_inputs)
-        return y
+        self.tin[node] = list(inputs)
 
     def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):
@@ -324,12 +344,7 @@ class Traced:
             except (TypeError, ValueError):  # a form the analytic unit does not cover: the node's own backward
                 return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             name, backed = node.name, False
-        self.units.append(unit)
-        self.names.append(name)
-        self.module_backed.append(backed)
-        self.leaf_of[node] = Leaf(unit, k)
-        self.kind[node] = "unit"
-        self.tin[node] = [src]
+        self._add_unit(node, unit, name, backed, [src])
         return y
 
     # -- the live-set chain (any DAG)

@@ -160,7 +160,7 @@ def test_unknown_functions_and_two_tensor_products():
     torch.manual_seed(5)
     w = _check(Custom(), [torch.randn(1, 5), torch.randn(3, 5), torch.randn(3, 5)])
     text = w.plan.summary()
-    assert "opaque: operator.mul(add, f)" in text and "special_erf" in text
+    assert "mul (product) over live [f, add]" in text and "opaque: torch._C._special.special_erf" in text
 
 
 def test_data_dependent_control_flow_still_refused():
@@ -213,3 +213,69 @@ def test_multihead_attention_submodule():
     torch.manual_seed(7)
     w = _check(Attention(), [torch.randn(2, 3, 8), torch.randn(1, 3, 8)])
     assert "of self.attn (MultiheadAttention)" in w.plan.summary()
+
+
+class GatedAttention(nn.Module):
+    """Single-head softmax attention written with ``@`` and a gated MLP (SwiGLU-like): products of two graph
+    tensors, planned as analytic product units."""
+
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.up, self.gate, self.down = nn.Linear(c, 8), nn.Linear(c, 8), nn.Linear(8, c)
+        self.head = nn.Linear(c, 2)
+
+    def forward(self, x):  # (B, T, c)
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2), dim=-1)
+        x = x + torch.bmm(a, self.v(x))
+        x = x + self.down(self.up(x) * torch.sigmoid(self.gate(x)))
+        return self.head(x).flatten(1)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+def test_attention_and_gates_are_analytic_products(dtype, tol):
+    torch.manual_seed(7)
+    w = _check(GatedAttention(), [torch.randn(3, 4, 6), torch.randn(1, 4, 6), torch.randn(2, 4, 6)], dtype=dtype, tol=tol)
+    text = w.plan.summary()
+    assert "opaque" not in text
+    assert text.count("(matmul)") == 2 and "(product)" in text
+
+
+@pytest.mark.parametrize("kind, shapes", [("matmul", [(3, 4), (4, 2)]), ("matmul", [(2, 3, 4), (2, 4, 5)]),
+                                          ("mul", [(3, 2), (3, 2)]), ("matmul", [(1, 1), (1, 1)])])
+def test_product_unit_is_the_jacobian(kind, shapes):
+    """Each input's J^T g is autograd's vector-Jacobian product, per sample."""
+    from spscan.layers.products import ProductUnit
+
+    a, b = (torch.randn((3,) + s, dtype=torch.float64, requires_grad=True) for s in shapes)
+    y = a @ b if kind == "matmul" else a * b
+    unit = ProductUnit(0, kind, shapes, tuple(y.shape[1:]))
+    out, saved = unit.run_inputs([a.detach().reshape(3, -1), b.detach().reshape(3, -1)], [])
+    assert torch.equal(out, y.detach())
+    g = torch.randn_like(y)
+    ga, gb = torch.autograd.grad(y, [a, b], g)
+    (ja, jb), pg = unit.vjp(saved, g.reshape(3, -1), [True, True], [])
+    assert pg == [] and torch.allclose(ja, ga.reshape(3, -1)) and torch.allclose(jb, gb.reshape(3, -1))
+    assert unit.vjp(saved, g.reshape(3, -1), [False, True], [])[0][0] is None
+
+
+def test_products_outside_the_unit_run_their_own_backward():
+    """A broadcast, a square of one tensor and a scalar factor are opaque nodes, with autograd's gradients."""
+    class Forms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f, self.g = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            y = self.f(x)
+            return (y * self.g(x)) + (y * y) * 0.5 + torch.mul(y, 2.0)
+
+    from spscan.layers.products import ProductUnit
+
+    torch.manual_seed(8)
+    w = _check(Forms(), [torch.randn(3, 4), torch.randn(1, 4)])
+    assert "opaque: operator.mul(f, g)" in w.plan.summary()
+    with pytest.raises(ValueError, match="equal shapes"):
+        ProductUnit(0, "mul", [(4,), (1,)], (4,))
+    with pytest.raises(ValueError, match="equal leading dims"):
+        ProductUnit(0, "matmul", [(2, 3, 4), (4, 5)], (2, 3, 5))

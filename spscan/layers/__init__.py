@@ -2,7 +2,8 @@
 fill that pattern's values for a batch, its structured operator and its parameter-gradient rule.
 
 One module per family (:mod:`~spscan.layers.linear`, :mod:`~spscan.layers.pooling`,
-:mod:`~spscan.layers.elementwise`, :mod:`~spscan.layers.normalization`, :mod:`~spscan.layers.shape`),
+:mod:`~spscan.layers.elementwise`, :mod:`~spscan.layers.normalization`, :mod:`~spscan.layers.shape`,
+:mod:`~spscan.layers.products` for products of two graph tensors),
 the contract every unit keeps in :mod:`~spscan.layers.base` (:class:`LayerUnit`,
 :class:`UnitCapabilities`), and one registry from module types and traced call targets to units in
 :mod:`~spscan.layers.registry`.
@@ -13,6 +14,7 @@ from spscan.layers.elementwise import DropoutUnit, ElementwiseMoreUnit, Elementw
 from spscan.layers.linear import ConvTransposeUnit, ConvUnit, LinearUnit, SeparableResampleUnit, _conv_entries
 from spscan.layers.normalization import BatchNormUnit, GroupNormUnit, LayerNormUnit, LowRankFactors
 from spscan.layers.pooling import AvgPoolUnit, MaxPoolUnit
+from spscan.layers.products import ProductUnit
 from spscan.layers.registry import (NODE_UNITS, make_unit, supported_layer_types, supported_node_targets,
                                     unit_capabilities, unit_class)
 from spscan.layers.shape import PerSampleReshapeUnit, ReshapeUnit, SelectionUnit, UnflattenUnit
@@ -39,6 +41,7 @@ __all__ = [
     "ConvTransposeUnit",
     "PerSampleReshapeUnit",
     "SelectionUnit",
+    "ProductUnit",
     "NODE_UNITS",
     "make_unit",
     "supported_layer_types",

@@ -9,7 +9,9 @@
   ``("method", name)`` (``call_method``: ``x.view(...)``) to a builder
   ``(index, args, kwargs, in_shape, out_shape, prune_zeros) -> LayerUnit`` (most build the module
   the call stands for and its unit);
-* the targets that join branches to :data:`JOIN_ADD` or :data:`JOIN_CAT`.
+* the targets that join branches to :data:`JOIN_ADD` or :data:`JOIN_CAT`;
+* the products of two graph tensors to :data:`PRODUCT_MATMUL` or :data:`PRODUCT_MUL`
+  (a :class:`~spscan.layers.products.ProductUnit`).
 
 Adding a layer type: its unit class in its family module (declaring its capabilities) and one
 ``_modules`` line here, plus a ``_targets`` line for each functional form.
@@ -32,12 +34,15 @@ from spscan.layers.pooling import AvgPoolUnit, MaxPoolUnit
 from spscan.layers.shape import (PerSampleReshapeUnit, ReshapeUnit, SelectionUnit, UnflattenUnit, _PerSampleReshape,
                                  _Selection)
 
-__all__ = ["NODE_UNITS", "JOIN_ADD", "JOIN_CAT", "make_unit", "supported_layer_types", "supported_node_targets",
+__all__ = ["NODE_UNITS", "JOIN_ADD", "JOIN_CAT", "PRODUCT_MATMUL", "PRODUCT_MUL", "make_unit", "supported_layer_types", "supported_node_targets",
            "unit_class", "unit_capabilities"]
 
 #: what a join target maps to: ``y = a + b`` of two branches, or their concatenation along dim 1
 JOIN_ADD = "add"
 JOIN_CAT = "cat"
+#: what a product target maps to: ``a @ b`` or ``a * b`` of two graph tensors (``ProductUnit`` kinds)
+PRODUCT_MATMUL = "matmul"
+PRODUCT_MUL = "mul"
 
 NodeBuilder = Callable[[int, Sequence[Any], dict, tuple, tuple, bool], LayerUnit]
 
@@ -285,6 +290,8 @@ _targets(_squeeze_builder("squeeze"), torch.squeeze, ("method", "squeeze"))
 _targets(_reshape_builder, torch.flatten, torch.reshape, ("method", "flatten"), ("method", "view"),
          ("method", "reshape"), ("method", "contiguous"), ("method", "unflatten"), torch.unflatten)
 _targets(JOIN_ADD, operator.add, operator.iadd, torch.add, ("method", "add"))
+_targets(PRODUCT_MATMUL, operator.matmul, torch.matmul, torch.bmm, ("method", "matmul"), ("method", "bmm"))
+_targets(PRODUCT_MUL, operator.mul, torch.mul, ("method", "mul"))
 _targets(JOIN_CAT, torch.cat, torch.concat, torch.concatenate)
 
 
