@@ -262,11 +262,11 @@ def test_non_chain_models_refused():
             self.b = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.a(x) * self.b(x)  # a product of branches: no unit for it (a sum is a planned block)
+            return self.a(x) * self.b(x)  # a product of branches: a live-set step (a sum is a planned block)
 
     # a model with its own forward is traced (spscan.graph); spscan.model plans chains only and says where to go
-    # the product of two branches has no analytic unit: it plans as an opaque node (its own autograd backward)
-    assert "opaque" in spscan.plan(Net(), torch.zeros(1, 4)).summary()
+    # the product of two branches is a product unit (an operator per input) in a live-set step
+    assert "mul (product) over live [a, b]" in spscan.plan(Net(), torch.zeros(1, 4)).summary()
     run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "nn.Sequential", "spscan.plan(model")
     run_errors(lambda: wrap(Net(), torch.zeros(1, 4)), TypeError, "Net", "spscan.wrap(model")
 

@@ -130,7 +130,40 @@ def test_embedding_classifier_with_token_input():
     torch.manual_seed(4)
     w = _check(TextClassifier(), [torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (1, 7)),
                                   torch.randint(0, 11, (3, 7))])
-    assert "opaque: self.emb (Embedding)" in w.plan.summary()
+    text = w.plan.summary()
+    assert "Embedding" in text and "mean" in text and "opaque" not in text
+
+
+@pytest.mark.parametrize("kw", [{}, {"padding_idx": 2}, {"scale_grad_by_freq": True}, {"max_norm": 1.0}])
+@pytest.mark.parametrize("plan_kw", [{}, {"levels": "full", "operators": False}])
+def test_embedding_unit(kw, plan_kw):
+    """nn.Embedding is an analytic unit (no input gradient; ATen's weight gradient), in a chain and at any depth,
+    with the module's options; the token ids' batch changes between steps."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Embedding(11, 4, **kw), nn.Flatten(), nn.Linear(20, 3), nn.Tanh()).double()
+    ref = copy.deepcopy(model)
+    xs = [torch.randint(0, 11, (6, 5)), torch.randint(0, 11, (1, 5)), torch.tensor([[2, 2, 2, 3, 2]] * 2)]
+    wrapped = spscan.wrap(model, xs[0], **plan_kw)
+    assert "Embedding" in wrapped.plan.summary() and "opaque" not in wrapped.plan.summary()
+    for x in xs:
+        model.zero_grad()
+        ref.zero_grad()
+        ya, yb = wrapped(x), ref(x)
+        w = torch.randn_like(yb)
+        (ya * w).sum().backward()
+        (yb * w).sum().backward()
+        assert torch.allclose(ya, yb, rtol=0, atol=1e-12)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12)
+        assert torch.equal(model[0].weight, ref[0].weight)  # max_norm renormalized the same rows in place
+
+
+def test_embedding_refusals():
+    with pytest.raises(ValueError, match="sparse=True"):
+        spscan.wrap(nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Flatten()), torch.zeros(2, 3, dtype=torch.long))
+    wrapped = spscan.wrap(nn.Sequential(nn.Embedding(5, 2), nn.Flatten()), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer token ids"):
+        wrapped(torch.zeros(2, 3))
 
 
 class _Cube(torch.autograd.Function):
@@ -279,3 +312,51 @@ def test_products_outside_the_unit_run_their_own_backward():
         ProductUnit(0, "mul", [(4,), (1,)], (4,))
     with pytest.raises(ValueError, match="equal leading dims"):
         ProductUnit(0, "matmul", [(2, 3, 4), (4, 5)], (2, 3, 5))
+
+
+@pytest.mark.parametrize("kind, dims, keepdim, shape", [("mean", (1,), False, (4, 3)), ("sum", (2,), True, (4, 3)),
+                                                        ("mean", (2, 3), False, (2, 3, 5)), ("sum", (1, 2), False, (1, 2)),
+                                                        ("mean", (1,), True, (5,))])
+def test_reduction_unit_is_the_jacobian(kind, dims, keepdim, shape):
+    """A mean/sum over per-sample dims: its pattern and values are autograd's Jacobian, its operator the same
+    product."""
+    from spscan.layers.linear import ReductionUnit, _Reduction
+
+    mod = _Reduction(kind, dims, keepdim)
+    x = torch.randn((3,) + shape, dtype=torch.float64)
+    y = mod(x)
+    unit = ReductionUnit(0, mod, shape, tuple(y.shape[1:]))
+    jac = torch.autograd.functional.jacobian(lambda v: mod(v.reshape((1,) + shape)).reshape(-1), x[0].reshape(-1))
+    out, saved = unit.run(x, [])
+    pat = unit.pattern.copy()
+    pat.data = unit.fill(saved, []).numpy()
+    dense = torch.from_numpy(pat.toarray())
+    assert torch.equal(out, y) and torch.allclose(dense, jac.T, rtol=0, atol=1e-15)
+    g = torch.randn(3, unit.d_out, dtype=torch.float64)
+    assert torch.allclose(unit.apply_transposed(saved, [], g), g @ dense.T, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("plan_kw", [{}, {"levels": "full", "operators": False}])
+def test_reductions_in_a_model(plan_kw):
+    """A global average pool written as a mean and a keepdim sum plan as analytic units at any depth."""
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.conv(x))
+            h = torch.mean(h.sum(-1, keepdim=True), dim=(2, 3), keepdim=True)
+            return self.fc(h.mean((2, 3)))
+
+    torch.manual_seed(10)
+    model = Pooled().double()
+    ref = copy.deepcopy(model)
+    wrapped = spscan.wrap(model, torch.randn(3, 2, 4, 5, dtype=torch.float64), **plan_kw)
+    assert "opaque" not in wrapped.plan.summary()
+    for b in (3, 1):
+        x = torch.randn(b, 2, 4, 5, dtype=torch.float64)
+        (wrapped(x) ** 2).sum().backward()
+        (ref(x) ** 2).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12)

@@ -71,7 +71,24 @@ BATCH = 3
 
 
 def test_every_registered_layer_type_has_a_sample():
-    assert set(supported_layer_types()) == set(SAMPLES)
+    # nn.Embedding reads integer ids (no Jacobian to compare with): its contract is the test below
+    assert set(supported_layer_types()) == set(SAMPLES) | {nn.Embedding}
+
+
+def test_embedding_contract():
+    """No input gradient (an empty J^T, a zero operator) and autograd's weight gradient, padding row included."""
+    torch.manual_seed(0)
+    m = nn.Embedding(7, 3, padding_idx=1).double()
+    ids = torch.tensor([[1, 2, 2, 6], [0, 1, 5, 2], [3, 3, 3, 3]])
+    unit = make_unit(0, m, (4,), (4, 3))
+    assert unit.integer_input and unit.nnz == 0 and unit.pattern.shape == (4, 12)
+    y, saved = unit.run(ids, [m.weight.detach()])
+    assert torch.equal(y, m(ids).detach()) and unit.fill(saved, [m.weight]).numel() == 0
+    g = seq(BATCH, 12, seed=1)
+    assert torch.equal(unit.apply_transposed(saved, [m.weight], g), torch.zeros(BATCH, 4, dtype=g.dtype))
+    (want,) = torch.autograd.grad(m(ids), m.weight, g.reshape(BATCH, 4, 3))
+    _close(unit.param_grads(saved, [m.weight.detach()], g)[0], want, "weight gradient")
+    assert unit.param_grads(saved, [m.weight.detach()], g, [False]) == [None]
 
 
 def test_every_node_target_maps_to_a_unit_class_a_builder_a_join_or_a_product():

@@ -11,7 +11,8 @@ the contract every unit keeps in :mod:`~spscan.layers.base` (:class:`LayerUnit`,
 
 from spscan.layers.base import LayerUnit, UnitCapabilities, UnitOperator, _flat_index, _prod, coo_to_csr
 from spscan.layers.elementwise import DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, SoftmaxUnit
-from spscan.layers.linear import ConvTransposeUnit, ConvUnit, LinearUnit, SeparableResampleUnit, _conv_entries
+from spscan.layers.linear import (ConvTransposeUnit, ConvUnit, EmbeddingUnit, LinearUnit, ReductionUnit,
+                                  SeparableResampleUnit, _conv_entries)
 from spscan.layers.normalization import BatchNormUnit, GroupNormUnit, LayerNormUnit, LowRankFactors
 from spscan.layers.pooling import AvgPoolUnit, MaxPoolUnit
 from spscan.layers.products import ProductUnit
@@ -42,6 +43,8 @@ __all__ = [
     "PerSampleReshapeUnit",
     "SelectionUnit",
     "ProductUnit",
+    "EmbeddingUnit",
+    "ReductionUnit",
     "NODE_UNITS",
     "make_unit",
     "supported_layer_types",

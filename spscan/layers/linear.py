@@ -1,5 +1,6 @@
-"""Linear maps with shared values: ``nn.Linear``, convolutions, transposed convolutions and the
-separable channel-wise resamplings (upsampling, adaptive average pooling, padding)."""
+"""Linear maps with shared values: ``nn.Linear``, convolutions, transposed convolutions, the
+separable channel-wise resamplings (upsampling, adaptive average pooling, padding), and
+``nn.Embedding`` (a linear map of one-hot token ids), and means and sums over per-sample dims."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from spscan.layers.base import (LayerUnit, UnitCapabilities, _ConstantValues, _effective, _flat_index, _IndexCache,
                                 _prod, _tuple, coo_to_csr)
 
-__all__ = ["LinearUnit", "ConvUnit", "ConvTransposeUnit", "SeparableResampleUnit"]
+__all__ = ["LinearUnit", "ConvUnit", "ConvTransposeUnit", "SeparableResampleUnit", "EmbeddingUnit",
+           "ReductionUnit"]
 
 
 class _WeightGatherMixin:
@@ -485,3 +487,114 @@ class SeparableResampleUnit(LayerUnit):
 
     def fill(self, saved, tensors):
         return self._values.get(*saved)
+
+
+# ----------------------------------------------------------------------------- Embedding
+
+
+class EmbeddingUnit(LayerUnit):
+    """``nn.Embedding`` on integer token ids ``(*L)`` -> ``(*L, D)``: a row of the weight per id.
+
+    The ids are integers, so there is no input gradient: ``J^T`` with respect to them is empty (no
+    entries; the operator gives zeros). The weight gradient is ATen's embedding backward (the one
+    autograd calls: ``padding_idx`` rows get none, ``scale_grad_by_freq`` divides by the ids' counts
+    in the batch). ``max_norm`` renormalizes rows in place in the forward, as the module does.
+    ``sparse=True`` (a sparse weight gradient) is refused.
+    """
+
+    shared = True
+    roles = ("weight",)
+    integer_input = True
+    capabilities = UnitCapabilities(structured_operator=True)
+
+    def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
+        super().__init__(index, module, in_shape, out_shape)
+        if module.sparse:
+            raise ValueError(f"layer {index} (Embedding): sparse=True (a sparse weight gradient) is not supported; "
+                             "use sparse=False")
+        self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
+        self._none = _ConstantValues(lambda dtype, device: torch.zeros(0, dtype=dtype, device=device))
+
+    def run(self, x, tensors):
+        m = self.module
+        if x.is_floating_point() or x.is_complex():
+            raise TypeError(f"layer {self.index} (Embedding): integer token ids expected, got {x.dtype}")
+        y = F.embedding(x, tensors[0], m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, False)
+        return y, x
+
+    def fill(self, saved, tensors):
+        return self._none.get(tensors[0].dtype, tensors[0].device)
+
+    def apply_transposed(self, saved, tensors, g):
+        return g.new_zeros((g.shape[0], self.d_in))
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        if needed is not None and not needed[0]:
+            return [None]
+        w, m = tensors[0], self.module
+        g = g_out.reshape(saved.shape + (w.shape[1],))
+        pad = -1 if m.padding_idx is None else m.padding_idx
+        return [torch.ops.aten.embedding_dense_backward(g, saved, w.shape[0], pad, m.scale_grad_by_freq)]
+
+
+# ----------------------------------------------------------------------------- means and sums
+
+
+class _Reduction(nn.Module):
+    """A traced ``x.mean(dims)`` / ``x.sum(dims)`` over per-sample dims (``dims`` normalized, all >= 1)."""
+
+    def __init__(self, kind: str, dims: tuple[int, ...], keepdim: bool) -> None:
+        super().__init__()
+        if kind not in ("mean", "sum"):
+            raise ValueError(f"unknown reduction {kind!r}")
+        self.kind, self.dims, self.keepdim = kind, tuple(dims), bool(keepdim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.mean if self.kind == "mean" else x.sum)(self.dims, keepdim=self.keepdim)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, dims={self.dims}, keepdim={self.keepdim}"
+
+
+class ReductionUnit(LayerUnit):
+    """A mean or sum over per-sample dims (a transformer's mean over tokens, a global average pool
+    written as ``x.mean((2, 3))``): each input entry feeds one output entry with weight ``1/n`` (mean)
+    or 1 (sum). ``J^T`` has one entry per row (shared); its operator broadcasts ``g`` back over the
+    reduced dims."""
+
+    shared = True
+    capabilities = UnitCapabilities(structured_operator=True)
+
+    def __init__(self, index: int, module: _Reduction, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
+        super().__init__(index, module, in_shape, out_shape)
+        nd = len(self.in_shape) + 1
+        if not module.dims or not all(1 <= d < nd for d in module.dims):
+            raise ValueError(f"{module.kind} over dims {module.dims}: per-sample dims (>= 1) expected")
+        kept = [s if d + 1 not in module.dims else 1 for d, s in enumerate(self.in_shape)]
+        self._kept = tuple(kept)  # the output's shape with the reduced dims kept as 1
+        n = _prod(self.in_shape) // max(1, _prod(kept))
+        if _prod(kept) != self.d_out:
+            raise ValueError(f"{module.kind}: output of {self.d_out} entries for kept shape {self._kept}")
+        coords = np.indices(self.in_shape).reshape(len(self.in_shape), -1)
+        coords[[d - 1 for d in module.dims]] = 0
+        cols = np.ravel_multi_index(tuple(coords), self._kept) if coords.size else np.zeros(self.d_in, np.int64)
+        rows = np.arange(self.d_in, dtype=np.int64)
+        self.pattern, _ = coo_to_csr(rows, cols.astype(np.int64), (self.d_in, self.d_out))  # one entry per row
+        self.scale = 1.0 / n if module.kind == "mean" else 1.0
+        self._values = _ConstantValues(lambda dtype, device: torch.full((self.d_in,), self.scale, dtype=dtype,
+                                                                        device=device))
+
+    @property
+    def name(self) -> str:
+        return self.module.kind
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        return self._values.get(*saved)
+
+    def apply_transposed(self, saved, tensors, g):
+        b = g.shape[0]
+        gi = g.reshape((b,) + self._kept).expand((b,) + self.in_shape)
+        return (gi * self.scale if self.scale != 1.0 else gi).reshape(b, self.d_in)

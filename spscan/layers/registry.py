@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from spscan.layers.base import LayerUnit, UnitCapabilities
 from spscan.layers.elementwise import DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, SoftmaxUnit
-from spscan.layers.linear import ConvTransposeUnit, ConvUnit, LinearUnit, SeparableResampleUnit
+from spscan.layers.linear import (ConvTransposeUnit, ConvUnit, EmbeddingUnit, LinearUnit, ReductionUnit,
+                                  SeparableResampleUnit, _Reduction)
 from spscan.layers.normalization import BatchNormUnit, GroupNormUnit, LayerNormUnit
 from spscan.layers.pooling import AvgPoolUnit, MaxPoolUnit
 from spscan.layers.shape import (PerSampleReshapeUnit, ReshapeUnit, SelectionUnit, UnflattenUnit, _PerSampleReshape,
@@ -81,6 +82,7 @@ _modules(SeparableResampleUnit, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.U
          nn.UpsamplingBilinear2d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ReflectionPad1d, nn.ReflectionPad2d,
          nn.ReplicationPad1d, nn.ReplicationPad2d)
 _modules(ConvTransposeUnit, nn.ConvTranspose1d, nn.ConvTranspose2d)
+_modules(EmbeddingUnit, nn.Embedding)
 
 
 def supported_layer_types() -> tuple[type, ...]:
@@ -163,6 +165,23 @@ def _squeeze_builder(how: str) -> NodeBuilder:
                                for v in dims):
             raise ValueError(f"{how}: per-sample dims (not the batch dim, not all dims) expected, got {d!r}")
         return _reshape_builder(index, args, kwargs, in_shape, out_shape, prune_zeros)
+    return build
+
+
+def _reduction_builder(kind: str) -> NodeBuilder:
+    """``x.mean(dims)`` / ``x.sum(dims, keepdim)`` over per-sample dims (no ``dtype``): a :class:`ReductionUnit`."""
+    def build(index, args, kwargs, in_shape, out_shape, prune_zeros):
+        d = _arg(args, kwargs, 1, "dim", None)
+        keepdim = _arg(args, kwargs, 2, "keepdim", False)
+        nd = len(in_shape) + 1
+        dims = d if isinstance(d, (tuple, list)) else (d,)
+        if kwargs.get("dtype") is not None or len(args) > 3 or not isinstance(keepdim, bool) or not dims \
+                or not all(isinstance(v, int) and not isinstance(v, bool) and -nd <= v < nd for v in dims):
+            raise ValueError(f"{kind}: integer per-sample dims expected, got dim={d!r}")
+        dims = tuple(sorted({v % nd for v in dims}))
+        if 0 in dims:
+            raise ValueError(f"{kind} over the batch dim")
+        return ReductionUnit(index, _Reduction(kind, dims, keepdim), in_shape, out_shape)
     return build
 
 
@@ -285,6 +304,8 @@ _targets(_permute_builder("transpose"), torch.transpose, ("method", "transpose")
 _targets(_permute_builder("swapaxes"), torch.swapaxes, ("method", "swapaxes"))
 _targets(_permute_builder("swapdims"), torch.swapdims, ("method", "swapdims"))
 _targets(_permute_builder("movedim"), torch.movedim, torch.moveaxis, ("method", "movedim"), ("method", "moveaxis"))
+_targets(_reduction_builder("mean"), torch.mean, ("method", "mean"))
+_targets(_reduction_builder("sum"), torch.sum, ("method", "sum"))
 _targets(_squeeze_builder("unsqueeze"), torch.unsqueeze, ("method", "unsqueeze"))
 _targets(_squeeze_builder("squeeze"), torch.squeeze, ("method", "squeeze"))
 _targets(_reshape_builder, torch.flatten, torch.reshape, ("method", "flatten"), ("method", "view"),
