@@ -77,14 +77,13 @@ from spscan.chain_backward import ForwardState, Jacobians, collect_param_grads
 from spscan.graph_segments import BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied
 from spscan.graph_trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
 from spscan.layers.registry import NODE_UNITS, supported_node_targets
-from spscan.layers.shape import PerSampleReshapeUnit, SelectionUnit, _Selection  # noqa: F401 (importable here)
 from spscan.model import ModelPlan, SpscanModule, levels_for_coupled_layers, plan_chain
 from spscan.options import option_default
 from spscan.choices import batch_of
 from spscan.plan import build_plan
 
 __all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS",
-           "supported_node_targets", "SelectionUnit", "LIVE_STATE_LIMIT"]
+           "supported_node_targets", "LIVE_STATE_LIMIT"]
 
 
 class TracedChainPlan(ModelPlan):

@@ -74,10 +74,8 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.kernels.backend import cpu_ops
-from spscan.cells import (cell_kind, coefficients, factored_layout, gru_weight_values, jacobian_values,
-                          lstm_cells, lstm_gate_encoding, lstm_weight_values, module_params, recurrent_patterns,
-                          resolve_layout, shared_flags, state_size)
+from spscan.cells import (cell_kind, coefficients, factored_layout, jacobian_values, lstm_cells, module_params,
+                          recurrent_patterns, resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.autograd import refuse_functorch
 from spscan.options import option_default
@@ -86,6 +84,7 @@ from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
                                        run_wrapped, split_hx, weight_grad, weight_grads_compile)
+from spscan.recurrent_forward import CompiledForwards, Saved
 
 __all__ = [
     "RecurrentPlan",
@@ -94,23 +93,6 @@ __all__ = [
     "wrap_recurrent",
     "recurrent_patterns",
 ]
-
-class _Saved:
-    """What the backward needs from one forward: time-major tensors and the chain's values.
-
-    ``x`` (T, B, I), ``h_prev`` (T, B, H) = ``h_0..h_{T-1}`` (a copy, not a view of the outputs, which
-    the caller may change in place), gate coefficients per kind, ``values`` (the chain's Jacobian
-    values) and the sizes. The compiled CPU forwards also keep ``operands``: ``(H + I + 1, T, B)``,
-    rows ``h_{t-1}``, ``x_t`` and ones, feature-major (``h_prev`` is a view of its first rows), the
-    weight gradients' operand (:meth:`~spscan.kernels.backend.CpuOps.matmul_nt`); otherwise ``None``.
-    Through autograd its tensors are kept by ``ctx.save_for_backward`` (:mod:`spscan.autograd`).
-    """
-
-    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.autograd)
-
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
 
 # --------------------------------------------------------------------------- the plan
 
@@ -147,7 +129,7 @@ class RecurrentFront:
         return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
 
 
-class RecurrentPlan(RecurrentFront):
+class RecurrentPlan(CompiledForwards, RecurrentFront):
     """BPPSA plan of one single-layer recurrent module; the scan plans are cached per length ``T``.
 
     ``forward(x, hx)`` runs the module and returns ``(module outputs, saved)``;
@@ -377,130 +359,6 @@ class RecurrentPlan(RecurrentFront):
         outputs = m(x, hx)
         return outputs, (self._save(x, hx, outputs, need_values=True) if need_saved else None)
 
-    def _compiled_forward_applies(self, x: torch.Tensor, hx) -> bool:
-        """Whether the factored RNN's, GRU's or LSTM's forward runs in one compiled pass
-        (:mod:`spscan.kernels.cpu_recurrence`): CPU, float32/float64 input and state of the parameters' dtype,
-        well-formed shapes; anything else runs the module (whose own checks then speak)."""
-        if self.kind not in ("lstm", "gru", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
-                or not cpu_ops.recurrence_available():
-            return False
-        m, p = self.module, self.module.weight_hh_l0
-        if x.device.type != "cpu" or p.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) \
-                or any(q.dtype != x.dtype for q in module_params(m)):
-            return False
-        unbatched = x.dim() == 2
-        T = x.shape[1 if (m.batch_first and not unbatched) else 0]
-        B = 1 if unbatched else x.shape[0 if m.batch_first else 1]
-        if T == 0 or B == 0:
-            return False
-        if hx is not None:
-            want = (1, self.hidden_size) if unbatched else (1, B, self.hidden_size)
-            if self.kind != "lstm":
-                return (isinstance(hx, torch.Tensor) and tuple(hx.shape) == want and hx.dtype == x.dtype
-                        and hx.device.type == "cpu")
-            if not (isinstance(hx, (tuple, list)) and len(hx) == 2 and all(
-                    isinstance(h, torch.Tensor) and tuple(h.shape) == want and h.dtype == x.dtype
-                    and h.device.type == "cpu" for h in hx)):
-                return False
-        return True
-
-    def _compiled_inputs(self, x: torch.Tensor, hx):
-        """What every compiled CPU forward starts from: the input ``(T, B, I)`` (detached), ``T``, ``B``,
-        whether it was unbatched, the detached parameters and the initial ``h_0`` (and ``c_0``)."""
-        m, H = self.module, self.hidden_size
-        unbatched = x.dim() == 2
-        xt = x.detach()
-        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
-        T, B, _ = xt.shape
-        params = [q.detach() for q in module_params(m)]
-        h0, c0 = split_hx(self.kind, hx, B, H, xt, unbatched)
-        return xt, T, B, unbatched, params, h0, c0
-
-    def _operands(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight gradients' operand for a compiled forward of ``xt`` ``(T, B, I)``: ``(H + I + 1, T, B)``
-        from the plan's recycled buffers, rows ``H ..`` filled here (``x_t``, then ones); the forward
-        writes rows ``0 .. H-1`` (``h_{t-1}``) as it goes. Also its ``x`` rows viewed ``(T, B, I)``: the
-        input the forward reads (feature-major memory, as its tiles read it: no second copy)."""
-        T, B, I = xt.shape
-        H = self.hidden_size
-        z = self.buffers.take("operands", (H + I + 1, T, B), xt.dtype)
-        zn = z.numpy()  # CPU float32/float64 (the compiled forwards'): NumPy's copies dispatch faster
-        zn[H: H + I] = xt.numpy().transpose(2, 0, 1)
-        zn[H + I] = 1
-        return z, z[H: H + I].permute(1, 2, 0)
-
-    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):
-        """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
-        the forward wrote them, else ``(T, B, H)``): the module's output and ``h_n``."""
-        batch_first = self.module.batch_first and not unbatched
-        time_major = hs.transpose(0, 1) if batch_first else hs
-        out = hs.squeeze(1) if unbatched else hs
-        shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
-        return out, time_major[-1].reshape(shape).clone()
-
-    def _compiled_saved(self, xt: torch.Tensor, operands: torch.Tensor, coefs: dict, values, unbatched: bool,
-                        params) -> _Saved:
-        """The backward's state after a compiled forward (``h_prev`` a view of ``operands``)."""
-        T, B, _ = xt.shape
-        return _Saved(x=xt, h_prev=operands[: self.hidden_size].permute(1, 2, 0), operands=operands, coefs=coefs,
-                      values=values, T=T, B=B, unbatched=unbatched, params=params, dtype=xt.dtype, device=xt.device)
-
-    def _lstm_compiled_forward(self, x: torch.Tensor, hx):
-        """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
-        are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
-        m, H = self.module, self.hidden_size
-        xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
-        # both biases enter every gate pre-activation: added to the input part once
-        z, xz = self._operands(xt)
-        gi = cpu_ops.input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
-        hs, c_n, gate_values = cpu_ops.gated_cell_forward(gi, params[1], h0, c0,
-                                                          batch_first=m.batch_first and not unbatched,
-                                                          buffers=self.buffers, prev=z)
-        shared = lstm_weight_values(params[1], H)
-        # the gate element as its compact numbers: the compiled CPU linear scan applies them as they are,
-        # every other path expands them to CSR values
-        values = PeriodicValues([shared, gate_values], T, encodings=[None, lstm_gate_encoding(H)])
-        out, h_n = self._compiled_outputs(hs, unbatched)
-        saved = self._compiled_saved(xt, z, {}, values, unbatched, params)
-        return (out, (h_n, c_n.reshape(h_n.shape))), saved
-
-    def _rnn_compiled_forward(self, x: torch.Tensor, hx):
-        """The RNN forward on CPU in one compiled pass that also writes the diagonal element's values
-        (:func:`spscan.kernels.cpu_recurrence.activation_recurrence_forward`). Returns ``(outputs, saved)``."""
-        m = self.module
-        xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
-        # both biases enter the pre-activation: added to the input part once
-        z, xz = self._operands(xt)
-        gi = cpu_ops.input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
-        hs, d = cpu_ops.activation_recurrence_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
-                                                      batch_first=m.batch_first and not unbatched,
-                                                      buffers=self.buffers, prev=z)
-        values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
-        out, h_n = self._compiled_outputs(hs, unbatched)
-        saved = self._compiled_saved(xt, z, {"d": d}, values, unbatched, params)
-        return (out, h_n), saved
-
-    def _gru_compiled_forward(self, x: torch.Tensor, hx):
-        """The GRU forward on CPU in one compiled pass that also writes the diagonal element's values
-        ``(dr, dz, dm, z)`` and ``dn`` (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`): the gates are
-        evaluated once, not recomputed from the module's outputs. Returns ``(outputs, saved)``."""
-        m, H = self.module, self.hidden_size
-        xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
-        b_hn = None
-        z, xz = self._operands(xt)
-        if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
-            bias = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
-            gi = cpu_ops.input_projection(xz, params[0], bias)
-            b_hn = params[3][2 * H:]
-        else:
-            gi = cpu_ops.input_projection(xz, params[0], None)
-        hs, d, dn = cpu_ops.reset_gated_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
-                                                buffers=self.buffers, prev=z)
-        values = PeriodicValues([gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
-        out, h_n = self._compiled_outputs(hs, unbatched)
-        saved = self._compiled_saved(xt, z, {"dn": dn}, values, unbatched, params)
-        return (out, h_n), saved
-
     def _newton_forward(self, x: torch.Tensor, hx):
         """Newton forward; ``(outputs, saved)`` with the converged iteration's Jacobians, or ``None`` (warned)."""
         from spscan.newton import warn_fallback
@@ -525,7 +383,7 @@ class RecurrentPlan(RecurrentFront):
         else:
             values = jacobian_values(self.kind, self.layout, coefs, params[1], H)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
-        saved = _Saved(x=xt, h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
+        saved = Saved(x=xt, h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
         out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1) if m.batch_first else hs)
         shape = (1, H) if unbatched else (1, B, H)
@@ -534,7 +392,7 @@ class RecurrentPlan(RecurrentFront):
             return (out, (h_n, states[-1, :, H:].reshape(shape).clone())), saved
         return (out, h_n), saved
 
-    def _save(self, x: torch.Tensor, hx, outputs, need_values: bool) -> _Saved:
+    def _save(self, x: torch.Tensor, hx, outputs, need_values: bool) -> Saved:
         m = self.module
         unbatched = x.dim() == 2
         H = self.hidden_size
@@ -556,14 +414,14 @@ class RecurrentPlan(RecurrentFront):
             c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]], dim=0)
         coefs = coefficients(self.kind, x, h_prev, c_prev, hs, params) if T > 0 else {}
         values = jacobian_values(self.kind, self.layout, coefs, params[1], H) if (need_values and T > 0) else None
-        return _Saved(
+        return Saved(
             x=x.detach(), h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
             params=params, dtype=hs.dtype, device=hs.device,
         )
 
     # -- backward
 
-    def _scan(self, saved: _Saved, top: torch.Tensor, extra: Optional[torch.Tensor],
+    def _scan(self, saved: Saved, top: torch.Tensor, extra: Optional[torch.Tensor],
               collect: Sequence[Collect] = ()) -> ScanResult:
         """One scan: every chain gradient (``m*T+1`` factored, ``T+1`` materialized), or with ``collect``
         only ``dl/ds_0`` and the gradients it asks for, stacked into the caller's buffers. The result
@@ -595,7 +453,7 @@ class RecurrentPlan(RecurrentFront):
 
     def backward(
         self,
-        saved: _Saved,
+        saved: Saved,
         grad_output: Optional[torch.Tensor],
         grad_h_n: Optional[torch.Tensor],
         grad_c_n: Optional[torch.Tensor] = None,
@@ -614,7 +472,7 @@ class RecurrentPlan(RecurrentFront):
                 return self._graphed(self, saved, (grad_output, grad_h_n, grad_c_n), wanted)
             return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
 
-    def _graphs_apply(self, saved: _Saved, grad_output: Optional[torch.Tensor]) -> bool:
+    def _graphs_apply(self, saved: Saved, grad_output: Optional[torch.Tensor]) -> bool:
         """Whether this backward replays from a CUDA graph (:class:`GraphedBackward`): on a GPU, with a
         backend whose scan can be recorded, outside a graph the caller is recording."""
         if not self.graph_backward or saved.device.type != "cuda" or saved.T == 0:
@@ -687,7 +545,7 @@ class RecurrentPlan(RecurrentFront):
         a_hh = a_ih if pre_hh is pre_ih else pre_hh.reshape(T * B, -1).t()
         return self._pack(saved, G[0].clone(), a_ih, a_hh, wanted)
 
-    def _pre_activation_grads(self, saved: _Saved, Gs: torch.Tensor):
+    def _pre_activation_grads(self, saved: Saved, Gs: torch.Tensor):
         """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``."""
         c = saved.coefs
         H = self.hidden_size
@@ -702,7 +560,7 @@ class RecurrentPlan(RecurrentFront):
         p = torch.cat([gc_tot * c["ci"], gc_tot * c["cf"], gc_tot * c["cg"], gh * c["co"]], dim=-1)
         return p, p
 
-    def _pack(self, saved: _Saved, g0: torch.Tensor, a_ih, a_hh,
+    def _pack(self, saved: Saved, g0: torch.Tensor, a_ih, a_hh,
               wanted: Optional[frozenset] = None, reduced: Optional[torch.Tensor] = None
               ) -> dict[str, Optional[torch.Tensor]]:
         """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients of the input and hidden
