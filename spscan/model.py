@@ -58,10 +58,12 @@ def check_hooks(index: int, name: str, m: nn.Module) -> None:
 
 
 def is_chain_model(model: nn.Module) -> bool:
-    """A supported layer, or a plain ``nn.Sequential`` (nested plain ones allowed) of torch.nn
-    layers: planned as a chain directly. Anything else (a module with its own forward, anywhere
-    in it) is traced with torch.fx (:mod:`spscan.graph`)."""
-    if type(model) in supported_layer_types():
+    """A supported layer, or a plain ``nn.Sequential`` (nested plain ones allowed) of supported
+    layers: planned as a chain directly. Anything else (a module with its own forward, or a layer
+    without a unit, anywhere in it) is traced with torch.fx (:mod:`spscan.graph`), where a
+    sequential container is the trivial graph and a layer without a unit an opaque node."""
+    supported = supported_layer_types()
+    if type(model) in supported:
         return True
     if not _is_plain_sequential(model):
         return False
@@ -71,9 +73,18 @@ def is_chain_model(model: nn.Module) -> bool:
         if isinstance(child, nn.Sequential):
             if not is_chain_model(child):
                 return False
-        elif not type(child).__module__.startswith("torch.nn"):
+        elif type(child) not in supported:
             return False
     return True
+
+
+def _plain_containers(model: nn.Module) -> bool:
+    """A supported layer, or plain ``nn.Sequential`` containers all the way down (any leaves): what
+    :func:`plan_model` takes, naming a leaf without a unit."""
+    if type(model) in supported_layer_types():
+        return True
+    return _is_plain_sequential(model) and all(_plain_containers(c) for c in model._modules.values()
+                                               if isinstance(c, nn.Sequential))
 
 
 def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -559,7 +570,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             model that is not a chain.
         ValueError: the example input does not fit a layer (names the layer and the shapes).
     """
-    if isinstance(model, nn.Module) and not is_chain_model(model):
+    if isinstance(model, nn.Module) and not _plain_containers(model):
         raise TypeError(f"{type(model).__name__}: spscan.model plans nn.Sequential chains of supported layers (or "
                         "one layer); a model with its own forward is traced with torch.fx by spscan.graph: use "
                         "spscan.plan(model, example_input) or spscan.wrap(model, example_input)")
@@ -571,7 +582,8 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         if type(m) not in supported:
             kind = "a container with its own forward" if list(m.children()) else "an unsupported layer type"
             raise TypeError(f"layer {k} ({name or '-'}): {type(m).__module__}.{type(m).__name__} is {kind}; "
-                            f"supported: {', '.join(t.__name__ for t in supported)}")
+                            f"supported: {', '.join(t.__name__ for t in supported)} (spscan.plan and spscan.wrap "
+                            "trace such a chain with torch.fx and run that layer as its own autograd backward)")
         check_hooks(k, name, m)
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "

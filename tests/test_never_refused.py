@@ -360,3 +360,18 @@ def test_reductions_in_a_model(plan_kw):
         (ref(x) ** 2).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+def test_sequential_with_a_layer_without_a_unit_is_traced():
+    """A plain nn.Sequential holding a layer the library has no unit for (Softmin, Softmax2d) is the trivial traced
+    graph with that layer as an opaque node, not a refused chain; the chain planner itself still names the layer."""
+    from spscan.model import plan_model
+
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Softmin(dim=1), nn.Sequential(nn.Unflatten(1, (6, 1, 1)),
+                                                                          nn.Softmax2d(), nn.Flatten()), nn.Linear(6, 2))
+    w = _check(model, [torch.randn(3, 4), torch.randn(1, 4)])
+    text = w.plan.summary()
+    assert "opaque: self.1 (Softmin)" in text and "opaque: self.2.1 (Softmax2d)" in text
+    with pytest.raises(TypeError, match=r"layer 1 \(1\): torch.nn.modules.activation.Softmin is an unsupported"):
+        plan_model(model, torch.randn(3, 4))
