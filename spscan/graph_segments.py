@@ -89,7 +89,9 @@ class BlockOperator(StructuredOperator):
     ``needed`` (per unit of the graph, depth 0 only): the block is applied exactly once, to its
     output gradient, so each branch layer's operator is applied once to that layer's own output
     gradient and may compute the parameter gradients ``needed[k]`` on the way, as a chain layer's
-    does (:meth:`collect_param_grads`), instead of a second pass over the branch afterwards."""
+    does; a layer whose operator does not (a Linear's ``J^T g`` is one GEMM, its weight gradient
+    another) has that output gradient kept, and its rule runs on it in :meth:`collect_param_grads`.
+    Either way there is no second pass over the branch afterwards."""
 
     def __init__(self, block: "Parallel", saved, T, needed: Optional[Sequence[Sequence[bool]]] = None) -> None:
         self.block, self.saved, self.T, self.needed = block, saved, T, needed
@@ -97,6 +99,7 @@ class BlockOperator(StructuredOperator):
         self.shared = block.shared
         self._ops: Optional[list] = None
         self.applied = 0
+        self._g_out: dict[int, torch.Tensor] = {}  # unit index -> its output gradient (needed, not fused)
 
     def _operator(self, s, v):
         nd = self.needed
@@ -111,12 +114,14 @@ class BlockOperator(StructuredOperator):
         applied exactly once (nothing otherwise)."""
         if self.applied != 1 or self._ops is None:
             return
-        for br, ops in zip(self.block.branches, self._ops):
-            for s, op in zip(br, ops):
+        for br, ops, sv in zip(self.block.branches, self._ops, self.saved[0]):
+            for s, op, v in zip(br, ops, sv):
                 if isinstance(op, BlockOperator):
                     op.collect_param_grads(done)
                 elif grads_while_applied(op) is not None:
                     done[s.k] = op.param_grads
+                elif s.k in self._g_out:
+                    done[s.k] = s.unit.param_grads(v, self.T[s.k], self._g_out.pop(s.k), self.needed[s.k])
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         blk = self.block
@@ -124,10 +129,14 @@ class BlockOperator(StructuredOperator):
         if self._ops is None:
             self._ops = [[self._operator(s, v) for s, v in zip(br, sv)]
                          for br, sv in zip(blk.branches, self.saved[0])]
+        keep = self.needed is not None and self.applied == 1
         total = None
-        for ops, off, d in zip(self._ops, blk.offsets, blk.d_outs):
+        for br, ops, off, d in zip(blk.branches, self._ops, blk.offsets, blk.d_outs):
             h = g if blk.join == _ADD else g[:, off:off + d]
-            for op in reversed(ops):
+            for s, op in zip(reversed(br), reversed(ops)):
+                if keep and isinstance(s, Leaf) and s.unit.roles and any(self.needed[s.k]) and not (
+                        isinstance(op, UnitOperator) and op.unit.capabilities.fused_param_grads and op.needed):
+                    self._g_out[s.k] = h  # its parameter gradients come from this in collect_param_grads
                 h = op.apply(h)
             total = h.clone() if total is None and h is g else (h if total is None else total + h)
         return total

@@ -106,16 +106,41 @@ class ElementwiseUnit(LayerUnit):
             return torch.where(s * m.beta > m.threshold, torch.ones_like(s), z / (z + 1))
         return ((s > m.min_val) & (s < m.max_val)).to(s.dtype)
 
+    def _aten_backward(self):
+        """``(op, arguments after (g, saved))``: the ATen backward autograd calls for this activation, on the
+        saved tensor (the output for ReLU, Tanh, Sigmoid; the input otherwise). One fused pass, no ``f'`` tensor."""
+        m, A = self.module, torch.ops.aten
+        if isinstance(m, nn.ReLU):
+            return A.threshold_backward, (0,), {}
+        if isinstance(m, nn.LeakyReLU):
+            return A.leaky_relu_backward, (m.negative_slope, False), {}
+        if isinstance(m, nn.Tanh):
+            return A.tanh_backward, (), {}
+        if isinstance(m, nn.Sigmoid):
+            return A.sigmoid_backward, (), {}
+        if isinstance(m, nn.GELU):
+            return A.gelu_backward, (), {"approximate": m.approximate}
+        if isinstance(m, nn.SiLU):
+            return A.silu_backward, (), {}
+        if isinstance(m, nn.ELU):
+            return None  # elu_backward takes g before alpha: see apply_transposed
+        if isinstance(m, nn.Softplus):
+            return A.softplus_backward, (m.beta, m.threshold), {}
+        return A.hardtanh_backward, (m.min_val, m.max_val), {}  # Hardtanh, ReLU6
+
     def apply_transposed(self, saved, tensors, g):
-        if isinstance(self.module, nn.ReLU):  # autograd's own op: one pass, no mask tensor
-            return torch.ops.aten.threshold_backward(g, saved.reshape(saved.shape[0], -1), 0)
-        return g * self.fill(saved, tensors)
+        s = saved.reshape(saved.shape[0], -1)
+        if isinstance(self.module, nn.ELU):
+            return torch.ops.aten.elu_backward(g, self.module.alpha, 1, 1, False, s)
+        op, args, kwargs = self._aten_backward()
+        return op(g, s, *args, **kwargs)
 
     def apply_transposed_into(self, saved, tensors, g, out):
-        if isinstance(self.module, nn.ReLU):
-            return torch.ops.aten.threshold_backward.grad_input(g, saved.reshape(saved.shape[0], -1), 0,
-                                                                grad_input=out)
-        return torch.mul(g, self.fill(saved, tensors), out=out)
+        s = saved.reshape(saved.shape[0], -1)
+        if isinstance(self.module, nn.ELU):
+            return torch.ops.aten.elu_backward.grad_input(g, self.module.alpha, 1, 1, False, s, grad_input=out)
+        op, args, kwargs = self._aten_backward()
+        return op.grad_input(g, s, *args, **kwargs, grad_input=out)
 
     @property
     def is_relu(self) -> bool:
