@@ -16,8 +16,8 @@ import torch.nn as nn
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.opaque import OpaqueUnit
-from spscan.layers.products import ProductUnit
-from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL, PRODUCT_MUL
+from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
+from spscan.layers.registry import ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL, PRODUCT_MUL
 from spscan.model import check_hooks, example_rejected
 
 __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "refuse_node"]
@@ -159,6 +159,8 @@ class Traced:
                 builder = NODE_UNITS.get(key)
                 if builder in (PRODUCT_MATMUL, PRODUCT_MUL):
                     y = self._product(node, key, builder, args, kwargs, tensor_inputs, env)
+                elif builder == ATTENTION and not consts:
+                    y = self._attention(node, key, args, kwargs, tensor_inputs, env)
                 elif builder is None or consts or (builder not in (_ADD, _CAT) and len(tensor_inputs) > 1):
                     y = self._opaque(node, key, args, kwargs, tensor_inputs, env)
                 elif builder in (_ADD, _CAT):
@@ -298,6 +300,30 @@ class Traced:
         y = self._call(node, args, kwargs)
         try:
             unit = ProductUnit(len(self.units), kind, [tuple(a.shape[1:]), tuple(b.shape[1:])], tuple(y.shape[1:]))
+        except ValueError:
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        self._add_unit(node, unit, node.name, False, tensor_inputs)
+        return y
+
+    def _attention(self, node, key, args, kwargs, tensor_inputs, env):
+        """``F.scaled_dot_product_attention(q, k, v)`` of graph tensors, no mask, no dropout, no grouped heads:
+        an :class:`AttentionUnit` (other forms: an opaque node)."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        given = dict(zip(names, node.args))
+        given.update(node.kwargs)
+        extra = set(given) - set(names) - {"scale", "enable_gqa"}
+        qkv = [given.get(n) for n in names[:3]]
+        plain = (not extra and given.get("attn_mask") is None and given.get("dropout_p", 0.0) == 0.0
+                 and not given.get("enable_gqa", False) and isinstance(given.get("is_causal", False), bool)
+                 and (given.get("scale") is None or isinstance(given.get("scale"), (int, float)))
+                 and all(isinstance(n, fx.Node) and n in tensor_inputs for n in qkv))
+        if not plain:
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        y = self._call(node, args, kwargs)
+        module = _Attention(given.get("is_causal", False), given.get("scale"))
+        try:
+            unit = AttentionUnit(len(self.units), module, [tuple(env[n].shape[1:]) for n in tensor_inputs],
+                                 [tensor_inputs.index(n) for n in qkv], tuple(y.shape[1:]))
         except ValueError:
             return self._opaque(node, key, args, kwargs, tensor_inputs, env)
         self._add_unit(node, unit, node.name, False, tensor_inputs)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import spscan
 
@@ -375,3 +376,62 @@ def test_sequential_with_a_layer_without_a_unit_is_traced():
     assert "opaque: self.1 (Softmin)" in text and "opaque: self.2.1 (Softmax2d)" in text
     with pytest.raises(TypeError, match=r"layer 1 \(1\): torch.nn.modules.activation.Softmin is an unsupported"):
         plan_model(model, torch.randn(3, 4))
+
+
+class SdpaBlock(nn.Module):
+    """A pre-norm transformer block with multi-head attention through F.scaled_dot_product_attention (q, k, v from
+    one projection, heads split by reshape and permute), the way current models write it."""
+
+    def __init__(self, c: int = 8, heads: int = 2, causal: bool = False, scale=None, self_only: bool = False) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.mlp = nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
+        self.heads, self.causal, self.scale, self.self_only = heads, causal, scale, self_only
+
+    def forward(self, x):  # (B, T, c)
+        b, t, c = x.shape
+        h = self.n1(x)
+        if self.self_only:  # one tensor as q, k and v
+            h = h.reshape(b, t, self.heads, c // self.heads).transpose(1, 2)
+            o = F.scaled_dot_product_attention(h, h, h, is_causal=self.causal, scale=self.scale)
+        else:
+            q, k, v = self.qkv(h).reshape(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+        x = x + self.proj(o.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.n2(x))
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"scale": 0.3}, {"self_only": True}, {"self_only": True,
+                                                                                               "causal": True}])
+def test_scaled_dot_product_attention_is_an_analytic_unit(kw):
+    torch.manual_seed(12)
+    w = _check(SdpaBlock(**kw), [torch.randn(3, 5, 8), torch.randn(1, 5, 8), torch.randn(2, 5, 8)])
+    assert "(attention)" in w.plan.summary() or " attention " in w.plan.summary()
+
+
+def test_scaled_dot_product_attention_float32():
+    torch.manual_seed(13)
+    _check(SdpaBlock(), [torch.randn(4, 6, 8), torch.randn(2, 6, 8)], dtype=torch.float32, tol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [(0, 1, 2), (0, 0, 1), (0, 0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_unit_is_the_jacobian(slots, causal):
+    """Each graph input's J^T g is autograd's vector-Jacobian product of torch's attention (inputs read twice add)."""
+    from spscan.layers.products import AttentionUnit, _Attention
+
+    n = max(slots) + 1
+    shapes = [(2, 4, 3), (2, 5, 3), (2, 5, 6)][:n] if slots == (0, 1, 2) else [(2, 4, 3)] * n
+    xs = [torch.randn((3,) + s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    q, k, v = (xs[i] for i in slots)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    unit = AttentionUnit(0, _Attention(causal, None), shapes, slots, tuple(y.shape[1:]))
+    out, saved = unit.run_inputs([x.detach().reshape(3, -1) for x in xs], [])
+    assert torch.equal(out, y.detach())
+    g = torch.randn_like(y)
+    want = torch.autograd.grad(y, xs, g)
+    got, pg = unit.vjp(saved, g.reshape(3, -1), [True] * n, [])
+    assert pg == []
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b.reshape(3, -1), rtol=1e-10, atol=1e-12)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from layer_checks import build_unit, check_param_grads, check_values, filled, seq
 from spscan.layers import NODE_UNITS, LayerUnit, make_unit, supported_layer_types, unit_capabilities
-from spscan.layers.registry import JOIN_ADD, JOIN_CAT, PRODUCT_MATMUL, PRODUCT_MUL
+from spscan.layers.registry import ATTENTION, JOIN_ADD, JOIN_CAT, PRODUCT_MATMUL, PRODUCT_MUL
 
 # one sample per registered module type: (module factory, per-sample input shape)
 SAMPLES = {
@@ -96,7 +96,7 @@ def test_every_node_target_maps_to_a_unit_class_a_builder_a_join_or_a_product():
         if isinstance(key, type):
             assert isinstance(entry, type) and issubclass(entry, LayerUnit), key
         else:
-            assert entry in (JOIN_ADD, JOIN_CAT, PRODUCT_MATMUL, PRODUCT_MUL) or callable(entry), key
+            assert entry in (JOIN_ADD, JOIN_CAT, PRODUCT_MATMUL, PRODUCT_MUL, ATTENTION) or callable(entry), key
 
 
 def _sample(t: type, seed: int = 0):

@@ -1,5 +1,6 @@
-"""Products of two graph tensors: ``a @ b`` (``matmul``/``bmm`` per sample: attention's scores
-``q @ k^T`` and its mixing ``softmax(s) @ v``) and ``a * b`` of equal shapes (a gate: GLU, SwiGLU).
+"""Products of graph tensors: ``a @ b`` (``matmul``/``bmm`` per sample: attention's scores
+``q @ k^T`` and its mixing ``softmax(s) @ v``), ``a * b`` of equal shapes (a gate: GLU, SwiGLU), and
+softmax attention ``F.scaled_dot_product_attention(q, k, v)`` (:class:`AttentionUnit`).
 
 ``y`` is bilinear in ``(a, b)``, so its transposed Jacobians are the other factor:
 
@@ -13,16 +14,18 @@ the scan runs at depth 0 around it, as it does around an opaque node.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from spscan.layers.base import LayerUnit, UnitCapabilities
 
-__all__ = ["ProductUnit"]
+__all__ = ["ProductUnit", "AttentionUnit"]
 
 KINDS = ("matmul", "mul")
 
@@ -101,3 +104,101 @@ class ProductUnit(LayerUnit):
 
     def apply_transposed(self, saved, tensors, g):
         return self.vjp(saved, g, [True, False], [])[0][0]
+
+
+class _Attention(nn.Module):
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` without a mask or dropout."""
+
+    def __init__(self, is_causal: bool, scale: Optional[float]) -> None:
+        super().__init__()
+        self.is_causal, self.scale = bool(is_causal), scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return f"is_causal={self.is_causal}, scale={self.scale}"
+
+
+class AttentionUnit(LayerUnit):
+    """Softmax attention ``y = P v``, ``P = softmax(s q k^T)`` (rows masked above the diagonal when
+    causal), per sample and per leading dim (heads), its three ``J^T`` applied matrix-free:
+
+    ``J_v^T g = P^T g``; with ``dP = g v^T`` and ``dS = P ⊙ (dP − rowsum(dP ⊙ P))`` (softmax's backward),
+    ``J_q^T g = s dS k`` and ``J_k^T g = s dS^T q``.
+
+    The forward is torch's own call (the model's output bit for bit) and keeps ``q``, ``k``, ``v``
+    only: ``P`` is recomputed in the backward, as flash attention does, so the saved memory is the
+    inputs' and not ``L x S`` per head. ``slots[i]`` is the graph input that argument ``i`` (q, k, v) reads
+    (``sdpa(x, x, x)`` reads one tensor three times: its three ``J^T g`` add up).
+    """
+
+    capabilities = UnitCapabilities(structured_operator=True)
+
+    def __init__(self, index: int, module: _Attention, in_shapes: Sequence[tuple[int, ...]], slots: Sequence[int],
+                 out_shape: tuple[int, ...]):
+        shapes = [tuple(in_shapes[i]) for i in slots]
+        q, k, v = shapes
+        if len(slots) != 3 or len(q) < 2 or not (len(q) == len(k) == len(v)) or q[:-2] != k[:-2] \
+                or k[:-2] != v[:-2] or q[-1] != k[-1] or k[-2] != v[-2]:
+            raise ValueError(f"attention of per-sample shapes q {q}, k {k}, v {v}: (..., L, E), (..., S, E), (..., S, Ev) "
+                             "with equal leading dims expected")
+        super().__init__(index, module, tuple(in_shapes[0]), out_shape)
+        self.in_shapes = [tuple(s) for s in in_shapes]
+        self.slots = tuple(slots)
+        self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
+
+    @property
+    def name(self) -> str:
+        return "attention"
+
+    @property
+    def has_csr_values(self) -> bool:  # type: ignore[override]
+        return False
+
+    def run(self, x, tensors):
+        if len(self.in_shapes) != 1:
+            raise ValueError(f"layer {self.index} (attention): it reads {len(self.in_shapes)} graph tensors "
+                             "(run_inputs)")
+        return self.run_inputs([x], tensors)  # self-attention on one tensor: sdpa(x, x, x)
+
+    def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
+        ts = [x.reshape((x.shape[0],) + s) for x, s in zip(xs, self.in_shapes)]
+        q, k, v = (ts[i] for i in self.slots)
+        return self.module(q, k, v), (q, k, v)
+
+    def fill(self, saved, tensors):
+        raise ValueError(f"layer {self.index} (attention): no J^T values of its own; it runs as its operator "
+                         "(levels=0)")
+
+    def _probabilities(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, float]:
+        scale = self.module.scale if self.module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if self.module.is_causal:
+            L, S = s.shape[-2:]
+            keep = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1), scale
+
+    def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
+        """``([J^T g for each graph input asked (else None), (B, d_i) each], [])``."""
+        q, k, v = saved
+        bsz = g.shape[0]
+        gy = g.reshape((bsz,) + self.out_shape)
+        p, scale = self._probabilities(q, k)
+        want = [inputs[i] for i in self.slots]  # per argument: q, k, v
+        dv = torch.matmul(p.transpose(-1, -2), gy) if want[2] else None
+        dq = dk = None
+        if want[0] or want[1]:
+            ds = torch.ops.aten._softmax_backward_data(torch.matmul(gy, v.transpose(-1, -2)), p, -1, p.dtype) * scale
+            dq = torch.matmul(ds, k) if want[0] else None
+            dk = torch.matmul(ds.transpose(-1, -2), q) if want[1] else None
+        out: list[Optional[torch.Tensor]] = [None] * len(self.in_shapes)
+        for i, d in zip(self.slots, (dq, dk, dv)):
+            if d is not None and inputs[i]:
+                d = d.reshape(bsz, -1)
+                out[i] = d if out[i] is None else out[i] + d
+        return out, []
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.vjp(saved, g, [True] + [False] * (len(self.in_shapes) - 1), [])[0][0]

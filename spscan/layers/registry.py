@@ -11,7 +11,8 @@
   the call stands for and its unit);
 * the targets that join branches to :data:`JOIN_ADD` or :data:`JOIN_CAT`;
 * the products of two graph tensors to :data:`PRODUCT_MATMUL` or :data:`PRODUCT_MUL`
-  (a :class:`~spscan.layers.products.ProductUnit`).
+  (a :class:`~spscan.layers.products.ProductUnit`), softmax attention to :data:`ATTENTION`
+  (an :class:`~spscan.layers.products.AttentionUnit`).
 
 Adding a layer type: its unit class in its family module (declaring its capabilities) and one
 ``_modules`` line here, plus a ``_targets`` line for each functional form.
@@ -35,7 +36,8 @@ from spscan.layers.pooling import AvgPoolUnit, MaxPoolUnit
 from spscan.layers.shape import (PerSampleReshapeUnit, ReshapeUnit, SelectionUnit, UnflattenUnit, _PerSampleReshape,
                                  _Selection)
 
-__all__ = ["NODE_UNITS", "JOIN_ADD", "JOIN_CAT", "PRODUCT_MATMUL", "PRODUCT_MUL", "make_unit", "supported_layer_types", "supported_node_targets",
+__all__ = ["NODE_UNITS", "JOIN_ADD", "JOIN_CAT", "PRODUCT_MATMUL", "PRODUCT_MUL", "ATTENTION",
+           "make_unit", "supported_layer_types", "supported_node_targets",
            "unit_class", "unit_capabilities"]
 
 #: what a join target maps to: ``y = a + b`` of two branches, or their concatenation along dim 1
@@ -44,6 +46,8 @@ JOIN_CAT = "cat"
 #: what a product target maps to: ``a @ b`` or ``a * b`` of two graph tensors (``ProductUnit`` kinds)
 PRODUCT_MATMUL = "matmul"
 PRODUCT_MUL = "mul"
+#: what ``F.scaled_dot_product_attention`` maps to: softmax attention of three graph tensors
+ATTENTION = "attention"
 
 NodeBuilder = Callable[[int, Sequence[Any], dict, tuple, tuple, bool], LayerUnit]
 
@@ -313,6 +317,7 @@ _targets(_reshape_builder, torch.flatten, torch.reshape, ("method", "flatten"), 
 _targets(JOIN_ADD, operator.add, operator.iadd, torch.add, ("method", "add"))
 _targets(PRODUCT_MATMUL, operator.matmul, torch.matmul, torch.bmm, ("method", "matmul"), ("method", "bmm"))
 _targets(PRODUCT_MUL, operator.mul, torch.mul, ("method", "mul"))
+_targets(ATTENTION, F.scaled_dot_product_attention)
 _targets(JOIN_CAT, torch.cat, torch.concat, torch.concatenate)
 
 
