@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ import torch.nn as nn
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.opaque import OpaqueUnit
+from spscan.layers.shape import SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL, PRODUCT_MUL
 from spscan.model import check_hooks, example_rejected
@@ -24,6 +25,13 @@ __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "re
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
+# calls that only move, split or select entries (a chain of them is a selection: see Traced._selection)
+_MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.swapaxes,
+          torch.swapdims, torch.movedim, torch.moveaxis, torch.unbind, torch.chunk, torch.split, torch.squeeze,
+          torch.unsqueeze, torch.select, torch.narrow, torch.unflatten} | {
+    ("method", m) for m in ("reshape", "view", "flatten", "unflatten", "permute", "transpose", "swapaxes", "swapdims",
+                            "movedim", "moveaxis", "contiguous", "squeeze", "unsqueeze", "unbind", "chunk", "split",
+                            "select", "narrow")}
 
 #: A general DAG is refused when its live-set chain would carry more than this many times the values
 #: of the graph's own tensors (``sum_s d_live(s) > LIVE_STATE_LIMIT * sum_n d_n``, per sample).
@@ -211,11 +219,9 @@ class Traced:
             obj = getattr(obj, part)
         return obj
 
-    def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
-        """``call(*ts)``: ``node`` computed from its graph tensors ``ts``, with the constants it reads
-        recomputed every call (parameters read live, shape arithmetic at the current batch size: a graph
-        tensor read only for its shape stands in as a meta tensor); the parameters it reads; and the
-        modules it recomputes (named for its label)."""
+    def _between(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+        """The nodes ``node`` is computed from, back to its graph tensors ``inputs``, in an order that computes
+        them (virtual tensors, constants, shape arithmetic); and the graph tensors read only for their shapes."""
         order: list[fx.Node] = []
         shapes: list[fx.Node] = []
         seen: set = set(inputs)
@@ -232,6 +238,43 @@ class Traced:
                 order.append(p)
 
         visit(node)
+        return order, shapes
+
+    def _selection(self, node: fx.Node, inputs: list[fx.Node], call, x: torch.Tensor,
+                   y: torch.Tensor) -> Optional[SelectionUnit]:
+        """A node that only moves entries of its one graph tensor, through any chain of reshapes, permutations
+        (the batch dim moved and back: ``qkv.permute(2, 0, 3, 1, 4)[0]``) and basic indexing: a
+        :class:`SelectionUnit` with the gather the chain amounts to, found by running the chain on the entries'
+        own indices. ``None`` where any step computes values (only index-moving ops may touch a tensor)."""
+        if len(inputs) != 1:
+            return None
+        order, _ = self._between(node, inputs)
+        for n in order + [node]:
+            val = self.env.get(n, y if n is node else None)
+            holds = isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and
+                                                     any(isinstance(v, torch.Tensor) for v in val))
+            if n.op == "get_attr" or n.op == "call_module" or (holds and node_key(n, self.model) not in _MOVES):
+                return None
+        d_in = int(np.prod(x.shape[1:]))
+        try:
+            with torch.no_grad():
+                probe = call(torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + tuple(x.shape[1:])))
+        except Exception:
+            return None
+        if not isinstance(probe, torch.Tensor) or probe.dtype != torch.int64 or probe.shape != (2,) + y.shape[1:]:
+            return None
+        src = probe[0].reshape(-1)
+        if not bool((probe[1].reshape(-1) - src == d_in).all()) or src.numel() == 0 \
+                or int(src.min()) < 0 or int(src.max()) >= d_in or torch.unique(src).numel() != src.numel():
+            return None
+        return SelectionUnit(len(self.units), _Selection("index", src), tuple(x.shape[1:]), tuple(y.shape[1:]))
+
+    def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
+        """``call(*ts)``: ``node`` computed from its graph tensors ``ts``, with the constants it reads
+        recomputed every call (parameters read live, shape arithmetic at the current batch size: a graph
+        tensor read only for its shape stands in as a meta tensor); the parameters it reads; and the
+        modules it recomputes (named for its label)."""
+        order, shapes = self._between(node, inputs)
         env, fn, attr = self.env, self._call, self._attr
         params = [(n.target, attr(n.target)) for n in order if n.op == "get_attr"]
         params = [(t, v) for t, v in params if isinstance(v, nn.Parameter)]
@@ -287,6 +330,11 @@ class Traced:
         if not keeps_batch:
             self.virtual[node] = list(tensor_inputs)
             return y
+        if node.op != "call_module" and not params:
+            sel = self._selection(node, tensor_inputs, call, xins[0], y)
+            if sel is not None:
+                self._add_unit(node, sel, name, False, tensor_inputs)
+                return y
         unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)
         self._add_unit(node, unit, name, backed, tensor_inputs)
         return y

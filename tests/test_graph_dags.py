@@ -200,6 +200,36 @@ def test_transpose_of_the_batch_dim_is_its_own_backward():
     assert "opaque" in wrapped.plan.summary()
 
 
+class MovedAndBack(nn.Module):
+    """Entries moved through a tensor whose batch dim is not first (heads split the way attention code does),
+    then selected; one chain also scales its values on the way (not a selection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(6, 12), nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 5, 6)
+        b, t, _ = x.shape
+        h = self.f(x).reshape(b, t, 3, 2, 2).permute(2, 0, 3, 1, 4)  # (3, B, 2, T, 2): batch moved
+        q, k, v = h.unbind(0)
+        a = torch.cat([q, k[:, :, 1:]], 2)  # (B, 2, 2T - 1, 2)
+        c = v.transpose(0, 1)[1]  # (B, T, 2): moved twice more
+        scaled = (x.transpose(0, 1) * 2.0).transpose(0, 1)  # arithmetic on a moved tensor: opaque
+        return self.g(a.flatten(1)[:, :4]) + self.g(scaled[:, 0, :4]) + self.g(c.flatten(1)[:, 2:6])
+
+
+def test_chains_of_moves_are_selections():
+    """A node computed from one graph tensor through reshapes, permutations (the batch dim moved and back) and
+    indexing is a selection unit (a gather found by probing the chain with indices); a chain that also computes
+    values stays opaque; gradients equal autograd's either way."""
+    torch.manual_seed(14)
+    model = MovedAndBack().double()
+    for b in (3, 1):
+        w = _check_float64(model, torch.randn(b, 5, 6, dtype=torch.float64))
+    text = w.plan.summary()
+    assert text.count("(selection)") >= 3 and "opaque: mul.transpose(0, 1)" in text
+
+
 # ----------------------------------------------------------------------------- general DAGs
 
 

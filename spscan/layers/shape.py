@@ -85,21 +85,32 @@ class PerSampleReshapeUnit(ReshapeUnit):
 
 
 class _Selection(nn.Module):
-    """A traced basic-indexing slice ``x[key]``, a constant zero ``F.pad(x, pad)`` (any dims, channels too)
-    or a permutation of the dims ``x.permute(dims)`` (``transpose``/``swapaxes`` of two dims; dim 0 stays)."""
+    """A traced basic-indexing slice ``x[key]``, a constant zero ``F.pad(x, pad)`` (any dims, channels too),
+    a permutation of the dims ``x.permute(dims)`` (``transpose``/``swapaxes`` of two dims; dim 0 stays), or
+    ``index``: output entry ``j`` of a sample is its input entry ``arg[j]`` (a chain of moves found by probing)."""
 
     def __init__(self, kind: str, arg: Any) -> None:
         super().__init__()
-        if kind not in ("slice", "pad", "permute"):
+        if kind not in ("slice", "pad", "permute", "index"):
             raise ValueError(f"unknown selection kind {kind!r}")
         self.kind, self.arg = kind, arg
+        self._on: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "slice":
             return x[self.arg]
         if self.kind == "pad":
             return F.pad(x, self.arg)
-        return x.permute(self.arg)
+        if self.kind == "permute":
+            return x.permute(self.arg)
+        return x.reshape(x.shape[0], -1).index_select(1, self.index_on(x.device))
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """``arg`` (kind ``index``) on ``device``, copied there once."""
+        got = self._on.get(device)
+        if got is None:
+            got = self._on[device] = self.arg.to(device)
+        return got
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.arg!r}"
@@ -123,6 +134,7 @@ class SelectionUnit(LayerUnit):
         with torch.no_grad():
             if module.kind != "pad":
                 probe = module(torch.arange(2 * d_in, dtype=torch.int64).reshape((2,) + self.in_shape))
+                probe = probe.reshape((2,) + self.out_shape) if module.kind == "index" else probe
                 if probe.dim() < 1 or probe.shape[0] != 2 or not bool((probe[1] - probe[0] == d_in).all()):
                     what = "index" if module.kind == "slice" else "permutation"
                     raise ValueError(f"{what} {module.arg!r}: the batch dim must be kept whole and first")
@@ -148,10 +160,11 @@ class SelectionUnit(LayerUnit):
 
     @property
     def name(self) -> str:
-        return {"slice": "getitem", "pad": "pad", "permute": "permute"}[self.module.kind]
+        return {"slice": "getitem", "pad": "pad", "permute": "permute", "index": "selection"}[self.module.kind]
 
     def run(self, x, tensors):
-        return self.module(x), (x.dtype, x.device)
+        y = self.module(x)
+        return (y.reshape((x.shape[0],) + self.out_shape) if self.module.kind == "index" else y), (x.dtype, x.device)
 
     def fill(self, saved, tensors):
         return self._ones.get(*saved)
@@ -163,6 +176,8 @@ class SelectionUnit(LayerUnit):
             return F.pad(gy, tuple(-p for p in self.module.arg)).reshape(b, self.d_in)
         if self.module.kind == "permute":
             return gy.permute(self._inverse).reshape(b, self.d_in)
+        if self.module.kind == "index":
+            return g.new_zeros((b, self.d_in)).index_copy_(1, self.module.index_on(g.device), g.reshape(b, -1))
         gi = gy.new_zeros((b,) + self.in_shape)
         gi[self.module.arg] = gy
         return gi.reshape(b, self.d_in)
