@@ -18,7 +18,8 @@ from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.opaque import OpaqueUnit
 from spscan.layers.shape import SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
-from spscan.layers.registry import ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL, PRODUCT_MUL
+from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
+                                    PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
 from spscan.model import check_hooks, example_rejected
 
 __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "refuse_node"]
@@ -165,7 +166,10 @@ class Traced:
                     env[node] = self._call(node, args, kwargs)
                     continue
                 builder = NODE_UNITS.get(key)
-                if builder in (PRODUCT_MATMUL, PRODUCT_MUL):
+                if key in SCALAR_FORMS and len(tensor_inputs) == 1 and not consts \
+                        and self._scalar(node, key, args, kwargs, tensor_inputs, env):
+                    y = env[node]
+                elif builder in (PRODUCT_MATMUL, PRODUCT_MUL):
                     y = self._product(node, key, builder, args, kwargs, tensor_inputs, env)
                 elif builder == ATTENTION and not consts:
                     y = self._attention(node, key, args, kwargs, tensor_inputs, env)
@@ -338,6 +342,25 @@ class Traced:
         unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)
         self._add_unit(node, unit, name, backed, tensor_inputs)
         return y
+
+    def _scalar(self, node, key, args, kwargs, tensor_inputs, env) -> bool:
+        """``x * c``, ``x / c``, ``-x``, ``x + c``, ``c - x``, ... with ``c`` a Python number: a :class:`ScaleUnit`
+        (``env[node]`` set); ``False`` for any other form."""
+        src = tensor_inputs[0]
+        x_first = bool(node.args) and node.args[0] is src
+        if not x_first and not (len(node.args) == 2 and node.args[1] is src):
+            return False
+        xin = env[src]
+        unit = scalar_unit(len(self.units), SCALAR_FORMS[key], node.args, node.kwargs, x_first,
+                           tuple(xin.shape[1:]), tuple(xin.shape[1:]))
+        if unit is None:
+            return False
+        y = self._call(node, args, kwargs)
+        if not isinstance(y, torch.Tensor) or y.shape != xin.shape or y.dtype != xin.dtype:
+            return False  # broadcasting into a larger shape, or a type promotion (an integer tensor / 2)
+        env[node] = y
+        self._add_unit(node, unit, node.name, False, [src])
+        return True
 
     def _product(self, node, key, kind, args, kwargs, tensor_inputs, env):
         """``a @ b`` / ``a * b`` of two distinct graph tensors: a :class:`ProductUnit` (any other form, such as

@@ -357,7 +357,7 @@ class _TwoOutputs(nn.Module):
 
 def test_refusals_name_the_node_and_line():
     x = torch.zeros(2, 4)
-    assert "opaque: operator.mul(fc, 2.0)" in spscan.wrap(_Scaled(), x).plan.summary()
+    assert "mul 2" in spscan.wrap(_Scaled(), x).plan.summary()  # a scalar factor: a scale unit
     run_errors(lambda: spscan.wrap(_TwoOutputs(), x), TypeError, "_TwoOutputs", "expected the forward to return "
                "one tensor")
     net = _init(PreActNet(), 0)
@@ -369,9 +369,14 @@ def test_refusals_name_the_node_and_line():
 
     class Sliced(nn.Module):
         def forward(self, x):
-            return x[:, [0, 1]]  # advanced indexing: no selection unit, its own backward (opaque)
+            return x[:, [0, 1]]  # advanced indexing reading each entry once: a selection (found by probing)
 
-    assert "opaque: operator.getitem(x," in spscan.wrap(Sliced(), x).plan.summary()
+    class Repeated(nn.Module):
+        def forward(self, x):
+            return x[:, [0, 0]]  # an entry read twice: not a selection, its own backward (opaque)
+
+    assert "opaque" not in spscan.wrap(Sliced(), x).plan.summary()
+    assert "opaque: operator.getitem(x," in spscan.wrap(Repeated(), x).plan.summary()
 
     class Mixed(nn.Module):
         def forward(self, x):

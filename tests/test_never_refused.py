@@ -435,3 +435,49 @@ def test_attention_unit_is_the_jacobian(slots, causal):
     assert pg == []
     for a, b in zip(got, want):
         assert torch.allclose(a, b.reshape(3, -1), rtol=1e-10, atol=1e-12)
+
+
+class Scalars(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.f(x) * 0.125
+        h = 2 * torch.tanh(h / 3.0) + 1
+        h = 1 - (-h) - 2
+        h = torch.neg(torch.mul(h, 3)).div(7.0) + x * -0.5
+        return self.g(h)
+
+
+@pytest.mark.parametrize("plan_kw", [{}, {"levels": "full", "operators": False}])
+def test_scalar_arithmetic_is_an_analytic_unit(plan_kw):
+    """x * c, c * x, x / c, -x, x + c, c - x, x - c (methods and functions too) with Python numbers: a shared c·I,
+    applied as autograd applies it (g / c for a division), at any depth."""
+    torch.manual_seed(15)
+    model = Scalars().double()
+    ref = copy.deepcopy(model)
+    w = spscan.wrap(model, torch.randn(3, 4, dtype=torch.float64), **plan_kw)
+    text = w.plan.summary()
+    assert "opaque" not in text and "mul 0.125" in text and "div 3" in text and "rsub 1" in text and "neg" in text
+    for b in (3, 1):
+        x = torch.randn(b, 4, dtype=torch.float64)
+        (w(x) ** 2).sum().backward()
+        (ref(x) ** 2).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+def test_scalar_forms_outside_the_unit():
+    """A division of a number by a tensor and an int tensor made float stay opaque, with autograd's gradients."""
+    class Other(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return 1.0 / (self.f(x) ** 2 + 1.0)
+
+    torch.manual_seed(16)
+    w = _check(Other(), [torch.randn(3, 3), torch.randn(1, 3)])
+    assert "opaque: operator.truediv(1.0, add)" in w.plan.summary()

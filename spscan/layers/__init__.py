@@ -10,12 +10,13 @@ the contract every unit keeps in :mod:`~spscan.layers.base` (:class:`LayerUnit`,
 """
 
 from spscan.layers.base import LayerUnit, UnitCapabilities, UnitOperator, _flat_index, _prod, coo_to_csr
-from spscan.layers.elementwise import DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, SoftmaxUnit
+from spscan.layers.elementwise import (DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, ScaleUnit,
+                                       SoftmaxUnit)
 from spscan.layers.linear import (ConvTransposeUnit, ConvUnit, EmbeddingUnit, LinearUnit, ReductionUnit,
                                   SeparableResampleUnit, _conv_entries)
 from spscan.layers.normalization import BatchNormUnit, GroupNormUnit, LayerNormUnit, LowRankFactors
 from spscan.layers.pooling import AvgPoolUnit, MaxPoolUnit
-from spscan.layers.products import ProductUnit
+from spscan.layers.products import AttentionUnit, ProductUnit
 from spscan.layers.registry import (NODE_UNITS, make_unit, supported_layer_types, supported_node_targets,
                                     unit_capabilities, unit_class)
 from spscan.layers.shape import PerSampleReshapeUnit, ReshapeUnit, SelectionUnit, UnflattenUnit
@@ -43,6 +44,8 @@ __all__ = [
     "PerSampleReshapeUnit",
     "SelectionUnit",
     "ProductUnit",
+    "AttentionUnit",
+    "ScaleUnit",
     "EmbeddingUnit",
     "ReductionUnit",
     "NODE_UNITS",

@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, UnitCapabilities, _identity_pattern, _IndexCache
+from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern, _IndexCache
 from spscan.layers.normalization import LowRankFactors
 
-__all__ = ["ElementwiseUnit", "ElementwiseMoreUnit", "PReLUUnit", "DropoutUnit", "SoftmaxUnit"]
+__all__ = ["ElementwiseUnit", "ElementwiseMoreUnit", "PReLUUnit", "DropoutUnit", "SoftmaxUnit", "ScaleUnit"]
 
 
 def _gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -236,6 +236,65 @@ class PReLUUnit(LayerUnit):
         contrib = torch.where(x > 0, torch.zeros_like(x), x) * g_out.reshape(x.shape)
         per_channel = contrib.reshape(x.shape[0], c, -1).sum((0, 2))
         return [per_channel if self.per_channel else per_channel.sum().reshape(1)]
+
+
+class _Scale(nn.Module):
+    """A traced ``x * c``, ``c * x``, ``x / c``, ``-x``, ``x + c``, ``c + x``, ``x - c`` or ``c - x`` with ``c`` a Python
+    number: ``form`` is ``mul``, ``div``, ``neg``, ``add``, ``sub`` or ``rsub``."""
+
+    def __init__(self, form: str, c: float) -> None:
+        super().__init__()
+        if form not in ("mul", "div", "neg", "add", "sub", "rsub"):
+            raise ValueError(f"unknown scalar form {form!r}")
+        self.form, self.c = form, c
+
+    @property
+    def scale(self) -> float:
+        """The derivative: ``c``, ``1/c``, ``-1`` or ``1``."""
+        return {"mul": self.c, "div": 1.0 / self.c if self.c else float("inf"), "neg": -1.0,
+                "rsub": -1.0}.get(self.form, 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the expression as written (bit for bit)
+        f, c = self.form, self.c
+        return x * c if f == "mul" else x / c if f == "div" else -x if f == "neg" else x + c if f == "add" \
+            else x - c if f == "sub" else c - x
+
+    def backward(self, g: torch.Tensor) -> torch.Tensor:
+        """``J^T g`` as autograd computes it for the form (``g / c`` for a division, not ``g * (1/c)``)."""
+        f = self.form
+        return g * self.c if f == "mul" else g / self.c if f == "div" else -g if f in ("neg", "rsub") else g
+
+    def extra_repr(self) -> str:
+        return f"{self.form}, {self.c}"
+
+
+class ScaleUnit(LayerUnit):
+    """An affine map of every entry by Python numbers (``x * c``, ``x / c``, ``-x``, ``x + c``, ``c - x``):
+    ``J^T = c I``, shared; the operator is one multiply (none for a shift)."""
+
+    shared = True
+    capabilities = UnitCapabilities(shape_preserving=True, structured_operator=True)
+
+    def __init__(self, index: int, module: _Scale, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
+        super().__init__(index, module, in_shape, out_shape)
+        if tuple(in_shape) != tuple(out_shape):
+            raise ValueError(f"layer {index} (scale): shape-preserving expected, got {in_shape} -> {out_shape}")
+        self.pattern = _identity_pattern(self.d_in)
+        c = float(module.scale)
+        self._values = _ConstantValues(lambda dtype, device: torch.full((self.d_in,), c, dtype=dtype, device=device))
+
+    @property
+    def name(self) -> str:
+        return f"{self.module.form} {self.module.c:g}" if self.module.form != "neg" else "neg"
+
+    def run(self, x, tensors):
+        return self.module(x), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        return self._values.get(*saved)
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.module.backward(g)
 
 
 class DropoutUnit(LayerUnit):

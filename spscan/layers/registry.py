@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spscan.layers.base import LayerUnit, UnitCapabilities
-from spscan.layers.elementwise import DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, SoftmaxUnit
+from spscan.layers.elementwise import (DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, ScaleUnit,
+                                       SoftmaxUnit, _Scale)
 from spscan.layers.linear import (ConvTransposeUnit, ConvUnit, EmbeddingUnit, LinearUnit, ReductionUnit,
                                   SeparableResampleUnit, _Reduction)
 from spscan.layers.normalization import BatchNormUnit, GroupNormUnit, LayerNormUnit
@@ -37,7 +38,7 @@ from spscan.layers.shape import (PerSampleReshapeUnit, ReshapeUnit, SelectionUni
                                  _Selection)
 
 __all__ = ["NODE_UNITS", "JOIN_ADD", "JOIN_CAT", "PRODUCT_MATMUL", "PRODUCT_MUL", "ATTENTION",
-           "make_unit", "supported_layer_types", "supported_node_targets",
+           "SCALAR_FORMS", "scalar_unit", "make_unit", "supported_layer_types", "supported_node_targets",
            "unit_class", "unit_capabilities"]
 
 #: what a join target maps to: ``y = a + b`` of two branches, or their concatenation along dim 1
@@ -319,6 +320,41 @@ _targets(PRODUCT_MATMUL, operator.matmul, torch.matmul, torch.bmm, ("method", "m
 _targets(PRODUCT_MUL, operator.mul, torch.mul, ("method", "mul"))
 _targets(ATTENTION, F.scaled_dot_product_attention)
 _targets(JOIN_CAT, torch.cat, torch.concat, torch.concatenate)
+
+
+# ----------------------------------------------------------------------------- scalar arithmetic
+
+#: calls that are an affine map of one graph tensor when their other operand is a Python number:
+#: target -> ``"mul"``, ``"div"``, ``"add"``, ``"sub"`` or ``"neg"`` (the same targets join or multiply two
+#: graph tensors through :data:`NODE_UNITS`)
+SCALAR_FORMS: dict[Any, str] = {}
+for _form, _ts in (("mul", (operator.mul, torch.mul, ("method", "mul"))),
+                   ("div", (operator.truediv, torch.div, torch.true_divide, ("method", "div"))),
+                   ("add", (operator.add, torch.add, ("method", "add"))),
+                   ("sub", (operator.sub, torch.sub, ("method", "sub"))),
+                   ("neg", (operator.neg, torch.neg, ("method", "neg")))):
+    SCALAR_FORMS.update(dict.fromkeys(_ts, _form))
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def scalar_unit(index: int, form: str, args: Sequence[Any], kwargs: dict, x_first: bool, in_shape: tuple,
+                out_shape: tuple) -> Optional[LayerUnit]:
+    """The :class:`ScaleUnit` of ``x op c`` (``x_first``) or ``c op x``, ``args`` with the graph tensor and the number;
+    ``None`` for any other form (keyword arguments, ``alpha``, rounding modes, tensors on both sides)."""
+    if kwargs:
+        return None
+    if form == "neg":
+        return ScaleUnit(index, _Scale("neg", -1.0), in_shape, out_shape) if len(args) == 1 else None
+    if len(args) != 2 or not _number(args[1 if x_first else 0]):
+        return None
+    c = args[1 if x_first else 0]
+    if form == "div" and (not x_first or c == 0):
+        return None  # c / x is not affine; x / 0 is left to autograd
+    kind = {"mul": "mul", "div": "div", "add": "add", "sub": "sub" if x_first else "rsub"}[form]
+    return ScaleUnit(index, _Scale(kind, c), in_shape, out_shape)
 
 
 def supported_node_targets() -> list[str]:
