@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
+from spscan.layers.elementwise import ParamAffineUnit
 from spscan.layers.opaque import OpaqueUnit
 from spscan.layers.shape import SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
@@ -168,6 +169,9 @@ class Traced:
                 builder = NODE_UNITS.get(key)
                 if key in SCALAR_FORMS and len(tensor_inputs) == 1 and not consts \
                         and self._scalar(node, key, args, kwargs, tensor_inputs, env):
+                    y = env[node]
+                elif key in SCALAR_FORMS and len(tensor_inputs) == 1 and len(consts) == 1 \
+                        and self._param_affine(node, key, args, kwargs, tensor_inputs, consts[0], env):
                     y = env[node]
                 elif builder in (PRODUCT_MATMUL, PRODUCT_MUL):
                     y = self._product(node, key, builder, args, kwargs, tensor_inputs, env)
@@ -358,6 +362,27 @@ class Traced:
         y = self._call(node, args, kwargs)
         if not isinstance(y, torch.Tensor) or y.shape != xin.shape or y.dtype != xin.dtype:
             return False  # broadcasting into a larger shape, or a type promotion (an integer tensor / 2)
+        env[node] = y
+        self._add_unit(node, unit, node.name, False, [src])
+        return True
+
+    def _param_affine(self, node, key, args, kwargs, tensor_inputs, const: fx.Node, env) -> bool:
+        """``x + p`` / ``x * p`` (either order) with ``p`` a parameter read by ``get_attr`` that broadcasts into
+        ``x``'s shape: a :class:`ParamAffineUnit` (``env[node]`` set); ``False`` for any other form."""
+        form = SCALAR_FORMS[key]
+        src = tensor_inputs[0]
+        p = env[const]
+        if form not in ("add", "mul") or node.kwargs or const.op != "get_attr" or not isinstance(p, nn.Parameter) \
+                or len(node.args) != 2 or set(node.args) != {src, const}:
+            return False
+        xin = env[src]
+        y = self._call(node, args, kwargs)
+        if not isinstance(y, torch.Tensor) or y.shape != xin.shape or y.dtype != xin.dtype:
+            return False
+        try:
+            unit = ParamAffineUnit(len(self.units), form, const.target, p, tuple(xin.shape[1:]), tuple(y.shape[1:]))
+        except ValueError:
+            return False
         env[node] = y
         self._add_unit(node, unit, node.name, False, [src])
         return True

@@ -481,3 +481,43 @@ def test_scalar_forms_outside_the_unit():
     torch.manual_seed(16)
     w = _check(Other(), [torch.randn(3, 3), torch.randn(1, 3)])
     assert "opaque: operator.truediv(1.0, add)" in w.plan.summary()
+
+
+class LayerScaled(nn.Module):
+    """A position embedding added and a LayerScale (x * gamma) on a residual branch: parameters read functionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 4, 6))
+        self.bias = nn.Parameter(torch.randn(6))
+        self.gamma = nn.Parameter(torch.randn(6))
+        self.f = nn.Linear(6, 6)
+
+    def forward(self, x):  # (B, 4, 6)
+        x = self.pos + x
+        x = x + self.gamma * torch.tanh(self.f(x))
+        return (x + self.bias).flatten(1)
+
+
+@pytest.mark.parametrize("plan_kw", [{}, {"levels": "full", "operators": False}])
+def test_parameter_add_and_scale_are_analytic(plan_kw):
+    torch.manual_seed(17)
+    model = LayerScaled().double()
+    ref = copy.deepcopy(model)
+    w = spscan.wrap(model, torch.randn(3, 4, 6, dtype=torch.float64), **plan_kw)
+    text = w.plan.summary()
+    assert "opaque" not in text and "add pos" in text and "mul gamma" in text and "add bias" in text
+    for b in (3, 1):
+        x = torch.randn(b, 4, 6, dtype=torch.float64, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        gy = torch.randn(b, 24, dtype=torch.float64)
+        (w(x) * gy).sum().backward()
+        (ref(xr) * gy).sum().backward()
+        assert torch.allclose(x.grad, xr.grad, rtol=0, atol=1e-12)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12), n
+
+
+def test_parameter_affine_unit_float32():
+    torch.manual_seed(18)
+    _check(LayerScaled(), [torch.randn(3, 4, 6), torch.randn(2, 4, 6)], dtype=torch.float32, tol=1e-5)

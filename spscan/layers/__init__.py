@@ -10,8 +10,8 @@ the contract every unit keeps in :mod:`~spscan.layers.base` (:class:`LayerUnit`,
 """
 
 from spscan.layers.base import LayerUnit, UnitCapabilities, UnitOperator, _flat_index, _prod, coo_to_csr
-from spscan.layers.elementwise import (DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, ScaleUnit,
-                                       SoftmaxUnit)
+from spscan.layers.elementwise import (DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, ParamAffineUnit, PReLUUnit,
+                                       ScaleUnit, SoftmaxUnit)
 from spscan.layers.linear import (ConvTransposeUnit, ConvUnit, EmbeddingUnit, LinearUnit, ReductionUnit,
                                   SeparableResampleUnit, _conv_entries)
 from spscan.layers.normalization import BatchNormUnit, GroupNormUnit, LayerNormUnit, LowRankFactors
@@ -46,6 +46,7 @@ __all__ = [
     "ProductUnit",
     "AttentionUnit",
     "ScaleUnit",
+    "ParamAffineUnit",
     "EmbeddingUnit",
     "ReductionUnit",
     "NODE_UNITS",

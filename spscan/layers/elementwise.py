@@ -4,6 +4,7 @@ slice along one dim (softmax: a dense block per slice, or its low-rank factors).
 from __future__ import annotations
 
 import math
+from typing import Optional
 from dataclasses import replace
 
 import numpy as np
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern, _IndexCache
 from spscan.layers.normalization import LowRankFactors
 
-__all__ = ["ElementwiseUnit", "ElementwiseMoreUnit", "PReLUUnit", "DropoutUnit", "SoftmaxUnit", "ScaleUnit"]
+__all__ = ["ElementwiseUnit", "ElementwiseMoreUnit", "PReLUUnit", "DropoutUnit", "SoftmaxUnit", "ScaleUnit",
+           "ParamAffineUnit"]
 
 
 def _gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -295,6 +297,72 @@ class ScaleUnit(LayerUnit):
 
     def apply_transposed(self, saved, tensors, g):
         return self.module.backward(g)
+
+
+class ParamAffineUnit(LayerUnit):
+    """``x + p`` or ``x * p`` with ``p`` a parameter read functionally (``get_attr``) that broadcasts over the
+    batch and to ``x``'s per-sample shape without enlarging it: a ViT's ``x + self.pos_embed``, a LayerScale's
+    ``x * self.gamma``. ``J^T = I`` (add) or ``diag(p)`` broadcast (mul), shared by the batch; the parameter's
+    gradient is ``g`` (add) or ``g ⊙ x`` (mul) summed over the dims ``p`` broadcasts along, as autograd sums it.
+    ``roles`` is the parameter's qualified name in the model."""
+
+    shared = True
+    capabilities = UnitCapabilities(shape_preserving=True, structured_operator=True)
+
+    def __init__(self, index: int, form: str, name: str, param: nn.Parameter, in_shape: tuple[int, ...],
+                 out_shape: tuple[int, ...]):
+        if form not in ("add", "mul"):
+            raise ValueError(f"unknown parameter form {form!r}")
+        super().__init__(index, nn.Module(), in_shape, out_shape)
+        full = (1,) + tuple(in_shape)
+        shape = (1,) * (len(full) - param.dim()) + tuple(param.shape)
+        if tuple(in_shape) != tuple(out_shape) or len(shape) != len(full) or shape[0] != 1 \
+                or any(a not in (1, b) for a, b in zip(shape, full)):
+            raise ValueError(f"parameter of shape {tuple(param.shape)} does not broadcast to the batch's (B, *{in_shape})")
+        self.form, self.param, self.roles = form, param, (name,)
+        self._shape = shape  # p as it broadcasts against (B, *in_shape)
+        self._sum_dims = tuple(i for i, (a, b) in enumerate(zip(shape, (2,) + tuple(in_shape))) if a == 1 and b != 1)
+        self.pattern = _identity_pattern(self.d_in)
+        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
+
+    @property
+    def name(self) -> str:
+        return f"{self.form} {self.roles[0]}"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.param]
+
+    def parameters_for_roles(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
+        return [(self.param, None)]
+
+    def run(self, x, tensors):
+        p = tensors[0]
+        y = x + p if self.form == "add" else x * p
+        return y, (x if self.form == "mul" else None, x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        _, dtype, device = saved
+        if self.form == "add":
+            return self._ones.get(dtype, device)
+        d = tensors[0].detach().reshape(self._shape).expand((1,) + self.in_shape)
+        return d.reshape(-1).to(dtype)
+
+    def apply_transposed(self, saved, tensors, g):
+        if self.form == "add":
+            return g
+        b = g.shape[0]
+        return (g.reshape((b,) + self.in_shape) * tensors[0].reshape(self._shape)).reshape(b, self.d_in)
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        if needed is not None and not needed[0]:
+            return [None]
+        x, _, _ = saved
+        b = g_out.shape[0]
+        g = g_out.reshape((b,) + self.in_shape)
+        if self.form == "mul":
+            g = g * x.reshape((b,) + self.in_shape)
+        p = tensors[0]
+        return [g.sum(self._sum_dims, keepdim=True).reshape(p.shape) if self._sum_dims else g.reshape(p.shape)]
 
 
 class DropoutUnit(LayerUnit):
