@@ -129,6 +129,21 @@ class RecurrentFront:
         return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
 
 
+class RecurrentWorkspace:
+    """What a recurrent plan's steps write and keep between calls, apart from what never changes once a length is
+    planned (its core plans and their bindings): the compiled forwards' chain values and the backward's gradient
+    copies, recycled step to step (:attr:`buffers`), and the backward's CUDA graphs with their buffers
+    (:attr:`graphed`). :meth:`release` frees both; the next step makes them again."""
+
+    def __init__(self) -> None:
+        self.buffers = RecycledBuffers()
+        self.graphed = GraphedBackward()
+
+    def release(self) -> None:
+        self.buffers.clear()
+        self.graphed = GraphedBackward()
+
+
 class RecurrentPlan(CompiledForwards, RecurrentFront):
     """BPPSA plan of one single-layer recurrent module; the scan plans are cached per length ``T``.
 
@@ -136,10 +151,12 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
     ``backward(saved, grad_output, grad_h_n, grad_c_n)`` returns the input, initial-state and
     parameter gradients. ``plan_kwargs`` go to ``spscan.plan`` for every ``T``.
 
-    Between steps the plan keeps one step's chain values and gradient copies (:attr:`buffers`, a
-    :class:`~spscan.engine.RecycledBuffers`: the next step reuses them once nothing holds them, instead
-    of page-faulting fresh memory) besides its core plans' working buffers; :meth:`release_buffers`
-    frees both.
+    Its state by lifetime: the module, the layout and the options (fixed); per sequence length, the core
+    plan and its bindings (made once, never changed: :meth:`scan_plan`); the :class:`RecurrentWorkspace`
+    (:attr:`workspace`: one step's chain values and gradient copies, recycled so the next step does not
+    page-fault fresh memory, and the backward's CUDA graphs), freed with the core plans' working buffers
+    by :meth:`release_buffers`; and what the last call did (:attr:`last_forward`, :attr:`forward_decision`,
+    :attr:`last_seq_len`).
     """
 
     def __init__(
@@ -170,11 +187,9 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         self._plans: dict[tuple, Any] = {}
         self._bindings: dict[tuple, Any] = {}  # (T, device, dtype, with_extra) -> bound engine
         self._keep_first: dict[int, np.ndarray] = {}  # chain length -> keep flags of dl/ds_0 alone
-        # the compiled forwards' chain values and the backward's gradient copies, recycled step to step
-        self.buffers = RecycledBuffers()
+        self.workspace = RecurrentWorkspace()
         # on a GPU the whole backward replays from CUDA graphs (set False to run it eagerly)
         self.graph_backward = True
-        self._graphed = GraphedBackward()
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
@@ -188,6 +203,15 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             if forward != "sequential" and T > 0:
                 # the forward-direction scan is planned and bound now too, not in the first forward
                 self.newton.prepare(T, p.device, p.dtype, self.newton_options.method)
+
+    @property
+    def buffers(self) -> RecycledBuffers:
+        """The workspace's recycled chain values and gradient copies."""
+        return self.workspace.buffers
+
+    def cached_lengths(self) -> list[int]:
+        """The sequence lengths planned so far."""
+        return sorted({k[0] for k in self._plans})
 
     # -- plans
 
@@ -238,8 +262,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         """Free the memory kept between steps: the recycled forward values and gradient copies
         (:attr:`buffers`), the backward's CUDA graphs with their buffers, and every core plan's arenas and
         working buffers."""
-        self.buffers.clear()
-        self._graphed = GraphedBackward()
+        self.workspace.release()
         for plan in self._plans.values():
             plan.release_buffers()
 
@@ -257,7 +280,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
     def summary(self) -> str:
         lines = [
             f"RecurrentPlan({self.kind}, hidden={self.hidden_size}, state={self.state_size}, layout={self.layout})",
-            f"  cached lengths: {sorted({k[0] for k in self._plans}) or '(none yet)'}",
+            f"  cached lengths: {self.cached_lengths() or '(none yet)'}",
         ]
         for key, plan in self._plans.items():
             s = plan.summary() if hasattr(plan, "summary") else repr(plan)
@@ -469,7 +492,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         """
         with torch.no_grad():
             if self._graphs_apply(saved, grad_output):
-                return self._graphed(self, saved, (grad_output, grad_h_n, grad_c_n), wanted)
+                return self.workspace.graphed(self, saved, (grad_output, grad_h_n, grad_c_n), wanted)
             return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
 
     def _graphs_apply(self, saved: Saved, grad_output: Optional[torch.Tensor]) -> bool:

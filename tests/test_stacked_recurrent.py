@@ -226,7 +226,7 @@ def test_unbatched_input_changing_shapes_same_parameters():
         assert out.shape == (B, T, 8) and h.shape == c.shape == (4, B, 4)
         for a, b in zip(got, want):
             assert rel_err(a, b) <= 1e-12
-    assert sorted({k[0] for p in w.plan.layer_plans for k in p._plans}) == [3, 6, 10, 17]
+    assert sorted({n for p in w.plan.layer_plans for n in p.cached_lengths()}) == [3, 6, 10, 17]
 
 
 def test_plan_forward_backward_and_public_api():
