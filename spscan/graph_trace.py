@@ -30,10 +30,10 @@ _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), g
 # calls that only move, split or select entries (a chain of them is a selection: see Traced._selection)
 _MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.swapaxes,
           torch.swapdims, torch.movedim, torch.moveaxis, torch.unbind, torch.chunk, torch.split, torch.squeeze,
-          torch.unsqueeze, torch.select, torch.narrow, torch.unflatten} | {
+          torch.unsqueeze, torch.select, torch.narrow, torch.unflatten, torch.flip, torch.roll} | {
     ("method", m) for m in ("reshape", "view", "flatten", "unflatten", "permute", "transpose", "swapaxes", "swapdims",
                             "movedim", "moveaxis", "contiguous", "squeeze", "unsqueeze", "unbind", "chunk", "split",
-                            "select", "narrow")}
+                            "select", "narrow", "flip", "roll")}
 
 #: A general DAG is refused when its live-set chain would carry more than this many times the values
 #: of the graph's own tensors (``sum_s d_live(s) > LIVE_STATE_LIMIT * sum_n d_n``, per sample).
@@ -164,8 +164,11 @@ class Traced:
                 if node.op != "call_module" and (not tensor_inputs or key in _TENSOR_QUERIES):
                     # shape arithmetic for a view/reshape, or a tensor made from parameters (``self.cls.expand(B,
                     # -1, -1)``): evaluated here, never part of the graph (an opaque node reading it recomputes it)
-                    env[node] = self._call(node, args, kwargs)
-                    continue
+                    val = self._call(node, args, kwargs)
+                    if not (key is getattr and tensor_inputs and isinstance(val, torch.Tensor)):
+                        env[node] = val
+                        continue
+                    # ``x.mT``, ``x.T``: an attribute that is a tensor computed from a graph tensor
                 builder = NODE_UNITS.get(key)
                 if key in SCALAR_FORMS and len(tensor_inputs) == 1 and not consts \
                         and self._scalar(node, key, args, kwargs, tensor_inputs, env):
@@ -261,7 +264,8 @@ class Traced:
             val = self.env.get(n, y if n is node else None)
             holds = isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and
                                                      any(isinstance(v, torch.Tensor) for v in val))
-            if n.op == "get_attr" or n.op == "call_module" or (holds and node_key(n, self.model) not in _MOVES):
+            moves = node_key(n, self.model) in _MOVES or (n.target is getattr and n.args[1:] in (("T",), ("mT",)))
+            if n.op == "get_attr" or n.op == "call_module" or (holds and not moves):
                 return None
         d_in = int(np.prod(x.shape[1:]))
         try:

@@ -230,6 +230,23 @@ def test_chains_of_moves_are_selections():
     assert text.count("(selection)") >= 3 and "opaque: mul.transpose(0, 1)" in text
 
 
+def test_tensor_attributes_mT_and_T():
+    """``x.mT`` (and ``x.T`` applied twice, the batch dim moved and back) are tensors of the graph, selections,
+    not shape queries; so are ``flip`` and ``roll``."""
+    class Attrs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f, self.g = nn.Linear(4, 4), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return torch.roll(self.g(self.f(x).mT).T.T.flip(1), 1, dims=2)
+
+    torch.manual_seed(19)
+    with pytest.warns(UserWarning, match="x.T"):
+        w = _check_float64(Attrs().double(), torch.randn(2, 3, 4, dtype=torch.float64))
+    assert w.plan.summary().count("selection") == 4 and "opaque" not in w.plan.summary()
+
+
 # ----------------------------------------------------------------------------- general DAGs
 
 
