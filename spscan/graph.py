@@ -318,11 +318,11 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         u, name = coupled[0]
         levels = kwargs.get("levels", "auto")
         if not operators or levels not in ("auto", 0):
-            raise ValueError(f"{type(model).__name__}: layer {u.index} ({name}: {u.name}) couples the samples of a "
-                             "batch (no per-sample J^T values): in a model with skips or concatenations it runs "
+            raise ValueError(f"{type(model).__name__}: layer {u.index} ({name}: {u.name}) has no per-sample J^T values "
+                             f"({u.operator_only_because}): in a model with skips or concatenations it runs "
                              f"only as a structured operator at block depth 0; got operators={operators}, "
-                             f"levels={levels!r}; use levels=0 or 'auto' with operators=True, or eval mode "
-                             "(model.eval())")
+                             f"levels={levels!r}; use levels=0 or 'auto' with operators=True"
+                             + (", or eval mode (model.eval())" if u.capabilities.mode_dependent else ""))
         kwargs = {**kwargs, "levels": 0}
         # the blocks never form values: an empty pattern of each block's shape stands in for its J^T (the
         # symbolic products of the branches are most of a residual network's planning time)

@@ -454,9 +454,9 @@ def levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
         return {**kwargs, "levels": 0}
     if levels != 0:
         u = coupled[0]
-        raise ValueError(f"layer {u.index} ({u.name}): in train mode it couples the samples of a batch and runs "
-                         f"as a structured operator only; levels={levels!r} would multiply it into up-sweep "
-                         "products: use levels=0 or 'auto', or model.eval()")
+        raise ValueError(f"layer {u.index} ({u.name}): {u.operator_only_because}, so it runs as a structured "
+                         f"operator only; levels={levels!r} would multiply it into up-sweep products: use levels=0 "
+                         "or 'auto'" + (", or model.eval()" if u.capabilities.mode_dependent else ""))
     return kwargs
 
 

@@ -521,3 +521,21 @@ def test_parameter_add_and_scale_are_analytic(plan_kw):
 def test_parameter_affine_unit_float32():
     torch.manual_seed(18)
     _check(LayerScaled(), [torch.randn(3, 4, 6), torch.randn(2, 4, 6)], dtype=torch.float32, tol=1e-5)
+
+
+def test_forced_depth_names_why_a_node_has_no_values():
+    """A forced depth > 0 around a node without CSR values is refused with that node's reason, not BatchNorm's."""
+    class Squared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.f(x)
+            return y * y + x
+
+    with pytest.raises(ValueError, match="opaque node, run as its own autograd backward") as e:
+        spscan.wrap(Squared(), torch.randn(2, 3), levels=2)
+    assert "train mode" not in str(e.value) and "model.eval()" not in str(e.value)
+    with pytest.raises(ValueError, match="depends on the values of the tensors it multiplies"):
+        spscan.wrap(GatedAttention(), torch.randn(2, 4, 6), levels=2)

@@ -313,6 +313,9 @@ class LayerUnit(abc.ABC):
         of a batch cannot: it runs as a structured operator only)."""
         return True
 
+    #: why a unit without CSR values (:attr:`has_csr_values` ``False``) runs only as its operator, for messages
+    operator_only_because: str = "in train mode it couples the samples of a batch"
+
     def operator(self, saved: Any, tensors: Sequence[torch.Tensor],
                  needed: Optional[Sequence[bool]] = None) -> "UnitOperator":
         """This step's ``J^T`` as a :class:`~spscan.kernels.backend.StructuredOperator`. ``needed``: the

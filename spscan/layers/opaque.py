@@ -29,6 +29,7 @@ class OpaqueUnit(LayerUnit):
     """
 
     capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
+    operator_only_because = "it is an opaque node, run as its own autograd backward"
     integer_input = True  # its own call takes what it takes (an nn.Embedding its token ids)
 
     def __init__(self, index: int, module: nn.Module, in_shapes: Sequence[tuple], out_shape: tuple,

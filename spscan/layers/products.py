@@ -55,6 +55,7 @@ class ProductUnit(LayerUnit):
     """
 
     capabilities = UnitCapabilities(structured_operator=True)
+    operator_only_because = "its J^T depends on the values of the tensors it multiplies"
 
     def __init__(self, index: int, kind: str, in_shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...]):
         a, b = (tuple(s) for s in in_shapes)
@@ -134,6 +135,7 @@ class AttentionUnit(LayerUnit):
     """
 
     capabilities = UnitCapabilities(structured_operator=True)
+    operator_only_because = "its J^T depends on the values of the tensors it multiplies"
 
     def __init__(self, index: int, module: _Attention, in_shapes: Sequence[tuple[int, ...]], slots: Sequence[int],
                  out_shape: tuple[int, ...]):
