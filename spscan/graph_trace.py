@@ -279,7 +279,7 @@ class Traced:
         if not bool((probe[1].reshape(-1) - src == d_in).all()) or src.numel() == 0 \
                 or int(src.min()) < 0 or int(src.max()) >= d_in or torch.unique(src).numel() != src.numel():
             return None
-        return SelectionUnit(len(self.units), _Selection("index", src), tuple(x.shape[1:]), tuple(y.shape[1:]))
+        return SelectionUnit(len(self.units), _Selection("index", src.numpy()), tuple(x.shape[1:]), tuple(y.shape[1:]))
 
     def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
         """``call(*ts)``: ``node`` computed from its graph tensors ``ts``, with the constants it reads

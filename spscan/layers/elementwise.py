@@ -108,41 +108,36 @@ class ElementwiseUnit(LayerUnit):
             return torch.where(s * m.beta > m.threshold, torch.ones_like(s), z / (z + 1))
         return ((s > m.min_val) & (s < m.max_val)).to(s.dtype)
 
-    def _aten_backward(self):
-        """``(op, arguments after (g, saved))``: the ATen backward autograd calls for this activation, on the
-        saved tensor (the output for ReLU, Tanh, Sigmoid; the input otherwise). One fused pass, no ``f'`` tensor."""
-        m, A = self.module, torch.ops.aten
+    def _aten_backward(self, g: torch.Tensor, saved: torch.Tensor, out: Optional[torch.Tensor] = None):
+        """``J^T g`` by the ATen backward autograd calls for this activation, on the saved tensor (the output
+        for ReLU, Tanh, Sigmoid; the input otherwise): one fused pass, no ``f'`` tensor; into ``out`` if given."""
+        m, A, s = self.module, torch.ops.aten, saved.reshape(saved.shape[0], -1)
+        kw: dict = {}
         if isinstance(m, nn.ReLU):
-            return A.threshold_backward, (0,), {}
-        if isinstance(m, nn.LeakyReLU):
-            return A.leaky_relu_backward, (m.negative_slope, False), {}
-        if isinstance(m, nn.Tanh):
-            return A.tanh_backward, (), {}
-        if isinstance(m, nn.Sigmoid):
-            return A.sigmoid_backward, (), {}
-        if isinstance(m, nn.GELU):
-            return A.gelu_backward, (), {"approximate": m.approximate}
-        if isinstance(m, nn.SiLU):
-            return A.silu_backward, (), {}
-        if isinstance(m, nn.ELU):
-            return None  # elu_backward takes g before alpha: see apply_transposed
-        if isinstance(m, nn.Softplus):
-            return A.softplus_backward, (m.beta, m.threshold), {}
-        return A.hardtanh_backward, (m.min_val, m.max_val), {}  # Hardtanh, ReLU6
+            op, args = A.threshold_backward, (g, s, 0)
+        elif isinstance(m, nn.LeakyReLU):
+            op, args = A.leaky_relu_backward, (g, s, m.negative_slope, False)
+        elif isinstance(m, nn.Tanh):
+            op, args = A.tanh_backward, (g, s)
+        elif isinstance(m, nn.Sigmoid):
+            op, args = A.sigmoid_backward, (g, s)
+        elif isinstance(m, nn.GELU):
+            op, args, kw = A.gelu_backward, (g, s), {"approximate": m.approximate}
+        elif isinstance(m, nn.SiLU):
+            op, args = A.silu_backward, (g, s)
+        elif isinstance(m, nn.ELU):
+            op, args = A.elu_backward, (g, m.alpha, 1, 1, False, s)
+        elif isinstance(m, nn.Softplus):
+            op, args = A.softplus_backward, (g, s, m.beta, m.threshold)
+        else:  # Hardtanh, ReLU6
+            op, args = A.hardtanh_backward, (g, s, m.min_val, m.max_val)
+        return op(*args, **kw) if out is None else op.grad_input(*args, **kw, grad_input=out)
 
     def apply_transposed(self, saved, tensors, g):
-        s = saved.reshape(saved.shape[0], -1)
-        if isinstance(self.module, nn.ELU):
-            return torch.ops.aten.elu_backward(g, self.module.alpha, 1, 1, False, s)
-        op, args, kwargs = self._aten_backward()
-        return op(g, s, *args, **kwargs)
+        return self._aten_backward(g, saved)
 
     def apply_transposed_into(self, saved, tensors, g, out):
-        s = saved.reshape(saved.shape[0], -1)
-        if isinstance(self.module, nn.ELU):
-            return torch.ops.aten.elu_backward.grad_input(g, self.module.alpha, 1, 1, False, s, grad_input=out)
-        op, args, kwargs = self._aten_backward()
-        return op.grad_input(g, s, *args, **kwargs, grad_input=out)
+        return self._aten_backward(g, saved, out)
 
     @property
     def is_relu(self) -> bool:

@@ -46,16 +46,53 @@ class _Product(nn.Module):
         return self.kind
 
 
-class ProductUnit(LayerUnit):
+class _GraphProduct(LayerUnit):
+    """What the units of this module share: they read graph tensors ``in_shapes`` (``run_inputs``), their
+    ``J^T`` depends on those tensors' values, so they have no CSR values of their own and run as their
+    operator at depth 0 (``vjp`` gives every input's ``J^T g``); read through one tensor only, they are a plain
+    unit (``run``, ``apply_transposed``)."""
+
+    capabilities = UnitCapabilities(structured_operator=True)
+    operator_only_because = "its J^T depends on the values of the tensors it multiplies"
+
+    def __init__(self, index: int, module: nn.Module, in_shapes: Sequence[tuple[int, ...]],
+                 out_shape: tuple[int, ...]) -> None:
+        super().__init__(index, module, tuple(in_shapes[0]), out_shape)
+        self.in_shapes = [tuple(s) for s in in_shapes]
+        self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
+
+    @property
+    def has_csr_values(self) -> bool:  # type: ignore[override]
+        return False
+
+    def run(self, x, tensors):
+        if len(self.in_shapes) != 1:
+            raise ValueError(f"layer {self.index} ({self.name}): it reads {len(self.in_shapes)} graph tensors "
+                             "(run_inputs)")
+        return self.run_inputs([x], tensors)
+
+    def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def fill(self, saved, tensors):
+        raise ValueError(f"layer {self.index} ({self.name}): {self.operator_only_because}: it has no J^T values of "
+                         "its own and runs as its operator (levels=0)")
+
+    def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
+        """``([J_i^T g for the inputs asked (else None), (B, d_i) each], [])``."""
+        raise NotImplementedError
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.vjp(saved, g, [True] + [False] * (len(self.in_shapes) - 1), [])[0][0]
+
+
+class ProductUnit(_GraphProduct):
     """The product of two graph tensors, its two ``J^T`` applied matrix-free (see the module docstring).
 
     ``in_shapes`` are the two per-sample shapes. ``matmul`` takes ``(..., n, k)`` and ``(..., k, m)``
     with equal leading dims (no broadcasting, no 1-D factor); ``mul`` takes two equal shapes. Other
     forms raise ``ValueError`` (the graph front end then plans the node as an opaque node).
     """
-
-    capabilities = UnitCapabilities(structured_operator=True)
-    operator_only_because = "its J^T depends on the values of the tensors it multiplies"
 
     def __init__(self, index: int, kind: str, in_shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...]):
         a, b = (tuple(s) for s in in_shapes)
@@ -65,33 +102,19 @@ class ProductUnit(LayerUnit):
                                  "leading dims expected")
         elif a != b:
             raise ValueError(f"product of per-sample shapes {a} and {b}: equal shapes expected (no broadcasting)")
-        super().__init__(index, _Product(kind), a, out_shape)
+        super().__init__(index, _Product(kind), [a, b], out_shape)
         self.kind = kind
-        self.in_shapes = [a, b]
-        self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
 
     @property
     def name(self) -> str:
         return "matmul" if self.kind == "matmul" else "product"
-
-    @property
-    def has_csr_values(self) -> bool:  # type: ignore[override]
-        return False
-
-    def run(self, x, tensors):
-        raise ValueError(f"layer {self.index} ({self.name}): a product reads two graph tensors (run_inputs)")
 
     def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
         """``y`` from the two graph tensors (flat or shaped); the factors are what the backward needs."""
         a, b = (x.reshape((x.shape[0],) + s) for x, s in zip(xs, self.in_shapes))
         return self.module(a, b), (a, b)
 
-    def fill(self, saved, tensors):
-        raise ValueError(f"layer {self.index} ({self.name}): a product of two graph tensors has no J^T values of "
-                         "its own; it runs as its operator (levels=0)")
-
     def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
-        """``([J_a^T g, J_b^T g] for the inputs asked (else None), (B, d_i) each], [])``."""
         a, b = saved
         bsz = g.shape[0]
         gy = g.reshape((bsz,) + self.out_shape)
@@ -102,9 +125,6 @@ class ProductUnit(LayerUnit):
             ga = gy * b if inputs[0] else None
             gb = gy * a if inputs[1] else None
         return [None if t is None else t.reshape(bsz, -1) for t in (ga, gb)], []
-
-    def apply_transposed(self, saved, tensors, g):
-        return self.vjp(saved, g, [True, False], [])[0][0]
 
 
 class _Attention(nn.Module):
@@ -121,7 +141,7 @@ class _Attention(nn.Module):
         return f"is_causal={self.is_causal}, scale={self.scale}"
 
 
-class AttentionUnit(LayerUnit):
+class AttentionUnit(_GraphProduct):
     """Softmax attention ``y = P v``, ``P = softmax(s q k^T)`` (rows masked above the diagonal when
     causal), per sample and per leading dim (heads), its three ``J^T`` applied matrix-free:
 
@@ -134,9 +154,6 @@ class AttentionUnit(LayerUnit):
     (``sdpa(x, x, x)`` reads one tensor three times: its three ``J^T g`` add up).
     """
 
-    capabilities = UnitCapabilities(structured_operator=True)
-    operator_only_because = "its J^T depends on the values of the tensors it multiplies"
-
     def __init__(self, index: int, module: _Attention, in_shapes: Sequence[tuple[int, ...]], slots: Sequence[int],
                  out_shape: tuple[int, ...]):
         shapes = [tuple(in_shapes[i]) for i in slots]
@@ -145,33 +162,17 @@ class AttentionUnit(LayerUnit):
                 or k[:-2] != v[:-2] or q[-1] != k[-1] or k[-2] != v[-2]:
             raise ValueError(f"attention of per-sample shapes q {q}, k {k}, v {v}: (..., L, E), (..., S, E), (..., S, Ev) "
                              "with equal leading dims expected")
-        super().__init__(index, module, tuple(in_shapes[0]), out_shape)
-        self.in_shapes = [tuple(s) for s in in_shapes]
+        super().__init__(index, module, in_shapes, out_shape)
         self.slots = tuple(slots)
-        self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
 
     @property
     def name(self) -> str:
         return "attention"
 
-    @property
-    def has_csr_values(self) -> bool:  # type: ignore[override]
-        return False
-
-    def run(self, x, tensors):
-        if len(self.in_shapes) != 1:
-            raise ValueError(f"layer {self.index} (attention): it reads {len(self.in_shapes)} graph tensors "
-                             "(run_inputs)")
-        return self.run_inputs([x], tensors)  # self-attention on one tensor: sdpa(x, x, x)
-
     def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
         ts = [x.reshape((x.shape[0],) + s) for x, s in zip(xs, self.in_shapes)]
         q, k, v = (ts[i] for i in self.slots)
         return self.module(q, k, v), (q, k, v)
-
-    def fill(self, saved, tensors):
-        raise ValueError(f"layer {self.index} (attention): no J^T values of its own; it runs as its operator "
-                         "(levels=0)")
 
     def _probabilities(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, float]:
         scale = self.module.scale if self.module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -201,6 +202,3 @@ class AttentionUnit(LayerUnit):
                 d = d.reshape(bsz, -1)
                 out[i] = d if out[i] is None else out[i] + d
         return out, []
-
-    def apply_transposed(self, saved, tensors, g):
-        return self.vjp(saved, g, [True] + [False] * (len(self.in_shapes) - 1), [])[0][0]

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern
+from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern, _IndexCache
 
 __all__ = ["ReshapeUnit", "UnflattenUnit", "PerSampleReshapeUnit", "SelectionUnit"]
 
@@ -94,7 +94,7 @@ class _Selection(nn.Module):
         if kind not in ("slice", "pad", "permute", "index"):
             raise ValueError(f"unknown selection kind {kind!r}")
         self.kind, self.arg = kind, arg
-        self._on: dict = {}
+        self.index = _IndexCache(arg) if kind == "index" else None  # arg: the source entry of each output entry
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "slice":
@@ -103,14 +103,7 @@ class _Selection(nn.Module):
             return F.pad(x, self.arg)
         if self.kind == "permute":
             return x.permute(self.arg)
-        return x.reshape(x.shape[0], -1).index_select(1, self.index_on(x.device))
-
-    def index_on(self, device: torch.device) -> torch.Tensor:
-        """``arg`` (kind ``index``) on ``device``, copied there once."""
-        got = self._on.get(device)
-        if got is None:
-            got = self._on[device] = self.arg.to(device)
-        return got
+        return x.reshape(x.shape[0], -1).index_select(1, self.index.on(x.device))
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.arg!r}"
@@ -177,7 +170,7 @@ class SelectionUnit(LayerUnit):
         if self.module.kind == "permute":
             return gy.permute(self._inverse).reshape(b, self.d_in)
         if self.module.kind == "index":
-            return g.new_zeros((b, self.d_in)).index_copy_(1, self.module.index_on(g.device), g.reshape(b, -1))
+            return g.new_zeros((b, self.d_in)).index_copy_(1, self.module.index.on(g.device), g.reshape(b, -1))
         gi = gy.new_zeros((b,) + self.in_shape)
         gi[self.module.arg] = gy
         return gi.reshape(b, self.d_in)
