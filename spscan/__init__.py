@@ -16,6 +16,7 @@ from __future__ import annotations
 from spscan.api import backward, forward, load_plan, plan, plan_composite, wrap
 from spscan.calibration import calibrate
 from spscan.engine import BoundPlan, ScanResult
+from spscan.errors import NotPlannable
 from spscan.model import ModelPlan, SpscanModule, param_grads
 from spscan.plan import Plan
 from spscan.recurrent import RecurrentPlan
@@ -25,7 +26,7 @@ from spscan.reference import reference_backward
 __version__ = "0.1.0"
 __all__ = ["plan", "backward", "plan_composite", "load_plan", "Plan", "BoundPlan", "ScanResult", "ModelPlan", "SpscanModule",
            "RecurrentPlan", "StackedRecurrentPlan", "reference_backward", "forward", "wrap", "param_grads", "calibrate",
-           "__version__"]
+           "NotPlannable", "__version__"]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ import torch
 
 from spscan.choices import NativeModule
 from spscan.engine import Gradients, check_inputs
+from spscan.errors import NotPlannable
 from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, takes_options
 from spscan.graph import plan_graph, wrap_graph
 from spscan.model import ModelPlan, is_chain_model, plan_model, wrap_chain
@@ -99,7 +100,7 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
     _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
     try:
         return wrap_fn(model, example_input, **opts)
-    except TypeError as e:
+    except NotPlannable as e:
         if opts.get("backward") != "auto":
             raise
         # backward="auto" never refuses a model: what the scan cannot plan runs autograd's own backward

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from spscan.errors import NotPlannable
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
@@ -68,7 +69,7 @@ def node_source(node: fx.Node) -> str:
     return where
 
 
-class NotSeriesParallel(TypeError):
+class NotSeriesParallel(NotPlannable):
     """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
 
 
@@ -87,7 +88,7 @@ def node_text(node: fx.Node) -> str:
     return f"{name}({', '.join(args)})"
 
 
-def refuse_node(node: fx.Node, why: str, exc: type = TypeError) -> Exception:
+def refuse_node(node: fx.Node, why: str, exc: type = NotPlannable) -> Exception:
     """An error naming the layer the node is in (its path and type), the call, where it was written, and
     why; a layer that subclasses a supported type with its own forward is told so."""
     stack = node.meta.get("nn_module_stack")
@@ -103,6 +104,19 @@ def refuse_node(node: fx.Node, why: str, exc: type = TypeError) -> Exception:
     return exc(f"{head}{node_text(node)} (node {node.name}, at {node_source(node)}): {why}{hint}")
 
 
+def _raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
+    """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
+    were) and let its own error through: a forward that fails without tracing is the model's error, not a
+    form the scan cannot plan."""
+    buffers = [(t, t.clone()) for t in model.buffers()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(example_input)
+    finally:
+        for t, v in buffers:
+            t.copy_(v)
+
+
 class Traced:
     """The traced graph with per-node example values, units and the series-parallel parse."""
 
@@ -112,9 +126,10 @@ class Traced:
         tracer.record_stack_traces = True
         try:
             self.graph = tracer.trace(model)
-        except Exception as e:  # data-dependent control flow and the like
-            raise TypeError(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
-                            "spscan plans models whose graph fx can trace") from e
+        except Exception as e:  # data-dependent control flow and the like, or a forward that fails anyway
+            _raise_if_forward_fails(model, example_input)
+            raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
+                               "spscan plans models whose graph fx can trace") from e
         self.units: list[LayerUnit] = []
         self.names: list[str] = []
         self.module_backed: list[bool] = []
@@ -132,7 +147,7 @@ class Traced:
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != 1:
-            raise TypeError(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
+            raise NotPlannable(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
                             f"{len(placeholders)} inputs ({', '.join(n.name for n in placeholders)})")
         self.env = env  # filled as the nodes are propagated; opaque nodes' evaluators read it
         with torch.no_grad():

@@ -27,6 +27,7 @@ import torch.nn as nn
 from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.chain_backward import (ForwardState, Jacobians, StepBackward, collect_param_grads,  # noqa: F401
                                    unit_param_grads)
+from spscan.errors import NotPlannable
 from spscan.engine import check_inputs
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, batch_of, layers_decision
@@ -95,7 +96,7 @@ def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if not _is_plain_sequential(model):
         if type(model) in supported:
             return [("", model)]
-        raise TypeError(
+        raise NotPlannable(
             f"{type(model).__name__} is not a chain spscan can plan: expected an nn.Sequential (without an "
             "overridden forward) of supported layers, or a single supported layer; a custom forward may "
             "branch, reuse or transform activations in ways the plan cannot see")
@@ -109,7 +110,7 @@ def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
             q = f"{prefix}.{name}" if prefix else name
             if isinstance(child, nn.Sequential):
                 if not _is_plain_sequential(child):
-                    raise TypeError(f"layer {len(out)} ({q}): {type(child).__name__} overrides forward; "
+                    raise NotPlannable(f"layer {len(out)} ({q}): {type(child).__name__} overrides forward; "
                                     "only plain nn.Sequential containers can be flattened into a chain")
                 walk(q, child)
             else:
@@ -571,7 +572,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         ValueError: the example input does not fit a layer (names the layer and the shapes).
     """
     if isinstance(model, nn.Module) and not _plain_containers(model):
-        raise TypeError(f"{type(model).__name__}: spscan.model plans nn.Sequential chains of supported layers (or "
+        raise NotPlannable(f"{type(model).__name__}: spscan.model plans nn.Sequential chains of supported layers (or "
                         "one layer); a model with its own forward is traced with torch.fx by spscan.graph: use "
                         "spscan.plan(model, example_input) or spscan.wrap(model, example_input)")
     chain = _flatten_chain(model)
@@ -581,7 +582,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     for k, (name, m) in enumerate(chain):
         if type(m) not in supported:
             kind = "a container with its own forward" if list(m.children()) else "an unsupported layer type"
-            raise TypeError(f"layer {k} ({name or '-'}): {type(m).__module__}.{type(m).__name__} is {kind}; "
+            raise NotPlannable(f"layer {k} ({name or '-'}): {type(m).__module__}.{type(m).__name__} is {kind}; "
                             f"supported: {', '.join(t.__name__ for t in supported)} (spscan.plan and spscan.wrap "
                             "trace such a chain with torch.fx and run that layer as its own autograd backward)")
         check_hooks(k, name, m)

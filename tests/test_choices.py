@@ -1,6 +1,7 @@
 """The planner's decision point: candidates, the scan-or-native choice of a wrapped model, profiles."""
 
 import copy
+import warnings
 import json
 
 import pytest
@@ -189,8 +190,38 @@ def test_auto_never_refuses_a_model_the_scan_cannot_plan():
     assert net.decision.chosen.name == "native" and "not available" in net.explain()
     for g, want in zip(_grads(net, x), _grads(ref, x)):
         assert torch.equal(g, want)
-    with pytest.raises(TypeError, match="cannot capture its forward"):
+    with pytest.raises(spscan.NotPlannable, match="cannot capture its forward"):
         spscan.wrap(model, x, backward="scan")
+
+
+def test_auto_falls_back_only_for_what_the_scan_cannot_plan():
+    """backward="auto" runs autograd's backward for a model the scan cannot plan, not for the user's own
+    errors: a forward that fails without tracing and a bad option raise as they would without spscan."""
+
+    class Buggy(nn.Module):  # fails under fx *and* eagerly: the model's error, not a refusal
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 5)
+            self.bn = nn.BatchNorm1d(5)
+
+        def forward(self, x):
+            y = self.bn(self.fc(x))
+            if y.sum() > 0:  # fx cannot trace this; eager gets past it
+                y = y.relu()
+            return torch.cat(y, y)  # TypeError: cat takes a sequence
+
+    torch.manual_seed(0)
+    model, x = Buggy().double(), torch.randn(3, 5, dtype=torch.float64)
+    stats = model.bn.running_mean.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(TypeError, match="cat") as info:
+            spscan.wrap(model, x, backward="auto")
+    assert not isinstance(info.value, spscan.NotPlannable)
+    assert torch.equal(model.bn.running_mean, stats)  # the eager check left the statistics alone
+    with pytest.raises(TypeError, match="dtype"):
+        spscan.wrap(_chain(), torch.randn(2, 2, 8, 8), backward="auto", dtype=torch.float16)
+    assert issubclass(spscan.NotPlannable, TypeError)  # code that caught TypeError still does
 
 
 def test_wrapped_chain_keeps_its_memory_budget():

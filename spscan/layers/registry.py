@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spscan.layers.base import LayerUnit, UnitCapabilities
+from spscan.errors import NotPlannable
 from spscan.layers.elementwise import (DropoutUnit, ElementwiseMoreUnit, ElementwiseUnit, PReLUUnit, ScaleUnit,
                                        SoftmaxUnit, _Scale)
 from spscan.layers.linear import (ConvTransposeUnit, ConvUnit, EmbeddingUnit, LinearUnit, ReductionUnit,
@@ -105,7 +106,7 @@ def unit_capabilities(module: nn.Module) -> UnitCapabilities:
     """What the unit of ``module`` (a supported layer) declares before it is built."""
     unit = unit_class(type(module))
     if unit is None:
-        raise TypeError(f"unsupported layer type {type(module).__module__}.{type(module).__name__}")
+        raise NotPlannable(f"unsupported layer type {type(module).__module__}.{type(module).__name__}")
     return unit.capabilities_for(module)
 
 
@@ -119,7 +120,7 @@ def make_unit(index: int, module: nn.Module, in_shape: tuple[int, ...], out_shap
     unit = unit_class(type(module))
     if unit is None:
         names = ", ".join(t.__name__ for t in supported_layer_types())
-        raise TypeError(f"layer {index}: unsupported layer type {type(module).__module__}.{type(module).__name__}; "
+        raise NotPlannable(f"layer {index}: unsupported layer type {type(module).__module__}.{type(module).__name__}; "
                         f"supported: {names}")
     return unit(index, module, tuple(in_shape), tuple(out_shape), prune_zeros=prune_zeros)
 
