@@ -18,7 +18,7 @@ from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
 from spscan.layers.opaque import OpaqueUnit
-from spscan.layers.shape import SelectionUnit, _Selection
+from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
@@ -104,6 +104,23 @@ def refuse_node(node: fx.Node, why: str, exc: type = NotPlannable) -> Exception:
     return exc(f"{head}{node_text(node)} (node {node.name}, at {node_source(node)}): {why}{hint}")
 
 
+def _subtractions_as_sums(graph: fx.Graph, root: nn.Module) -> None:
+    """Rewrite ``a - b`` of two computed tensors as ``a + (-b)`` (the same numbers bit for bit: IEEE subtraction
+    is the addition of the negation), so that a difference of two branches is an add join with a
+    :class:`ScaleUnit` on its second branch instead of an opaque node. Operands read straight from a parameter
+    or buffer, Python numbers and ``alpha=`` are left as written."""
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method") or SCALAR_FORMS.get(node_key(node, root)) != "sub" \
+                or node.kwargs or len(node.args) != 2 \
+                or not all(isinstance(a, fx.Node) and a.op != "get_attr" for a in node.args):
+            continue
+        a, b = node.args
+        with graph.inserting_before(node):
+            neg = graph.create_node("call_function", operator.neg, (b,), name=f"{node.name}_neg")
+        neg.meta = dict(node.meta)
+        node.op, node.target, node.args = "call_function", operator.add, (a, neg)
+
+
 def _raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
     """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
     were) and let its own error through: a forward that fails without tracing is the model's error, not a
@@ -130,6 +147,7 @@ class Traced:
             _raise_if_forward_fails(model, example_input)
             raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
                                "spscan plans models whose graph fx can trace") from e
+        _subtractions_as_sums(self.graph, model)
         self.units: list[LayerUnit] = []
         self.names: list[str] = []
         self.module_backed: list[bool] = []
@@ -195,6 +213,9 @@ class Traced:
                     y = self._product(node, key, builder, args, kwargs, tensor_inputs, env)
                 elif builder == ATTENTION and not consts:
                     y = self._attention(node, key, args, kwargs, tensor_inputs, env)
+                elif builder == _CAT and len(tensor_inputs) == 1 and consts \
+                        and self._param_cat(node, args, kwargs, tensor_inputs, env):
+                    y = env[node]
                 elif builder is None or consts or (builder not in (_ADD, _CAT) and len(tensor_inputs) > 1):
                     y = self._opaque(node, key, args, kwargs, tensor_inputs, env)
                 elif builder in (_ADD, _CAT):
@@ -400,6 +421,36 @@ class Traced:
             return False
         try:
             unit = ParamAffineUnit(len(self.units), form, const.target, p, tuple(xin.shape[1:]), tuple(y.shape[1:]))
+        except ValueError:
+            return False
+        env[node] = y
+        self._add_unit(node, unit, node.name, False, [src])
+        return True
+
+    def _param_cat(self, node, args, kwargs, tensor_inputs, env) -> bool:
+        """``torch.cat([p.expand(B, ...), x], dim)`` with parameters ``p`` read by ``get_attr`` and one graph tensor
+        ``x``, along a per-sample dim: a :class:`ParamCatUnit` (``env[node]`` set); ``False`` for any other form."""
+        seq = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(seq, (list, tuple)) or not isinstance(dim, int) or set(node.kwargs) - {"tensors", "dim"} \
+                or len(node.args) > 2:
+            return False
+        src = tensor_inputs[0]
+        pieces: list = []
+        for n in seq:
+            if n is src:
+                pieces.append(None)
+                continue
+            base = n.args[0] if isinstance(n, fx.Node) and n.op == "call_method" and n.target == "expand" else None
+            p = env.get(base) if isinstance(base, fx.Node) and base.op == "get_attr" else None
+            if not isinstance(p, nn.Parameter) or p.dim() == 0 or p.shape[0] != 1 \
+                    or tuple(env[n].shape) != (env[src].shape[0],) + tuple(p.shape[1:]):
+                return False
+            pieces.append((base.target, p))
+        xin = env[src]
+        y = self._call(node, args, kwargs)
+        try:
+            unit = ParamCatUnit(len(self.units), dim, pieces, tuple(xin.shape[1:]), tuple(y.shape[1:]))
         except ValueError:
             return False
         env[node] = y

@@ -110,7 +110,63 @@ class ViT(nn.Module):
 def test_small_vit():
     torch.manual_seed(2)
     w = _check(ViT(), [torch.randn(3, 3, 4, 4), torch.randn(1, 3, 4, 4), torch.randn(2, 3, 4, 4)])
-    assert "opaque: torch.cat([expand, transpose], 1)" in w.plan.summary()
+    text = w.plan.summary()
+    assert "cat cls" in text and "opaque: torch.cat" not in text
+
+
+class Tokens(nn.Module):
+    """Class and distillation tokens (DeiT) on either side of the patches, a difference of two branches, and
+    the subtraction spelled three ways."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls, self.dist = nn.Parameter(torch.randn(1, 1, 6)), nn.Parameter(torch.randn(1, 1, 6))
+        self.f, self.g, self.h = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):  # (B, 4, 6)
+        b = x.shape[0]
+        x = torch.cat((self.cls.expand(b, -1, -1), x, self.dist.expand(b, 1, 6)), dim=1)
+        d = self.f(x) - torch.tanh(self.g(x))
+        d = torch.sub(d, x).sub(self.f(d))
+        return self.h(d - d).flatten(1) + self.h(d).flatten(1)
+
+
+@pytest.mark.parametrize("plan_kw", [{}, {"levels": "full", "operators": False}])
+def test_parameter_tokens_and_differences_are_analytic(plan_kw):
+    """``cat([p.expand(B, ...), x])`` is a selection with the parameter's gradient summed over the batch, and
+    ``a - b`` of two graph tensors an add join with a negation on its second branch (bit for bit ``a - b``):
+    no opaque node, at depth 0 and at full depth, with autograd's gradients as the batch size changes."""
+    torch.manual_seed(19)
+    model = Tokens().double()
+    ref = copy.deepcopy(model)
+    w = spscan.wrap(model, torch.randn(3, 4, 6, dtype=torch.float64), **plan_kw)
+    text = w.plan.summary()
+    assert "opaque" not in text and "cat cls, dist" in text and "neg" in text
+    for b in (3, 1, 2):
+        x = torch.randn(b, 4, 6, dtype=torch.float64, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = w(x), ref(xr)
+        assert torch.equal(y, yr)
+        gy = torch.randn_like(yr)
+        (y * gy).sum().backward()
+        (yr * gy).sum().backward()
+        assert torch.allclose(x.grad, xr.grad, rtol=0, atol=1e-12)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12), n
+
+
+def test_parameter_tokens_float32_and_forms_left_opaque():
+    """float32 within 1e-5; a token that is not expanded over the batch (repeat, a buffer) stays opaque and
+    still gets autograd's gradients."""
+    torch.manual_seed(20)
+    _check(Tokens(), [torch.randn(3, 4, 6), torch.randn(2, 4, 6)], dtype=torch.float32, tol=1e-5)
+
+    class Repeated(Tokens):
+        def forward(self, x):
+            return self.h(torch.cat([self.cls.repeat(x.shape[0], 1, 1), x], 1)).flatten(1)
+
+    w = _check(Repeated(), [torch.randn(3, 4, 6), torch.randn(1, 4, 6)])
+    assert "opaque: torch.cat" in w.plan.summary()
 
 
 def test_small_vit_float32():

@@ -5,7 +5,7 @@ one entry per row and column)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import scipy.sparse as sp
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern, _IndexCache
 
-__all__ = ["ReshapeUnit", "UnflattenUnit", "PerSampleReshapeUnit", "SelectionUnit"]
+__all__ = ["ReshapeUnit", "UnflattenUnit", "PerSampleReshapeUnit", "SelectionUnit", "ParamCatUnit"]
 
 
 class ReshapeUnit(LayerUnit):
@@ -174,3 +174,74 @@ class SelectionUnit(LayerUnit):
         gi = gy.new_zeros((b,) + self.in_shape)
         gi[self.module.arg] = gy
         return gi.reshape(b, self.d_in)
+
+
+class ParamCatUnit(LayerUnit):
+    """``torch.cat([p.expand(B, ...), x], dim)``: one graph tensor joined along a per-sample dim with
+    parameters repeated over the batch (a ViT's class token, DeiT's class and distillation tokens).
+    ``J^T`` for ``x`` is the crop of its slice (a 0/1 selection shared by the batch); each parameter's
+    gradient is its slice of ``g`` summed over the batch. ``pieces`` lists the cat's operands in order:
+    ``None`` for ``x``, ``(qualified name, parameter)`` for the others."""
+
+    shared = True
+    capabilities = UnitCapabilities(structured_operator=True)
+
+    def __init__(self, index: int, dim: int, pieces: list, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
+        super().__init__(index, nn.Module(), in_shape, out_shape)
+        nd = len(in_shape) + 1
+        if sum(p is None for p in pieces) != 1 or not 1 <= dim % nd:
+            raise ValueError("expected one graph tensor joined along a per-sample dim")
+        self.dim = dim % nd
+        self._x_at = next(i for i, p in enumerate(pieces) if p is None)
+        params = [p for _, p in (q for q in pieces if q is not None)]
+        self.roles = tuple(n for n, _ in (q for q in pieces if q is not None))
+        self.params = params
+        for p in params:
+            if p.dim() != nd or p.shape[0] != 1 or any(a != b for k, (a, b) in enumerate(zip(p.shape[1:], in_shape))
+                                                     if k + 1 != self.dim):
+                raise ValueError(f"parameter of shape {tuple(p.shape)} does not join (B, *{in_shape}) along dim {dim}")
+        sizes = [in_shape[self.dim - 1] if p is None else p[1].shape[self.dim] for p in pieces]
+        self._sizes = sizes
+        if sum(sizes) != out_shape[self.dim - 1]:
+            raise ValueError(f"cat along dim {dim}: pieces of {sizes} for an output of {out_shape}")
+        ids = torch.arange(self.d_in, dtype=torch.int64).reshape((1,) + tuple(in_shape))
+        src = torch.cat([ids if p is None else torch.full((1,) + tuple(p[1].shape[1:]), -1, dtype=torch.int64)
+                         for p in pieces], self.dim).reshape(-1).numpy()
+        cols = np.flatnonzero(src >= 0)
+        rows = src[cols]
+        indptr = np.arange(self.d_in + 1, dtype=np.int64)
+        self.pattern = sp.csr_array((np.ones(rows.size), cols[np.argsort(rows)].astype(np.int64), indptr),
+                                    shape=(self.d_in, self.d_out))
+        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
+
+    @property
+    def name(self) -> str:
+        return f"cat {', '.join(self.roles)}"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.params)
+
+    def parameters_for_roles(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
+        return [(p, None) for p in self.params]
+
+    def run(self, x, tensors):
+        b = x.shape[0]
+        it = iter(tensors)
+        parts = [x if i == self._x_at else next(it).expand((b,) + tuple(-1 for _ in self.in_shape))
+                 for i in range(len(self._sizes))]
+        return torch.cat(parts, self.dim), (x.dtype, x.device)
+
+    def fill(self, saved, tensors):
+        return self._ones.get(*saved)
+
+    def _slices(self, g):
+        b = g.shape[0]
+        return torch.split(g.reshape((b,) + self.out_shape), self._sizes, self.dim)
+
+    def apply_transposed(self, saved, tensors, g):
+        return self._slices(g)[self._x_at].reshape(g.shape[0], self.d_in)
+
+    def param_grads(self, saved, tensors, g_out, needed=None):
+        parts = [s for i, s in enumerate(self._slices(g_out)) if i != self._x_at]
+        return [None if needed is not None and not needed[k] else s.sum(0, keepdim=True)
+                for k, s in enumerate(parts)]
