@@ -28,6 +28,9 @@ __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "re
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
+# arithmetic on Python numbers that keeps a per-sample size per-sample
+_NUMBER_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow,
+                      operator.neg, operator.mod}
 # calls that only move, split or select entries (a chain of them is a selection: see Traced._selection)
 _MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.swapaxes,
           torch.swapdims, torch.movedim, torch.moveaxis, torch.unbind, torch.chunk, torch.split, torch.squeeze,
@@ -395,7 +398,9 @@ class Traced:
         if not x_first and not (len(node.args) == 2 and node.args[1] is src):
             return False
         xin = env[src]
-        unit = scalar_unit(len(self.units), SCALAR_FORMS[key], node.args, node.kwargs, x_first,
+        sargs = [env[a] if isinstance(a, fx.Node) and a is not src and self._per_sample_number(a) else a
+                 for a in node.args]
+        unit = scalar_unit(len(self.units), SCALAR_FORMS[key], sargs, node.kwargs, x_first,
                            tuple(xin.shape[1:]), tuple(xin.shape[1:]))
         if unit is None:
             return False
@@ -404,6 +409,33 @@ class Traced:
             return False  # broadcasting into a larger shape, or a type promotion (an integer tensor / 2)
         env[node] = y
         self._add_unit(node, unit, node.name, False, [src])
+        return True
+
+    def _per_sample_number(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a Python number computed only from per-sample sizes and constants (``(c // h) **
+        -0.5`` with ``c = x.shape[-1]``): the same for every batch, so a factor fixed when planning."""
+        if not isinstance(self.env.get(node), (int, float)) or isinstance(self.env.get(node), bool):
+            return False
+        todo, seen = [node], set()
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            t = self.env.get(m.args[0]) if m.args and isinstance(m.args[0], fx.Node) else None
+            if m.op == "call_method" and m.target == "size" and isinstance(t, torch.Tensor):
+                d = m.args[1] if len(m.args) > 1 else m.kwargs.get("dim")
+                if not isinstance(d, int) or d % t.dim() == 0:
+                    return False  # the batch size, or the whole size
+            elif m.op == "call_function" and m.target is operator.getitem and isinstance(t, torch.Size):
+                src = m.args[0]
+                if not isinstance(m.args[1], int) or m.args[1] % len(t) == 0 or src.op != "call_function" \
+                        or src.target is not getattr or src.args[1] != "shape":
+                    return False
+            elif m.op == "call_function" and m.target in _NUMBER_ARITHMETIC:
+                todo.extend(m.all_input_nodes)
+            else:
+                return False
         return True
 
     def _param_affine(self, node, key, args, kwargs, tensor_inputs, const: fx.Node, env) -> bool:

@@ -111,7 +111,29 @@ def test_small_vit():
     torch.manual_seed(2)
     w = _check(ViT(), [torch.randn(3, 3, 4, 4), torch.randn(1, 3, 4, 4), torch.randn(2, 3, 4, 4)])
     text = w.plan.summary()
-    assert "cat cls" in text and "opaque: torch.cat" not in text
+    assert "cat cls" in text and "mul 0.5" in text and "opaque" not in text
+
+
+def test_numbers_from_sizes():
+    """A factor computed from per-sample sizes (``x.shape[-1] ** -0.5``, ``x.size(1)``) is a ScaleUnit; one that
+    reads the batch size (``x.shape[0]``, ``x.size(0)``, ``len(x)`` via ``size()``) changes with the batch and stays
+    an opaque node: gradients are autograd's for every batch size either way."""
+    class Sizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(6, 6)
+
+        def forward(self, x):  # (B, 4, 6)
+            b, n, c = x.shape
+            h = self.f(x) * (c // 2) ** -0.5 + x.size(1)
+            h = h / x.size(-1) - (n + 1)
+            return (h / b + h * x.size(0)).flatten(1)
+
+    torch.manual_seed(21)
+    w = _check(Sizes(), [torch.randn(3, 4, 6), torch.randn(1, 4, 6), torch.randn(5, 4, 6)])
+    text = w.plan.summary()
+    assert "mul 0.57735" in text and "add 4" in text and "div 6" in text and "add -5" in text  # x - 5 as x + (-5)
+    assert text.count("opaque") == 2
 
 
 class Tokens(nn.Module):
