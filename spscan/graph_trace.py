@@ -214,7 +214,7 @@ class Traced:
                     y = env[node]
                 elif builder in (PRODUCT_MATMUL, PRODUCT_MUL):
                     y = self._product(node, key, builder, args, kwargs, tensor_inputs, env)
-                elif builder == ATTENTION and not consts:
+                elif builder == ATTENTION:
                     y = self._attention(node, key, args, kwargs, tensor_inputs, env)
                 elif builder == _CAT and len(tensor_inputs) == 1 and consts \
                         and self._param_cat(node, args, kwargs, tensor_inputs, env):
@@ -504,21 +504,27 @@ class Traced:
         return y
 
     def _attention(self, node, key, args, kwargs, tensor_inputs, env):
-        """``F.scaled_dot_product_attention(q, k, v)`` of graph tensors, no mask, no dropout, no grouped heads:
+        """``F.scaled_dot_product_attention(q, k, v)`` of graph tensors, no dropout, no grouped heads, a mask the
+        batch does not change (see :meth:`_constant_mask`):
         an :class:`AttentionUnit` (other forms: an opaque node)."""
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
         given = dict(zip(names, node.args))
         given.update(node.kwargs)
         extra = set(given) - set(names) - {"scale", "enable_gqa"}
         qkv = [given.get(n) for n in names[:3]]
-        plain = (not extra and given.get("attn_mask") is None and given.get("dropout_p", 0.0) == 0.0
+        mask = given.get("attn_mask")
+        if mask is not None:
+            mask = self._constant_mask(mask, env[qkv[0]] if isinstance(qkv[0], fx.Node) else None)
+            if mask is None:
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        plain = (not extra and given.get("dropout_p", 0.0) == 0.0
                  and not given.get("enable_gqa", False) and isinstance(given.get("is_causal", False), bool)
                  and (given.get("scale") is None or isinstance(given.get("scale"), (int, float)))
                  and all(isinstance(n, fx.Node) and n in tensor_inputs for n in qkv))
         if not plain:
             return self._opaque(node, key, args, kwargs, tensor_inputs, env)
         y = self._call(node, args, kwargs)
-        module = _Attention(given.get("is_causal", False), given.get("scale"))
+        module = _Attention(given.get("is_causal", False), given.get("scale"), mask)
         try:
             unit = AttentionUnit(len(self.units), module, [tuple(env[n].shape[1:]) for n in tensor_inputs],
                                  [tensor_inputs.index(n) for n in qkv], tuple(y.shape[1:]))
@@ -526,6 +532,34 @@ class Traced:
             return self._opaque(node, key, args, kwargs, tensor_inputs, env)
         self._add_unit(node, unit, node.name, False, tensor_inputs)
         return y
+
+    def _constant_mask(self, node: Any, q: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """An attention mask the batch does not change: a parameter or buffer read as it is (held by reference),
+        or a tensor computed from per-sample sizes and constants alone (its value when planning); ``None`` for a
+        mask computed from graph tensors, from a parameter or buffer, or with a batch dim."""
+        val = self.env.get(node) if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not (val.dtype == torch.bool or val.is_floating_point()) \
+                or q is None or val.dim() > q.dim() or (val.dim() == q.dim() and val.shape[0] != 1):
+            return None
+        if node.op == "get_attr":
+            return None if val.requires_grad else val  # a learned bias needs its own gradient: opaque
+        todo, seen = list(node.all_input_nodes), set()
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m in self.kind or m in self.virtual or m.op == "get_attr":
+                return None
+            v = self.env.get(m)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if not self._per_sample_number(m):
+                    return None
+            elif isinstance(v, torch.Size) or (m.op == "call_method" and m.target == "size"):
+                return None  # a whole shape, the batch size with it
+            else:
+                todo.extend(m.all_input_nodes)
+        return val.clone()
 
     def _add_unit(self, node: fx.Node, unit: LayerUnit, name: str, backed: bool, inputs: list[fx.Node]) -> None:
         self.leaf_of[node] = Leaf(unit, len(self.units))

@@ -493,6 +493,43 @@ def test_scaled_dot_product_attention_float32():
     _check(SdpaBlock(), [torch.randn(4, 6, 8), torch.randn(2, 6, 8)], dtype=torch.float32, tol=1e-5)
 
 
+class MaskedAttention(nn.Module):
+    """SDPA with an attention mask of each kind: a boolean buffer (one query row masked everywhere), a float mask
+    computed from per-sample sizes, a learned bias (a parameter: its own gradient), a mask per batch entry."""
+
+    def __init__(self, kind: str, c: int = 8, t: int = 5) -> None:
+        super().__init__()
+        self.kind, self.heads = kind, 2
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        keep = torch.rand(1, 2, t, t) > 0.4
+        keep[..., 0] = True
+        keep[0, 1, 2] = False  # a query that sees no key: zeros out, as torch's attention gives
+        self.register_buffer("keep", keep)
+        self.bias = nn.Parameter(torch.randn(2, t, t))
+
+    def forward(self, x):  # (B, T, c)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = {"buffer": lambda: self.keep,
+                "sizes": lambda: torch.triu(torch.full((t, t), -1.5), 1) + torch.arange(t) / t,
+                "learned": lambda: self.bias,
+                "per_batch": lambda: torch.zeros((b, 1, t, t))}[self.kind]()
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.proj(o.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("kind", ["buffer", "sizes", "learned", "per_batch"])
+def test_scaled_dot_product_attention_with_a_mask(kind):
+    """A mask the batch does not change (a buffer, or computed from sizes) keeps the attention analytic; a learned
+    bias and a mask with a batch dim make it an opaque node. Autograd's gradients either way."""
+    torch.manual_seed(22)
+    w = _check(MaskedAttention(kind), [torch.randn(3, 5, 8), torch.randn(1, 5, 8), torch.randn(2, 5, 8)])
+    text = w.plan.summary()
+    assert ("opaque" not in text and "attention" in text) == (kind in ("buffer", "sizes"))
+    if kind == "buffer":
+        _check(MaskedAttention(kind), [torch.randn(2, 5, 8)], dtype=torch.float32, tol=1e-5)
+
+
 @pytest.mark.parametrize("slots", [(0, 1, 2), (0, 0, 1), (0, 0, 0)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_unit_is_the_jacobian(slots, causal):

@@ -128,22 +128,33 @@ class ProductUnit(_GraphProduct):
 
 
 class _Attention(nn.Module):
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` without a mask or dropout."""
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=..., scale=...)`` without dropout.
+    ``mask`` is a tensor the batch does not change (boolean: keep where true; floating: added to the scores),
+    held by reference: a model's buffer stays the model's."""
 
-    def __init__(self, is_causal: bool, scale: Optional[float]) -> None:
+    def __init__(self, is_causal: bool, scale: Optional[float], mask: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        self.is_causal, self.scale = bool(is_causal), scale
+        self.is_causal, self.scale, self.mask = bool(is_causal), scale, mask
+
+    def mask_on(self, device: torch.device) -> Optional[torch.Tensor]:
+        return None if self.mask is None else self.mask.to(device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_on(q.device), is_causal=self.is_causal,
+                                              scale=self.scale)
 
     def extra_repr(self) -> str:
-        return f"is_causal={self.is_causal}, scale={self.scale}"
+        mask = "" if self.mask is None else f", mask {self.mask.dtype} {tuple(self.mask.shape)}"
+        return f"is_causal={self.is_causal}, scale={self.scale}{mask}"
+
+
+# softmax that gives a row masked everywhere zeros (as the attention's own forward and backward do), not NaN
+_safe_softmax = getattr(torch.ops.aten, "_safe_softmax", None)
 
 
 class AttentionUnit(_GraphProduct):
     """Softmax attention ``y = P v``, ``P = softmax(s q k^T)`` (rows masked above the diagonal when
-    causal), per sample and per leading dim (heads), its three ``J^T`` applied matrix-free:
+    causal, or by a constant mask), per sample and per leading dim (heads), its three ``J^T`` applied matrix-free:
 
     ``J_v^T g = P^T g``; with ``dP = g v^T`` and ``dS = P ⊙ (dP − rowsum(dP ⊙ P))`` (softmax's backward),
     ``J_q^T g = s dS k`` and ``J_k^T g = s dS^T q``.
@@ -181,7 +192,11 @@ class AttentionUnit(_GraphProduct):
             L, S = s.shape[-2:]
             keep = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
             s = s.masked_fill(~keep, float("-inf"))
-        return torch.softmax(s, dim=-1), scale
+        mask = self.module.mask_on(s.device)
+        if mask is None:
+            return torch.softmax(s, dim=-1), scale
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+        return (_safe_softmax(s, -1) if _safe_softmax is not None else torch.softmax(s, dim=-1)), scale
 
     def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
         """``([J^T g for each graph input asked (else None), (B, d_i) each], [])``."""
