@@ -325,6 +325,13 @@ class LiveStep:
         self.copies = [tuple(r) for r in runs]
         # the node's J^T blocks: (row offset, column offset within y, width of the input)
         self.in_rows = [(b_off[i], c, before[i]) for i, c in zip(inputs, cat_offsets)]
+        # per input row block: add into it (its tensor also passes through, or the node reads it twice) or write it
+        kept, seen = set(keep), set()
+        self.in_adds = []
+        for i in inputs:
+            self.in_adds.append(i in kept or i in seen)
+            seen.add(i)
+        self.uncovered = [(b_off[i], before[i]) for i in range(len(before)) if i not in kept and i not in seen]
         blocks = [(r, c, identity_pattern(d)) for r, c, d in self.copies]
         # a unit reading several graph tensors (an opaque node, operator only) has an empty block per input
         self.multi = leaf is not None and len(inputs) > 1
@@ -403,22 +410,28 @@ class LiveOperator(StructuredOperator):
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         st = self.step
-        out = g.new_zeros((g.shape[0], st.d_in))
+        out = g.new_empty((g.shape[0], st.d_in))  # every row block is written below: no zero fill
         for r, c, d in st.copies:
             out[:, r:r + d] = g[:, c:c + d]
+        for r, d in st.uncovered:
+            out[:, r:r + d] = 0
         h = g[:, st.new_off:]
         if st.multi:  # one backward of the node for all its inputs (its parameter gradients come later)
-            gis, _ = st.leaf.unit.vjp(self.saved[0], h, [True] * len(st.inputs), [False] * len(st.leaf.unit.roles))
-            for (r, _, d), gi in zip(st.in_rows, gis):
-                out[:, r:r + d] += gi
+            gis = st.leaf.unit.vjp(self.saved[0], h, [True] * len(st.inputs), [False] * len(st.leaf.unit.roles))[0]
         elif st.leaf is not None:
             if self._op is None:
                 self._op = st.leaf.operator(self.saved[0], self.T, self.needed)
-            r, _, d = st.in_rows[0]
-            out[:, r:r + d] += self._op.apply(h)
+            gis = [self._op.apply(h)]
         else:
-            for r, c, d in st.in_rows:
-                out[:, r:r + d] += h[:, c:c + d]
+            gis = [h[:, c:c + d] for _, c, d in st.in_rows]
+        for (r, _, d), add, gi in zip(st.in_rows, st.in_adds, gis):
+            if gi is None:
+                if not add:
+                    out[:, r:r + d] = 0
+            elif add:
+                out[:, r:r + d] += gi
+            else:
+                out[:, r:r + d] = gi
         return out
 
     def values(self) -> torch.Tensor:
