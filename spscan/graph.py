@@ -301,7 +301,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     if all(isinstance(s, Leaf) for s in segments):
         kwargs = levels_for_coupled_layers(traced.units, kwargs)  # layers without CSR values
         core, factored, norm = plan_chain(traced.units, **kwargs)
-        plan: ModelPlan = TracedChainPlan(model, traced.units, traced.names, in_shape, core, operators=operators,
+        plan: ModelPlan = TracedChainPlan(traced.model, traced.units, traced.names, in_shape, core, operators=operators,
                                           module_backed=traced.module_backed, factored=factored)
         plan.decisions = [d for d in (norm,) if d is not None]
         plan.bind_signatures()
@@ -329,9 +329,9 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         pats = [sp.csr_array((s.d_in, s.d_out), dtype=np.float64) if isinstance(s, Parallel) else s.pattern
                 for s in segments]
         core = build_plan(pats, bind=None, **kwargs)
-        return GraphPlan(model, traced, segments, in_shape, core, operators=operators, operator_only=True)
+        return GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators, operator_only=True)
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
-    return GraphPlan(model, traced, segments, in_shape, core, operators=operators)
+    return GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators)
 
 
 class GraphSpscanModule(SpscanModule):

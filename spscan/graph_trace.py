@@ -124,6 +124,17 @@ def _subtractions_as_sums(graph: fx.Graph, root: nn.Module) -> None:
         node.op, node.target, node.args = "call_function", operator.add, (a, neg)
 
 
+class _Whole(nn.Module):
+    """A model that is itself a ``torch.nn`` layer, called as a leaf of a one-node graph."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
 def _raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
     """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
     were) and let its own error through: a forward that fails without tracing is the model's error, not a
@@ -148,8 +159,13 @@ class Traced:
             self.graph = tracer.trace(model)
         except Exception as e:  # data-dependent control flow and the like, or a forward that fails anyway
             _raise_if_forward_fails(model, example_input)
-            raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
-                               "spscan plans models whose graph fx can trace") from e
+            if not tracer.is_leaf_module(model, ""):
+                raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
+                                   "spscan plans models whose graph fx can trace") from e
+            # a torch.nn layer fx cannot see into (nn.TransformerEncoderLayer): the model is one opaque node, as
+            # it would be inside a model of the user's
+            self.model = model = _Whole(model)
+            self.graph = tracer.trace(model)
         _subtractions_as_sums(self.graph, model)
         self.units: list[LayerUnit] = []
         self.names: list[str] = []

@@ -4,6 +4,7 @@ own autograd backward, the scan at depth 0 around it), with gradients equal to a
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -63,6 +64,19 @@ def test_transformer_encoder_layer(norm_first, train):
     model = _Wrap(layer, 16).train(train)
     w = _check(model, [torch.randn(3, 5, 16), torch.randn(3, 5, 16), torch.randn(1, 5, 16)])
     assert "opaque: self.inner (TransformerEncoderLayer)" in w.plan.summary()
+
+
+def test_a_torch_layer_fx_cannot_trace_as_the_whole_model():
+    """nn.TransformerEncoderLayer as the model itself (fx cannot trace its forward) is one opaque node, as it is
+    inside a model: backward="scan" runs, and "auto" chooses between the two without a fallback warning."""
+    torch.manual_seed(23)
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    w = _check(layer, [torch.randn(3, 4, 8), torch.randn(1, 4, 8)])
+    assert "opaque: self.layer (TransformerEncoderLayer)" in w.plan.summary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = spscan.wrap(copy.deepcopy(layer), torch.randn(2, 4, 8, dtype=torch.float64), backward="auto")
+    assert "scan" in net.explain() and "not available" not in net.explain()
 
 
 class Mixer(nn.Module):
