@@ -243,3 +243,20 @@ def test_table_and_summary(tmp_path):
     assert header == ["# title", "header line"] and [r.to_dict() for r in again] == [r.to_dict() for r in rows]
     assert ns.main(["--from-json", str(out.with_suffix(".json")), "--out", str(tmp_path / "again.md")]) == 0
     assert (tmp_path / "again.md").read_text() == text
+
+
+def test_instruction_counts_harness(tmp_path):
+    """``bench/instructions.py``: its rows name the timed rows, and the counts are read from callgrind's dumps
+    by the trigger name (dumps of other triggers are ignored)."""
+    ins = _import_bench("instructions")
+    rec = _import_bench("test_recurrent_step")
+    cnn = _import_bench("test_cnn_step")
+    timed = {"-".join(map(str, r)) for r in rec.ROWS} | {f"{n}-{m}" for n in cnn.MODELS
+                                                         for m in ("forward", "backward", "step")}
+    assert set(ins.ROWS) <= timed and "gru-3000-step-last" in ins.ROWS and "alexnet_like-step" in ins.ROWS
+    for n, (name, total) in enumerate([("gru-1000-step-last", 300), ("lenet5-step", 12), (None, 99)]):
+        trigger = f"Client Request: {name}" if name else "Program termination"
+        (tmp_path / f"after.123.{n + 1}").write_text(f"version: 1\ndesc: Trigger: {trigger}\nsummary: {total}\n")
+    (tmp_path / "before.9.1").write_text("desc: Trigger: Client Request: lenet5-step\nsummary: 10\n")
+    assert ins._counts(tmp_path, "after") == {"gru-1000-step-last": 300, "lenet5-step": 12}
+    assert ins._counts(tmp_path, "before") == {"lenet5-step": 10}
