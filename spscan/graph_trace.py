@@ -4,6 +4,7 @@ and the refusals that name the layer, the call and its source line.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from typing import Any, Optional
@@ -30,7 +31,7 @@ __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "re
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
 # arithmetic on Python numbers that keeps a per-sample size per-sample
 _NUMBER_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow,
-                      operator.neg, operator.mod}
+                      operator.neg, operator.mod, math.sqrt}
 # calls that only move, split or select entries (a chain of them is a selection: see Traced._selection)
 _MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.swapaxes,
           torch.swapdims, torch.movedim, torch.moveaxis, torch.unbind, torch.chunk, torch.split, torch.squeeze,

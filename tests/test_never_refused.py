@@ -4,6 +4,7 @@ own autograd backward, the scan at depth 0 around it), with gradients equal to a
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -140,14 +141,14 @@ def test_numbers_from_sizes():
         def forward(self, x):  # (B, 4, 6)
             b, n, c = x.shape
             h = self.f(x) * (c // 2) ** -0.5 + x.size(1)
-            h = h / x.size(-1) - (n + 1)
+            h = h / x.size(-1) - (n + 1) + h / math.sqrt(c)
             return (h / b + h * x.size(0)).flatten(1)
 
     torch.manual_seed(21)
     w = _check(Sizes(), [torch.randn(3, 4, 6), torch.randn(1, 4, 6), torch.randn(5, 4, 6)])
     text = w.plan.summary()
     assert "mul 0.57735" in text and "add 4" in text and "div 6" in text and "add -5" in text  # x - 5 as x + (-5)
-    assert text.count("opaque") == 2
+    assert text.count("opaque") == 2 and "div 2.44949" in text  # h / math.sqrt(c) too
 
 
 class Tokens(nn.Module):
