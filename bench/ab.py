@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["run_side", "rows_of", "format_table", "main"]
+__all__ = ["run_side", "parse_sides", "rows_of", "format_table", "main"]
 
 
 def run_side(python: str, root: Path, tests: list[str], out: Path, env: dict) -> float:
@@ -39,6 +39,16 @@ def run_side(python: str, root: Path, tests: list[str], out: Path, env: dict) ->
     if proc.returncode != 0:
         raise RuntimeError(f"{root}: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
     return time.perf_counter() - t0
+
+
+def parse_sides(specs: list[str]) -> list[tuple[str, str, Path]]:
+    """``[(name, python, checkout)]`` from ``NAME=PYTHON:DIR`` arguments."""
+    sides = []
+    for s in specs:
+        name, rest = s.split("=", 1)
+        python, root = rest.split(":", 1)
+        sides.append((name, python, Path(root).resolve()))
+    return sides
 
 
 def rows_of(path: Path) -> dict[str, tuple[float, Optional[float]]]:
@@ -99,11 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if len(args.side) != 2 or not tests:
         p.error("two --side and the benchmark rows after '--' expected")
-    sides = []
-    for s in args.side:
-        name, rest = s.split("=", 1)
-        python, root = rest.split(":", 1)
-        sides.append((name, python, Path(root).resolve()))
+    sides = parse_sides(args.side)
     env = dict(os.environ, SPSCAN_BACKWARD="scan")
     runs: dict[str, list[dict]] = {n: [] for n, _, _ in sides}
     took: dict[str, list[float]] = {n: [] for n, _, _ in sides}

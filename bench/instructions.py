@@ -45,9 +45,16 @@ void spscan_count_stop(const char *name) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_D
 
 # ----------------------------------------------------------------------------- the rows (child side)
 
+def _bench_on_path() -> None:
+    """This file's folder (``bench/``) on the import path, not the checkout's root: spscan stays each side's."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def _forward(row: str):
     """The row's ``forward()`` (zero_grad, forward, loss) and its mode, from the timed rows' own set-ups."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ only: spscan stays the side's
+    _bench_on_path()
     parts = row.split("-")
     if len(parts) == 4:
         from test_recurrent_step import _setup as recurrent
@@ -113,21 +120,22 @@ def _counts(folder: Path, stem: str) -> dict[str, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--side", action="append", required=True, help="NAME=PYTHON:DIR (twice)")
+    ap.add_argument("--side", action="append", default=[], help="NAME=PYTHON:DIR (twice)")
     ap.add_argument("--rows", nargs="+", default=ROWS)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shim", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         _child(args.rows, args.reps, args.shim)
         return 0
-    sides = []
-    for s in args.side:
-        name, rest = s.split("=", 1)
-        python, root = rest.split(":", 1)
-        sides.append((name, python, Path(root).resolve()))
+    if len(args.side) != 2 or args.out is None:
+        ap.error("two --side NAME=PYTHON:DIR and --out TABLE.md are needed")
+    _bench_on_path()
+    from ab import parse_sides
+
+    sides = parse_sides(args.side)
     work = Path(tempfile.mkdtemp(prefix="spscan-instructions-"))
     shim = _shim(work)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONHASHSEED="0")
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
     for name, python, root in sides:
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--smc-check=all-non-file",
                f"--callgrind-out-file={work}/{name}.%p", python, str(Path(__file__).resolve()), "--child",
-               "--shim", str(shim), "--reps", str(args.reps), "--out", "-", "--side", "x", "--rows", *args.rows]
+               "--shim", str(shim), "--reps", str(args.reps), "--rows", *args.rows]
         log = open(work / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT), log))
     for name, p, log in procs:

@@ -14,6 +14,7 @@ the scan runs at depth 0 around it, as it does around an opaque node.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Optional, Sequence
 
@@ -71,16 +72,17 @@ class _GraphProduct(LayerUnit):
                              "(run_inputs)")
         return self.run_inputs([x], tensors)
 
+    @abc.abstractmethod
     def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
+        """``(y, saved)`` from the graph tensors ``xs``, ``(B, d_i)`` each."""
 
     def fill(self, saved, tensors):
         raise ValueError(f"layer {self.index} ({self.name}): {self.operator_only_because}: it has no J^T values of "
                          "its own and runs as its operator (levels=0)")
 
+    @abc.abstractmethod
     def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
         """``([J_i^T g for the inputs asked (else None), (B, d_i) each], [])``."""
-        raise NotImplementedError
 
     def apply_transposed(self, saved, tensors, g):
         return self.vjp(saved, g, [True] + [False] * (len(self.in_shapes) - 1), [])[0][0]

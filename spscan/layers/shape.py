@@ -109,6 +109,22 @@ class _Selection(nn.Module):
         return f"{self.kind}, {self.arg!r}"
 
 
+def _selection_pattern(src: np.ndarray, d_in: int, d_out: int, what: str) -> sp.csr_array:
+    """The 0/1 ``J^T`` (``d_in x d_out``) of an output whose entry ``j`` is input entry ``src[j]`` (``-1``: a
+    constant, no input); ``ValueError`` if an input entry is read twice or the sizes disagree."""
+    if src.size != d_out:
+        raise ValueError(f"{what}: {src.size} selected entries for an output of {d_out}")
+    cols = np.flatnonzero(src >= 0)
+    rows = src[cols]
+    order = np.argsort(rows, kind="stable")
+    rows, cols = rows[order], cols[order]
+    if rows.size > 1 and not bool((rows[1:] != rows[:-1]).all()):
+        raise ValueError(f"{what}: an input entry is read twice (not a selection)")
+    indptr = np.zeros(d_in + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
+    return sp.csr_array((np.ones(rows.size), cols.astype(np.int64), indptr), shape=(d_in, d_out))
+
+
 class SelectionUnit(LayerUnit):
     """A per-sample selection: every output entry is one input entry or a zero, each input entry
     read at most once. ``x[:, :, ::2, ::2]`` (a strided slice: ``J^T`` scatters the gradient into
@@ -135,18 +151,7 @@ class SelectionUnit(LayerUnit):
             else:
                 src = F.pad(torch.arange(d_in, dtype=torch.int64).reshape((1,) + self.in_shape), module.arg,
                             value=-1).reshape(-1)
-        src = src.numpy()
-        if src.size != self.d_out:
-            raise ValueError(f"{module.kind}: {src.size} selected entries for an output of {self.d_out}")
-        cols = np.flatnonzero(src >= 0)
-        rows = src[cols]
-        order = np.argsort(rows, kind="stable")
-        rows, cols = rows[order], cols[order]
-        if rows.size > 1 and not bool((rows[1:] != rows[:-1]).all()):
-            raise ValueError(f"{module.kind}: an input entry is read twice (not a selection)")
-        indptr = np.zeros(d_in + 1, dtype=np.int64)
-        np.cumsum(np.bincount(rows, minlength=d_in), out=indptr[1:])
-        self.pattern = sp.csr_array((np.ones(rows.size), cols.astype(np.int64), indptr), shape=(d_in, self.d_out))
+        self.pattern = _selection_pattern(src.numpy(), d_in, self.d_out, module.kind)
         if module.kind == "permute":
             self._inverse = tuple(int(i) for i in np.argsort(module.arg))
         self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.nnz, dtype=dtype, device=device))
@@ -207,11 +212,7 @@ class ParamCatUnit(LayerUnit):
         ids = torch.arange(self.d_in, dtype=torch.int64).reshape((1,) + tuple(in_shape))
         src = torch.cat([ids if p is None else torch.full((1,) + tuple(p[1].shape[1:]), -1, dtype=torch.int64)
                          for p in pieces], self.dim).reshape(-1).numpy()
-        cols = np.flatnonzero(src >= 0)
-        rows = src[cols]
-        indptr = np.arange(self.d_in + 1, dtype=np.int64)
-        self.pattern = sp.csr_array((np.ones(rows.size), cols[np.argsort(rows)].astype(np.int64), indptr),
-                                    shape=(self.d_in, self.d_out))
+        self.pattern = _selection_pattern(src, self.d_in, self.d_out, "cat")
         self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
 
     @property
