@@ -48,6 +48,7 @@ import numpy as np
 from .cpu_chain_tables import (MAX_SOURCES, diagonal_bands, feed_tables, homogeneous, resolve_steps,
                                shared_column_blocks, tap_tables)
 from .cpu_chain_tiles import compiled
+from .cpu_fpenv import flushing_subnormals
 from .cpu_numba import available
 from .cpu_simd import LANES
 
@@ -164,9 +165,10 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         rs = (REDUCE_STEPS + 1) * LANES
         reduce_args = (nrows, np.arange(C, dtype=np.int64), operand.reshape(-1),
                        np.empty(nrows * rs, dtype=vectors.dtype), np.empty(C * rs, dtype=vectors.dtype), acc, target)
-    compiled()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-               csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
-               tap_rows, tap_bufs, *feed_args, *reduce_args)
+    with flushing_subnormals():  # a decaying gradient's subnormals cost ~100x each (cpu_fpenv)
+        compiled()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
+                   csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
+                   tap_rows, tap_bufs, *feed_args, *reduce_args)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,

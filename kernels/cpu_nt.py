@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import cpu_simd
+from .cpu_fpenv import flushing_subnormals
 from .cpu_numba import available, numba_module
 from .cpu_simd import LANES
 
@@ -233,8 +234,9 @@ def matmul_nt(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = 
         return out.zero_()
     af, lda = _flat_rows(a)
     zf, ldz = _flat_rows(z)
-    _compiled_matmul_nt()(af, lda, N, zf, ldz, zrows, _CHUNK, np.empty(M * zrows.size * LANES, dtype=af.dtype),
-                          out.numpy())
+    with flushing_subnormals():  # as the scan that made ``a`` (cpu_fpenv)
+        _compiled_matmul_nt()(af, lda, N, zf, ldz, zrows, _CHUNK, np.empty(M * zrows.size * LANES, dtype=af.dtype),
+                              out.numpy())
     return out
 
 
