@@ -7,7 +7,11 @@ fixed part per regime::
     t_regime(model) = base[regime] + sum_u (fixed[family_u, regime] + per_work[family_u, regime] * work_u)
 
 with ``work_u = B * (nnz of J_u^T + d_in + d_out)`` (multiply-adds of ``J^T g`` plus the elements the
-layer reads and writes). A recurrent module costs
+layer reads and writes). An opaque node (a traced operation without an analytic unit) runs its own
+forward and autograd backward in both regimes: it is priced by the operations its call made when it
+was planned, each as the family that runs the same work (a GEMM or attention product as a
+``LinearUnit`` of its multiply-adds, a convolution as a ``ConvUnit``, anything else as an
+``ElementwiseUnit`` of the elements it writes) at the native constants, plus one layer's wrapper cost. A recurrent module costs
 ``fixed + per_step * T + per_mac * T * B * (I + H) * H * gates + per_state * T * B * H * gates`` per
 (layer, direction).
 
@@ -76,11 +80,14 @@ class StepProfile:
         got = self.families.get(family)
         return got if got is not None else self.families["default"]
 
-    def layers_time(self, layers: Iterable[tuple[str, float]], regime: str) -> float:
-        """Predicted seconds of one step of a model whose layers are ``(family, work)`` pairs."""
+    def layers_time(self, layers: Iterable[tuple], regime: str) -> float:
+        """Predicted seconds of one step of a model whose layers are ``(family, work)`` pairs, or
+        ``(family, work, priced_as)`` triples: a term that costs the same in both regimes (the forward
+        and autograd backward of an opaque node's own operations, run as they are in either) names
+        the regime whose constants price it, ``"native"``."""
         t = self.base[regime]
-        for family, work in layers:
-            fixed, per = self._family(family)[regime]
+        for family, work, *priced_as in layers:
+            fixed, per = self._family(family)[priced_as[0] if priced_as else regime]
             t += fixed + per * work
         return t
 

@@ -20,7 +20,8 @@ from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
 __all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "current_key", "device_label",
-           "layers_decision", "recurrent_decision", "sequence_signature", "step_profile", "unit_work"]
+           "layers_decision", "recurrent_decision", "sequence_signature", "step_profile", "unit_cost_terms",
+           "unit_work"]
 
 BACKWARD_MODES = ("auto", "scan", "native")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
@@ -44,6 +45,13 @@ def unit_work(unit: Any, batch: int) -> float:
     return float(batch) * (unit.pattern.nnz + unit.d_in + unit.d_out)
 
 
+def unit_cost_terms(unit: Any, batch: int) -> list[tuple]:
+    """What :meth:`~spscan.planner.step_profile.StepProfile.layers_time` prices for one unit: its own terms
+    where it has them (an opaque node's operations), else ``(cost_family, unit_work)``."""
+    terms = unit.cost_terms(batch)
+    return list(terms) if terms is not None else [(unit.cost_family, unit_work(unit, batch))]
+
+
 def check_backward(mode: Any) -> str:
     if mode not in BACKWARD_MODES:
         raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {mode!r}")
@@ -65,7 +73,7 @@ def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.dev
                     scan_detail: str) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``."""
     prof = step_profile(device)
-    layers = [(u.cost_family, unit_work(u, batch)) for u in units]
+    layers = [t for u in units for t in unit_cost_terms(u, batch)]
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
                    scan_detail, mode, prof)
 

@@ -18,7 +18,7 @@ from spscan.errors import NotPlannable
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
-from spscan.layers.opaque import OpaqueUnit
+from spscan.layers.opaque import OpaqueUnit, counted_call
 from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
@@ -386,7 +386,7 @@ class Traced:
         with torch.random.fork_rng(devices=[]):  # planning draws none of the model's random numbers
             state = [t.clone() for t in m.buffers()]
             try:
-                y = call(*xins)
+                y, own_cost = counted_call(call, xins)  # what its operations cost, for the step profile
                 one = call(*[t[:1] for t in xins])  # which output dim is the batch: not told by the size alone
             except Exception as e:
                 raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), ValueError) from e
@@ -403,7 +403,8 @@ class Traced:
             if sel is not None:
                 self._add_unit(node, sel, name, False, tensor_inputs)
                 return y
-        unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params)
+        unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params,
+                          own_cost)
         self._add_unit(node, unit, name, backed, tensor_inputs)
         return y
 

@@ -236,3 +236,42 @@ def test_wrapped_chain_keeps_its_memory_budget():
         assert torch.allclose(g, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="max_memory"):
         _grads(net, torch.randn(64, 2, 8, 8, dtype=torch.float64))
+
+
+class _WithEncoder(nn.Module):
+    """A linear layer, then a torch encoder layer as a submodule (an opaque node: fx keeps torch.nn layers
+    whole), then a linear layer."""
+
+    def __init__(self, d: int, ff: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.enc = nn.TransformerEncoderLayer(d, 2, dim_feedforward=ff, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.out(self.enc(self.inp(x)))
+
+
+def test_opaque_nodes_are_priced_by_their_own_operations(calibrated_as):
+    """An opaque node costs what its operations cost, in both regimes: its matrix products as linear layers
+    of their multiply-adds (here the encoder layer's four projections, two feed-forward layers and two
+    attention products), its other operations as elementwise layers. A bigger node is priced higher."""
+    calibrated_as(reference_profile("cpu", 1))
+    S, d, B = 8, 32, 4
+    x = torch.randn(B, S, d)
+    times = {}
+    for ff in (64, 1024):
+        w = spscan.wrap(_WithEncoder(d, ff), x, backward="auto")
+        (unit,) = [u for u in w.plan.units if "opaque" in u.name]
+        own = unit.own_cost
+        macs = S * (4 * d * d + 2 * d * ff) + 2 * S * S * d  # per sample
+        products = sum(work for family, work in own if family == "LinearUnit")
+        assert macs <= products <= macs * 1.2  # plus the elements each product writes
+        assert sum(1 for family, _ in own if family == "ElementwiseUnit") >= 8  # softmax, norms, adds, relu, ...
+        terms = unit.cost_terms(B)
+        assert all(t[2] == "native" for t in terms[:-1]) and len(terms[-1]) == 2  # own ops; the wrapping
+        times[ff] = {c.name: c.predicted_s for c in w.decision.candidates}
+    prof = reference_profile("cpu", 1)
+    extra = (2 * S * d * (1024 - 64) * B) * prof.families["LinearUnit"]["native"][1]  # the wider feed-forward
+    for regime in ("native", "scan"):
+        assert times[1024][regime] - times[64][regime] >= 0.9 * extra

@@ -302,6 +302,12 @@ class LayerUnit(abc.ABC):
         unit's class, or ``csr`` for a unit applied through its CSR values."""
         return type(self).__name__ if self.has_operator else "csr"
 
+    def cost_terms(self, batch: int) -> Optional[list[tuple]]:
+        """The terms a step profile prices for this unit at batch ``batch`` (see
+        :meth:`~spscan.planner.step_profile.StepProfile.layers_time`), or ``None``: one layer of
+        :attr:`cost_family` and the work ``B * (nnz + d_in + d_out)`` (what every analytic unit is)."""
+        return None
+
     @property
     def has_operator(self) -> bool:
         """Whether :meth:`apply_transposed` is available (the unit has a structured operator)."""

@@ -17,7 +17,61 @@ import torch.nn as nn
 
 from spscan.layers.base import LayerUnit, UnitCapabilities
 
-__all__ = ["OpaqueUnit"]
+__all__ = ["OpaqueUnit", "counted_call"]
+
+# the step-profile families whose fitted costs price an opaque node's operations (StepProfile.layers_time)
+_PRODUCT_FAMILY, _CONV_FAMILY, _ELEMENT_FAMILY = "LinearUnit", "ConvUnit", "ElementwiseUnit"
+
+
+def _numel(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel()
+    if isinstance(out, (tuple, list)):
+        return sum(_numel(o) for o in out)
+    return 0
+
+
+def _attention_macs(func: Any, args: Sequence[Any]) -> float:
+    """Multiply-adds of a fused attention call torch's counter has no formula for (CPU's flash attention):
+    ``q k^T`` and ``P v`` for ``q (..., L, E)``, ``k (..., S, E)``, ``v (..., S, Ev)``; 0 for other operations."""
+    if "scaled_dot_product" not in func.name() or len(args) < 3:
+        return 0.0
+    q, k, v = args[:3]
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, v)):
+        return 0.0
+    return float(q.shape[:-2].numel()) * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+
+
+def counted_call(call: Callable[..., Any], xs: Sequence[torch.Tensor]) -> tuple[Any, Optional[tuple]]:
+    """``call(*xs)``, and what its operations cost per sample as ``(family, work)`` terms: a product (a
+    matrix product, attention: an operation with multiply-adds) is a ``LinearUnit`` of its multiply-adds,
+    a convolution a ``ConvUnit``, any other operation that is not a view an ``ElementwiseUnit`` of three
+    times the elements it writes (what a unit of that family counts for a layer that reads and writes
+    them). Per sample: divided by ``xs[0]``'s batch. ``None`` for the terms where torch cannot count
+    (no ``FlopCounterMode``): the node is then priced as a default layer."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import FlopCounterMode
+    except ImportError:  # pragma: no cover - torch older than the supported range
+        return call(*xs), None
+    batch = max(int(xs[0].shape[0]), 1) if xs and xs[0].dim() else 1
+    terms: list[tuple[str, float]] = []
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = flops.get_total_flops()
+            out = func(*args, **(kwargs or {}))
+            macs = (flops.get_total_flops() - before) / 2 or _attention_macs(func, args)
+            if macs > 0:
+                family = _CONV_FAMILY if "convolution" in func.name() else _PRODUCT_FAMILY
+                terms.append((family, macs + _numel(out)))
+            elif not func.is_view:
+                terms.append((_ELEMENT_FAMILY, 3.0 * _numel(out)))
+            return out
+
+    with FlopCounterMode(display=False) as flops, _Count():
+        y = call(*xs)
+    return y, tuple((f, w / batch) for f, w in terms)
 
 
 class OpaqueUnit(LayerUnit):
@@ -34,8 +88,10 @@ class OpaqueUnit(LayerUnit):
 
     def __init__(self, index: int, module: nn.Module, in_shapes: Sequence[tuple], out_shape: tuple,
                  call: Callable[..., torch.Tensor], label: str,
-                 params: Optional[Sequence[tuple[str, nn.Parameter]]] = None) -> None:
+                 params: Optional[Sequence[tuple[str, nn.Parameter]]] = None,
+                 own_cost: Optional[Sequence[tuple[str, float]]] = None) -> None:
         super().__init__(index, module, in_shapes[0], out_shape)
+        self.own_cost = None if own_cost is None else tuple(own_cost)  # (family, work per sample): counted_call
         self.in_shapes = [tuple(s) for s in in_shapes]
         self._params = list(module.named_parameters() if params is None else params)
         self.roles = tuple(n for n, _ in self._params)
@@ -52,6 +108,15 @@ class OpaqueUnit(LayerUnit):
 
     def tensors(self) -> list[torch.Tensor]:
         return [p for _, p in self._params]
+
+    def cost_terms(self, batch: int) -> Optional[list[tuple]]:
+        """Its own operations (:func:`counted_call`), the same in both regimes (native constants), and one
+        layer of this family (the default layer's, as no profile fits one) for the call's wrapping: the
+        scan runs the node's call on a detached input and asks autograd for its vector-Jacobian product."""
+        if self.own_cost is None:
+            return None
+        return [(f, batch * w, "native") for f, w in self.own_cost] + [
+            (self.cost_family, float(batch) * (self.d_in + self.d_out))]
 
     def parameters_for_roles(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
         return [(p, None) for _, p in self._params]
