@@ -24,10 +24,12 @@ H = 20, linear scan), ``spscan.backward`` with the compiled loop (kernels/cpu_ch
 NumPy loop, interleaved: ``speedup_compiled_vs_numpy``.
 
 Denormals: over thousands of steps the gradient of a loss on the last output decays into the
-float32 denormal range, where x86 arithmetic slows down by ~100x on both sides alike and the
-timings measure the denormal penalty rather than the scan. Every row here runs with
-``torch.set_flush_denormal(True)`` (recorded as ``flush_denormal`` in ``extra_info``) and restores
-the default (off) afterwards.
+float32 denormal range, where x86 arithmetic slows down by ~100x. spscan's compiled loops flush
+denormals to zero on their own while they run (kernels/cpu_fpenv.py); autograd's kernels do not,
+and a row would time autograd's denormal penalty rather than its backward. So every row here runs
+with ``torch.set_flush_denormal(True)`` (recorded as ``flush_denormal`` in ``extra_info``), the
+faster baseline, and restores the default (off) afterwards. ``bench/never_slower.py`` times the
+default instead: nothing flushed outside spscan's loops.
 
 ``test_recurrent_step_cuda`` (skips without a CUDA device): ``nn.GRU`` and ``nn.LSTM`` at T = 1000
 and 10000, B = 16, loss on the last output, ``step`` and ``backward``, ``spscan.wrap(rnn.cuda(),
