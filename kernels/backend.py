@@ -246,6 +246,14 @@ class CpuOps:
     """
 
     @staticmethod
+    def tile_samples() -> int:
+        """Samples the compiled linear scan runs side by side in one tile (:data:`.cpu_simd.LANES`): a batch
+        that is not a multiple of it leaves lanes idle in its last tile."""
+        from .cpu_simd import LANES
+
+        return LANES
+
+    @staticmethod
     def recurrence_available() -> bool:
         """Whether the compiled recurrence forwards and :meth:`matmul_nt` can run (numba importable)."""
         from . import cpu_recurrence

@@ -540,7 +540,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             # element 1's output of step t (the gate pre-activation gradients) is chain position per*t + 1
             index = range(1, per * (T - 1) + 2, per)
             z = getattr(saved, "operands", None)
-            if self.kind != "gru" and z is not None and reduce_in_scan(wanted):
+            if self.kind != "gru" and z is not None and reduce_in_scan(wanted, B):
                 # only the parameters' gradients: the scan multiplies those gradients with the forward's
                 # operands (h_{t-1}, x_t, ones) as it produces them (Collect.operand), never storing them
                 red = torch.empty(rows, z.shape[0], dtype=dt, device=dev)

@@ -97,13 +97,24 @@ class GraphedBackward:
         return graph.replay, out
 
 
-def reduce_in_scan(wanted: Optional[frozenset]) -> bool:
-    """Whether a backward wants parameter gradients but not the input's: then the weight gradients can be
-    reduced in the scan (:class:`~spscan.engine.Collect` with an operand) instead of from stored
-    pre-activation gradients, which the input gradient would need."""
-    if wanted is None:
+#: the reduction in the scan pays for every lane of a tile, used or not: it is taken where at least this
+#: share of the batch's tiles is samples
+REDUCE_MIN_FILL = 0.75
+
+
+def reduce_in_scan(wanted: Optional[frozenset], batch: int) -> bool:
+    """Whether a backward of ``batch`` samples reduces its weight gradients in the scan
+    (:class:`~spscan.engine.Collect` with an operand) instead of from stored pre-activation gradients.
+
+    Only where it wants parameter gradients but not the input's (which needs the stored gradients), and
+    where the batch fills the compiled scan's tiles: the reduction multiplies every lane of a tile with
+    the operands, so a batch of one does sixteen samples' work where the stored gradients' one GEMM
+    over all steps does one (an LSTM, H = 64, T = 1000, B = 1, one thread: 29.9 ms against 17.2; at
+    B = 16 the reduction is 8 % faster)."""
+    if wanted is None or "input" in wanted or not any(n.startswith(("weight_", "bias_")) for n in wanted):
         return False
-    return "input" not in wanted and any(n.startswith(("weight_", "bias_")) for n in wanted)
+    lanes = cpu_ops.tile_samples()
+    return batch >= lanes and batch / (-(-batch // lanes) * lanes) >= REDUCE_MIN_FILL
 
 
 def weight_grads_compile(saved: Any, a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
