@@ -41,8 +41,9 @@ def current_key(device: torch.device) -> str:
 
 
 def unit_work(unit: Any, batch: int) -> float:
-    """The work measure of one layer unit for a batch: ``B * (nnz of J^T + d_in + d_out)``."""
-    return float(batch) * (unit.pattern.nnz + unit.d_in + unit.d_out)
+    """The work measure of one layer unit for a batch: ``B * (entries + d_in + d_out)``, the entries the
+    stored entries of ``J^T`` (:attr:`~spscan.layers.base.LayerUnit.cost_entries`)."""
+    return float(batch) * (unit.cost_entries + unit.d_in + unit.d_out)
 
 
 def unit_cost_terms(unit: Any, batch: int) -> list[tuple]:

@@ -275,3 +275,32 @@ def test_opaque_nodes_are_priced_by_their_own_operations(calibrated_as):
     extra = (2 * S * d * (1024 - 64) * B) * prof.families["LinearUnit"]["native"][1]  # the wider feed-forward
     for regime in ("native", "scan"):
         assert times[1024][regime] - times[64][regime] >= 0.9 * extra
+
+
+def test_units_are_priced_by_the_work_of_their_operators():
+    """A normalization's operator is O(d) (not its dense blocks' G N^2 entries), a product of activations
+    costs its multiply-adds, attention its two products and the softmax of its scores."""
+    from spscan.choices import unit_cost_terms, unit_work
+
+    B = 4
+    gn = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.Softmax(1))
+    plan = spscan.plan(gn, torch.randn(B, 3, 16, 16))
+    _, norm, soft = plan.units
+    d = 32 * 16 * 16
+    for u in (norm, soft):
+        assert u.cost_family == "LayerNormUnit" and unit_work(u, B) == B * 3 * d
+        assert u.pattern.nnz >= 32 * d  # the dense blocks the work no longer counts
+
+    class Attend(nn.Module):
+        def forward(self, x):
+            s = x @ x.transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(s, s, s)
+
+    S, E = 6, 5
+    w = spscan.wrap(Attend(), torch.randn(B, S, E), backward="scan")
+    kinds = {u.name: u for u in w.plan.units}
+    (t,) = unit_cost_terms(kinds["matmul"], B)
+    assert t[0] == "LinearUnit" and t[1] >= B * S * E * S  # the first product: (S, E) @ (E, S)
+    (prod, soft) = unit_cost_terms(kinds["attention"], B)
+    assert prod[0] == "LinearUnit" and prod[1] >= B * 2 * S * S * S  # q k^T and P v; q, k, v (S, S)
+    assert soft == ("LayerNormUnit", B * 3 * S * S)

@@ -302,10 +302,18 @@ class LayerUnit(abc.ABC):
         unit's class, or ``csr`` for a unit applied through its CSR values."""
         return type(self).__name__ if self.has_operator else "csr"
 
+    @property
+    def cost_entries(self) -> int:
+        """What a unit's work per sample scales with besides its input and output elements, for the step
+        profile (:func:`spscan.choices.unit_work`): the stored entries of ``J^T``, which a structured
+        operator or a CSR product reads once each. A unit whose operator does less than its CSR pattern
+        holds says so (the normalizations: O(d) against dense blocks)."""
+        return int(self.pattern.nnz)
+
     def cost_terms(self, batch: int) -> Optional[list[tuple]]:
         """The terms a step profile prices for this unit at batch ``batch`` (see
         :meth:`~spscan.planner.step_profile.StepProfile.layers_time`), or ``None``: one layer of
-        :attr:`cost_family` and the work ``B * (nnz + d_in + d_out)`` (what every analytic unit is)."""
+        :attr:`cost_family` and the work ``B * (cost_entries + d_in + d_out)`` (what most analytic units are)."""
         return None
 
     @property

@@ -241,6 +241,18 @@ class LowRankFactors(LayerUnit):
         return got
 
     @property
+    def cost_family(self) -> str:
+        """Every unit of this kind is priced by the fitted LayerNorm: a per-group normalization whose
+        operator is one O(N) backward kernel (LayerNorm's, GroupNorm's or Softmax's)."""
+        return "LayerNormUnit"
+
+    @property
+    def cost_entries(self) -> int:
+        """The operator's work per sample is O(d) (:class:`~spscan.layers.base.LayerUnit`), not the dense
+        blocks' ``G N^2`` entries: a GroupNorm over 4096-element groups has 2048 times more."""
+        return self.d_in
+
+    @property
     def nnz(self) -> int:
         """Entries of the dense blocks, ``G N^2`` (counted without building them)."""
         g, n = self.factor_groups.shape
