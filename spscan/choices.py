@@ -99,7 +99,10 @@ class BackwardChoice(abc.ABC):
     def _init_choice(self, mode: str, first: Optional[Hashable]) -> None:
         self.backward_mode = check_backward(mode)
         self._decisions: dict[Hashable, Decision] = {}
-        self._last_key = first
+        # per call: the last signature (a plain dict: setting a module attribute costs microseconds) and
+        # whether each signature seen runs native
+        self._seen: dict[str, Any] = {"last": first}
+        self._native_for: dict[Hashable, bool] = {}
         if first is not None and mode == "auto":
             self._decision_for(first)  # planned with the example input: decided now, not in the first step
 
@@ -111,20 +114,28 @@ class BackwardChoice(abc.ABC):
         d = self._decisions.get(key)
         if d is None:
             d = self._decisions[key] = self._backward_decision(key)
-        self._last_key = key
+        self._seen["last"] = key
         return d
 
     def _native(self, key: Optional[Hashable]) -> bool:
         """Whether a call of signature ``key`` runs the model's own backward (``None``: an input the scan's
-        checks will refuse, never native unless forced)."""
+        checks will refuse, never native unless forced). Called on every forward: a dictionary lookup
+        once the signature was seen."""
         if self.backward_mode != "auto":
             return self.backward_mode == "native"
-        return key is not None and self._decision_for(key).chosen.name == "native"
+        if key is None:
+            return False
+        self._seen["last"] = key
+        got = self._native_for.get(key)
+        if got is None:
+            got = self._native_for[key] = self._decision_for(key).chosen.name == "native"
+        return got
 
     @property
     def decision(self) -> Optional[Decision]:
         """The scan-or-native :class:`~spscan.planner.choose.Decision` for the last input signature."""
-        return None if self._last_key is None else self._decision_for(self._last_key)
+        last = self._seen["last"]
+        return None if last is None else self._decision_for(last)
 
     #: the attribute holding the wrapped model (one module registered once, under this name)
     _model_attr = "model"
