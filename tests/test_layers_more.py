@@ -381,3 +381,35 @@ def check_float32_within_autograd_error(name: str, **wrap_kw) -> None:
         floor = 1e-6 * float(r.abs().max())
         err_s, err_a = float((s.double() - r).abs().max()), float((a.double() - r).abs().max())
         assert err_s <= 2 * err_a + floor, (k, err_s, err_a)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.AdaptiveAvgPool2d(1), (3, 9, 11)), (lambda: nn.AdaptiveAvgPool2d((3, 5)), (2, 9, 11)),
+    (lambda: nn.Upsample(scale_factor=3, mode="bicubic"), (2, 4, 5)), (lambda: nn.ZeroPad2d((-1, 2, 1, -2)), (2, 5, 6)),
+    (lambda: nn.ReplicationPad1d(3), (2, 7)), (lambda: nn.Upsample(size=7, mode="linear", align_corners=True), (2, 10))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_separable_resample_operator_is_autograds_backward(make, shape, dtype):
+    """Pools, resamples and pads apply ``J^T`` as one small product per axis (no CSR gathers): autograd's
+    input gradient, batch 1 and 4, for a non-contiguous gradient too."""
+    from spscan.layers.linear import SeparableResampleUnit
+
+    m = make()
+    for batch in (1, 4):
+        x = torch.randn((batch,) + shape, dtype=dtype, requires_grad=True)
+        unit = spscan.plan(nn.Sequential(m), x.detach()).units[0]
+        assert isinstance(unit, SeparableResampleUnit) and unit.has_operator
+        y = m(x)
+        g = torch.randn(unit.d_out, batch, dtype=dtype).t()  # non-contiguous
+        (want,) = torch.autograd.grad(y, x, g.reshape(y.shape))
+        tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(unit.apply_transposed(None, [], g), want.reshape(batch, -1), **tol)
+
+
+def test_separable_resample_factors_refuse_what_is_not_a_product():
+    """The per-axis factors are read off the plane's entries only where they reproduce every entry."""
+    from spscan.layers.linear import _axis_factors
+
+    rin, rout = np.array([0, 1, 2, 3]), np.array([0, 0, 0, 0])  # a 2 x 2 input plane summed into one output
+    assert len(_axis_factors(rin, rout, np.array([1.0, 2.0, 3.0, 6.0]), (2, 2), (1, 1))) == 2  # [1, 3] x [1, 2]
+    assert _axis_factors(rin, rout, np.array([1.0, 2.0, 3.0, 5.0]), (2, 2), (1, 1)) is None  # rank 2
+    assert _axis_factors(rin[:3], rout[:3], np.array([1.0, 2.0, 3.0]), (2, 2), (1, 1)) is None  # a missing entry

@@ -437,6 +437,35 @@ def _plane_entries(total: np.ndarray, probes: list[np.ndarray], s_in: tuple[int,
     return rin[keep], rout[keep], vals[keep]
 
 
+#: the largest per-axis factor (output x input positions) the operator keeps dense
+_AXIS_FACTOR_MAX = 1 << 22
+
+
+def _axis_factors(rin: np.ndarray, rout: np.ndarray, vals: np.ndarray, s_in: tuple[int, ...],
+                  s_out: tuple[int, ...]) -> Optional[list[np.ndarray]]:
+    """Dense per-axis factors ``A_t`` ``(O_t, K_t)`` with ``plane[k, o] = prod_t A_t[o_t, k_t]``, read off the
+    plane's entries (a Kronecker product: with ``(k_2*, o_2*)`` one entry, ``A_1 = plane[(., k_2*), (., o_2*)]``
+    up to a factor that ``A_2`` takes), or ``None`` where a factor would exceed :data:`_AXIS_FACTOR_MAX` or the
+    entries are not such a product (then the layer keeps its CSR values only)."""
+    if any(o * k > _AXIS_FACTOR_MAX for o, k in zip(s_out, s_in)) or vals.size == 0:
+        return None
+    if len(s_in) == 1:
+        a = np.zeros((s_out[0], s_in[0]))
+        a[rout, rin] = vals
+        return [a]
+    k1, k2 = np.divmod(rin, s_in[1])
+    o1, o2 = np.divmod(rout, s_out[1])
+    a1, a2 = np.zeros((s_out[0], s_in[0])), np.zeros((s_out[1], s_in[1]))
+    at = (k2 == k2[0]) & (o2 == o2[0])
+    a1[o1[at], k1[at]] = vals[at]
+    at = (k1 == k1[0]) & (o1 == o1[0])
+    a2[o2[at], k2[at]] = vals[at] / a1[o1[0], k1[0]]
+    if np.count_nonzero(a1) * np.count_nonzero(a2) != vals.size or not np.allclose(
+            a1[o1, k1] * a2[o2, k2], vals, rtol=1e-12, atol=0.0):
+        return None
+    return [a1, a2]
+
+
 class SeparableResampleUnit(LayerUnit):
     """Channel-wise linear maps that act on each spatial axis separately: ``nn.Upsample``
     (``nearest``, ``nearest-exact``, ``linear``, ``bilinear``, ``bicubic``, ``area``),
@@ -451,6 +480,7 @@ class SeparableResampleUnit(LayerUnit):
     """
 
     shared = True
+    capabilities = UnitCapabilities(structured_operator=True)  # where the map factors per axis (all but huge ones)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -481,12 +511,29 @@ class SeparableResampleUnit(LayerUnit):
             raise ValueError(f"layer {index} ({self.name}): the module is not a separable channel-wise linear map "
                              "with these options (got a mismatch of "
                              f"{float(np.abs(got - want).max()):.3g}); not supported")
+        factors = _axis_factors(rin, rout, vals, s_in, s_out)
+        if factors is None:  # no dense per-axis factors: the CSR values only
+            self.capabilities = UnitCapabilities()
+        # the operator: one small matrix product per axis, no gathers
+        self._factors = _ConstantValues(lambda dtype, device: [torch.from_numpy(a).to(device=device, dtype=dtype)
+                                                               for a in factors or ()])
 
     def run(self, x, tensors):
         return self.module(x), (x.dtype, x.device)
 
     def fill(self, saved, tensors):
         return self._values.get(*saved)
+
+    def apply_transposed(self, saved, tensors, g):
+        """``J^T g`` per channel plane as ``A_1^T G A_2`` (``G`` the ``(O_1, O_2)`` plane of ``g``; one product
+        along a 1-d axis), with the per-axis factors of :func:`_axis_factors`."""
+        factors = self._factors.get(g.dtype, g.device)
+        b = g.shape[0]
+        y = g.reshape((b,) + self.out_shape)
+        y = torch.matmul(y, factors[-1])  # the last axis: (..., O_last) @ (O_last, K_last)
+        if len(factors) == 2:
+            y = torch.matmul(factors[0].t(), y)  # the first: (K_1, O_1) @ (..., O_1, K_2)
+        return y.reshape(b, self.d_in)
 
 
 # ----------------------------------------------------------------------------- Embedding
