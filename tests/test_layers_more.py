@@ -413,3 +413,30 @@ def test_separable_resample_factors_refuse_what_is_not_a_product():
     assert len(_axis_factors(rin, rout, np.array([1.0, 2.0, 3.0, 6.0]), (2, 2), (1, 1))) == 2  # [1, 3] x [1, 2]
     assert _axis_factors(rin, rout, np.array([1.0, 2.0, 3.0, 5.0]), (2, 2), (1, 1)) is None  # rank 2
     assert _axis_factors(rin[:3], rout[:3], np.array([1.0, 2.0, 3.0]), (2, 2), (1, 1)) is None  # a missing entry
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=1), (4, 5, 6)),
+    (lambda: nn.ConvTranspose2d(3, 2, (2, 3), stride=(1, 2), padding=(0, 1), dilation=2, bias=False), (3, 4, 4)),
+    (lambda: nn.ConvTranspose1d(2, 3, 4, stride=3, output_padding=2), (2, 5)),
+    (lambda: nn.PReLU(3), (3, 4, 2)), (lambda: nn.PReLU(), (5,)), (nn.Hardswish, (3, 7)), (nn.SELU, (9,))])
+def test_operators_of_transposed_convs_and_more_activations_are_autograds(make, shape):
+    """Transposed convolutions, PReLU and the activations torch writes as their own formulas apply ``J^T``
+    without CSR values: autograd's input and parameter gradients (float64, batch 1 and 3)."""
+    torch.manual_seed(0)
+    m = make().double()
+    for batch in (1, 3):
+        x = torch.randn((batch,) + shape, dtype=torch.float64, requires_grad=True)
+        unit = spscan.plan(nn.Sequential(m), x.detach()).units[0]
+        assert unit.has_operator
+        y, saved = unit.run(x.detach(), unit.tensors())
+        g = torch.randn(y.shape, dtype=torch.float64)
+        params = [p for _, p in m.named_parameters()]
+        want = torch.autograd.grad(m(x), [x] + params, g)
+        gi, grads = unit.apply_transposed_and_param_grads(saved, unit.tensors(), g.reshape(batch, -1),
+                                                          [True] * len(unit.roles))
+        torch.testing.assert_close(gi, want[0].reshape(batch, -1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(unit.apply_transposed(saved, unit.tensors(), g.reshape(batch, -1)),
+                                   want[0].reshape(batch, -1), rtol=1e-12, atol=1e-12)
+        for got, w in zip(grads, want[1:]):
+            torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)

@@ -167,6 +167,7 @@ class ElementwiseMoreUnit(LayerUnit):
     as torch's backward formulas compute it."""
 
     shared = False
+    capabilities = UnitCapabilities(structured_operator=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -174,6 +175,28 @@ class ElementwiseMoreUnit(LayerUnit):
 
     def run(self, x, tensors):
         return self.module(x), x
+
+    def apply_transposed(self, saved, tensors, g):
+        """``f'(x) g`` by the ATen backward kernel autograd calls for the layer (Softsign, which torch writes
+        as a formula of other operations, as its diagonal times ``g``)."""
+        m, x = self.module, saved.detach()
+        b = g.shape[0]
+        gy = g.reshape(x.shape)
+        aten = torch.ops.aten
+        if isinstance(m, nn.Hardswish):
+            gi = aten.hardswish_backward(gy, x)
+        elif isinstance(m, nn.Hardsigmoid):
+            gi = aten.hardsigmoid_backward(gy, x)
+        elif isinstance(m, nn.Mish):
+            gi = aten.mish_backward(gy, x)
+        elif isinstance(m, nn.SELU):
+            gi = aten.elu_backward(gy, 1.6732632423543772848170429916717, 1.0507009873554804934193349852946, 1.0,
+                                   False, x)
+        elif isinstance(m, nn.CELU):
+            gi = aten.elu_backward(gy, m.alpha, 1.0, 1.0 / float(np.float32(m.alpha)), False, x)  # as autograd
+        else:
+            return self.fill(saved, tensors).mul_(g.reshape(b, -1))
+        return gi.reshape(b, -1)
 
     def fill(self, saved, tensors):
         m = self.module
@@ -202,6 +225,7 @@ class PReLUUnit(LayerUnit):
 
     shared = False
     roles = ("weight",)
+    capabilities = UnitCapabilities(structured_operator=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -224,6 +248,10 @@ class PReLUUnit(LayerUnit):
         s = saved.detach().reshape(saved.shape[0], -1)
         slope = torch.index_select(tensors[0].detach().reshape(-1), 0, self.channel_of.on(s.device))
         return torch.where(s > 0, torch.ones_like(s), slope.expand_as(s))
+
+    def apply_transposed(self, saved, tensors, g):
+        """The diagonal times ``g``: ``g`` where ``x > 0``, else the channel's slope times ``g``."""
+        return self.fill(saved, tensors).mul_(g.reshape(g.shape[0], -1))
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         if needed is not None and not needed[0]:

@@ -358,6 +358,7 @@ class ConvTransposeUnit(_ConvLike):
     ``J``: the convolution's entries with rows and columns swapped. Values are shared."""
 
     one_d = nn.ConvTranspose1d
+    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -378,15 +379,34 @@ class ConvTransposeUnit(_ConvLike):
         m = self.module
         return fn(x, tensors[0], b, m.stride, m.padding, m.output_padding, m.groups, m.dilation), x
 
+    def _backward(self, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, mask: list[bool]):
+        """Autograd's ``convolution_backward`` of the transposed convolution: ``(dl/dx, dl/dw, dl/db)`` as
+        ``mask`` says, from one call."""
+        return torch.ops.aten.convolution_backward(
+            gy, x, w.detach(), [self.out_shape[0]] if mask[2] else None, list(self.stride), list(self.padding),
+            list(self.dilation), True, list(self.output_padding), self.module.groups, mask)
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.apply_transposed_and_param_grads(saved, tensors, g, [False] * len(self.roles))[0]
+
+    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
+        """``J^T g`` (the adjoint convolution) and the parameter gradients from one ``convolution_backward``."""
+        gy = g.reshape((g.shape[0],) + self.out_shape)
+        want_w = bool(needed[0]) if needed else False
+        want_b = bool(needed[1]) if needed and len(self.roles) > 1 else False
+        gi, gw, gb = self._backward(saved, tensors[0], gy, [True, want_w, want_b])
+        params: list[Optional[torch.Tensor]] = [gw if want_w else None]
+        if len(self.roles) > 1:
+            params.append(gb if want_b else None)
+        return gi.reshape(g.shape[0], -1), params
+
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
         needed = list(needed or [True] * len(self.roles))
         g = g_out.reshape((x.shape[0],) + self.out_shape)
         out: list[Optional[torch.Tensor]] = [None] * len(self.roles)
         if needed[0]:
-            out[0] = torch.ops.aten.convolution_backward(
-                g, x, tensors[0].detach(), None, list(self.stride), list(self.padding), list(self.dilation),
-                True, list(self.output_padding), self.module.groups, [False, True, False])[1]
+            out[0] = self._backward(x, tensors[0], g, [False, True, False])[1]
         if len(self.roles) > 1 and needed[1]:
             out[1] = self._bias_grad(g)
         return out
