@@ -4,6 +4,7 @@ separable channel-wise resamplings (upsampling, adaptive average pooling, paddin
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -222,6 +223,26 @@ class _ConvLike(_WeightGatherMixin, LayerUnit):
     shared = True
     roles = ("weight", "bias")
     one_d: type  # the 1-d module type of the family
+    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
+
+    @abc.abstractmethod
+    def _backward(self, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, mask: list[bool]):
+        """Autograd's ``convolution_backward`` of the layer: ``(dl/dx, dl/dw, dl/db)`` as ``mask`` says."""
+
+    def apply_transposed(self, saved, tensors, g):
+        return self.apply_transposed_and_param_grads(saved, tensors, g, [False] * len(self.roles))[0]
+
+    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
+        """``J^T g`` and the parameter gradients for ``g = dl/dy`` from one ``convolution_backward`` (the
+        input and weight gradients share its work, as autograd's conv backward does)."""
+        gy = g.reshape((g.shape[0],) + self.out_shape)
+        want_w = bool(needed[0]) if needed else False
+        want_b = bool(needed[1]) if needed and len(self.roles) > 1 else False
+        gi, gw, gb = self._backward(saved, tensors[0], gy, [True, want_w, want_b])
+        params: list[Optional[torch.Tensor]] = [gw if want_w else None]
+        if len(self.roles) > 1:
+            params.append(gb if want_b else None)
+        return gi.reshape(g.shape[0], -1), params
 
     def _geometry(self, index: int, module: nn.Module,
                   in_shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -251,7 +272,6 @@ class ConvUnit(_ConvLike):
     ``out`` reads input ``in``; values are shared."""
 
     one_d = nn.Conv1d
-    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -299,21 +319,6 @@ class ConvUnit(_ConvLike):
             gi = gi[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for lo, n in zip(self.pad_lo, x.shape[2:]))]
         return gi, gw, gb
 
-    def apply_transposed(self, saved, tensors, g):
-        return self.apply_transposed_and_param_grads(saved, tensors, g, [False] * len(self.roles))[0]
-
-    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
-        """``J^T g`` and the parameter gradients for ``g = dl/dy`` from one ``convolution_backward`` (the
-        input and weight gradients share its work, as autograd's conv backward does)."""
-        gy = g.reshape((g.shape[0],) + self.out_shape)
-        want_w = bool(needed[0]) if needed else False
-        want_b = bool(needed[1]) if needed and len(self.roles) > 1 else False
-        gi, gw, gb = self._backward(saved, tensors[0], gy, [True, want_w, want_b])
-        params: list[Optional[torch.Tensor]] = [gw if want_w else None]
-        if len(self.roles) > 1:
-            params.append(gb if want_b else None)
-        return gi.reshape(g.shape[0], -1), params
-
     def chain_step(self, needed=None):
         if self.pad_lo != self.pad_hi:  # asymmetric 'same' padding: pad and crop (the general path)
             return super().chain_step(needed)
@@ -358,7 +363,6 @@ class ConvTransposeUnit(_ConvLike):
     ``J``: the convolution's entries with rows and columns swapped. Values are shared."""
 
     one_d = nn.ConvTranspose1d
-    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
 
     def __init__(self, index, module, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
@@ -385,20 +389,6 @@ class ConvTransposeUnit(_ConvLike):
         return torch.ops.aten.convolution_backward(
             gy, x, w.detach(), [self.out_shape[0]] if mask[2] else None, list(self.stride), list(self.padding),
             list(self.dilation), True, list(self.output_padding), self.module.groups, mask)
-
-    def apply_transposed(self, saved, tensors, g):
-        return self.apply_transposed_and_param_grads(saved, tensors, g, [False] * len(self.roles))[0]
-
-    def apply_transposed_and_param_grads(self, saved, tensors, g, needed):
-        """``J^T g`` (the adjoint convolution) and the parameter gradients from one ``convolution_backward``."""
-        gy = g.reshape((g.shape[0],) + self.out_shape)
-        want_w = bool(needed[0]) if needed else False
-        want_b = bool(needed[1]) if needed and len(self.roles) > 1 else False
-        gi, gw, gb = self._backward(saved, tensors[0], gy, [True, want_w, want_b])
-        params: list[Optional[torch.Tensor]] = [gw if want_w else None]
-        if len(self.roles) > 1:
-            params.append(gb if want_b else None)
-        return gi.reshape(g.shape[0], -1), params
 
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
