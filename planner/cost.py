@@ -63,6 +63,9 @@ class DeviceProfile:
     recurrence_rate: float = 0.0
     recurrence_step_s: float = 1.0e-6
     recurrence_max_n: int = 0  # the widest block the fused recurrence kernels take (0: none)
+    # entries per second (per sample) of a layer's own operator applying its J^T (ATen's convolution or
+    # normalization backward, a GEMM): a dense kernel's rate, not the CSR gathers' pair_rate
+    operator_rate: float = 1.0e10
 
     def run_step_s(self, kind: str) -> float:
         """Fixed cost of one fused linear-run step of kind ``"dense"``, ``"diag"`` or ``"sparse"``."""
@@ -85,7 +88,7 @@ class DeviceProfile:
 # bench/results/calibration.md.
 _CPU = DeviceProfile("cpu", op_overhead_s=3.0e-5, pair_rate=1.0e8, gemm_rate=4.0e9, gemv_rate=1.0e9,
                      bytes_budget=2.0e9, chain_step_s=2.0e-6, run_sparse_max_nnz=None)
-_CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11,
+_CUDA = DeviceProfile("cuda", op_overhead_s=6.0e-6, pair_rate=6.0e10, gemm_rate=3.0e12, gemv_rate=6.0e11, operator_rate=3.0e12,
                       bytes_budget=8.0e9, chain_step_s=2.0e-6, pair_list_max_bytes=float(1 << 28),
                       parallel_run_max_m=63, parallel_run_rate=7.7e11, chain_sparse_step_s=5.0e-6,
                       recurrence_rate=6.0e12, recurrence_step_s=5.0e-7, recurrence_max_n=64)
@@ -224,8 +227,16 @@ def schedule_costs(
         mv_sparse = mv_dense = 0
         mv_bins = 0
         gemv_shapes = set()
+        applied = 0  # mat-vecs a layer's own operator makes: one call each
+        applied_entries = 0
         for op in st.mv:
-            p = mats[op.mat].pattern
+            info = mats[op.mat]
+            p = info.pattern
+            if info.apply_entries is not None:
+                applied_entries += info.apply_entries
+                applied += 1
+                nbytes += (info.apply_entries + p.rows + p.cols) * elem
+                continue
             if p.is_full:
                 gemv += p.nnz
                 gemv_shapes.add(p.shape)
@@ -234,9 +245,9 @@ def schedule_costs(
                 mv_sparse += p.nnz
                 mv_bins = max(mv_bins, row_bins(p))
             nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
-        launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes)
+        launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes) + applied
         run_kind = linear_run_kind(mats[st.mv[0].mat].pattern, profile) \
-            if st.phase == "mid" and len(st.mv) == 1 else None
+            if st.phase == "mid" and len(st.mv) == 1 and not applied else None
         if run_kind is not None:
             launches = 0  # a step of a fused linear run: no launch of its own
             t = profile.run_step_s(run_kind)
@@ -246,9 +257,11 @@ def schedule_costs(
         t += launches * profile.op_overhead_s
         t += batch * (pairs + mv_sparse) / profile.pair_rate
         t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
-        flops = 2 * (pairs + gemm + mv_sparse + gemv)
+        t += batch * applied_entries / profile.operator_rate
+        flops = 2 * (pairs + gemm + mv_sparse + gemv + applied_entries)
         nnz_read = sum(mats[op.left].pattern.nnz + mats[op.right].pattern.nnz for op in st.mm)
-        nnz_read += sum(mats[op.mat].pattern.nnz for op in st.mv)
+        nnz_read += sum(mats[op.mat].pattern.nnz if mats[op.mat].apply_entries is None else mats[op.mat].apply_entries
+                        for op in st.mv)
         out.append(LevelCost(st.phase, st.level, len(st.mm), len(st.mv), nnz, flops, nbytes, t, nnz_read))
     _parallel_run_costs(out, run_steps, profile, batch)
     return out

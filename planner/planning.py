@@ -174,9 +174,10 @@ class _Levels:
     the same own patterns, pair counts and therefore the same decisions.
     """
 
-    def __init__(self, pats: Sequence[Pattern], provider, sched: Optional[ScanSchedule] = None):
+    def __init__(self, pats: Sequence[Pattern], provider, sched: Optional[ScanSchedule] = None,
+                 apply_entries: Optional[Sequence[Optional[int]]] = None):
         self.provider = provider
-        self.mats: dict[int, MatInfo] = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+        self.mats: dict[int, MatInfo] = input_mats(pats, apply_entries)
         self.pending: dict[int, tuple[Pattern, Pattern]] = {}  # product id -> its operands' stored patterns
         self.schedule(sched)
 
@@ -239,14 +240,25 @@ def _costs_of(steps: Sequence[Step], mats: dict[int, MatInfo], profile: DevicePr
     return schedule_costs(_Steps(list(steps)), mats, profile, batch, elem)  # type: ignore[arg-type]
 
 
+def input_mats(pats: Sequence[Pattern], apply_entries: Optional[Sequence[Optional[int]]] = None
+               ) -> dict[int, MatInfo]:
+    """The chain's matrices as the scan's inputs; ``apply_entries[i]`` (where given and not ``None``): input
+    ``i`` is applied by its layer's operator, its mat-vec priced at that many entries."""
+    if apply_entries is not None and len(apply_entries) != len(pats):
+        raise ValueError(f"apply_entries: expected one entry per matrix ({len(pats)}), got {len(apply_entries)}")
+    return {i: MatInfo(p, "input", apply_entries=None if apply_entries is None or apply_entries[i] is None
+                       else int(apply_entries[i])) for i, p in enumerate(pats)}
+
+
 def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], products: _Products,
                   profile: DeviceProfile, what: str,
-                  advice: str = "choose fewer levels") -> dict[int, MatInfo]:
+                  advice: str = "choose fewer levels",
+                  apply_entries: Optional[Sequence[Optional[int]]] = None) -> dict[int, MatInfo]:
     """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists and storage.
 
     ``what`` names the request in the error raised when a level's pair indices exceed the budget.
     """
-    lv = _Levels(pats, products, sched)
+    lv = _Levels(pats, products, sched, apply_entries)
     for d, st in enumerate(sched.steps[:levels]):
         lv.decide(st)
         est_bytes = 0
@@ -271,8 +283,12 @@ def plan_scan(
     elem_bytes: int = 4,
     memory_limit: Optional[float] = None,
     memory_of=None,
+    apply_entries: Optional[Sequence[Optional[int]]] = None,
 ) -> ScanPlan:
     """Plan the products of every up-sweep level needed and choose the depth ``K``.
+
+    ``apply_entries``: per matrix, the entries of its mat-vec where its layer applies it by its own
+    operator (``None``: by its CSR values), for the costs only.
 
     ``levels``: ``"auto"`` (minimum estimated critical-path time among the depths whose symbolic
     products fit the exploration budget and ``memory_limit``), an int (clamped to the chain's
@@ -297,7 +313,7 @@ def plan_scan(
     if levels != "auto":
         k = kmax if levels == "full" else min(int(levels), kmax)
         sched = blelloch_schedule(n, k)
-        mats = _planned_mats(sched, k, pats, products, profile, f"levels={levels}")
+        mats = _planned_mats(sched, k, pats, products, profile, f"levels={levels}", apply_entries=apply_entries)
         costs = _costs_of(sched.steps, mats, profile, batch_hint, elem_bytes)
         up = 0.0
         for c in costs[:k]:
@@ -308,7 +324,7 @@ def plan_scan(
         return plan
 
     search = _DepthSearch(products)
-    lv = _Levels(pats, search)
+    lv = _Levels(pats, search, apply_entries=apply_entries)
     candidates: dict[int, float] = {}
     best: Optional[tuple[int, ScanSchedule]] = None
     up_prev = 0.0  # up-sweep cost of the last depth costed (its levels are the next depth's first ones)
@@ -364,12 +380,12 @@ def plan_scan(
             worse += 1
     if best is None:
         sched = blelloch_schedule(n, 0)
-        mats0 = {i: MatInfo(p, "input") for i, p in enumerate(pats)}
+        mats0 = input_mats(pats, apply_entries)
         candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, mats0, profile, batch_hint, elem_bytes))
     k = depth_decision(candidates, profile).chosen.value
     sched = blelloch_schedule(n, k)
-    plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "levels=auto"), sched, profile,
-                    batch_hint, elem_bytes)
+    plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "levels=auto",
+                                           apply_entries=apply_entries), sched, profile, batch_hint, elem_bytes)
     plan.candidates = candidates
     plan.explored = explored
     return plan

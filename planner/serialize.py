@@ -185,9 +185,10 @@ def _index_array(arrays: dict, name: str, ndim: int = 1) -> np.ndarray:
 # profile fields added after version 3 files were first written, in the groups they came in: a
 # file without a group was planned by a profile that did not have it, whose behavior the group's
 # defaults keep (no chunked linear runs; CSR steps of at most 2**16 entries in runs; no structured
-# recurrences)
+# recurrences; a layer's own operator priced at the default rate)
 _LATER_PROFILE_FIELDS = (("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s"),
-                         ("run_sparse_max_nnz",), ("recurrence_rate", "recurrence_step_s", "recurrence_max_n"))
+                         ("run_sparse_max_nnz",), ("recurrence_rate", "recurrence_step_s", "recurrence_max_n"),
+                         ("operator_rate",))
 _LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "recurrence_max_n")
 _ZERO_ALLOWED = ("parallel_run_max_m", "recurrence_max_n")
 

@@ -46,6 +46,9 @@ class MatInfo:
     gemm_macs: int = 0  # multiply-adds per sample of a "gemm" product
     # the storage rule stored this product densely although its own pattern is not full
     densified: bool = False
+    # an input applied to vectors by its layer's own operator (not its CSR values): the entries its mat-vec
+    # is priced at (the operator's work; a normalization's O(d), not its dense blocks' G N^2)
+    apply_entries: Optional[int] = None
 
     @property
     def scatters(self) -> bool:

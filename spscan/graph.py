@@ -300,7 +300,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     in_shape = tuple(example_input.shape[1:])
     if all(isinstance(s, Leaf) for s in segments):
         kwargs = levels_for_coupled_layers(traced.units, kwargs)  # layers without CSR values
-        core, factored, norm = plan_chain(traced.units, **kwargs)
+        core, factored, norm = plan_chain(traced.units, operators=operators, **kwargs)
         plan: ModelPlan = TracedChainPlan(traced.model, traced.units, traced.names, in_shape, core, operators=operators,
                                           module_backed=traced.module_backed, factored=factored)
         plan.decisions = [d for d in (norm,) if d is not None]

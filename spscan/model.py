@@ -474,7 +474,8 @@ DENSE_BLOCK_LIMIT = 1 << 22
 FACTORED_MARGIN = 2.0
 
 
-def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: Any) -> tuple[Any, list[bool], Any]:
+def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: bool = True,
+               **kwargs: Any) -> tuple[Any, list[bool], Any]:
     """The core plan of a chain of layer units, per layer whether it is factored, and the normalization-form
     :class:`~spscan.planner.choose.Decision` (``None`` when no layer has factors).
 
@@ -505,7 +506,10 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", **kwargs: An
 
     def core_of(flags: Sequence[bool], **over: Any):
         pats = [p for u, f in zip(units, flags) for p in (u.factor_patterns() if f else (u.pattern,))]
-        return build_plan(pats, bind=None, **{**kwargs, **over})
+        # what the wrapper applies by a layer's own operator (as ModelPlan.operator_flags) is priced by its work
+        work = [e for u, f in zip(units, flags) for e in ((None, None) if f else (
+            u.cost_entries if (operators and u.has_operator) or not u.has_csr_values else None,))]
+        return build_plan(pats, bind=None, apply_entries=work, **{**kwargs, **over})
 
     def decided(core, flags, why: str, rivals: Sequence[tuple[str, Any]] = ()):
         """``(core, flags, the norm-form decision)``: the chain kept, and the rivals costed against it."""
@@ -609,7 +613,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
             x = y
     kwargs = levels_for_coupled_layers(units, kwargs)
-    core, factored, norm = plan_chain(units, **kwargs)
+    core, factored, norm = plan_chain(units, operators=operators, **kwargs)
     plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators, factored=factored)
     plan.decisions = [d for d in (norm,) if d is not None]
     plan.bind_signatures()

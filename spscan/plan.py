@@ -343,11 +343,14 @@ def check_plan_options(levels, backend, dtype, max_memory, batch_size) -> None:
 
 def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str = "auto", device=None,
                dtype: Optional[torch.dtype] = None, max_memory: Optional[float] = None, batch_size: int = 16,
-               bind: Optional[tuple[Sequence[bool], Sequence[bool]]] = ((), ())) -> Plan:
+               bind: Optional[tuple[Sequence[bool], Sequence[bool]]] = ((), ()),
+               apply_entries: Optional[Sequence[Optional[int]]] = None) -> Plan:
     """Plan the backward scan of a chain (what :func:`spscan.plan` does for patterns).
 
     ``bind``: the ``(shared, has_extra)`` signature to bind now (empty tuples: the default, all per
-    sample and no extras; ``None``: bind nothing yet). See :func:`spscan.plan` for the rest.
+    sample and no extras; ``None``: bind nothing yet). ``apply_entries``: per matrix, the work (entries)
+    of applying it where a layer's own operator does (``None``: its CSR values), for the cost model's
+    estimates (the front ends for models pass it). See :func:`spscan.plan` for the rest.
     """
     check_plan_options(levels, backend, dtype, max_memory, batch_size)
     dev = resolve_device(device)
@@ -362,7 +365,7 @@ def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str 
         return estimate_memory(candidate).total(batch_size)
 
     scan = plan_scan(pats, levels, profile, batch_hint=batch_size, elem_bytes=elem,
-                     memory_limit=max_memory, memory_of=peak)
+                     memory_limit=max_memory, memory_of=peak, apply_entries=apply_entries)
     if max_memory is not None and peak(scan) > max_memory:
         raise ValueError(
             f"max_memory={fmt_bytes(max_memory)}: the plan at levels={scan.levels} needs "

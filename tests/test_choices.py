@@ -304,3 +304,15 @@ def test_units_are_priced_by_the_work_of_their_operators():
     (prod, soft) = unit_cost_terms(kinds["attention"], B)
     assert prod[0] == "LinearUnit" and prod[1] >= B * 2 * S * S * S  # q k^T and P v; q, k, v (S, S)
     assert soft == ("LayerNormUnit", B * 3 * S * S)
+
+
+def test_the_critical_path_model_prices_operators_by_their_work():
+    """Layers the wrapper applies by their own operator (a convolution's, a GroupNorm's backward kernel) are
+    costed at a kernel's rate on their operator's work, not as CSR mat-vecs of their patterns (a GroupNorm's
+    dense blocks, 2 x 1024^2 entries per sample here): the depth-0 estimate is a step's order of magnitude."""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 256, 4))
+    x = torch.randn(4, 3, 16, 16)
+    with_ops = spscan.plan(m, x, levels=0)
+    csr = spscan.plan(m, x, levels=0, operators=False)
+    t_ops, t_csr = with_ops.core.candidates[0], csr.core.candidates[0]
+    assert t_ops < 0.05 < t_csr and t_csr > 20 * t_ops
