@@ -15,7 +15,8 @@ autograd's and after warm-up, interleaved rounds of one step each (``zero_grad``
 ``loss.backward()``): plain autograd on a deep copy of the model, the wrapped model
 (``backward="auto"`` where ``spscan.wrap`` has that option, its default otherwise), and, where the
 option exists, the candidate the wrapper did not choose, forced (``backward="scan"`` or
-``"native"``). On CUDA the device is synchronized before and after each timed step. The row's
+``"native"``), the sides taking turns going first. On CUDA the device is synchronized before and after
+each timed step. The row's
 ratio is the median over rounds of ``autograd_time / wrapped_time`` (> 1: the wrapped step is
 faster). The choice comes from ``wrapped.decision`` (``.chosen.name``, ``.chosen.predicted_s``,
 ``.candidates``); without it the choice is reported as ``"scan"``. A model ``spscan.wrap``
@@ -339,11 +340,14 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
     times: list[tuple[float, ...]] = []
 
     def one_round() -> None:
-        t = []
-        for step in steps:
+        # the sides take turns going first (round r starts at side r mod n): a step that follows another
+        # inherits its state (freed buffers, caches), so each side follows each other side equally often
+        t = [0.0] * len(steps)
+        first = len(times) % len(steps)
+        for k in [*range(first, len(steps)), *range(first)]:
             t0 = clock()
-            step()
-            t.append(clock() - t0)
+            steps[k]()
+            t[k] = clock() - t0
         times.append(tuple(t))
 
     for _ in range(max(1, warmup)):  # at least one: it sizes the timed rounds
@@ -447,7 +451,8 @@ def default_header(device_name: str, date: Optional[str] = None) -> list[str]:
         "",
         f"{device_name}, torch {torch.__version__}, {date}. Each row times one training step (zero_grad, forward, "
         "loss, `loss.backward()`) of the wrapped model against plain autograd on an identical copy, in "
-        "interleaved rounds after warm-up (wall time; CUDA synchronized around each step). **ratio** = median "
+        "interleaved rounds after warm-up, the sides taking turns going first (wall time; CUDA synchronized "
+        "around each step). **ratio** = median "
         "over rounds of autograd time / wrapped time (> 1: the wrapped step is faster), with its interquartile "
         f"range; the bar is {BAR:g}. *choice*: the backward the wrapper chose (`scan` where `spscan.wrap` has "
         "no `backward=` option); *other*: the candidate it did not choose, forced and timed in the same rounds. "

@@ -16,7 +16,7 @@ Each row (``never_slower.measure_row``) first takes one seeded step on every sid
 wrapped gradients against autograd's (``never_slower.grad_error`` below 1e-3; a row whose
 gradients differ is recorded, not timed, and fails), then times
 interleaved rounds (autograd, wrapped, and where ``spscan.wrap`` has ``backward=`` the candidate it
-did not choose, forced) after two warm-up rounds, as many as fit about 12 s (5 to 81; 1 s and 3 to 9
+did not choose, forced; each round starts at the next side) after two warm-up rounds, as many as fit about 12 s (5 to 81; 1 s and 3 to 9
 with ``SPSCAN_BENCH_QUICK=1``). The pytest-benchmark statistics are those of one round (all sides);
 ``extra_info`` carries the row: the ratio (median over rounds of autograd / wrapped, > 1: faster),
 both medians, the choice and its predictions. A model the library refuses is recorded as

@@ -260,3 +260,35 @@ def test_instruction_counts_harness(tmp_path):
     (tmp_path / "before.9.1").write_text("desc: Trigger: Client Request: lenet5-step\nsummary: 10\n")
     assert ins._counts(tmp_path, "after") == {"gru-1000-step-last": 300, "lenet5-step": 12}
     assert ins._counts(tmp_path, "before") == {"lenet5-step": 10}
+
+
+def test_rounds_take_turns_going_first():
+    """Each timed round starts at the next side, so no side always follows the same other one (a step
+    inherits the state the step before it leaves: freed buffers, caches)."""
+    calls = []
+
+    class Logged(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            calls.append("wrapped")
+            return self.model(x)
+
+    class Plain(nn.Sequential):
+        def forward(self, x):
+            calls.append("layer")
+            return super().forward(x)
+
+    case = models.Case("tiny", "cnn", 4, lambda: Plain(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5)), (3,), (5,),
+                       loss="square")
+    row = ns.measure_row(case, wrap=lambda model, x: Logged(model), **dict(FAST, min_rounds=4, max_rounds=4))
+    assert row.rounds >= 4
+    # a plain step logs "layer"; a wrapped one "wrapped", "layer": per round, which side went first
+    steps, k = [], 0
+    while k < len(calls):
+        steps.append("wrapped" if calls[k] == "wrapped" else "plain")
+        k += 2 if calls[k] == "wrapped" else 1
+    rounds = [steps[i:i + 2] for i in range(0, len(steps), 2)][-row.rounds:]  # the timed rounds
+    assert [r[0] for r in rounds] == ["plain", "wrapped"] * (row.rounds // 2) + ["plain"] * (row.rounds % 2)
