@@ -20,7 +20,7 @@ import torch.nn as nn
 from scipy.optimize import nnls
 
 from spscan.api import wrap
-from spscan.choices import current_key, device_label, unit_work
+from spscan.choices import current_key, device_label
 from spscan.model import plan_model
 from spscan.planner.step_profile import (REGIMES, StepProfile, cache_dir, forget_loaded, recurrent_features,
                                          reference_profile)
@@ -93,7 +93,7 @@ def _layer_time(make, in_shape, batch, regime, device, dtype, reps, csr: bool) -
     torch.manual_seed(0)
     model = nn.Sequential(make()).to(device=device, dtype=dtype)
     x = torch.randn((batch, *in_shape), device=device, dtype=dtype, requires_grad=True)
-    work = unit_work(plan_model(model, x, levels=0).units[0], batch)
+    work = plan_model(model, x, levels=0).units[0].cost_work(batch)
     net = _wrapped(model, x, regime, **({"operators": False} if csr else {}))
     return work, _median_step(_step_of(net, x), device, reps)
 

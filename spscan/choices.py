@@ -20,8 +20,7 @@ from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
 __all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "current_key", "device_label",
-           "layers_decision", "recurrent_decision", "sequence_signature", "step_profile", "unit_cost_terms",
-           "unit_work"]
+           "layers_decision", "recurrent_decision", "sequence_signature", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
@@ -38,19 +37,6 @@ def device_label(device: torch.device) -> str:
 def current_key(device: torch.device) -> str:
     """:func:`~spscan.planner.step_profile.machine_key` of ``device`` with this process's torch and threads."""
     return machine_key(device.type, device_label(device), torch.get_num_threads(), torch.__version__)
-
-
-def unit_work(unit: Any, batch: int) -> float:
-    """The work measure of one layer unit for a batch: ``B * (entries + d_in + d_out)``, the entries the
-    stored entries of ``J^T`` (:attr:`~spscan.layers.base.LayerUnit.cost_entries`)."""
-    return float(batch) * (unit.cost_entries + unit.d_in + unit.d_out)
-
-
-def unit_cost_terms(unit: Any, batch: int) -> list[tuple]:
-    """What :meth:`~spscan.planner.step_profile.StepProfile.layers_time` prices for one unit: its own terms
-    where it has them (an opaque node's operations), else ``(cost_family, unit_work)``."""
-    terms = unit.cost_terms(batch)
-    return list(terms) if terms is not None else [(unit.cost_family, unit_work(unit, batch))]
 
 
 def check_backward(mode: Any) -> str:
@@ -74,7 +60,7 @@ def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.dev
                     scan_detail: str) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``."""
     prof = step_profile(device)
-    layers = [t for u in units for t in unit_cost_terms(u, batch)]
+    layers = [t for u in units for t in u.cost_terms(batch)]
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
                    scan_detail, mode, prof)
 
@@ -99,10 +85,8 @@ class BackwardChoice(abc.ABC):
     def _init_choice(self, mode: str, first: Optional[Hashable]) -> None:
         self.backward_mode = check_backward(mode)
         self._decisions: dict[Hashable, Decision] = {}
-        # per call: the last signature (a plain dict: setting a module attribute costs microseconds) and
-        # whether each signature seen runs native
+        # the last signature, in a plain dict: setting a module attribute on every call costs microseconds
         self._seen: dict[str, Any] = {"last": first}
-        self._native_for: dict[Hashable, bool] = {}
         if first is not None and mode == "auto":
             self._decision_for(first)  # planned with the example input: decided now, not in the first step
 
@@ -123,13 +107,7 @@ class BackwardChoice(abc.ABC):
         once the signature was seen."""
         if self.backward_mode != "auto":
             return self.backward_mode == "native"
-        if key is None:
-            return False
-        self._seen["last"] = key
-        got = self._native_for.get(key)
-        if got is None:
-            got = self._native_for[key] = self._decision_for(key).chosen.name == "native"
-        return got
+        return key is not None and self._decision_for(key).chosen.name == "native"
 
     @property
     def decision(self) -> Optional[Decision]:

@@ -280,15 +280,13 @@ def test_opaque_nodes_are_priced_by_their_own_operations(calibrated_as):
 def test_units_are_priced_by_the_work_of_their_operators():
     """A normalization's operator is O(d) (not its dense blocks' G N^2 entries), a product of activations
     costs its multiply-adds, attention its two products and the softmax of its scores."""
-    from spscan.choices import unit_cost_terms, unit_work
-
     B = 4
     gn = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.Softmax(1))
     plan = spscan.plan(gn, torch.randn(B, 3, 16, 16))
     _, norm, soft = plan.units
     d = 32 * 16 * 16
     for u in (norm, soft):
-        assert u.cost_family == "LayerNormUnit" and unit_work(u, B) == B * 3 * d
+        assert u.cost_family == "LayerNormUnit" and u.cost_work(B) == B * 3 * d
         assert u.pattern.nnz >= 32 * d  # the dense blocks the work no longer counts
 
     class Attend(nn.Module):
@@ -299,9 +297,9 @@ def test_units_are_priced_by_the_work_of_their_operators():
     S, E = 6, 5
     w = spscan.wrap(Attend(), torch.randn(B, S, E), backward="scan")
     kinds = {u.name: u for u in w.plan.units}
-    (t,) = unit_cost_terms(kinds["matmul"], B)
+    (t,) = kinds["matmul"].cost_terms(B)
     assert t[0] == "LinearUnit" and t[1] >= B * S * E * S  # the first product: (S, E) @ (E, S)
-    (prod, soft) = unit_cost_terms(kinds["attention"], B)
+    (prod, soft) = kinds["attention"].cost_terms(B)
     assert prod[0] == "LinearUnit" and prod[1] >= B * 2 * S * S * S  # q k^T and P v; q, k, v (S, S)
     assert soft == ("LayerNormUnit", B * 3 * S * S)
 

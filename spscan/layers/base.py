@@ -304,17 +304,21 @@ class LayerUnit(abc.ABC):
 
     @property
     def cost_entries(self) -> int:
-        """What a unit's work per sample scales with besides its input and output elements, for the step
-        profile (:func:`spscan.choices.unit_work`): the stored entries of ``J^T``, which a structured
-        operator or a CSR product reads once each. A unit whose operator does less than its CSR pattern
-        holds says so (the normalizations: O(d) against dense blocks)."""
+        """What a unit's work per sample scales with besides its input and output elements: the stored
+        entries of ``J^T``, which a structured operator or a CSR product reads once each. A unit whose
+        operator does less than its CSR pattern holds says so (the normalizations: O(d) against dense
+        blocks)."""
         return int(self.pattern.nnz)
 
-    def cost_terms(self, batch: int) -> Optional[list[tuple]]:
+    def cost_work(self, batch: int) -> float:
+        """The work measure of this unit at batch ``batch``: ``B * (cost_entries + d_in + d_out)``."""
+        return float(batch) * (self.cost_entries + self.d_in + self.d_out)
+
+    def cost_terms(self, batch: int) -> list[tuple]:
         """The terms a step profile prices for this unit at batch ``batch`` (see
-        :meth:`~spscan.planner.step_profile.StepProfile.layers_time`), or ``None``: one layer of
-        :attr:`cost_family` and the work ``B * (cost_entries + d_in + d_out)`` (what most analytic units are)."""
-        return None
+        :meth:`~spscan.planner.step_profile.StepProfile.layers_time`): one layer of :attr:`cost_family`
+        and :meth:`cost_work` (what most analytic units are)."""
+        return [(self.cost_family, self.cost_work(batch))]
 
     @property
     def has_operator(self) -> bool:

@@ -109,14 +109,14 @@ class OpaqueUnit(LayerUnit):
     def tensors(self) -> list[torch.Tensor]:
         return [p for _, p in self._params]
 
-    def cost_terms(self, batch: int) -> Optional[list[tuple]]:
+    def cost_terms(self, batch: int) -> list[tuple]:
         """Its own operations (:func:`counted_call`), the same in both regimes (native constants), and one
         layer of this family (the default layer's, as no profile fits one) for the call's wrapping: the
         scan runs the node's call on a detached input and asks autograd for its vector-Jacobian product."""
-        if self.own_cost is None:
-            return None
-        return [(f, batch * w, "native") for f, w in self.own_cost] + [
-            (self.cost_family, float(batch) * (self.d_in + self.d_out))]
+        wrapping = super().cost_terms(batch)  # no J^T entries: a layer of its input and output elements
+        if self.own_cost is None:  # torch could not count its operations: that layer alone
+            return wrapping
+        return [(f, batch * w, "native") for f, w in self.own_cost] + wrapping
 
     def parameters_for_roles(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
         return [(p, None) for _, p in self._params]

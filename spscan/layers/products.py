@@ -24,15 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, UnitCapabilities
+from spscan.layers.base import LayerUnit, UnitCapabilities, _prod
 
 __all__ = ["ProductUnit", "AttentionUnit"]
 
 KINDS = ("matmul", "mul")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
 
 
 class _Product(nn.Module):
@@ -115,14 +111,14 @@ class ProductUnit(_GraphProduct):
     def name(self) -> str:
         return "matmul" if self.kind == "matmul" else "product"
 
-    def cost_terms(self, batch: int) -> Optional[list[tuple]]:
+    def cost_terms(self, batch: int) -> list[tuple]:
         """A matrix product is priced as a linear layer of its multiply-adds (its forward and two
         backward products are a Linear's); an elementwise product as an elementwise layer."""
-        elements = self.d_in + _numel(self.in_shapes[1]) + self.d_out
+        elements = self.d_in + _prod(self.in_shapes[1]) + self.d_out
         if self.kind != "matmul":
             return [("ElementwiseUnit", float(batch) * elements)]
         a, b = self.in_shapes
-        macs = _numel(a) * b[-1]
+        macs = _prod(a) * b[-1]
         return [("LinearUnit", float(batch) * (macs + elements))]
 
     def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
@@ -196,15 +192,15 @@ class AttentionUnit(_GraphProduct):
     def name(self) -> str:
         return "attention"
 
-    def cost_terms(self, batch: int) -> Optional[list[tuple]]:
+    def cost_terms(self, batch: int) -> list[tuple]:
         """Its products priced as a linear layer of their multiply-adds (``q k^T`` and ``P v``; the
         backward's four, with ``q k^T`` again to recompute ``P``) and its softmax as a normalization of
         the ``L x S`` scores."""
         q, k, v = (self.in_shapes[i] for i in self.slots)
-        lead = _numel(q[:-2])
+        lead = _prod(q[:-2])
         scores = lead * q[-2] * k[-2]
         macs = scores * (q[-1] + v[-1])
-        elements = sum(_numel(s) for s in self.in_shapes) + self.d_out
+        elements = sum(_prod(s) for s in self.in_shapes) + self.d_out
         return [("LinearUnit", float(batch) * (macs + elements)), ("LayerNormUnit", float(batch) * 3 * scores)]
 
     def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
