@@ -79,6 +79,9 @@ class Row:
     other_s: Optional[float] = None
     predicted_other_s: Optional[float] = None
     other_refused: Optional[str] = None
+    # the further candidates not chosen (three on a GPU: scan, native, graph), each forced and timed too:
+    # [{"name", "predicted_s", "measured_s"}]
+    more: list = field(default_factory=list)
     option_refused: Optional[str] = None  # wrap(..., backward="auto") refused, wrap(...) did not
     grad_rel_diff: Optional[float] = None
     wrong: Optional[str] = None  # the wrapped gradients differ from autograd's: not timed
@@ -112,6 +115,7 @@ class Decision:
     other: Optional[str] = None
     other_predicted_s: Optional[float] = None
     explain: str = ""
+    more: list = field(default_factory=list)  # further candidates not chosen: (name, predicted seconds)
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -152,9 +156,12 @@ def read_decision(wrapped: Any) -> Decision:
     name = str(getattr(chosen, "name", "scan"))
     out = Decision(chosen=name, predicted_s=getattr(chosen, "predicted_s", None))
     for c in getattr(dec, "candidates", None) or ():
-        if getattr(c, "name", None) != name:
+        if getattr(c, "name", None) == name:
+            continue
+        if out.other is None:
             out.other, out.other_predicted_s = str(c.name), getattr(c, "predicted_s", None)
-            break
+        else:
+            out.more.append((str(c.name), getattr(c, "predicted_s", None)))
     explain = getattr(dec, "explain", None)
     if callable(explain):
         try:
@@ -200,8 +207,9 @@ def row_notes(row: Row, bar: float = BAR) -> list[str]:
         notes.append("native backward chosen")
     if row.other_refused:
         notes.append(f"{row.other} {row.other_refused}")
-    if choice_lost(row.chosen_s, row.other_s):
-        notes.append(f"choice lost ({row.other} {_ms(row.other_s)} ms)")
+    for name, measured in [(row.other, row.other_s)] + [(m["name"], m.get("measured_s")) for m in row.more]:
+        if choice_lost(row.chosen_s, measured):
+            notes.append(f"choice lost ({name} {_ms(measured)} ms)")
     if row.ratio is not None and row.ratio < bar:
         notes.append(f"below {bar:g}")
     return notes
@@ -302,6 +310,14 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
             sides.append((wrap(other_model, x, backward=row.other), other_head, other_model))
         except Exception as e:  # noqa: BLE001
             row.other_refused = refusal(e)
+        if len(sides) == 3:
+            for name, predicted in dec.more:
+                more_model, more_head = copy.deepcopy(plain), copy.deepcopy(plain_head)
+                try:
+                    sides.append((wrap(more_model, x, backward=name), more_head, more_model))
+                except Exception:  # noqa: BLE001 - an alternative that cannot run is not timed
+                    continue
+                row.more.append({"name": name, "predicted_s": predicted, "measured_s": None})
 
     def stepper(net, hd, mod):  # the parameters are the unwrapped module's (the wrapper shares them)
         params = list(mod.parameters()) + (list(hd.parameters()) if hd is not None else [])
@@ -367,6 +383,8 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
     row.chosen_s = statistics.median(t[1] for t in times)
     if len(steps) > 2:
         row.other_s = statistics.median(t[2] for t in times)
+    for k, m in enumerate(row.more):
+        m["measured_s"] = statistics.median(t[3 + k] for t in times)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -387,7 +405,10 @@ COLUMNS = ["model", "device", "threads", "batch", "choice", "ratio vs autograd (
 
 
 def format_row(r: Row) -> str:
-    other = "-" if r.other is None else f"{r.other}: {_ms(r.predicted_other_s)} / {_ms(r.other_s)}"
+    other = "-" if r.other is None else "; ".join(
+        f"{name}: {_ms(p)} / {_ms(m)}" for name, p, m in
+        [(r.other, r.predicted_other_s, r.other_s)] + [(d["name"], d.get("predicted_s"), d.get("measured_s"))
+                                                       for d in r.more])
     choice = "-" if r.refused else r.choice
     notes = "; ".join(r.notes or row_notes(r)).replace("|", "\\|")
     cells = [r.model, r.device, r.threads_label or str(r.threads), str(r.batch), choice, _ratio(r),

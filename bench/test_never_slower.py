@@ -67,10 +67,16 @@ class _Summary:
 
 @pytest.fixture(scope="module", autouse=True)
 def _table(request):
-    """Writes the table (``NEVER_SLOWER_OUT``) after the module's last row."""
+    """Prints the summary line at the end; writes the table (``NEVER_SLOWER_OUT``) once more."""
     plugin = _Summary()
     request.config.pluginmanager.register(plugin, "never-slower-summary")
     yield
+    _write()
+
+
+def _write() -> None:
+    """The table of the rows so far (``NEVER_SLOWER_OUT``): written after every row, so a run stopped
+    at a time limit keeps what it measured."""
     out = os.environ.get("NEVER_SLOWER_OUT")
     if out and RECORDED:
         header = ns.default_header(_machine(), os.environ.get("NEVER_SLOWER_DATE"))
@@ -89,6 +95,7 @@ def test_never_slower(benchmark, case, threads, device):
 
     row = ns.measure_row(case, device, threads=n, threads_label=label, run_rounds=run_rounds, **TIMING)
     RECORDED.append(row)
+    _write()
     # spscan.wrap with backward="auto" refuses no model (what the scan cannot plan runs autograd's backward): a
     # refusal is recorded in the table and fails the row
     assert not row.refused, f"{row.label()}: {row.refused}"

@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "recurrent_features",
+__all__ = ["OPTIONAL_REGIMES", "REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "recurrent_features",
            "reference_profile"]
 
 REGIMES = ("native", "scan")
+#: regimes a profile may price besides :data:`REGIMES`: ``graph``, the scan's backward replayed from a CUDA
+#: graph (a GPU profile's); a profile either prices one for every family or not at all
+OPTIONAL_REGIMES = ("graph",)
 FORMAT = 2
 _DATA = Path(__file__).with_name("data")
 
@@ -75,6 +78,10 @@ class StepProfile:
     fitted_on: str = ""
 
     # ---------------------------------------------------------------- predictions
+
+    def has_regime(self, regime: str) -> bool:
+        """Whether this profile prices ``regime`` (every profile prices :data:`REGIMES`)."""
+        return regime in self.base
 
     def _family(self, family: str) -> dict[str, tuple[float, float]]:
         got = self.families.get(family)
@@ -116,9 +123,11 @@ class StepProfile:
             raise ValueError(f"step profile format {d.get('format')!r}, expected {FORMAT}")
         fams = {f: {r: _pair(v) for r, v in regs.items()} for f, regs in d["families"].items()}
         rec = {c: {r: _quad(v) for r, v in regs.items()} for c, regs in d.get("recurrent", {}).items()}
-        base = {r: float(d["base"][r]) for r in REGIMES}
-        if "default" not in fams or any(set(v) != set(REGIMES) for v in fams.values()):
-            raise ValueError("step profile: every family needs both regimes, and a 'default' family is required")
+        regimes = set(REGIMES) | {r for r in OPTIONAL_REGIMES if r in d["base"]}
+        base = {r: float(d["base"][r]) for r in sorted(regimes)}
+        if "default" not in fams or any(set(v) != regimes for v in fams.values()):
+            raise ValueError(f"step profile: every family needs the regimes {sorted(regimes)} (the base's), and a "
+                             "'default' family is required")
         return cls(str(d["name"]), str(d["device_type"]), base, fams, rec, str(d.get("source", "reference")),
                    str(d.get("fitted_on", "")))
 

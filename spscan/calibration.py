@@ -22,7 +22,7 @@ from scipy.optimize import nnls
 from spscan.api import wrap
 from spscan.choices import current_key, device_label
 from spscan.model import plan_model
-from spscan.planner.step_profile import (REGIMES, StepProfile, cache_dir, forget_loaded, recurrent_features,
+from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, StepProfile, cache_dir, forget_loaded, recurrent_features,
                                          reference_profile)
 
 __all__ = ["calibrate"]
@@ -86,7 +86,12 @@ def _step_of(net: nn.Module, x: torch.Tensor) -> Callable[[], None]:
 
 
 def _wrapped(model: nn.Module, x: torch.Tensor, regime: str, **options: Any) -> nn.Module:
-    return model if regime == "native" else wrap(model, x, backward="scan", **options)
+    return model if regime == "native" else wrap(model, x, backward=regime, **options)
+
+
+def _regimes(device: torch.device) -> tuple[str, ...]:
+    """The regimes a layer's step is timed in: on a GPU also the scan replayed from a CUDA graph."""
+    return REGIMES + OPTIONAL_REGIMES if device.type == "cuda" else REGIMES
 
 
 def _layer_time(make, in_shape, batch, regime, device, dtype, reps, csr: bool) -> tuple[float, float]:
@@ -109,14 +114,15 @@ def _fit(rows: list[list[float]], times: list[float]) -> list[float]:
 
 def _fit_families(device, dtype, reps) -> tuple[dict, dict]:
     base: dict[str, float] = {}
-    for regime in REGIMES:
+    regimes = _regimes(device)
+    for regime in regimes:
         x = torch.randn((8, 4), device=device, dtype=dtype, requires_grad=True)
         base[regime] = _median_step(_step_of(_wrapped(nn.Sequential(nn.Identity()).to(device, dtype), x, regime), x),
                                     device, reps)
     families: dict[str, dict[str, tuple[float, float]]] = {}
     for family, samples in _FAMILIES.items():
         families[family] = {}
-        for regime in REGIMES:
+        for regime in regimes:
             rows, times = [], []
             for make, shape, batch in samples:
                 work, t = _layer_time(make, shape, batch, regime, device, dtype, reps, family == "csr")
@@ -127,7 +133,7 @@ def _fit_families(device, dtype, reps) -> tuple[dict, dict]:
     # a layer of a family not timed here costs what the costliest timed elementwise family does per element
     generic = ("ElementwiseUnit", "LayerNormUnit", "MaxPoolUnit/window")
     families["default"] = {r: max((families[f][r] for f in generic), key=lambda v: v[0] + v[1] * 1e5)
-                           for r in REGIMES}
+                           for r in regimes}
     return base, families
 
 

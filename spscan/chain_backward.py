@@ -18,7 +18,7 @@ import torch
 from spscan.autograd import keep_graph
 from spscan.layers import UnitOperator
 
-__all__ = ["ForwardState", "Jacobians", "StepBackward", "collect_param_grads", "unit_param_grads"]
+__all__ = ["RELEASED", "ForwardState", "Jacobians", "StepBackward", "collect_param_grads", "unit_param_grads"]
 
 
 class Jacobians(Sequence[torch.Tensor]):
@@ -104,12 +104,18 @@ def collect_param_grads(param_roles, per_unit) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- the wrapper's step
 
 
+RELEASED = ("Trying to backward through the graph a second time (or directly access saved tensors after they "
+            "have already been freed): the spscan-wrapped module's saved activations were freed by the first "
+            "backward; specify retain_graph=True there")
+
+
 class ForwardState:
     """What one forward keeps for the backward (a non-tensor output of the autograd function)."""
 
     def __init__(self, saved: list[Any], tensors: list[list[torch.Tensor]], x_shape: torch.Size) -> None:
         self.saved, self.tensors, self.x_shape = saved, tensors, x_shape
         self.released = False  # the wrapper's backward freed the activations (graph not retained)
+        self.graph = False  # the backward replays from a CUDA graph (spscan.graphed)
 
 
 class _FusedOperator(UnitOperator):
@@ -211,9 +217,7 @@ class StepBackward:
         """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy``
         ``(B, *out_shape)``."""
         if st.released:
-            raise RuntimeError("Trying to backward through the graph a second time (or directly access saved "
-                               "tensors after they have already been freed): the spscan-wrapped module's saved "
-                               "activations were freed by the first backward; specify retain_graph=True there")
+            raise RuntimeError(RELEASED)
         if self.chain is not None:
             return self._run_chain(st, g)
         return self._run_general(st, g.reshape(g.shape[0], -1))

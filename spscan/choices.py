@@ -22,7 +22,7 @@ from spscan.planner.step_profile import StepProfile, load_step_profile, machine_
 __all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "current_key", "device_label",
            "layers_decision", "recurrent_decision", "sequence_signature", "step_profile"]
 
-BACKWARD_MODES = ("auto", "scan", "native")
+BACKWARD_MODES = ("auto", "scan", "native", "graph")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
 #: backward: near a tie the prediction's error could make the scan the slower one, and native never loses
 SCAN_MARGIN = 1.1
@@ -50,19 +50,31 @@ def step_profile(device: Optional[torch.device]) -> StepProfile:
     return load_step_profile(dev.type, current_key(dev), torch.get_num_threads())
 
 
-def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile) -> Decision:
+GRAPH_DETAIL = "the scan's backward replayed from a CUDA graph"
+
+
+def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
+            graph: Optional[float] = None) -> Decision:
     cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward")]
+    if graph is not None:
+        cands.append(Candidate("graph", graph, GRAPH_DETAIL))
     return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), incumbent="native",
                   margin=SCAN_MARGIN)
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
                     scan_detail: str) -> Decision:
-    """Scan or native for a chain or traced graph of ``units`` at batch ``batch``."""
+    """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan
+    replayed from a CUDA graph (``graph``), where the profile prices it and no unit's saved state
+    carries an autograd graph (:attr:`~spscan.layers.UnitCapabilities.autograd_state`)."""
     prof = step_profile(device)
     layers = [t for u in units for t in u.cost_terms(batch)]
+    graph = None
+    if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
+            and not any(u.capabilities.autograd_state for u in units)):
+        graph = prof.layers_time(layers, "graph")
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
-                   scan_detail, mode, prof)
+                   scan_detail, mode, prof, graph)
 
 
 def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: int, batch: int,
@@ -87,8 +99,10 @@ class BackwardChoice(abc.ABC):
         self._decisions: dict[Hashable, Decision] = {}
         # the last signature, in a plain dict: setting a module attribute on every call costs microseconds
         self._seen: dict[str, Any] = {"last": first}
-        if first is not None and mode == "auto":
-            self._decision_for(first)  # planned with the example input: decided now, not in the first step
+        if first is not None:
+            # planned with the example input: decided now, not in the first step (a forced mode that is not
+            # a candidate here, "graph" off a GPU, is refused now)
+            self._decision_for(first)
 
     @abc.abstractmethod
     def _backward_decision(self, key: Hashable) -> Decision:
@@ -105,9 +119,14 @@ class BackwardChoice(abc.ABC):
         """Whether a call of signature ``key`` runs the model's own backward (``None``: an input the scan's
         checks will refuse, never native unless forced). Called on every forward: a dictionary lookup
         once the signature was seen."""
+        return self._choice(key) == "native"
+
+    def _choice(self, key: Optional[Hashable]) -> str:
+        """The candidate a call of signature ``key`` runs: the forced mode, else the decision's choice
+        (``"scan"`` for ``None``, an input the scan's checks will refuse)."""
         if self.backward_mode != "auto":
-            return self.backward_mode == "native"
-        return key is not None and self._decision_for(key).chosen.name == "native"
+            return self.backward_mode
+        return "scan" if key is None else self._decision_for(key).chosen.name
 
     @property
     def decision(self) -> Optional[Decision]:

@@ -74,7 +74,8 @@ import torch.nn as nn
 
 from spscan.autograd import apply as autograd_apply, refuse_functorch
 from spscan.chain_backward import ForwardState, Jacobians, collect_param_grads
-from spscan.graph_segments import BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied
+from spscan.graph_segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
+                                   segment_plans)
 from spscan.graph_trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
 from spscan.layers.registry import NODE_UNITS, supported_node_targets
 from spscan.model import ModelPlan, SpscanModule, levels_for_coupled_layers, plan_chain
@@ -243,10 +244,12 @@ class GraphPlan(ModelPlan):
         with torch.no_grad():
             return collect_param_grads(self.param_roles, self.unit_param_grads(jac.saved, jac.tensors, grads, needed))
 
-    def scan_backward(self, state: ForwardState, grad_outputs: tuple, needs: tuple) -> tuple:
-        """The autograd front end's backward (:class:`spscan.autograd.FrontEnd`): block values, the
-        block-level scan, then every branch's inner scan and all parameter gradients."""
-        gy = grad_outputs[0]
+    def engine_plans(self) -> list:
+        return [self.core, *segment_plans(self.segments)]
+
+    def _eager_backward(self, state: ForwardState, gy: torch.Tensor, needs: tuple) -> tuple:
+        """The autograd front end's backward (:class:`spscan.autograd.FrontEnd`) as it runs eagerly: block
+        values, the block-level scan, then every branch's inner scan and all parameter gradients."""
         needed, pos = [], 1
         for u in self.units:
             needed.append(list(needs[pos:pos + len(u.roles)]))
@@ -338,9 +341,11 @@ class GraphSpscanModule(SpscanModule):
     """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native(batch_of(x)):
+        choice = self._choice(batch_of(x))
+        if choice == "native":
             return self.model(x)
         refuse_functorch()
+        self.plan.graph_backward = choice == "graph"
         self.plan._check_input(x)
         self.plan._check_layers()
         if x.shape[0] == 0:
@@ -355,4 +360,4 @@ def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     backward = plan_kwargs.pop("backward", option_default("backward"))
     plan = plan_graph(model, example_input, **plan_kwargs)
     cls = GraphSpscanModule if isinstance(plan, GraphPlan) else SpscanModule
-    return cls(model, plan, backward, example_input.shape[0])
+    return cls(model, plan, backward, example_input.shape[0], example_input.device)

@@ -18,7 +18,7 @@ from spscan.layers.registry import JOIN_ADD as _ADD
 from spscan.plan import build_composite, build_plan
 from spscan.planner.blocks import block_union, identity_pattern, place, product_pattern, union_pattern
 
-__all__ = ["BlockOperator", "FilledOperator", "Leaf", "LiveOperator", "LiveStep", "Parallel", "grads_while_applied"]
+__all__ = ["segment_plans", "BlockOperator", "FilledOperator", "Leaf", "LiveOperator", "LiveStep", "Parallel", "grads_while_applied"]
 
 
 class Leaf:
@@ -436,3 +436,21 @@ class LiveOperator(StructuredOperator):
 
     def values(self) -> torch.Tensor:
         return self.step.fill(self.saved, self.T)[0]
+
+
+def segment_plans(segments: Sequence[Any]) -> list:
+    """The engine plans ``segments`` run (leaves' one-layer plans, parallel blocks' composites made so
+    far), nested blocks included: what a recorded backward reads besides its inputs."""
+    out: list = []
+    for s in segments:
+        if isinstance(s, Leaf):
+            if s.spmv_plan is not None:
+                out.append(s.spmv_plan)
+        elif isinstance(s, Parallel):
+            out += [c for c in s._composites if c is not None]
+            for br in s.branches:
+                out += segment_plans(br)
+        elif isinstance(s, LiveStep) and s.leaf is not None:
+            out += segment_plans([s.leaf])
+    return out
+

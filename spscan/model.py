@@ -24,10 +24,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from spscan.autograd import apply as autograd_apply, refuse_functorch
-from spscan.chain_backward import (ForwardState, Jacobians, StepBackward, collect_param_grads,  # noqa: F401
-                                   unit_param_grads)
+from spscan.autograd import apply as autograd_apply, keep_graph, refuse_functorch
+from spscan.chain_backward import (RELEASED, ForwardState, Jacobians, StepBackward,  # noqa: F401
+                                   collect_param_grads, unit_param_grads)
 from spscan.errors import NotPlannable
+from spscan.graphed import GraphedCall
 from spscan.engine import check_inputs
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, batch_of, layers_decision
@@ -177,6 +178,9 @@ class ModelPlan:
             ends.append(ends[-1] + len(u.roles))
         self._role_slices = [slice(a, b) for a, b in zip(ends, ends[1:])]
         self._steps: dict[tuple, StepBackward] = {}
+        # the wrapper's backward replayed from CUDA graphs (on a GPU, where the wrapper chose "graph")
+        self.graph_backward = False
+        self._graphed = GraphedCall()
 
     element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
 
@@ -414,19 +418,55 @@ class ModelPlan:
         # grad mode is off here: the layers read the tensors as they are (no detached copies)
         tensors = [list(flat[sl]) for sl in self._role_slices]
         y, saved = self._run(x.detach(), tensors)
-        return (y,), ForwardState(saved, tensors, x.shape)
+        state = ForwardState(saved, tensors, x.shape)
+        state.graph = self.graph_backward
+        return (y,), state
 
     def scan_backward(self, state: "ForwardState", grad_outputs: tuple, needs: tuple) -> tuple:
-        gy = grad_outputs[0]
-        return self._step_backward((False, *needs), gy.device).run(state, gy.contiguous())[1:]
+        """The autograd front end's backward: :meth:`_eager_backward`, replayed from a CUDA graph per
+        signature where the forward was told to (:attr:`graph_backward`, :mod:`spscan.graphed`)."""
+        gy = grad_outputs[0].contiguous()
+        if not state.graph:
+            return self._eager_backward(state, gy, needs)
+        if state.released:
+            raise RuntimeError(RELEASED)
+        x_shape = state.x_shape
+
+        def backward(saved, tensors, g):
+            return self._eager_backward(ForwardState(saved, tensors, x_shape), g, needs)
+
+        out = self._graphed(backward, (state.saved, state.tensors, gy), (needs, tuple(x_shape), self._dynamic_key()),
+                            self.engine_buffers)
+        if not keep_graph():  # as the eager backward frees the activations once they are read
+            state.released = True
+            state.saved = None
+        return out
+
+    def _eager_backward(self, state: "ForwardState", gy: torch.Tensor, needs: tuple) -> tuple:
+        return self._step_backward((False, *needs), gy.device).run(state, gy)[1:]
+
+    def engine_plans(self) -> list:
+        """The engine plans a backward runs (their bindings' buffers are read by a recorded graph)."""
+        return [self.core]
+
+    def engine_buffers(self) -> list[torch.Tensor]:
+        """The buffers the engine's bound plans hold now (kept alive with a recorded backward)."""
+        return [t for p in self.engine_plans() for b in p.bindings() for t in b.held_buffers()]
+
+    def release_graphs(self) -> None:
+        """Drop the backward's recorded CUDA graphs and their buffers."""
+        self._graphed.release()
+
+    def _dynamic_key(self) -> tuple:
+        """The state of the units whose sharedness or operator flag follows the module's mode."""
+        return tuple((u.shared, (self.use_operators and u.has_operator) or not u.has_csr_values)
+                     for u in self._dynamic_units) if self._dynamic_units else ()
 
     def _step_backward(self, needs_input_grad: tuple, device: torch.device) -> StepBackward:
         """The wrapper's backward for one signature, decided once and cached: which inputs need
         gradients (``needs_input_grad`` of the autograd function), the device, and the state of the
         units whose sharedness or operator flag follows the module's mode (dropout, batch-norm)."""
-        dynamic = tuple((u.shared, (self.use_operators and u.has_operator) or not u.has_csr_values)
-                        for u in self._dynamic_units) if self._dynamic_units else ()
-        key = (needs_input_grad, device, dynamic)
+        key = (needs_input_grad, device, self._dynamic_key())
         hit = self._steps.get(key)
         if hit is None:
             hit = self._steps[key] = StepBackward(self, needs_input_grad, device)
@@ -653,6 +693,15 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
 # ----------------------------------------------------------------------------- wrap
 
 
+def model_device(model: nn.Module) -> Optional[torch.device]:
+    """Where ``model``'s parameters (else buffers) live; ``None`` for a model without either."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
 class SpscanModule(BackwardChoice, nn.Module):
     """``model`` with the same forward, whose backward runs through the scan.
 
@@ -662,22 +711,28 @@ class SpscanModule(BackwardChoice, nn.Module):
     autograd backward: :attr:`decision`, :meth:`explain`), ``"scan"`` or ``"native"``.
     """
 
-    def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None):
+    def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
+                 device: Optional[torch.device] = None):
         super().__init__()
         self.model = model
         self.plan = plan
+        # where the steps run, for the choice: the plan's device, else the model's, else the example input's
+        self._example_device = device
         self._init_choice(backward, batch)
 
     def _backward_decision(self, batch) -> Decision:
         plan = self.plan
         detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
-        return layers_decision(plan.units, batch, plan.core.device, self.backward_mode, detail)
+        device = plan.core.device or model_device(self.model) or self._example_device
+        return layers_decision(plan.units, batch, device, self.backward_mode, detail)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native(batch_of(x)):
+        choice = self._choice(batch_of(x))
+        if choice == "native":
             return self.model(x)
         refuse_functorch()
         plan = self.plan
+        plan.graph_backward = choice == "graph"
         # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
         flat = plan._flat_tensors()
         plan._check_input(x, flat)
@@ -694,4 +749,5 @@ def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
     """
     backward = plan_kwargs.pop("backward", option_default("backward"))
-    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0])
+    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0],
+                        example_input.device)

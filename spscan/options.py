@@ -75,9 +75,10 @@ OPTIONS: tuple[Option, ...] = (
            'forward-direction scan) or "auto".'),
     Option("backward", "auto", _MODELS,
            '(spscan.wrap) "auto" (the cost model chooses, per input signature, the scan or the model\'s own '
-           'autograd backward, whichever it predicts faster: wrapped.explain() says which and why), "scan" or '
-           '"native" (always the model\'s own backward: autograd\'s gradients bit for bit). The environment '
-           'variable SPSCAN_BACKWARD sets the default.'),
+           'autograd backward, whichever it predicts faster: wrapped.explain() says which and why), "scan", '
+           '"native" (always the model\'s own backward: autograd\'s gradients bit for bit) or "graph" (on a GPU, a '
+           'chain or traced model\'s scan backward replayed from a CUDA graph per input signature; bitwise equal '
+           'to "scan"). The environment variable SPSCAN_BACKWARD sets the default.'),
     Option("newton", None, frozenset({RECURRENT}),
            "a spscan.newton.NewtonOptions (or a dict of its fields) for forward='newton'/'auto'."),
 )

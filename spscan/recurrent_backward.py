@@ -13,88 +13,41 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from spscan.autograd import apply as autograd_apply, flatten_tensors, map_tensors
+from spscan.autograd import apply as autograd_apply
+from spscan.graphed import GraphedCall
 from spscan.kernels.backend import cpu_ops
 
-__all__ = ["GraphedBackward", "any_nonzero", "compiled_weight_grads", "copy_all", "reduce_in_scan", "run_wrapped",
+__all__ = ["GraphedBackward", "any_nonzero", "compiled_weight_grads", "reduce_in_scan", "run_wrapped",
            "split_hx", "weight_grad",
            "weight_grads_compile"]
 
 
-def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i``, as one call where torch has it (a dozen copies per backward)."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
-
-
 class GraphedBackward:
-    """A recurrent backward's device work replayed from one CUDA graph per input signature.
+    """A recurrent backward's device work replayed from one CUDA graph per input signature: a
+    :class:`~spscan.graphed.GraphedCall` of :meth:`RecurrentPlan._backward` whose signature also holds
+    which gradients are wanted and the sequence's shape, and which keeps the engine's buffers the graph
+    reads (a later batch size makes the engine hold new ones, and a replay must not write into memory
+    handed to something else).
 
     The wrapper's backward on a GPU is many small launches (the values' and gradients' loads, the
     scan, the gathers of the gate gradients, the parameter GEMMs), and their host cost exceeded their
-    device time. The first call with a signature (shapes, strides and dtypes of every tensor read:
-    the upstream gradients and everything the forward saved, the module's weights included) copies
-    its inputs into buffers of its own, runs the backward eagerly on them (this call's result), then
-    records the same backward in a graph; a later call copies its inputs into those buffers, replays
-    the graph and returns copies of its outputs. The copies make the graph independent of where the
-    caller's tensors live; the weights are inputs too, so a parameter replaced by a new tensor is
-    read where it is. A signature whose capture fails runs eagerly from then on.
-    """
+    device time. The weights are inputs too, so a parameter replaced by a new tensor is read where it is."""
 
-    MAX_GRAPHS = 4
+    def __init__(self, record=None) -> None:
+        self.call = GraphedCall(record)
 
-    def __init__(self) -> None:
-        self.entries: dict = {}
-        self.eager: set = set()
+    @property
+    def entries(self) -> dict:
+        return self.call.entries
 
     def __call__(self, plan, saved, args: tuple, wanted) -> dict:
-        skeleton, tensors = flatten_tensors((saved, args))
-        key = (wanted, saved.T, saved.B, saved.unbatched, tuple(a is None for a in args),
-               tuple(k for k, v in sorted(saved.__dict__.items()) if v is None),
-               tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
-        if key in self.eager:
-            return plan._backward(saved, *args, wanted)
-        # one buffer per distinct tensor (the RNN's Jacobian factor is also one of its coefficients)
-        first: dict = {}
-        slot = [first.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), i) for i, t in enumerate(tensors)]
-        key = key + (tuple(slot),)
-        unique = [tensors[i] for i in sorted(set(slot))]
-        hit = self.entries.get(key)
-        if hit is not None:
-            static, replay, out, _ = hit
-            copy_all(static, unique)
-            replay()
-            return {k: (v.clone() if v is not None else None) for k, v in out.items()}
-        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in unique]
-        copy_all(static, unique)
-        at = {i: static[n] for n, i in enumerate(sorted(set(slot)))}
-        s_saved, s_args = map_tensors(skeleton, lambda sl: at[slot[sl.index]])
-        result = plan._backward(s_saved, *s_args, wanted)  # eager: compiles, binds, and gives this call's result
-        try:
-            replay, out = self.record(lambda: plan._backward(s_saved, *s_args, wanted), saved.device)
-        except Exception:  # a backward the graph cannot record runs eagerly (results are the same)
-            self.eager.add(key)
-            return result
-        if len(self.entries) >= self.MAX_GRAPHS:  # shapes of old calls: drop their graphs and buffers
-            self.entries.pop(next(iter(self.entries)))
-        # the engine's buffers the graph wrote and read stay alive with it: a later batch size makes the
-        # engine hold new ones, and a replay must not write into memory handed to something else
-        held = [b.held_buffers() for b in plan.bindings_for(saved.T, saved.device, saved.dtype)]
-        self.entries[key] = (static, replay, out, held)
-        return result
+        def backward(s_saved, s_args):
+            return plan._backward(s_saved, *s_args, wanted)
 
-    @staticmethod
-    def record(fn, device: torch.device):
-        """``fn``'s launches as a CUDA graph: ``(replay, outputs)``; a replay rewrites the outputs in place."""
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph.replay, out
+        def hold() -> list:
+            return [b.held_buffers() for b in plan.bindings_for(saved.T, saved.device, saved.dtype)]
+
+        return self.call(backward, (saved, args), (wanted, saved.T, saved.B, saved.unbatched), hold)
 
 
 #: the reduction in the scan pays for every lane of a tile, used or not: it is taken where at least this
