@@ -72,7 +72,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn as nn
 
-from spscan.autograd import apply as autograd_apply, refuse_functorch
+from spscan.autograd import refuse_functorch
 from spscan.chain_backward import ForwardState, Jacobians, collect_param_grads
 from spscan.graph_segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
@@ -345,13 +345,12 @@ class GraphSpscanModule(SpscanModule):
         if choice == "native":
             return self.model(x)
         refuse_functorch()
-        self.plan.graph_backward = choice == "graph"
         self.plan._check_input(x)
         self.plan._check_layers()
         if x.shape[0] == 0:
             return self.model(x)
         flat = [t for u in self.plan.units for t in u.tensors()]
-        return autograd_apply(self.plan, x, *flat)[0]
+        return self.plan.run_step(x, flat, choice == "graph")
 
 
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

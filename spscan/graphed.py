@@ -31,14 +31,15 @@ modules (:class:`spscan.recurrent_backward.GraphedBackward`); imports no front e
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from spscan.autograd import flatten_tensors, map_tensors
+from spscan.autograd import flatten_tensors, keep_graph, map_tensors, refuse_second_derivative
 from spscan.engine import PeriodicValues
 
-__all__ = ["GraphedCall", "copy_all", "record_cuda_graph"]
+__all__ = ["GraphedCall", "GraphedStep", "copy_all", "record_cuda_graph"]
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -105,23 +106,44 @@ def _walk(value: Any, tensors: list[torch.Tensor], atoms: list) -> None:
 _TENSOR = object()  # a tensor's place in a signature's trace
 
 
+def _packing(outputs: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+    """One buffer per dtype for ``outputs``: ``(flats, views)``, ``flats`` as :func:`_copies` reads them and
+    ``views[i]`` the place of ``outputs[i]`` in its buffer (what a recorded call copies its outputs into)."""
+    groups: dict = {}
+    for i, t in enumerate(outputs):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    flats, views = [], [None] * len(outputs)
+    for (dtype, dev), idx in groups.items():
+        sizes = [outputs[i].numel() for i in idx]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
+        for i, piece in zip(idx, flat.split(sizes)):
+            views[i] = piece.view(outputs[i].shape)
+        flats.append((flat, sizes, [(i, outputs[i].shape) for i in idx]))
+    return flats, views
+
+
+def _copies(skeleton: Any, flats: list, n: int) -> Any:
+    """The outputs a replay wrote into ``flats``, copied (one copy per buffer), in ``skeleton``'s structure."""
+    parts: list[Optional[torch.Tensor]] = [None] * n
+    for flat, sizes, slots in flats:
+        for piece, (slot, shape) in zip(flat.clone().split(sizes), slots):
+            parts[slot] = piece.view(shape)
+    return map_tensors(skeleton, lambda s: parts[s.index])
+
+
 class _Entry:
     """One recorded signature: the input buffers, the replay, the output buffers and what to return."""
 
-    __slots__ = ("static", "unique", "replay", "flats", "layout", "skeleton", "graph", "held")
+    __slots__ = ("static", "unique", "replay", "flats", "n_out", "skeleton", "graph", "held")
 
-    def __init__(self, static, unique, replay, flats, layout, skeleton, graph, held) -> None:
+    def __init__(self, static, unique, replay, flats, n_out, skeleton, graph, held) -> None:
         self.static, self.unique, self.replay = static, unique, replay
-        self.flats, self.layout, self.skeleton = flats, layout, skeleton
+        self.flats, self.n_out, self.skeleton = flats, n_out, skeleton
         self.graph, self.held = graph, held
 
     def results(self) -> Any:
-        """Copies of the outputs the last replay wrote (one buffer per dtype), in the call's structure."""
-        parts: list[Optional[torch.Tensor]] = [None] * self.layout
-        for (flat, sizes, slots) in self.flats:
-            for piece, (slot, shape) in zip(flat.clone().split(sizes), slots):
-                parts[slot] = piece.view(shape)
-        return map_tensors(self.skeleton, lambda s: parts[s.index])
+        """Copies of the outputs the last replay wrote, in the call's structure."""
+        return _copies(self.skeleton, self.flats, self.n_out)
 
 
 class GraphedCall:
@@ -197,16 +219,7 @@ class GraphedCall:
 
     def _record(self, fn, s_args, result, static, unique, device, hold) -> Optional[_Entry]:
         skeleton, out = flatten_tensors(result)
-        groups: dict = {}
-        for i, t in enumerate(out):
-            groups.setdefault((t.dtype, t.device), []).append(i)
-        flats, views = [], [None] * len(out)
-        for (dtype, dev), idx in groups.items():
-            sizes = [out[i].numel() for i in idx]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
-            for i, piece in zip(idx, flat.split(sizes)):
-                views[i] = piece.view(out[i].shape)
-            flats.append((flat, sizes, [(i, out[i].shape) for i in idx]))
+        flats, views = _packing(out)
 
         def run() -> None:
             got: list[torch.Tensor] = []
@@ -221,3 +234,170 @@ class GraphedCall:
             return None
         held = hold() if hold is not None else None
         return _Entry(static, unique, replay, flats, len(out), skeleton, graph, held)
+
+
+# ----------------------------------------------------------------------------- the whole step
+
+
+class _Lease:
+    """Held by the autograd node of one replayed forward: while it lives (and its backward has not run
+    without ``retain_graph``), the recorded activations are that forward's and another forward of the
+    signature runs eagerly."""
+
+    __slots__ = ("entry", "__weakref__")
+
+    def __init__(self, entry: "_StepEntry") -> None:
+        self.entry = entry
+
+    def __del__(self) -> None:
+        if self.entry.lease is not None and self.entry.lease() is self:
+            self.entry.lease = None
+
+
+class _StepEntry:
+    """One signature's forward and backward graphs, the input buffer they read and what they wrote.
+
+    The forward is recorded on its first replayed call; the graph writes the output and every saved
+    activation at addresses of its own, which the backward, recorded on the first backward, reads in
+    place. The parameters are read where they are (the signature holds their addresses: an optimizer
+    updates them in place)."""
+
+    def __init__(self, front, x: torch.Tensor, flat: list, needs: tuple, record) -> None:
+        self.front, self.flat, self.needs, self.record = front, list(flat), needs, record
+        self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        self.static_gy: Optional[torch.Tensor] = None
+        self.y: Optional[torch.Tensor] = None
+        self.state: Any = None
+        self.out: Any = None
+        self.replay_forward: Optional[Callable[[], None]] = None
+        self.replay_backward: Optional[Callable[[], None]] = None
+        self.graphs: list = []
+        self.failed = False  # the forward could not be recorded: the signature runs eagerly
+        self.backward_eager = False  # the backward could not be recorded: it runs eagerly after a replay
+        self.lease: Optional[Any] = None  # weak reference to the live _Lease
+
+    def busy(self) -> bool:
+        return self.lease is not None and self.lease() is not None
+
+    def _forward(self) -> None:
+        with torch.no_grad():
+            self.y, self.state = self.front.step_forward(self.static_x, self.flat)
+
+    def _backward(self) -> None:
+        with torch.no_grad():
+            grads = self.front.step_backward(self.state, self.static_gy, self.needs)
+            skeleton, got = flatten_tensors(tuple(grads))
+            flats, views = _packing(got)  # written by the graph: a replay's results leave in one copy each
+            copy_all(views, got)
+            self.out = (skeleton, flats, len(got))
+
+    def recorded(self, device: torch.device) -> bool:
+        """Record the forward if it is not yet; ``False`` where it cannot be (then it runs eagerly)."""
+        if self.replay_forward is None and not self.failed:
+            try:
+                self.replay_forward, graph = self.record(self._forward, device)
+            except Exception:  # noqa: BLE001 - what the graph cannot record runs eagerly
+                self.failed = True
+                return False
+            self.graphs.append(graph)
+        return not self.failed
+
+    def run_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The output for ``x`` (a copy: the graph rewrites its own at the next replay)."""
+        self.static_x.copy_(x)
+        self.replay_forward()
+        return self.y.clone()
+
+    def run_backward(self, gy: torch.Tensor) -> tuple:
+        """The gradients of ``(x, *flat)`` for the upstream gradient ``gy`` of the last replayed forward."""
+        if self.static_gy is None:
+            self.static_gy = torch.empty(gy.shape, dtype=gy.dtype, device=gy.device)
+        self.static_gy.copy_(gy)
+        if self.replay_backward is None and not self.backward_eager:
+            try:
+                self.replay_backward, graph = self.record(self._backward, gy.device)
+                self.graphs.append(graph)
+            except Exception:  # noqa: BLE001 - the backward runs eagerly on the forward's activations
+                self.backward_eager = True
+        if self.backward_eager:
+            with torch.no_grad():
+                return tuple(self.front.step_backward(self.state, self.static_gy, self.needs))
+        self.replay_backward()
+        return _copies(*self.out)
+
+
+class _GraphedStepFunction(torch.autograd.Function):
+    """Forward: the recorded forward's replay. Backward: the recorded backward's."""
+
+    @staticmethod
+    def forward(ctx, entry: _StepEntry, x: torch.Tensor, *flat):  # type: ignore[override]
+        y = entry.run_forward(x)
+        lease = _Lease(entry)
+        entry.lease = weakref.ref(lease)
+        ctx.lease = lease
+        ctx.save_for_backward(x)  # read in backward: a second backward without retain_graph raises
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # type: ignore[override]
+        inputs = ctx.saved_tensors
+        entry = ctx.lease.entry
+        with torch.no_grad():
+            grads = entry.run_backward(gy)
+        if not keep_graph():  # the activations were read for the last time: another forward may replay
+            entry.lease = None
+        out = (None, *grads)
+        if torch.is_grad_enabled():
+            out = refuse_second_derivative(list(inputs) + [gy], out)
+        return out
+
+
+class GraphedStep:
+    """A wrapped model's whole training step replayed from two CUDA graphs per signature: the forward
+    (which keeps the activations at addresses of its own) and the backward (which reads them there).
+
+    ``front`` has ``step_forward(x, flat) -> (y, state)`` and ``step_backward(state, gy, needs) ->
+    gradients of (x, *flat)``. :meth:`__call__` gives the output of one forward through the graphs, or
+    ``None`` where the caller runs its ordinary path instead: the first call of a signature (it warms
+    what a recording needs), grad mode off, autocast, a parameter that is not a leaf, a signature
+    whose recording failed, and a forward whose signature's activations still belong to an earlier
+    forward whose backward has not run (forwards of several micro-batches before their backwards).
+    Dropout's random numbers are drawn anew by every replay (CUDA graphs carry the generator's
+    offsets); a batch-norm's running statistics are updated by every replay, as in eager.
+    """
+
+    MAX_GRAPHS = 4
+
+    def __init__(self, front, record: Optional[Callable] = None) -> None:
+        self.front = front
+        self.record = record if record is not None else record_cuda_graph
+        self.entries: dict = {}
+        self.seen: set = set()
+        self.warming = False  # the last call declined as its signature's first
+
+    def release(self) -> None:
+        self.entries.clear()
+        self.seen.clear()
+
+    def __call__(self, x: torch.Tensor, flat: list, key: Hashable = ()) -> Optional[torch.Tensor]:
+        self.warming = False
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in flat):
+            return None
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        needs = (x.requires_grad, *(t.requires_grad for t in flat))
+        sig = (key, x.shape, x.stride(), x.dtype, x.device, needs, tuple(t.data_ptr() for t in flat))
+        entry = self.entries.get(sig)
+        if entry is None:
+            if sig not in self.seen:
+                if len(self.seen) >= 64:
+                    self.seen.clear()
+                self.seen.add(sig)
+                self.warming = True
+                return None
+            if len(self.entries) >= self.MAX_GRAPHS:
+                self.entries.pop(next(iter(self.entries)))
+            entry = self.entries[sig] = _StepEntry(self.front, x, flat, needs, self.record)
+        if entry.busy() or not entry.recorded(x.device):
+            return None
+        return _GraphedStepFunction.apply(entry, x, *flat)

@@ -28,7 +28,7 @@ from spscan.autograd import apply as autograd_apply, keep_graph, refuse_functorc
 from spscan.chain_backward import (RELEASED, ForwardState, Jacobians, StepBackward,  # noqa: F401
                                    collect_param_grads, unit_param_grads)
 from spscan.errors import NotPlannable
-from spscan.graphed import GraphedCall
+from spscan.graphed import GraphedCall, GraphedStep
 from spscan.engine import check_inputs
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, batch_of, layers_decision
@@ -181,6 +181,8 @@ class ModelPlan:
         # the wrapper's backward replayed from CUDA graphs (on a GPU, where the wrapper chose "graph")
         self.graph_backward = False
         self._graphed = GraphedCall()
+        # the whole step (forward and backward) replayed from CUDA graphs, where the wrapper chose "graph"
+        self._step_graphs = GraphedStep(self)
 
     element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
 
@@ -435,7 +437,9 @@ class ModelPlan:
         def backward(saved, tensors, g):
             return self._eager_backward(ForwardState(saved, tensors, x_shape), g, needs)
 
-        out = self._graphed(backward, (state.saved, state.tensors, gy), (needs, tuple(x_shape), self._dynamic_key()),
+        # the effective tensors as values (a pruned weight is made in the step, with an autograd graph)
+        tensors = [[t.detach() for t in ts] for ts in state.tensors]
+        out = self._graphed(backward, (state.saved, tensors, gy), (needs, tuple(x_shape), self._dynamic_key()),
                             self.engine_buffers)
         if not keep_graph():  # as the eager backward frees the activations once they are read
             state.released = True
@@ -445,6 +449,33 @@ class ModelPlan:
     def _eager_backward(self, state: "ForwardState", gy: torch.Tensor, needs: tuple) -> tuple:
         return self._step_backward((False, *needs), gy.device).run(state, gy)[1:]
 
+    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front)
+    def step_forward(self, x: torch.Tensor, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, "ForwardState"]:
+        (y,), state = self.scan_forward((x, *flat))
+        return y, state
+
+    def step_backward(self, state: "ForwardState", gy: torch.Tensor, needs: tuple) -> tuple:
+        # a state of its own: the eager backward lets go of activations in it as it reads them
+        return self._eager_backward(ForwardState(list(state.saved), state.tensors, state.x_shape), gy, needs)
+
+    def run_step(self, x: torch.Tensor, flat: Sequence[torch.Tensor], graph: bool) -> torch.Tensor:
+        """The wrapped forward of ``x`` with the units' effective tensors ``flat``, recorded for autograd:
+        with ``graph`` the whole step from CUDA graphs where :class:`~spscan.graphed.GraphedStep`
+        can, else its backward alone from one (not on a signature's first call, which warms what a
+        recording needs); without, the eager scan."""
+        if graph:
+            y = self._step_graphs(x, list(flat), self._dynamic_key())
+            if y is not None:
+                return y
+            graph = not self._step_graphs.warming
+        self.graph_backward = graph
+        return autograd_apply(self, x, *flat)[0]
+
+    def release_graphs(self) -> None:
+        """Drop the recorded CUDA graphs (whole steps and backwards) and their buffers."""
+        self._graphed.release()
+        self._step_graphs.release()
+
     def engine_plans(self) -> list:
         """The engine plans a backward runs (their bindings' buffers are read by a recorded graph)."""
         return [self.core]
@@ -452,10 +483,6 @@ class ModelPlan:
     def engine_buffers(self) -> list[torch.Tensor]:
         """The buffers the engine's bound plans hold now (kept alive with a recorded backward)."""
         return [t for p in self.engine_plans() for b in p.bindings() for t in b.held_buffers()]
-
-    def release_graphs(self) -> None:
-        """Drop the backward's recorded CUDA graphs and their buffers."""
-        self._graphed.release()
 
     def _dynamic_key(self) -> tuple:
         """The state of the units whose sharedness or operator flag follows the module's mode."""
@@ -732,14 +759,13 @@ class SpscanModule(BackwardChoice, nn.Module):
             return self.model(x)
         refuse_functorch()
         plan = self.plan
-        plan.graph_backward = choice == "graph"
         # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
         flat = plan._flat_tensors()
         plan._check_input(x, flat)
         plan._check_layers()
         if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
             return self.model(x)
-        return autograd_apply(plan, x, *flat)[0]
+        return plan.run_step(x, flat, choice == "graph")
 
 
 def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

@@ -16,12 +16,13 @@ import torch.nn as nn
 
 import spscan
 from spscan.choices import layers_decision
-from spscan.graphed import GraphedCall
+from spscan.graphed import GraphedCall, GraphedStep
 from spscan.resnet import ResNet20
 
 
 def fake_record(fn, device):
-    fn()
+    """A recording stands in for ``torch.cuda.graph``: nothing runs while recording, a replay runs the
+    recorded call again (on the same buffers, as a graph's launches do)."""
     return fn, None
 
 
@@ -134,7 +135,13 @@ def _graphed(model, x, monkeypatch):
     w = spscan.wrap(model, x, backward="scan")
     monkeypatch.setattr(w, "_choice", lambda key: "graph")
     w.plan._graphed = GraphedCall(fake_record)
+    w.plan._step_graphs = GraphedStep(w.plan, fake_record)
     return w
+
+
+# (batch, the input's gradient wanted): every signature twice or more (its first call warms, eager)
+STEPS = [(3, False), (3, False), (3, True), (3, True), (3, False), (2, False), (2, False), (2, True), (2, True),
+         (3, False)]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -143,32 +150,40 @@ def test_graphed_wrapper_equals_eager_bitwise(name, dtype, monkeypatch):
     """Train-mode steps (dropout, batch statistics) at changing batch sizes, with and without the
     input's gradient, weights changed between steps: gradients equal to the eager scan's bit for bit,
     one recorded graph per signature."""
+    _check_equals_eager(name, dtype, "cpu", lambda model, x0: _graphed(model, x0, monkeypatch))
+
+
+def _check_equals_eager(name, dtype, device, make_graphed):
     make, shape = MODELS[name]
     torch.manual_seed(0)
-    model = make().to(dtype).train()
+    model = make().to(device, dtype).train()
     eager_model = copy.deepcopy(model)
-    x0 = torch.randn(3, *shape, dtype=dtype)
-    g = _graphed(model, x0, monkeypatch)
+    x0 = torch.randn(3, *shape, dtype=dtype, device=device)
+    g = make_graphed(model, x0)
     e = spscan.wrap(eager_model, x0, backward="scan")
-    for step, (batch, want_x) in enumerate([(3, False), (3, True), (3, False), (2, False), (3, False), (2, True)]):
+    for step, (batch, want_x) in enumerate(STEPS):
         with torch.no_grad():
             for p, q in zip(model.parameters(), eager_model.parameters()):
                 p.add_(0.01 * step)
                 q.add_(0.01 * step)
-        x = torch.randn(batch, *shape, dtype=dtype)
+        x = torch.randn(batch, *shape, dtype=dtype, device=device)
         xs = []
         for w, m in ((g, model), (e, eager_model)):
             xi = x.clone().requires_grad_(want_x)
             for p in m.parameters():
                 p.grad = None
-            torch.manual_seed(100 + step)  # the same dropout masks on both sides
+            torch.manual_seed(100 + step)  # the same dropout masks on both sides (CPU)
             w(xi).square().sum().backward()
             xs.append(xi)
         for (n, p), q in zip(model.named_parameters(), eager_model.parameters()):
             assert torch.equal(p.grad, q.grad), f"{name} step {step}: {n}"
         if want_x:
             assert torch.equal(xs[0].grad, xs[1].grad)
-    assert len(g.plan._graphed.entries) == 4  # (batch 3, 2) x (with, without the input's gradient)
+        for a, b in zip(model.buffers(), eager_model.buffers()):  # batch-norm statistics, updated once a step
+            assert torch.equal(a, b)
+    # one recorded step per (batch 3, 2) x (with, without the input's gradient)
+    steps = g.plan._step_graphs
+    assert len(steps.entries) == 4 and not any(e.failed for e in steps.entries.values()), "a step was not recorded"
 
 
 def test_graphed_wrapper_backward_twice(monkeypatch):
@@ -185,6 +200,118 @@ def test_graphed_wrapper_backward_twice(monkeypatch):
     y2.backward()
     with pytest.raises(RuntimeError, match="second time"):
         y2.backward()
+
+
+class CountingRecord:
+    """:func:`fake_record` that counts recordings and replays."""
+
+    def __init__(self):
+        self.recorded = self.replays = 0
+
+    def __call__(self, fn, device):
+        self.recorded += 1
+
+        def replay():
+            self.replays += 1
+            fn()
+        return replay, None
+
+
+def _step_pair(monkeypatch, make=_lenet, shape=(3, 16, 16)):
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, *shape, dtype=torch.float64)
+    g = _graphed(model, x, monkeypatch)
+    rec = CountingRecord()
+    g.plan._step_graphs = GraphedStep(g.plan, rec)
+    return model, ref, g, rec
+
+
+def _grads(m):
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def _train_and_compare(model, ref, wrapped, steps):
+    """``steps`` steps of ``wrapped`` and of autograd on ``ref`` on the same inputs, the loss of each kept
+    until the next is made (as a training loop keeps it): the gradients agree after every step."""
+    loss = None
+    for _ in range(steps):
+        x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        loss = wrapped(x).square().sum()
+        loss.backward()
+        ref(x).square().sum().backward()
+        for a, b in zip(_grads(model), _grads(ref)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    return loss
+
+
+def test_step_graph_replays_in_a_training_loop(monkeypatch):
+    """The loop people write (the last loss kept until the next step's assignment): after the first
+    step of a signature every step is one forward replay and one backward replay, gradients as eager."""
+    model, ref, g, rec = _step_pair(monkeypatch)
+    _train_and_compare(model, ref, g, 4)
+    assert rec.recorded == 2 and rec.replays == 2 * 3  # forward and backward; steps 2-4 replay both
+
+
+def test_step_graph_backward_twice_and_micro_batches(monkeypatch):
+    model, ref, g, rec = _step_pair(monkeypatch)
+    xs = [torch.randn(2, 3, 16, 16, dtype=torch.float64) for _ in range(3)]
+    g(xs[0]).sum().backward()  # warms the signature
+    y = g(xs[1]).square().sum()
+    model.zero_grad(set_to_none=True)
+    y.backward(retain_graph=True)
+    first = _grads(model)
+    y.backward()
+    assert all(torch.equal(p.grad, 2 * f) for p, f in zip(model.parameters(), first))
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward()
+    # two micro-batches forwarded before either backward: the second cannot replay (the recorded
+    # activations are the first's until its backward ran), and both gradients are right
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    a, b = g(xs[1]).square().sum(), g(xs[2]).square().sum()
+    a.backward()
+    b.backward()
+    ref(xs[1]).square().sum().backward()
+    ref(xs[2]).square().sum().backward()
+    for p, q in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    # without grad mode the model's own forward runs: the same output, nothing replayed
+    before = rec.replays
+    with torch.no_grad():
+        torch.testing.assert_close(g(xs[0]), ref(xs[0]), rtol=1e-12, atol=1e-12)
+    assert rec.replays == before
+
+
+def test_step_graph_whose_backward_cannot_be_recorded(monkeypatch):
+    """A backward the graph cannot record runs eagerly on the activations the forward's replay wrote."""
+    model, ref, g, rec = _step_pair(monkeypatch)
+
+    def forward_only(fn, device):
+        if fn.__name__ == "_backward":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return fn, None
+
+    g.plan._step_graphs = GraphedStep(g.plan, forward_only)
+    _train_and_compare(model, ref, g, 3)
+    (entry,) = g.plan._step_graphs.entries.values()
+    assert entry.backward_eager and entry.replay_forward is not None
+
+
+def test_step_graph_leaves_pruned_weights_to_the_backward_graph(monkeypatch):
+    """Effective weights made in the step (a pruning mask applied) are not leaves: the step is not
+    recorded whole, its backward still replays from a graph."""
+    import torch.nn.utils.prune as prune
+
+    model, ref, g, rec = _step_pair(monkeypatch)
+    for m in (model, ref):
+        prune.l1_unstructured(m[0], "weight", amount=0.3)
+    g = _graphed(model, torch.randn(2, 3, 16, 16, dtype=torch.float64), monkeypatch)
+    _train_and_compare(model, ref, g, 3)
+    assert not g.plan._step_graphs.entries and len(g.plan._graphed.entries) == 1
 
 
 def test_graph_is_a_candidate_only_on_a_gpu(monkeypatch):
@@ -235,42 +362,15 @@ def setup_function(function):
         pytest.skip("needs a CUDA device")
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [n for n in MODELS if "dropout" not in n])  # a replay draws its own masks
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.gpu
 def test_cuda_graph_backward_equals_eager_bitwise(name, dtype, monkeypatch):
     """``backward="graph"`` records one CUDA graph per signature (none falls back to eager) and every
-    step's gradients equal the eager scan's bit for bit, for new inputs, weights, masks and batch sizes
+    step's gradients equal the eager scan's bit for bit, for new inputs, weights and batch sizes
     (cuDNN's deterministic algorithms: its default weight gradients may sum in any order)."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    make, shape = MODELS[name]
-    torch.manual_seed(0)
-    model = make().to("cuda", dtype).train()
-    eager_model = copy.deepcopy(model)
-    x0 = torch.randn(3, *shape, dtype=dtype, device="cuda")
-    g = spscan.wrap(model, x0, backward="graph")
-    e = spscan.wrap(eager_model, x0, backward="scan")
-    for step, (batch, want_x) in enumerate([(3, False), (3, True), (3, False), (2, False), (3, False), (2, True)]):
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), eager_model.parameters()):
-                p.add_(0.01 * step)
-                q.add_(0.01 * step)
-        x = torch.randn(batch, *shape, dtype=dtype, device="cuda")
-        xs = []
-        for w, m in ((g, model), (e, eager_model)):
-            xi = x.clone().requires_grad_(want_x)
-            for p in m.parameters():
-                p.grad = None
-            torch.manual_seed(100 + step)
-            w(xi).square().sum().backward()
-            xs.append(xi)
-        for (n, p), q in zip(model.named_parameters(), eager_model.parameters()):
-            assert torch.equal(p.grad, q.grad), f"{name} step {step}: {n}"
-        if want_x:
-            assert torch.equal(xs[0].grad, xs[1].grad)
-    graphed = g.plan._graphed
-    assert not graphed.eager, "a signature could not be recorded"
-    assert len(graphed.entries) == 4
+    _check_equals_eager(name, dtype, "cuda", lambda model, x0: spscan.wrap(model, x0, backward="graph"))
 
 
 @pytest.mark.gpu
@@ -296,3 +396,28 @@ def test_cuda_auto_decision_offers_the_graph():
     w = spscan.wrap(model, torch.randn(64, 3, 16, 16, device="cuda"))
     assert "graph" in [c.name for c in w.decision.candidates]
     w(torch.randn(64, 3, 16, 16, device="cuda")).sum().backward()  # whatever it chose runs
+
+
+@pytest.mark.gpu
+def test_cuda_step_graph_draws_new_dropout_masks_and_reads_its_own():
+    """Every replay of a recorded step draws new dropout masks, and its backward reads the mask its
+    forward drew: with the dropout last, ``dl/dW`` of ``sum(c * y)`` is ``((y != 0) * c / (1 - p))^T x``."""
+    torch.manual_seed(0)
+    p = 0.5
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(p)).cuda()
+    x = torch.randn(32, 16, device="cuda")
+    c = torch.randn(32, 64, device="cuda")
+    g = spscan.wrap(model, x, backward="graph")
+    masks = []
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        y = g(x)
+        (c * y).sum().backward()
+        kept = (y != 0).float()
+        want = (kept * c / (1 - p)).t() @ x
+        torch.testing.assert_close(model[0].weight.grad, want, rtol=1e-5, atol=1e-5)
+        masks.append(kept)
+    steps = g.plan._step_graphs
+    assert len(steps.entries) == 1 and not any(e.failed for e in steps.entries.values())
+    assert not torch.equal(masks[3], masks[4])
+    assert 0.4 < float(masks[4].mean()) < 0.6
