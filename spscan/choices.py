@@ -1,8 +1,10 @@
-"""Whether a wrapped model's step runs the scan or its own autograd backward (``native``).
+"""Whether a wrapped model's step runs the scan, its own autograd backward (``native``) or, on a GPU, the
+scan's whole step replayed from CUDA graphs (``graph``, :mod:`spscan.graphed`).
 
-Both are candidates of one :class:`~spscan.planner.choose.Decision`, predicted from the machine's step
-profile (:mod:`spscan.planner.step_profile`; fitted by :func:`spscan.calibrate`). ``backward="scan"`` or
-``"native"`` forces one. A wrapped model that runs ``native`` calls the model's own forward and lets
+They are candidates of one :class:`~spscan.planner.choose.Decision`, predicted from the machine's step
+profile (:mod:`spscan.planner.step_profile`; fitted by :func:`spscan.calibrate`). ``backward="scan"``,
+``"native"`` or ``"graph"`` forces one (``graph`` only where it is a candidate: a chain or traced model
+on a GPU, without opaque nodes). A wrapped model that runs ``native`` calls the model's own forward and lets
 autograd do the backward: its gradients are autograd's, bit for bit, and it costs nothing besides
 a dictionary lookup. The choice depends on the batch (and a recurrent module's length), so it is made
 per input signature, on first use, from the formula (no timing).
