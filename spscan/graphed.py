@@ -31,6 +31,7 @@ modules (:class:`spscan.recurrent_backward.GraphedBackward`); imports no front e
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Hashable, Optional
 
@@ -58,8 +59,10 @@ def record_cuda_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Call
     """``fn``'s launches as a CUDA graph: ``(replay, graph)``; a replay rewrites what ``fn`` wrote."""
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    with warnings.catch_warnings():  # a step without device work (an identity) records an empty graph
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with torch.cuda.graph(graph):
+            fn()
     return graph.replay, graph
 
 
