@@ -471,10 +471,14 @@ class ModelPlan:
         self.graph_backward = graph
         return autograd_apply(self, x, *flat)[0]
 
-    def release_graphs(self) -> None:
-        """Drop the recorded CUDA graphs (whole steps and backwards) and their buffers."""
+    def release_buffers(self) -> None:
+        """Free the memory kept between steps: the recorded CUDA graphs (whole steps and backwards) with
+        their activations and buffers, and the engine plans' arenas and working buffers. The next step
+        of a signature runs eagerly and records again."""
         self._graphed.release()
         self._step_graphs.release()
+        for plan in self.engine_plans():
+            plan.release_buffers()
 
     def engine_plans(self) -> list:
         """The engine plans a backward runs (their bindings' buffers are read by a recorded graph)."""

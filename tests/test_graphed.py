@@ -254,6 +254,9 @@ def test_step_graph_replays_in_a_training_loop(monkeypatch):
     model, ref, g, rec = _step_pair(monkeypatch)
     _train_and_compare(model, ref, g, 4)
     assert rec.recorded == 2 and rec.replays == 2 * 3  # forward and backward; steps 2-4 replay both
+    g.plan.release_buffers()  # graphs and activations freed: the next step warms, the one after records
+    _train_and_compare(model, ref, g, 2)
+    assert rec.recorded == 4 and rec.replays == 2 * 3 + 2
 
 
 def test_step_graph_backward_twice_and_micro_batches(monkeypatch):
