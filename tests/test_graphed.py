@@ -289,6 +289,33 @@ def test_step_graph_backward_twice_and_micro_batches(monkeypatch):
     assert rec.replays == before
 
 
+def test_step_graph_follows_modes_and_replaced_parameters(monkeypatch):
+    """Train and eval mode are separate signatures (dropout and batch statistics on or off), and a
+    parameter replaced by a new tensor (``p.data = ...``) is read where it now is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3),
+                          nn.Linear(16, 4)).double()
+    ref = copy.deepcopy(model)
+    g = _graphed(model, torch.randn(5, 12, dtype=torch.float64), monkeypatch)
+    e = spscan.wrap(ref, torch.randn(5, 12, dtype=torch.float64), backward="scan")
+    for step, train in enumerate([True, True, True, False, False, False, True, True]):
+        if step == 5:
+            for m in (model, ref):
+                m[0].weight.data = m[0].weight.data * 1.5  # a new tensor at a new address
+        for m in (model, ref):
+            m.train(train)
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(5, 12, dtype=torch.float64)
+        for w in (g, e):
+            torch.manual_seed(step)
+            w(x).square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {n}"
+        for a, b in zip(model.buffers(), ref.buffers()):
+            assert torch.equal(a, b)
+    assert len(g.plan._step_graphs.entries) == 3  # train, eval, train with the new weight (eval with it: warmed only)
+
+
 def test_step_graph_whose_backward_cannot_be_recorded(monkeypatch):
     """A backward the graph cannot record runs eagerly on the activations the forward's replay wrote."""
     model, ref, g, rec = _step_pair(monkeypatch)
