@@ -738,8 +738,9 @@ class SpscanModule(BackwardChoice, nn.Module):
 
     Holds ``model`` as a submodule, so ``parameters()`` yields the model's own parameter objects
     and optimizers work unchanged. Input ``(B, *in_shape)``, output ``(B, *out_shape)``.
-    ``backward``: ``"auto"`` (the planner chooses, per batch size, the scan or the model's own
-    autograd backward: :attr:`decision`, :meth:`explain`), ``"scan"`` or ``"native"``.
+    ``backward``: ``"auto"`` (the planner chooses, per batch size, the scan, the model's own
+    autograd backward or, on a GPU, the scan's whole step from CUDA graphs: :attr:`decision`,
+    :meth:`explain`), ``"scan"``, ``"native"`` or ``"graph"``.
     """
 
     def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
