@@ -21,7 +21,7 @@ import torch
 from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "batch_of", "current_key", "device_label",
+__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "graph_activation_bytes", "NativeModule", "batch_of", "current_key", "device_label",
            "layers_decision", "recurrent_decision", "sequence_signature", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native", "graph")
@@ -52,7 +52,15 @@ def step_profile(device: Optional[torch.device]) -> StepProfile:
     return load_step_profile(dev.type, current_key(dev), torch.get_num_threads())
 
 
-GRAPH_DETAIL = "the scan's backward replayed from a CUDA graph"
+GRAPH_DETAIL = "the scan's whole step replayed from CUDA graphs"
+#: ``graph`` is offered only where a step's activations fit this: a recorded step keeps them (and a copy
+#: of the input) between steps, per signature, where autograd frees them after each backward
+GRAPH_MAX_ACTIVATION_BYTES = 1 << 30
+
+
+def graph_activation_bytes(units: Sequence[Any], batch: int) -> int:
+    """A lower bound of what a recorded step keeps: every layer's input at ``batch``, in float32."""
+    return 4 * batch * sum(int(u.d_in) for u in units)
 
 
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
@@ -66,14 +74,16 @@ def _decide(question: str, native: float, scan: float, scan_detail: str, mode: s
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
                     scan_detail: str) -> Decision:
-    """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan
-    replayed from a CUDA graph (``graph``), where the profile prices it and no unit's saved state
-    carries an autograd graph (:attr:`~spscan.layers.UnitCapabilities.autograd_state`)."""
+    """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan's
+    whole step replayed from CUDA graphs (``graph``), where the profile prices it, no unit's saved state
+    carries an autograd graph (:attr:`~spscan.layers.UnitCapabilities.autograd_state`) and the
+    activations a recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`."""
     prof = step_profile(device)
     layers = [t for u in units for t in u.cost_terms(batch)]
     graph = None
     if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
-            and not any(u.capabilities.autograd_state for u in units)):
+            and not any(u.capabilities.autograd_state for u in units)
+            and graph_activation_bytes(units, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
         graph = prof.layers_time(layers, "graph")
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
                    scan_detail, mode, prof, graph)

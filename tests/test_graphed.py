@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import spscan
-from spscan.choices import layers_decision
+from spscan.choices import GRAPH_MAX_ACTIVATION_BYTES, graph_activation_bytes, layers_decision
 from spscan.graphed import GraphedCall, GraphedStep
 from spscan.resnet import ResNet20
 
@@ -357,6 +357,10 @@ def test_graph_is_a_candidate_only_on_a_gpu(monkeypatch):
     assert [c.name for c in gpu.candidates] == ["scan", "native", "graph"]
     assert all(c.predicted_s > 0 for c in gpu.candidates)
     assert "CUDA graph" in gpu.explain()
+    # a batch whose activations a recording would keep beyond the limit: not offered
+    big = layers_decision(units, GRAPH_MAX_ACTIVATION_BYTES // graph_activation_bytes(units, 1) + 1,
+                          torch.device("cuda"), "auto", "")
+    assert "graph" not in [c.name for c in big.candidates]
 
 
 def test_an_opaque_node_rules_the_graph_out(monkeypatch):
