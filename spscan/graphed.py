@@ -1,17 +1,19 @@
-"""A backward's device work replayed from one CUDA graph per input signature (:class:`GraphedCall`).
+"""Device work replayed from CUDA graphs: a backward (:class:`GraphedCall`) or a wrapped model's whole
+training step, forward and backward (:class:`GraphedStep`).
 
-A wrapped model's backward on a GPU is many small launches (each layer's operator, its parameter
-gradients, the copies between them), and for the small models people train, their host cost exceeds
-their device time: eager autograd launches dozens of kernels per step too. Recorded once as a CUDA
-graph, the whole backward is one replay.
+A wrapped model's step on a GPU is many small launches (each layer's forward, its operator, its
+parameter gradients, the copies between them), and for the small models people train, their host cost
+exceeds their device time: eager autograd launches dozens of kernels per step too. Recorded once as a
+CUDA graph, each half of the step is one replay.
 
-What a graph needs and what :class:`GraphedCall` does for it:
+What a graph needs and what :class:`GraphedCall` does for it (:class:`GraphedStep` below does without
+the input copies: its forward graph writes the activations where its backward graph reads them):
 
 * **Fixed addresses.** A graph reads and writes the memory it was recorded with. The call's inputs (the
   upstream gradient, what the forward saved, the weights) are copied into buffers of its own (one
-  ``torch._foreach_copy_``), and the outputs are copied out of the graph's memory into one new buffer
-  per dtype (one copy each; the results are views of it). The caller's tensors may live anywhere and
-  the results are the caller's to keep.
+  ``torch._foreach_copy_`` call; on a GPU one device copy per tensor), and the outputs are copied out
+  of the graph's memory into one new buffer per dtype (one copy each; the results are views of it).
+  The caller's tensors may live anywhere and the results are the caller's to keep.
 * **One graph per signature.** The shapes, strides and dtypes of every input, which of them are the
   same tensor, the non-tensor values of the inputs and the caller's ``key`` (e.g. which gradients
   are wanted) select the graph; the first call with a new signature runs eagerly on the copies (its
@@ -25,8 +27,9 @@ What a graph needs and what :class:`GraphedCall` does for it:
   that belong to someone else (an engine's arenas, which a later batch size replaces); they are kept
   with the graph.
 
-Used by the wrapped chains and traced graphs (:class:`spscan.model.ModelPlan`) and the recurrent
-modules (:class:`spscan.recurrent_backward.GraphedBackward`); imports no front end.
+Used by the wrapped chains and traced graphs (:meth:`spscan.model.ModelPlan.run_step`: the whole step,
+else the backward alone) and the recurrent modules (:class:`spscan.recurrent_backward.GraphedBackward`);
+imports no front end.
 """
 
 from __future__ import annotations
