@@ -1,8 +1,11 @@
 """Fitting the step-cost profile of the machine at hand (:class:`spscan.planner.step_profile.StepProfile`).
 
 ``spscan.calibrate()`` (or ``python -m spscan calibrate``) times one training step of small models,
-each run through the scan and through plain autograd (``native``), fits the profile's constants
-(non-negative least squares) and caches them for this machine configuration. Planning reads the
+each run through the scan and through plain autograd (``native``) and, on a GPU, the scan's whole step
+from CUDA graphs (``graph``), fits the profile's constants (non-negative least squares) and caches them
+for this machine configuration. On a CPU each layer family is fitted from one-layer models; on a GPU,
+where a one-layer step is launches and Python and its median moves by more than a layer costs, every
+family gets the same constants, fitted to whole small models (:func:`fit_whole_models`). Planning reads the
 cache and never times anything itself: a machine that was not calibrated plans with the reference
 profile of its device class. It takes a few seconds to a minute, once per machine, torch build and
 thread count.
@@ -22,10 +25,10 @@ from scipy.optimize import nnls
 from spscan.api import wrap
 from spscan.choices import current_key, device_label
 from spscan.model import plan_model
-from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, StepProfile, cache_dir, forget_loaded, recurrent_features,
-                                         reference_profile)
+from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, StepProfile, cache_dir, forget_loaded,
+                                         recurrent_features, reference_profile)
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "fit_whole_models", "layer_features"]
 
 
 # --------------------------------------------------------------------------- what is timed
@@ -137,6 +140,88 @@ def _fit_families(device, dtype, reps) -> tuple[dict, dict]:
     return base, families
 
 
+# whole models for a GPU's layer fit (see fit_models): small CNNs, a residual stack with batch-norm, a
+# depthwise stack and a LayerNorm MLP with dropout, (module factory, per-sample input shape, batch)
+def _lenet() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84),
+                         nn.ReLU(), nn.Linear(84, 10))
+
+
+def _vgg() -> nn.Module:
+    layers: list[nn.Module] = []
+    c = 3
+    for w in (16, 32, 64):
+        layers += [nn.Conv2d(c, w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        c = w
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * 16, 10))
+
+
+def _bn_stack() -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(6):
+        layers += [nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1, groups=4)]
+    return nn.Sequential(*layers, nn.AvgPool2d(8), nn.Flatten(), nn.Linear(16 * 4 * 4, 10))
+
+
+def _ln_mlp() -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(128, 256)]
+    for _ in range(4):
+        layers += [nn.LayerNorm(256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 256)]
+    return nn.Sequential(*layers, nn.Linear(256, 10))
+
+
+_MODELS = ((_lenet, (3, 32, 32), 64), (_vgg, (3, 32, 32), 32), (_bn_stack, (3, 32, 32), 16), (_ln_mlp, (128,), 64),
+           (_lenet, (3, 32, 32), 8))
+
+
+def layer_features(terms: list[tuple], regime: str) -> tuple[list[float], list[float]]:
+    """What a profile that prices every family alike multiplies for ``regime``: ``[1, layers, work]`` of the
+    cost terms its constants price, and ``[0, layers, work]`` of the terms priced as ``native`` in every
+    regime (an opaque node's own operations)."""
+    own = [t for t in terms if len(t) < 3 or t[2] == regime]
+    native = [t for t in terms if len(t) >= 3 and t[2] == "native" and regime != "native"]
+    return ([1.0, float(len(own)), float(sum(t[1] for t in own))],
+            [0.0, float(len(native)), float(sum(t[1] for t in native))])
+
+
+def fit_whole_models(samples: list[tuple[list[tuple], str, float]]) -> dict[str, list[float]]:
+    """``{regime: [base, per layer, per work]}`` fitted to whole models' measured steps ``(cost terms,
+    regime, seconds)``, the same constants for every family (non-negative least squares in relative
+    error); ``native`` first, as it also prices the other regimes' native terms."""
+    regimes = sorted({r for _, r, _ in samples}, key=lambda r: (r != "native", r))
+    coef: dict[str, list[float]] = {}
+    for regime in regimes:
+        rows, times = [], []
+        for terms, r, t in samples:
+            if r != regime:
+                continue
+            own, nat = layer_features(terms, regime)
+            rows.append(own)
+            times.append(t - sum(c * x for c, x in zip(coef.get("native", [0.0] * 3), nat)))
+        coef[regime] = _fit(rows, [max(t, 1e-9) for t in times])
+    return coef
+
+
+def _fit_models(device, dtype, reps) -> tuple[dict, dict]:
+    """A GPU's layer constants from whole small models (:data:`_MODELS`): a one-layer step there is launches
+    and Python, and its median moves by more than a layer costs, so per-family fits are noise; every
+    family gets the same constants (:func:`fit_whole_models`)."""
+    samples = []
+    for make, shape, batch in _MODELS:
+        torch.manual_seed(0)
+        model = make().to(device=device, dtype=dtype)
+        x = torch.randn((batch, *shape), device=device, dtype=dtype, requires_grad=True)
+        terms = [t for u in plan_model(model, x, levels=0).units for t in u.cost_terms(batch)]
+        for regime in _regimes(device):
+            t = _median_step(_step_of(_wrapped(model, x, regime), x), device, reps)
+            samples.append((terms, regime, t))
+    coef = fit_whole_models(samples)
+    base = {r: c[0] for r, c in coef.items()}
+    families = {f: {r: (c[1], c[2]) for r, c in coef.items()} for f in (*_FAMILIES, "default")}
+    return base, families
+
+
 def _fit_recurrent(device, dtype, reps) -> dict:
     out: dict[str, dict[str, tuple[float, ...]]] = {}
     for cell, cls in _CELLS.items():
@@ -173,7 +258,8 @@ def calibrate(device: Any = None, *, reps: int = 7, save: bool = True, recurrent
     key = current_key(dev)
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        base, families = _fit_families(dev, dtype, reps)
+        # a CPU's one-layer steps are long enough to tell the families apart; a GPU's are not
+        base, families = (_fit_models if dev.type == "cuda" else _fit_families)(dev, dtype, reps)
         cells = _fit_recurrent(dev, dtype, reps) if recurrent else {}
     label = f"{device_label(dev)}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     prof = StepProfile(key, dev.type, base, families, cells, "calibrated", label)

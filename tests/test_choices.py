@@ -1,9 +1,10 @@
 """The planner's decision point: candidates, the scan-or-native choice of a wrapped model, profiles."""
 
 import copy
-import warnings
 import json
+import warnings
 
+import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
@@ -314,3 +315,36 @@ def test_the_critical_path_model_prices_operators_by_their_work():
     csr = spscan.plan(m, x, levels=0, operators=False)
     t_ops, t_csr = with_ops.core.candidates[0], csr.core.candidates[0]
     assert t_ops < 0.05 < t_csr and t_csr > 20 * t_ops
+
+
+def test_whole_model_fit_recovers_its_constants():
+    """:func:`fit_whole_models` (a GPU's layer fit) recovers per-regime constants from steps made by them,
+    the native-priced terms of an opaque node priced by the native fit in every regime."""
+    from spscan.calibration import fit_whole_models, layer_features
+
+    want = {"native": [1e-3, 8e-5, 1e-12], "scan": [9e-4, 1.4e-4, 0.0], "graph": [8e-4, 4e-5, 2e-13]}
+    models = [[("ConvUnit", 5e6)] * 2 + [("ElementwiseUnit", 1e5)] * 3,
+              [("LinearUnit", 2e6)] * 8,
+              [("ConvUnit", 3e7)] * 5 + [("MaxPoolUnit", 1e6)] * 4,
+              [("LayerNormUnit", 4e5)] * 12 + [("LinearUnit", 9e6, "native")] * 2]
+    samples = []
+    for terms in models:
+        for regime, c in want.items():
+            own, nat = layer_features(terms, regime)
+            t = sum(a * b for a, b in zip(c, own)) + sum(a * b for a, b in zip(want["native"], nat))
+            samples.append((terms, regime, t))
+    got = fit_whole_models(samples)
+    for regime, c in want.items():
+        np.testing.assert_allclose(got[regime], c, rtol=1e-6, atol=1e-15)
+
+
+def test_gpu_calibration_fits_whole_models_alike_for_every_family(monkeypatch):
+    """On a GPU ``calibrate()`` times whole small models (here, on the CPU, what it does with them): every
+    family gets the same non-negative constants per regime."""
+    from spscan import calibration
+
+    base, families = calibration._fit_models(torch.device("cpu"), torch.float32, 1)
+    assert set(base) == {"native", "scan"} and all(v >= 0 for v in base.values())
+    first = next(iter(families.values()))
+    assert all(f == first for f in families.values()) and "default" in families
+    assert all(a >= 0 and b >= 0 for a, b in first.values())

@@ -4,15 +4,15 @@
         [--table bench/results/<device>/profile-fit.md]
 
 A GPU step of the small models people wrap is host-bound: what a layer costs is mostly the launches
-and the Python around them, not its work. ``spscan.calibrate()`` fits each family from one-layer
-models, and on a GPU those steps are too short to tell the families apart (their medians move by
-more than a layer costs). This fit uses whole models instead: for each regime (``native``: the
-model's own autograd step; ``scan``; ``graph``: the whole step replayed from CUDA graphs) it fits
-one ``base``, one fixed cost per layer and one cost per unit of work, the same for every family
-(non-negative least squares in relative error), on the rows' measured medians, each model planned
-here (on the CPU: the units and their work do not depend on the device). The recurrent constants
-are kept from the profile being replaced. It prints, and writes as a table, the prediction against
-the measurement for every row and regime.
+and the Python around them, not its work, and a one-layer step's median moves by more than a layer
+costs. So a GPU's profile prices every family alike, per regime (``native``: the model's own autograd
+step; ``scan``; ``graph``: the whole step from CUDA graphs) one ``base``, one cost per layer and one
+per unit of work, fitted to whole models (:func:`spscan.calibration.fit_whole_models`, which
+``spscan.calibrate()`` applies on a GPU to its own small models). This script applies it to the
+measured rows of a "never slower" run, each model planned here (on the CPU: the units and their work
+do not depend on the device), for the shipped reference profile. The recurrent constants are kept
+from the profile being replaced. It prints, and writes as a table, the prediction against the
+measurement for every row and regime.
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from scipy.optimize import nnls
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import spscan  # noqa: E402
 from never_slower_models import CASES  # noqa: E402
+from spscan.calibration import fit_whole_models, layer_features  # noqa: E402
 
 REGIMES = ("native", "scan", "graph")
 
@@ -54,23 +53,6 @@ def terms(case) -> list[tuple]:
     return [t for u in wrapped.plan.units for t in u.cost_terms(case.batch)]
 
 
-def features(ts: list[tuple], regime: str) -> tuple[list[float], list[float]]:
-    """``[1, layers, work]`` of the terms the regime's constants price, and ``[0, layers, work]`` of those
-    priced as ``native`` in every regime (an opaque node's own operations), which the native fit prices."""
-    own = [t for t in ts if len(t) < 3 or t[2] == regime]
-    native = [t for t in ts if len(t) >= 3 and t[2] == "native" and regime != "native"]
-    return ([1.0, float(len(own)), float(sum(t[1] for t in own))],
-            [0.0, float(len(native)), float(sum(t[1] for t in native))])
-
-
-def fit(rows: list[tuple[list[float], float]]) -> list[float]:
-    a = np.asarray([r[0] for r in rows], dtype=np.float64)
-    t = np.asarray([r[1] for r in rows], dtype=np.float64)
-    w = 1.0 / t
-    coef, _ = nnls(a * w[:, None], t * w)
-    return [float(c) for c in coef]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("rows")
@@ -86,19 +68,10 @@ def main() -> int:
     for row in rows:
         ts = terms(by_name[row["model"]])
         per_row.append((row["model"], ts, measured(row)))
-    coef: dict[str, list[float]] = {}
-    for regime in REGIMES:  # native first: the other regimes' native-priced terms are priced by its fit
-        samples = []
-        for _, ts, m in per_row:
-            if regime in m:
-                own, nat = features(ts, regime)
-                fixed = sum(c * x for c, x in zip(coef.get("native", [0.0] * 3), nat))
-                samples.append((own, m[regime] - fixed))
-        if samples:
-            coef[regime] = fit(samples)
+    coef = fit_whole_models([(ts, regime, t) for _, ts, m in per_row for regime, t in m.items()])
 
     def predict(ts, regime):
-        own, nat = features(ts, regime)
+        own, nat = layer_features(ts, regime)
         return sum(c * x for c, x in zip(coef[regime], own)) + sum(c * x for c, x in zip(coef["native"], nat))
 
     lines = ["| model | regime | layers | predicted (ms) | measured (ms) | predicted / measured |",
