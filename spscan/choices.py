@@ -4,8 +4,8 @@ scan's whole step replayed from CUDA graphs (``graph``, :mod:`spscan.graphed`).
 They are candidates of one :class:`~spscan.planner.choose.Decision`, predicted from the machine's step
 profile (:mod:`spscan.planner.step_profile`; fitted by :func:`spscan.calibrate`). ``backward="scan"``,
 ``"native"`` or ``"graph"`` forces one (``graph`` only where it is a candidate: a chain or traced model
-on a GPU, without opaque nodes). A wrapped model that runs ``native`` calls the model's own forward and lets
-autograd do the backward: its gradients are autograd's, bit for bit, and it costs nothing besides
+on a GPU, without opaque nodes). A wrapped model that runs ``native`` calls the model's own forward and
+lets autograd do the backward: its gradients are autograd's, bit for bit, and it costs nothing besides
 a dictionary lookup. The choice depends on the batch (and a recurrent module's length), so it is made
 per input signature, on first use, from the formula (no timing).
 """
@@ -21,7 +21,8 @@ import torch
 from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "graph_activation_bytes", "NativeModule", "batch_of", "current_key", "device_label",
+__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "batch_of", "current_key",
+           "device_label", "graph_activation_bytes",
            "layers_decision", "recurrent_decision", "sequence_signature", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native", "graph")

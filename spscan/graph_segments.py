@@ -18,7 +18,8 @@ from spscan.layers.registry import JOIN_ADD as _ADD
 from spscan.plan import build_composite, build_plan
 from spscan.planner.blocks import block_union, identity_pattern, place, product_pattern, union_pattern
 
-__all__ = ["segment_plans", "BlockOperator", "FilledOperator", "Leaf", "LiveOperator", "LiveStep", "Parallel", "grads_while_applied"]
+__all__ = ["BlockOperator", "FilledOperator", "Leaf", "LiveOperator", "LiveStep", "Parallel", "grads_while_applied",
+           "segment_plans"]
 
 
 class Leaf:
