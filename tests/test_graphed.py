@@ -391,14 +391,14 @@ def test_an_opaque_node_rules_the_graph_out(monkeypatch):
 
 # ----------------------------------------------------------------------------- on a GPU: real graphs
 
-def setup_function(function):
-    if "cuda" in function.__name__ and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+#: the tests below record real CUDA graphs (run on a GPU: bench/results/nvidia-h200/graphs.log)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.parametrize("name", [n for n in MODELS if "dropout" not in n])  # a replay draws its own masks
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.gpu
+@gpu
 def test_cuda_graph_backward_equals_eager_bitwise(name, dtype, monkeypatch):
     """``backward="graph"`` records one CUDA graph per signature (none falls back to eager) and every
     step's gradients equal the eager scan's bit for bit, for new inputs, weights and batch sizes
@@ -408,6 +408,7 @@ def test_cuda_graph_backward_equals_eager_bitwise(name, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@gpu
 def test_cuda_graph_backward_matches_autograd_in_float64():
     torch.manual_seed(0)
     model = ResNet20(width=4).to("cuda", torch.float64).train()
@@ -425,6 +426,7 @@ def test_cuda_graph_backward_matches_autograd_in_float64():
 
 
 @pytest.mark.gpu
+@gpu
 def test_cuda_auto_decision_offers_the_graph():
     model = _lenet().cuda()
     w = spscan.wrap(model, torch.randn(64, 3, 16, 16, device="cuda"))
@@ -433,6 +435,7 @@ def test_cuda_auto_decision_offers_the_graph():
 
 
 @pytest.mark.gpu
+@gpu
 def test_cuda_step_graph_draws_new_dropout_masks_and_reads_its_own():
     """Every replay of a recorded step draws new dropout masks, and its backward reads the mask its
     forward drew: with the dropout last, ``dl/dW`` of ``sum(c * y)`` is ``((y != 0) * c / (1 - p))^T x``."""
