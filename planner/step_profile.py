@@ -86,6 +86,10 @@ class StepProfile:
         """Whether this profile prices ``regime`` (every profile prices :data:`REGIMES`)."""
         return regime in self.base
 
+    def has_recurrent_regime(self, cell: str, regime: str) -> bool:
+        """Whether this profile prices ``regime`` for recurrent modules of ``cell`` kind."""
+        return regime in self.recurrent.get(_cell(cell), {})
+
     def _family(self, family: str) -> dict[str, tuple[float, float]]:
         got = self.families.get(family)
         return got if got is not None else self.families["default"]

@@ -3,8 +3,8 @@ scan's whole step replayed from CUDA graphs (``graph``, :mod:`spscan.graphed`).
 
 They are candidates of one :class:`~spscan.planner.choose.Decision`, predicted from the machine's step
 profile (:mod:`spscan.planner.step_profile`; fitted by :func:`spscan.calibrate`). ``backward="scan"``,
-``"native"`` or ``"graph"`` forces one (``graph`` only where it is a candidate: a chain or traced model
-on a GPU, without opaque nodes). A wrapped model that runs ``native`` calls the model's own forward and
+``"native"`` or ``"graph"`` forces one (``graph`` only where it is a candidate: on a GPU, a chain or
+traced model without opaque nodes, or a recurrent module). A wrapped model that runs ``native`` calls the model's own forward and
 lets autograd do the backward: its gradients are autograd's, bit for bit, and it costs nothing besides
 a dictionary lookup. The choice depends on the batch (and a recurrent module's length), so it is made
 per input signature, on first use, from the formula (no timing).
@@ -23,7 +23,7 @@ from spscan.planner.step_profile import StepProfile, load_step_profile, machine_
 
 __all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "batch_of", "current_key",
            "device_label", "graph_activation_bytes",
-           "layers_decision", "recurrent_decision", "sequence_signature", "step_profile"]
+           "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "sequence_signature", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native", "graph")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
@@ -65,10 +65,9 @@ def graph_activation_bytes(units: Sequence[Any], batch: int) -> int:
 
 
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
-            graph: Optional[float] = None) -> Decision:
-    cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward")]
-    if graph is not None:
-        cands.append(Candidate("graph", graph, GRAPH_DETAIL))
+            more: Sequence[Candidate] = ()) -> Decision:
+    cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward"),
+             *more]
     return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), incumbent="native",
                   margin=SCAN_MARGIN)
 
@@ -81,22 +80,39 @@ def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.dev
     activations a recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`."""
     prof = step_profile(device)
     layers = [t for u in units for t in u.cost_terms(batch)]
-    graph = None
+    more = []
     if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
             and not any(u.capabilities.autograd_state for u in units)
             and graph_activation_bytes(units, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
-        graph = prof.layers_time(layers, "graph")
+        more.append(Candidate("graph", prof.layers_time(layers, "graph"), GRAPH_DETAIL))
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
-                   scan_detail, mode, prof, graph)
+                   scan_detail, mode, prof, more)
+
+
+def recurrent_graph_bytes(shapes: Sequence[tuple[int, int]], seq_len: int, batch: int) -> int:
+    """A lower bound of what a recorded recurrent step keeps: every (layer, direction)'s input and hidden state
+    at every step, in float32."""
+    return 4 * seq_len * batch * sum(i + h for i, h in shapes)
 
 
 def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: int, batch: int,
                        device: Optional[torch.device], mode: str, scan_detail: str) -> Decision:
     """Scan or native for a recurrent module of ``cell`` kind whose (layer, direction)s have
-    ``(input_size, hidden_size)`` ``shapes``, for a ``(seq_len, batch)`` input."""
+    ``(input_size, hidden_size)`` ``shapes``, for a ``(seq_len, batch)`` input; on a GPU also the whole
+    step replayed from CUDA graphs (``graph``) where the activations a recording keeps fit
+    :data:`GRAPH_MAX_ACTIVATION_BYTES`. A profile that does not price a recurrent ``graph`` (the shipped
+    CUDA one) offers it without a prediction: chosen only when forced; :func:`spscan.calibrate` prices it."""
     prof = step_profile(device)
     t = {r: sum(prof.recurrent_time(cell, seq_len, batch, i, h, r) for i, h in shapes) for r in ("native", "scan")}
-    return _decide(f"backward (T {seq_len}, batch {batch})", t["native"], t["scan"], scan_detail, mode, prof)
+    more = []
+    if (device is not None and torch.device(device).type == "cuda"
+            and recurrent_graph_bytes(shapes, seq_len, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
+        if prof.has_recurrent_regime(cell, "graph"):
+            more.append(Candidate("graph", sum(prof.recurrent_time(cell, seq_len, batch, i, h, "graph")
+                                               for i, h in shapes), GRAPH_DETAIL))
+        else:
+            more.append(Candidate("graph", None, GRAPH_DETAIL + " (not priced by this profile: only when forced)"))
+    return _decide(f"backward (T {seq_len}, batch {batch})", t["native"], t["scan"], scan_detail, mode, prof, more)
 
 
 class BackwardChoice(abc.ABC):

@@ -28,8 +28,9 @@ the input copies: its forward graph writes the activations where its backward gr
   with the graph.
 
 Used by the wrapped chains and traced graphs (:meth:`spscan.model.ModelPlan.run_step`: the whole step,
-else the backward alone) and the recurrent modules (:class:`spscan.recurrent_backward.GraphedBackward`);
-imports no front end.
+else the backward alone) and the recurrent modules (:meth:`spscan.recurrent.RecurrentFront.run_step`:
+the whole step; :class:`spscan.recurrent_backward.GraphedBackward`: the backward alone); imports no
+front end.
 """
 
 from __future__ import annotations
@@ -261,23 +262,28 @@ class _Lease:
 
 
 class _StepEntry:
-    """One signature's forward and backward graphs, the input buffer they read and what they wrote.
+    """One signature's forward and backward graphs, the input buffers they read and what they wrote.
 
-    The forward is recorded on its first replayed call; the graph writes the output and every saved
+    The forward is recorded on its first replayed call; the graph writes the outputs and every saved
     activation at addresses of its own, which the backward, recorded on the first backward, reads in
-    place. The parameters are read where they are (the signature holds their addresses: an optimizer
-    updates them in place)."""
+    place. The copied inputs (the activations: ``x``, a recurrent module's initial state) are read from
+    buffers of the entry's own; the other inputs (the parameters) where they are (the signature holds
+    their addresses: an optimizer updates them in place)."""
 
-    def __init__(self, front, x: torch.Tensor, flat: list, needs: tuple, record) -> None:
-        self.front, self.flat, self.needs, self.record = front, list(flat), needs, record
-        self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-        self.static_gy: Optional[torch.Tensor] = None
-        self.y: Optional[torch.Tensor] = None
+    def __init__(self, front, inputs: tuple, copied: int, needs: tuple, record) -> None:
+        self.front, self.needs, self.record = front, needs, record
+        self.static: list[Optional[torch.Tensor]] = [
+            None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in inputs[:copied]]
+        self.inputs = (*self.static, *inputs[copied:])
+        self.static_gy: Optional[list[torch.Tensor]] = None
+        self.outputs: tuple = ()
         self.state: Any = None
         self.out: Any = None
         self.replay_forward: Optional[Callable[[], None]] = None
         self.replay_backward: Optional[Callable[[], None]] = None
         self.graphs: list = []
+        self.held: list = []  # the front end's buffers each recording reads (front.step_buffers())
         self.failed = False  # the forward could not be recorded: the signature runs eagerly
         self.backward_eager = False  # the backward could not be recorded: it runs eagerly after a replay
         self.lease: Optional[Any] = None  # weak reference to the live _Lease
@@ -287,11 +293,14 @@ class _StepEntry:
 
     def _forward(self) -> None:
         with torch.no_grad():
-            self.y, self.state = self.front.step_forward(self.static_x, self.flat)
+            outputs, self.state = self.front.step_forward(self.inputs)
+            if not all(isinstance(o, torch.Tensor) for o in outputs):
+                raise TypeError("a recorded step's outputs are tensors")
+            self.outputs = tuple(outputs)
 
     def _backward(self) -> None:
         with torch.no_grad():
-            grads = self.front.step_backward(self.state, self.static_gy, self.needs)
+            grads = self.front.step_backward(self.state, tuple(self.static_gy), self.needs)
             skeleton, got = flatten_tensors(tuple(grads))
             flats, views = _packing(got)  # written by the graph: a replay's results leave in one copy each
             copy_all(views, got)
@@ -306,28 +315,30 @@ class _StepEntry:
                 self.failed = True
                 return False
             self.graphs.append(graph)
+            self.held.append(self.front.step_buffers())
         return not self.failed
 
-    def run_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The output for ``x`` (a copy: the graph rewrites its own at the next replay)."""
-        self.static_x.copy_(x)
+    def run_forward(self, copied: tuple) -> tuple:
+        """The outputs for the copied inputs ``copied`` (copies: the graph rewrites its own at the next replay)."""
+        copy_all([s for s in self.static if s is not None], [t for t in copied if t is not None])
         self.replay_forward()
-        return self.y.clone()
+        return tuple(o.clone() for o in self.outputs)
 
-    def run_backward(self, gy: torch.Tensor) -> tuple:
-        """The gradients of ``(x, *flat)`` for the upstream gradient ``gy`` of the last replayed forward."""
+    def run_backward(self, gys: tuple) -> tuple:
+        """The gradients of the inputs for the upstream gradients ``gys`` of the last replayed forward's outputs."""
         if self.static_gy is None:
-            self.static_gy = torch.empty(gy.shape, dtype=gy.dtype, device=gy.device)
-        self.static_gy.copy_(gy)
+            self.static_gy = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in gys]
+        copy_all(self.static_gy, list(gys))
         if self.replay_backward is None and not self.backward_eager:
             try:
-                self.replay_backward, graph = self.record(self._backward, gy.device)
+                self.replay_backward, graph = self.record(self._backward, gys[0].device)
                 self.graphs.append(graph)
+                self.held.append(self.front.step_buffers())
             except Exception:  # noqa: BLE001 - the backward runs eagerly on the forward's activations
                 self.backward_eager = True
         if self.backward_eager:
             with torch.no_grad():
-                return tuple(self.front.step_backward(self.state, self.static_gy, self.needs))
+                return tuple(self.front.step_backward(self.state, tuple(self.static_gy), self.needs))
         self.replay_backward()
         return _copies(*self.out)
 
@@ -336,40 +347,42 @@ class _GraphedStepFunction(torch.autograd.Function):
     """Forward: the recorded forward's replay. Backward: the recorded backward's."""
 
     @staticmethod
-    def forward(ctx, entry: _StepEntry, x: torch.Tensor, *flat):  # type: ignore[override]
-        y = entry.run_forward(x)
+    def forward(ctx, entry: _StepEntry, copied: int, *inputs):  # type: ignore[override]
+        outputs = entry.run_forward(inputs[:copied])
         lease = _Lease(entry)
         entry.lease = weakref.ref(lease)
         ctx.lease = lease
-        ctx.save_for_backward(x)  # read in backward: a second backward without retain_graph raises
-        return y
+        ctx.save_for_backward(*inputs)  # read in backward: a second backward without retain_graph raises
+        return outputs
 
     @staticmethod
-    def backward(ctx, gy):  # type: ignore[override]
+    def backward(ctx, *gys):  # type: ignore[override]
         inputs = ctx.saved_tensors
         entry = ctx.lease.entry
         with torch.no_grad():
-            grads = entry.run_backward(gy)
+            grads = entry.run_backward(gys)
         if not keep_graph():  # the activations were read for the last time: another forward may replay
             entry.lease = None
-        out = (None, *grads)
+        out = (None, None, *grads)
         if torch.is_grad_enabled():
-            out = refuse_second_derivative(list(inputs) + [gy], out)
+            out = refuse_second_derivative(list(inputs) + list(gys), out)
         return out
 
 
 class GraphedStep:
-    """A wrapped model's whole training step replayed from two CUDA graphs per signature: the forward
+    """A wrapped module's whole training step replayed from two CUDA graphs per signature: the forward
     (which keeps the activations at addresses of its own) and the backward (which reads them there).
 
-    ``front`` has ``step_forward(x, flat) -> (y, state)`` and ``step_backward(state, gy, needs) ->
-    gradients of (x, *flat)``. :meth:`__call__` gives the output of one forward through the graphs, or
-    ``None`` where the caller runs its ordinary path instead: the first call of a signature (it warms
-    what a recording needs), grad mode off, autocast, a parameter that is not a leaf, a signature
-    whose recording failed, and a forward whose signature's activations still belong to an earlier
-    forward whose backward has not run (forwards of several micro-batches before their backwards).
-    Dropout's random numbers are drawn anew by every replay (CUDA graphs carry the generator's
-    offsets); a batch-norm's running statistics are updated by every replay, as in eager.
+    ``front`` has ``step_forward(inputs) -> (outputs, state)`` (a tuple of tensors) and
+    ``step_backward(state, grad_outputs, needs) -> one gradient (or None) per input``, run with gradient
+    recording off, and ``step_buffers()``: the buffers of its own a recording reads (an engine's arenas,
+    which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one forward through the graphs, or ``None``
+    where the caller runs its ordinary path instead: the first call of a signature (it warms what a
+    recording needs), grad mode off, autocast, a parameter that is not a leaf, a signature whose
+    recording failed, and a forward whose signature's activations still belong to an earlier forward
+    whose backward has not run (forwards of several micro-batches before their backwards). Dropout's
+    random numbers are drawn anew by every replay (CUDA graphs carry the generator's offsets); a
+    batch-norm's running statistics are updated by every replay, as in eager.
     """
 
     MAX_GRAPHS = 4
@@ -385,14 +398,25 @@ class GraphedStep:
         self.entries.clear()
         self.seen.clear()
 
-    def __call__(self, x: torch.Tensor, flat: list, key: Hashable = ()) -> Optional[torch.Tensor]:
+    def __call__(self, inputs: tuple, copied: int, key: Hashable = ()) -> Optional[tuple]:
+        """The outputs of ``front.step_forward(inputs)``, recorded for autograd, from the graphs; or ``None``.
+
+        ``inputs[:copied]``: the activations (tensors or ``None``), copied into the entry's buffers;
+        ``inputs[copied:]``: the parameters, read in place (their addresses are part of the signature).
+        ``key``: what else selects a graph (the modes the front end's forward follows)."""
         self.warming = False
-        if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in flat):
+        params = inputs[copied:]
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in params):
             return None
-        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        acts = [t for t in inputs[:copied] if t is not None]
+        if not acts:
             return None
-        needs = (x.requires_grad, *(t.requires_grad for t in flat))
-        sig = (key, x.shape, x.stride(), x.dtype, x.device, needs, tuple(t.data_ptr() for t in flat))
+        device = acts[0].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        needs = tuple(t is not None and t.requires_grad for t in inputs)
+        sig = (key, tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in inputs[:copied]),
+               needs, tuple(t.data_ptr() for t in params))
         entry = self.entries.get(sig)
         if entry is None:
             if sig not in self.seen:
@@ -403,7 +427,7 @@ class GraphedStep:
                 return None
             if len(self.entries) >= self.MAX_GRAPHS:
                 self.entries.pop(next(iter(self.entries)))
-            entry = self.entries[sig] = _StepEntry(self.front, x, flat, needs, self.record)
-        if entry.busy() or not entry.recorded(x.device):
+            entry = self.entries[sig] = _StepEntry(self.front, tuple(inputs), copied, needs, self.record)
+        if entry.busy() or not entry.recorded(device):
             return None
-        return _GraphedStepFunction.apply(entry, x, *flat)
+        return _GraphedStepFunction.apply(entry, copied, *inputs)

@@ -450,13 +450,16 @@ class ModelPlan:
         return self._step_backward((False, *needs), gy.device).run(state, gy)[1:]
 
     # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front)
-    def step_forward(self, x: torch.Tensor, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, "ForwardState"]:
-        (y,), state = self.scan_forward((x, *flat))
-        return y, state
+    def step_forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], "ForwardState"]:
+        return self.scan_forward(inputs)
 
-    def step_backward(self, state: "ForwardState", gy: torch.Tensor, needs: tuple) -> tuple:
+    def step_backward(self, state: "ForwardState", grad_outputs: tuple, needs: tuple) -> tuple:
         # a state of its own: the eager backward lets go of activations in it as it reads them
-        return self._eager_backward(ForwardState(list(state.saved), state.tensors, state.x_shape), gy, needs)
+        return self._eager_backward(ForwardState(list(state.saved), state.tensors, state.x_shape), grad_outputs[0],
+                                    needs)
+
+    def step_buffers(self) -> list[torch.Tensor]:
+        return self.engine_buffers()
 
     def run_step(self, x: torch.Tensor, flat: Sequence[torch.Tensor], graph: bool) -> torch.Tensor:
         """The wrapped forward of ``x`` with the units' effective tensors ``flat``, recorded for autograd:
@@ -464,9 +467,9 @@ class ModelPlan:
         can, else its backward alone from one (not on a signature's first call, which warms what a
         recording needs); without, the eager scan."""
         if graph:
-            y = self._step_graphs(x, list(flat), self._dynamic_key())
-            if y is not None:
-                return y
+            out = self._step_graphs((x, *flat), 1, self._dynamic_key())
+            if out is not None:
+                return out[0]
             graph = not self._step_graphs.warming
         self.graph_backward = graph
         return autograd_apply(self, x, *flat)[0]

@@ -77,6 +77,7 @@ from torch import nn
 from spscan.cells import (cell_kind, coefficients, factored_layout, jacobian_values, lstm_cells, module_params,
                           recurrent_patterns, resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
+from spscan.graphed import GraphedStep
 from spscan.autograd import refuse_functorch
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
@@ -127,6 +128,26 @@ class RecurrentFront:
         gh0 = r["h_0"] if (has_h0 and needs[1]) else None
         gc0 = r["c_0"] if (has_h0 and self.kind == "lstm" and needs[2]) else None
         return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
+
+    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front)
+    def step_forward(self, inputs: tuple):
+        return self.scan_forward(inputs)
+
+    def step_backward(self, state, grad_outputs: tuple, needs: tuple):
+        return self.scan_backward(state, grad_outputs, needs)
+
+    def step_buffers(self) -> list[torch.Tensor]:
+        return [t for b in self.bound_engines() for t in b.held_buffers()]
+
+    def run_step(self, x: torch.Tensor, h0, c0, params: Sequence[torch.Tensor]) -> Optional[tuple]:
+        """The outputs ``(output, h_n[, c_n])`` of one step from CUDA graphs (:attr:`step_graphs`), recorded
+        for autograd; ``None`` where the caller runs the eager path instead (see
+        :class:`~spscan.graphed.GraphedStep`), and always with a forward other than the module's own (a
+        Newton forward's iteration count is decided on the host as it runs)."""
+        if not self.sequential_forward():
+            return None
+        m = self.module
+        return self.step_graphs((x, h0, c0, *params), 3, (m.training, m.batch_first))
 
 
 class RecurrentWorkspace:
@@ -190,6 +211,8 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         self.workspace = RecurrentWorkspace()
         # on a GPU the whole backward replays from CUDA graphs (set False to run it eagerly)
         self.graph_backward = True
+        # on a GPU with backward="graph" the whole step replays from CUDA graphs (run_step)
+        self.step_graphs = GraphedStep(self)
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
@@ -238,6 +261,10 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             hit = self._bindings[key] = self._bind(seq_len, device, dtype, with_extra)
         return hit
 
+    def bound_engines(self) -> list:
+        """Every core plan's bindings made so far (all lengths, devices and dtypes)."""
+        return list(self._bindings.values())
+
     def bindings_for(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> list:
         """The core plan's bindings made so far for this length, device and dtype (with and without
         per-step losses)."""
@@ -263,6 +290,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         (:attr:`buffers`), the backward's CUDA graphs with their buffers, and every core plan's arenas and
         working buffers."""
         self.workspace.release()
+        self.step_graphs.release()
         for plan in self._plans.values():
             plan.release_buffers()
 
@@ -321,6 +349,10 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         self._check_input(x)
         with torch.no_grad():
             return self.run_forward(x, hx, need_saved=True)
+
+    def sequential_forward(self) -> bool:
+        """Whether every forward of this plan is the module's own (``forward="sequential"``)."""
+        return self.forward_mode == "sequential"
 
     def forward_method(self, seq_len: int, batch: int, device, dtype: torch.dtype) -> str:
         """``"sequential"`` or ``"newton"``: the forward this plan runs for a ``(T, B)`` input.
@@ -662,7 +694,8 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
                                   m.weight_hh_l0.device, self.backward_mode, f"layout {self.plan.layout}")
 
     def forward(self, x: torch.Tensor, hx=None):
-        if self._native(sequence_signature(self.module, x)):
+        choice = self._choice(sequence_signature(self.module, x))
+        if choice == "native":
             return self.module(x, hx)
         refuse_functorch()
         self.plan._check_input(x)
@@ -676,7 +709,7 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
         h0 = c0 = None
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
-        return run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module))
+        return run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module), choice == "graph")
 
     def extra_repr(self) -> str:
         return f"layout={self.plan.layout!r}"

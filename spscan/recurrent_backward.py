@@ -128,12 +128,14 @@ def split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool)
     return hx.detach().reshape(B, H), None
 
 
-def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor]):
+def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor],
+                graph: bool = False):
     """A recurrent wrapper's forward once its inputs are checked: the module's own outputs.
 
     An empty batch or sequence runs the module itself (nothing to scan); without anything needing a
-    gradient the plan's forward runs without saving; otherwise the autograd bridge records the
-    plan's scan backward. Shared by the single-layer and the stacked wrappers.
+    gradient the plan's forward runs without saving; otherwise, with ``graph``, the whole step replays
+    from CUDA graphs where it can (``plan.run_step``), and else the autograd bridge records the plan's
+    scan backward. Shared by the single-layer and the stacked wrappers.
     """
     grad_on = torch.is_grad_enabled() and (
         x.requires_grad or any(p.requires_grad for p in params)
@@ -145,7 +147,9 @@ def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Se
     if not grad_on:
         with torch.no_grad():
             return plan.run_forward(x, hx, need_saved=False)[0]
-    outs = autograd_apply(plan, x, h0, c0, *params)
+    outs = plan.run_step(x, h0, c0, params) if graph else None
+    if outs is None:
+        outs = autograd_apply(plan, x, h0, c0, *params)
     if plan.kind == "lstm":
         return outs[0], (outs[1], outs[2])
     return outs[0], outs[1]

@@ -59,6 +59,7 @@ from torch import nn
 from spscan.autograd import refuse_functorch
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.graphed import GraphedStep
 from spscan.planner.choose import Decision
 from spscan.recurrent import RecurrentFront, RecurrentPlan
 from spscan.recurrent_backward import run_wrapped
@@ -157,6 +158,8 @@ class StackedRecurrentPlan(RecurrentFront):
         self.plan_kwargs = dict(plan_kwargs)
         self._views: list[nn.Module] = []
         self.layer_plans: list[RecurrentPlan] = []  # [l * D + d]
+        # on a GPU with backward="graph" the whole step replays from CUDA graphs (run_step)
+        self.step_graphs = GraphedStep(self)
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
                 view = _layer_view(module, layer, d)
@@ -352,8 +355,18 @@ class StackedRecurrentPlan(RecurrentFront):
             res["c_0"] = None
         return res
 
+    def bound_engines(self) -> list:
+        """Every (layer, direction) plan's bindings made so far (:meth:`RecurrentPlan.bound_engines`)."""
+        return [b for p in self.layer_plans for b in p.bound_engines()]
+
+    def sequential_forward(self) -> bool:
+        """Whether every forward of this plan is the module's own (``forward="sequential"``)."""
+        return all(p.sequential_forward() for p in self.layer_plans)
+
     def release_buffers(self) -> None:
-        """Free what every (layer, direction) plan keeps between steps (:meth:`RecurrentPlan.release_buffers`)."""
+        """Free what every (layer, direction) plan keeps between steps (:meth:`RecurrentPlan.release_buffers`)
+        and the whole steps recorded as CUDA graphs."""
+        self.step_graphs.release()
         for p in self.layer_plans:
             p.release_buffers()
 
@@ -394,7 +407,8 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
                                   f"{m.num_layers} layers x {dirs} directions")
 
     def forward(self, x: torch.Tensor, hx=None):
-        if self._native(sequence_signature(self.module, x)):
+        choice = self._choice(sequence_signature(self.module, x))
+        if choice == "native":
             return self.module(x, hx)
         refuse_functorch()
         self.plan._check_input(x)
@@ -412,7 +426,7 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
             else:
                 h0 = hx
         params = [getattr(self.module, n) for n in self.plan.param_names()]
-        return run_wrapped(self.plan, self.module, x, hx, h0, c0, params)
+        return run_wrapped(self.plan, self.module, x, hx, h0, c0, params, choice == "graph")
 
     def extra_repr(self) -> str:
         return f"layers={self.plan.num_layers}, directions={self.plan.num_directions}"

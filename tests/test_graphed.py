@@ -389,6 +389,178 @@ def test_an_opaque_node_rules_the_graph_out(monkeypatch):
     assert not w.plan._graphed.entries
 
 
+# ----------------------------------------------------------------------------- recurrent modules
+
+RECURRENT = {
+    "rnn": lambda: nn.RNN(3, 5),
+    "gru_batch_first": lambda: nn.GRU(3, 5, batch_first=True),
+    "lstm": lambda: nn.LSTM(3, 5),
+    "stacked_lstm_dropout": lambda: nn.LSTM(3, 5, num_layers=2, dropout=0.3),
+    "bidirectional_gru": lambda: nn.GRU(3, 4, bidirectional=True),
+}
+
+# (T, B (None: unbatched), with an initial state, the input's gradient wanted, what the loss reads)
+RECURRENT_STEPS = [(6, 2, False, False, "all"), (6, 2, False, False, "all"), (6, 2, False, False, "all"),
+                   (6, 2, True, True, "output"), (6, 2, True, True, "output"), (4, 3, False, True, "h_n"),
+                   (4, 3, False, True, "h_n"), (5, None, False, False, "all"), (5, None, False, False, "all"),
+                   (6, 2, False, False, "all")]
+
+
+def _recurrent_step(w, module, T, B, with_h0, want_x, reads, step, dtype, device):
+    """One training step of ``w`` on inputs drawn from ``step``: the outputs, the input's and ``h_0``'s
+    gradients."""
+    torch.manual_seed(1000 + step)
+    layers = module.num_layers * (2 if module.bidirectional else 1)
+    shape = (T, module.input_size) if B is None else ((B, T, module.input_size) if module.batch_first else
+                                                      (T, B, module.input_size))
+    x = torch.randn(shape, dtype=dtype, device=device).requires_grad_(want_x)
+    hx = None
+    if with_h0:
+        hshape = (layers, module.hidden_size) if B is None else (layers, B, module.hidden_size)
+        h0 = torch.randn(hshape, dtype=dtype, device=device).requires_grad_()
+        hx = (h0, torch.randn(hshape, dtype=dtype, device=device)) if isinstance(module, nn.LSTM) else h0
+    for q in module.parameters():
+        q.grad = None
+    torch.manual_seed(2000 + step)  # the same dropout masks on both sides (CPU)
+    out, h = w(x, hx)
+    h_n = h[0] if isinstance(module, nn.LSTM) else h
+    loss = {"all": out.square().sum() + h_n.sum() + (h[1].sum() if isinstance(module, nn.LSTM) else 0),
+            "output": out.square().sum(), "h_n": h_n.square().sum()}[reads]
+    loss.backward()
+    first = hx[0] if isinstance(hx, tuple) else hx
+    return [out, h_n, x.grad, None if first is None else first.grad]
+
+
+def _check_recurrent_equals_eager(name, dtype, device, make_graphed, steps_of):
+    torch.manual_seed(0)
+    module = RECURRENT[name]().to(device, dtype).train()
+    eager_module = copy.deepcopy(module)
+    T, B = RECURRENT_STEPS[0][:2]
+    x0 = torch.randn((B, T, 3) if module.batch_first else (T, B, 3), dtype=dtype, device=device)
+    g = make_graphed(module, x0)
+    e = spscan.wrap(eager_module, x0, backward="scan")
+    for step, (T, B, with_h0, want_x, reads) in enumerate(RECURRENT_STEPS):
+        with torch.no_grad():
+            for p, q in zip(module.parameters(), eager_module.parameters()):
+                p.add_(0.01)
+                q.add_(0.01)
+        got = _recurrent_step(g, module, T, B, with_h0, want_x, reads, step, dtype, device)
+        want = _recurrent_step(e, eager_module, T, B, with_h0, want_x, reads, step, dtype, device)
+        for what, a, b in zip(("output", "h_n", "x.grad", "h_0.grad"), got, want):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{name} step {step}: {what}"
+        for (n, p), q in zip(module.named_parameters(), eager_module.parameters()):
+            assert torch.equal(p.grad, q.grad), f"{name} step {step}: {n}"
+    steps = steps_of(g)
+    # one recorded step per signature seen twice or more: (6, 2), with and without h_0; (4, 3); unbatched
+    assert len(steps.entries) == 4 and not any(e.failed or e.backward_eager for e in steps.entries.values())
+
+
+def _graphed_recurrent(module, x, monkeypatch, record=fake_record):
+    w = spscan.wrap(module, x, backward="scan")
+    monkeypatch.setattr(w, "_choice", lambda key: "graph")
+    w.plan.step_graphs = GraphedStep(w.plan, record)
+    return w
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_graphed_recurrent_step_equals_eager_bitwise(name, dtype, monkeypatch):
+    """A recurrent module's whole step through the step graphs (an initial state or none, the loss on the
+    output, on ``h_n`` or on both, changing lengths and batches, unbatched, batch-first, stacked with
+    dropout, bidirectional): outputs and gradients equal to the eager scan's bit for bit."""
+    _check_recurrent_equals_eager(name, dtype, "cpu", lambda m, x0: _graphed_recurrent(m, x0, monkeypatch),
+                                  lambda g: g.plan.step_graphs)
+
+
+def test_graphed_recurrent_replays_and_leases(monkeypatch):
+    """A signature's first call runs eagerly, the second records, later ones replay; a second forward before
+    the first's backward runs eagerly (the activations belong to the first); release_buffers drops the
+    recordings."""
+    torch.manual_seed(0)
+    module = nn.GRU(3, 4).double()
+    ref = copy.deepcopy(module)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    rec = CountingRecord()
+    w = _graphed_recurrent(module, x, monkeypatch, rec)
+    for n in range(4):
+        module.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        w(x)[0].sum().backward()
+        ref(x)[0].sum().backward()
+        for p, q in zip(module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    # forward and backward recorded in call 2 and replayed in calls 2, 3 and 4 (a recording runs nothing)
+    assert rec.recorded == 2 and rec.replays == 3 * 2
+    # the engine buffers the recordings read are kept with them (a later batch size replaces the engine's)
+    (entry,) = w.plan.step_graphs.entries.values()
+    now = w.plan.step_buffers()
+    assert now and len(entry.held) == 2 and all(any(t is h for h in entry.held[1]) for t in now)
+    a = w(x)[0].sum()
+    b = w(x)[0].sum()  # the first forward's activations are still held: this one runs eagerly
+    assert rec.replays == 7
+    module.zero_grad(set_to_none=True)
+    (a + b).backward()
+    ref.zero_grad(set_to_none=True)
+    (2 * ref(x)[0].sum()).backward()
+    for p, q in zip(module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    w.plan.release_buffers()
+    assert not w.plan.step_graphs.entries
+
+
+def test_graphed_recurrent_newton_forward_runs_eagerly(monkeypatch):
+    torch.manual_seed(0)
+    module = nn.RNN(3, 4).double()
+    x = torch.randn(8, 2, 3, dtype=torch.float64)
+    w = spscan.wrap(module, x, backward="scan", forward="newton")
+    monkeypatch.setattr(w, "_choice", lambda key: "graph")
+    w.plan.step_graphs = GraphedStep(w.plan, fake_record)
+    for _ in range(3):
+        w(x)[0].sum().backward()
+    assert not w.plan.step_graphs.entries
+
+
+def test_recurrent_graph_is_a_gpu_candidate(monkeypatch):
+    """On a GPU a recurrent module's decision offers ``graph`` (unpriced by the shipped profile: taken only
+    when forced); off a GPU forcing it is refused at wrap time."""
+    from spscan.choices import recurrent_decision
+
+    monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
+
+    cpu = recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cpu"), "auto", "")
+    assert "graph" not in [c.name for c in cpu.candidates]
+    gpu = recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cuda"), "auto", "")
+    cand = gpu.candidate("graph")
+    assert cand is not None and cand.predicted_s is None and gpu.chosen.name != "graph"
+    assert recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cuda"), "graph", "").chosen.name == "graph"
+    huge = recurrent_decision("lstm", [(16, 32)], 10 ** 6, 1024, torch.device("cuda"), "auto", "")
+    assert huge.candidate("graph") is None
+    with pytest.raises(ValueError, match="'graph' is not a candidate here"):
+        spscan.wrap(nn.LSTM(3, 4), torch.randn(5, 2, 3), backward="graph")
+
+
+def test_a_calibrated_recurrent_graph_is_chosen_where_cheaper(tmp_path, monkeypatch):
+    """A GPU profile that prices the recurrent ``graph`` (as ``spscan.calibrate()`` fits it there) makes it a
+    candidate like the others: chosen where predicted cheapest."""
+    from spscan.choices import current_key, recurrent_decision
+    from spscan.planner.step_profile import forget_loaded, reference_profile
+
+    monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
+    monkeypatch.setenv("SPSCAN_CACHE_DIR", str(tmp_path))
+    prof = copy.deepcopy(reference_profile("cuda", torch.get_num_threads()))
+    for regs in prof.recurrent.values():
+        regs["graph"] = tuple(0.5 * v for v in regs["native"])
+    prof.source = "calibrated"
+    prof.save(tmp_path / f"{current_key(torch.device('cuda'))}.json")
+    forget_loaded()
+    try:
+        d = recurrent_decision("lstm", [(16, 32), (32, 32)], 100, 16, torch.device("cuda"), "auto", "")
+        assert d.chosen.name == "graph"
+        assert d.candidate("graph").predicted_s == pytest.approx(0.5 * d.candidate("native").predicted_s)
+    finally:
+        forget_loaded()
+
+
 # ----------------------------------------------------------------------------- on a GPU: real graphs
 
 #: the tests below record real CUDA graphs (run on a GPU: bench/results/nvidia-h200/graphs.log)
@@ -458,3 +630,35 @@ def test_cuda_step_graph_draws_new_dropout_masks_and_reads_its_own():
     assert len(steps.entries) == 1 and not any(e.failed for e in steps.entries.values())
     assert not torch.equal(masks[3], masks[4])
     assert 0.4 < float(masks[4].mean()) < 0.6
+
+
+@pytest.mark.parametrize("name", [n for n in RECURRENT if "dropout" not in n])  # a replay draws its own masks
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.gpu
+@gpu
+def test_cuda_recurrent_graph_step_equals_eager_bitwise(name, dtype, monkeypatch):
+    """``backward="graph"`` on a recurrent module records one forward and one backward graph per signature
+    (none falls back to eager), and every step's outputs and gradients equal the eager scan's bit for bit."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    _check_recurrent_equals_eager(name, dtype, "cuda", lambda m, x0: spscan.wrap(m, x0, backward="graph"),
+                                  lambda g: g.plan.step_graphs)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_recurrent_graph_step_matches_autograd_in_float64():
+    torch.manual_seed(0)
+    module = nn.LSTM(8, 16, num_layers=2).to("cuda", torch.float64)
+    ref = copy.deepcopy(module)
+    x = torch.randn(50, 4, 8, dtype=torch.float64, device="cuda")
+    g = spscan.wrap(module, x, backward="graph")
+    for _ in range(4):
+        for m in (module, ref):
+            m.zero_grad(set_to_none=True)
+        out, (h, c) = g(x)
+        (out.square().sum() + h.sum()).backward()
+        out, (h, c) = ref(x)
+        (out.square().sum() + h.sum()).backward()
+        for p, q in zip(module.parameters(), ref.parameters()):
+            assert float((p.grad - q.grad).abs().max()) <= 1e-9 * max(1.0, float(q.grad.abs().max()))
+    assert len(g.plan.step_graphs.entries) == 1

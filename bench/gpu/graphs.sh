@@ -1,58 +1,67 @@
 #!/usr/bin/env bash
-# The wrapped models' CUDA-graph backward on a GPU, in one command (about 4 minutes; 6 with the recurrent rows):
+# The wrapped models' CUDA-graph steps on a GPU, in one command (about 8 minutes with every stage):
 #
 #   bench/gpu/graphs.sh [OUTDIR]
 #
-# 1. installs this checkout (pip --no-deps --no-build-isolation -e .);
-# 2. runs the tests that record real graphs: tests/test_graphed.py (wrapped CNNs, ResNet-20, LayerNorm
-#    MLP with dropout, BatchNorm: bitwise equal to the eager scan) and the recurrent modules' replay;
-# 3. calibrates this GPU's step profile, the graph regime included (spscan.calibrate, families only:
-#    the recurrent constants stay the reference's), into OUTDIR/cache, and writes it to
-#    OUTDIR/step-profile-cuda.json;
-# 4. times forward and backward apart for LeNet-5 and ResNet-20 (bench/gpu/profile_graphs.py);
-# 5. runs the "never slower" rows on CUDA at the default thread count with that profile: the CNNs,
-#    the MLP and the transformer rows first, then the recurrent ones (OUTDIR/never-slower-*.md/.json).
+# Stages, most important first (GRAPHS_STAGES picks some, in this order; default: all of them):
+#   tests      the tests that record real graphs: tests/test_graphed.py (wrapped CNNs, ResNet-20, LayerNorm
+#              MLP with dropout, BatchNorm, single-layer, stacked and bidirectional recurrent modules:
+#              bitwise equal to the eager scan) and the recurrent modules' backward replay
+#   cnn        the "never slower" CNN, MLP and transformer rows on CUDA at the default thread count, with
+#              the shipped reference profile (what a user who never calibrates gets)
+#   rnn        the recurrent rows, the same way; their whole-step graph is timed as an unchosen candidate
+#              (the shipped profile does not price it)
+#   cnn1       the CNN, MLP and transformer rows at one thread
+#   calibrate  spscan.calibrate() on this GPU at two threads (whole models; GRAPHS_CALIBRATE_RECURRENT=1
+#              also fits the recurrent cells, graph included), written to OUTDIR/step-profile-cuda.json
+#   profile    forward and backward timed apart for LeNet-5 and ResNet-20 (bench/gpu/profile_graphs.py)
 #
-# Each stage has a time limit; what finished is kept. OUTDIR defaults to $OUT, else ./gpu-graphs.
-# GRAPHS_RECURRENT=0 leaves the recurrent rows out (no graph candidate there: their scan replays its own).
+# 0. installs this checkout first (pip --no-deps --no-build-isolation -e .). Each stage has a time limit;
+# what finished is kept (OUTDIR/graphs.log, OUTDIR/never-slower-cuda-*.md/.json). OUTDIR defaults to $OUT,
+# else ./gpu-graphs. The rows run with an empty profile cache: the calibration writes its own.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 out="${1:-${OUT:-$root/gpu-graphs}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
+stages=" ${GRAPHS_STAGES:-tests cnn rnn cnn1 calibrate profile} "
 cd "$root" || exit 2
 export PYTHONUNBUFFERED=1
-export SPSCAN_CACHE_DIR="$out/cache"
+export SPSCAN_CACHE_DIR="$out/cache-rows"
 log="$out/graphs.log"
 stage() { echo "== $1 ($(date +%T))" | tee -a "$log"; }
+want() { [[ "$stages" == *" $1 "* ]]; }
 {
     stage install
     "$py" -m pip install -q --no-deps --no-build-isolation -e . || exit 2
     "$py" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 } 2>&1 | tee -a "$log"
-stage tests
-# GRAPHS_TESTS=graphed: tests/test_graphed.py alone
-recurrent_tests=("tests/test_recurrence_kernels.py")
-[ "${GRAPHS_TESTS:-all}" = graphed ] && recurrent_tests=()
-timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_graphed.py "${recurrent_tests[@]}" \
-    -k "graph or Graph or cuda" 2>&1 | tail -25 | tee -a "$log"
-stage calibrate
-timeout 150 "$py" - "$out" <<'EOF' 2>&1 | tee -a "$log"
+if want tests; then
+    stage tests
+    timeout 180 "$py" -m pytest -q -x -p no:cacheprovider tests/test_graphed.py tests/test_recurrence_kernels.py \
+        -k "graph or Graph or cuda" 2>&1 | tail -25 | tee -a "$log"
+fi
+rows() {  # rows NAME TIMEOUT PYTEST-K
+    stage "never-slower: $1"
+    timeout "$2" "$py" -m bench.never_slower --out "$out/never-slower-cuda-$1.md" --quick \
+        -- -k "$3" -p no:cacheprovider 2>&1 | tail -8 | tee -a "$log"
+}
+want cnn && rows cnn 200 "cuda-default and not _T1"
+want rnn && rows rnn 150 "cuda-default and _T1"
+want cnn1 && rows cnn-1-thread 200 "cuda-1-threads and not _T1"
+if want calibrate; then
+    stage calibrate
+    SPSCAN_CACHE_DIR="$out/cache" timeout 240 "$py" - "$out" "${GRAPHS_CALIBRATE_RECURRENT:-0}" <<'EOF' 2>&1 | tee -a "$log"
 import json, sys, torch, spscan
 from spscan.calibration import calibrate
 torch.set_num_threads(2)  # as the benchmarks run (bench/conftest.py): the profile is kept per thread count
-prof = calibrate("cuda", recurrent=False, log=print)
-d = prof.to_json()
-open(f"{sys.argv[1]}/step-profile-cuda.json", "w").write(json.dumps(d, indent=1, sort_keys=True))
+prof = calibrate("cuda", recurrent=sys.argv[2] == "1", log=print)
+open(f"{sys.argv[1]}/step-profile-cuda.json", "w").write(json.dumps(prof.to_json(), indent=1, sort_keys=True))
 EOF
-stage "profile: forward and backward apart"
-timeout 60 "$py" bench/gpu/profile_graphs.py --out "$out" 2>&1 | grep " ms " | tee -a "$log"
-stage "never-slower: CNNs, MLP, transformers"
-timeout 200 "$py" -m bench.never_slower --out "$out/never-slower-cuda-cnn.md" --quick \
-    -- -k "cuda-default and not _T1" -p no:cacheprovider 2>&1 | tail -8 | tee -a "$log"
-[ "${GRAPHS_RECURRENT:-1}" = 0 ] && { stage "done (recurrent rows skipped)"; exit 0; }
-stage "never-slower: recurrent"
-timeout 110 "$py" -m bench.never_slower --out "$out/never-slower-cuda-rnn.md" --quick \
-    -- -k "cuda-default and _T1" -p no:cacheprovider 2>&1 | tail -8 | tee -a "$log"
+fi
+if want profile; then
+    stage "profile: forward and backward apart"
+    timeout 60 "$py" bench/gpu/profile_graphs.py --out "$out" 2>&1 | grep " ms " | tee -a "$log"
+fi
 stage done
