@@ -3,8 +3,8 @@ scan's whole step replayed from CUDA graphs (``graph``, :mod:`spscan.graphed`).
 
 They are candidates of one :class:`~spscan.planner.choose.Decision`, predicted from the machine's step
 profile (:mod:`spscan.planner.step_profile`; fitted by :func:`spscan.calibrate`). ``backward="scan"``,
-``"native"`` or ``"graph"`` forces one (``graph`` only where it is a candidate: on a GPU, a chain or
-traced model without opaque nodes, or a recurrent module). A wrapped model that runs ``native`` calls the model's own forward and
+``"native"`` or ``"graph"`` forces one (``graph`` only where it is a candidate: on a GPU, a chain,
+traced model or recurrent module). A wrapped model that runs ``native`` calls the model's own forward and
 lets autograd do the backward: its gradients are autograd's, bit for bit, and it costs nothing besides
 a dictionary lookup. The choice depends on the batch (and a recurrent module's length), so it is made
 per input signature, on first use, from the formula (no timing).
@@ -75,14 +75,13 @@ def _decide(question: str, native: float, scan: float, scan_detail: str, mode: s
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
                     scan_detail: str) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan's
-    whole step replayed from CUDA graphs (``graph``), where the profile prices it, no unit's saved state
-    carries an autograd graph (:attr:`~spscan.layers.UnitCapabilities.autograd_state`) and the
-    activations a recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`."""
+    whole step replayed from CUDA graphs (``graph``), where the profile prices it and the activations a
+    recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`. (An opaque node's own autograd backward is
+    recorded with the rest: the forward graph rewrites the tensors its autograd graph saved, in place.)"""
     prof = step_profile(device)
     layers = [t for u in units for t in u.cost_terms(batch)]
     more = []
     if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
-            and not any(u.capabilities.autograd_state for u in units)
             and graph_activation_bytes(units, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
         more.append(Candidate("graph", prof.layers_time(layers, "graph"), GRAPH_DETAIL))
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
@@ -149,6 +148,20 @@ class BackwardChoice(abc.ABC):
         checks will refuse, never native unless forced). Called on every forward: a dictionary lookup
         once the signature was seen."""
         return self._choice(key) == "native"
+
+    def _graph_failed(self, key: Optional[Hashable]) -> None:
+        """The whole step of signature ``key`` could not be recorded as CUDA graphs (the device refused an
+        operation while recording; that call ran the scan's eager step, with the same gradients). With
+        ``backward="auto"`` the signature is decided again with ``graph`` left unpriced: the next
+        calls run what is predicted fastest of the rest."""
+        if self.backward_mode != "auto" or key is None:
+            return
+        d = self._decision_for(key)
+        if d.chosen.name != "graph":
+            return
+        cands = [c if c.name != "graph" else Candidate("graph", None, c.detail + " (its recording failed here)")
+                 for c in d.candidates]
+        self._decisions[key] = choose(d.question, cands, None, basis=d.basis, incumbent="native", margin=SCAN_MARGIN)
 
     def _choice(self, key: Optional[Hashable]) -> str:
         """The candidate a call of signature ``key`` runs: the forced mode, else the decision's choice

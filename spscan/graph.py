@@ -341,7 +341,8 @@ class GraphSpscanModule(SpscanModule):
     """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        choice = self._choice(batch_of(x))
+        key = batch_of(x)
+        choice = self._choice(key)
         if choice == "native":
             return self.model(x)
         refuse_functorch()
@@ -350,7 +351,10 @@ class GraphSpscanModule(SpscanModule):
         if x.shape[0] == 0:
             return self.model(x)
         flat = [t for u in self.plan.units for t in u.tensors()]
-        return self.plan.run_step(x, flat, choice == "graph")
+        y = self.plan.run_step(x, flat, choice == "graph")
+        if choice == "graph" and self.plan.step_graphs.unrecordable:
+            self._graph_failed(key)
+        return y
 
 
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

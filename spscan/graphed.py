@@ -382,7 +382,12 @@ class GraphedStep:
     recording failed, and a forward whose signature's activations still belong to an earlier forward
     whose backward has not run (forwards of several micro-batches before their backwards). Dropout's
     random numbers are drawn anew by every replay (CUDA graphs carry the generator's offsets); a
-    batch-norm's running statistics are updated by every replay, as in eager.
+    batch-norm's running statistics are updated by every replay, as in eager. A forward that records
+    an autograd graph of its own (an opaque node's call, whose backward asks autograd for a
+    vector-Jacobian product) is recorded with it, as ``torch.cuda.make_graphed_callables`` records a
+    module's: the forward graph rewrites the tensors that autograd graph saved, in place, and the
+    backward graph replays its kernels on them (:class:`GraphedCall`, which copies a saved state into
+    buffers of its own, cannot, and runs such a backward eagerly).
     """
 
     MAX_GRAPHS = 4
@@ -393,6 +398,7 @@ class GraphedStep:
         self.entries: dict = {}
         self.seen: set = set()
         self.warming = False  # the last call declined as its signature's first
+        self.unrecordable = False  # the last call declined as its signature's recording failed
 
     def release(self) -> None:
         self.entries.clear()
@@ -404,7 +410,7 @@ class GraphedStep:
         ``inputs[:copied]``: the activations (tensors or ``None``), copied into the entry's buffers;
         ``inputs[copied:]``: the parameters, read in place (their addresses are part of the signature).
         ``key``: what else selects a graph (the modes the front end's forward follows)."""
-        self.warming = False
+        self.warming = self.unrecordable = False
         params = inputs[copied:]
         if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in params):
             return None
@@ -428,6 +434,9 @@ class GraphedStep:
             if len(self.entries) >= self.MAX_GRAPHS:
                 self.entries.pop(next(iter(self.entries)))
             entry = self.entries[sig] = _StepEntry(self.front, tuple(inputs), copied, needs, self.record)
-        if entry.busy() or not entry.recorded(device):
+        if entry.busy():
+            return None
+        if not entry.recorded(device):
+            self.unrecordable = True
             return None
         return _GraphedStepFunction.apply(entry, copied, *inputs)

@@ -182,7 +182,7 @@ class ModelPlan:
         self.graph_backward = False
         self._graphed = GraphedCall()
         # the whole step (forward and backward) replayed from CUDA graphs, where the wrapper chose "graph"
-        self._step_graphs = GraphedStep(self)
+        self.step_graphs = GraphedStep(self)
 
     element_name = "layer"  # what one element of the core chain is (a traced graph's are blocks)
 
@@ -467,10 +467,10 @@ class ModelPlan:
         can, else its backward alone from one (not on a signature's first call, which warms what a
         recording needs); without, the eager scan."""
         if graph:
-            out = self._step_graphs((x, *flat), 1, self._dynamic_key())
+            out = self.step_graphs((x, *flat), 1, self._dynamic_key())
             if out is not None:
                 return out[0]
-            graph = not self._step_graphs.warming
+            graph = not self.step_graphs.warming
         self.graph_backward = graph
         return autograd_apply(self, x, *flat)[0]
 
@@ -479,7 +479,7 @@ class ModelPlan:
         their activations and buffers, and the engine plans' arenas and working buffers. The next step
         of a signature runs eagerly and records again."""
         self._graphed.release()
-        self._step_graphs.release()
+        self.step_graphs.release()
         for plan in self.engine_plans():
             plan.release_buffers()
 
@@ -762,7 +762,8 @@ class SpscanModule(BackwardChoice, nn.Module):
         return layers_decision(plan.units, batch, device, self.backward_mode, detail)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        choice = self._choice(batch_of(x))
+        key = batch_of(x)
+        choice = self._choice(key)
         if choice == "native":
             return self.model(x)
         refuse_functorch()
@@ -773,7 +774,10 @@ class SpscanModule(BackwardChoice, nn.Module):
         plan._check_layers()
         if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
             return self.model(x)
-        return plan.run_step(x, flat, choice == "graph")
+        y = plan.run_step(x, flat, choice == "graph")
+        if choice == "graph" and plan.step_graphs.unrecordable:
+            self._graph_failed(key)
+        return y
 
 
 def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

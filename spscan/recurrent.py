@@ -694,7 +694,8 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
                                   m.weight_hh_l0.device, self.backward_mode, f"layout {self.plan.layout}")
 
     def forward(self, x: torch.Tensor, hx=None):
-        choice = self._choice(sequence_signature(self.module, x))
+        key = sequence_signature(self.module, x)
+        choice = self._choice(key)
         if choice == "native":
             return self.module(x, hx)
         refuse_functorch()
@@ -709,7 +710,10 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
         h0 = c0 = None
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
-        return run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module), choice == "graph")
+        out = run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module), choice == "graph")
+        if choice == "graph" and self.plan.step_graphs.unrecordable:
+            self._graph_failed(key)
+        return out
 
     def extra_repr(self) -> str:
         return f"layout={self.plan.layout!r}"

@@ -407,7 +407,8 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
                                   f"{m.num_layers} layers x {dirs} directions")
 
     def forward(self, x: torch.Tensor, hx=None):
-        choice = self._choice(sequence_signature(self.module, x))
+        key = sequence_signature(self.module, x)
+        choice = self._choice(key)
         if choice == "native":
             return self.module(x, hx)
         refuse_functorch()
@@ -426,7 +427,10 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
             else:
                 h0 = hx
         params = [getattr(self.module, n) for n in self.plan.param_names()]
-        return run_wrapped(self.plan, self.module, x, hx, h0, c0, params, choice == "graph")
+        out = run_wrapped(self.plan, self.module, x, hx, h0, c0, params, choice == "graph")
+        if choice == "graph" and self.plan.step_graphs.unrecordable:
+            self._graph_failed(key)
+        return out
 
     def extra_repr(self) -> str:
         return f"layers={self.plan.num_layers}, directions={self.plan.num_directions}"

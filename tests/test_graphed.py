@@ -128,6 +128,8 @@ MODELS = {
     "ln_mlp_dropout": (_ln_mlp, (12,)),
     "bn_cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(),
                                      nn.AvgPool2d(2), nn.Flatten(), nn.Linear(3 * 3 * 3, 4)), (2, 6, 6)),
+    # opaque nodes (attention, the layer's own call): their autograd backward is recorded with the step
+    "transformer_dropout": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True), (5, 8)),
 }
 
 
@@ -135,7 +137,7 @@ def _graphed(model, x, monkeypatch):
     w = spscan.wrap(model, x, backward="scan")
     monkeypatch.setattr(w, "_choice", lambda key: "graph")
     w.plan._graphed = GraphedCall(fake_record)
-    w.plan._step_graphs = GraphedStep(w.plan, fake_record)
+    w.plan.step_graphs = GraphedStep(w.plan, fake_record)
     return w
 
 
@@ -182,7 +184,7 @@ def _check_equals_eager(name, dtype, device, make_graphed):
         for a, b in zip(model.buffers(), eager_model.buffers()):  # batch-norm statistics, updated once a step
             assert torch.equal(a, b)
     # one recorded step per (batch 3, 2) x (with, without the input's gradient)
-    steps = g.plan._step_graphs
+    steps = g.plan.step_graphs
     assert len(steps.entries) == 4 and not any(e.failed for e in steps.entries.values()), "a step was not recorded"
 
 
@@ -224,7 +226,7 @@ def _step_pair(monkeypatch, make=_lenet, shape=(3, 16, 16)):
     x = torch.randn(2, *shape, dtype=torch.float64)
     g = _graphed(model, x, monkeypatch)
     rec = CountingRecord()
-    g.plan._step_graphs = GraphedStep(g.plan, rec)
+    g.plan.step_graphs = GraphedStep(g.plan, rec)
     return model, ref, g, rec
 
 
@@ -313,7 +315,7 @@ def test_step_graph_follows_modes_and_replaced_parameters(monkeypatch):
             assert torch.equal(p.grad, q.grad), f"step {step}: {n}"
         for a, b in zip(model.buffers(), ref.buffers()):
             assert torch.equal(a, b)
-    assert len(g.plan._step_graphs.entries) == 3  # train, eval, train with the new weight (eval with it: warmed only)
+    assert len(g.plan.step_graphs.entries) == 3  # train, eval, train with the new weight (eval with it: warmed only)
 
 
 def test_step_graph_whose_backward_cannot_be_recorded(monkeypatch):
@@ -325,9 +327,9 @@ def test_step_graph_whose_backward_cannot_be_recorded(monkeypatch):
             raise RuntimeError("operation not permitted when stream is capturing")
         return fn, None
 
-    g.plan._step_graphs = GraphedStep(g.plan, forward_only)
+    g.plan.step_graphs = GraphedStep(g.plan, forward_only)
     _train_and_compare(model, ref, g, 3)
-    (entry,) = g.plan._step_graphs.entries.values()
+    (entry,) = g.plan.step_graphs.entries.values()
     assert entry.backward_eager and entry.replay_forward is not None
 
 
@@ -341,7 +343,7 @@ def test_step_graph_leaves_pruned_weights_to_the_backward_graph(monkeypatch):
         prune.l1_unstructured(m[0], "weight", amount=0.3)
     g = _graphed(model, torch.randn(2, 3, 16, 16, dtype=torch.float64), monkeypatch)
     _train_and_compare(model, ref, g, 3)
-    assert not g.plan._step_graphs.entries and len(g.plan._graphed.entries) == 1
+    assert not g.plan.step_graphs.entries and len(g.plan._graphed.entries) == 1
 
 
 def test_graph_is_a_candidate_only_on_a_gpu(monkeypatch):
@@ -363,30 +365,78 @@ def test_graph_is_a_candidate_only_on_a_gpu(monkeypatch):
     assert "graph" not in [c.name for c in big.candidates]
 
 
-def test_an_opaque_node_rules_the_graph_out(monkeypatch):
-    """A unit whose saved state carries an autograd graph (an opaque node) cannot be replayed."""
+def test_an_opaque_node_is_recorded_with_the_step(monkeypatch):
+    """A unit whose saved state carries an autograd graph (an opaque node) is recorded with the whole step
+    (its forward graph rewrites what that autograd graph saved); the backward alone cannot be replayed
+    (a copy of the saved state is not what autograd reads), so there it runs eagerly."""
     from spscan.layers.opaque import OpaqueUnit
 
     class Odd(nn.Module):
         def forward(self, x):
             return torch.cumsum(x, dim=1)  # no analytic unit: an opaque node
 
-    model = nn.Sequential(nn.Linear(6, 6), Odd(), nn.Linear(6, 2))
-    x = torch.randn(3, 6)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), Odd(), nn.Linear(6, 2)).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 6, dtype=torch.float64)
     w = spscan.wrap(model, x, backward="scan")
     assert any(isinstance(u, OpaqueUnit) for u in w.plan.units)
     monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
     gpu = layers_decision(w.plan.units, 3, torch.device("cuda"), "auto", "")
-    assert "graph" not in [c.name for c in gpu.candidates]
-    # and forced through the graphed path, it runs eagerly (same gradients)
-    monkeypatch.setattr(w, "_choice", lambda key: "graph")
-    w.plan._graphed = GraphedCall(fake_record)
-    w(x).sum().backward()
+    assert "graph" in [c.name for c in gpu.candidates]
+    w = _graphed(model, x, monkeypatch)
+    for _ in range(4):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        w(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    (entry,) = w.plan.step_graphs.entries.values()
+    assert entry.replay_backward is not None and not entry.backward_eager
+    # the backward alone (a step whose forward ran eagerly: another forward holds the recorded one)
+    a = w(x).sum()
+    b = w(x).sum()
+    model.zero_grad(set_to_none=True)
+    (a + b).backward()
+    assert not w.plan._graphed.entries and len(w.plan._graphed.eager) == 0
+
+
+@pytest.mark.parametrize("kind", ["chain", "recurrent"])
+def test_a_step_that_cannot_be_recorded_is_decided_again(kind):
+    """Where the device refuses to record a signature's step, ``backward="auto"`` decides that signature
+    again without ``graph`` (unpriced, with the reason); that call and the next ones give autograd's
+    gradients."""
+    from spscan.planner.choose import Candidate, choose
+
+    torch.manual_seed(0)
+    if kind == "chain":
+        model = _lenet().double()
+        x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+        key = 2
+    else:
+        model = nn.GRU(3, 4).double()
+        x = torch.randn(5, 2, 3, dtype=torch.float64)
+        key = (5, 2)
     ref = copy.deepcopy(model)
-    ref(x).sum().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    assert not w.plan._graphed.entries
+    w = spscan.wrap(model, x, backward="auto")
+    # as a GPU profile that prices the graph cheapest would decide
+    w._decisions[key] = choose("backward", [Candidate("scan", 2.0), Candidate("native", 3.0),
+                                            Candidate("graph", 1.0, "the whole step from CUDA graphs")],
+                               incumbent="native", margin=1.1)
+    w.plan.step_graphs = GraphedStep(w.plan, failing_record)
+    for step in range(3):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        out, want = w(x), ref(x)
+        (out[0] if kind == "recurrent" else out).square().sum().backward()
+        (want[0] if kind == "recurrent" else want).square().sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
+        # call 1 warms (eager); call 2 fails to record: the signature is decided again
+        assert w.decision.chosen.name == ("graph" if step == 0 else "scan")
+    d = w.decision
+    assert d.candidate("graph").predicted_s is None and "its recording failed here" in d.explain()
 
 
 # ----------------------------------------------------------------------------- recurrent modules
@@ -626,7 +676,7 @@ def test_cuda_step_graph_draws_new_dropout_masks_and_reads_its_own():
         want = (kept * c / (1 - p)).t() @ x
         torch.testing.assert_close(model[0].weight.grad, want, rtol=1e-5, atol=1e-5)
         masks.append(kept)
-    steps = g.plan._step_graphs
+    steps = g.plan.step_graphs
     assert len(steps.entries) == 1 and not any(e.failed for e in steps.entries.values())
     assert not torch.equal(masks[3], masks[4])
     assert 0.4 < float(masks[4].mean()) < 0.6
@@ -662,3 +712,35 @@ def test_cuda_recurrent_graph_step_matches_autograd_in_float64():
         for p, q in zip(module.parameters(), ref.parameters()):
             assert float((p.grad - q.grad).abs().max()) <= 1e-9 * max(1.0, float(q.grad.abs().max()))
     assert len(g.plan.step_graphs.entries) == 1
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_step_records_an_opaque_nodes_autograd_backward():
+    """A transformer layer (opaque nodes: attention, the layer's own call) through the whole-step graphs:
+    every step's gradients match autograd's in float64 (no dropout), and with dropout on the step is
+    recorded and runs."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).to("cuda", torch.float64)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(4, 6, 16, dtype=torch.float64, device="cuda")
+    g = spscan.wrap(layer, x, backward="graph")
+    for step in range(4):
+        xs = x + step
+        for m in (layer, ref):
+            m.zero_grad(set_to_none=True)
+        g(xs).square().sum().backward()
+        ref(xs).square().sum().backward()
+        for p, q in zip(layer.parameters(), ref.parameters()):
+            assert float((p.grad - q.grad).abs().max()) <= 1e-9 * max(1.0, float(q.grad.abs().max()))
+    (entry,) = g.plan.step_graphs.entries.values()
+    assert not entry.failed and not entry.backward_eager
+    drop = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.3, batch_first=True).cuda()
+    xd = torch.randn(4, 6, 16, device="cuda")
+    gd = spscan.wrap(drop, xd, backward="graph")
+    for _ in range(3):
+        drop.zero_grad(set_to_none=True)
+        gd(xd).square().sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in drop.parameters())
+    (entry,) = gd.plan.step_graphs.entries.values()
+    assert not entry.failed and not entry.backward_eager

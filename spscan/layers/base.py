@@ -172,9 +172,6 @@ class UnitCapabilities:
         fuses_relu_below: ``chain_step(needed, relu_below=True)`` applies, together with this unit's
             ``J^T``, the :attr:`relu_mask` of the layer right below, whose own step is then
             ``chain_step(needed, masked_above=True)`` (the identity).
-        autograd_state: what the forward saves carries an autograd graph its backward asks for a
-            vector-Jacobian product (an opaque node), so the backward cannot be replayed from a CUDA
-            graph (:mod:`spscan.graphed`): a replay would read the first call's tensors.
     """
 
     shape_preserving: bool = False
@@ -184,7 +181,6 @@ class UnitCapabilities:
     low_rank_factors: bool = False
     relu_mask: bool = False
     fuses_relu_below: bool = False
-    autograd_state: bool = False
 
 
 class LayerUnit(abc.ABC):

@@ -82,7 +82,7 @@ class OpaqueUnit(LayerUnit):
     parameters (qualified names; none for a function node).
     """
 
-    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True, autograd_state=True)
+    capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
     operator_only_because = "it is an opaque node, run as its own autograd backward"
     integer_input = True  # its own call takes what it takes (an nn.Embedding its token ids)
 
