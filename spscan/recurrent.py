@@ -147,7 +147,8 @@ class RecurrentFront:
         if not self.sequential_forward():
             return None
         m = self.module
-        return self.step_graphs((x, h0, c0, *params), 3, (m.training, m.batch_first))
+        # what the recorded forward follows besides the inputs: dropout between stacked layers, the layout
+        return self.step_graphs((x, h0, c0, *params), 3, (m.training, float(m.dropout), m.batch_first))
 
 
 class RecurrentWorkspace:

@@ -558,6 +558,30 @@ def test_graphed_recurrent_replays_and_leases(monkeypatch):
     assert not w.plan.step_graphs.entries
 
 
+def test_graphed_recurrent_train_and_eval_are_separate_recordings(monkeypatch):
+    """Dropout between stacked layers is recorded in train mode only: eval is another signature, whose
+    outputs and gradients are the eager eval step's."""
+    torch.manual_seed(0)
+    module = nn.LSTM(3, 4, num_layers=2, dropout=0.5).double()
+    ref = copy.deepcopy(module)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    w = _graphed_recurrent(module, x, monkeypatch)
+    for mode in ("train", "eval", "train", "eval"):
+        for m in (module, ref):
+            getattr(m, mode)()
+            m.zero_grad(set_to_none=True)
+        for _ in range(2):
+            out = w(x)[0]
+            out.sum().backward()
+            want = ref(x)[0]
+            want.sum().backward()
+        if mode == "eval":
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+            for p, q in zip(module.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
+    assert len(w.plan.step_graphs.entries) == 2
+
+
 def test_graphed_recurrent_newton_forward_runs_eagerly(monkeypatch):
     torch.manual_seed(0)
     module = nn.RNN(3, 4).double()
