@@ -14,7 +14,8 @@
 #   cnn1       the CNN, MLP and transformer rows at one thread
 #   calibrate  spscan.calibrate() on this GPU at two threads (whole models; GRAPHS_CALIBRATE_RECURRENT=1
 #              also fits the recurrent cells, graph included), written to OUTDIR/step-profile-cuda.json
-#   profile    forward and backward timed apart for LeNet-5 and ResNet-20 (bench/gpu/profile_graphs.py)
+#   profile    forward and backward timed apart for LeNet-5, ResNet-20, the transformer layer and an LSTM
+#              (T = 100, B = 16; bench/gpu/profile_graphs.py)
 #
 # 0. installs this checkout first (pip --no-deps --no-build-isolation -e .). Each stage has a time limit;
 # what finished is kept (OUTDIR/graphs.log, OUTDIR/never-slower-cuda-*.md/.json). OUTDIR defaults to $OUT,
@@ -62,6 +63,7 @@ EOF
 fi
 if want profile; then
     stage "profile: forward and backward apart"
-    timeout 60 "$py" bench/gpu/profile_graphs.py --out "$out" 2>&1 | grep " ms " | tee -a "$log"
+    timeout 120 "$py" bench/gpu/profile_graphs.py --out "$out" \
+        --models lenet5,resnet20,transformer_encoder,lstm_T100_B16 2>&1 | grep " ms " | tee -a "$log"
 fi
 stage done

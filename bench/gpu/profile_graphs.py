@@ -1,4 +1,4 @@
-"""Where a wrapped CNN's training step goes on a GPU: forward and backward timed apart (device synchronized
+"""Where a wrapped model's training step goes on a GPU: forward and backward timed apart (device synchronized
 around each), for plain autograd and for ``spscan.wrap`` with ``backward="scan"`` and ``"graph"``, then the
 host calls of one graphed step by own CPU time (``torch.profiler``).
 
