@@ -376,11 +376,12 @@ class GraphedStep:
     ``front`` has ``step_forward(inputs) -> (outputs, state)`` (a tuple of tensors) and
     ``step_backward(state, grad_outputs, needs) -> one gradient (or None) per input``, run with gradient
     recording off, and ``step_buffers()``: the buffers of its own a recording reads (an engine's arenas,
-    which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one forward through the graphs, or ``None``
-    where the caller runs its ordinary path instead: the first call of a signature (it warms what a
-    recording needs), grad mode off, autocast, a parameter that is not a leaf, a signature whose
-    recording failed, and a forward whose signature's activations still belong to an earlier forward
-    whose backward has not run (forwards of several micro-batches before their backwards). Dropout's
+    which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one
+    forward through the graphs, or ``None`` where the caller runs its ordinary path instead: the first
+    call of a signature (it warms what a recording needs), grad mode off, autocast, a parameter that is
+    not a leaf, a signature whose recording failed (:attr:`unrecordable` then says so), and a forward
+    whose signature's activations still belong to an earlier forward whose backward has not run
+    (forwards of several micro-batches before their backwards). Dropout's
     random numbers are drawn anew by every replay (CUDA graphs carry the generator's offsets); a
     batch-norm's running statistics are updated by every replay, as in eager. A forward that records
     an autograd graph of its own (an opaque node's call, whose backward asks autograd for a
