@@ -76,9 +76,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("backward", "auto", _MODELS,
            '(spscan.wrap) "auto" (the cost model chooses, per input signature, the scan or the model\'s own '
            'autograd backward, whichever it predicts faster: wrapped.explain() says which and why), "scan", '
-           '"native" (always the model\'s own backward: autograd\'s gradients bit for bit) or "graph" (on a GPU, a '
-           'chain or traced model\'s scan backward replayed from a CUDA graph per input signature; bitwise equal '
-           'to "scan"). The environment variable SPSCAN_BACKWARD sets the default.'),
+           '"native" (always the model\'s own backward: autograd\'s gradients bit for bit) or "graph" (on a GPU, the '
+           'whole training step of the scan, forward and backward, replayed from two CUDA graphs per input '
+           'signature; bitwise equal to "scan"). The environment variable SPSCAN_BACKWARD sets the default.'),
     Option("newton", None, frozenset({RECURRENT}),
            "a spscan.newton.NewtonOptions (or a dict of its fields) for forward='newton'/'auto'."),
 )
