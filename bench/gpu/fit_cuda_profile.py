@@ -11,8 +11,9 @@ per unit of work, fitted to whole models (:func:`spscan.calibration.fit_whole_mo
 ``spscan.calibrate()`` applies on a GPU to its own small models). This script applies it to the
 measured rows of a "never slower" run, each model planned here (on the CPU: the units and their work
 do not depend on the device), for the shipped reference profile. The recurrent constants are kept
-from the profile being replaced. It prints, and writes as a table, the prediction against the
-measurement for every row and regime.
+from the profile being replaced, or taken from a GPU's own calibration (``--recurrent-from``: the
+whole-step graph of a recurrent module is priced only there). It prints, and writes as a table, the
+prediction against the measurement for every row and regime.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the fitted profile here (default: print only)")
     ap.add_argument("--table", default=None)
     ap.add_argument("--fitted-on", default="")
+    ap.add_argument("--recurrent-from", default=None,
+                    help="a profile spscan.calibrate() wrote on the GPU (graphs.sh with GRAPHS_CALIBRATE_RECURRENT=1): "
+                         "its recurrent constants, every regime's (the whole-step graph's too), replace the kept ones")
     a = ap.parse_args()
     data = json.loads(Path(a.rows).read_text())
     rows = [r for r in data["rows"] if r.get("device") == "cuda" and r.get("ratio")]
@@ -91,6 +95,8 @@ def main() -> int:
         prof = json.loads(Path(a.profile).read_text())
         prof["base"] = {r: coef[r][0] for r in coef}
         prof["families"] = {f: {r: [coef[r][1], coef[r][2]] for r in coef} for f in prof["families"]}
+        if a.recurrent_from:
+            prof["recurrent"] = json.loads(Path(a.recurrent_from).read_text())["recurrent"]
         if a.fitted_on:
             prof["fitted_on"] = a.fitted_on
         Path(a.out).write_text(json.dumps(prof, indent=1, sort_keys=True) + "\n")
