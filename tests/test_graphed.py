@@ -456,7 +456,7 @@ RECURRENT = {
 # (T, B (None: unbatched), with an initial state, the input's gradient wanted, what the loss reads)
 RECURRENT_STEPS = [(6, 2, False, False, "all"), (6, 2, False, False, "all"), (6, 2, False, False, "all"),
                    (6, 2, True, True, "output"), (6, 2, True, True, "output"), (4, 3, False, True, "h_n"),
-                   (4, 3, False, True, "h_n"), (5, None, False, False, "all"), (5, None, False, False, "all"),
+                   (4, 3, False, True, "h_n"), (5, None, True, False, "all"), (5, None, True, False, "all"),
                    (6, 2, False, False, "all")]
 
 
