@@ -149,11 +149,13 @@ class BackwardChoice(abc.ABC):
         once the signature was seen."""
         return self._choice(key) == "native"
 
-    def _graph_failed(self, key: Optional[Hashable]) -> None:
-        """The whole step of signature ``key`` could not be recorded as CUDA graphs (the device refused an
-        operation while recording; that call ran the scan's eager step, with the same gradients). With
-        ``backward="auto"`` the signature is decided again with ``graph`` left unpriced: the next
-        calls run what is predicted fastest of the rest."""
+    def _after_step(self, key: Optional[Hashable], choice: str) -> None:
+        """After a call of signature ``key`` that ran ``choice``: where it was ``graph`` and the whole step
+        could not be recorded as CUDA graphs (the device refused an operation while recording; that call
+        ran the scan's eager step, with the same gradients), ``backward="auto"`` decides the signature
+        again with ``graph`` left unpriced: the next calls run what is predicted fastest of the rest."""
+        if choice != "graph" or not self.plan.step_graphs.unrecordable:
+            return
         if self.backward_mode != "auto" or key is None:
             return
         d = self._decision_for(key)

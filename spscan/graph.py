@@ -352,8 +352,7 @@ class GraphSpscanModule(SpscanModule):
             return self.model(x)
         flat = [t for u in self.plan.units for t in u.tensors()]
         y = self.plan.run_step(x, flat, choice == "graph")
-        if choice == "graph" and self.plan.step_graphs.unrecordable:
-            self._graph_failed(key)
+        self._after_step(key, choice)
         return y
 
 

@@ -454,4 +454,3 @@ def segment_plans(segments: Sequence[Any]) -> list:
         elif isinstance(s, LiveStep) and s.leaf is not None:
             out += segment_plans([s.leaf])
     return out
-

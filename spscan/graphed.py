@@ -293,7 +293,7 @@ class _StepEntry:
 
     def _forward(self) -> None:
         with torch.no_grad():
-            outputs, self.state = self.front.step_forward(self.inputs)
+            outputs, self.state = self.front.scan_forward(self.inputs)
             if not all(isinstance(o, torch.Tensor) for o in outputs):
                 raise TypeError("a recorded step's outputs are tensors")
             self.outputs = tuple(outputs)
@@ -373,10 +373,11 @@ class GraphedStep:
     """A wrapped module's whole training step replayed from two CUDA graphs per signature: the forward
     (which keeps the activations at addresses of its own) and the backward (which reads them there).
 
-    ``front`` has ``step_forward(inputs) -> (outputs, state)`` (a tuple of tensors) and
-    ``step_backward(state, grad_outputs, needs) -> one gradient (or None) per input``, run with gradient
-    recording off, and ``step_buffers()``: the buffers of its own a recording reads (an engine's arenas,
-    which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one
+    ``front`` is a front end of the autograd bridge (:class:`~spscan.autograd.FrontEnd`): its
+    ``scan_forward(inputs) -> (outputs, state)`` is recorded as it is; ``step_backward(state, grad_outputs,
+    needs)`` gives one gradient (or None) per input, as ``scan_backward`` does but always eagerly (the graph
+    records it); both run with gradient recording off. ``step_buffers()``: the buffers of its own a
+    recording reads (an engine's arenas, which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one
     forward through the graphs, or ``None`` where the caller runs its ordinary path instead: the first
     call of a signature (it warms what a recording needs), grad mode off, autocast, a parameter that is
     not a leaf, a signature whose recording failed (:attr:`unrecordable` then says so), and a forward
@@ -406,7 +407,7 @@ class GraphedStep:
         self.seen.clear()
 
     def __call__(self, inputs: tuple, copied: int, key: Hashable = ()) -> Optional[tuple]:
-        """The outputs of ``front.step_forward(inputs)``, recorded for autograd, from the graphs; or ``None``.
+        """The outputs of ``front.scan_forward(inputs)``, recorded for autograd, from the graphs; or ``None``.
 
         ``inputs[:copied]``: the activations (tensors or ``None``), copied into the entry's buffers;
         ``inputs[copied:]``: the parameters, read in place (their addresses are part of the signature).

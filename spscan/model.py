@@ -449,10 +449,7 @@ class ModelPlan:
     def _eager_backward(self, state: "ForwardState", gy: torch.Tensor, needs: tuple) -> tuple:
         return self._step_backward((False, *needs), gy.device).run(state, gy)[1:]
 
-    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front)
-    def step_forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], "ForwardState"]:
-        return self.scan_forward(inputs)
-
+    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front, with scan_forward)
     def step_backward(self, state: "ForwardState", grad_outputs: tuple, needs: tuple) -> tuple:
         # a state of its own: the eager backward lets go of activations in it as it reads them
         return self._eager_backward(ForwardState(list(state.saved), state.tensors, state.x_shape), grad_outputs[0],
@@ -775,8 +772,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
             return self.model(x)
         y = plan.run_step(x, flat, choice == "graph")
-        if choice == "graph" and plan.step_graphs.unrecordable:
-            self._graph_failed(key)
+        self._after_step(key, choice)
         return y
 
 

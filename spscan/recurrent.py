@@ -129,12 +129,9 @@ class RecurrentFront:
         gc0 = r["c_0"] if (has_h0 and self.kind == "lstm" and needs[2]) else None
         return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
 
-    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front)
-    def step_forward(self, inputs: tuple):
-        return self.scan_forward(inputs)
-
-    def step_backward(self, state, grad_outputs: tuple, needs: tuple):
-        return self.scan_backward(state, grad_outputs, needs)
+    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front, with scan_forward): the
+    # backward is the same (a recurrent backward under a recording runs eagerly, see _graphs_apply)
+    step_backward = scan_backward
 
     def step_buffers(self) -> list[torch.Tensor]:
         return [t for b in self.bound_engines() for t in b.held_buffers()]
@@ -712,8 +709,7 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
         if hx is not None:
             h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
         out = run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module), choice == "graph")
-        if choice == "graph" and self.plan.step_graphs.unrecordable:
-            self._graph_failed(key)
+        self._after_step(key, choice)
         return out
 
     def extra_repr(self) -> str:

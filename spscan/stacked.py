@@ -428,8 +428,7 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
                 h0 = hx
         params = [getattr(self.module, n) for n in self.plan.param_names()]
         out = run_wrapped(self.plan, self.module, x, hx, h0, c0, params, choice == "graph")
-        if choice == "graph" and self.plan.step_graphs.unrecordable:
-            self._graph_failed(key)
+        self._after_step(key, choice)
         return out
 
     def extra_repr(self) -> str:
