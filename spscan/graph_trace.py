@@ -178,6 +178,7 @@ class Traced:
         # 4)``): not part of the chain, recomputed inside each opaque node reading them; -> their graph tensors
         self.virtual: dict[fx.Node, list[fx.Node]] = {}
         self._propagate(example_input)
+        self._drop_dead()
 
     def _propagate(self, example_input: torch.Tensor) -> None:
         x = example_input.detach()
@@ -250,6 +251,32 @@ class Traced:
                                   f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
                                   "an example batch of 2", ValueError)
                 env[node] = y
+
+    def _drop_dead(self) -> None:
+        """Leave out the units the output does not depend on (``out, h = self.rnn(x)`` with only ``h`` used;
+        a branch computed and never read): they contribute nothing to the output or to a gradient, and their
+        parameters get none, as in autograd. They are not run either, so what they would change besides
+        their output (a dead dropout's random numbers, a dead train-mode BatchNorm's running statistics) is
+        not changed. The units left are numbered again in order."""
+        nodes = [n for n in self.graph.nodes if n in self.kind]
+        alive = {self.output_node}
+        for n in reversed(nodes):
+            if n in alive:
+                alive.update(self.tin[n])
+        if self.input_node not in alive:
+            raise refuse_node(self.output_node, "the output does not depend on the input", ValueError)
+        dead = [n for n in nodes if n not in alive]
+        if not dead:
+            return
+        for n in dead:
+            del self.kind[n], self.tin[n]
+            self.leaf_of.pop(n, None)
+        kept = sorted(self.leaf_of.items(), key=lambda nl: nl[1].k)
+        self.units = [leaf.unit for _, leaf in kept]
+        self.names = [self.names[leaf.k] for _, leaf in kept]
+        self.module_backed = [self.module_backed[leaf.k] for _, leaf in kept]
+        for k, (n, leaf) in enumerate(kept):
+            leaf.unit.index = leaf.k = k
 
     def _call(self, node, args, kwargs):
         if node.op == "call_method":
@@ -626,17 +653,10 @@ class Traced:
     # -- the live-set chain (any DAG)
     def live_steps(self) -> list[Any]:
         """The graph as a chain over its live set (see :class:`LiveStep`), in fx's topological order.
-        A node whose only input is the whole live set and is read by nothing else stays a plain unit.
-        Nodes the output does not depend on are left out (their parameters get no gradient, as in autograd).
+        A node whose only input is the whole live set and is read by nothing else stays a plain unit
+        (nodes the output does not depend on were left out when traced: :meth:`_drop_dead`).
         """
         nodes = [n for n in self.graph.nodes if n in self.kind]
-        alive = {self.output_node}
-        for n in reversed(nodes):
-            if n in alive:
-                alive.update(self.tin[n])
-        if self.input_node not in alive:
-            raise refuse_node(self.output_node, "the output does not depend on the input", ValueError)
-        nodes = [n for n in nodes if n in alive]
         last = {p: i for i, n in enumerate(nodes) for p in self.tin[n]}
         dim = {n: int(np.prod(self.env[n].shape[1:])) for n in nodes}
         # the live sets first (cheap), so that a graph past the limit is refused before any pattern is built

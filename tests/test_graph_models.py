@@ -489,3 +489,78 @@ def test_block_pattern_symbolics():
     ref = (sq[0].toarray() != 0).astype(int) @ (sq[1].toarray() != 0) @ (sq[2].toarray() != 0)
     assert np.array_equal(prod.toarray() != 0, ref != 0)
     run_errors(lambda: place(pats[0], sp.csr_array(np.ones((5, 4)))), ValueError, "outside the union")
+
+
+# ----------------------------------------------------------------------------- nodes the output does not read
+
+
+class _DeadBranch(nn.Module):
+    """``self.b(x)`` is computed and never read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 6), nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        y = self.a(x)
+        z = self.b(x)  # noqa: F841 - dead on purpose
+        return self.c(torch.tanh(y))
+
+
+class _DeadInBlock(nn.Module):
+    """A residual block with a dead node reading the block's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.d, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        y = self.a(x) + x
+        z = self.d(y)  # noqa: F841
+        return self.c(torch.relu(self.b(y)) + y)
+
+
+class _LastState(nn.Module):
+    """The usual recurrent classifier: ``out, h = self.rnn(x)`` and a head on the last layer's final state;
+    the sequence output is never read (num_layers equals the planner's probe batch of 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(4, 6, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, h = self.rnn(x)
+        return self.fc(h[-1])
+
+
+def _some_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """As :func:`_grads`, for the parameters that got a gradient."""
+    model.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_(True)
+    y = model(xi)
+    _loss(y).backward()
+    named = model.model if isinstance(model, spscan.SpscanModule) else model
+    return y.detach(), {n: p.grad.clone() for n, p in named.named_parameters() if p.grad is not None}, xi.grad.clone()
+
+
+@pytest.mark.parametrize("make, shape, dead", [(_DeadBranch, (4, 5), "b."), (_DeadInBlock, (4, 5), "d."),
+                                               (_LastState, (3, 7, 4), "-")], ids=["chain", "block", "last_state"])
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_nodes_the_output_does_not_read_are_left_out(make, shape, dead, backward):
+    """A node the output does not depend on is not a step of the chain (it once was: the forward ran it
+    in line, with wrong outputs and gradients, or planning failed); its parameters get no gradient
+    (``None``), as under autograd. Two steps, the batch size changing."""
+    model = _init(make(), 3).double()
+    ref = copy.deepcopy(model)
+    wrapped = spscan.wrap(model, torch.randn(shape, dtype=torch.float64), backward=backward)
+    live = {n for n, _ in ref.named_parameters() if not n.startswith(dead)}
+    for batch in (shape[0], 2):
+        x = torch.randn((batch, *shape[1:]), generator=torch.Generator().manual_seed(batch), dtype=torch.float64)
+        y_ref, g_ref, gx_ref = _some_grads(ref, x)
+        y, g, gx = _some_grads(wrapped, x)
+        assert _rel(y, y_ref) <= 1e-12
+        assert _rel(gx, gx_ref) <= 1e-9
+        assert set(g) == set(g_ref) == live
+        for n in g_ref:
+            assert _rel(g[n], g_ref[n]) <= 1e-9, n
