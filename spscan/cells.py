@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from spscan.engine import PeriodicValues
+from spscan.errors import NotPlannable
 from spscan.kernels.backend import GATE_BANDS, ValueEncoding
 
 __all__ = [
-    "cell_kind", "cell_step", "coefficients", "factored_layout", "factored_step_values",
+    "SCAN_DTYPES", "cell_kind", "cell_step", "check_cell_form", "coefficients", "factored_layout", "factored_step_values",
     "gates", "gru_weight_values", "jacobian_values", "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern",
     "lstm_weight_values",
     "module_params", "recurrent_patterns", "resolve_layout", "shared_flags", "state_size",
@@ -33,6 +34,26 @@ _KINDS = {nn.RNN: "rnn", nn.GRU: "gru", nn.LSTM: "lstm"}
 
 
 # --------------------------------------------------------------------------- validation
+
+
+#: the dtypes the scan computes in (a module in another is not plannable: its own backward runs)
+SCAN_DTYPES = (torch.float32, torch.float64)
+
+
+def check_cell_form(module: nn.Module) -> None:
+    """Refuse, with :class:`~spscan.errors.NotPlannable`, a recurrent module of a form the scan cannot plan
+    (LSTM projections, parameters in a dtype other than float32/float64): ``spscan.wrap(...,
+    backward="auto")`` runs its own backward instead. Checked for stacked modules as for single layers."""
+    if getattr(module, "proj_size", 0):
+        raise NotPlannable(
+            f"LSTM projections are not supported: expected proj_size=0, got {module.proj_size} (h_t = W_hr (o_t * "
+            "tanh c_t) needs a projection element in the recurrence's chain, which the scan does not have)")
+    if isinstance(module, nn.RNN) and module.nonlinearity not in ("tanh", "relu"):
+        raise ValueError(f"expected nonlinearity 'tanh' or 'relu', got {module.nonlinearity!r}")
+    dtype = module.weight_hh_l0.dtype
+    if dtype not in SCAN_DTYPES:
+        raise NotPlannable(f"{type(module).__name__} with {dtype} parameters: the scan computes in float32 or "
+                           "float64 (for mixed precision keep the module in float32 and use torch.autocast)")
 
 
 def cell_kind(module: nn.Module) -> str:
@@ -50,13 +71,8 @@ def cell_kind(module: nn.Module) -> str:
         )
     if module.bidirectional:
         raise ValueError("bidirectional recurrent modules are not supported: expected bidirectional=False, got True")
-    if getattr(module, "proj_size", 0):
-        raise ValueError(f"LSTM projections are not supported: expected proj_size=0, got {module.proj_size}")
-    if kind == "rnn":
-        if module.nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"expected nonlinearity 'tanh' or 'relu', got {module.nonlinearity!r}")
-        kind = "rnn_" + module.nonlinearity
-    return kind
+    check_cell_form(module)
+    return "rnn_" + module.nonlinearity if kind == "rnn" else kind
 
 
 def state_size(kind: str, hidden: int) -> int:

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from spscan.autograd import refuse_functorch
+from spscan.cells import check_cell_form
 from spscan.options import option_default
 from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
 from spscan.graphed import GraphedStep
@@ -79,13 +80,7 @@ def _check_module(module: nn.Module) -> None:
     """Refuse what the layer-by-layer scan cannot do exactly, naming the argument."""
     if type(module) not in _CELLS:
         raise TypeError(f"expected nn.RNN, nn.GRU or nn.LSTM, got {type(module).__name__}")
-    if getattr(module, "proj_size", 0):
-        raise ValueError(
-            f"LSTM projections are not supported: expected proj_size=0, got {module.proj_size} (h_t = W_hr (o_t * "
-            "tanh c_t) needs a projection element in the recurrence's chain, which the single-layer scan does not have)"
-        )
-    if isinstance(module, nn.RNN) and module.nonlinearity not in ("tanh", "relu"):
-        raise ValueError(f"expected nonlinearity 'tanh' or 'relu', got {module.nonlinearity!r}")
+    check_cell_form(module)
 
 
 def _param_names(module: nn.Module, layer: int, direction: int) -> list[tuple[str, str]]:

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spscan
+from spscan.choices import NativeModule
 
 
 def _check(model, xs, dtype=torch.float64, tol=1e-9, seed=0):
@@ -669,3 +670,26 @@ def test_forced_depth_names_why_a_node_has_no_values():
     assert "train mode" not in str(e.value) and "model.eval()" not in str(e.value)
     with pytest.raises(ValueError, match="depends on the values of the tensors it multiplies"):
         spscan.wrap(GatedAttention(), torch.randn(2, 4, 6), levels=2)
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(3, 4, proj_size=2), lambda: nn.LSTM(3, 4, num_layers=2, proj_size=2),
+                                  lambda: nn.GRU(3, 4).bfloat16(), lambda: nn.RNN(3, 4, num_layers=2).half()],
+                         ids=["lstm_proj", "stacked_lstm_proj", "gru_bf16", "stacked_rnn_f16"])
+def test_recurrent_forms_the_scan_cannot_plan_run_natively(make):
+    """A recurrent module the scan cannot plan (LSTM projections, half-precision parameters) is wrapped
+    with ``backward="auto"`` as any unplannable model is: its own backward, with a warning saying why
+    (it used to raise ``ValueError`` / ``TypeError``)."""
+    model = make()
+    dtype = model.weight_hh_l0.dtype
+    x = torch.randn(5, 2, 3, dtype=dtype)
+    with pytest.warns(UserWarning, match="autograd's own backward"):
+        wrapped = spscan.wrap(model, x, backward="auto")
+    assert isinstance(wrapped, NativeModule) and wrapped.decision.chosen.name == "native"
+    ref = copy.deepcopy(model)
+    out, ref_out = wrapped(x)[0], ref(x)[0]
+    assert torch.equal(out, ref_out)
+    out.float().sum().backward()
+    ref_out.float().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -324,8 +324,8 @@ def test_bad_options_are_refused():
         NewtonOptions(max_iter=0)
     with pytest.raises(TypeError, match="newton: expected None, a dict"):
         spscan.plan(m, x, forward="newton", newton=3)
-    with pytest.raises(ValueError, match="proj_size=0, got 2"):  # stacked modules take forward= per layer
-        spscan.wrap(nn.LSTM(2, 3, num_layers=2, proj_size=2).double(), x, forward="newton")
+    with pytest.raises(spscan.NotPlannable, match="proj_size=0, got 2"):  # stacked modules take forward= per layer
+        spscan.wrap(nn.LSTM(2, 3, num_layers=2, proj_size=2).double(), x, forward="newton", backward="scan")
     p = spscan.plan(m, x, forward="newton")
     with pytest.raises(TypeError, match="input: expected dtype torch.float64"):
         p.forward(x.float())

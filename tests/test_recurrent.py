@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import spscan
 import spscan.recurrent as rec
 from spscan.recurrent import plan_recurrent, recurrent_patterns, wrap_recurrent
 from spscan.reference import reference_backward
@@ -231,17 +232,21 @@ def test_only_output_used_and_only_input_requires_grad():
 
 
 @pytest.mark.parametrize(
-    "module, match",
+    "module, exc, match",
     [
-        (nn.RNN(2, 3, num_layers=2), "num_layers=1"),
-        (nn.GRU(2, 3, bidirectional=True), "bidirectional"),
-        (nn.LSTM(2, 4, proj_size=2), "proj_size=0"),
+        (nn.RNN(2, 3, num_layers=2), ValueError, "num_layers=1"),
+        (nn.GRU(2, 3, bidirectional=True), ValueError, "bidirectional"),
+        (nn.LSTM(2, 4, proj_size=2), spscan.NotPlannable, "proj_size=0"),
+        (nn.GRU(2, 3).half(), spscan.NotPlannable, "float16 parameters: the scan computes in float32 or float64"),
+        (nn.RNN(2, 3).bfloat16(), spscan.NotPlannable, "autocast"),
     ],
 )
-def test_refuses_what_it_cannot_do(module, match):
-    with pytest.raises(ValueError, match=match):
+def test_refuses_what_it_cannot_do(module, exc, match):
+    """The single-layer front end's refusals; a form the scan cannot plan (``NotPlannable``) is what
+    ``spscan.wrap``'s default ``backward="auto"`` runs natively instead."""
+    with pytest.raises(exc, match=match):
         wrap_recurrent(module)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(exc, match=match):
         plan_recurrent(module)
 
 

@@ -297,10 +297,12 @@ def test_second_derivative_and_torch_func_refused():
 
 
 def test_refusals_are_clear():
-    with pytest.raises(ValueError, match="proj_size=0, got 2"):
-        spscan.wrap(nn.LSTM(3, 4, num_layers=2, proj_size=2), torch.randn(5, 1, 3))
-    with pytest.raises(ValueError, match="proj_size=0, got 2"):
+    with pytest.raises(spscan.NotPlannable, match="proj_size=0, got 2"):
+        spscan.wrap(nn.LSTM(3, 4, num_layers=2, proj_size=2), torch.randn(5, 1, 3), backward="scan")
+    with pytest.raises(spscan.NotPlannable, match="proj_size=0, got 2"):
         spscan.plan(nn.LSTM(3, 4, bidirectional=True, proj_size=2), torch.randn(5, 1, 3))
+    with pytest.raises(spscan.NotPlannable, match="torch.bfloat16 parameters"):
+        spscan.plan(nn.GRU(3, 4, num_layers=2).bfloat16(), torch.randn(5, 1, 3).bfloat16())
     m = nn.GRU(3, 4, num_layers=2)
     w = spscan.wrap(m, torch.randn(5, 2, 3))
     packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
