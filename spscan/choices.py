@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import abc
 import platform
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
 from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "batch_of", "current_key",
-           "device_label", "graph_activation_bytes",
+__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "autocast_on", "batch_of",
+           "current_key", "device_label", "graph_activation_bytes", "outside_autocast",
            "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "sequence_signature", "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native", "graph")
@@ -64,12 +64,16 @@ def graph_activation_bytes(units: Sequence[Any], batch: int) -> int:
     return 4 * batch * sum(int(u.d_in) for u in units)
 
 
+#: what ``backward="auto"`` runs under ``torch.autocast`` (:meth:`BackwardChoice._call_choice`)
+AUTOCAST_NOTE = "under torch.autocast: native (the scan computes in the module's float32/float64)"
+
+
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
             more: Sequence[Candidate] = ()) -> Decision:
     cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward"),
              *more]
     return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), incumbent="native",
-                  margin=SCAN_MARGIN)
+                  margin=SCAN_MARGIN, notes=(AUTOCAST_NOTE,) if mode == "auto" else ())
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
@@ -163,7 +167,20 @@ class BackwardChoice(abc.ABC):
             return
         cands = [c if c.name != "graph" else Candidate("graph", None, c.detail + " (its recording failed here)")
                  for c in d.candidates]
-        self._decisions[key] = choose(d.question, cands, None, basis=d.basis, incumbent="native", margin=SCAN_MARGIN)
+        self._decisions[key] = choose(d.question, cands, None, basis=d.basis, incumbent="native", margin=SCAN_MARGIN,
+                                      notes=(AUTOCAST_NOTE,))
+
+    def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
+        """What a call of signature ``key`` with input ``x`` runs: :meth:`_choice`, except that with
+        ``backward="auto"`` a call under ``torch.autocast`` runs the model's own forward and backward
+        (``"native"``): the scan computes in the module's dtype, where autograd follows autocast's
+        casts. A forced ``scan`` or ``graph`` runs under autocast as a custom function that does not
+        take reduced precision does (``torch.amp.custom_fwd(cast_inputs=...)``): the wrapper calls
+        :func:`outside_autocast`."""
+        choice = self._choice(key)
+        if choice != "native" and self.backward_mode == "auto" and autocast_on(x):
+            return "native"
+        return choice
 
     def _choice(self, key: Optional[Hashable]) -> str:
         """The candidate a call of signature ``key`` runs: the forced mode, else the decision's choice
@@ -185,6 +202,29 @@ class BackwardChoice(abc.ABC):
         """What the planner chose for this model and what it compared each choice with."""
         ds = ([self.decision] if self.decision is not None else []) + self.plan.all_decisions()
         return explain(ds, f"{type(self).__name__} around {type(getattr(self, self._model_attr)).__name__}:")
+
+
+def autocast_on(x: Any) -> bool:
+    """Whether ``torch.autocast`` is on for the device of the tensor ``x`` (False for anything else)."""
+    return isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type)
+
+
+def outside_autocast(call: Callable[..., Any], dtype: torch.dtype, *args: Any) -> Any:
+    """``call(*args)`` with autocast off for the device of ``args[0]`` and every floating tensor among
+    ``args`` (or inside a tuple or list among them, an LSTM's ``(h_0, c_0)``) cast to ``dtype``, the
+    module's own: how a forced ``scan`` or ``graph`` runs under ``torch.autocast``, as a custom function
+    without reduced-precision support does (``torch.amp.custom_fwd(cast_inputs=dtype)``). Its outputs are
+    in ``dtype``; autograd casts their gradients back to what the caller's graph holds."""
+
+    def cast(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v
+        if isinstance(v, (tuple, list)):
+            return type(v)(cast(t) for t in v)
+        return v
+
+    with torch.autocast(args[0].device.type, enabled=False):
+        return call(*(cast(a) for a in args))
 
 
 def sequence_signature(module: Any, x: Any) -> Optional[tuple[int, int]]:

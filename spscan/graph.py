@@ -72,7 +72,6 @@ import scipy.sparse as sp
 import torch
 import torch.nn as nn
 
-from spscan.autograd import refuse_functorch
 from spscan.chain_backward import ForwardState, Jacobians, collect_param_grads
 from spscan.graph_segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
@@ -80,7 +79,6 @@ from spscan.graph_trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
 from spscan.layers.registry import NODE_UNITS, supported_node_targets
 from spscan.model import ModelPlan, SpscanModule, levels_for_coupled_layers, plan_chain
 from spscan.options import option_default
-from spscan.choices import batch_of
 from spscan.plan import build_plan
 
 __all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS",
@@ -340,20 +338,10 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 class GraphSpscanModule(SpscanModule):
     """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = batch_of(x)
-        choice = self._choice(key)
-        if choice == "native":
-            return self.model(x)
-        refuse_functorch()
+    def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
         self.plan._check_input(x)
         self.plan._check_layers()
-        if x.shape[0] == 0:
-            return self.model(x)
-        flat = [t for u in self.plan.units for t in u.tensors()]
-        y = self.plan.run_step(x, flat, choice == "graph")
-        self._after_step(key, choice)
-        return y
+        return [t for u in self.plan.units for t in u.tensors()]
 
 
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

@@ -31,7 +31,7 @@ from spscan.errors import NotPlannable
 from spscan.graphed import GraphedCall, GraphedStep
 from spscan.engine import check_inputs
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, batch_of, layers_decision
+from spscan.choices import BackwardChoice, autocast_on, batch_of, layers_decision, outside_autocast
 from spscan.planner.choose import Candidate, Decision, choose, explain as explain_decisions
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
 from spscan.plan import build_plan
@@ -724,6 +724,14 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
 # ----------------------------------------------------------------------------- wrap
 
 
+def model_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of ``model``'s first floating parameter (else buffer); ``None`` for a model without one."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
+
+
 def model_device(model: nn.Module) -> Optional[torch.device]:
     """Where ``model``'s parameters (else buffers) live; ``None`` for a model without either."""
     for t in model.parameters():
@@ -740,7 +748,9 @@ class SpscanModule(BackwardChoice, nn.Module):
     and optimizers work unchanged. Input ``(B, *in_shape)``, output ``(B, *out_shape)``.
     ``backward``: ``"auto"`` (the planner chooses, per batch size, the scan, the model's own
     autograd backward or, on a GPU, the scan's whole step from CUDA graphs: :attr:`decision`,
-    :meth:`explain`), ``"scan"``, ``"native"`` or ``"graph"``.
+    :meth:`explain`), ``"scan"``, ``"native"`` or ``"graph"``. With gradients off, or nothing that needs
+    one, a call runs the model's own forward; under ``torch.autocast`` see
+    :meth:`~spscan.choices.BackwardChoice._call_choice`.
     """
 
     def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
@@ -760,20 +770,28 @@ class SpscanModule(BackwardChoice, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = batch_of(x)
-        choice = self._choice(key)
-        if choice == "native":
-            return self.model(x)
+        choice = self._call_choice(key, x)
+        if choice == "native" or not torch.is_grad_enabled():
+            return self.model(x)  # with gradients off nothing is recorded: the model's own forward
+        if autocast_on(x):
+            return outside_autocast(self.forward, model_dtype(self.model), x)
         refuse_functorch()
+        flat = self._step_tensors(x)
+        if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
+            # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
+            return self.model(x)
+        y = self.plan.run_step(x, flat, choice == "graph")
+        self._after_step(key, choice)
+        return y
+
+    def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The units' effective tensors for a step of ``x``, once the input and the layers are checked
+        against the plan. Built here (with grad enabled) so pruning masks stay in the autograd graph."""
         plan = self.plan
-        # effective tensors built here (with grad enabled) so pruning masks stay in the autograd graph
         flat = plan._flat_tensors()
         plan._check_input(x, flat)
         plan._check_layers()
-        if x.shape[0] == 0:  # an empty batch: nothing to scan, plain torch gives the empty results
-            return self.model(x)
-        y = plan.run_step(x, flat, choice == "graph")
-        self._after_step(key, choice)
-        return y
+        return flat
 
 
 def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

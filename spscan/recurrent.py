@@ -80,7 +80,7 @@ from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, 
 from spscan.graphed import GraphedStep
 from spscan.autograd import refuse_functorch
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.choices import BackwardChoice, autocast_on, outside_autocast, recurrent_decision, sequence_signature
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
@@ -693,9 +693,11 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
 
     def forward(self, x: torch.Tensor, hx=None):
         key = sequence_signature(self.module, x)
-        choice = self._choice(key)
+        choice = self._call_choice(key, x)
         if choice == "native":
             return self.module(x, hx)
+        if autocast_on(x):
+            return outside_autocast(self.forward, self.module.weight_hh_l0.dtype, x, hx)
         refuse_functorch()
         self.plan._check_input(x)
         # re-check: the wrapped module's configuration may have been changed after wrapping
@@ -725,7 +727,8 @@ def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None,
     Newton iterations over the forward-direction scan, :mod:`spscan.newton`), ``newton`` (a
     :class:`spscan.newton.NewtonOptions` or a dict of its fields) and whatever ``spscan.plan``
     takes (``levels``, ``backend``, ...).
-    Raises ``ValueError`` for num_layers > 1, bidirectional or proj_size > 0.
+    Raises ``ValueError`` for num_layers > 1 or bidirectional, :class:`~spscan.errors.NotPlannable` for
+    proj_size > 0 or parameters in a dtype other than float32/float64.
     """
     return RecurrentPlan(rnn, example_input, **plan_kwargs)
 

@@ -59,7 +59,7 @@ from torch import nn
 from spscan.autograd import refuse_functorch
 from spscan.cells import check_cell_form
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.choices import BackwardChoice, autocast_on, outside_autocast, recurrent_decision, sequence_signature
 from spscan.graphed import GraphedStep
 from spscan.planner.choose import Decision
 from spscan.recurrent import RecurrentFront, RecurrentPlan
@@ -403,9 +403,11 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
 
     def forward(self, x: torch.Tensor, hx=None):
         key = sequence_signature(self.module, x)
-        choice = self._choice(key)
+        choice = self._call_choice(key, x)
         if choice == "native":
             return self.module(x, hx)
+        if autocast_on(x):
+            return outside_autocast(self.forward, self.module.weight_hh_l0.dtype, x, hx)
         refuse_functorch()
         self.plan._check_input(x)
         _check_module(self.module)  # the module's configuration may have been changed after wrapping
@@ -436,7 +438,8 @@ def plan_stacked(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, *
     ``example_input``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or ``(T, I)``; its ``T`` is
     planned now for every (layer, direction), other lengths on first use. ``plan_kwargs`` as for
     :func:`spscan.recurrent.plan_recurrent`, applied to each (layer, direction).
-    Raises ``ValueError`` for ``proj_size > 0``.
+    Raises :class:`~spscan.errors.NotPlannable` for ``proj_size > 0`` or parameters in a dtype other than
+    float32/float64.
     """
     return StackedRecurrentPlan(rnn, example_input, **plan_kwargs)
 

@@ -1,0 +1,166 @@
+"""A wrapped model under ``torch.autocast`` (mixed precision) and with nothing to differentiate (``torch.no_grad``,
+``torch.inference_mode``, a frozen model).
+
+* ``backward="auto"`` under autocast runs the model's own forward and backward: outputs and gradients are
+  autograd's under autocast, bit for bit (the scan computes in the module's float32/float64, and used to fail
+  with a dtype mismatch there).
+* A forced ``scan`` or ``graph`` under autocast runs as a custom function without reduced-precision support
+  does (``torch.amp.custom_fwd(cast_inputs=...)``): autocast off, the inputs cast to the module's dtype. Its
+  results are the wrapped module's own on the cast input, and the gradient flows back into a reduced-precision
+  producer.
+* With gradients off, or nothing that needs one, a model wrapper runs the model's own forward (nothing is
+  recorded, so nothing of the scan's forward is needed); a recurrent wrapper runs its plan's forward without
+  saving (the module's own, or Newton's where chosen).
+
+CPU autocast (bfloat16) runs everywhere; the GPU's (float16, with the whole-step CUDA graph) is the same code.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spscan
+from spscan.graphed import GraphedCall, GraphedStep
+
+
+def fake_record(fn, device):
+    """A stand-in for ``torch.cuda.graph`` (as in ``test_graphed.py``): a replay runs the recorded call again."""
+    return fn, None
+
+
+class _Residual(nn.Module):
+    """A traced model with a skip (a block-level plan)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.c(F.gelu(self.b(torch.relu(self.a(x))) + x))
+
+
+#: name -> (make, per-sample input shape (recurrent: (T, I), batch first))
+MODELS = {
+    "chain": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), (6,)),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 3)),
+            (2, 6, 6)),
+    "residual": (_Residual, (6,)),
+    "rnn": (lambda: nn.RNN(6, 5, batch_first=True), (7, 6)),
+    "stacked_gru": (lambda: nn.GRU(6, 5, num_layers=2, batch_first=True), (7, 6)),
+    "lstm": (lambda: nn.LSTM(6, 5, batch_first=True), (7, 6)),
+}
+
+
+def _out(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def _loss(y):
+    return _out(y).float().square().sum()
+
+
+def _pair(name, backward):
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, *shape)
+    return model, ref, spscan.wrap(model, x, backward=backward), shape
+
+
+def _grads(m):
+    return [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_auto_under_autocast_is_the_models_own_step(name, monkeypatch):
+    """Where ``auto`` would run the scan, a call under autocast runs the model's own step instead: every
+    output and gradient equal autograd's under autocast; outside autocast the scan runs again."""
+    model, ref, w, shape = _pair(name, "auto")
+    monkeypatch.setattr(w, "_choice", lambda key: "scan")  # as if the profile chose the scan
+    assert "under torch.autocast: native" in w.explain()
+    ran = []
+    monkeypatch.setattr(w.plan, "run_step" if hasattr(w.plan, "units") else "run_forward",
+                        lambda *a, **k: ran.append(1) or pytest.fail("the scan ran under autocast"))
+    for batch in (4, 3):
+        x = torch.randn(batch, *shape)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ya, yb = w(xa), ref(xb)
+        assert _out(ya).dtype == _out(yb).dtype
+        assert torch.equal(_out(ya), _out(yb))
+        _loss(ya).backward()
+        _loss(yb).backward()
+        assert torch.equal(xa.grad, xb.grad)
+        for a, b in zip(_grads(model), _grads(ref)):
+            assert torch.equal(a, b)
+    assert not ran
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("backward", ["scan", "graph"])
+def test_forced_scan_under_autocast_computes_in_the_modules_dtype(name, backward, monkeypatch):
+    """A forced scan (or whole-step graph, here with the stand-in recorder) under autocast: its input comes
+    from a bfloat16 producer; the wrapped module computes in float32 on that input cast up, and the producer
+    gets its gradient back in bfloat16. Equal, bit for bit, to the same steps with the cast written out and
+    autocast off around the wrapped module."""
+    model, ref, w, shape = _pair(name, "scan")
+    if backward == "graph":
+        monkeypatch.setattr(w, "_choice", lambda key: "graph")
+        if hasattr(w.plan, "units"):
+            w.plan._graphed = GraphedCall(fake_record)
+        w.plan.step_graphs = GraphedStep(w.plan, fake_record)
+    w_ref = spscan.wrap(ref, torch.randn(4, *shape), backward="scan")
+    torch.manual_seed(1)
+    producer = nn.Linear(shape[-1], shape[-1])
+    producer_ref = copy.deepcopy(producer)
+    for batch in (4, 4, 4, 3, 3, 3):
+        x = torch.randn(batch, *shape)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = producer(x)
+            assert h.dtype == torch.bfloat16
+            y = w(h)
+            h_ref = producer_ref(x)
+        y_ref = w_ref(h_ref.float())
+        assert _out(y).dtype == torch.float32
+        assert torch.equal(_out(y), _out(y_ref))
+        _loss(y).backward()
+        _loss(y_ref).backward()
+        for a, b in zip(_grads(model) + _grads(producer), _grads(ref) + _grads(producer_ref)):
+            assert torch.equal(a, b)
+    if backward == "graph":
+        assert w.plan.step_graphs.entries  # the step was recorded: autocast is off inside
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
+def test_nothing_to_differentiate_runs_the_forward_alone(name, mode, monkeypatch):
+    """With gradients off (or no input or parameter needing one) a wrapper returns the model's own outputs,
+    bit for bit, without recording the scan's forward; a training step afterwards is autograd's."""
+    model, ref, w, shape = _pair(name, "scan")
+    recurrent = not hasattr(w.plan, "units")
+    x = torch.randn(3, *shape)
+    if not recurrent:  # the model's own forward: the scan's step must not run
+        monkeypatch.setattr(w.plan, "run_step", lambda *a, **k: pytest.fail("the scan's step ran"))
+    if mode == "frozen":
+        for p in (*model.parameters(), *ref.parameters()):
+            p.requires_grad_(False)
+        ya, yb = w(x), ref(x)
+        assert _out(ya).grad_fn is None
+    else:
+        ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+        with ctx():
+            ya, yb = w(x), ref(x)
+    assert torch.equal(_out(ya), _out(yb)) if not recurrent else torch.allclose(_out(ya), _out(yb), atol=1e-6)
+    monkeypatch.undo()
+    for p in (*model.parameters(), *ref.parameters()):
+        p.requires_grad_(True)
+    _loss(w(x)).backward()
+    _loss(ref(x)).backward()
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
