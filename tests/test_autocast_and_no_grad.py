@@ -164,3 +164,73 @@ def test_nothing_to_differentiate_runs_the_forward_alone(name, mode, monkeypatch
     _loss(ref(x)).backward()
     for a, b in zip(_grads(model), _grads(ref)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("name", ["cnn", "residual", "stacked_gru"])
+@pytest.mark.gpu
+@gpu
+def test_cuda_autocast_float16_auto_and_forced_graph(name, monkeypatch):
+    """On a GPU, AMP as people write it (float16 autocast): ``auto`` is autograd's step bit for bit; a forced
+    ``graph`` records its whole step with autocast off inside and equals the same recorded step run on the
+    cast input without autocast (cuDNN's deterministic algorithms)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().cuda()
+    ref = copy.deepcopy(model)
+    auto = spscan.wrap(model, torch.randn(4, *shape, device="cuda"), backward="auto")
+    monkeypatch.setattr(auto, "_choice", lambda key: "graph")  # what auto runs outside autocast
+    for _ in range(3):
+        x = torch.randn(4, *shape, device="cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            ya, yb = auto(x), ref(x)
+        assert torch.equal(_out(ya), _out(yb))
+        _loss(ya).backward()
+        _loss(yb).backward()
+        for a, b in zip(_grads(model), _grads(ref)):
+            assert torch.equal(a, b)
+    forced = spscan.wrap(model, torch.randn(4, *shape, device="cuda"), backward="graph")
+    plain = spscan.wrap(ref, torch.randn(4, *shape, device="cuda"), backward="graph")
+    for _ in range(4):
+        x = torch.randn(4, *shape, device="cuda", dtype=torch.float16)
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = forced(x)
+        y_ref = plain(x.float())
+        assert _out(y).dtype == torch.float32 and torch.equal(_out(y), _out(y_ref))
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        _loss(y).backward()
+        _loss(y_ref).backward()
+        for a, b in zip(_grads(model), _grads(ref)):
+            assert torch.equal(a, b)
+    assert forced.plan.step_graphs.entries
+
+
+@pytest.mark.parametrize("name", ["cnn", "residual", "rnn", "stacked_gru", "lstm"])
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.gpu
+@gpu
+def test_cuda_wrapped_on_the_cpu_then_moved(name, backward):
+    """The order people write: wrap with a CPU example batch, then ``.cuda()`` the wrapper (or the model):
+    float64 gradients on the GPU equal autograd's there."""
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model).cuda()
+    w = spscan.wrap(model, torch.randn(4, *shape, dtype=torch.float64), backward=backward).cuda()
+    for batch in (4, 3):
+        x = torch.randn(batch, *shape, dtype=torch.float64, device="cuda")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = w(xa), ref(xb)
+        _loss(ya).backward()
+        _loss(yb).backward()
+        assert float((_out(ya) - _out(yb)).abs().max()) <= 1e-12 * max(1.0, float(_out(yb).abs().max()))
+        for a, b in zip([xa.grad, *_grads(model)], [xb.grad, *_grads(ref)]):
+            assert float((a - b).abs().max()) <= 1e-9 * max(1.0, float(b.abs().max()))
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)

@@ -41,6 +41,7 @@ want() { [[ "$stages" == *" $1 "* ]]; }
 if want tests; then
     stage tests
     timeout 180 "$py" -m pytest -q -x -p no:cacheprovider tests/test_graphed.py tests/test_recurrence_kernels.py \
+        tests/test_autocast_and_no_grad.py \
         -k "graph or Graph or cuda" 2>&1 | tail -25 | tee -a "$log"
 fi
 rows() {  # rows NAME TIMEOUT PYTEST-K
