@@ -143,8 +143,13 @@ class BackwardChoice(abc.ABC):
     def _decision_for(self, key: Hashable) -> Decision:
         d = self._decisions.get(key)
         if d is None:
-            d = self._decisions[key] = self._backward_decision(key)
+            d = self._decide_new(key)
         self._seen["last"] = key
+        return d
+
+    @torch.compiler.disable  # under torch.compile the planner's cost model runs as it is, not traced
+    def _decide_new(self, key: Hashable) -> Decision:
+        d = self._decisions[key] = self._backward_decision(key)
         return d
 
     def _native(self, key: Optional[Hashable]) -> bool:

@@ -775,6 +775,10 @@ class SpscanModule(BackwardChoice, nn.Module):
             return self.model(x)  # with gradients off nothing is recorded: the model's own forward
         if autocast_on(x):
             return outside_autocast(self.forward, model_dtype(self.model), x)
+        return self._scan_step(key, choice, x)
+
+    @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
+    def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
         refuse_functorch()
         flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):

@@ -698,6 +698,10 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
             return self.module(x, hx)
         if autocast_on(x):
             return outside_autocast(self.forward, self.module.weight_hh_l0.dtype, x, hx)
+        return self._scan_step(key, choice, x, hx)
+
+    @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
+    def _scan_step(self, key, choice: str, x: torch.Tensor, hx):
         refuse_functorch()
         self.plan._check_input(x)
         # re-check: the wrapped module's configuration may have been changed after wrapping
