@@ -77,7 +77,7 @@ from spscan.graph_segments import (BlockOperator, Leaf, LiveOperator, LiveStep, 
                                    segment_plans)
 from spscan.graph_trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
 from spscan.layers.registry import NODE_UNITS, supported_node_targets
-from spscan.model import ModelPlan, SpscanModule, levels_for_coupled_layers, plan_chain
+from spscan.model import ModelPlan, Replan, SpscanModule, levels_for_coupled_layers, plan_chain
 from spscan.options import option_default
 from spscan.plan import build_plan
 
@@ -350,4 +350,5 @@ def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     backward = plan_kwargs.pop("backward", option_default("backward"))
     plan = plan_graph(model, example_input, **plan_kwargs)
     cls = GraphSpscanModule if isinstance(plan, GraphPlan) else SpscanModule
-    return cls(model, plan, backward, example_input.shape[0], example_input.device)
+    return cls(model, plan, backward, example_input.shape[0], example_input.device,
+               Replan(plan_graph, example_input, plan_kwargs))

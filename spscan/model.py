@@ -19,7 +19,7 @@ Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -488,6 +488,11 @@ class ModelPlan:
         """The buffers the engine's bound plans hold now (kept alive with a recorded backward)."""
         return [t for p in self.engine_plans() for b in p.bindings() for t in b.held_buffers()]
 
+    def needs_linear_scan(self) -> bool:
+        """Whether a layer now couples the samples of a batch (a BatchNorm put in train mode after the plan was
+        made in eval mode) where this plan multiplies matrices (depth > 0): only a linear-scan plan runs it."""
+        return self.levels > 0 and any(not u.has_csr_values for u in self._dynamic_units)
+
     def _dynamic_key(self) -> tuple:
         """The state of the units whose sharedness or operator flag follows the module's mode."""
         return tuple((u.shared, (self.use_operators and u.has_operator) or not u.has_csr_values)
@@ -754,10 +759,11 @@ class SpscanModule(BackwardChoice, nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, replan: Optional["Replan"] = None):
         super().__init__()
         self.model = model
         self.plan = plan
+        self._replan = replan
         # where the steps run, for the choice: the plan's device, else the model's, else the example input's
         self._example_device = device
         self._init_choice(backward, batch)
@@ -780,6 +786,11 @@ class SpscanModule(BackwardChoice, nn.Module):
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
         refuse_functorch()
+        if self._replan is not None and self._replan.levels == "auto" and self.plan.needs_linear_scan():
+            # planned in eval mode at a depth a train-mode BatchNorm cannot run at: planned again as the model
+            # is now (the linear scan, which runs in either mode), once
+            old, self.plan = self.plan, self._replan(self.model)
+            old.release_buffers()
         flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
@@ -798,6 +809,23 @@ class SpscanModule(BackwardChoice, nn.Module):
         return flat
 
 
+class Replan:
+    """How a wrapper's plan is made again (:meth:`SpscanModule._scan_step`): the planning function, the
+    example input's shape and dtype (a zero batch of them stands in, on the model's device) and the options."""
+
+    def __init__(self, plan_fn: Callable[..., ModelPlan], example_input: torch.Tensor, options: dict) -> None:
+        self.plan_fn, self.options = plan_fn, dict(options)
+        self.shape, self.dtype = tuple(example_input.shape), example_input.dtype
+
+    @property
+    def levels(self) -> Any:
+        return self.options.get("levels", "auto")
+
+    def __call__(self, model: nn.Module) -> ModelPlan:
+        x = torch.zeros(self.shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
+        return self.plan_fn(model, x, **self.options)
+
+
 def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
     """An ``nn.Module`` equal to ``model`` in forward whose backward is the scan.
 
@@ -806,4 +834,4 @@ def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     """
     backward = plan_kwargs.pop("backward", option_default("backward"))
     return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0],
-                        example_input.device)
+                        example_input.device, Replan(plan_model, example_input, plan_kwargs))

@@ -75,3 +75,50 @@ def test_deeper_plans_refused_and_eval_mode_planned_as_before():
     net.train()  # switched after planning at depth 1: its values cannot enter the products
     with pytest.raises(ValueError, match="train mode"):
         w(torch.randn(3, 2, 5, 5, dtype=torch.float64)).sum().backward()
+
+
+def _small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(12, 3)).double()
+
+
+@pytest.mark.parametrize("make, shape", [(_small_cnn, (4, 2, 6, 6)),
+                                         (lambda: __import__("spscan.resnet").resnet.ResNet20(width=4).double(),
+                                          (3, 3, 8, 8))], ids=["chain", "resnet"])
+@pytest.mark.parametrize("levels", ["auto", "full"])
+def test_planned_in_eval_mode_then_trained(make, shape, levels):
+    """A model wrapped in eval mode (after a validation pass, or loaded from a checkpoint saved then) and then
+    trained: with ``levels="auto"`` a plan whose depth a train-mode BatchNorm cannot run at is made again, once,
+    as the model now is; training steps equal autograd's, and eval mode runs on the new plan. A forced depth
+    stays refused, naming the layer."""
+    net = make().eval()
+    ref = make()
+    ref.load_state_dict(net.state_dict())
+    x0 = torch.randn(shape, dtype=torch.float64)
+    if levels == "full":
+        w = spscan.wrap(net, x0, backward="scan", levels=levels)
+        if w.plan.levels == 0:
+            return  # a chain of blocks of depth 0: nothing to refuse
+        net.train()
+        with pytest.raises(ValueError, match=r"layer \d+ \(BatchNorm\dd\).*train mode"):
+            w(x0).sum().backward()
+        return
+    w = spscan.wrap(net, x0, backward="scan", levels=levels)
+    first = w.plan
+    if make is _small_cnn:
+        assert first.levels > 0  # what eval mode plans here: the case this test is for
+    for mode in ("train", "train", "eval"):
+        for m in (w, ref):
+            m.train(mode == "train")
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(shape, dtype=torch.float64)
+        y, y_ref = w(x), ref(x)
+        _close(y, y_ref, 1.0)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            _close(p.grad, q.grad, float(q.grad.abs().max()))
+        for a, b in zip(net.buffers(), ref.buffers()):
+            assert torch.equal(a, b)  # running statistics updated as autograd's model updates them
+    assert (w.plan is not first) == (first.levels > 0)
