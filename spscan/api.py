@@ -99,7 +99,7 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
         raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
     _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
     try:
-        return wrap_fn(model, example_input, **opts)
+        wrapped = wrap_fn(model, example_input, **opts)
     except NotPlannable as e:
         if opts.get("backward") != "auto":
             raise
@@ -108,6 +108,24 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
         warnings.warn(f"spscan.wrap: {reason}; the model runs autograd's own backward (backward='native'). "
                       "wrap(..., backward='scan') raises instead", stacklevel=2)
         return NativeModule(model, reason)
+    if example_input is None or isinstance(example_input, torch.Tensor):
+        # how to make it again where it is unpickled (a plan holds closures and device tables: not pickled)
+        spec = None if example_input is None else (tuple(example_input.shape), example_input.dtype)
+        wrapped.wrapped_as = (dict(options), spec)
+    return wrapped
+
+
+def _wrap_again(model: torch.nn.Module, options: dict, spec: Optional[tuple], training: bool) -> torch.nn.Module:
+    """A wrapper unpickled (``torch.load``, ``copy.deepcopy``): ``model`` wrapped again as it was, planned
+    from a zero example of the shape and dtype it was planned from, on the model's device."""
+    from spscan.model import model_device
+
+    example = None
+    if spec is not None:
+        example = torch.zeros(spec[0], dtype=spec[1], device=model_device(model) or torch.device("cpu"))
+    wrapped = wrap(model, example, **options)
+    wrapped.training = training  # the wrapper's own flag; the model's came with it
+    return wrapped
 
 
 def forward(plan: Any, x: torch.Tensor):

@@ -125,6 +125,22 @@ class BackwardChoice(abc.ABC):
     the decision of the last signature seen (the example input's before any call)."""
 
     backward_mode: str = "auto"
+    #: ``(options, (shape, dtype) of the example input or None)`` as ``spscan.wrap`` made it: how it is made
+    #: again where it is unpickled (:meth:`__reduce_ex__`); None for a wrapper made otherwise
+    wrapped_as: Optional[tuple] = None
+
+    def __reduce_ex__(self, protocol: Any):
+        """Pickled (``torch.save``, ``copy.deepcopy``, a process spawned with it) as the wrapped model and how
+        ``spscan.wrap`` wrapped it: a plan holds device tables, recorded CUDA graphs and closures, and is
+        made again where it is loaded (planning is deterministic), with the backward mode it had."""
+        how = self.__dict__.get("wrapped_as")
+        if how is None:
+            return super().__reduce_ex__(protocol)
+        from spscan.api import _wrap_again
+
+        options, spec = how
+        return _wrap_again, (getattr(self, self._model_attr), {**options, "backward": self.backward_mode}, spec,
+                             self.training)
 
     def _init_choice(self, mode: str, first: Optional[Hashable]) -> None:
         self.backward_mode = check_backward(mode)
