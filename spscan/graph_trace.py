@@ -23,7 +23,7 @@ from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
-from spscan.model import check_hooks, example_rejected
+from spscan.model import example_rejected, has_hooks
 
 __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "refuse_node"]
 
@@ -149,12 +149,24 @@ def _raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
             t.copy_(v)
 
 
+class _HookedLeaves(fx.Tracer):
+    """fx's tracer, with a module that has hooks kept as one call (fx would trace through a container or a
+    module of the user's, and its hooks would not run): it becomes an opaque node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
+
+
 class Traced:
     """The traced graph with per-node example values, units and the series-parallel parse."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor, prune_zeros: bool, opts: dict) -> None:
         self.model, self.prune_zeros, self.opts = model, prune_zeros, opts
-        tracer = fx.Tracer()
+        if has_hooks(model):
+            raise NotPlannable("the model has forward/backward hooks of its own, which its "
+                               "traced graph would not run (hooks on its submodules are fine: each such module runs "
+                               "as its own call)")
+        tracer = _HookedLeaves()
         tracer.record_stack_traces = True
         try:
             self.graph = tracer.trace(model)
@@ -402,8 +414,7 @@ class Traced:
         k = len(self.units)
         call, params, inner = self._evaluator(node, tensor_inputs)
         if node.op == "call_module":
-            m = self.model.get_submodule(node.target)
-            check_hooks(k, node.target, m)
+            m = self.model.get_submodule(node.target)  # its hooks run with its call, as in the model
             params = [(f"{node.target}.{n}", p) for n, p in m.named_parameters()] + params
             name, backed, label = node.target, True, f"self.{node.target} ({type(m).__name__})"
         else:
@@ -622,7 +633,8 @@ class Traced:
         k = len(self.units)
         if node.op == "call_module":
             m = self.model.get_submodule(node.target)
-            check_hooks(k, node.target, m)
+            if has_hooks(m):  # what its hooks do is not in its unit's J^T: its own call and backward
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             if len(node.args) != 1 or node.kwargs:
                 raise refuse_node(node, "a module called with extra arguments is not supported")
             if unit_capabilities(m).shape_preserving:

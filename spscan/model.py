@@ -34,6 +34,7 @@ from spscan.options import option_default
 from spscan.choices import BackwardChoice, autocast_on, batch_of, layers_decision, outside_autocast
 from spscan.planner.choose import Candidate, Decision, choose, explain as explain_decisions
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
+from spscan.layers.opaque import OpaqueUnit
 from spscan.plan import build_plan
 
 __all__ = ["ModelPlan", "Jacobians", "plan_model", "plan_chain", "param_grads", "wrap_chain", "SpscanModule"]
@@ -46,14 +47,20 @@ def _is_plain_sequential(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 
-def check_hooks(index: int, name: str, m: nn.Module) -> None:
-    """Refuse layer ``index`` (``name``) if it has forward or backward hooks other than
-    ``torch.nn.utils.prune`` masks: they could change what the layer computes, and the layer's
-    analytic ``J^T`` would not follow."""
+def has_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has forward or backward hooks of its own other than ``torch.nn.utils.prune`` masks (they
+    could change what it computes, and an analytic ``J^T`` would not follow): a traced model runs such a
+    module as an opaque node, its own call (hooks included) and its own autograd backward."""
     from torch.nn.utils.prune import BasePruningMethod
 
     pre = [h for h in m._forward_pre_hooks.values() if not isinstance(h, BasePruningMethod)]
-    if pre or m._forward_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+    return bool(pre or m._forward_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None))
+
+
+def check_hooks(index: int, name: str, m: nn.Module) -> None:
+    """Refuse layer ``index`` (``name``) of a chain planned directly if it has hooks (:func:`has_hooks`);
+    ``spscan.plan`` and ``spscan.wrap`` trace such a chain instead, the hooked layer an opaque node."""
+    if has_hooks(m):
         raise ValueError(
             f"layer {index} ({name or type(m).__name__}: {type(m).__name__}): forward/backward hooks other "
             "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
@@ -61,10 +68,12 @@ def check_hooks(index: int, name: str, m: nn.Module) -> None:
 
 def is_chain_model(model: nn.Module) -> bool:
     """A supported layer, or a plain ``nn.Sequential`` (nested plain ones allowed) of supported
-    layers: planned as a chain directly. Anything else (a module with its own forward, or a layer
-    without a unit, anywhere in it) is traced with torch.fx (:mod:`spscan.graph`), where a
-    sequential container is the trivial graph and a layer without a unit an opaque node."""
+    layers without hooks: planned as a chain directly. Anything else (a module with its own forward, a layer
+    without a unit or with hooks, anywhere in it) is traced with torch.fx (:mod:`spscan.graph`), where a
+    sequential container is the trivial graph and a layer without a unit (or with hooks) an opaque node."""
     supported = supported_layer_types()
+    if has_hooks(model):
+        return False
     if type(model) in supported:
         return True
     if not _is_plain_sequential(model):
@@ -75,7 +84,7 @@ def is_chain_model(model: nn.Module) -> bool:
         if isinstance(child, nn.Sequential):
             if not is_chain_model(child):
                 return False
-        elif type(child) not in supported:
+        elif type(child) not in supported or has_hooks(child):
             return False
     return True
 
@@ -260,7 +269,8 @@ class ModelPlan:
                              f"{type(u.module).__name__}) has parameters on {t.device}")
 
     def _check_layers(self) -> None:
-        """Refuse a model whose planned layers were replaced after planning (the old ones would run)."""
+        """Refuse a model whose planned layers were replaced after planning (the old ones would run), or one
+        given hooks after planning where its analytic unit would not run them."""
         model = self.model
         for path, u in zip(self._layer_paths, self.units):  # walk each layer's path: no module listing
             m = model
@@ -270,6 +280,10 @@ class ModelPlan:
                     break
             if m is not u.module:
                 break
+            if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks) and not isinstance(u, OpaqueUnit) \
+                    and has_hooks(m):
+                raise ValueError(f"layer {u.index} ({u.name}): hooks were registered on it after the model was "
+                                 "planned; wrap the model again (a module with hooks runs as its own call)")
         else:
             return
         modules = dict(self.model.named_modules(remove_duplicate=False))

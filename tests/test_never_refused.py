@@ -693,3 +693,59 @@ def test_recurrent_forms_the_scan_cannot_plan_run_natively(make):
     ref_out.float().sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def _hooked_net():
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 2))
+
+
+#: hook kind -> (registers it on a fresh net, appending to a log)
+HOOKS = {
+    "forward": lambda net, log: net[1].register_forward_hook(lambda m, i, o: (log.append("f"), o * 2)[1]),
+    "forward_pre": lambda net, log: net[0].register_forward_pre_hook(lambda m, i: (log.append("p"), (i[0] + 1,))[1]),
+    "full_backward": lambda net, log: net[0].register_full_backward_hook(lambda m, gi, go: (log.append("b"), None)[1]),
+    "full_backward_changes_grad": lambda net, log: net[3].register_full_backward_hook(
+        lambda m, gi, go: (log.append("b"), (gi[0] * 3,))[1]),
+    "on_a_container": lambda net, log: net[2].register_forward_hook(lambda m, i, o: (log.append("n"), o + 1)[1]),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOOKS))
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_modules_with_hooks_run_their_own_call(kind, backward):
+    """A module with forward or backward hooks (logging, feature extraction, gradient surgery) runs as an opaque
+    node: its own call, hooks included, and its own autograd backward, the scan around it. Gradients equal
+    autograd's and every hook runs once per step (planning calls a forward hook on its example). A hook on the
+    model itself (which its traced graph would not run) makes it unplannable: ``auto`` runs it natively."""
+    torch.manual_seed(0)
+    model = _hooked_net().double()
+    ref = copy.deepcopy(model)
+    log, ref_log = [], []
+    HOOKS[kind](model, log)
+    HOOKS[kind](ref, ref_log)
+    wrapped = spscan.wrap(model, torch.randn(4, 3, dtype=torch.float64), backward=backward)
+    assert isinstance(wrapped, spscan.SpscanModule)
+    log.clear()
+    for batch in (4, 2):
+        x = torch.randn(batch, 3, dtype=torch.float64)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        wrapped(xa).square().sum().backward()
+        ref(xb).square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert log == ref_log
+
+
+def test_hooks_on_the_model_itself_or_added_after_planning():
+    model = _hooked_net()
+    model.register_forward_hook(lambda m, i, o: o)
+    with pytest.raises(spscan.NotPlannable, match="hooks of its own"):
+        spscan.wrap(model, torch.randn(2, 3), backward="scan")
+    with pytest.warns(UserWarning, match="hooks of its own"):
+        assert isinstance(spscan.wrap(model, torch.randn(2, 3), backward="auto"), NativeModule)
+    model = _hooked_net()
+    wrapped = spscan.wrap(model, torch.randn(2, 3), backward="scan")
+    model[2][1].register_forward_hook(lambda m, i, o: o * 2)  # its unit would not run it: refused, not ignored
+    with pytest.raises(ValueError, match=r"layer \d+ \(.*Tanh.*\): hooks were registered on it after"):
+        wrapped(torch.randn(2, 3))
