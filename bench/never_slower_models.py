@@ -8,9 +8,10 @@ output) stays outside it on both sides, as in ``bench/test_recurrent_step.py``.
 
 Families: ``cnn`` (LeNet-5 and the small VGG of ``bench/test_cnn_step.py``, an AlexNet-like CNN with
 overlapping 3/2 max-pools and dropout, ResNet-20 of ``spscan/resnet.py``, a depthwise-separable
-MobileNet-like stack, an MLP with LayerNorm), ``recurrent`` (``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``,
-input 32, hidden 64, T = 100 and 1000, B = 1 and 16) and ``transformer`` (``nn.TransformerEncoderLayer``,
-an MLP-Mixer block, a one-block ViT). Every model is in train mode (BatchNorm with batch
+MobileNet-like stack, an MLP with LayerNorm, a GroupNorm CNN, an EfficientNet-like block with
+squeeze-and-excitation), ``recurrent`` (``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``, input 32, hidden 64,
+T = 100 and 1000, B = 1 and 16) and ``transformer`` (``nn.TransformerEncoderLayer``, an MLP-Mixer
+block, a one-block ViT, a GPT-style block on token ids). Every model is in train mode (BatchNorm with batch
 statistics, dropout on).
 """
 
@@ -27,8 +28,8 @@ from torch import nn
 from spscan.resnet import ResNet20
 from test_cnn_step import lenet5, vgg_small
 
-__all__ = ["Case", "CASES", "CASE_NAMES", "alexnet_like", "mobilenet_like", "layernorm_mlp", "MixerBlock",
-           "TinyViT", "transformer_encoder_layer", "recurrent"]
+__all__ = ["Case", "CASES", "CASE_NAMES", "alexnet_like", "mobilenet_like", "groupnorm_cnn", "efficientnet_like",
+           "layernorm_mlp", "MixerBlock", "TinyViT", "GPTBlock", "transformer_encoder_layer", "recurrent"]
 
 SEED = 0
 RNN_INPUT, RNN_HIDDEN = 32, 64
@@ -56,6 +57,37 @@ def mobilenet_like() -> nn.Sequential:
                    nn.Conv2d(c, out, 1), nn.BatchNorm2d(out), nn.ReLU()]
         c = out
     return nn.Sequential(*layers, nn.AvgPool2d(4), nn.Flatten(), nn.Linear(c, 10))
+
+
+def groupnorm_cnn() -> nn.Sequential:
+    """Three 3x3 convolutions with GroupNorm(8) and ReLU, a max-pool, global average pooling and a linear
+    classifier; ``(B, 3, 32, 32) -> (B, 10)``."""
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
+                         nn.Conv2d(32, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
+class SqueezeExcite(nn.Module):
+    """EfficientNet's squeeze-and-excitation: ``x * sigmoid(fc2(silu(fc1(mean_hw(x)))))`` (a product of two
+    activations, broadcast over the pixels)."""
+
+    def __init__(self, c: int, r: int = 4) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, c // r), nn.Linear(c // r, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.sigmoid(self.fc2(F.silu(self.fc1(x.mean((2, 3))))))
+        return x * w[:, :, None, None]
+
+
+def efficientnet_like() -> nn.Sequential:
+    """A stem, one MBConv-like block (depthwise 3x3, BatchNorm, SiLU, squeeze-and-excitation, 1x1 projection)
+    and a classifier; ``(B, 3, 32, 32) -> (B, 10)``."""
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.SiLU(),
+                         nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.BatchNorm2d(32), nn.SiLU(), SqueezeExcite(32),
+                         nn.Conv2d(32, 64, 1), nn.BatchNorm2d(64), nn.SiLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
 
 
 def layernorm_mlp(width: int = 256, depth: int = 4) -> nn.Sequential:
@@ -124,6 +156,31 @@ class TinyViT(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
 
+class GPTBlock(nn.Module):
+    """A decoder-only language model's first block: token and position embeddings, pre-norm causal
+    self-attention (``F.scaled_dot_product_attention(is_causal=True)``), a GELU MLP and the vocabulary head;
+    token ids ``(B, T) -> (B, T, vocab)``."""
+
+    def __init__(self, vocab: int = 512, dim: int = 64, tokens: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(tokens, dim) * 0.02)
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        x = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return self.head(x)
+
+
 def recurrent(cell: str) -> Callable[[], nn.Module]:
     kind = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[cell]
     return lambda: kind(RNN_INPUT, RNN_HIDDEN, batch_first=True)
@@ -145,6 +202,7 @@ class Case:
     loss: str = "ce"
     classes: int = 10
     head: Optional[int] = None
+    vocab: Optional[int] = None  # token ids in [0, vocab) instead of a float input
 
     def build(self, device: str = "cpu") -> tuple[nn.Module, Optional[nn.Module]]:
         """A fresh model in train mode and its head (or None), identical on every call."""
@@ -155,7 +213,10 @@ class Case:
 
     def data(self, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(SEED + 1)
-        x = torch.randn(self.batch, *self.input_shape, generator=g)
+        if self.vocab:
+            x = torch.randint(0, self.vocab, (self.batch, *self.input_shape), generator=g)
+        else:
+            x = torch.randn(self.batch, *self.input_shape, generator=g)
         y = torch.randint(0, self.classes, (self.batch,), generator=g)
         return x.to(device), y.to(device)
 
@@ -178,6 +239,8 @@ def _cases() -> list[Case]:
         Case("resnet20", "cnn", 16, ResNet20, (3, 32, 32), (10,)),
         Case("mobilenet_like", "cnn", 32, mobilenet_like, (3, 32, 32), (10,)),
         Case("layernorm_mlp", "cnn", 64, layernorm_mlp, (256,), (10,)),
+        Case("groupnorm_cnn", "cnn", 32, groupnorm_cnn, (3, 32, 32), (10,)),
+        Case("efficientnet_like", "cnn", 32, efficientnet_like, (3, 32, 32), (10,)),
     ]
     for cell in ("rnn", "gru", "lstm"):
         for T in (100, 1000):
@@ -188,6 +251,7 @@ def _cases() -> list[Case]:
         Case("transformer_encoder", "transformer", 16, transformer_encoder_layer, (32, 64), (32, 64), loss="square"),
         Case("mlp_mixer", "transformer", 16, MixerBlock, (16, 64), (16, 64), loss="square"),
         Case("vit_tiny", "transformer", 16, TinyViT, (3, 32, 32), (10,)),
+        Case("gpt_block", "transformer", 16, GPTBlock, (32,), (32, 512), loss="square", vocab=512),
     ]
     return cases
 

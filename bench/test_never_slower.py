@@ -7,9 +7,11 @@ as well (``NEVER_SLOWER_OUT=FILE.md`` does the same for a plain pytest run).
 Rows (``bench/never_slower_models.py``): LeNet-5 (B = 64), the small VGG (B = 32), an AlexNet-like
 CNN (3x127x127, overlapping 3/2 max-pools, dropout; B = 32), ResNet-20 (B = 16, as
 ``bench/test_resnet_step.py``), a MobileNet-like depthwise-separable stack (B = 32), an MLP with
-LayerNorm (4 x 256, B = 64), ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (input 32, hidden 64, a linear
+LayerNorm (4 x 256, B = 64), a GroupNorm CNN and an EfficientNet-like block with squeeze-and-excitation
+(B = 32), ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (input 32, hidden 64, a linear
 head on the last output) at T = 100 and 1000 and B = 1 and 16, ``nn.TransformerEncoderLayer``
-(d_model 64, 4 heads), an MLP-Mixer block and a one-block ViT (B = 16); all in train mode. Each at
+(d_model 64, 4 heads), an MLP-Mixer block, a one-block ViT and a GPT-style block on token ids
+(embeddings, causal attention; B = 16); all in train mode. Each at
 the default torch thread count and at one thread, on the CPU and (skipped without one) on CUDA.
 
 Each row (``never_slower.measure_row``) first takes one seeded step on every side and checks the
