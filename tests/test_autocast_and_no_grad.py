@@ -22,10 +22,10 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spscan
 from spscan.graphed import GraphedCall, GraphedStep
+from wrapper_models import MODELS as ALL_MODELS, output
 
 
 def fake_record(fn, device):
@@ -33,31 +33,10 @@ def fake_record(fn, device):
     return fn, None
 
 
-class _Residual(nn.Module):
-    """A traced model with a skip (a block-level plan)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.c(F.gelu(self.b(torch.relu(self.a(x))) + x))
+MODELS = {k: ALL_MODELS[k] for k in ("chain", "cnn", "residual", "rnn", "stacked_gru", "lstm")}
 
 
-#: name -> (make, per-sample input shape (recurrent: (T, I), batch first))
-MODELS = {
-    "chain": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), (6,)),
-    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 3)),
-            (2, 6, 6)),
-    "residual": (_Residual, (6,)),
-    "rnn": (lambda: nn.RNN(6, 5, batch_first=True), (7, 6)),
-    "stacked_gru": (lambda: nn.GRU(6, 5, num_layers=2, batch_first=True), (7, 6)),
-    "lstm": (lambda: nn.LSTM(6, 5, batch_first=True), (7, 6)),
-}
-
-
-def _out(y):
-    return y[0] if isinstance(y, tuple) else y
+_out = output
 
 
 def _loss(y):

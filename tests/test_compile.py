@@ -14,32 +14,15 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import spscan
+from wrapper_models import MODELS as ALL_MODELS, output
 
 
-class _Residual(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.c(F.gelu(self.b(torch.relu(self.a(x))) + x))
+MODELS = {k: ALL_MODELS[k] for k in ("cnn", "residual", "gru", "stacked_lstm")}
 
 
-MODELS = {
-    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 3)),
-            (2, 6, 6)),
-    "residual": (_Residual, (6,)),
-    "gru": (lambda: nn.GRU(6, 5, batch_first=True), (7, 6)),
-    "stacked_lstm": (lambda: nn.LSTM(6, 5, num_layers=2, batch_first=True), (7, 6)),
-}
-
-
-def _out(y):
-    return y[0] if isinstance(y, tuple) else y
+_out = output
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -12,18 +12,9 @@ import io
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spscan
-
-
-class _Residual(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.c(F.gelu(self.b(torch.relu(self.a(x))) + x))
+from wrapper_models import Residual, output
 
 
 class _Tokens(nn.Module):
@@ -40,7 +31,7 @@ MODELS = {
     "chain": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), lambda: torch.randn(4, 6)),
     "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                                   nn.Linear(12, 3)), lambda: torch.randn(4, 2, 6, 6)),
-    "residual": (_Residual, lambda: torch.randn(4, 6)),
+    "residual": (Residual, lambda: torch.randn(4, 6)),
     "tokens": (_Tokens, lambda: torch.randint(0, 11, (4, 5))),
     "opaque_transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
                            lambda: torch.randn(4, 5, 8)),
@@ -49,8 +40,7 @@ MODELS = {
 }
 
 
-def _out(y):
-    return y[0] if isinstance(y, tuple) else y
+_out = output
 
 
 def _torch_save_load(obj):
