@@ -111,7 +111,7 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
     if example_input is None or isinstance(example_input, torch.Tensor):
         # how to make it again where it is unpickled (a plan holds closures and device tables: not pickled)
         spec = None if example_input is None else (tuple(example_input.shape), example_input.dtype)
-        wrapped.wrapped_as = (dict(options), spec)
+        wrapped.wrapped_as = (_wrap_again, dict(options), spec)
     return wrapped
 
 

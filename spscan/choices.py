@@ -125,8 +125,9 @@ class BackwardChoice(abc.ABC):
     the decision of the last signature seen (the example input's before any call)."""
 
     backward_mode: str = "auto"
-    #: ``(options, (shape, dtype) of the example input or None)`` as ``spscan.wrap`` made it: how it is made
-    #: again where it is unpickled (:meth:`__reduce_ex__`); None for a wrapper made otherwise
+    #: ``(rewrap, options, (shape, dtype) of the example input or None)`` as ``spscan.wrap`` made it: how it is
+    #: made again where it is unpickled, ``rewrap(model, options, spec, training)`` (:meth:`__reduce_ex__`);
+    #: None for a wrapper made otherwise
     wrapped_as: Optional[tuple] = None
 
     def __reduce_ex__(self, protocol: Any):
@@ -136,11 +137,9 @@ class BackwardChoice(abc.ABC):
         how = self.__dict__.get("wrapped_as")
         if how is None:
             return super().__reduce_ex__(protocol)
-        from spscan.api import _wrap_again
-
-        options, spec = how
-        return _wrap_again, (getattr(self, self._model_attr), {**options, "backward": self.backward_mode}, spec,
-                             self.training)
+        rewrap, options, spec = how
+        return rewrap, (getattr(self, self._model_attr), {**options, "backward": self.backward_mode}, spec,
+                        self.training)
 
     def _init_choice(self, mode: str, first: Optional[Hashable]) -> None:
         self.backward_mode = check_backward(mode)
