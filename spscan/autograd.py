@@ -19,7 +19,8 @@ import torch
 
 from spscan.engine import PeriodicValues
 
-__all__ = ["FrontEnd", "ScanFunction", "apply", "keep_graph", "refuse_functorch", "refuse_second_derivative"]
+__all__ = ["FrontEnd", "ScanFunction", "apply", "in_functorch_transform", "keep_graph", "refuse_functorch",
+           "refuse_second_derivative"]
 
 
 class FrontEnd(Protocol):
@@ -80,10 +81,15 @@ def refuse_second_derivative(sources: Sequence[Optional[torch.Tensor]], grads: t
     return tuple(res)
 
 
+def in_functorch_transform() -> bool:
+    """Whether this runs inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``)."""
+    return getattr(torch._C._functorch, "maybe_current_level", lambda: None)() is not None
+
+
 def refuse_functorch() -> None:
-    """Raise inside a ``torch.func`` transform: the scan's backward writes into its own buffers."""
-    level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)()
-    if level is not None:
+    """Raise inside a ``torch.func`` transform: the scan's backward writes into its own buffers (a wrapper
+    with ``backward="auto"`` runs the model's own step there instead)."""
+    if in_functorch_transform():
         raise RuntimeError("torch.func transforms (grad, vjp, jacrev, vmap) over a spscan-wrapped module are not "
                            "supported: the scan's backward runs its own batched kernels on preallocated buffers; "
                            "use loss.backward() or torch.autograd.grad, with the batch as the leading dimension")

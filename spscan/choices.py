@@ -18,6 +18,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
+from spscan.autograd import in_functorch_transform
 from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
@@ -64,8 +65,9 @@ def graph_activation_bytes(units: Sequence[Any], batch: int) -> int:
     return 4 * batch * sum(int(u.d_in) for u in units)
 
 
-#: what ``backward="auto"`` runs under ``torch.autocast`` (:meth:`BackwardChoice._call_choice`)
-AUTOCAST_NOTE = "under torch.autocast: native (the scan computes in the module's float32/float64)"
+#: what ``backward="auto"`` runs under ``torch.autocast`` or in a ``torch.func`` transform
+#: (:meth:`BackwardChoice._call_choice`)
+AUTOCAST_NOTE = "under torch.autocast or a torch.func transform: native"
 
 
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
@@ -192,13 +194,14 @@ class BackwardChoice(abc.ABC):
 
     def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
         """What a call of signature ``key`` with input ``x`` runs: :meth:`_choice`, except that with
-        ``backward="auto"`` a call under ``torch.autocast`` runs the model's own forward and backward
-        (``"native"``): the scan computes in the module's dtype, where autograd follows autocast's
-        casts. A forced ``scan`` or ``graph`` runs under autocast as a custom function that does not
-        take reduced precision does (``torch.amp.custom_fwd(cast_inputs=...)``): the wrapper calls
-        :func:`outside_autocast`."""
+        ``backward="auto"`` a call under ``torch.autocast`` or inside a ``torch.func`` transform runs the
+        model's own forward and backward (``"native"``): the scan computes in the module's dtype, where
+        autograd follows autocast's casts, and its backward runs on buffers of its own, which functorch
+        cannot see through. A forced ``scan`` or ``graph`` runs under autocast as a custom function that
+        does not take reduced precision does (``torch.amp.custom_fwd(cast_inputs=...)``): the wrapper calls
+        :func:`outside_autocast`; inside a ``torch.func`` transform it is refused."""
         choice = self._choice(key)
-        if choice != "native" and self.backward_mode == "auto" and autocast_on(x):
+        if choice != "native" and self.backward_mode == "auto" and (autocast_on(x) or in_functorch_transform()):
             return "native"
         return choice
 

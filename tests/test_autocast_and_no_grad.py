@@ -62,7 +62,7 @@ def test_auto_under_autocast_is_the_models_own_step(name, monkeypatch):
     output and gradient equal autograd's under autocast; outside autocast the scan runs again."""
     model, ref, w, shape = _pair(name, "auto")
     monkeypatch.setattr(w, "_choice", lambda key: "scan")  # as if the profile chose the scan
-    assert "under torch.autocast: native" in w.explain()
+    assert "under torch.autocast or a torch.func transform: native" in w.explain()
     ran = []
     monkeypatch.setattr(w.plan, "run_step" if hasattr(w.plan, "units") else "run_forward",
                         lambda *a, **k: ran.append(1) or pytest.fail("the scan ran under autocast"))
@@ -213,3 +213,32 @@ def test_cuda_wrapped_on_the_cpu_then_moved(name, backward):
             assert float((a - b).abs().max()) <= 1e-9 * max(1.0, float(b.abs().max()))
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["chain", "cnn", "residual"])  # (vmap cannot batch nn.RNN itself)
+def test_auto_inside_torch_func_is_the_models_own_step(name, monkeypatch):
+    """Per-sample gradients the torch.func way (``vmap(grad(functional_call))``) through a wrapper whose
+    ``auto`` would run the scan: the model's own step runs, and the gradients are those of the model alone.
+    A forced scan is refused there, saying why."""
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    w = spscan.wrap(model, torch.randn(4, *shape, dtype=torch.float64), backward="auto")
+    monkeypatch.setattr(w, "_choice", lambda key: "scan")
+    inner = "model." if hasattr(w, "model") else "module."
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(module, prefix):
+        def f(p, x):
+            return output(torch.func.functional_call(module, {prefix + k: v for k, v in p.items()},
+                                                     (x.unsqueeze(0),))).square().sum()
+        return f
+
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    got = torch.func.vmap(torch.func.grad(loss(w, inner)), in_dims=(None, 0))(params, x)
+    want = torch.func.vmap(torch.func.grad(loss(model, "")), in_dims=(None, 0))(params, x)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    forced = spscan.wrap(make().double(), torch.randn(4, *shape, dtype=torch.float64), backward="scan")
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.grad(loss(forced, inner))({k: v for k, v in params.items()}, x[0])
