@@ -194,14 +194,15 @@ class BackwardChoice(abc.ABC):
 
     def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
         """What a call of signature ``key`` with input ``x`` runs: :meth:`_choice`, except that with
-        ``backward="auto"`` a call under ``torch.autocast`` or inside a ``torch.func`` transform runs the
-        model's own forward and backward (``"native"``): the scan computes in the module's dtype, where
-        autograd follows autocast's casts, and its backward runs on buffers of its own, which functorch
-        cannot see through. A forced ``scan`` or ``graph`` runs under autocast as a custom function that
+        ``backward="auto"`` a call under ``torch.autocast`` or inside a ``torch.func`` transform, or with a
+        ``PackedSequence`` (variable-length sequences, which the scan does not take), runs the model's own
+        forward and backward (``"native"``): the scan computes in the module's dtype, where autograd follows
+        autocast's casts, and its backward runs on buffers of its own, which functorch cannot see through. A forced ``scan`` or ``graph`` runs under autocast as a custom function that
         does not take reduced precision does (``torch.amp.custom_fwd(cast_inputs=...)``): the wrapper calls
         :func:`outside_autocast`; inside a ``torch.func`` transform it is refused."""
         choice = self._choice(key)
-        if choice != "native" and self.backward_mode == "auto" and (autocast_on(x) or in_functorch_transform()):
+        if choice != "native" and self.backward_mode == "auto" and (
+                autocast_on(x) or in_functorch_transform() or isinstance(x, torch.nn.utils.rnn.PackedSequence)):
             return "native"
         return choice
 

@@ -278,9 +278,10 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     ``kwargs`` go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
 
     Raises:
-        TypeError: an unsupported node (names ``node.format_node()`` and its source line).
-        ValueError: the example input does not fit a layer, or a general DAG's live-set chain exceeds
-            :data:`LIVE_STATE_LIMIT` (names the node and the numbers).
+        NotPlannable: a form the scan cannot plan: a node that does not keep the batch dim first, a general
+            DAG whose live-set chain exceeds :data:`LIVE_STATE_LIMIT` (names the node and the numbers), hooks
+            on the model itself, an untraceable forward (names ``node.format_node()`` and its source line).
+        ValueError: the example input does not fit a layer; options that contradict the model.
     """
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "

@@ -212,7 +212,7 @@ class Traced:
                 if node.op == "output":
                     res = node.args[0]
                     if isinstance(res, fx.Node) and res in self.virtual:
-                        raise refuse_node(res, "the forward's output does not keep the batch dim first", ValueError)
+                        raise refuse_node(res, "the forward's output does not keep the batch dim first")
                     if not isinstance(res, fx.Node) or res not in self.kind:
                         raise refuse_node(node, "expected the forward to return one tensor")
                     self.output_node = res
@@ -261,7 +261,7 @@ class Traced:
                 if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != 2:
                     raise refuse_node(node, f"expected a tensor (B, ...) keeping the batch dim; got "
                                   f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
-                                  "an example batch of 2", ValueError)
+                                  "an example batch of 2")
                 env[node] = y
 
     def _drop_dead(self) -> None:
@@ -276,7 +276,7 @@ class Traced:
             if n in alive:
                 alive.update(self.tin[n])
         if self.input_node not in alive:
-            raise refuse_node(self.output_node, "the output does not depend on the input", ValueError)
+            raise refuse_node(self.output_node, "the output does not depend on the input")
         dead = [n for n in nodes if n not in alive]
         if not dead:
             return
@@ -684,7 +684,7 @@ class Traced:
             raise refuse_node(n, f"as a live-set chain (the graph is not series-parallel) it would carry {total} values per "
                           f"sample over its {len(plan)} steps, more than {LIVE_STATE_LIMIT}x the {own} of the graph's "
                           f"own tensors (widest after this node: {len(ts)} live tensors, {w} values: "
-                          f"{', '.join(t.name for t in ts)})", ValueError)
+                          f"{', '.join(t.name for t in ts)})")
         steps: list[Any] = []
         for n, before, keep in plan:
             inputs = [before.index(p) for p in self.tin[n]]

@@ -242,3 +242,25 @@ def test_auto_inside_torch_func_is_the_models_own_step(name, monkeypatch):
     forced = spscan.wrap(make().double(), torch.randn(4, *shape, dtype=torch.float64), backward="scan")
     with pytest.raises(RuntimeError, match="torch.func transforms"):
         torch.func.grad(loss(forced, inner))({k: v for k, v in params.items()}, x[0])
+
+
+@pytest.mark.parametrize("make", [lambda: nn.GRU(3, 4), lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True)],
+                         ids=["gru", "stacked_bidirectional_lstm"])
+def test_auto_with_packed_sequences_is_the_modules_own_step(make):
+    """Variable-length batches as ``nn.utils.rnn.pack_padded_sequence`` makes them: ``auto`` runs the module's
+    own step on them (its padded batches still go through its decision); a forced scan says to pad instead."""
+    torch.manual_seed(0)
+    module = make().double()
+    ref = copy.deepcopy(module)
+    w = spscan.wrap(module, torch.randn(6, 3, 3, dtype=torch.float64), backward="auto")
+    x = torch.randn(6, 3, 3, dtype=torch.float64)
+    packed = nn.utils.rnn.pack_padded_sequence(x, [6, 4, 2])
+    out, ref_out = w(packed)[0], ref(packed)[0]
+    assert torch.equal(out.data, ref_out.data)
+    out.data.square().sum().backward()
+    ref_out.data.square().sum().backward()
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    forced = spscan.wrap(make().double(), torch.randn(6, 3, 3, dtype=torch.float64), backward="scan")
+    with pytest.raises(TypeError, match="PackedSequence"):
+        forced(packed)

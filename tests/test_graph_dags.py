@@ -145,7 +145,9 @@ def test_selection_refusals_name_the_node():
         def forward(self, x):
             return F.pad(x, (0, 0, 1, 1), mode="reflect")
 
-    run_errors(lambda: spscan.wrap(Batch(), torch.zeros(3, 4)), ValueError, "getitem", "batch dim", "Batch")
+    run_errors(lambda: spscan.wrap(Batch(), torch.zeros(3, 4)), spscan.NotPlannable, "getitem", "batch dim", "Batch")
+    with pytest.warns(UserWarning, match="batch dim"):  # a model the scan cannot plan: auto runs it natively
+        assert spscan.wrap(Batch(), torch.zeros(3, 4), backward="auto").decision.chosen.name == "native"
     with pytest.raises(ValueError, match="batch dim must be kept whole and first"):
         from spscan.layers.shape import SelectionUnit, _Selection
         SelectionUnit(0, _Selection("permute", (1, 0, 2)), (2, 2), (2, 2))
@@ -397,8 +399,10 @@ def test_live_state_limit_refusal():
                 out = out + h
             return out
 
-    run_errors(lambda: spscan.wrap(Fan(), torch.zeros(2, 3)), ValueError, "Fan", "live-set chain",
+    run_errors(lambda: spscan.wrap(Fan(), torch.zeros(2, 3)), spscan.NotPlannable, "Fan", "live-set chain",
                f"more than {LIVE_STATE_LIMIT}x", "values per sample", "test_graph_dags.py")
+    with pytest.warns(UserWarning, match="live-set chain"):  # auto runs it natively
+        assert spscan.wrap(Fan(), torch.zeros(2, 3), backward="auto").decision.chosen.name == "native"
 
     class Scaled(nn.Module):
         def __init__(self) -> None:

@@ -382,7 +382,7 @@ def test_refusals_name_the_node_and_line():
         def forward(self, x):
             return x.view(-1)
 
-    run_errors(lambda: spscan.wrap(Mixed(), x), ValueError, "batch dim")
+    run_errors(lambda: spscan.wrap(Mixed(), x), spscan.NotPlannable, "batch dim")
 
 
 # ----------------------------------------------------------------------------- random DAGs
