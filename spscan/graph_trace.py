@@ -136,6 +136,10 @@ class _Whole(nn.Module):
         return self.layer(x)
 
 
+class _ExampleRejected(ValueError):
+    """A node rejected the planner's example batch (of 2)."""
+
+
 def _raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
     """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
     were) and let its own error through: a forward that fails without tracing is the model's error, not a
@@ -189,7 +193,12 @@ class Traced:
         # tensors computed from graph tensors that do not keep the batch dim first (``qkv.permute(2, 0, 3, 1,
         # 4)``): not part of the chain, recomputed inside each opaque node reading them; -> their graph tensors
         self.virtual: dict[fx.Node, list[fx.Node]] = {}
-        self._propagate(example_input)
+        try:
+            self._propagate(example_input)
+        except _ExampleRejected as e:
+            _raise_if_forward_fails(model, example_input)  # the model's own error on the example is the user's
+            raise NotPlannable(f"{e}; the model itself runs on the example, so its per-sample shapes depend on the "
+                               "batch size (the planner traces a batch of 2)") from e
         self._drop_dead()
 
     def _propagate(self, example_input: torch.Tensor) -> None:
@@ -427,7 +436,7 @@ class Traced:
                 y, own_cost = counted_call(call, xins)  # what its operations cost, for the step profile
                 one = call(*[t[:1] for t in xins])  # which output dim is the batch: not told by the size alone
             except Exception as e:
-                raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), ValueError) from e
+                raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), _ExampleRejected) from e
             finally:
                 for t, v in zip(m.buffers(), state):  # nor updates its running statistics
                     t.copy_(v)
@@ -643,7 +652,7 @@ class Traced:
                 try:
                     y = m(xin)
                 except Exception as e:
-                    raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), ValueError) from e
+                    raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), _ExampleRejected) from e
             try:
                 unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
             except (TypeError, ValueError) as e:

@@ -749,3 +749,26 @@ def test_hooks_on_the_model_itself_or_added_after_planning():
     model[2][1].register_forward_hook(lambda m, i, o: o * 2)  # its unit would not run it: refused, not ignored
     with pytest.raises(ValueError, match=r"layer \d+ \(.*Tanh.*\): hooks were registered on it after"):
         wrapped(torch.randn(2, 3))
+
+
+def test_a_model_whose_shapes_depend_on_the_batch_size():
+    """A forward whose per-sample shapes depend on the batch size (here a product over the batch) runs on the
+    user's example but not on the planner's batch of 2: a form the scan cannot plan (``auto`` runs it natively),
+    where a wrong example input is the user's error, as the model's own forward says."""
+
+    class BatchMixing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.a(x)
+            return self.b(torch.einsum("bi,ci->bc", y, y)[:, :4])
+
+    x = torch.randn(5, 4)
+    with pytest.raises(spscan.NotPlannable, match="per-sample shapes depend on the batch size"):
+        spscan.wrap(BatchMixing(), x, backward="scan")
+    with pytest.warns(UserWarning, match="batch size"):
+        assert isinstance(spscan.wrap(BatchMixing(), x, backward="auto"), NativeModule)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # the model's own error on a wrong example
+        spscan.wrap(BatchMixing(), torch.randn(5, 7), backward="auto")
