@@ -307,6 +307,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                           module_backed=traced.module_backed, factored=factored)
         plan.decisions = [d for d in (norm,) if d is not None]
         plan.bind_signatures()
+        plan.planned_training = model.training
         return plan
     norm_form = kwargs.pop("norm_form", "auto")
     if norm_form not in ("auto", "dense"):
@@ -331,9 +332,13 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         pats = [sp.csr_array((s.d_in, s.d_out), dtype=np.float64) if isinstance(s, Parallel) else s.pattern
                 for s in segments]
         core = build_plan(pats, bind=None, **kwargs)
-        return GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators, operator_only=True)
+        plan = GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators, operator_only=True)
+        plan.planned_training = model.training
+        return plan
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
-    return GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators)
+    plan = GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators)
+    plan.planned_training = model.training
+    return plan
 
 
 class GraphSpscanModule(SpscanModule):

@@ -159,6 +159,10 @@ class ModelPlan:
         self.out_shape = units[-1].out_shape
         self.core = core
         self.decisions: list[Decision] = []  # the front end's choices besides the core's depth (norm form, ...)
+        # a traced forward is specialized to the mode it was traced in (``self.training`` read in Python, as
+        # ``F.dropout(x, training=self.training)`` does): the model's ``training`` then, else None (a chain of
+        # layers, whose units follow their modules' modes at run time)
+        self.planned_training: Optional[bool] = None
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")
@@ -778,6 +782,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         self.model = model
         self.plan = plan
         self._replan = replan
+        self._other_plan: Optional[ModelPlan] = None  # a traced model's plan for its other mode (_plan_for_mode)
         # where the steps run, for the choice: the plan's device, else the model's, else the example input's
         self._example_device = device
         self._init_choice(backward, batch)
@@ -800,11 +805,8 @@ class SpscanModule(BackwardChoice, nn.Module):
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
         refuse_functorch()
-        if self._replan is not None and self._replan.levels == "auto" and self.plan.needs_linear_scan():
-            # planned in eval mode at a depth a train-mode BatchNorm cannot run at: planned again as the model
-            # is now (the linear scan, which runs in either mode), once
-            old, self.plan = self.plan, self._replan(self.model)
-            old.release_buffers()
+        if self._replan is not None:
+            self._plan_for_mode()
         flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
@@ -812,6 +814,25 @@ class SpscanModule(BackwardChoice, nn.Module):
         y = self.plan.run_step(x, flat, choice == "graph")
         self._after_step(key, choice)
         return y
+
+    def _plan_for_mode(self) -> None:
+        """Make :attr:`plan` one that runs the model in its present mode.
+
+        * A traced plan is specialized to the mode it was traced in (``self.training`` read in Python): in
+          the other mode (the model's ``training`` flag) the plan traced in that mode runs, made on first
+          use; the two are kept, as training and evaluation alternate.
+        * A plan made in eval mode at a depth a train-mode BatchNorm cannot run at (levels ``"auto"``) is
+          made again as the model now is, once (the linear scan, which runs in either mode).
+        """
+        plan, mode = self.plan, self.model.training
+        if plan.planned_training is not None and plan.planned_training != mode:
+            other = self._other_plan
+            if other is None or other.planned_training != mode:
+                other = self._replan(self.model)
+            self._other_plan, self.plan = plan, other
+        elif self._replan.levels == "auto" and plan.needs_linear_scan():
+            self.plan = self._replan(self.model)
+            plan.release_buffers()
 
     def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The units' effective tensors for a step of ``x``, once the input and the layers are checked

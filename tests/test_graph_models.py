@@ -564,3 +564,47 @@ def test_nodes_the_output_does_not_read_are_left_out(make, shape, dead, backward
         assert set(g) == set(g_ref) == live
         for n in g_ref:
             assert _rel(g[n], g_ref[n]) <= 1e-9, n
+
+
+# ----------------------------------------------------------------------------- a forward that reads self.training
+
+
+class _ModeBranches(nn.Module):
+    """``self.training`` read in Python: fx freezes it into the traced graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.a(x)), 0.4, training=self.training)
+        if self.training:
+            h = h * 1.5
+        return self.b(h)
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_a_traced_forward_follows_the_models_mode(first):
+    """A traced graph is specialized to the mode it was traced in; the wrapper runs the plan traced in the
+    model's present mode (the other made on first use, then both kept): outputs and gradients equal
+    autograd's in train and in eval mode, with gradients on in both (it once kept the train-mode graph,
+    dropout and all, in eval mode)."""
+    model = _init(_ModeBranches(), 5).double().train(first == "train")
+    ref = copy.deepcopy(model)
+    wrapped = spscan.wrap(model, torch.randn(4, 5, dtype=torch.float64), backward="scan")
+    plans = set()
+    for mode in ("train", "eval", "train", "eval", "train"):
+        for m in (wrapped, ref):
+            m.train(mode == "train")
+        x = torch.randn(4, 5, dtype=torch.float64)
+        torch.manual_seed(1)
+        y, g, gx = _grads(wrapped, x)
+        torch.manual_seed(1)
+        y_ref, g_ref, gx_ref = _grads(ref, x)
+        assert torch.equal(y, y_ref)
+        assert _rel(gx, gx_ref) <= 1e-12
+        for n in g_ref:
+            assert _rel(g[n], g_ref[n]) <= 1e-12, n
+        assert wrapped.plan.planned_training == (mode == "train")
+        plans.add(id(wrapped.plan))
+    assert len(plans) == 2  # one plan per mode, each made once
