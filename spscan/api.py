@@ -17,7 +17,7 @@ from spscan.engine import Gradients, check_inputs
 from spscan.errors import NotPlannable
 from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, takes_options
 from spscan.graph import plan_graph, wrap_graph
-from spscan.model import ModelPlan, is_chain_model, plan_model, wrap_chain
+from spscan.model import ModelPlan, UnitRefused, is_chain_model, plan_model, wrap_chain
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
 from spscan.recurrent import RecurrentPlan, plan_recurrent, wrap_recurrent
 from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked, wrap_stacked
@@ -75,7 +75,10 @@ def plan(patterns: Any, example_input: Optional[torch.Tensor] = None, **options:
             raise TypeError("plan(): option 'backward' chooses what a wrapped model runs; pass it to spscan.wrap")
         plan_fn, _, opts = _model_options("plan", patterns, example_input, options)
         opts.pop("backward", None)
-        return plan_fn(patterns, example_input, **opts)
+        try:
+            return plan_fn(patterns, example_input, **opts)
+        except UnitRefused:  # a layer its unit does not cover: the chain traced, that layer an opaque node
+            return plan_graph(patterns, example_input, **opts)
     if example_input is not None:
         raise TypeError("plan(patterns): an example input is for a model; a chain of patterns takes none")
     return build_plan(patterns, **check_options("plan", PATTERNS, options, "a chain of patterns"))
@@ -99,7 +102,10 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
         raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
     _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
     try:
-        wrapped = wrap_fn(model, example_input, **opts)
+        try:
+            wrapped = wrap_fn(model, example_input, **opts)
+        except UnitRefused:  # a layer its unit does not cover: the chain traced, that layer an opaque node
+            wrapped = wrap_graph(model, example_input, **opts)
     except NotPlannable as e:
         if opts.get("backward") != "auto":
             raise

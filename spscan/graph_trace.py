@@ -655,8 +655,8 @@ class Traced:
                     raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), _ExampleRejected) from e
             try:
                 unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{e} [node {node.format_node()} at {node_source(node)}]") from e
+            except (TypeError, ValueError):  # a configuration its unit does not cover: its own call and backward
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
             name, backed = node.target, True
         else:
             y = self._call(node, args, kwargs)

@@ -47,6 +47,12 @@ def _is_plain_sequential(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 
+class UnitRefused(NotPlannable):
+    """A layer of a chain whose analytic unit does not cover its configuration (``padding_mode="circular"``,
+    ``sparse=True``, ...): ``spscan.plan`` and ``spscan.wrap`` trace the chain instead, that layer an opaque
+    node (its own call and autograd backward)."""
+
+
 def has_hooks(m: nn.Module) -> bool:
     """Whether ``m`` has forward or backward hooks of its own other than ``torch.nn.utils.prune`` masks (they
     could change what it computes, and an analytic ``J^T`` would not follow): a traced model runs such a
@@ -702,9 +708,14 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                     raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): "
                                      + example_rejected(k, in_shape, e)) from e
                 if not isinstance(y, torch.Tensor):
-                    raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): returns {type(y).__name__}; "
+                    raise UnitRefused(f"layer {k} ({name or '-'}: {type(m).__name__}): returns {type(y).__name__}; "
                                      "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
-            units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
+            try:
+                units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
+            except (TypeError, ValueError) as e:
+                if y is x:  # not called (shape-preserving): the input may well be what is wrong
+                    raise
+                raise UnitRefused(str(e)) from e  # the layer ran: its configuration is what the unit lacks
             x = y
     kwargs = levels_for_coupled_layers(units, kwargs)
     core, factored, norm = plan_chain(units, operators=operators, **kwargs)

@@ -253,9 +253,31 @@ def test_embedding_unit(kw, plan_kw):
         assert torch.equal(model[0].weight, ref[0].weight)  # max_norm renormalized the same rows in place
 
 
+@pytest.mark.parametrize("make, x", [
+    (lambda: nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Flatten(), nn.Linear(6, 2)),
+     lambda: torch.randint(0, 5, (4, 3))),
+    (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular"), nn.ReLU(), nn.Flatten(),
+                           nn.Linear(3 * 5 * 5, 2)).double(), lambda: torch.randn(4, 2, 5, 5, dtype=torch.float64)),
+], ids=["sparse_embedding", "circular_padding"])
+def test_a_layer_its_unit_does_not_cover_runs_as_its_own_call(make, x):
+    """A layer of a supported type in a configuration its analytic unit does not cover (a sparse embedding
+    gradient, circular padding) no longer refuses the chain: the chain is traced, that layer an opaque node,
+    and the gradients are autograd's (the embedding's stays sparse)."""
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    wrapped = spscan.wrap(model, x(), backward="scan")
+    assert "opaque" in wrapped.plan.summary()
+    for _ in range(2):
+        xs = x()
+        wrapped(xs).square().sum().backward()
+        ref(xs).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.layout == q.grad.layout
+        assert torch.allclose(p.grad.to_dense(), q.grad.to_dense(), rtol=1e-6, atol=1e-7)
+
+
 def test_embedding_refusals():
-    with pytest.raises(ValueError, match="sparse=True"):
-        spscan.wrap(nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Flatten()), torch.zeros(2, 3, dtype=torch.long))
     wrapped = spscan.wrap(nn.Sequential(nn.Embedding(5, 2), nn.Flatten()), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="integer token ids"):
         wrapped(torch.zeros(2, 3))
