@@ -135,6 +135,11 @@ class GraphPlan(ModelPlan):
 
     _check_layers = TracedChainPlan._check_layers
 
+    def step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self._check_input(x)
+        self._check_layers()
+        return [t for u in self.units for t in u.tensors()]
+
     def summary(self) -> str:
         what = "live-set steps" if any(isinstance(s, LiveStep) for s in self.segments) else "blocks"
         lines = [f"GraphPlan: {len(self.units)} layers in {len(self.segments)} {what}, input {self.in_shape} -> "
@@ -342,12 +347,8 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 
 
 class GraphSpscanModule(SpscanModule):
-    """``model`` (a traced graph with blocks) whose backward runs through the block-level scan."""
-
-    def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
-        self.plan._check_input(x)
-        self.plan._check_layers()
-        return [t for u in self.plan.units for t in u.tensors()]
+    """``model`` (a traced graph with blocks) whose backward runs through the block-level scan (its plan a
+    :class:`GraphPlan`, whose :meth:`GraphPlan.step_tensors` reads the units' tensors)."""
 
 
 def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:

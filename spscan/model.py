@@ -314,6 +314,14 @@ class ModelPlan:
     def _tensors(self) -> list[list[torch.Tensor]]:
         return [u.tensors() for u in self.units]
 
+    def step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The units' effective tensors for a wrapped step of ``x``, once the input and the layers are checked
+        against the plan. Built in the step (with grad enabled) so pruning masks stay in the autograd graph."""
+        flat = self._flat_tensors()
+        self._check_input(x, flat)
+        self._check_layers()
+        return flat
+
     def _flat_tensors(self) -> list[torch.Tensor]:
         """Every unit's effective tensors (:meth:`LayerUnit.tensors`), flat, in unit and role order.
 
@@ -846,13 +854,7 @@ class SpscanModule(BackwardChoice, nn.Module):
             plan.release_buffers()
 
     def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The units' effective tensors for a step of ``x``, once the input and the layers are checked
-        against the plan. Built here (with grad enabled) so pruning masks stay in the autograd graph."""
-        plan = self.plan
-        flat = plan._flat_tensors()
-        plan._check_input(x, flat)
-        plan._check_layers()
-        return flat
+        return self.plan.step_tensors(x)
 
 
 class Replan:
