@@ -233,16 +233,16 @@ def autocast_on(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type)
 
 
-def outside_autocast(call: Callable[..., Any], dtype: torch.dtype, *args: Any) -> Any:
+def outside_autocast(call: Callable[..., Any], dtype: Optional[torch.dtype], *args: Any) -> Any:
     """``call(*args)`` with autocast off for the device of ``args[0]`` and every floating tensor among
     ``args`` (or inside a tuple or list among them, an LSTM's ``(h_0, c_0)``) cast to ``dtype``, the
-    module's own: how a forced ``scan`` or ``graph`` runs under ``torch.autocast``, as a custom function
+    module's own (None, a module without floating parameters: left as they are): how a forced ``scan`` or ``graph`` runs under ``torch.autocast``, as a custom function
     without reduced-precision support does (``torch.amp.custom_fwd(cast_inputs=dtype)``). Its outputs are
     in ``dtype``; autograd casts their gradients back to what the caller's graph holds."""
 
     def cast(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v
+            return v.to(dtype) if dtype is not None and v.is_floating_point() and v.dtype != dtype else v
         if isinstance(v, (tuple, list)):
             return type(v)(cast(t) for t in v)
         return v

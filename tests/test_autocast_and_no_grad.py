@@ -264,3 +264,15 @@ def test_auto_with_packed_sequences_is_the_modules_own_step(make):
     forced = spscan.wrap(make().double(), torch.randn(6, 3, 3, dtype=torch.float64), backward="scan")
     with pytest.raises(TypeError, match="PackedSequence"):
         forced(packed)
+
+
+def test_forced_scan_under_autocast_of_a_model_without_parameters():
+    """Nothing to cast to: the inputs keep their dtype."""
+    w = spscan.wrap(nn.Sequential(nn.Tanh(), nn.ReLU()), torch.randn(3, 4), backward="scan")
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = w(x)
+    y.sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    torch.relu(torch.tanh(ref)).sum().backward()
+    assert y.dtype == torch.float32 and torch.equal(x.grad, ref.grad)
