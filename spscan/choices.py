@@ -169,11 +169,37 @@ class BackwardChoice(abc.ABC):
         d = self._decisions[key] = self._backward_decision(key)
         return d
 
-    def _native(self, key: Optional[Hashable]) -> bool:
-        """Whether a call of signature ``key`` runs the model's own backward (``None``: an input the scan's
-        checks will refuse, never native unless forced). Called on every forward: a dictionary lookup
-        once the signature was seen."""
-        return self._choice(key) == "native"
+    # -- the call (the wrappers' forward): what runs, then the front end's scan step
+
+    def forward(self, x: Any, *rest: Any) -> Any:
+        """The wrapped module's call on ``x`` (and a recurrent module's ``hx``): its own forward where
+        :meth:`_call_choice` says ``native`` or :meth:`_forward_alone`; under ``torch.autocast`` a forced
+        scan with autocast off (:func:`outside_autocast`); else the front end's :meth:`_scan_step`."""
+        key = self._signature(x)
+        choice = self._call_choice(key, x)
+        if choice == "native" or self._forward_alone():
+            return getattr(self, self._model_attr)(x, *rest)
+        if autocast_on(x):
+            return outside_autocast(self.forward, self._scan_dtype(), x, *rest)
+        return self._scan_step(key, choice, x, *rest)
+
+    @abc.abstractmethod
+    def _signature(self, x: Any) -> Optional[Hashable]:
+        """The input signature the decision is per (a batch size, or ``(T, B)``); None for an input the
+        scan's checks will refuse."""
+
+    def _forward_alone(self) -> bool:
+        """Whether this call runs the wrapped module's own forward whatever the choice (with gradients
+        off, a model wrapper: nothing is recorded)."""
+        return False
+
+    @abc.abstractmethod
+    def _scan_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the scan computes in: the module's parameters'."""
+
+    @abc.abstractmethod
+    def _scan_step(self, key: Optional[Hashable], choice: str, x: Any, *rest: Any) -> Any:
+        """The call through the scan (``choice``: ``scan`` or ``graph``)."""
 
     def _after_step(self, key: Optional[Hashable], choice: str) -> None:
         """After a call of signature ``key`` that ran ``choice``: where it was ``graph`` and the whole step

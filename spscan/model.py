@@ -31,7 +31,7 @@ from spscan.errors import NotPlannable
 from spscan.graphed import GraphedCall, GraphedStep
 from spscan.engine import check_inputs
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, autocast_on, batch_of, layers_decision, outside_autocast
+from spscan.choices import BackwardChoice, batch_of, layers_decision
 from spscan.planner.choose import Candidate, Decision, choose, explain as explain_decisions
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
 from spscan.layers.opaque import OpaqueUnit
@@ -812,14 +812,14 @@ class SpscanModule(BackwardChoice, nn.Module):
         device = plan.core.device or model_device(self.model) or self._example_device
         return layers_decision(plan.units, batch, device, self.backward_mode, detail)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = batch_of(x)
-        choice = self._call_choice(key, x)
-        if choice == "native" or not torch.is_grad_enabled():
-            return self.model(x)  # with gradients off nothing is recorded: the model's own forward
-        if autocast_on(x):
-            return outside_autocast(self.forward, model_dtype(self.model), x)
-        return self._scan_step(key, choice, x)
+    def _signature(self, x: Any) -> Optional[int]:
+        return batch_of(x)
+
+    def _forward_alone(self) -> bool:
+        return not torch.is_grad_enabled()  # nothing is recorded: the model's own forward
+
+    def _scan_dtype(self) -> Optional[torch.dtype]:
+        return model_dtype(self.model)
 
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, 
 from spscan.graphed import GraphedStep
 from spscan.autograd import refuse_functorch
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, autocast_on, outside_autocast, recurrent_decision, sequence_signature
+from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
@@ -692,13 +692,13 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
                                   m.weight_hh_l0.device, self.backward_mode, f"layout {self.plan.layout}")
 
     def forward(self, x: torch.Tensor, hx=None):
-        key = sequence_signature(self.module, x)
-        choice = self._call_choice(key, x)
-        if choice == "native":
-            return self.module(x, hx)
-        if autocast_on(x):
-            return outside_autocast(self.forward, self.module.weight_hh_l0.dtype, x, hx)
-        return self._scan_step(key, choice, x, hx)
+        return super().forward(x, hx)
+
+    def _signature(self, x: Any) -> Optional[tuple[int, int]]:
+        return sequence_signature(self.module, x)
+
+    def _scan_dtype(self) -> torch.dtype:
+        return self.module.weight_hh_l0.dtype
 
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key, choice: str, x: torch.Tensor, hx):

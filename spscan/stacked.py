@@ -59,7 +59,7 @@ from torch import nn
 from spscan.autograd import refuse_functorch
 from spscan.cells import check_cell_form
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, autocast_on, outside_autocast, recurrent_decision, sequence_signature
+from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
 from spscan.graphed import GraphedStep
 from spscan.planner.choose import Decision
 from spscan.recurrent import RecurrentFront, RecurrentPlan
@@ -402,13 +402,13 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
                                   f"{m.num_layers} layers x {dirs} directions")
 
     def forward(self, x: torch.Tensor, hx=None):
-        key = sequence_signature(self.module, x)
-        choice = self._call_choice(key, x)
-        if choice == "native":
-            return self.module(x, hx)
-        if autocast_on(x):
-            return outside_autocast(self.forward, self.module.weight_hh_l0.dtype, x, hx)
-        return self._scan_step(key, choice, x, hx)
+        return super().forward(x, hx)
+
+    def _signature(self, x: Any) -> Optional[tuple[int, int]]:
+        return sequence_signature(self.module, x)
+
+    def _scan_dtype(self) -> torch.dtype:
+        return self.module.weight_hh_l0.dtype
 
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key, choice: str, x: torch.Tensor, hx):
