@@ -59,6 +59,13 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s)
 
 
+def _buffer_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized buffer a copy of ``t`` can be written into: ``t``'s strides where no two of its
+    elements share memory, else dense ones (an expanded tensor, the upstream gradient of a ``sum``, has
+    stride 0, and a buffer with it could not be written)."""
+    return torch.empty_like(t, memory_format=torch.preserve_format)
+
+
 def record_cuda_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Callable[[], None], Any]:
     """``fn``'s launches as a CUDA graph: ``(replay, graph)``; a replay rewrites what ``fn`` wrote."""
     torch.cuda.synchronize(device)
@@ -205,8 +212,7 @@ class GraphedCall:
         if sum(tensors[i].numel() * tensors[i].element_size() for i in unique) > self.MAX_INPUT_BYTES:
             self.eager.add(sig)
             return fn(*args)
-        static = [torch.empty_strided(tensors[i].shape, tensors[i].stride(), dtype=tensors[i].dtype,
-                                      device=tensors[i].device) for i in unique]
+        static = [_buffer_like(tensors[i]) for i in unique]
         copy_all(static, [tensors[i] for i in unique])
         at = {i: static[n] for n, i in enumerate(unique)}
         it = iter(range(len(tensors)))
@@ -273,8 +279,7 @@ class _StepEntry:
     def __init__(self, front, inputs: tuple, copied: int, needs: tuple, record) -> None:
         self.front, self.needs, self.record = front, needs, record
         self.static: list[Optional[torch.Tensor]] = [
-            None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            for t in inputs[:copied]]
+            None if t is None else _buffer_like(t) for t in inputs[:copied]]
         self.inputs = (*self.static, *inputs[copied:])
         self.static_gy: Optional[list[torch.Tensor]] = None
         self.outputs: tuple = ()

@@ -79,6 +79,18 @@ def test_result_aliasing_an_input_is_copied():
     assert torch.equal(out, a.view(2, 2))
 
 
+def test_an_expanded_input_is_copied_into_a_dense_buffer():
+    """The upstream gradient of ``y.sum()`` is an expanded tensor (stride 0): its copy cannot keep that
+    stride, since no buffer with it could be written."""
+    g = GraphedCall(fake_record)
+    fn = lambda gy, w: gy @ w  # noqa: E731
+    w = torch.randn(3, 2, dtype=torch.float64)
+    for value in (1.0, 2.0, 3.0):
+        gy = torch.full((1, 3), value, dtype=torch.float64).expand(4, 3)
+        assert torch.equal(g(fn, (gy, w)), gy.contiguous() @ w)
+    assert len(g.entries) == 1
+
+
 def test_what_cannot_be_replayed_runs_eagerly():
     g = GraphedCall(fake_record)
     w = torch.randn(3, requires_grad=True) * 1.0
@@ -560,6 +572,28 @@ def test_graphed_recurrent_replays_and_leases(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     w.plan.release_buffers()
     assert not w.plan.step_graphs.entries
+
+
+def test_graphed_recurrent_step_on_an_expanded_input(monkeypatch):
+    """An input with stride 0 (one sequence broadcast over the batch) is copied into a dense buffer of
+    the step's own; every replay equals autograd's step."""
+    torch.manual_seed(0)
+    module = nn.GRU(3, 4).double()
+    ref = copy.deepcopy(module)
+    x0 = torch.randn(5, 1, 3, dtype=torch.float64).expand(5, 2, 3)
+    w = _graphed_recurrent(module, x0, monkeypatch)
+    for step in range(4):
+        x = (torch.randn(5, 1, 3, dtype=torch.float64) + step).expand(5, 2, 3)
+        for m in (module, ref):
+            m.zero_grad(set_to_none=True)
+        out, h = w(x)
+        (out.square().sum() + h.sum()).backward()
+        out_r, h_r = ref(x)
+        (out_r.square().sum() + h_r.sum()).backward()
+        assert torch.allclose(out, out_r, atol=1e-12) and torch.allclose(h, h_r, atol=1e-12)
+        for p, q in zip(module.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-10)
+    assert len(w.plan.step_graphs.entries) == 1
 
 
 def test_graphed_recurrent_train_and_eval_are_separate_recordings(monkeypatch):
