@@ -4,9 +4,10 @@
 #   bench/gpu/graphs.sh [OUTDIR]
 #
 # Stages, most important first (GRAPHS_STAGES picks some, in this order; default: all of them):
-#   tests      the tests that record real graphs: tests/test_graphed.py (wrapped CNNs, ResNet-20, LayerNorm
+#   tests      the GPU tests that record real graphs: tests/test_graphed.py (wrapped CNNs, ResNet-20, LayerNorm
 #              MLP with dropout, BatchNorm, single-layer, stacked and bidirectional recurrent modules:
-#              bitwise equal to the eager scan) and the recurrent modules' backward replay
+#              bitwise equal to the eager scan) and tests/test_autocast_and_no_grad.py (AMP, a wrapper
+#              moved to the GPU); every failure is reported, not only the first
 #   cnn        the "never slower" CNN, MLP and transformer rows on CUDA at the default thread count, with
 #              the shipped reference profile (what a user who never calibrates gets)
 #   rnn        the recurrent rows, the same way; their whole-step graph is timed as an unchosen candidate
@@ -18,8 +19,10 @@
 #              (T = 100, B = 16; bench/gpu/profile_graphs.py)
 #
 # 0. installs this checkout first (pip --no-deps --no-build-isolation -e .). Each stage has a time limit;
-# what finished is kept (OUTDIR/graphs.log, OUTDIR/never-slower-cuda-*.md/.json). OUTDIR defaults to $OUT,
-# else ./gpu-graphs. The rows run with an empty profile cache: the calibration writes its own.
+# what finished is kept (OUTDIR/graphs.log, OUTDIR/never-slower-cuda-*.md/.json, OUTDIR/step-profile-cuda.json,
+# OUTDIR/profile_graphs.log). OUTDIR defaults to $OUT, else ./gpu-graphs. The rows run with an empty
+# profile cache, and the calibration with one of its own, both in a temporary folder (GRAPHS_CACHE_DIR
+# keeps them): OUTDIR holds the results alone.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -29,7 +32,8 @@ py="${PYTHON:-python3}"
 stages=" ${GRAPHS_STAGES:-tests cnn rnn cnn1 calibrate profile} "
 cd "$root" || exit 2
 export PYTHONUNBUFFERED=1
-export SPSCAN_CACHE_DIR="$out/cache-rows"
+cache="${GRAPHS_CACHE_DIR:-$(mktemp -d)}"
+export SPSCAN_CACHE_DIR="$cache/rows"
 log="$out/graphs.log"
 stage() { echo "== $1 ($(date +%T))" | tee -a "$log"; }
 want() { [[ "$stages" == *" $1 "* ]]; }
@@ -40,9 +44,8 @@ want() { [[ "$stages" == *" $1 "* ]]; }
 } 2>&1 | tee -a "$log"
 if want tests; then
     stage tests
-    timeout 180 "$py" -m pytest -q -x -p no:cacheprovider tests/test_graphed.py tests/test_recurrence_kernels.py \
-        tests/test_autocast_and_no_grad.py \
-        -k "graph or Graph or cuda" 2>&1 | tail -25 | tee -a "$log"
+    timeout 240 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_graphed.py \
+        tests/test_autocast_and_no_grad.py 2>&1 | tail -40 | tee -a "$log"
 fi
 rows() {  # rows NAME TIMEOUT PYTEST-K
     stage "never-slower: $1"
@@ -54,7 +57,7 @@ want rnn && rows rnn 150 "cuda-default and _T1"
 want cnn1 && rows cnn-1-thread 200 "cuda-1-threads and not _T1"
 if want calibrate; then
     stage calibrate
-    SPSCAN_CACHE_DIR="$out/cache" timeout 240 "$py" - "$out" "${GRAPHS_CALIBRATE_RECURRENT:-0}" <<'EOF' 2>&1 | tee -a "$log"
+    SPSCAN_CACHE_DIR="$cache/calibrate" timeout 240 "$py" - "$out" "${GRAPHS_CALIBRATE_RECURRENT:-0}" <<'EOF' 2>&1 | tee -a "$log"
 import json, sys, torch, spscan
 from spscan.calibration import calibrate
 torch.set_num_threads(2)  # as the benchmarks run (bench/conftest.py): the profile is kept per thread count

@@ -49,6 +49,7 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lines = []
+    graphed = []
     for name in a.models.split(","):
         case = next(c for c in CASES if c.name == name)
         model, head = case.build("cuda")
@@ -62,19 +63,23 @@ def main() -> int:
             f, b = _phases(net, params, case, x, y, head)
             lines.append(f"{name:10s} {label:9s} forward {f:6.3f} ms  backward {b:6.3f} ms  step {f + b:6.3f} ms")
             print(lines[-1], flush=True)
-        net, mod = sides["graph"]
-        params = list(mod.parameters())
-        from torch.profiler import ProfilerActivity, profile
+        graphed.append((name, case, *sides["graph"], x, y, head))
+    # one profiler session for every model: tearing the profiler's CUDA tracing down and setting it up again
+    # between recorded CUDA graphs can crash the process
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                for p in params:
-                    p.grad = None
-                case.step_loss(net(x), head, y).backward()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        lines.append(f"--- {name}: graphed step x5, host calls by own time\n{table}")
-        print(lines[-1], flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for name, case, net, mod, x, y, head in graphed:
+            params = list(mod.parameters())
+            with record_function(f"graphed step x5: {name}"):
+                for _ in range(5):
+                    for p in params:
+                        p.grad = None
+                    case.step_loss(net(x), head, y).backward()
+                torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    lines.append(f"--- graphed steps x5 of {a.models}, host calls by own time\n{table}")
+    print(lines[-1], flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "profile_graphs.log").write_text("\n".join(lines) + "\n")
     return 0
