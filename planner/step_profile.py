@@ -11,10 +11,12 @@ for the regimes ``native`` and ``scan``, and on a GPU ``graph`` (the whole step 
 
 with ``work_u = B * (nnz of J_u^T + d_in + d_out)`` (multiply-adds of ``J^T g`` plus the elements the
 layer reads and writes). An opaque node (a traced operation without an analytic unit) runs its own
-forward and autograd backward in both regimes: it is priced by the operations its call made when it
+forward and autograd backward in every regime: it is priced by the operations its call made when it
 was planned, each as the family that runs the same work (a GEMM or attention product as a
 ``LinearUnit`` of its multiply-adds, a convolution as a ``ConvUnit``, anything else as an
-``ElementwiseUnit`` of the elements it writes) at the native constants, plus one layer's wrapper cost. A recurrent module costs
+``ElementwiseUnit`` of the elements it writes) at the native constants where it runs as it does under
+autograd (``scan``), at the regime's own where the step is replayed from a recording (``graph``: the
+node's launches are in the graph with the rest, :data:`REPLAYED_REGIMES`), plus one layer's wrapper cost. A recurrent module costs
 ``fixed + per_step * T + per_mac * T * B * (I + H) * H * gates + per_state * T * B * H * gates`` per
 (layer, direction).
 
@@ -42,6 +44,9 @@ REGIMES = ("native", "scan")
 #: regimes a profile may price besides :data:`REGIMES`: ``graph``, the scan's backward replayed from a CUDA
 #: graph (a GPU profile's); a profile either prices one for every family or not at all
 OPTIONAL_REGIMES = ("graph",)
+#: regimes that replay every launch of a step from a recording, an opaque node's operations too: their own
+#: constants price every term (:meth:`StepProfile.layers_time`)
+REPLAYED_REGIMES = frozenset({"graph"})
 FORMAT = 2
 _DATA = Path(__file__).with_name("data")
 
@@ -96,12 +101,14 @@ class StepProfile:
 
     def layers_time(self, layers: Iterable[tuple], regime: str) -> float:
         """Predicted seconds of one step of a model whose layers are ``(family, work)`` pairs, or
-        ``(family, work, priced_as)`` triples: a term that costs the same in both regimes (the forward
-        and autograd backward of an opaque node's own operations, run as they are in either) names
-        the regime whose constants price it, ``"native"``."""
+        ``(family, work, priced_as)`` triples: a term that costs what it costs under autograd in the scan
+        too (the forward and autograd backward of an opaque node's own operations, run as they are)
+        names the regime whose constants price it, ``"native"``; a regime that replays the whole step
+        (:data:`REPLAYED_REGIMES`) prices it with its own."""
         t = self.base[regime]
+        replayed = regime in REPLAYED_REGIMES
         for family, work, *priced_as in layers:
-            fixed, per = self._family(family)[priced_as[0] if priced_as else regime]
+            fixed, per = self._family(family)[priced_as[0] if priced_as and not replayed else regime]
             t += fixed + per * work
         return t
 

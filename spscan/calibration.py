@@ -25,10 +25,10 @@ from scipy.optimize import nnls
 from spscan.api import wrap
 from spscan.choices import current_key, device_label
 from spscan.model import plan_model
-from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, StepProfile, cache_dir, forget_loaded,
-                                         recurrent_features, reference_profile)
+from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, REPLAYED_REGIMES, StepProfile, cache_dir,
+                                         forget_loaded, recurrent_features, reference_profile)
 
-__all__ = ["calibrate", "fit_whole_models", "layer_features"]
+__all__ = ["calibrate", "fit_recurrent", "fit_whole_models", "layer_features"]
 
 
 # --------------------------------------------------------------------------- what is timed
@@ -106,11 +106,12 @@ def _layer_time(make, in_shape, batch, regime, device, dtype, reps, csr: bool) -
     return work, _median_step(_step_of(net, x), device, reps)
 
 
-def _fit(rows: list[list[float]], times: list[float]) -> list[float]:
-    """Non-negative least squares in relative error (each measurement weighted by ``1 / time``): a choice
-    compares two predictions, so a short step's error counts as much as a long one's."""
+def _fit(rows: list[list[float]], times: list[float], steps: Optional[list[float]] = None) -> list[float]:
+    """Non-negative least squares in relative error (each measurement weighted by ``1 / step``, the measured
+    step ``times`` is part of; default: ``times`` themselves): a choice compares two predictions, so a short
+    step's error counts as much as a long one's."""
     a, t = np.asarray(rows, dtype=np.float64), np.asarray(times, dtype=np.float64)
-    w = 1.0 / np.maximum(t, 1e-9)
+    w = 1.0 / np.maximum(np.asarray(times if steps is None else steps, dtype=np.float64), 1e-9)
     coef, _ = nnls(a * w[:, None], t * w)
     return [float(c) for c in coef]
 
@@ -177,10 +178,11 @@ _MODELS = ((_lenet, (3, 32, 32), 64), (_vgg, (3, 32, 32), 32), (_bn_stack, (3, 3
 
 def layer_features(terms: list[tuple], regime: str) -> tuple[list[float], list[float]]:
     """What a profile that prices every family alike multiplies for ``regime``: ``[1, layers, work]`` of the
-    cost terms its constants price, and ``[0, layers, work]`` of the terms priced as ``native`` in every
-    regime (an opaque node's own operations)."""
-    own = [t for t in terms if len(t) < 3 or t[2] == regime]
-    native = [t for t in terms if len(t) >= 3 and t[2] == "native" and regime != "native"]
+    cost terms its constants price, and ``[0, layers, work]`` of the terms priced as ``native`` in the other
+    regimes (an opaque node's own operations), as :meth:`StepProfile.layers_time` prices them."""
+    replayed = regime in REPLAYED_REGIMES
+    own = [t for t in terms if len(t) < 3 or t[2] == regime or replayed]
+    native = [t for t in terms if len(t) >= 3 and t[2] == "native" and regime != "native" and not replayed]
     return ([1.0, float(len(own)), float(sum(t[1] for t in own))],
             [0.0, float(len(native)), float(sum(t[1] for t in native))])
 
@@ -188,18 +190,20 @@ def layer_features(terms: list[tuple], regime: str) -> tuple[list[float], list[f
 def fit_whole_models(samples: list[tuple[list[tuple], str, float]]) -> dict[str, list[float]]:
     """``{regime: [base, per layer, per work]}`` fitted to whole models' measured steps ``(cost terms,
     regime, seconds)``, the same constants for every family (non-negative least squares in relative
-    error); ``native`` first, as it also prices the other regimes' native terms."""
+    error, each step weighted by its measured time); ``native`` first, as it also prices the scan's
+    native terms."""
     regimes = sorted({r for _, r, _ in samples}, key=lambda r: (r != "native", r))
     coef: dict[str, list[float]] = {}
     for regime in regimes:
-        rows, times = [], []
+        rows, rest, steps = [], [], []
         for terms, r, t in samples:
             if r != regime:
                 continue
             own, nat = layer_features(terms, regime)
             rows.append(own)
-            times.append(t - sum(c * x for c, x in zip(coef.get("native", [0.0] * 3), nat)))
-        coef[regime] = _fit(rows, [max(t, 1e-9) for t in times])
+            rest.append(t - sum(c * x for c, x in zip(coef.get("native", [0.0] * 3), nat)))
+            steps.append(t)
+        coef[regime] = _fit(rows, rest, steps)
     return coef
 
 
@@ -222,21 +226,32 @@ def _fit_models(device, dtype, reps) -> tuple[dict, dict]:
     return base, families
 
 
-def _fit_recurrent(device, dtype, reps) -> dict:
+def fit_recurrent(samples: list[tuple[str, str, list[float], float]]) -> dict[str, dict[str, tuple[float, ...]]]:
+    """``{cell: {regime: (fixed, per step, per mac, per state)}}`` fitted to measured recurrent steps
+    ``(cell, regime, features, seconds)``; ``features`` the sum of :func:`recurrent_features` over the
+    module's (layer, direction)s (non-negative least squares in relative error)."""
+    grouped: dict[tuple[str, str], tuple[list, list]] = {}
+    for cell, regime, features, t in samples:
+        rows, times = grouped.setdefault((cell, regime), ([], []))
+        rows.append(list(features))
+        times.append(t)
     out: dict[str, dict[str, tuple[float, ...]]] = {}
+    for (cell, regime), (rows, times) in grouped.items():
+        out.setdefault(cell, {})[regime] = tuple(_fit(rows, times))
+    return out
+
+
+def _fit_recurrent(device, dtype, reps) -> dict:
+    samples = []
     for cell, cls in _CELLS.items():
-        out[cell] = {}
         for regime in _regimes(device):  # on a GPU also the whole step from CUDA graphs
-            rows, times = [], []
             for n_in, hidden, seq_len, batch in _RECURRENT_POINTS:
                 torch.manual_seed(0)
                 module = cls(n_in, hidden).to(device=device, dtype=dtype)
                 x = torch.randn((seq_len, batch, n_in), device=device, dtype=dtype, requires_grad=True)
                 t = _median_step(_step_of(_wrapped(module, x, regime), x), device, reps)
-                rows.append(recurrent_features(cell, seq_len, batch, n_in, hidden))
-                times.append(t)
-            out[cell][regime] = tuple(_fit(rows, times))
-    return out
+                samples.append((cell, regime, recurrent_features(cell, seq_len, batch, n_in, hidden), t))
+    return fit_recurrent(samples)
 
 
 def calibrate(device: Any = None, *, reps: int = 7, save: bool = True, recurrent: bool = True,

@@ -319,7 +319,8 @@ def test_the_critical_path_model_prices_operators_by_their_work():
 
 def test_whole_model_fit_recovers_its_constants():
     """:func:`fit_whole_models` (a GPU's layer fit) recovers per-regime constants from steps made by them,
-    the native-priced terms of an opaque node priced by the native fit in every regime."""
+    the native-priced terms of an opaque node priced by the native fit in the scan regime and by the
+    regime's own in the graph regime (which replays them with the rest of the step)."""
     from spscan.calibration import fit_whole_models, layer_features
 
     want = {"native": [1e-3, 8e-5, 1e-12], "scan": [9e-4, 1.4e-4, 0.0], "graph": [8e-4, 4e-5, 2e-13]}
@@ -336,6 +337,42 @@ def test_whole_model_fit_recovers_its_constants():
     got = fit_whole_models(samples)
     for regime, c in want.items():
         np.testing.assert_allclose(got[regime], c, rtol=1e-6, atol=1e-15)
+
+
+def test_whole_model_fit_keeps_its_scale_where_native_terms_overshoot():
+    """A model whose native-priced terms (an opaque node's operations) the native fit prices above the whole
+    measured step leaves a negative rest: the fit weighs it by the measured step, so it cannot outweigh
+    the other models and drive the constants to zero (as weighing it by its clipped rest did)."""
+    from spscan.calibration import fit_whole_models, layer_features
+
+    want = {"native": [1e-3, 8e-5, 0.0], "scan": [5e-4, 1.5e-4, 0.0]}
+    models = [[("ConvUnit", 5e6)] * n for n in (4, 8, 16, 32)]
+    samples = []
+    for terms in models:
+        for regime, c in want.items():
+            own, nat = layer_features(terms, regime)
+            samples.append((terms, regime, sum(a * b for a, b in zip(c, own))))
+    opaque = [("LinearUnit", 1e6, "native")] * 40 + [("ConvUnit", 1e5)]
+    samples.append((opaque, "native", 4.2e-3))
+    samples.append((opaque, "scan", 2.0e-3))  # below the 40 native-priced terms' own cost
+    got = fit_whole_models(samples)
+    for terms in models:
+        own, _ = layer_features(terms, "scan")
+        pred = sum(a * b for a, b in zip(got["scan"], own))
+        assert 0.7 < pred / sum(a * b for a, b in zip(want["scan"], own)) < 1.3
+
+
+def test_replayed_regime_prices_an_opaque_nodes_operations_with_its_own_constants():
+    """The graph regime replays an opaque node's launches with the rest of the step: its operations are priced
+    at the graph's constants; the scan runs them as autograd does: at the native ones."""
+    from spscan.planner.step_profile import StepProfile
+
+    fam = {"native": (1e-4, 0.0), "scan": (2e-4, 0.0), "graph": (1e-5, 0.0)}
+    prof = StepProfile("t", "cuda", {"native": 0.0, "scan": 0.0, "graph": 0.0}, {"default": dict(fam)})
+    terms = [("LinearUnit", 1.0, "native")] * 10 + [("LinearUnit", 1.0)]
+    assert prof.layers_time(terms, "scan") == pytest.approx(10 * 1e-4 + 2e-4)
+    assert prof.layers_time(terms, "graph") == pytest.approx(11 * 1e-5)
+    assert prof.layers_time(terms, "native") == pytest.approx(11 * 1e-4)
 
 
 def test_gpu_calibration_fits_whole_models_alike_for_every_family(monkeypatch):
