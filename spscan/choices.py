@@ -213,8 +213,9 @@ class BackwardChoice(abc.ABC):
         d = self._decision_for(key)
         if d.chosen.name != "graph":
             return
-        cands = [c if c.name != "graph" else Candidate("graph", None, c.detail + " (its recording failed here)")
-                 for c in d.candidates]
+        why = self.plan.step_graphs.failure
+        failed = " (its recording failed here" + (f": {why})" if why else ")")
+        cands = [c if c.name != "graph" else Candidate("graph", None, c.detail + failed) for c in d.candidates]
         self._decisions[key] = choose(d.question, cands, None, basis=d.basis, incumbent="native", margin=SCAN_MARGIN,
                                       notes=(AUTOCAST_NOTE,))
 

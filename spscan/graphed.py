@@ -291,6 +291,7 @@ class _StepEntry:
         self.held: list = []  # the front end's buffers each recording reads (front.step_buffers())
         self.failed = False  # the forward could not be recorded: the signature runs eagerly
         self.backward_eager = False  # the backward could not be recorded: it runs eagerly after a replay
+        self.error: Optional[str] = None  # why a recording failed ("forward: ..." or "backward: ...")
         self.lease: Optional[Any] = None  # weak reference to the live _Lease
 
     def busy(self) -> bool:
@@ -316,8 +317,9 @@ class _StepEntry:
         if self.replay_forward is None and not self.failed:
             try:
                 self.replay_forward, graph = self.record(self._forward, device)
-            except Exception:  # noqa: BLE001 - what the graph cannot record runs eagerly
+            except Exception as e:  # noqa: BLE001 - what the graph cannot record runs eagerly
                 self.failed = True
+                self.error = _why("forward", e)
                 return False
             self.graphs.append(graph)
             self.held.append(self.front.step_buffers())
@@ -339,13 +341,20 @@ class _StepEntry:
                 self.replay_backward, graph = self.record(self._backward, gys[0].device)
                 self.graphs.append(graph)
                 self.held.append(self.front.step_buffers())
-            except Exception:  # noqa: BLE001 - the backward runs eagerly on the forward's activations
+            except Exception as e:  # noqa: BLE001 - the backward runs eagerly on the forward's activations
                 self.backward_eager = True
+                self.error = _why("backward", e)
         if self.backward_eager:
             with torch.no_grad():
                 return tuple(self.front.step_backward(self.state, tuple(self.static_gy), self.needs))
         self.replay_backward()
         return _copies(*self.out)
+
+
+def _why(part: str, e: Exception) -> str:
+    """A failed recording's reason, one line: what was recorded and the device's or the code's error."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{part}: {type(e).__name__}: {first[:200]}"
 
 
 class _GraphedStepFunction(torch.autograd.Function):
@@ -385,7 +394,8 @@ class GraphedStep:
     recording reads (an engine's arenas, which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one
     forward through the graphs, or ``None`` where the caller runs its ordinary path instead: the first
     call of a signature (it warms what a recording needs), grad mode off, autocast, a parameter that is
-    not a leaf, a signature whose recording failed (:attr:`unrecordable` then says so), and a forward
+    not a leaf, a signature whose recording failed (:attr:`unrecordable` then says so, and :attr:`failure`
+    why; an entry's :attr:`_StepEntry.error` also keeps why its backward could not be), and a forward
     whose signature's activations still belong to an earlier forward whose backward has not run
     (forwards of several micro-batches before their backwards). Dropout's
     random numbers are drawn anew by every replay (CUDA graphs carry the generator's offsets); a
@@ -406,6 +416,7 @@ class GraphedStep:
         self.seen: set = set()
         self.warming = False  # the last call declined as its signature's first
         self.unrecordable = False  # the last call declined as its signature's recording failed
+        self.failure: Optional[str] = None  # then why (:attr:`_StepEntry.error`)
 
     def release(self) -> None:
         self.entries.clear()
@@ -418,6 +429,7 @@ class GraphedStep:
         ``inputs[copied:]``: the parameters, read in place (their addresses are part of the signature).
         ``key``: what else selects a graph (the modes the front end's forward follows)."""
         self.warming = self.unrecordable = False
+        self.failure = None
         params = inputs[copied:]
         if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in params):
             return None
@@ -444,6 +456,6 @@ class GraphedStep:
         if entry.busy():
             return None
         if not entry.recorded(device):
-            self.unrecordable = True
+            self.unrecordable, self.failure = True, entry.error
             return None
         return _GraphedStepFunction.apply(entry, copied, *inputs)

@@ -197,7 +197,8 @@ def _check_equals_eager(name, dtype, device, make_graphed):
             assert torch.equal(a, b)
     # one recorded step per (batch 3, 2) x (with, without the input's gradient)
     steps = g.plan.step_graphs
-    assert len(steps.entries) == 4 and not any(e.failed for e in steps.entries.values()), "a step was not recorded"
+    assert len(steps.entries) == 4 and not any(e.failed for e in steps.entries.values()), \
+        [e.error for e in steps.entries.values()]
 
 
 def test_graphed_wrapper_backward_twice(monkeypatch):
@@ -343,6 +344,7 @@ def test_step_graph_whose_backward_cannot_be_recorded(monkeypatch):
     _train_and_compare(model, ref, g, 3)
     (entry,) = g.plan.step_graphs.entries.values()
     assert entry.backward_eager and entry.replay_forward is not None
+    assert entry.error == "backward: RuntimeError: operation not permitted when stream is capturing"
 
 
 def test_step_graph_leaves_pruned_weights_to_the_backward_graph(monkeypatch):
@@ -452,7 +454,11 @@ def test_a_step_that_cannot_be_recorded_is_decided_again(kind):
         # call 1 warms (eager); call 2 fails to record: the signature is decided again
         assert w.decision.chosen.name == ("graph" if step == 0 else "scan")
     d = w.decision
-    assert d.candidate("graph").predicted_s is None and "its recording failed here" in d.explain()
+    assert d.candidate("graph").predicted_s is None
+    # the reason is the device's error, kept with the entry and shown in the decision
+    assert "its recording failed here: forward: RuntimeError: operation not permitted when stream is capturing" \
+        in d.explain()
+    assert all(e.error and e.error.startswith("forward: RuntimeError") for e in w.plan.step_graphs.entries.values())
 
 
 # ----------------------------------------------------------------------------- recurrent modules
@@ -518,7 +524,8 @@ def _check_recurrent_equals_eager(name, dtype, device, make_graphed, steps_of):
             assert torch.equal(p.grad, q.grad), f"{name} step {step}: {n}"
     steps = steps_of(g)
     # one recorded step per signature seen twice or more: (6, 2), with and without h_0; (4, 3); unbatched
-    assert len(steps.entries) == 4 and not any(e.failed or e.backward_eager for e in steps.entries.values())
+    errors = [e.error for e in steps.entries.values() if e.failed or e.backward_eager]
+    assert len(steps.entries) == 4 and not errors, errors
 
 
 def _graphed_recurrent(module, x, monkeypatch, record=fake_record):
@@ -739,7 +746,8 @@ def test_cuda_step_graph_draws_new_dropout_masks_and_reads_its_own():
         torch.testing.assert_close(model[0].weight.grad, want, rtol=1e-5, atol=1e-5)
         masks.append(kept)
     steps = g.plan.step_graphs
-    assert len(steps.entries) == 1 and not any(e.failed for e in steps.entries.values())
+    assert len(steps.entries) == 1 and not any(e.failed for e in steps.entries.values()), \
+        [e.error for e in steps.entries.values()]
     assert not torch.equal(masks[3], masks[4])
     assert 0.4 < float(masks[4].mean()) < 0.6
 
@@ -796,7 +804,7 @@ def test_cuda_graph_step_records_an_opaque_nodes_autograd_backward():
         for p, q in zip(layer.parameters(), ref.parameters()):
             assert float((p.grad - q.grad).abs().max()) <= 1e-9 * max(1.0, float(q.grad.abs().max()))
     (entry,) = g.plan.step_graphs.entries.values()
-    assert not entry.failed and not entry.backward_eager
+    assert not entry.failed and not entry.backward_eager, entry.error
     drop = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.3, batch_first=True).cuda()
     xd = torch.randn(4, 6, 16, device="cuda")
     gd = spscan.wrap(drop, xd, backward="graph")
@@ -805,4 +813,4 @@ def test_cuda_graph_step_records_an_opaque_nodes_autograd_backward():
         gd(xd).square().sum().backward()
         assert all(torch.isfinite(p.grad).all() for p in drop.parameters())
     (entry,) = gd.plan.step_graphs.entries.values()
-    assert not entry.failed and not entry.backward_eager
+    assert not entry.failed and not entry.backward_eager, entry.error
