@@ -79,12 +79,13 @@ def _decide(question: str, native: float, scan: float, scan_detail: str, mode: s
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
-                    scan_detail: str) -> Decision:
+                    scan_detail: str, profile: Optional[StepProfile] = None) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan's
     whole step replayed from CUDA graphs (``graph``), where the profile prices it and the activations a
     recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`. (An opaque node's own autograd backward is
-    recorded with the rest: the forward graph rewrites the tensors its autograd graph saved, in place.)"""
-    prof = step_profile(device)
+    recorded with the rest: the forward graph rewrites the tensors its autograd graph saved, in place.)
+    ``profile``: the step profile to decide with (default: the device's, :func:`step_profile`)."""
+    prof = step_profile(device) if profile is None else profile
     layers = [t for u in units for t in u.cost_terms(batch)]
     more = []
     if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
@@ -101,13 +102,15 @@ def recurrent_graph_bytes(shapes: Sequence[tuple[int, int]], seq_len: int, batch
 
 
 def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: int, batch: int,
-                       device: Optional[torch.device], mode: str, scan_detail: str) -> Decision:
+                       device: Optional[torch.device], mode: str, scan_detail: str,
+                       profile: Optional[StepProfile] = None) -> Decision:
     """Scan or native for a recurrent module of ``cell`` kind whose (layer, direction)s have
     ``(input_size, hidden_size)`` ``shapes``, for a ``(seq_len, batch)`` input; on a GPU also the whole
     step replayed from CUDA graphs (``graph``) where the activations a recording keeps fit
-    :data:`GRAPH_MAX_ACTIVATION_BYTES`. A profile that does not price a recurrent ``graph`` (the shipped
-    CUDA one) offers it without a prediction: chosen only when forced; :func:`spscan.calibrate` prices it."""
-    prof = step_profile(device)
+    :data:`GRAPH_MAX_ACTIVATION_BYTES`. A profile that does not price a recurrent ``graph`` offers it
+    without a prediction: chosen only when forced (:func:`spscan.calibrate` on a GPU prices it, and so
+    does the shipped CUDA profile). ``profile`` as in :func:`layers_decision`."""
+    prof = step_profile(device) if profile is None else profile
     t = {r: sum(prof.recurrent_time(cell, seq_len, batch, i, h, r) for i, h in shapes) for r in ("native", "scan")}
     more = []
     if (device is not None and torch.device(device).type == "cuda"

@@ -640,18 +640,27 @@ def test_graphed_recurrent_newton_forward_runs_eagerly(monkeypatch):
 
 
 def test_recurrent_graph_is_a_gpu_candidate(monkeypatch):
-    """On a GPU a recurrent module's decision offers ``graph`` (unpriced by the shipped profile: taken only
-    when forced); off a GPU forcing it is refused at wrap time."""
+    """On a GPU a recurrent module's decision offers ``graph``, priced by the shipped profile; a profile that
+    does not price it offers it unpriced (taken only when forced); off a GPU forcing it is refused at wrap
+    time."""
     from spscan.choices import recurrent_decision
+    from spscan.planner.step_profile import reference_profile
 
     monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
 
     cpu = recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cpu"), "auto", "")
     assert "graph" not in [c.name for c in cpu.candidates]
     gpu = recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cuda"), "auto", "")
+    assert gpu.candidate("graph").predicted_s > 0
+    unpriced = copy.deepcopy(reference_profile("cuda"))
+    for regs in unpriced.recurrent.values():
+        regs.pop("graph", None)
+    gpu = recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cuda"), "auto", "", profile=unpriced)
     cand = gpu.candidate("graph")
     assert cand is not None and cand.predicted_s is None and gpu.chosen.name != "graph"
-    assert recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cuda"), "graph", "").chosen.name == "graph"
+    assert "not priced by this profile" in gpu.explain()
+    assert recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cuda"), "graph", "",
+                              profile=unpriced).chosen.name == "graph"
     huge = recurrent_decision("lstm", [(16, 32)], 10 ** 6, 1024, torch.device("cuda"), "auto", "")
     assert huge.candidate("graph") is None
     with pytest.raises(ValueError, match="'graph' is not a candidate here"):

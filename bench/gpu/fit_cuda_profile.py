@@ -1,6 +1,6 @@
-"""Fit the reference CUDA step profile's layer constants to measured "never slower" rows.
+"""Fit the reference CUDA step profile's constants to measured "never slower" rows.
 
-    python bench/gpu/fit_cuda_profile.py ROWS.json [--out planner/data/step-profile-cuda.json]
+    python bench/gpu/fit_cuda_profile.py ROWS.json [ROWS.json ...] [--out planner/data/step-profile-cuda.json]
         [--table bench/results/<device>/profile-fit.md]
 
 A GPU step of the small models people wrap is host-bound: what a layer costs is mostly the launches
@@ -9,10 +9,13 @@ costs. So a GPU's profile prices every family alike, per regime (``native``: the
 step; ``scan``; ``graph``: the whole step from CUDA graphs) one ``base``, one cost per layer and one
 per unit of work, fitted to whole models (:func:`spscan.calibration.fit_whole_models`, which
 ``spscan.calibrate()`` applies on a GPU to its own small models). This script applies it to the
-measured rows of a "never slower" run, each model planned here (on the CPU: the units and their work
-do not depend on the device), for the shipped reference profile. The recurrent constants are kept
-from the profile being replaced, or taken from a GPU's own calibration (``--recurrent-from``: the
-whole-step graph of a recurrent module is priced only there). It prints, and writes as a table, the
+measured rows of "never slower" runs (several files pool their rows: one GPU at several thread counts,
+several runs), each model planned here (on the CPU: the units and their work do not depend on the
+device), for the shipped reference profile. The recurrent constants are kept from the profile being
+replaced, taken from a GPU's own calibration (``--recurrent-from``), or fitted to the recurrent rows
+among ROWS (``--recurrent-rows``: :func:`spscan.calibration.fit_recurrent`, each regime's measured
+step at the sizes people train, where the calibration's small modules may not reach: an LSTM's
+whole-step graph at T = 1000 costs twice what they predict). It prints, and writes as a table, the
 prediction against the measurement for every row and regime.
 """
 
@@ -30,7 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import spscan  # noqa: E402
 from never_slower_models import CASES  # noqa: E402
-from spscan.calibration import fit_whole_models, layer_features  # noqa: E402
+from spscan.calibration import fit_recurrent, fit_whole_models, layer_features  # noqa: E402
+from spscan.planner.step_profile import StepProfile, recurrent_features  # noqa: E402
 
 REGIMES = ("native", "scan", "graph")
 
@@ -47,6 +51,17 @@ def measured(row: dict) -> dict[str, float]:
     return out
 
 
+def recurrent_shape(case) -> tuple[str, list[tuple[int, int]], int, int]:
+    """A recurrent case's cell kind, ``(input, hidden)`` per (layer, direction), length and batch."""
+    model, _ = case.build("cpu")
+    x, _ = case.data("cpu")
+    kind = spscan.wrap(model, x, backward="scan").plan.kind
+    dirs = 2 if model.bidirectional else 1
+    shapes = [(model.input_size if layer == 0 else model.hidden_size * dirs, model.hidden_size)
+              for layer in range(model.num_layers) for _ in range(dirs)]
+    return kind, shapes, x.shape[1 if model.batch_first else 0], x.shape[0 if model.batch_first else 1]
+
+
 def terms(case) -> list[tuple]:
     model, _ = case.build("cpu")
     x, _ = case.data("cpu")
@@ -56,7 +71,7 @@ def terms(case) -> list[tuple]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("rows")
+    ap.add_argument("rows", nargs="+")
     ap.add_argument("--profile", default=str(ROOT / "planner" / "data" / "step-profile-cuda.json"))
     ap.add_argument("--out", default=None, help="write the fitted profile here (default: print only)")
     ap.add_argument("--table", default=None)
@@ -64,12 +79,17 @@ def main() -> int:
     ap.add_argument("--recurrent-from", default=None,
                     help="a profile spscan.calibrate() wrote on the GPU (graphs.sh with GRAPHS_CALIBRATE_RECURRENT=1): "
                          "its recurrent constants, every regime's (the whole-step graph's too), replace the kept ones")
+    ap.add_argument("--recurrent-rows", action="store_true",
+                    help="fit the recurrent constants to the recurrent rows among ROWS instead")
     a = ap.parse_args()
-    data = json.loads(Path(a.rows).read_text())
-    rows = [r for r in data["rows"] if r.get("device") == "cuda" and r.get("ratio")]
+    rows = [r for f in a.rows for r in json.loads(Path(f).read_text())["rows"]
+            if r.get("device") == "cuda" and r.get("ratio")]
     by_name = {c.name: c for c in CASES}
+    recurrent_rows = [r for r in rows if by_name[r["model"]].family == "recurrent"]
     per_row = []
     for row in rows:
+        if by_name[row["model"]].family == "recurrent":
+            continue
         ts = terms(by_name[row["model"]])
         per_row.append((row["model"], ts, measured(row)))
     coef = fit_whole_models([(ts, regime, t) for _, ts, m in per_row for regime, t in m.items()])
@@ -87,6 +107,22 @@ def main() -> int:
             p = predict(ts, regime)
             lines.append(f"| {name} | {regime} | {len(ts)} | {p * 1e3:.2f} | {m[regime] * 1e3:.2f} | "
                          f"{p / m[regime]:.2f} |")
+    recurrent = json.loads(Path(a.recurrent_from).read_text())["recurrent"] if a.recurrent_from else None
+    if a.recurrent_rows and recurrent_rows:
+        shaped = [(row, recurrent_shape(by_name[row["model"]])) for row in recurrent_rows]
+
+        def features(kind, shapes, T, B):
+            return [sum(v) for v in zip(*(recurrent_features(kind, T, B, i, h) for i, h in shapes))]
+
+        fitted = fit_recurrent([(kind.split("_")[0], regime, features(kind, shapes, T, B), t)
+                                for row, (kind, shapes, T, B) in shaped for regime, t in measured(row).items()])
+        recurrent = {cell: {r: list(v) for r, v in regs.items()} for cell, regs in fitted.items()}
+        lines += ["", "| model | regime | predicted (ms) | measured (ms) | predicted / measured |", "|---|---|---:|---:|---:|"]
+        check = StepProfile.from_json({**json.loads(Path(a.profile).read_text()), "recurrent": recurrent})
+        for row, (kind, shapes, T, B) in shaped:
+            for regime, t in measured(row).items():
+                p = sum(check.recurrent_time(kind, T, B, i, h, regime) for i, h in shapes)
+                lines.append(f"| {row['model']} | {regime} | {p * 1e3:.2f} | {t * 1e3:.2f} | {p / t:.2f} |")
     table = "\n".join(lines)
     print(table)
     for r, (base, fixed, per) in coef.items():
@@ -95,8 +131,8 @@ def main() -> int:
         prof = json.loads(Path(a.profile).read_text())
         prof["base"] = {r: coef[r][0] for r in coef}
         prof["families"] = {f: {r: [coef[r][1], coef[r][2]] for r in coef} for f in prof["families"]}
-        if a.recurrent_from:
-            prof["recurrent"] = json.loads(Path(a.recurrent_from).read_text())["recurrent"]
+        if recurrent is not None:
+            prof["recurrent"] = recurrent
         if a.fitted_on:
             prof["fitted_on"] = a.fitted_on
         Path(a.out).write_text(json.dumps(prof, indent=1, sort_keys=True) + "\n")
