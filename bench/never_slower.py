@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["BAR", "LOST_BY", "Row", "Decision", "median_ratio", "quartiles", "backward_option_supported",
-           "read_decision", "refusal", "grad_error", "rounds_for", "choice_lost", "row_notes", "measure_row", "format_table",
+           "read_decision", "refusal", "grad_error", "rounds_for", "choice_lost", "row_notes", "graph_failures",
+           "measure_row", "format_table",
            "summary_line", "write_table", "rows_from_json", "strict_failures", "main"]
 
 BAR = 0.97  #: the acceptance bar: autograd time / wrapped time of a row at least this
@@ -86,6 +87,9 @@ class Row:
     grad_rel_diff: Optional[float] = None
     wrong: Optional[str] = None  # the wrapped gradients differ from autograd's: not timed
     load_1min: Optional[float] = None
+    # a side whose steps from CUDA graphs could not all be recorded (those steps ran eagerly, so its time
+    # is partly the eager step's): why, as the recording said it
+    graph_failed: Optional[str] = None
     explain: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -212,7 +216,17 @@ def row_notes(row: Row, bar: float = BAR) -> list[str]:
             notes.append(f"choice lost ({name} {_ms(measured)} ms)")
     if row.ratio is not None and row.ratio < bar:
         notes.append(f"below {bar:g}")
+    if row.graph_failed:
+        notes.append(f"graph partly eager ({row.graph_failed})")
     return notes
+
+
+def graph_failures(wrapped) -> list[str]:
+    """Why a wrapped model's whole-step CUDA-graph recordings failed, one entry per failed signature (none where
+    it has no step graphs or all recorded)."""
+    steps = getattr(getattr(wrapped, "plan", None), "step_graphs", None)
+    entries = getattr(steps, "entries", None) or {}
+    return [e.error or "failed" for e in entries.values() if e.failed or e.backward_eager]
 
 
 def strict_failures(rows: Sequence[Row], bar: float = BAR) -> list[Row]:
@@ -385,6 +399,8 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
         row.other_s = statistics.median(t[2] for t in times)
     for k, m in enumerate(row.more):
         m["measured_s"] = statistics.median(t[3 + k] for t in times)
+    failed = [f for net, _, _ in sides[1:] for f in graph_failures(net)]
+    row.graph_failed = "; ".join(sorted(set(failed))) or None
 
 
 # ----------------------------------------------------------------------------- the table

@@ -188,6 +188,29 @@ def test_a_lost_choice_is_flagged_beyond_three_percent():
     assert "choice lost: m (cpu, 2 threads)" in ns.summary_line([row])
 
 
+def test_a_graph_step_that_ran_eagerly_is_noted(monkeypatch):
+    """A side whose whole-step CUDA graphs could not all be recorded ran (partly) eagerly: the row says so,
+    with the recording's own reason, as its time is not the graph's."""
+    import spscan
+    from spscan.graphed import GraphedStep
+
+    def failing_record(fn, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    w = spscan.wrap(nn.GRU(3, 4), torch.randn(5, 2, 3), backward="scan")
+    assert ns.graph_failures(w) == []
+    monkeypatch.setattr(w, "_choice", lambda key: "graph")
+    w.plan.step_graphs = GraphedStep(w.plan, failing_record)
+    for _ in range(3):
+        w(torch.randn(5, 2, 3))[0].sum().backward()
+    why = "forward: RuntimeError: operation not permitted when stream is capturing"
+    assert ns.graph_failures(w) == [why]
+    assert ns.graph_failures(nn.Linear(2, 2)) == []  # no step graphs at all
+    row = ns.Row("m", "cuda", 2, 8, choice="graph", option=True, ratio=1.2, rounds=5, autograd_s=1.2e-3,
+                 chosen_s=1e-3, graph_failed=why)
+    assert ns.row_notes(row) == [f"graph partly eager ({why})"]
+
+
 def test_wrong_gradients_are_recorded_and_not_timed():
     class Doubled(nn.Module):
         def __init__(self, model):
