@@ -415,8 +415,12 @@ class GraphedStep:
         self.entries: dict = {}
         self.seen: set = set()
         self.warming = False  # the last call declined as its signature's first
-        self.unrecordable = False  # the last call declined as its signature's recording failed
-        self.failure: Optional[str] = None  # then why (:attr:`_StepEntry.error`)
+        self.failure: Optional[str] = None  # the last call declined as its signature's recording failed: why
+
+    @property
+    def unrecordable(self) -> bool:
+        """Whether the last call declined as its signature's recording failed (:attr:`failure` says why)."""
+        return self.failure is not None
 
     def release(self) -> None:
         self.entries.clear()
@@ -428,7 +432,7 @@ class GraphedStep:
         ``inputs[:copied]``: the activations (tensors or ``None``), copied into the entry's buffers;
         ``inputs[copied:]``: the parameters, read in place (their addresses are part of the signature).
         ``key``: what else selects a graph (the modes the front end's forward follows)."""
-        self.warming = self.unrecordable = False
+        self.warming = False
         self.failure = None
         params = inputs[copied:]
         if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in params):
@@ -456,6 +460,6 @@ class GraphedStep:
         if entry.busy():
             return None
         if not entry.recorded(device):
-            self.unrecordable, self.failure = True, entry.error
+            self.failure = entry.error
             return None
         return _GraphedStepFunction.apply(entry, copied, *inputs)

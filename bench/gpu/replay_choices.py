@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import spscan  # noqa: E402
-from fit_cuda_profile import measured  # noqa: E402
+from fit_cuda_profile import measured, recurrent_shape  # noqa: E402
 from never_slower_models import CASES  # noqa: E402
 from spscan.choices import layers_decision, recurrent_decision  # noqa: E402
 from spscan.planner.step_profile import StepProfile  # noqa: E402
@@ -35,17 +35,13 @@ CUDA = torch.device("cuda")  # named, never used: the decisions read its type
 
 def decide(case, profile: StepProfile):
     """The decision ``backward="auto"`` makes for ``case`` on a GPU with ``profile``."""
+    if case.family == "recurrent":
+        kind, shapes, T, B = recurrent_shape(case)
+        return recurrent_decision(kind, shapes, T, B, CUDA, "auto", "", profile=profile)
     model, _ = case.build("cpu")
     x, _ = case.data("cpu")
-    wrapped = spscan.wrap(model, x, backward="scan")
-    if case.family == "recurrent":
-        m = wrapped.module
-        dirs = 2 if m.bidirectional else 1
-        shapes = [(m.input_size if layer == 0 else m.hidden_size * dirs, m.hidden_size)
-                  for layer in range(m.num_layers) for _ in range(dirs)]
-        T, B = x.shape[1 if m.batch_first else 0], x.shape[0 if m.batch_first else 1]
-        return recurrent_decision(wrapped.plan.kind, shapes, T, B, CUDA, "auto", "", profile=profile)
-    return layers_decision(wrapped.plan.units, case.batch, CUDA, "auto", "", profile=profile)
+    return layers_decision(spscan.wrap(model, x, backward="scan").plan.units, case.batch, CUDA, "auto", "",
+                           profile=profile)
 
 
 def main() -> int:
