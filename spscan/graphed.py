@@ -35,6 +35,8 @@ front end.
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 import weakref
 from typing import Any, Callable, Hashable, Optional
@@ -276,7 +278,8 @@ class _StepEntry:
     buffers of the entry's own; the other inputs (the parameters) where they are (the signature holds
     their addresses: an optimizer updates them in place)."""
 
-    def __init__(self, front, inputs: tuple, copied: int, needs: tuple, record) -> None:
+    def __init__(self, front, inputs: tuple, copied: int, needs: tuple, record: Optional[Callable]) -> None:
+        # record None: a warm-up entry, whose forward and backward run eagerly (what a recording will run)
         self.front, self.needs, self.record = front, needs, record
         self.static: list[Optional[torch.Tensor]] = [
             None if t is None else _buffer_like(t) for t in inputs[:copied]]
@@ -314,6 +317,8 @@ class _StepEntry:
 
     def recorded(self, device: torch.device) -> bool:
         """Record the forward if it is not yet; ``False`` where it cannot be (then it runs eagerly)."""
+        if self.record is None:
+            return True
         if self.replay_forward is None and not self.failed:
             try:
                 self.replay_forward, graph = self.record(self._forward, device)
@@ -328,7 +333,10 @@ class _StepEntry:
     def run_forward(self, copied: tuple) -> tuple:
         """The outputs for the copied inputs ``copied`` (copies: the graph rewrites its own at the next replay)."""
         copy_all([s for s in self.static if s is not None], [t for t in copied if t is not None])
-        self.replay_forward()
+        if self.record is None:
+            self._forward()
+        else:
+            self.replay_forward()
         return tuple(o.clone() for o in self.outputs)
 
     def run_backward(self, gys: tuple) -> tuple:
@@ -336,6 +344,9 @@ class _StepEntry:
         if self.static_gy is None:
             self.static_gy = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in gys]
         copy_all(self.static_gy, list(gys))
+        if self.record is None:
+            self._backward()
+            return _copies(*self.out)
         if self.replay_backward is None and not self.backward_eager:
             try:
                 self.replay_backward, graph = self.record(self._backward, gys[0].device)
@@ -352,9 +363,14 @@ class _StepEntry:
 
 
 def _why(part: str, e: Exception) -> str:
-    """A failed recording's reason, one line: what was recorded and the device's or the code's error."""
+    """A failed recording's reason, one line: what was recorded, the device's or the code's error and
+    where it was raised (the innermost frame of this package, else the innermost)."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{part}: {type(e).__name__}: {first[:200]}"
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if f"{os.sep}spscan{os.sep}" in f.filename or f"{os.sep}kernels{os.sep}" in f.filename]
+    at = (ours or frames)[-1:] if frames else []
+    where = "".join(f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})" for f in at)
+    return f"{part}: {type(e).__name__}: {first[:200]}{where}"
 
 
 class _GraphedStepFunction(torch.autograd.Function):
@@ -391,9 +407,14 @@ class GraphedStep:
     ``scan_forward(inputs) -> (outputs, state)`` is recorded as it is; ``step_backward(state, grad_outputs,
     needs)`` gives one gradient (or None) per input, as ``scan_backward`` does but always eagerly (the graph
     records it); both run with gradient recording off. ``step_buffers()``: the buffers of its own a
-    recording reads (an engine's arenas, which a later batch size replaces), kept with the graph. :meth:`__call__` gives the outputs of one
-    forward through the graphs, or ``None`` where the caller runs its ordinary path instead: the first
-    call of a signature (it warms what a recording needs), grad mode off, autocast, a parameter that is
+    recording reads (an engine's arenas, which a later batch size replaces), kept with the graph.
+    :meth:`__call__` gives the outputs of one forward through the graphs, recorded on a signature's second
+    call. Its first call runs the same ``scan_forward`` and ``step_backward`` eagerly, on buffers of its
+    own (:attr:`warming` says so): what they make on first use (a binding's index tables uploaded from the
+    host, a kernel's compiled specialization, recycled buffers) is made then, since a capture refuses a
+    copy from the host (``torch.cuda.make_graphed_callables`` warms up the callables it records the same
+    way). :meth:`__call__` gives ``None`` where the caller runs its ordinary path instead: grad mode off,
+    autocast, a parameter that is
     not a leaf, a signature whose recording failed (:attr:`unrecordable` then says so, and :attr:`failure`
     why; an entry's :attr:`_StepEntry.error` also keeps why its backward could not be), and a forward
     whose signature's activations still belong to an earlier forward whose backward has not run
@@ -414,7 +435,7 @@ class GraphedStep:
         self.record = record if record is not None else record_cuda_graph
         self.entries: dict = {}
         self.seen: set = set()
-        self.warming = False  # the last call declined as its signature's first
+        self.warming = False  # the last call was its signature's first: it ran the step eagerly
         self.failure: Optional[str] = None  # the last call declined as its signature's recording failed: why
 
     @property
@@ -452,8 +473,12 @@ class GraphedStep:
                 if len(self.seen) >= 64:
                     self.seen.clear()
                 self.seen.add(sig)
+                # the first call runs what the recording will, eagerly: everything made on first use (a
+                # binding's index tables, a kernel's compiled specialization, recycled buffers) is made
+                # here, since making it during a capture copies from the host, which a capture refuses
                 self.warming = True
-                return None
+                return _GraphedStepFunction.apply(_StepEntry(self.front, tuple(inputs), copied, needs, None),
+                                                  copied, *inputs)
             if len(self.entries) >= self.MAX_GRAPHS:
                 self.entries.pop(next(iter(self.entries)))
             entry = self.entries[sig] = _StepEntry(self.front, tuple(inputs), copied, needs, self.record)

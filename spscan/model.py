@@ -493,13 +493,12 @@ class ModelPlan:
     def run_step(self, x: torch.Tensor, flat: Sequence[torch.Tensor], graph: bool) -> torch.Tensor:
         """The wrapped forward of ``x`` with the units' effective tensors ``flat``, recorded for autograd:
         with ``graph`` the whole step from CUDA graphs where :class:`~spscan.graphed.GraphedStep`
-        can, else its backward alone from one (not on a signature's first call, which warms what a
-        recording needs); without, the eager scan."""
+        can (a signature's first step runs its work eagerly), else its backward alone from one; without,
+        the eager scan."""
         if graph:
             out = self.step_graphs((x, *flat), 1, self._dynamic_key())
             if out is not None:
                 return out[0]
-            graph = not self.step_graphs.warming
         self.graph_backward = graph
         return autograd_apply(self, x, *flat)[0]
 

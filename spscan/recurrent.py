@@ -116,22 +116,25 @@ class RecurrentFront:
         outputs = (out, state[0], state[1]) if self.kind == "lstm" else (out, state)
         return outputs, (saved, h0 is not None)
 
-    def scan_backward(self, state, grad_outputs: tuple, needs: tuple):
+    def scan_backward(self, state, grad_outputs: tuple, needs: tuple, graphs: bool = True):
         saved, has_h0 = state
         names = self.param_names()
         if saved is None:
             return (None,) * (3 + len(names))
         grad_out, grad_hn, grad_cn = (tuple(grad_outputs) + (None,))[:3]
         wanted = frozenset([n for i, n in enumerate(names) if needs[3 + i]] + (["input"] if needs[0] else []))
-        r = self.backward(saved, grad_out, grad_hn, grad_cn, wanted)
+        r = self.backward(saved, grad_out, grad_hn, grad_cn, wanted, graphs)
         gx = r["input"] if needs[0] else None
         gh0 = r["h_0"] if (has_h0 and needs[1]) else None
         gc0 = r["c_0"] if (has_h0 and self.kind == "lstm" and needs[2]) else None
         return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
 
-    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front, with scan_forward): the
-    # backward is the same (a recurrent backward under a recording runs eagerly, see _graphs_apply)
-    step_backward = scan_backward
+    # -- the whole step from CUDA graphs (spscan.graphed.GraphedStep's front, with scan_forward)
+    def step_backward(self, state, grad_outputs: tuple, needs: tuple):
+        """:meth:`scan_backward` never through the backward's own graphs (:class:`GraphedBackward`): the
+        step's graph records these launches, and a signature's first step runs them eagerly as they will
+        be recorded."""
+        return self.scan_backward(state, grad_outputs, needs, graphs=False)
 
     def step_buffers(self) -> list[torch.Tensor]:
         return [t for b in self.bound_engines() for t in b.held_buffers()]
@@ -511,6 +514,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         grad_h_n: Optional[torch.Tensor],
         grad_c_n: Optional[torch.Tensor] = None,
         wanted: Optional[frozenset] = None,
+        graphs: bool = True,
     ) -> dict[str, Optional[torch.Tensor]]:
         """Gradients from the upstream gradients of the module's outputs (each may be None = zero).
 
@@ -518,10 +522,11 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         ``(1, H)`` unbatched). Returns ``{"input", "h_0", "c_0", <parameter names>}``; ``input`` in
         the input's layout, ``h_0``/``c_0`` shaped like the module's ``hx``. ``wanted``: the names
         the caller reads (default: all); the input's and the parameters' others are ``None`` and
-        not computed (their GEMMs are skipped, as autograd skips what needs no gradient).
+        not computed (their GEMMs are skipped, as autograd skips what needs no gradient). ``graphs``:
+        whether it may replay from a CUDA graph of its own (:meth:`_graphs_apply`).
         """
         with torch.no_grad():
-            if self._graphs_apply(saved, grad_output):
+            if graphs and self._graphs_apply(saved, grad_output):
                 return self.workspace.graphed(self, saved, (grad_output, grad_h_n, grad_c_n), wanted)
             return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
 

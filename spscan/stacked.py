@@ -285,7 +285,7 @@ class StackedRecurrentPlan(RecurrentFront):
 
     def backward(self, saved: _StackedSaved, grad_output: Optional[torch.Tensor], grad_h_n: Optional[torch.Tensor],
                  grad_c_n: Optional[torch.Tensor] = None,
-                 wanted: Optional[frozenset] = None) -> dict[str, Optional[torch.Tensor]]:
+                 wanted: Optional[frozenset] = None, graphs: bool = True) -> dict[str, Optional[torch.Tensor]]:
         """Gradients from the upstream gradients of the module's outputs (each may be None = zero).
 
         ``grad_output`` in the module's output layout (``(T, B, D*H)`` time-major, ``(B, T, D*H)`` if
@@ -293,12 +293,13 @@ class StackedRecurrentPlan(RecurrentFront):
         unbatched). Returns ``{"input", "h_0", "c_0", <parameter names>}``: ``input`` in the input's
         layout, ``h_0``/``c_0`` ``(L*D, B, H)`` (``c_0`` None unless LSTM). ``wanted``: the names the
         caller reads (default: all); the input's and the parameters' others are ``None`` and their
-        GEMMs are skipped (a layer above the first still passes its input's gradient down).
+        GEMMs are skipped (a layer above the first still passes its input's gradient down). ``graphs``:
+        whether each layer's backward may replay from a CUDA graph of its own.
         """
         with torch.no_grad():
-            return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted)
+            return self._backward(saved, grad_output, grad_h_n, grad_c_n, wanted, graphs)
 
-    def _backward(self, saved: _StackedSaved, grad_output, grad_h_n, grad_c_n, wanted=None):
+    def _backward(self, saved: _StackedSaved, grad_output, grad_h_n, grad_c_n, wanted=None, graphs=True):
         m = self.module
         L, D, H = self.num_layers, self.num_directions, self.hidden_size
         go = grad_output
@@ -324,7 +325,7 @@ class StackedRecurrentPlan(RecurrentFront):
                 if wanted is not None:
                     sub = frozenset([v for v, sname in _param_names(m, layer, d) if sname in wanted]
                                     + (["input"] if layer > 0 or "input" in wanted else []))
-                r = self.layer_plans[i].backward(saved.subs[i], g, ghn, gcn, sub)
+                r = self.layer_plans[i].backward(saved.subs[i], g, ghn, gcn, sub, graphs)
                 if r["input"] is not None:
                     gi = r["input"] if d == 0 else r["input"].flip(0)
                     g_in = gi if g_in is None else g_in + gi

@@ -9,10 +9,13 @@ backward's bit for bit. ``tests/test_gpu.py`` records real graphs on a GPU.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spscan
 from spscan.choices import GRAPH_MAX_ACTIVATION_BYTES, graph_activation_bytes, layers_decision
@@ -344,7 +347,9 @@ def test_step_graph_whose_backward_cannot_be_recorded(monkeypatch):
     _train_and_compare(model, ref, g, 3)
     (entry,) = g.plan.step_graphs.entries.values()
     assert entry.backward_eager and entry.replay_forward is not None
-    assert entry.error == "backward: RuntimeError: operation not permitted when stream is capturing"
+    # the device's error and where it was raised (here the recording itself, the stand-in raising)
+    assert re.fullmatch(r"backward: RuntimeError: operation not permitted when stream is capturing "
+                        r"\(at graphed\.py:\d+ in run_backward\)", entry.error), entry.error
 
 
 def test_step_graph_leaves_pruned_weights_to_the_backward_graph(monkeypatch):
@@ -579,6 +584,65 @@ def test_graphed_recurrent_replays_and_leases(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     w.plan.release_buffers()
     assert not w.plan.step_graphs.entries
+
+
+class _HostCopies(TorchFunctionMode):
+    """Refuses a tensor made from host data for a device (``torch.as_tensor(array, device=...)``): on a
+    GPU, a copy from the host, which a CUDA-graph capture refuses."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("as_tensor", "tensor") and args \
+                and not isinstance(args[0], torch.Tensor) and kwargs.get("device") is not None:
+            raise RuntimeError(f"operation not permitted when stream is capturing: torch.{func.__name__} "
+                               "from host data")
+        return func(*args, **kwargs)
+
+
+class _HostReads(TorchDispatchMode):
+    """Refuses reading a tensor's value on the host (``.item()``, ``bool(t)``, ``float(t)``, ``nonzero``):
+    on a GPU, a wait for the device, which a CUDA-graph capture refuses."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            raise RuntimeError(f"operation not permitted when stream is capturing: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def capture_like_record(fn, device):
+    """A stand-in for ``torch.cuda.graph`` that refuses, while it records, what a capture refuses that a
+    CPU can show: copies from the host and reads of a value on the host. It runs ``fn`` to record it
+    (a capture runs the Python, recording the launches); a replay runs it again."""
+    with _HostCopies(), _HostReads():
+        fn()
+    return fn, None
+
+
+@pytest.mark.parametrize("name", ["rnn", "gru_batch_first", "lstm", "bidirectional_gru"])
+def test_recurrent_step_records_what_a_capture_allows_on_the_gpu_path(name, monkeypatch):
+    """The recurrent step along the path it takes on a GPU (the Triton scan, the module's own forward, no
+    CPU-only shortcut) records under the rules of a capture, for every signature: a loss on ``h_n`` alone,
+    whose upstream gradient of the output is zeros in the step (the ordinary backward gets none), used a
+    binding whose gather indices were first uploaded inside the recording, until a signature's first
+    call ran the step itself eagerly."""
+    import spscan.recurrent as recurrent
+
+    monkeypatch.setattr(recurrent.RecurrentPlan, "_compiled_forward_applies", lambda self, x, hx: False)
+    monkeypatch.setattr(recurrent, "any_nonzero", lambda t: True)
+
+    plain = spscan.wrap
+
+    def wrap(m, x, **kw):  # both sides on the Triton scan (Triton's interpreter here)
+        return plain(m, x, backend="triton", **kw)
+
+    def make(m, x0):
+        w = wrap(m, x0, backward="scan")
+        monkeypatch.setattr(w, "_choice", lambda key: "graph")
+        w.plan.step_graphs = GraphedStep(w.plan, capture_like_record)
+        return w
+
+    monkeypatch.setattr(spscan, "wrap", wrap)
+    _check_recurrent_equals_eager(name, torch.float64, "cpu", make, lambda g: g.plan.step_graphs)
 
 
 def test_graphed_recurrent_step_on_an_expanded_input(monkeypatch):
