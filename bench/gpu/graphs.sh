@@ -67,7 +67,9 @@ EOF
 fi
 if want profile; then
     stage "profile: forward and backward apart"
-    timeout 120 "$py" bench/gpu/profile_graphs.py --out "$out" \
-        --models lenet5,resnet20,transformer_encoder,lstm_T100_B16 2>&1 | grep " ms " | tee -a "$log"
+    # -X faulthandler: a crash prints the Python stack it happened in (kept in the log with the rows)
+    timeout 120 "$py" -X faulthandler bench/gpu/profile_graphs.py --out "$out" \
+        --models lenet5,resnet20,transformer_encoder,lstm_T100_B16 2>&1 \
+        | grep -E " ms |Fatal Python error|^Thread|^Current thread|^  File " | head -60 | tee -a "$log"
 fi
 stage done
