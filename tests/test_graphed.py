@@ -645,6 +645,25 @@ def test_recurrent_step_records_what_a_capture_allows_on_the_gpu_path(name, monk
     _check_recurrent_equals_eager(name, torch.float64, "cpu", make, lambda g: g.plan.step_graphs)
 
 
+@pytest.mark.parametrize("name", ["lenet", "transformer"])
+def test_model_step_records_what_a_capture_allows(name, monkeypatch):
+    """A wrapped model's step (structured operators; a transformer layer's opaque nodes, whose autograd
+    backward is recorded with the step) records under the rules of a capture at every signature, and
+    its gradients equal the eager scan's bit for bit."""
+    MODELS_NO_RNG = {"lenet": MODELS["lenet"],
+                     "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                                     (5, 8))}
+    monkeypatch.setitem(MODELS, name, MODELS_NO_RNG[name])
+
+    def make(model, x0):
+        w = spscan.wrap(model, x0, backward="scan")
+        monkeypatch.setattr(w, "_choice", lambda key: "graph")
+        w.plan.step_graphs = GraphedStep(w.plan, capture_like_record)
+        return w
+
+    _check_equals_eager(name, torch.float64, "cpu", make)
+
+
 def test_graphed_recurrent_step_on_an_expanded_input(monkeypatch):
     """An input with stride 0 (one sequence broadcast over the batch) is copied into a dense buffer of
     the step's own; every replay equals autograd's step."""
