@@ -44,7 +44,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from spscan.autograd import flatten_tensors, keep_graph, map_tensors, refuse_second_derivative
-from spscan.engine import PeriodicValues
+from spscan.engine import CAPTURE_ERROR_MODE, PeriodicValues
 
 __all__ = ["GraphedCall", "GraphedStep", "copy_all", "record_cuda_graph"]
 
@@ -69,12 +69,13 @@ def _buffer_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def record_cuda_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Callable[[], None], Any]:
-    """``fn``'s launches as a CUDA graph: ``(replay, graph)``; a replay rewrites what ``fn`` wrote."""
+    """``fn``'s launches as a CUDA graph: ``(replay, graph)``; a replay rewrites what ``fn`` wrote. Only
+    this thread's calls can fail the capture (:data:`~spscan.engine.CAPTURE_ERROR_MODE`)."""
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with warnings.catch_warnings():  # a step without device work (an identity) records an empty graph
         warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
             fn()
     return graph.replay, graph
 

@@ -33,6 +33,36 @@ def failing_record(fn, device):
     raise RuntimeError("operation not permitted when stream is capturing")
 
 
+def test_a_recording_is_failed_only_by_its_own_thread(monkeypatch):
+    """A capture made inside a training loop fails for what the recording thread does, not for what a
+    data loader's threads do meanwhile (pinned memory, copies to the GPU): ``thread_local``."""
+    from spscan import graphed
+
+    seen = {}
+
+    class Graph:
+        def replay(self):
+            seen["replayed"] = True
+
+    class Capture:
+        def __init__(self, graph, **kw):
+            seen.update(kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    ran = []
+    replay, graph = graphed.record_cuda_graph(lambda: ran.append(1), torch.device("cuda"))
+    replay()
+    assert ran == [1] and seen == {"capture_error_mode": "thread_local", "replayed": True}
+
+
 # ----------------------------------------------------------------------------- GraphedCall
 
 

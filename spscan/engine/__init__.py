@@ -17,9 +17,9 @@ from spscan.engine.bound import BoundPlan, BoundProgram
 from spscan.engine.checks import canonical_device, check_inputs, fmt_bytes
 from spscan.engine.request import Collect, PeriodicValues, RunRequest, StackedExtra, ValuesBuffer
 from spscan.engine.result import Gradients, ScanResult
-from spscan.engine.workspace import RecycledBuffers, Workspace
+from spscan.engine.workspace import CAPTURE_ERROR_MODE, RecycledBuffers, Workspace
 from spscan.kernels.backend import StructuredOperator
 
-__all__ = ["BoundPlan", "BoundProgram", "Collect", "Gradients", "PeriodicValues", "RecycledBuffers", "RunRequest", "ScanResult",
-           "StackedExtra", "StructuredOperator", "ValuesBuffer", "Workspace", "canonical_device", "check_inputs",
-           "fmt_bytes"]
+__all__ = ["CAPTURE_ERROR_MODE", "BoundPlan", "BoundProgram", "Collect", "Gradients", "PeriodicValues",
+           "RecycledBuffers", "RunRequest", "ScanResult", "StackedExtra", "StructuredOperator", "ValuesBuffer",
+           "Workspace", "canonical_device", "check_inputs", "fmt_bytes"]

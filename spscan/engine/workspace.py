@@ -15,9 +15,17 @@ import torch
 
 from spscan.planner.program import Program
 
-__all__ = ["RecycledBuffers", "Workspace"]
+__all__ = ["CAPTURE_ERROR_MODE", "RecycledBuffers", "Workspace"]
 
 _MAX_GRAPHS = 4  # CUDA graphs a workspace keeps (one per batch size and dtype in use)
+
+#: how strictly a CUDA-graph capture made here refuses what it cannot record (``torch.cuda.graph``'s
+#: ``capture_error_mode``): only in the recording thread. The default, ``"global"``, fails a capture for
+#: a call any other thread makes meanwhile (a data loader's thread allocating pinned memory or copying
+#: a batch to the GPU), and these captures happen inside a user's training loop, whose threads are not
+#: theirs to pause. The recording thread's own unsafe calls (a copy from the host, a wait for the
+#: device, an allocation outside the graph's pool) still fail the capture.
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 def _storage_use_count(t: torch.Tensor) -> Optional[int]:
@@ -139,7 +147,7 @@ class Workspace:
         launch()
         torch.cuda.current_stream(self.device).synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, capture_error_mode=CAPTURE_ERROR_MODE):
             launch()
         if len(self._graphs) >= _MAX_GRAPHS:  # buffers of old batch sizes are gone: drop their graphs
             self._graphs.pop(next(iter(self._graphs)))
