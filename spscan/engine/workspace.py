@@ -22,9 +22,9 @@ _MAX_GRAPHS = 4  # CUDA graphs a workspace keeps (one per batch size and dtype i
 #: how strictly a CUDA-graph capture made here refuses what it cannot record (``torch.cuda.graph``'s
 #: ``capture_error_mode``): only in the recording thread. The default, ``"global"``, fails a capture for
 #: a call any other thread makes meanwhile (a data loader's thread allocating pinned memory or copying
-#: a batch to the GPU), and these captures happen inside a user's training loop, whose threads are not
-#: theirs to pause. The recording thread's own unsafe calls (a copy from the host, a wait for the
-#: device, an allocation outside the graph's pool) still fail the capture.
+#: a batch to the GPU), and these captures happen inside a user's training loop, whose other threads
+#: spscan does not control. The recording thread's own unsafe calls (a copy from the host, a wait for
+#: the device, a ``cudaMalloc``) still fail the capture.
 CAPTURE_ERROR_MODE = "thread_local"
 
 
