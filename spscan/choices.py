@@ -24,7 +24,8 @@ from spscan.planner.step_profile import StepProfile, load_step_profile, machine_
 
 __all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "autocast_on", "batch_of",
            "current_key", "device_label", "graph_activation_bytes", "outside_autocast",
-           "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "sequence_signature", "step_profile"]
+           "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "recurrent_shapes", "sequence_signature",
+           "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native", "graph")
 #: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
@@ -279,6 +280,14 @@ def outside_autocast(call: Callable[..., Any], dtype: Optional[torch.dtype], *ar
 
     with torch.autocast(args[0].device.type, enabled=False):
         return call(*(cast(a) for a in args))
+
+
+def recurrent_shapes(module: Any) -> list[tuple[int, int]]:
+    """``(input_size, hidden_size)`` of each (layer, direction) of an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``,
+    layer by layer (what :func:`recurrent_decision` prices)."""
+    dirs = 2 if module.bidirectional else 1
+    return [(module.input_size if layer == 0 else module.hidden_size * dirs, module.hidden_size)
+            for layer in range(module.num_layers) for _ in range(dirs)]
 
 
 def sequence_signature(module: Any, x: Any) -> Optional[tuple[int, int]]:

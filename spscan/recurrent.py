@@ -80,7 +80,7 @@ from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, 
 from spscan.graphed import GraphedStep
 from spscan.autograd import refuse_functorch
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.choices import BackwardChoice, recurrent_decision, recurrent_shapes, sequence_signature
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
@@ -693,7 +693,7 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
 
     def _backward_decision(self, key) -> Decision:
         m = self.module
-        return recurrent_decision(self.plan.kind, [(m.input_size, m.hidden_size)], key[0], key[1],
+        return recurrent_decision(self.plan.kind, recurrent_shapes(m), key[0], key[1],
                                   m.weight_hh_l0.device, self.backward_mode, f"layout {self.plan.layout}")
 
     def forward(self, x: torch.Tensor, hx=None):

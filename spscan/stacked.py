@@ -59,7 +59,7 @@ from torch import nn
 from spscan.autograd import refuse_functorch
 from spscan.cells import check_cell_form
 from spscan.options import option_default
-from spscan.choices import BackwardChoice, recurrent_decision, sequence_signature
+from spscan.choices import BackwardChoice, recurrent_decision, recurrent_shapes, sequence_signature
 from spscan.graphed import GraphedStep
 from spscan.planner.choose import Decision
 from spscan.recurrent import RecurrentFront, RecurrentPlan
@@ -396,11 +396,8 @@ class StackedRecurrentWrapper(BackwardChoice, nn.Module):
 
     def _backward_decision(self, key) -> Decision:
         m = self.module
-        dirs = 2 if m.bidirectional else 1
-        shapes = [(m.input_size if layer == 0 else m.hidden_size * dirs, m.hidden_size)
-                  for layer in range(m.num_layers) for _ in range(dirs)]
-        return recurrent_decision(self.plan.kind, shapes, key[0], key[1], m.weight_hh_l0.device, self.backward_mode,
-                                  f"{m.num_layers} layers x {dirs} directions")
+        return recurrent_decision(self.plan.kind, recurrent_shapes(m), key[0], key[1], m.weight_hh_l0.device,
+                                  self.backward_mode, f"{m.num_layers} layers x {self.plan.num_directions} directions")
 
     def forward(self, x: torch.Tensor, hx=None):
         return super().forward(x, hx)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import spscan  # noqa: E402
 from never_slower_models import CASES  # noqa: E402
 from spscan.calibration import fit_recurrent, fit_whole_models, layer_features  # noqa: E402
+from spscan.choices import recurrent_shapes, sequence_signature  # noqa: E402
 from spscan.planner.step_profile import StepProfile, recurrent_features  # noqa: E402
 
 REGIMES = ("native", "scan", "graph")
@@ -56,10 +57,7 @@ def recurrent_shape(case) -> tuple[str, list[tuple[int, int]], int, int]:
     model, _ = case.build("cpu")
     x, _ = case.data("cpu")
     kind = spscan.wrap(model, x, backward="scan").plan.kind
-    dirs = 2 if model.bidirectional else 1
-    shapes = [(model.input_size if layer == 0 else model.hidden_size * dirs, model.hidden_size)
-              for layer in range(model.num_layers) for _ in range(dirs)]
-    return kind, shapes, x.shape[1 if model.batch_first else 0], x.shape[0 if model.batch_first else 1]
+    return (kind, recurrent_shapes(model), *sequence_signature(model, x))
 
 
 def terms(case) -> list[tuple]:
