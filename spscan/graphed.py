@@ -411,10 +411,9 @@ class GraphedStep:
     recording reads (an engine's arenas, which a later batch size replaces), kept with the graph.
     :meth:`__call__` gives the outputs of one forward through the graphs, recorded on a signature's second
     call. Its first call runs the same ``scan_forward`` and ``step_backward`` eagerly, on buffers of its
-    own (:attr:`warming` says so): what they make on first use (a binding's index tables uploaded from the
-    host, a kernel's compiled specialization, recycled buffers) is made then, since a capture refuses a
-    copy from the host (``torch.cuda.make_graphed_callables`` warms up the callables it records the same
-    way). :meth:`__call__` gives ``None`` where the caller runs its ordinary path instead: grad mode off,
+    own: what they make on first use (a binding's index tables uploaded from the host, a kernel's compiled
+    specialization, recycled buffers) is made then, since a capture refuses a copy from the host
+    (``torch.cuda.make_graphed_callables`` warms up the callables it records the same way). :meth:`__call__` gives ``None`` where the caller runs its ordinary path instead: grad mode off,
     autocast, a parameter that is not a leaf, a signature whose recording failed (:attr:`unrecordable`
     then says so, and :attr:`failure` why; an entry's :attr:`_StepEntry.error` also keeps why its
     backward could not be), and a forward whose signature's activations still belong to an earlier
@@ -435,7 +434,6 @@ class GraphedStep:
         self.record = record if record is not None else record_cuda_graph
         self.entries: dict = {}
         self.seen: set = set()
-        self.warming = False  # the last call was its signature's first: it ran the step eagerly
         self.failure: Optional[str] = None  # the last call declined as its signature's recording failed: why
 
     @property
@@ -453,7 +451,6 @@ class GraphedStep:
         ``inputs[:copied]``: the activations (tensors or ``None``), copied into the entry's buffers;
         ``inputs[copied:]``: the parameters, read in place (their addresses are part of the signature).
         ``key``: what else selects a graph (the modes the front end's forward follows)."""
-        self.warming = False
         self.failure = None
         params = inputs[copied:]
         if not torch.is_grad_enabled() or torch.is_autocast_enabled() or any(t.grad_fn is not None for t in params):
@@ -476,7 +473,6 @@ class GraphedStep:
                 # the first call runs what the recording will, eagerly: everything made on first use (a
                 # binding's index tables, a kernel's compiled specialization, recycled buffers) is made
                 # here, since making it during a capture copies from the host, which a capture refuses
-                self.warming = True
                 return _GraphedStepFunction.apply(_StepEntry(self.front, tuple(inputs), copied, needs, None),
                                                   copied, *inputs)
             if len(self.entries) >= self.MAX_GRAPHS:
