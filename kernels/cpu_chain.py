@@ -35,6 +35,8 @@ Without numba the NumPy loop in :mod:`spscan.kernels.torch_ops` runs instead (:f
 
 Modules: this one checks a run's arguments and calls the loop (:func:`run_chain`);
 :mod:`.cpu_chain_tiles` is the loop (tiles of ``LANES`` samples, taps, prefetches);
+:mod:`.cpu_chain_narrow` the loop for a batch of at most :data:`NARROW_MAX_BATCH` samples (one at a time,
+the lanes along the features; bitwise the same sums);
 :mod:`.cpu_chain_tables` makes the tables it reads (where each step's values lie, taps, feeds, the
 patterns' column blocks and diagonal bands).
 """
@@ -45,7 +47,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .cpu_chain_tables import (MAX_SOURCES, diagonal_bands, feed_tables, homogeneous, resolve_steps,
+from . import cpu_chain_narrow
+from .cpu_chain_tables import (MAX_SOURCES, diagonal_bands, feed_tables, homogeneous, narrow_tables, resolve_steps,
                                shared_column_blocks, tap_tables)
 from .cpu_chain_tiles import compiled
 from .cpu_fpenv import flushing_subnormals
@@ -61,6 +64,10 @@ REDUCE_STEPS = 32
 
 
 _NO_CSR = np.zeros(1, dtype=np.int64)
+
+# A batch of at most this many samples runs one sample at a time (cpu_chain_narrow), unless a reducing tap
+# sums across it: a tile's LANES lanes would hold mostly padding
+NARROW_MAX_BATCH = 4
 
 # a per-sample step with at most this many entries has its values copied entry-major in one pass
 # (a pass per row costs a loop setup per row and sample, much of a step whose rows hold 1-2
@@ -146,13 +153,17 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
                             f"{s.ndim}-D")
     srcs = homogeneous(sources)
+    red = next((t for t in taps if len(t) > 4 and t[4] is not None), None)
+    if vectors.shape[0] <= NARROW_MAX_BATCH and red is None:
+        _run_narrow(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), sources, srcs, vectors,
+                    csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo)
+        return
     cur = np.zeros(width * LANES, dtype=vectors.dtype)
     nxt = np.zeros(width * LANES, dtype=vectors.dtype)
     tv = np.zeros(longest * LANES, dtype=vectors.dtype)
     tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = tap_tables(taps, steps, rows, int(cols[0]), vectors,
                                                                        memo)
     feed_args = feed_tables(feeds, steps, rows, vectors, memo)
-    red = next((t for t in taps if len(t) > 4 and t[4] is not None), None)
     if red is None:
         dummy = np.zeros(LANES, dtype=vectors.dtype)
         reduce_args = (0, np.zeros(0, dtype=np.int64), dummy, dummy, dummy, dummy, np.zeros((0, 0), vectors.dtype))
@@ -169,6 +180,27 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
         compiled()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
                    csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
                    tap_rows, tap_bufs, *feed_args, *reduce_args)
+
+
+def _run_narrow(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, srcs, vectors, csr_ptr,
+                csr_indptr, csr_indices, width, taps, feeds, memo) -> None:
+    """:func:`run_chain` on a narrow batch: :mod:`.cpu_chain_narrow`'s loop, its row blocks kept in ``memo``."""
+    steps = int(code.shape[0])
+    nt = None if memo is None else memo.get("narrow")
+    if nt is None:
+        nt = narrow_tables(code, src, offset, rows, cols, csr_ptr, csr_indptr, csr_indices)
+        if memo is not None:
+            memo["narrow"] = nt
+    tval = nt.fill(sources, vectors.dtype)
+    cur = np.zeros(width, dtype=vectors.dtype)
+    nxt = np.zeros(width, dtype=vectors.dtype)
+    tap_args = tap_tables(taps, steps, rows, int(cols[0]), vectors, memo)
+    feed_args = feed_tables(feeds, steps, rows, vectors, memo)
+    with flushing_subnormals():
+        cpu_chain_narrow.compiled()(code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors,
+                                    cur, nxt, csr_ptr, csr_indptr, csr_indices, nt.step_tv, nt.step_b0, nt.step_b1,
+                                    nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val, nt.blk_cols, nt.col_step, tval,
+                                    np.zeros(1, dtype=vectors.dtype), *tap_args, *feed_args)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
