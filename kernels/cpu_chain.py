@@ -200,8 +200,8 @@ def _run_narrow(code, src, offset, bstride, estride, rows, cols, add, out, vin0,
     with flushing_subnormals():
         cpu_chain_narrow.compiled()(code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors,
                                     cur, nxt, csr_ptr, csr_indptr, csr_indices, nt.step_tv, nt.step_b0, nt.step_b1,
-                                    nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val, nt.blk_cols, nt.col_step, tval,
-                                    np.zeros(1, dtype=vectors.dtype), *tap_args, *feed_args)
+                                    nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val, nt.blk_cols,
+                                    nt.col_step, tval, np.zeros(1, dtype=vectors.dtype), *tap_args, *feed_args)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,

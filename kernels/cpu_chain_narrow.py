@@ -39,8 +39,8 @@ _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vmul", "vmuladd", "vmuladdv")
 
 def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
                    csr_ptr, csr_indptr, csr_indices, step_tv, step_b0, step_b1, blk_r0, blk_rows, blk_n, blk_col,
-                   blk_val, blk_cols, col_step, tval, zero, tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs, feed_buf,
-                   feed_at, feed_bs, feed_fs, feed_row0, feed_rows, feed_bufs):  # pragma: no cover - compiled
+                   blk_val, blk_cols, col_step, tval, zero, tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs,
+                   feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, feed_bufs):  # pragma: no cover - compiled
     # cur, nxt: (width,) the sample's running vector and the next one. Shared steps (codes 1, 3): blocks
     # step_b0[j] .. step_b1[j] of the blk_* tables, block u: rows blk_r0[u] .. + blk_rows[u] (R) of
     # blk_n[u] (n) entries each, slot q of row r0 + r at column blk_cols[blk_col[u] + q] + r * col_step[.]
