@@ -28,8 +28,8 @@ from .cpu_simd import LANES
 __all__ = ["block_sums", "lane_sum", "matmul_nt"]
 
 # bound by block_sums() before the first compile (numba is optional and slow to import)
-vload = vstore = vzero = vadd = vmuladdv = None
-_VECTOR_OPS = ("vload", "vstore", "vzero", "vadd", "vmuladdv")
+vload = vstore = vzero = vadd = vmuladd = vmuladdv = vtranspose = None
+_VECTOR_OPS = ("vload", "vstore", "vzero", "vadd", "vmuladd", "vmuladdv", "vtranspose")
 
 _block_sums_c = None
 _add4_c = _lane_sum_c = None  # compiled with block_sums() / lane_sum()
@@ -165,25 +165,42 @@ def lane_sum():
     return _lane_sum_c
 
 
-def _matmul_nt_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out):  # pragma: no cover - compiled
+def _matmul_nt_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out, tr, zt):  # pragma: no cover - compiled
     # out[g, c] = sum_q a[g, q] z[zrows[c], q], q < n (a: M rows, row g at af[g * lda:]; z: rows at
     # zf[r * ldz:]; both feature-major, positions contiguous). Chunks of nc positions (the chunk of z's
     # rows stays in L1 while every block of a's rows reads it) through block_sums (lane-wise partials
     # in acc); at the end each partial is summed across its lanes in order, then the positions past
-    # the last whole vector one by one. Fixed order: reproducible bit for bit.
+    # the last whole vector one by one. Fixed order: reproducible bit for bit. The end runs LANES
+    # outputs of a row at a time where it can: their partials transposed (tr: LANES x LANES scratch),
+    # so lane l of all of them is one vector and the in-order sums are vector adds, and the positions
+    # past the last whole vector read from zt ((n % LANES) x K: those columns of z's rows, transposed),
+    # the same operations in the same order as one output at a time.
     M, K = out.shape
     nv = n - n % LANES
     for i in range(acc.shape[0]):
         acc[i] = 0
     for c0 in range(0, nv, nc):
         _block_sums_c(af, lda, c0, zf, ldz, c0, LANES, zrows, min(nc, nv - c0), acc, M, K)
-    for g in range(M):
+    for q in range(nv, n):
         for c in range(K):
+            zt[(q - nv) * K + c] = zf[zrows[c] * ldz + q]
+    of = out.reshape(M * K)
+    for g in range(M):
+        c = 0
+        while c + LANES <= K:
+            vtranspose(acc, (g * K + c) * LANES, LANES, tr, 0, LANES)
+            s = vload(tr, 0)
+            for r in range(1, LANES):
+                s = vadd(s, vload(tr, r * LANES))
+            for q in range(nv, n):
+                s = vmuladd(s, af[g * lda + q], vload(zt, (q - nv) * K + c))
+            vstore(of, g * K + c, s)
+            c += LANES
+        for c in range(c, K):
             s = _lane_sum_c(acc, (g * K + c) * LANES)
-            y = zrows[c] * ldz
             for q in range(nv, n):  # past the last whole vector
-                s += af[g * lda + q] * zf[y + q]
-            out[g, c] = s
+                s += af[g * lda + q] * zt[(q - nv) * K + c]
+            of[g * K + c] = s
 
 
 
@@ -235,8 +252,9 @@ def matmul_nt(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = 
     af, lda = _flat_rows(a)
     zf, ldz = _flat_rows(z)
     with flushing_subnormals():  # as the scan that made ``a`` (cpu_fpenv)
-        _compiled_matmul_nt()(af, lda, N, zf, ldz, zrows, _CHUNK, np.empty(M * zrows.size * LANES, dtype=af.dtype),
-                              out.numpy())
+        K = zrows.size
+        _compiled_matmul_nt()(af, lda, N, zf, ldz, zrows, _CHUNK, np.empty(M * K * LANES, dtype=af.dtype), out.numpy(),
+                              np.empty(LANES * LANES, dtype=af.dtype), np.empty(max(N % LANES, 1) * K, dtype=af.dtype))
     return out
 
 

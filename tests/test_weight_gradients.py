@@ -53,6 +53,41 @@ def test_equals_float64_products(dtype, M, N, K, rows):
     assert torch.equal(out, cpu_nt.matmul_nt(a, z, rows))  # fixed order: bitwise run to run
 
 
+def _in_order(a, z, lanes=16, chunk=512):
+    """``a @ z.T`` summed in the order the compiled pass documents, elementwise in ``a``'s dtype (NumPy
+    multiplies and adds, no fused multiply-add): lane ``l`` of each output sums positions ``l, l + lanes,
+    ...`` of a chunk, the chunks' partials add up lane by lane, the lanes sum in order, then the positions
+    past the last whole vector one by one."""
+    import numpy as np
+
+    a, z = a.numpy(), z.numpy()
+    M, N = a.shape
+    nv = N - N % lanes
+    acc = np.zeros((M, z.shape[0], lanes), dtype=a.dtype)
+    for c0 in range(0, nv, chunk):
+        part = np.zeros_like(acc)
+        for q in range(c0, min(c0 + chunk, nv), lanes):
+            part = part + a[:, None, q:q + lanes] * z[None, :, q:q + lanes]
+        acc = acc + part
+    out = acc[..., 0]
+    for lane in range(1, lanes):
+        out = out + acc[..., lane]
+    for q in range(nv, N):
+        out = out + a[:, None, q] * z[None, :, q]
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("M,N,K", [(6, 100, 97), (5, 1043, 40), (3, 31, 16), (4, 16, 17), (2, 7, 33)])
+def test_sums_run_in_the_documented_order(dtype, M, N, K):
+    """Bitwise the in-order sums: the outputs summed sixteen at a time across their lanes (a transpose and
+    vector adds) and one at a time (the last columns) give the same bits as the scalar order."""
+    g = torch.Generator().manual_seed(N * 10 + K)
+    a = torch.randn(M, N, generator=g, dtype=dtype)
+    z = torch.randn(K, N, generator=g, dtype=dtype)
+    assert torch.equal(cpu_nt.matmul_nt(a, z), _in_order(a, z))
+
+
 @settings(max_examples=30, deadline=None)
 @given(M=st.integers(1, 13), N=st.integers(1, 3000), K=st.integers(1, 30), pad_a=st.integers(0, 40),
        pad_z=st.integers(0, 40), f64=st.booleans(), seed=st.integers(0, 2 ** 16))
