@@ -67,8 +67,12 @@ _NO_CSR = np.zeros(1, dtype=np.int64)
 
 # A batch of at most this many samples runs one sample at a time (cpu_chain_narrow), unless a reducing tap
 # sums across it: a tile's LANES lanes would hold mostly padding (narrow / tiled training steps measured
-# 0.55-0.73 at B = 1, 0.82-0.92 at 4, 0.93-1.00 at 6: bench/results/calibration.md)
+# 0.55-0.73 at B = 1, 0.82-0.92 at 4, 0.93-1.00 at 6: bench/results/calibration.md) ...
 NARROW_MAX_BATCH = 4
+# ... and where each sample reads the run's shared dense and CSR values at least this many times over
+# on average (a recurrence's weight, every step): the narrow loop copies them transposed first, which
+# a run that reads each once (a CNN's layers) pays for and does not get back (calibration.md)
+NARROW_MIN_REUSE = 2
 
 # a per-sample step with at most this many entries has its values copied entry-major in one pass
 # (a pass per row costs a loop setup per row and sample, much of a step whose rows hold 1-2
@@ -156,9 +160,15 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     srcs = homogeneous(sources)
     red = next((t for t in taps if len(t) > 4 and t[4] is not None), None)
     if vectors.shape[0] <= NARROW_MAX_BATCH and red is None:
-        _run_narrow(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), sources, srcs, vectors,
-                    csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo)
-        return
+        nt = None if memo is None else memo.get("narrow")
+        if nt is None:
+            nt = narrow_tables(code, src, offset, rows, cols, csr_ptr, csr_indptr, csr_indices)
+            if memo is not None:
+                memo["narrow"] = nt
+        if nt.reads >= NARROW_MIN_REUSE * vectors.shape[0] * nt.size:
+            _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors,
+                        csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo)
+            return
     cur = np.zeros(width * LANES, dtype=vectors.dtype)
     nxt = np.zeros(width * LANES, dtype=vectors.dtype)
     tv = np.zeros(longest * LANES, dtype=vectors.dtype)
@@ -183,25 +193,21 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
                    tap_rows, tap_bufs, *feed_args, *reduce_args)
 
 
-def _run_narrow(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, srcs, vectors, csr_ptr,
+def _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors, csr_ptr,
                 csr_indptr, csr_indices, width, taps, feeds, memo) -> None:
-    """:func:`run_chain` on a narrow batch: :mod:`.cpu_chain_narrow`'s loop, its row blocks kept in ``memo``."""
+    """:func:`run_chain` on a narrow batch: :mod:`.cpu_chain_narrow`'s loop over the row blocks ``nt``."""
     steps = int(code.shape[0])
-    nt = None if memo is None else memo.get("narrow")
-    if nt is None:
-        nt = narrow_tables(code, src, offset, rows, cols, csr_ptr, csr_indptr, csr_indices)
-        if memo is not None:
-            memo["narrow"] = nt
-    tval = nt.fill(sources, vectors.dtype)
+    tval = np.empty(max(nt.size, 1), dtype=vectors.dtype)
     cur = np.zeros(width, dtype=vectors.dtype)
     nxt = np.zeros(width, dtype=vectors.dtype)
     tap_args = tap_tables(taps, steps, rows, int(cols[0]), vectors, memo)
     feed_args = feed_tables(feeds, steps, rows, vectors, memo)
     with flushing_subnormals():
         cpu_chain_narrow.compiled()(code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors,
-                                    cur, nxt, csr_ptr, csr_indptr, csr_indices, nt.step_tv, nt.step_b0, nt.step_b1,
-                                    nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val, nt.blk_cols,
-                                    nt.col_step, tval, np.zeros(1, dtype=vectors.dtype), *tap_args, *feed_args)
+                                    cur, nxt, csr_ptr, csr_indptr, csr_indices, nt.step_tv, nt.step_fill, nt.step_b0,
+                                    nt.step_b1, nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val,
+                                    nt.blk_cols, nt.col_step, tval, np.zeros(1, dtype=vectors.dtype), *tap_args,
+                                    *feed_args)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,

@@ -33,21 +33,46 @@ from .cpu_simd import LANES
 __all__ = ["compiled"]
 
 # bound by compiled() before the first compile (numba is optional and slow to import)
-get = vload = vstore = vzero = vmul = vmuladd = vmuladdv = None
-_VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vmul", "vmuladd", "vmuladdv")
+get = vload = vstore = vzero = vmul = vmuladd = vmuladdv = vtranspose = None
+_VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vmul", "vmuladd", "vmuladdv", "vtranspose")
 
 
 def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                   csr_ptr, csr_indptr, csr_indices, step_tv, step_b0, step_b1, blk_r0, blk_rows, blk_n, blk_col,
-                   blk_val, blk_cols, col_step, tval, zero, tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs,
-                   feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, feed_bufs):  # pragma: no cover - compiled
+                   csr_ptr, csr_indptr, csr_indices, step_tv, step_fill, step_b0, step_b1, blk_r0, blk_rows, blk_n,
+                   blk_col, blk_val, blk_cols, col_step, tval, zero, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
+                   tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
+                   feed_bufs):  # pragma: no cover - compiled
     # cur, nxt: (width,) the sample's running vector and the next one. Shared steps (codes 1, 3): blocks
     # step_b0[j] .. step_b1[j] of the blk_* tables, block u: rows blk_r0[u] .. + blk_rows[u] (R) of
     # blk_n[u] (n) entries each, slot q of row r0 + r at column blk_cols[blk_col[u] + q] + r * col_step[.]
-    # (0 or 1), its value at tval[step_tv[j] + blk_val[u] + q * R + r]. zero: (1,) a zero of the dtype
-    # (scalar sums start there)
+    # (0 or 1), its value at tval[step_tv[j] + blk_val[u] + q * R + r], copied there (from the row-major
+    # values at the step's offset + blk_val[u]) for the first step of those values (step_fill[j]).
+    # zero: (1,) a zero of the dtype (scalar sums start there)
     batch = vectors.shape[0]
     steps = code.shape[0]
+    for j in range(steps):
+        if step_fill[j]:
+            s = sources[src[j]]
+            o = offset[j]
+            tv = step_tv[j]
+            for u in range(step_b0[j], step_b1[j]):
+                R = blk_rows[u]
+                n = blk_n[u]
+                bs = o + blk_val[u]  # row r, position q at bs + r * n + q; copied to bt + q * R + r
+                bt = tv + blk_val[u]
+                r = 0
+                while r + LANES <= R:  # LANES x LANES tiles through register transposes
+                    q = 0
+                    while q + LANES <= n:
+                        vtranspose(s, bs + r * n + q, n, tval, bt + q * R + r, R)
+                        q += LANES
+                    for qq in range(q, n):
+                        for i in range(LANES):
+                            tval[bt + qq * R + r + i] = get(s, bs + (r + i) * n + qq)
+                    r += LANES
+                for rr in range(r, R):
+                    for q in range(n):
+                        tval[bt + q * R + rr] = get(s, bs + rr * n + q)
     for b in range(batch):
         for kk in range(cols[0]):
             cur[kk] = vectors[b, vin0 + kk]

@@ -264,29 +264,21 @@ def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarra
 
 
 class NarrowTables(NamedTuple):
-    """:func:`narrow_tables`: the shared steps' row blocks for :mod:`.cpu_chain_narrow`, and how a call fills
-    ``tval`` (``fill``)."""
+    """:func:`narrow_tables`: the shared steps' row blocks for :mod:`.cpu_chain_narrow`."""
 
     step_tv: np.ndarray  # (steps,) where the step's values start in tval (0 for others)
+    step_fill: np.ndarray  # (steps,) 1 for the first step of its values: the call copies them into tval
     step_b0: np.ndarray  # (steps,) the step's blocks step_b0[j] .. step_b1[j] (empty for others)
     step_b1: np.ndarray
     blk_r0: np.ndarray  # per block: first row, rows (R), entries per row (n)
     blk_rows: np.ndarray
     blk_n: np.ndarray
     blk_col: np.ndarray  # where its column list starts in blk_cols
-    blk_val: np.ndarray  # where its values start in the step's part of tval (R values per position)
+    blk_val: np.ndarray  # its first entry, counted from the step's first: the R x n values there, row by row
     blk_cols: np.ndarray  # csr_indices, then 0 .. k - 1 for the dense steps
     col_step: np.ndarray  # aligned with blk_cols: slot q of a block's row r reads column blk_cols[.] + r * col_step[.]
-    size: int  # elements of tval
-    gathers: tuple  # (source index, start, indices): tval[start : start + len(indices)] = sources[s][indices]
-
-    def fill(self, sources: Sequence[np.ndarray], dtype) -> np.ndarray:
-        """This call's ``tval``: the shared steps' values, block by block, column by column (one gather per
-        source array)."""
-        tval = np.empty(max(self.size, 1), dtype=dtype)
-        for s, start, idx in self.gathers:
-            np.take(sources[s], idx, out=tval[start:start + idx.shape[0]])
-        return tval
+    size: int  # elements of tval: the shared values, one copy per distinct (source, offset, pattern)
+    reads: int  # the shared values the run reads: size times their average reuse
 
 
 def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: np.ndarray, cols: np.ndarray,
@@ -295,11 +287,12 @@ def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: n
 
     A block is a run of consecutive rows whose column lists agree slot by slot, each slot's column the
     same in every row or one further per row (a dense step is one block; a recurrence's weight block
-    with its diagonal band of identity entries is one); its
-    values are stored position by position, the ``R`` rows' values of stored position ``q`` together, so
-    the loop runs its rows along the vector lanes, each row still summing its entries in stored order.
-    Steps with the same values (source, offset and pattern: a recurrence's weight, step after step) share
-    one copy. Index work only, once per run (``run_chain``'s memo keeps it); a call gathers the values.
+    with its diagonal band of identity entries is one). A call copies each block's values, transposed
+    (the ``R`` rows' values of stored position ``q`` together), into a scratch ``tval`` the loop reads,
+    so it runs the block's rows along the vector lanes, each row still summing its entries in stored
+    order. Steps with the same values (source, offset and pattern: a recurrence's weight, step after
+    step) share one copy, which is what makes the copy pay (``reads / size``). Index work only, once per
+    run (``run_chain``'s memo keeps it).
     """
     steps = int(code.shape[0])
     indptr = np.asarray(csr_indptr, dtype=np.int64)
@@ -309,12 +302,13 @@ def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: n
     dense_at = indices.shape[0]
     blk_cols = np.concatenate([indices, np.arange(dense_k, dtype=np.int64)])
     col_step = np.zeros(blk_cols.shape[0], dtype=np.int64)
-    patterns: dict = {}  # pattern key -> (first block, blocks, gather order)
+    patterns: dict = {}  # pattern key -> (first block, blocks, entries)
     blocks: list[np.ndarray] = []  # per pattern: (blocks, 5) r0, R, n, col, val
     nblk = 0
-    values: dict = {}  # (src, offset, pattern key) -> start in tval, by source
-    by_src: dict = {}
+    values: dict = {}  # (src, offset, pattern key) -> start in tval
+    size = reads = 0
     step_tv = np.zeros(steps, dtype=np.int64)
+    step_fill = np.zeros(steps, dtype=np.int64)
     step_b0 = np.zeros(steps, dtype=np.int64)
     step_b1 = np.zeros(steps, dtype=np.int64)
     for j in np.flatnonzero((code == 1) | (code == 3)):
@@ -323,54 +317,41 @@ def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: n
         if key not in patterns:
             if code[j] == 1:
                 table = np.array([[0, m, k, dense_at, 0]], dtype=np.int64)
-                order = (np.arange(k)[:, None] + k * np.arange(m)[None, :]).reshape(-1)
+                nnz = m * k
             else:
-                table, order = _row_blocks(indptr, indices, lens, int(csr_ptr[j]), m, col_step)
-            patterns[key] = (nblk, table.shape[0], order)
+                table = _row_blocks(indptr, indices, lens, int(csr_ptr[j]), m, col_step)
+                nnz = int(indptr[int(csr_ptr[j]) + m] - indptr[int(csr_ptr[j])])
+            patterns[key] = (nblk, table.shape[0], nnz)
             blocks.append(table)
             nblk += table.shape[0]
-        b0, nb, order = patterns[key]
+        b0, nb, nnz = patterns[key]
         step_b0[j], step_b1[j] = b0, b0 + nb
         vkey = (int(src[j]), int(offset[j]), key)
         if vkey not in values:
-            values[vkey] = order
-            by_src.setdefault(int(src[j]), []).append(vkey)
-    size = 0
-    gathers = []
-    for s, vkeys in sorted(by_src.items()):
-        start = size
-        parts = []
-        for vkey in vkeys:
-            order = values[vkey]
             values[vkey] = size
-            parts.append(order + vkey[1])
-            size += order.shape[0]
-        gathers.append((s, start, np.concatenate(parts)))
-    for j in np.flatnonzero((code == 1) | (code == 3)):
-        m, k = int(rows[j]), int(cols[j])
-        key = (1, m, k) if code[j] == 1 else (3, int(csr_ptr[j]), m)
-        step_tv[j] = values[(int(src[j]), int(offset[j]), key)]
+            step_fill[j] = 1
+            size += nnz
+        step_tv[j] = values[vkey]
+        reads += nnz
     table = np.concatenate(blocks) if blocks else np.zeros((0, 5), dtype=np.int64)
     cols_ = [np.ascontiguousarray(table[:, c]) for c in range(5)]
-    return NarrowTables(step_tv, step_b0, step_b1, *cols_, blk_cols, col_step, size, tuple(gathers))
+    return NarrowTables(step_tv, step_fill, step_b0, step_b1, *cols_, blk_cols, col_step, size, reads)
 
 
 def _row_blocks(indptr: np.ndarray, indices: np.ndarray, lens: np.ndarray, cp: int, m: int, col_step: np.ndarray):
     """A CSR pattern's (rows ``cp .. cp + m`` of the run's tables) blocks of consecutive rows whose column
     lists agree slot by slot up to a shift (slot ``q`` of row ``r0 + r`` is column ``c_q + r * d_q``, ``d_q``
     0 or 1: a dense block, or a diagonal band beside it), as ``(blocks, 5)`` rows ``(r0, R, n, col,
-    val)``, and the gather order of its values: the value stored at ``val + q * R + r`` of the block is
-    the pattern's entry ``order[...]`` (counted from its first). ``col_step[col + q] = d_q`` is set."""
+    val)`` (``val``: its first entry, counted from the pattern's first). ``col_step[col + q] = d_q`` is set."""
     g0 = int(indptr[cp])
     rel = indptr[cp:cp + m + 1] - g0
     n = lens[cp:cp + m]
-    nnz = int(rel[-1])
     # ok[r]: row r + 1 has row r's length and, slot by slot, its column or the next; same[r]: with the
     # same shifts as row r - 1 to row r
     ok = np.zeros(max(m - 1, 0), dtype=np.bool_)
     same = np.zeros(max(m - 1, 0), dtype=np.bool_)
     cand = np.flatnonzero(n[:-1] == n[1:]) if m > 1 else np.zeros(0, dtype=np.int64)
-    shift = np.full(nnz, -1, dtype=np.int64)  # entry of row r: its column in row r + 1 minus its own
+    shift = np.full(int(rel[-1]), -1, dtype=np.int64)  # entry of row r: its column in row r + 1 minus its own
     if cand.size:
         cn = n[cand]
         row = np.repeat(np.arange(cand.size), cn)
@@ -398,15 +379,8 @@ def _row_blocks(indptr: np.ndarray, indices: np.ndarray, lens: np.ndarray, cp: i
         e = np.arange(mn.sum()) - np.repeat(np.cumsum(mn) - mn, mn) + np.repeat(rel[multi], mn)
         col_step[g0 + e] = shift[e]
     table = np.stack([r0, R, n[r0], g0 + rel[r0], rel[r0]], axis=1).astype(np.int64)
-    # entry e of row r, slot q = e - rel[r], block u: stored at val_u + q * R_u + (r - r0_u)
-    blk = np.repeat(np.arange(r0.size), R)
-    erow = np.repeat(np.arange(m), n)
-    q = np.arange(nnz) - rel[erow]
-    u = blk[erow]
-    dest = rel[r0][u] + q * R[u] + (erow - r0[u])
-    order = np.empty(nnz, dtype=np.int64)
-    order[dest] = np.arange(nnz)
-    return table, order
+    return table
+
 
 # at most this many value arrays per run: the loop indexes them as one homogeneous tuple
 MAX_SOURCES = 16

@@ -32,6 +32,12 @@ def narrow_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def any_reuse(monkeypatch):
+    """The narrow loop for every batch it takes, however few times the run reads its shared values."""
+    monkeypatch.setattr(cpu_chain, "NARROW_MIN_REUSE", 0)
+
+
 def _tiled(monkeypatch, fn):
     with monkeypatch.context() as m:
         m.setattr(cpu_chain, "NARROW_MAX_BATCH", 0)
@@ -56,7 +62,7 @@ def _taps_and_feeds(rng, desc, batch, dtype):
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_narrow_run_equals_the_tiled_run_bitwise(monkeypatch, narrow_calls, dtype, tol, batch, seed):
+def test_narrow_run_equals_the_tiled_run_bitwise(monkeypatch, narrow_calls, any_reuse, dtype, tol, batch, seed):
     rng = np.random.default_rng(7000 + 10 * seed + batch)
     desc, sources, vectors, steps_desc = _random_run(rng, int(rng.integers(1, 14)), batch, dtype)
     taps, feeds = _taps_and_feeds(rng, desc, batch, dtype)
@@ -110,7 +116,7 @@ def _recurrent_pattern(rng, H: int, kind: str) -> sp.csr_array:
 @pytest.mark.parametrize("kind", ["gru", "lstm", "mixed"])
 @pytest.mark.parametrize("H", [5, 16, 37, 64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_recurrent_patterns_run_as_row_blocks(monkeypatch, narrow_calls, kind, H, dtype):
+def test_recurrent_patterns_run_as_row_blocks(monkeypatch, narrow_calls, any_reuse, kind, H, dtype):
     """A recurrence's shared step between per-sample steps (a diagonal before it, a dense step back to its
     columns after it), T times, one sample: its weight rows (and the identity entries beside them) form
     row blocks, one copy of its values serves every step, and the run equals the tiled one bitwise."""
@@ -172,18 +178,60 @@ def test_recurrent_patterns_run_as_row_blocks(monkeypatch, narrow_calls, kind, H
     assert nt.size == pat.nnz
 
 
-def test_batches_past_the_narrow_bound_and_reducing_taps_run_tiled(narrow_calls):
+def _shared_dense_run(rng, steps: int, reuse: int, batch: int, m: int = 20):
+    """Per-sample diagonals alternating with shared dense ``m x m`` steps whose values change every ``reuse``
+    steps (``reuse = steps``: one weight for the whole run, as a recurrence's)."""
+    code = np.array([0, 1] * steps, dtype=np.int64)
+    rows = np.full(2 * steps, m, dtype=np.int64)
+    shared = rng.standard_normal(-(-steps // reuse) * m * m) / m
+    per = rng.standard_normal(batch * steps * m)
+    offset = np.array([v for t in range(steps) for v in (t * m, (t // reuse) * m * m)], dtype=np.int64)
+    desc = dict(code=code, src=np.array([1, 0] * steps, dtype=np.int64), offset=offset,
+                bstride=np.array([steps * m, 0] * steps, dtype=np.int64), rows=rows, cols=rows.copy(),
+                add=np.full(2 * steps, -1, dtype=np.int64), out=m * np.arange(1, 2 * steps + 1, dtype=np.int64),
+                vin0=0)
+    return desc, [shared, per], rng.standard_normal((batch, m * (2 * steps + 1)))
+
+
+def test_which_runs_take_the_narrow_loop(narrow_calls):
+    """A batch of at most NARROW_MAX_BATCH, without a reducing tap, whose samples read the run's shared dense
+    and CSR values at least NARROW_MIN_REUSE times over (their transposed copy pays): a recurrence's
+    weight, or no such values at all; a CNN-like run that reads each layer's weight once stays tiled."""
     rng = np.random.default_rng(3)
-    for batch in (cpu_chain.NARROW_MAX_BATCH, cpu_chain.NARROW_MAX_BATCH + 1):
-        desc, sources, vectors, _ = _random_run(rng, 3, batch, np.float64)
+    limit, reuse = cpu_chain.NARROW_MAX_BATCH, cpu_chain.NARROW_MIN_REUSE
+    cases = [(1, 12, 12), (limit, 12, 12), (limit + 1, 12, 12), (1, 12, 1), (1, 12, reuse),
+             (2, 12, 2 * reuse - 1)]
+    for batch, steps, every in cases:
+        desc, sources, vectors = _shared_dense_run(rng, steps, every, batch)
         cpu_chain.run_chain(sources=sources, vectors=vectors, **desc)
-    assert narrow_calls == [cpu_chain.NARROW_MAX_BATCH]
+    assert narrow_calls == [1, limit, 1]
+    # no shared dense or CSR step (here per-sample diagonals and dense steps): narrow
+    desc, sources, vectors = _shared_dense_run(rng, 5, 1, 2)
+    m = int(desc["rows"][0])
+    per = rng.standard_normal(2 * 5 * (m + m * m))
+    desc = dict(desc, code=np.array([0, 2] * 5, dtype=np.int64), src=np.ones(10, dtype=np.int64),
+                offset=np.array([v for t in range(5) for v in (t * (m + m * m), t * (m + m * m) + m)], dtype=np.int64),
+                bstride=np.full(10, 5 * (m + m * m), dtype=np.int64))
+    cpu_chain.run_chain(sources=[sources[0], per], vectors=vectors, **desc)
+    assert narrow_calls == [1, limit, 1, 2]
     # a reducing tap (a weight gradient summed over the batch's lanes) runs tiled at any batch
-    desc, sources, vectors, _ = _random_run(rng, 3, 1, np.float64)
+    calls = len(narrow_calls)
+    desc, sources, vectors = _shared_dense_run(rng, 6, 6, 1)
     m = int(desc["rows"][0])
     operand = rng.standard_normal((2, 1, 1))
     target = np.zeros((m, 2))
     cpu_chain.run_chain(sources=sources, vectors=vectors, taps=[(np.array([0]), 0, m, target, operand)], **desc)
-    assert narrow_calls == [cpu_chain.NARROW_MAX_BATCH]
-    o = int(desc["out"][0])
-    np.testing.assert_allclose(target, vectors[0, o:o + m, None] * operand[:, 0, 0][None, :], rtol=1e-12)
+    assert len(narrow_calls) == calls
+    np.testing.assert_allclose(target, vectors[0, m:2 * m, None] * operand[:, 0, 0][None, :], rtol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_recurrence_like_run_in_the_narrow_loop_equals_tiled(monkeypatch, narrow_calls, batch):
+    """Without forcing: one shared weight over 40 steps takes the narrow loop, bitwise the tiled result."""
+    rng = np.random.default_rng(batch)
+    desc, sources, vectors = _shared_dense_run(rng, 40, 40, batch, m=37)
+    got, want = vectors.copy(), vectors.copy()
+    cpu_chain.run_chain(sources=sources, vectors=got, **desc)
+    _tiled(monkeypatch, lambda: cpu_chain.run_chain(sources=sources, vectors=want, **desc))
+    assert narrow_calls == [batch]
+    np.testing.assert_array_equal(got, want)
