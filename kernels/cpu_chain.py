@@ -35,8 +35,9 @@ Without numba the NumPy loop in :mod:`spscan.kernels.torch_ops` runs instead (:f
 
 Modules: this one checks a run's arguments and calls the loop (:func:`run_chain`);
 :mod:`.cpu_chain_tiles` is the loop (tiles of ``LANES`` samples, taps, prefetches);
-:mod:`.cpu_chain_narrow` the loop for a batch of at most :data:`NARROW_MAX_BATCH` samples (one at a time,
-the lanes along the features; bitwise the same sums);
+:mod:`.cpu_chain_narrow` the loop for a batch of at most :data:`NARROW_MAX_BATCH` samples that reads its
+shared values again and again (:data:`NARROW_MIN_REUSE`; one sample at a time, the lanes along the
+features; bitwise the same sums);
 :mod:`.cpu_chain_tables` makes the tables it reads (where each step's values lie, taps, feeds, the
 patterns' column blocks and diagonal bands).
 """

@@ -13,15 +13,19 @@ input`` in ascending stored order (a multiply, then an add: no fused multiply-ad
 diagonal is one product, a gate step the same products, so a sample's result is bitwise the same in
 either loop (and in any batch). For that a shared step's values are read by blocks of rows that agree
 slot by slot, each slot's column the same in every row or one further per row (a weight block beside
-its diagonal band of identity entries; :func:`.cpu_chain_tables.narrow_tables`): such a block of ``R``
-rows is stored position by position (the ``R`` values of stored position ``q`` together), so its rows
-run as ``LANES``-row vectors, four at a time, each row still summing its own entries in stored order;
-rows past the last whole vector, and rows alone in their block, sum as scalars. Per-sample dense and
-CSR steps (values the sample's own, not worth reordering per call) sum row by row as scalars, as the
-tiled loop does per lane.
+its diagonal band of identity entries; :func:`.cpu_chain_tables.narrow_tables`): the call first copies
+such a block of ``R`` rows position by position (the ``R`` values of stored position ``q`` together;
+16 x 16 register transposes), once for all the steps that share those values, so its rows run as
+``LANES``-row vectors, four at a time, each row still summing its own entries in stored order; rows
+past the last whole vector, and rows alone in their block, sum as scalars. Per-sample dense and CSR
+steps (values the sample's own, not worth reordering per call) sum row by row as scalars, as the tiled
+loop does per lane.
 
-Not here: the reducing tap (a weight gradient summed across a full batch's lanes; :mod:`.cpu_chain`
-runs that batch tiled) and prefetching (a sample's running vector and blocks stay in L1).
+The copy is what the narrow loop pays: :func:`.cpu_chain.run_chain` takes it only where each sample
+reads the shared values at least ``NARROW_MIN_REUSE`` times over (a recurrence's weight, read every
+step), not for a run that reads each layer's weight once. Not here: the reducing tap (a weight gradient
+summed across a full batch's lanes; that batch runs tiled) and prefetching (a sample's running vector
+and blocks stay in L1).
 """
 
 from __future__ import annotations
