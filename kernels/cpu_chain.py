@@ -163,10 +163,10 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     if vectors.shape[0] <= NARROW_MAX_BATCH and red is None:
         nt = None if memo is None else memo.get("narrow")
         if nt is None:
-            nt = narrow_tables(code, src, offset, rows, cols, csr_ptr, csr_indptr, csr_indices)
+            nt = narrow_tables(code, src, offset, rows, cols, csr_ptr, csr_indptr, csr_indices, NARROW_MIN_REUSE)
             if memo is not None:
                 memo["narrow"] = nt
-        if nt.reads >= NARROW_MIN_REUSE * vectors.shape[0] * nt.size:
+        if nt.reads >= NARROW_MIN_REUSE * max(vectors.shape[0], 1) * nt.size:  # (blocks made where this holds)
             _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors,
                         csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo)
             return

@@ -262,7 +262,6 @@ def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarra
     return out
 
 
-
 class NarrowTables(NamedTuple):
     """:func:`narrow_tables`: the shared steps' row blocks for :mod:`.cpu_chain_narrow`."""
 
@@ -282,7 +281,8 @@ class NarrowTables(NamedTuple):
 
 
 def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: np.ndarray, cols: np.ndarray,
-                  csr_ptr: np.ndarray, csr_indptr: np.ndarray, csr_indices: np.ndarray) -> NarrowTables:
+                  csr_ptr: np.ndarray, csr_indptr: np.ndarray, csr_indices: np.ndarray,
+                  min_reuse: float = 0.0) -> NarrowTables:
     """The row blocks of a run's shared dense (code 1) and CSR (code 3) steps for the narrow-batch loop.
 
     A block is a run of consecutive rows whose column lists agree slot by slot, each slot's column the
@@ -291,48 +291,53 @@ def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: n
     (the ``R`` rows' values of stored position ``q`` together), into a scratch ``tval`` the loop reads,
     so it runs the block's rows along the vector lanes, each row still summing its entries in stored
     order. Steps with the same values (source, offset and pattern: a recurrence's weight, step after
-    step) share one copy, which is what makes the copy pay (``reads / size``). Index work only, once per
-    run (``run_chain``'s memo keeps it).
+    step) share one copy, which is what makes the copy pay (``reads / size``). Where the run reads its
+    shared values fewer than ``min_reuse`` times over, only ``size`` and ``reads`` are worked out (no
+    blocks: a large CNN's patterns are not scanned for a loop that will not run). Index work only, once
+    per run (``run_chain``'s memo keeps it).
     """
     steps = int(code.shape[0])
     indptr = np.asarray(csr_indptr, dtype=np.int64)
-    indices = np.asarray(csr_indices, dtype=np.int64)
-    lens = np.diff(indptr)
-    dense_k = int(cols[code == 1].max()) if (code == 1).any() else 0
-    dense_at = indices.shape[0]
-    blk_cols = np.concatenate([indices, np.arange(dense_k, dtype=np.int64)])
-    col_step = np.zeros(blk_cols.shape[0], dtype=np.int64)
-    patterns: dict = {}  # pattern key -> (first block, blocks, entries)
-    blocks: list[np.ndarray] = []  # per pattern: (blocks, 5) r0, R, n, col, val
-    nblk = 0
-    values: dict = {}  # (src, offset, pattern key) -> start in tval
-    size = reads = 0
+    shared = np.flatnonzero((code == 1) | (code == 3))
+    keys = [(1, int(rows[j]), int(cols[j])) if code[j] == 1 else (3, int(csr_ptr[j]), int(rows[j])) for j in shared]
+    nnz = {key: key[1] * key[2] if key[0] == 1 else int(indptr[key[1] + key[2]] - indptr[key[1]]) for key in keys}
     step_tv = np.zeros(steps, dtype=np.int64)
     step_fill = np.zeros(steps, dtype=np.int64)
-    step_b0 = np.zeros(steps, dtype=np.int64)
-    step_b1 = np.zeros(steps, dtype=np.int64)
-    for j in np.flatnonzero((code == 1) | (code == 3)):
-        m, k = int(rows[j]), int(cols[j])
-        key = (1, m, k) if code[j] == 1 else (3, int(csr_ptr[j]), m)
-        if key not in patterns:
-            if code[j] == 1:
-                table = np.array([[0, m, k, dense_at, 0]], dtype=np.int64)
-                nnz = m * k
-            else:
-                table = _row_blocks(indptr, indices, lens, int(csr_ptr[j]), m, col_step)
-                nnz = int(indptr[int(csr_ptr[j]) + m] - indptr[int(csr_ptr[j])])
-            patterns[key] = (nblk, table.shape[0], nnz)
-            blocks.append(table)
-            nblk += table.shape[0]
-        b0, nb, nnz = patterns[key]
-        step_b0[j], step_b1[j] = b0, b0 + nb
+    values: dict = {}  # (src, offset, pattern key) -> start in tval
+    size = reads = 0
+    for j, key in zip(shared, keys):
         vkey = (int(src[j]), int(offset[j]), key)
         if vkey not in values:
             values[vkey] = size
             step_fill[j] = 1
-            size += nnz
+            size += nnz[key]
         step_tv[j] = values[vkey]
-        reads += nnz
+        reads += nnz[key]
+    step_b0 = np.zeros(steps, dtype=np.int64)
+    step_b1 = np.zeros(steps, dtype=np.int64)
+    indices = np.asarray(csr_indices, dtype=np.int64)
+    dense_k = int(cols[code == 1].max()) if (code == 1).any() else 0
+    blk_cols = np.concatenate([indices, np.arange(dense_k, dtype=np.int64)])
+    col_step = np.zeros(blk_cols.shape[0], dtype=np.int64)
+    if reads < min_reuse * size:
+        empty = np.zeros(0, dtype=np.int64)
+        return NarrowTables(step_tv, np.zeros(steps, dtype=np.int64), step_b0, step_b1, *([empty] * 5), blk_cols,
+                            col_step, size, reads)
+    lens = np.diff(indptr)
+    patterns: dict = {}  # pattern key -> (first block, blocks)
+    blocks: list[np.ndarray] = []  # per pattern: (blocks, 5) r0, R, n, col, val
+    nblk = 0
+    for j, key in zip(shared, keys):
+        if key not in patterns:
+            if key[0] == 1:
+                table = np.array([[0, key[1], key[2], indices.shape[0], 0]], dtype=np.int64)
+            else:
+                table = _row_blocks(indptr, indices, lens, key[1], key[2], col_step)
+            patterns[key] = (nblk, table.shape[0])
+            blocks.append(table)
+            nblk += table.shape[0]
+        b0, nb = patterns[key]
+        step_b0[j], step_b1[j] = b0, b0 + nb
     table = np.concatenate(blocks) if blocks else np.zeros((0, 5), dtype=np.int64)
     cols_ = [np.ascontiguousarray(table[:, c]) for c in range(5)]
     return NarrowTables(step_tv, step_fill, step_b0, step_b1, *cols_, blk_cols, col_step, size, reads)
