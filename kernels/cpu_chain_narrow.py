@@ -226,7 +226,6 @@ def compiled():
     """The compiled :func:`_narrow_kernel` (numba; compiled on first use, cached on disk)."""
     global _compiled
     if _compiled is None:
-        ops = cpu_simd.intrinsics()
-        globals().update({name: ops[name] for name in _VECTOR_OPS})
+        cpu_simd.bind(globals(), _VECTOR_OPS)
         _compiled = numba_module().njit(cache=True, nogil=True, error_model="numpy")(_narrow_kernel)
     return _compiled

@@ -454,8 +454,7 @@ def compiled():
     """The compiled :func:`_chain_kernel` (numba; compiled on first use, cached on disk)."""
     global _compiled
     if _compiled is None:
-        ops = cpu_simd.intrinsics()
-        globals().update({name: ops[name] for name in _VECTOR_OPS})
+        cpu_simd.bind(globals(), _VECTOR_OPS)
         globals()["block_sums"] = cpu_nt.block_sums()
         globals()["lane_sum"] = cpu_nt.lane_sum()
         numba = numba_module()

@@ -150,7 +150,7 @@ def block_sums():
     global _block_sums_c
     if _block_sums_c is None:
         numba = numba_module()
-        globals().update({name: op for name, op in cpu_simd.intrinsics().items() if name in _VECTOR_OPS})
+        cpu_simd.bind(globals(), _VECTOR_OPS)
         globals()["_add4_c"] = numba.njit(cache=True, nogil=True, inline="always")(_add4)
         _block_sums_c = numba.njit(cache=True, nogil=True, error_model="numpy")(_block_sums)
     return _block_sums_c

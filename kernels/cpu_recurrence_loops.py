@@ -18,7 +18,7 @@ reproducible run to run. No ``fastmath``, no ``parallel``.
 from __future__ import annotations
 
 from . import cpu_recurrence_steps
-from .cpu_simd import LANES, intrinsics
+from .cpu_simd import LANES, bind
 
 __all__ = ["compiled"]
 
@@ -369,8 +369,7 @@ def compiled(name: str):
     fn = _compiled_loops.get(name)
     if fn is None:
         if vload is None:
-            ops = intrinsics()
-            globals().update({op: ops[op] for op in _VECTOR_OPS})
+            bind(globals(), _VECTOR_OPS)
             globals().update(cpu_recurrence_steps.compiled())
         fn = _compiled_loops[name] = cpu_recurrence_steps.jit(_LOOPS[name])
     return fn

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from .cpu_numba import numba_module
-from .cpu_simd import LANES, intrinsics
+from .cpu_simd import LANES, bind
 
 __all__ = ["compiled", "expm1_consts", "int_type"]
 
@@ -287,7 +287,6 @@ def compiled() -> dict:
     """The compiled helpers by the names the loops call them (``"_vexpm1_c"``, ...): bound here, with the
     vector operations they use, before any loop compiles (compiled on first use, inlined where called)."""
     if _vexpm1_c is None:
-        ops = intrinsics()
-        globals().update({name: ops[name] for name in _VECTOR_OPS})
+        bind(globals(), _VECTOR_OPS)
         globals().update({name + "_c": jit(globals()[name], "always") for name in _HELPERS})
     return {name + "_c": globals()[name + "_c"] for name in _HELPERS}

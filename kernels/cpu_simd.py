@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import functools
 import glob
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["LANES", "intrinsics", "last_level_cache_bytes"]
+__all__ = ["LANES", "bind", "intrinsics", "last_level_cache_bytes"]
 
 LANES = 16  # samples per tile: one AVX-512 register of float32
 
@@ -62,6 +62,13 @@ def last_level_cache_bytes() -> int:
         if digits.isdigit():
             best = max(best, int(digits) * scale)
     return best or _CACHE_FALLBACK
+
+
+def bind(namespace: dict, names: Sequence[str]) -> None:
+    """Bind the vector operations ``names`` (of :func:`intrinsics`) into a kernel module's ``namespace``
+    (its ``globals()``): the names its kernels call, set before the first of them compiles."""
+    ops = intrinsics()
+    namespace.update({name: ops[name] for name in names})
 
 
 def intrinsics() -> dict[str, Any]:
