@@ -68,6 +68,41 @@ def test_transformer_encoder_layer(norm_first, train):
     assert "opaque: self.inner (TransformerEncoderLayer)" in w.plan.summary()
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_an_opaque_node_recorded_in_a_cuda_graph_reads_its_parameters_through_aliases(monkeypatch, dropout):
+    """Recorded in a CUDA graph (the capture branch forced here), an opaque node's call reads its parameters
+    through new leaves on the same memory and its backward asks for their gradients: its autograd graph
+    reaches none of the parameters' own leaf nodes, which a training step's graph made on the default
+    stream (a capture handing them a gradient fails). The gradients are autograd's, dropout included."""
+    from spscan.layers import opaque
+
+    monkeypatch.setattr(opaque, "_capturing", lambda xs: True)
+    reached = []
+    real = opaque.OpaqueUnit.run_inputs
+
+    def spy(self, xs, tensors):
+        y, saved = real(self, xs, tensors)
+        seen, stack = set(), [saved[1].grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if hasattr(fn, "variable"):
+                reached.append(fn.variable)
+            stack.extend(f for f, _ in fn.next_functions)
+        return y, saved
+
+    monkeypatch.setattr(opaque.OpaqueUnit, "run_inputs", spy)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True, dropout=dropout)
+    model = _Wrap(layer, 16)
+    _check(model, [torch.randn(3, 5, 16), torch.randn(3, 5, 16)])
+    params = {id(p) for p in layer.parameters()}
+    assert reached and not any(id(v) in params for v in reached)
+    assert sum(v.shape == layer.linear1.weight.shape for v in reached) >= 1  # its aliases, as leaves
+
+
 def test_a_torch_layer_fx_cannot_trace_as_the_whole_model():
     """nn.TransformerEncoderLayer as the model itself (fx cannot trace its forward) is one opaque node, as it is
     inside a model: backward="scan" runs, and "auto" chooses between the two without a fallback warning."""

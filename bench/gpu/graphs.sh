@@ -8,6 +8,8 @@
 #              MLP with dropout, BatchNorm, single-layer, stacked and bidirectional recurrent modules:
 #              bitwise equal to the eager scan) and tests/test_autocast_and_no_grad.py (AMP, a wrapper
 #              moved to the GPU); every failure is reported, not only the first
+#   opaque     the transformer layer's graphed steps in a loop that keeps its loss (bench/gpu/probe_graph_crash.py:
+#              every variant rc 0, no failed recording)
 #   cnn        the "never slower" CNN, MLP and transformer rows on CUDA at the default thread count, with
 #              the shipped reference profile (what a user who never calibrates gets)
 #   rnn        the recurrent rows, the same way, at the default thread count and at one thread (their
@@ -29,7 +31,7 @@ root="$(cd "$here/../.." && pwd)"
 out="${1:-${OUT:-$root/gpu-graphs}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
-stages=" ${GRAPHS_STAGES:-tests cnn rnn cnn1 calibrate profile} "
+stages=" ${GRAPHS_STAGES:-tests opaque cnn rnn cnn1 calibrate profile} "
 cd "$root" || exit 2
 export PYTHONUNBUFFERED=1
 cache="${GRAPHS_CACHE_DIR:-$(mktemp -d)}"
@@ -46,6 +48,10 @@ if want tests; then
     stage tests
     timeout 240 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_graphed.py \
         tests/test_autocast_and_no_grad.py 2>&1 | tail -40 | tee -a "$log"
+fi
+if want opaque; then
+    stage opaque
+    timeout 150 "$py" bench/gpu/probe_graph_crash.py 2>&1 | cut -c1-300 | head -40 | tee -a "$log"
 fi
 rows() {  # rows NAME TIMEOUT PYTEST-K
     stage "never-slower: $1"

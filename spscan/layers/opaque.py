@@ -14,6 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from spscan.layers.base import LayerUnit, UnitCapabilities
 
@@ -74,6 +75,33 @@ def counted_call(call: Callable[..., Any], xs: Sequence[torch.Tensor]) -> tuple[
     return y, tuple((f, w / batch) for f, w in terms)
 
 
+def _capturing(xs: Sequence[torch.Tensor]) -> bool:
+    """Whether this call is being recorded in a CUDA graph."""
+    return bool(xs) and xs[0].is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _substituted(a: Any, swap: dict) -> Any:
+    if isinstance(a, torch.Tensor):
+        return swap.get(id(a), a)
+    if type(a) in (list, tuple):
+        return type(a)(_substituted(v, swap) for v in a)
+    return a
+
+
+class _Aliased(TorchFunctionMode):
+    """Every torch function called inside gets the tensors ``swap`` names (by ``id``) replaced by theirs:
+    a module's parameters by aliases, as its code reads them (``F.linear(x, self.weight)``, ``w.t()``)."""
+
+    def __init__(self, swap: dict) -> None:
+        super().__init__()
+        self.swap = swap
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = _substituted(tuple(args), self.swap)
+        kwargs = {k: _substituted(v, self.swap) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
 class OpaqueUnit(LayerUnit):
     """A node planned as its own forward and its own autograd backward.
 
@@ -125,7 +153,13 @@ class OpaqueUnit(LayerUnit):
         return self.run_inputs([x], tensors)
 
     def run_inputs(self, xs: Sequence[torch.Tensor], tensors) -> tuple[torch.Tensor, Any]:
-        """The node's own call on its graph tensors ``xs`` (detached, recorded); what its backward needs."""
+        """The node's own call on its graph tensors ``xs`` (detached, recorded); what its backward needs.
+
+        Recorded in a CUDA graph, the call reads its parameters through aliases (new leaves on the same
+        memory, :class:`_Aliased`), and its backward asks for their gradients: a parameter's own leaf
+        node was made on the default stream by the training step's autograd graph (the previous step's,
+        kept alive by the caller's ``loss``), and a gradient handed to it from the capture stream makes
+        the recording join the default stream, which fails the capture."""
         with torch.enable_grad():
             xis = []
             for x, shape in zip(xs, self.in_shapes):
@@ -133,8 +167,14 @@ class OpaqueUnit(LayerUnit):
                 if xi.is_floating_point() or xi.is_complex():
                     xi.requires_grad_(True)
                 xis.append(xi)
-            y = self.call(*xis)
-        return y.detach(), (xis, y)
+            aliases = None
+            if self._params and _capturing(xs):
+                aliases = [p.detach().requires_grad_(p.requires_grad) for _, p in self._params]
+                with _Aliased({id(p): a for (_, p), a in zip(self._params, aliases)}):
+                    y = self.call(*xis)
+            else:
+                y = self.call(*xis)
+        return y.detach(), (xis, y, aliases)
 
     def fill(self, saved, tensors):
         raise ValueError(f"layer {self.index} ({self.name}): an opaque node has no J^T values; it runs only as its "
@@ -143,9 +183,10 @@ class OpaqueUnit(LayerUnit):
     def vjp(self, saved, g: torch.Tensor, inputs: Sequence[bool], needed: Sequence[bool]):
         """``([J_i^T g for the inputs asked, (B, d_i) each], parameter gradients per role)`` from one
         autograd backward of the node's recorded call (kept for later calls)."""
-        xis, y = saved
+        xis, y, aliases = saved
+        own = [p for _, p in self._params] if aliases is None else aliases
         want = [x for x, w in zip(xis, inputs) if w and x.requires_grad]
-        params = [p for (_, p), n in zip(self._params, needed) if n and p.requires_grad]
+        params = [p for p, n in zip(own, needed) if n and p.requires_grad]
         got: list = []
         if (want or params) and y.requires_grad:
             got = list(torch.autograd.grad(y, want + params, g.reshape(y.shape), retain_graph=True, allow_unused=True))
@@ -157,7 +198,7 @@ class OpaqueUnit(LayerUnit):
             gi = got.pop(0) if x.requires_grad else None
             gis.append((g.new_zeros(x.shape) if gi is None else gi).reshape(g.shape[0], -1))
         out: list[Optional[torch.Tensor]] = []
-        for (_, p), n in zip(self._params, needed):
+        for p, n in zip(own, needed):
             if n and p.requires_grad:
                 v = got.pop(0)
                 out.append(torch.zeros_like(p) if v is None else v)
