@@ -316,3 +316,30 @@ def test_rounds_take_turns_going_first():
         k += 2 if calls[k] == "wrapped" else 1
     rounds = [steps[i:i + 2] for i in range(0, len(steps), 2)][-row.rounds:]  # the timed rounds
     assert [r[0] for r in rounds] == ["plain", "wrapped"] * (row.rounds // 2) + ["plain"] * (row.rounds % 2)
+
+
+def test_the_rows_copies_hold_their_recurrent_weights_in_one_block(monkeypatch):
+    """Every copy a row times (autograd's side, the forced candidates) re-packs its recurrent layers' weights:
+    a deep copy leaves each weight in its own memory, which cuDNN re-packs on every call of that copy alone."""
+    import torch.nn as nn
+
+    flattened = []
+    real = nn.RNNBase.flatten_parameters
+
+    def spy(self):
+        flattened.append(self)
+        return real(self)
+
+    monkeypatch.setattr(nn.RNNBase, "flatten_parameters", spy)
+    model = nn.Sequential(nn.Linear(3, 4))
+    lstm = nn.LSTM(4, 5)
+    wrapper = nn.ModuleDict({"head": model, "rnn": lstm})
+    import copy as copy_module
+
+    copy_module.deepcopy(wrapper)
+    by_deepcopy = len(flattened)
+    flattened.clear()
+    copy = ns.fresh_copy(wrapper)
+    assert copy is not wrapper and copy["rnn"] is not lstm
+    assert len(flattened) == by_deepcopy + 1 and flattened[-1] is copy["rnn"]
+    assert ns.fresh_copy(None) is None
