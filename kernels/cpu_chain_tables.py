@@ -315,14 +315,14 @@ def narrow_tables(code: np.ndarray, src: np.ndarray, offset: np.ndarray, rows: n
         reads += nnz[key]
     step_b0 = np.zeros(steps, dtype=np.int64)
     step_b1 = np.zeros(steps, dtype=np.int64)
+    if reads < min_reuse * size:  # nothing the size of the patterns is made
+        empty = np.zeros(0, dtype=np.int64)
+        return NarrowTables(step_tv, np.zeros(steps, dtype=np.int64), step_b0, step_b1, *([empty] * 7), size,
+                            reads)
     indices = np.asarray(csr_indices, dtype=np.int64)
     dense_k = int(cols[code == 1].max()) if (code == 1).any() else 0
     blk_cols = np.concatenate([indices, np.arange(dense_k, dtype=np.int64)])
     col_step = np.zeros(blk_cols.shape[0], dtype=np.int64)
-    if reads < min_reuse * size:
-        empty = np.zeros(0, dtype=np.int64)
-        return NarrowTables(step_tv, np.zeros(steps, dtype=np.int64), step_b0, step_b1, *([empty] * 5), blk_cols,
-                            col_step, size, reads)
     lens = np.diff(indptr)
     patterns: dict = {}  # pattern key -> (first block, blocks)
     blocks: list[np.ndarray] = []  # per pattern: (blocks, 5) r0, R, n, col, val

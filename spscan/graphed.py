@@ -413,12 +413,13 @@ class GraphedStep:
     call. Its first call runs the same ``scan_forward`` and ``step_backward`` eagerly, on buffers of its
     own: what they make on first use (a binding's index tables uploaded from the host, a kernel's compiled
     specialization, recycled buffers) is made then, since a capture refuses a copy from the host
-    (``torch.cuda.make_graphed_callables`` warms up the callables it records the same way). :meth:`__call__` gives ``None`` where the caller runs its ordinary path instead: grad mode off,
+    (``torch.cuda.make_graphed_callables`` warms up the callables it records the same way).
+    :meth:`__call__` gives ``None`` where the caller runs its ordinary path instead: grad mode off,
     autocast, a parameter that is not a leaf, a signature whose recording failed (:attr:`unrecordable`
     then says so, and :attr:`failure` why; an entry's :attr:`_StepEntry.error` also keeps why its
     backward could not be), and a forward whose signature's activations still belong to an earlier
-    forward whose backward has not run (forwards of several micro-batches before their backwards). Dropout's
-    random numbers are drawn anew by every replay (CUDA graphs carry the generator's offsets); a
+    forward whose backward has not run (forwards of several micro-batches before their backwards).
+    Dropout's random numbers are drawn anew by every replay (CUDA graphs carry the generator's offsets); a
     batch-norm's running statistics are updated by every replay, as in eager. A forward that records
     an autograd graph of its own (an opaque node's call, whose backward asks autograd for a
     vector-Jacobian product) is recorded with it, as ``torch.cuda.make_graphed_callables`` records a
