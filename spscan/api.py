@@ -50,6 +50,15 @@ def _model_options(func: str, model: torch.nn.Module, example_input, options: di
     return plan_fn, wrap_fn, check_options(func, kind, options, f"a {type(model).__name__}")
 
 
+def _check_one_input(model: torch.nn.Module, example_input: Any) -> None:
+    """Refuse an example of several inputs (``(src, tgt)``): the scan plans a model of one tensor input (and
+    optional arguments with defaults); ``wrap(..., backward="auto")`` then runs autograd's own backward."""
+    if isinstance(example_input, (tuple, list)):
+        raise NotPlannable(f"{type(model).__name__}: an example of {len(example_input)} inputs; the scan plans a "
+                           "model of one tensor input (B, *in_shape), whose forward's other arguments, if any, "
+                           "have defaults")
+
+
 @takes_options
 def plan(patterns: Any, example_input: Optional[torch.Tensor] = None, **options: Any):
     """Plan the backward scan over a chain of transposed-Jacobian patterns (or a model).
@@ -75,6 +84,7 @@ def plan(patterns: Any, example_input: Optional[torch.Tensor] = None, **options:
             raise TypeError("plan(): option 'backward' chooses what a wrapped model runs; pass it to spscan.wrap")
         plan_fn, _, opts = _model_options("plan", patterns, example_input, options)
         opts.pop("backward", None)
+        _check_one_input(patterns, example_input)
         try:
             return plan_fn(patterns, example_input, **opts)
         except UnitRefused:  # a layer its unit does not cover: the chain traced, that layer an opaque node
@@ -103,6 +113,7 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
     _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
     try:
         try:
+            _check_one_input(model, example_input)
             wrapped = wrap_fn(model, example_input, **opts)
         except UnitRefused:  # a layer its unit does not cover: the chain traced, that layer an opaque node
             wrapped = wrap_graph(model, example_input, **opts)

@@ -72,20 +72,21 @@ AUTOCAST_NOTE = "under torch.autocast or a torch.func transform: native"
 
 
 def _decide(question: str, native: float, scan: float, scan_detail: str, mode: str, prof: StepProfile,
-            more: Sequence[Candidate] = ()) -> Decision:
+            more: Sequence[Candidate] = (), notes: Sequence[str] = ()) -> Decision:
     cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward"),
              *more]
     return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), incumbent="native",
-                  margin=SCAN_MARGIN, notes=(AUTOCAST_NOTE,) if mode == "auto" else ())
+                  margin=SCAN_MARGIN, notes=((AUTOCAST_NOTE, *notes) if mode == "auto" else tuple(notes)))
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
-                    scan_detail: str, profile: Optional[StepProfile] = None) -> Decision:
+                    scan_detail: str, profile: Optional[StepProfile] = None, notes: Sequence[str] = ()) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan's
     whole step replayed from CUDA graphs (``graph``), where the profile prices it and the activations a
     recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`. (An opaque node's own autograd backward is
     recorded with the rest: the forward graph rewrites the tensors its autograd graph saved, in place.)
-    ``profile``: the step profile to decide with (default: the device's, :func:`step_profile`)."""
+    ``profile``: the step profile to decide with (default: the device's, :func:`step_profile`); ``notes``: lines
+    the explanation adds (what else decides a call)."""
     prof = step_profile(device) if profile is None else profile
     layers = [t for u in units for t in u.cost_terms(batch)]
     more = []
@@ -93,7 +94,7 @@ def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.dev
             and graph_activation_bytes(units, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
         more.append(Candidate("graph", prof.layers_time(layers, "graph"), GRAPH_DETAIL))
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
-                   scan_detail, mode, prof, more)
+                   scan_detail, mode, prof, more, notes)
 
 
 def recurrent_graph_bytes(shapes: Sequence[tuple[int, int]], seq_len: int, batch: int) -> int:

@@ -312,8 +312,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                                           module_backed=traced.module_backed, factored=factored)
         plan.decisions = [d for d in (norm,) if d is not None]
         plan.bind_signatures()
-        plan.planned_training = model.training
-        return plan
+        return _traced_as(plan, traced, model)
     norm_form = kwargs.pop("norm_form", "auto")
     if norm_form not in ("auto", "dense"):
         raise ValueError(f"{type(model).__name__}: norm_form={norm_form!r}: a model with skips or concatenations "
@@ -338,11 +337,17 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
                 for s in segments]
         core = build_plan(pats, bind=None, **kwargs)
         plan = GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators, operator_only=True)
-        plan.planned_training = model.training
-        return plan
+        return _traced_as(plan, traced, model)
     core = build_plan([s.pattern for s in segments], bind=None, **kwargs)
     plan = GraphPlan(traced.model, traced, segments, in_shape, core, operators=operators)
+    return _traced_as(plan, traced, model)
+
+
+def _traced_as(plan: ModelPlan, traced: Traced, model: nn.Module) -> ModelPlan:
+    """``plan`` marked with what its graph was traced with: the model's mode and its forward's optional
+    arguments (:attr:`ModelPlan.planned_training`, :attr:`ModelPlan.fixed_arguments`)."""
     plan.planned_training = model.training
+    plan.fixed_arguments = dict(traced.fixed_arguments)
     return plan
 
 

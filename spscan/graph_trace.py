@@ -4,6 +4,7 @@ and the refusals that name the layer, the call and its source line.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import re
@@ -25,7 +26,7 @@ from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CA
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
 from spscan.model import example_rejected, has_hooks
 
-__all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "node_source", "refuse_node"]
+__all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "fixed_arguments", "node_source", "refuse_node"]
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
@@ -125,6 +126,45 @@ def _subtractions_as_sums(graph: fx.Graph, root: nn.Module) -> None:
         node.op, node.target, node.args = "call_function", operator.add, (a, neg)
 
 
+#: default values a forward's optional parameters are planned with (fx specializes the graph to them)
+_PLAIN_DEFAULTS = (type(None), bool, int, float, str)
+
+
+def fixed_arguments(model: nn.Module) -> dict[str, Any]:
+    """``{name: default}`` of the parameters of ``model``'s forward after its input that have a plain default
+    (None, a bool, number or string): ``forward(x, mask=None, causal=False)``. The model is traced with them
+    at those values (fx's ``concrete_args``), so a call that passes nothing else runs the planned graph; a
+    parameter without a default, or with another kind of default, stays an input of the graph (refused:
+    the scan plans one tensor input)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return {}
+    return {p.name: p.default for p in params[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
+            and type(p.default) in _PLAIN_DEFAULTS}
+
+
+def _drop_fixed_inputs(graph: fx.Graph) -> None:
+    """Remove what fx's ``concrete_args`` leaves of the fixed parameters: their placeholders and the checks
+    that a call passed the planned values (``_assert_is_none``, ``torch._assert``), which read nothing else.
+    The forward itself saw the values, not the placeholders; a placeholder the forward's nodes do read is
+    kept (the graph then has several inputs and is refused as such)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][1:]
+    for ph in placeholders:
+        members, todo = set(), [ph]
+        while todo:
+            n = todo.pop()
+            if n not in members:
+                members.add(n)
+                todo.extend(n.users)
+        if any(n.op == "output" or any(i not in members for i in n.all_input_nodes) for n in members):
+            continue  # the forward reads it
+        for n in reversed(list(graph.nodes)):
+            if n in members:
+                graph.erase_node(n)
+
+
 class _Whole(nn.Module):
     """A model that is itself a ``torch.nn`` layer, called as a leaf of a one-node graph."""
 
@@ -172,8 +212,14 @@ class Traced:
                                "as its own call)")
         tracer = _HookedLeaves()
         tracer.record_stack_traces = True
+        #: the forward's optional parameters the graph is planned with (:func:`fixed_arguments`)
+        self.fixed_arguments = fixed_arguments(model)
         try:
-            self.graph = tracer.trace(model)
+            if self.fixed_arguments:
+                self.graph = tracer.trace(model, concrete_args=dict(self.fixed_arguments))
+                _drop_fixed_inputs(self.graph)
+            else:
+                self.graph = tracer.trace(model)
         except Exception as e:  # data-dependent control flow and the like, or a forward that fails anyway
             _raise_if_forward_fails(model, example_input)
             if not tracer.is_leaf_module(model, ""):
@@ -207,8 +253,8 @@ class Traced:
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != 1:
-            raise NotPlannable(f"{type(self.model).__name__}: expected a forward with one tensor input, got "
-                            f"{len(placeholders)} inputs ({', '.join(n.name for n in placeholders)})")
+            raise NotPlannable(f"expected a forward with one tensor input (and optional arguments with defaults), got "
+                               f"{len(placeholders)} inputs ({', '.join(n.target for n in placeholders)})")
         self.env = env  # filled as the nodes are propagated; opaque nodes' evaluators read it
         with torch.no_grad():
             for node in self.graph.nodes:

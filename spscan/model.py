@@ -19,6 +19,7 @@ Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -169,6 +170,10 @@ class ModelPlan:
         # ``F.dropout(x, training=self.training)`` does): the model's ``training`` then, else None (a chain of
         # layers, whose units follow their modules' modes at run time)
         self.planned_training: Optional[bool] = None
+        # a traced forward's optional parameters, ``{name: value}``, at the values the graph was traced with
+        # (``forward(x, mask=None)``: the graph of a call without a mask); a call that passes other values
+        # runs the model's own forward (:meth:`SpscanModule.forward`)
+        self.fixed_arguments: dict[str, Any] = {}
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")
@@ -782,6 +787,9 @@ def model_device(model: nn.Module) -> Optional[torch.device]:
     return None
 
 
+_NOT_PLANNED = object()  # an argument the plan has no value for (SpscanModule._unplanned_argument)
+
+
 class SpscanModule(BackwardChoice, nn.Module):
     """``model`` with the same forward, whose backward runs through the scan.
 
@@ -791,7 +799,8 @@ class SpscanModule(BackwardChoice, nn.Module):
     autograd backward or, on a GPU, the scan's whole step from CUDA graphs: :attr:`decision`,
     :meth:`explain`), ``"scan"``, ``"native"`` or ``"graph"``. With gradients off, or nothing that needs
     one, a call runs the model's own forward; under ``torch.autocast`` see
-    :meth:`~spscan.choices.BackwardChoice._call_choice`.
+    :meth:`~spscan.choices.BackwardChoice._call_choice`. A traced model whose forward takes optional
+    arguments (``forward(x, mask=None)``) is planned with their defaults; see :meth:`forward`.
     """
 
     def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
@@ -805,11 +814,49 @@ class SpscanModule(BackwardChoice, nn.Module):
         self._example_device = device
         self._init_choice(backward, batch)
 
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """The model's call on ``x``, its backward as :attr:`decision` says. Further arguments are those of the
+        model's own forward: where they are the values the graph was planned with (its defaults,
+        :attr:`ModelPlan.fixed_arguments`) the call is planned as any other; other values (a mask where the
+        default is None) change the graph, so with ``backward="auto"`` that call runs the model's own forward
+        and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError)."""
+        if args or kwargs:
+            try:
+                other = self._unplanned_argument(x, args, kwargs)
+            except TypeError:  # arguments the model's forward does not take: its own error
+                return self.model(x, *args, **kwargs)
+            if other is not None:
+                if self.backward_mode not in ("auto", "native") and torch.is_grad_enabled():
+                    planned = ", ".join(f"{k}={v!r}" for k, v in self.plan.fixed_arguments.items()) or "no arguments"
+                    raise TypeError(f"{type(self).__name__} with backward={self.backward_mode!r}: the scan runs the "
+                                    f"graph of {type(self.model).__name__} traced with {planned} besides the input; "
+                                    f"this call passes {other}, which changes it (backward='auto' runs such a call "
+                                    "through the model's own backward)")
+                return self.model(x, *args, **kwargs)
+        return super().forward(x)
+
+    def _unplanned_argument(self, x: Any, args: tuple, kwargs: dict) -> Optional[str]:
+        """``name=value`` of the first argument besides ``x`` that is not the value the graph was planned with
+        (None: every one is); TypeError where the model's forward does not take them."""
+        fixed = self.plan.fixed_arguments
+        bound = inspect.signature(self.model.forward).bind(x, *args, **kwargs)
+        for name, value in list(bound.arguments.items())[1:]:
+            planned = fixed.get(name, _NOT_PLANNED)
+            if not (value is planned or (type(value) is type(planned) and type(value) in (bool, int, float, str)
+                                         and value == planned)):
+                shown = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                return f"{name}={shown}"
+        return None
+
     def _backward_decision(self, batch) -> Decision:
         plan = self.plan
         detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
         device = plan.core.device or model_device(self.model) or self._example_device
-        return layers_decision(plan.units, batch, device, self.backward_mode, detail)
+        notes = ()
+        if plan.fixed_arguments and self.backward_mode == "auto":
+            notes = ("planned with " + ", ".join(f"{k}={v!r}" for k, v in plan.fixed_arguments.items())
+                     + "; a call with other values: native",)
+        return layers_decision(plan.units, batch, device, self.backward_mode, detail, notes=notes)
 
     def _signature(self, x: Any) -> Optional[int]:
         return batch_of(x)
