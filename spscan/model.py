@@ -819,7 +819,11 @@ class SpscanModule(BackwardChoice, nn.Module):
         model's own forward: where they are the values the graph was planned with (its defaults,
         :attr:`ModelPlan.fixed_arguments`) the call is planned as any other; other values (a mask where the
         default is None) change the graph, so with ``backward="auto"`` that call runs the model's own forward
-        and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError)."""
+        and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError). An input of another
+        per-sample shape than the example's (an image of another size) runs the model's own step under
+        ``backward="auto"``: the plan is the example shape's; a forced scan refuses it (ValueError)."""
+        if self.backward_mode == "auto" and isinstance(x, torch.Tensor) and x.shape[1:] != self.plan.in_shape:
+            return self.model(x, *args, **kwargs)
         if args or kwargs:
             try:
                 other = self._unplanned_argument(x, args, kwargs)
@@ -852,10 +856,12 @@ class SpscanModule(BackwardChoice, nn.Module):
         plan = self.plan
         detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
         device = plan.core.device or model_device(self.model) or self._example_device
-        notes = ()
-        if plan.fixed_arguments and self.backward_mode == "auto":
-            notes = ("planned with " + ", ".join(f"{k}={v!r}" for k, v in plan.fixed_arguments.items())
-                     + "; a call with other values: native",)
+        notes: tuple[str, ...] = ()
+        if self.backward_mode == "auto":
+            notes = (f"an input of another per-sample shape than {tuple(plan.in_shape)}: native",)
+            if plan.fixed_arguments:
+                notes += ("planned with " + ", ".join(f"{k}={v!r}" for k, v in plan.fixed_arguments.items())
+                          + "; a call with other values: native",)
         return layers_decision(plan.units, batch, device, self.backward_mode, detail, notes=notes)
 
     def _signature(self, x: Any) -> Optional[int]:
