@@ -24,7 +24,7 @@ from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
-from spscan.model import example_rejected, has_hooks
+from spscan.model import PLAIN_ARGUMENT_TYPES, example_rejected, has_hooks
 
 __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "fixed_arguments", "node_source", "refuse_node"]
 
@@ -126,10 +126,6 @@ def _subtractions_as_sums(graph: fx.Graph, root: nn.Module) -> None:
         node.op, node.target, node.args = "call_function", operator.add, (a, neg)
 
 
-#: default values a forward's optional parameters are planned with (fx specializes the graph to them)
-_PLAIN_DEFAULTS = (type(None), bool, int, float, str)
-
-
 def fixed_arguments(model: nn.Module) -> dict[str, Any]:
     """``{name: default}`` of the parameters of ``model``'s forward after its input that have a plain default
     (None, a bool, number or string): ``forward(x, mask=None, causal=False)``. The model is traced with them
@@ -142,7 +138,7 @@ def fixed_arguments(model: nn.Module) -> dict[str, Any]:
         return {}
     return {p.name: p.default for p in params[1:]
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
-            and type(p.default) in _PLAIN_DEFAULTS}
+            and type(p.default) in PLAIN_ARGUMENT_TYPES}
 
 
 def _drop_fixed_inputs(graph: fx.Graph) -> None:

@@ -20,7 +20,7 @@ Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -787,6 +787,9 @@ def model_device(model: nn.Module) -> Optional[torch.device]:
     return None
 
 
+#: the kinds of value a traced forward's optional arguments are planned at (:attr:`ModelPlan.fixed_arguments`:
+#: fx specializes the graph to them); a call passes the planned value where it is that value or equal to it
+PLAIN_ARGUMENT_TYPES = (type(None), bool, int, float, str)
 _NOT_PLANNED = object()  # an argument the plan has no value for (SpscanModule._unplanned_argument)
 
 
@@ -821,9 +824,8 @@ class SpscanModule(BackwardChoice, nn.Module):
         default is None) change the graph, so with ``backward="auto"`` that call runs the model's own forward
         and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError). An input of another
         per-sample shape than the example's (an image of another size) runs the model's own step under
-        ``backward="auto"``: the plan is the example shape's; a forced scan refuses it (ValueError)."""
-        if self.backward_mode == "auto" and isinstance(x, torch.Tensor) and x.shape[1:] != self.plan.in_shape:
-            return self.model(x, *args, **kwargs)
+        ``backward="auto"`` (:meth:`_call_choice`): the plan is the example shape's; a forced scan refuses it
+        (ValueError)."""
         if args or kwargs:
             try:
                 other = self._unplanned_argument(x, args, kwargs)
@@ -831,9 +833,9 @@ class SpscanModule(BackwardChoice, nn.Module):
                 return self.model(x, *args, **kwargs)
             if other is not None:
                 if self.backward_mode not in ("auto", "native") and torch.is_grad_enabled():
-                    planned = ", ".join(f"{k}={v!r}" for k, v in self.plan.fixed_arguments.items()) or "no arguments"
                     raise TypeError(f"{type(self).__name__} with backward={self.backward_mode!r}: the scan runs the "
-                                    f"graph of {type(self.model).__name__} traced with {planned} besides the input; "
+                                    f"graph of {type(self.model).__name__} traced with "
+                                    f"{self._planned_arguments() or 'no arguments'} besides the input; "
                                     f"this call passes {other}, which changes it (backward='auto' runs such a call "
                                     "through the model's own backward)")
                 return self.model(x, *args, **kwargs)
@@ -846,11 +848,22 @@ class SpscanModule(BackwardChoice, nn.Module):
         bound = inspect.signature(self.model.forward).bind(x, *args, **kwargs)
         for name, value in list(bound.arguments.items())[1:]:
             planned = fixed.get(name, _NOT_PLANNED)
-            if not (value is planned or (type(value) is type(planned) and type(value) in (bool, int, float, str)
+            if not (value is planned or (type(value) is type(planned) and type(value) in PLAIN_ARGUMENT_TYPES
                                          and value == planned)):
                 shown = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
                 return f"{name}={shown}"
         return None
+
+    def _planned_arguments(self) -> str:
+        """``name=value, ...`` of :attr:`ModelPlan.fixed_arguments` ('' for none)."""
+        return ", ".join(f"{k}={v!r}" for k, v in self.plan.fixed_arguments.items())
+
+    def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
+        """As :meth:`BackwardChoice._call_choice`, and with ``backward="auto"`` an input of another per-sample
+        shape than the plan's runs the model's own step (``"native"``)."""
+        if self.backward_mode == "auto" and isinstance(x, torch.Tensor) and x.shape[1:] != self.plan.in_shape:
+            return "native"
+        return super()._call_choice(key, x)
 
     def _backward_decision(self, batch) -> Decision:
         plan = self.plan
@@ -860,8 +873,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         if self.backward_mode == "auto":
             notes = (f"an input of another per-sample shape than {tuple(plan.in_shape)}: native",)
             if plan.fixed_arguments:
-                notes += ("planned with " + ", ".join(f"{k}={v!r}" for k, v in plan.fixed_arguments.items())
-                          + "; a call with other values: native",)
+                notes += (f"planned with {self._planned_arguments()}; a call with other values: native",)
         return layers_decision(plan.units, batch, device, self.backward_mode, detail, notes=notes)
 
     def _signature(self, x: Any) -> Optional[int]:
