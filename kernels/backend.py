@@ -305,6 +305,14 @@ class CpuOps:
         return cpu_nt.matmul_nt(a, z, rows)
 
     @staticmethod
+    def max_pool_compiled(kernel_size, dilation) -> bool:
+        """Whether a 2-d max-pool of this window has a compiled forward
+        (:func:`spscan.kernels.cpu_pool.compiled_window`)."""
+        from . import cpu_pool
+
+        return cpu_pool.compiled_window(kernel_size, dilation)
+
+    @staticmethod
     def max_pool2d_with_indices(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode: bool
                                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """ATen's ``max_pool2d_with_indices`` on CPU, or ``None`` where the compiled loop does not apply

@@ -34,24 +34,23 @@ def _assert_same(got, want):
 
 @st.composite
 def _case(draw):
-    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
-    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    k = draw(st.sampled_from([2, 3]))
     sh, sw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    ph, pw = draw(st.integers(0, kh // 2)), draw(st.integers(0, kw // 2))
+    ph, pw = draw(st.integers(0, k // 2)), draw(st.integers(0, k // 2))
     ceil = draw(st.booleans())
-    h = draw(st.integers((kh - 1) * dh + 1, 12))
-    w = draw(st.integers((kw - 1) * dw + 1, 12))
+    h, w = draw(st.integers(k, 13)), draw(st.integers(k, 13))
     n, c = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     stride = draw(st.sampled_from([None, (sh, sw)]))
-    return (n, c, h, w), (kh, kw), stride, (ph, pw), (dh, dw), ceil, dtype
+    return (n, c, h, w), k, stride, (ph, pw), 1, ceil, dtype
 
 
-@settings(max_examples=150)
+@settings(max_examples=200)
 @given(case=_case(), seed=st.integers(0, 2**16), ties=st.booleans(), specials=st.booleans())
 def test_equals_aten(case, seed, ties, specials):
-    """Any window (kernel, stride or none, padding up to half the kernel, dilation, ceil mode), both
-    dtypes; inputs with many ties (rounded values, zeros), NaN and +-inf: ATen's output and indices."""
+    """2x2 and 3x3 windows (stride or none, padding up to half the kernel, ceil mode: windows inside the
+    plane and windows clipped by every edge), both dtypes; inputs with many ties (rounded values,
+    zeros), NaN and +-inf: ATen's output and indices."""
     shape, k, s, p, d, ceil, dtype = case
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=dtype)
@@ -70,20 +69,23 @@ def test_equals_aten(case, seed, ties, specials):
 
 
 @settings(max_examples=60)
-@given(n=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(2, 13), w=st.integers(2, 13),
+@given(n=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(3, 13), w=st.integers(3, 13),
        dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16),
-       stride=st.sampled_from([None, 2, (2, 2)]))
-def test_two_by_two_path_equals_aten(n, c, h, w, dtype, seed, stride):
-    """The straight-line 2x2 / stride-2 path (odd sizes drop the last row and column) on inputs full of
-    ties (small integers, zeros), NaN and infinities: ATen's output and indices."""
+       k=st.sampled_from([2, 3]), pad=st.integers(0, 1), ceil=st.booleans())
+def test_windows_full_of_ties_nan_and_infinities(n, c, h, w, dtype, seed, k, pad, ceil):
+    """Stride 2 (the common 2/2 and overlapping 3/2 pools) on inputs of small integers, many NaN and
+    infinities, so that windows hold several NaN, several equal maxima or only -inf: the tree of picks
+    reports ATen's position in each."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (n, c, h, w), generator=g).to(dtype)
     flat = x.view(-1)
-    flat[torch.randint(0, flat.numel(), (2,), generator=g)] = float("nan")
-    flat[torch.randint(0, flat.numel(), (2,), generator=g)] = float("-inf")
+    count = max(1, flat.numel() // 6)
+    flat[torch.randint(0, flat.numel(), (count,), generator=g)] = float("nan")
+    flat[torch.randint(0, flat.numel(), (count,), generator=g)] = float("-inf")
+    flat[torch.randint(0, flat.numel(), (count // 2 + 1,), generator=g)] = float("inf")
     with mock.patch.object(cpu_pool, "MIN_NUMEL", 0):
-        got = cpu_pool.max_pool2d_with_indices(x, 2, stride, 0, 1, False)
-    _assert_same(got, _aten(x, 2, stride, 0, 1, False))
+        got = cpu_pool.max_pool2d_with_indices(x, k, 2, pad, 1, ceil)
+    _assert_same(got, _aten(x, k, 2, pad, 1, ceil))
 
 
 def test_windows_of_nan_and_minus_inf():
@@ -95,7 +97,7 @@ def test_windows_of_nan_and_minus_inf():
     x[0, 0, 1, 3] = float("nan")
     x[0, 0, 2:, 4:6] = 1.0
     with mock.patch.object(cpu_pool, "MIN_NUMEL", 0):
-        for args in ((2, None, 0, 1, False), (3, 2, 1, 1, True), (2, (1, 2), 1, 2, False)):
+        for args in ((2, None, 0, 1, False), (3, 2, 1, 1, True), (2, (1, 2), 1, 1, False), (3, 1, 0, 1, False)):
             _assert_same(cpu_pool.max_pool2d_with_indices(x, *args), _aten(x, *args))
         y, i = cpu_pool.max_pool2d_with_indices(x, 2, None, 0, 1, False)
     assert y[0, 0, 0, 0] == float("-inf") and i[0, 0, 0, 0] == 0
@@ -105,7 +107,8 @@ def test_windows_of_nan_and_minus_inf():
 
 def test_where_it_does_not_apply():
     """``None`` (the caller runs ATen) for small, non-contiguous, integer, half, 3-d, grad-requiring or
-    empty inputs, for a padding torch refuses (its own error stays torch's) and with more torch
+    empty inputs, for a padding torch refuses (its own error stays torch's), for windows other than
+    2x2 and 3x3 without dilation, and with more torch
     threads than :data:`~spscan.kernels.cpu_pool.MAX_THREADS`."""
     big = torch.randn(2, 4, 64, 64)
     assert cpu_pool.max_pool2d_with_indices(big, 2, None, 0, 1, False) is not None
@@ -113,15 +116,20 @@ def test_where_it_does_not_apply():
               big.clone().requires_grad_(True), torch.randn(0, 4, 64, 64)):
         assert cpu_pool.max_pool2d_with_indices(x, 2, None, 0, 1, False) is None
     assert cpu_pool.max_pool2d_with_indices(big, 2, None, 2, 1, False) is None  # padding > kernel / 2
+    for window in ((4, None, 0, 1), (5, 1, 2, 1), ((2, 3), None, 0, 1), (3, 2, 0, 2), (1, None, 0, 1)):
+        assert cpu_pool.max_pool2d_with_indices(big, *window, False) is None  # ATen's loop is as fast
     threads = torch.get_num_threads()
     try:  # many threads: ATen's parallel kernel is the faster one
-        torch.set_num_threads(cpu_pool.MAX_THREADS + 1)
-        assert cpu_pool.max_pool2d_with_indices(big, 2, None, 0, 1, False) is None
+        for k, most in cpu_pool.MAX_THREADS.items():
+            torch.set_num_threads(most)
+            assert cpu_pool.max_pool2d_with_indices(big, k, 2, 0, 1, False) is not None
+            torch.set_num_threads(most + 1)
+            assert cpu_pool.max_pool2d_with_indices(big, k, 2, 0, 1, False) is None
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)])
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.MaxPool2d(3, 2), nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)])
 def test_wrapped_cnn_step_is_autograds_bit_for_bit(pool):
     """A CNN big enough for the compiled pool (float32, B = 16): forward output and every gradient equal
     autograd's bit for bit, through ``spscan.wrap`` (depth 0)."""
@@ -141,3 +149,38 @@ def test_wrapped_cnn_step_is_autograds_bit_for_bit(pool):
     assert torch.equal(ys, ya) and torch.equal(xs, xa)
     for n in pa:
         assert torch.equal(ps[n], pa[n]), n
+
+
+@pytest.mark.parametrize("pool, family", [(nn.MaxPool2d(2), "MaxPoolUnit"), (nn.MaxPool2d(3, 2), "MaxPoolUnit"),
+                                          (nn.MaxPool2d(3, 1, padding=1), "MaxPoolUnit"),
+                                          (nn.MaxPool2d(4, 2), "MaxPoolUnit/window"),
+                                          (nn.MaxPool2d(3, 2, dilation=2), "MaxPoolUnit/window"),
+                                          (nn.MaxPool1d(2), "MaxPoolUnit/window")])
+def test_cost_family_follows_the_compiled_windows(pool, family):
+    """A pool is priced as the compiled forward's family exactly where that forward applies (2-d, 2x2 or
+    3x3, no dilation); a 1-d pool runs ATen's forward."""
+    shape = (4, 32) if isinstance(pool, nn.MaxPool1d) else (4, 16, 16)
+    plan = spscan.plan(nn.Sequential(pool), torch.randn(2, *shape))
+    assert plan.units[0].cost_family == family
+    if isinstance(pool, nn.MaxPool2d):
+        assert cpu_pool.compiled_window(pool.kernel_size, pool.dilation) == (family == "MaxPoolUnit")
+
+
+def test_the_pool_bench_runs_and_checks_every_row():
+    """``python -m bench.pool_forward``: one round per row at one thread, every pool of its table computed
+    by the compiled forward and checked equal to ATen's (it raises where they differ)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "pool_forward.py"
+    spec = importlib.util.spec_from_file_location("pool_forward_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        rows = bench.run(rounds=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(rows) == 2 + len(bench.POOLS)
+    assert not any("not applied" in r for r in rows)

@@ -82,8 +82,9 @@ class MaxPoolUnit(LayerUnit):
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.entry_out = _IndexCache(cols[order])
         self.entry_plane = _IndexCache(plane[order])
-        # the common 2x2 / stride-2 pool has its own straight-line forward on a CPU: a cost family of its own
-        self._pool2 = nd == 2 and (k, s, p, d) == ((2, 2), (2, 2), (0, 0), (1, 1))
+        # 2x2 and 3x3 windows have a compiled forward on a CPU, four to seven times ATen's speed there: a
+        # cost family of their own (other windows run ATen's forward in every regime)
+        self._compiled_forward = nd == 2 and cpu_ops.max_pool_compiled(k, d)
         # windows that never overlap: every input takes at most one output's gradient
         self.disjoint_windows = all(ss >= (kk - 1) * dd + 1 for ss, kk, dd in zip(s, k, d))
         # ATen's 2-d pooling backward arguments; a 1-d pool is a 2-d one over (1, L) planes
@@ -94,7 +95,7 @@ class MaxPoolUnit(LayerUnit):
 
     @property
     def cost_family(self) -> str:
-        return "MaxPoolUnit" if self._pool2 else "MaxPoolUnit/window"
+        return "MaxPoolUnit" if self._compiled_forward else "MaxPoolUnit/window"
 
     def _pool_backward(self, saved, g, relu_below: bool = False):
         """``J^T g`` as ``(B, C, *in_spatial)`` by ATen's pooling backward; ``relu_below``: ``g`` masked
