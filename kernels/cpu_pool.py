@@ -19,8 +19,8 @@ ceil mode, no dilation) in loops compiled by numba, and returns the same ``(outp
 :func:`max_pool2d_with_indices` returns ``None`` where it does not apply (numba not installed, a
 non-CPU, non-float32/64, non-contiguous or not 4-d input, another window, an output-size edge case
 torch refuses): the caller then runs ATen's kernel; so does a process with more than
-:data:`MAX_THREADS` torch threads, where ATen's parallel kernel is faster. No ``fastmath`` and no ``parallel``; each output
-is one window's maximum, so results do not depend on threads.
+:data:`MAX_THREADS` torch threads, where ATen's parallel kernel is faster. No ``fastmath`` and no
+``parallel``; each output is one window's maximum, so results do not depend on threads.
 """
 
 from __future__ import annotations
@@ -241,8 +241,8 @@ def max_pool2d_with_indices(x: torch.Tensor, kernel_size, stride: Optional[Seque
     """``(output (N, C, OH, OW), indices int64)`` equal to ``torch.ops.aten.max_pool2d_with_indices``
     for a 2x2 or 3x3 window without dilation (any stride, padding and ceil mode) over a contiguous CPU
     float32/float64 input ``(N, C, H, W)`` of at least :data:`MIN_NUMEL` elements, with at most
-    :data:`MAX_THREADS` (per window size) torch threads; ``None`` where it does not apply (then ATen's kernel is the one
-    to run). ``stride`` empty or ``None``: the kernel size."""
+    :data:`MAX_THREADS` (per window size) torch threads; ``None`` where it does not apply (then
+    ATen's kernel is the one to run). ``stride`` empty or ``None``: the kernel size."""
     if (x.dim() != 4 or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
             or x.numel() < MIN_NUMEL or not x.is_contiguous() or x.requires_grad
             or not compiled_window(kernel_size, dilation) or not available()):
