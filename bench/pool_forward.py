@@ -33,15 +33,6 @@ POOLS = (
 )
 
 
-def _time(fn, rounds: int) -> list[float]:
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def run(rounds: int = 40) -> list[str]:
     rows = ["| pool | input | window | ATen (us) | compiled (us) | ATen / compiled |", "|---|---|---|---:|---:|---:|"]
     for name, shape, k, s, p, ceil in POOLS:
@@ -59,8 +50,10 @@ def run(rounds: int = 40) -> list[str]:
             aten(), ours()
         ta, tb = [], []
         for _ in range(rounds):  # interleaved: the two see the same machine state
-            ta += _time(aten, 1)
-            tb += _time(ours, 1)
+            for fn, times in ((aten, ta), (ours, tb)):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
         a, b = statistics.median(ta), statistics.median(tb)
         rows.append(f"| {name} | {tuple(shape)} | {k}/{s} pad {p}{' ceil' if ceil else ''} | {a * 1e6:.0f} | "
                     f"{b * 1e6:.0f} | {a / b:.2f}x |")

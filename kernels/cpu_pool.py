@@ -98,7 +98,7 @@ def _row3x3(x0, x1, x2, o, io, b0, lo, hi, sw, pw):  # pragma: no cover - compil
 def _pool2_kernel(x, out, idx):  # pragma: no cover - compiled
     """2x2 windows, stride 2, no padding, every window inside the plane (VGG's and LeNet's pool): four
     candidates in row order, branches on the plane's own indices (measured 1.2-1.3x faster here than
-    :func:`_pool2x2_kernel`'s tree on these windows)."""
+    :func:`_windows_kernel`'s tree on these windows)."""
     planes, _, w = x.shape
     oh_n, ow_n = out.shape[1], out.shape[2]
     for p in range(planes):
@@ -128,53 +128,43 @@ def _pool2_kernel(x, out, idx):  # pragma: no cover - compiled
                 idx[p, oh, ow] = mi
 
 
-def _pool2x2_kernel(x, out, idx, sh, sw, ph, pw, rows, cols):  # pragma: no cover - compiled
-    """2x2 windows (any stride and padding, no dilation): the outputs whose window lies inside the
-    plane (``rows x cols``, half-open ranges) by :func:`_row2x2`, the others by :func:`_borders`."""
+def _windows_kernel(x, out, idx, k, sh, sw, ph, pw, rows, cols):  # pragma: no cover - compiled
+    """``k x k`` windows, ``k`` 2 or 3 (any stride and padding, no dilation; AlexNet's and ResNet's
+    overlapping 3/2 too): the outputs whose window lies inside the plane (``rows x cols``, half-open
+    ranges) a row at a time by :func:`_row2x2` or :func:`_row3x3`, the others by :func:`_borders`."""
     w = x.shape[2]
-    border = rows[0] > 0 or rows[1] < out.shape[1] or cols[0] > 0 or cols[1] < out.shape[2]
+    lo, hi = cols[0], cols[1]
+    border = rows[0] > 0 or rows[1] < out.shape[1] or lo > 0 or hi < out.shape[2]
     for p in range(x.shape[0]):
         for oh in range(rows[0], rows[1]):
             r = oh * sh - ph
-            # the common strides as constants: the loop's loads at a known stride, ~1.5x faster
-            if sw == 2:
-                _row2x2_c(x[p, r], x[p, r + 1], out[p, oh], idx[p, oh], r * w, r * w + w, cols[0], cols[1], 2, pw)
+            b = r * w
+            o, io = out[p, oh], idx[p, oh]
+            # the common strides as constants in the inlined row loop: its loads at a known stride, ~1.5x faster
+            if k == 2:
+                if sw == 2:
+                    _row2x2_c(x[p, r], x[p, r + 1], o, io, b, b + w, lo, hi, 2, pw)
+                elif sw == 1:
+                    _row2x2_c(x[p, r], x[p, r + 1], o, io, b, b + w, lo, hi, 1, pw)
+                else:
+                    _row2x2_c(x[p, r], x[p, r + 1], o, io, b, b + w, lo, hi, sw, pw)
+            elif sw == 2:
+                _row3x3_c(x[p, r], x[p, r + 1], x[p, r + 2], o, io, b, lo, hi, 2, pw)
             elif sw == 1:
-                _row2x2_c(x[p, r], x[p, r + 1], out[p, oh], idx[p, oh], r * w, r * w + w, cols[0], cols[1], 1, pw)
+                _row3x3_c(x[p, r], x[p, r + 1], x[p, r + 2], o, io, b, lo, hi, 1, pw)
             else:
-                _row2x2_c(x[p, r], x[p, r + 1], out[p, oh], idx[p, oh], r * w, r * w + w, cols[0], cols[1], sw, pw)
+                _row3x3_c(x[p, r], x[p, r + 1], x[p, r + 2], o, io, b, lo, hi, sw, pw)
         if border:
-            _borders_c(x, out, idx, p, 2, sh, sw, ph, pw, rows, cols)
-
-
-def _pool3x3_kernel(x, out, idx, sh, sw, ph, pw, rows, cols):  # pragma: no cover - compiled
-    """3x3 windows (any stride and padding, no dilation; AlexNet's and ResNet's overlapping 3/2): the
-    outputs whose window lies inside the plane (``rows x cols``) by :func:`_row3x3`, the others by
-    :func:`_borders`."""
-    w = x.shape[2]
-    border = rows[0] > 0 or rows[1] < out.shape[1] or cols[0] > 0 or cols[1] < out.shape[2]
-    for p in range(x.shape[0]):
-        for oh in range(rows[0], rows[1]):
-            r = oh * sh - ph
-            if sw == 2:  # as in _pool2x2_kernel
-                _row3x3_c(x[p, r], x[p, r + 1], x[p, r + 2], out[p, oh], idx[p, oh], r * w, cols[0], cols[1], 2, pw)
-            elif sw == 1:
-                _row3x3_c(x[p, r], x[p, r + 1], x[p, r + 2], out[p, oh], idx[p, oh], r * w, cols[0], cols[1], 1, pw)
-            else:
-                _row3x3_c(x[p, r], x[p, r + 1], x[p, r + 2], out[p, oh], idx[p, oh], r * w, cols[0], cols[1], sw,
-                          pw)
-        if border:
-            _borders_c(x, out, idx, p, 3, sh, sw, ph, pw, rows, cols)
+            _borders_c(x, out, idx, p, k, sh, sw, ph, pw, rows, cols)
 
 
 _pick_c = _row2x2_c = _row3x3_c = _borders_c = None  # the helpers above, compiled (all but the last inlined)
-# the 2x2 and 3x3 windows by size, and "2/2" the plain 2x2 / stride-2 pool with every window inside the plane
-_KERNELS = {2: _pool2x2_kernel, 3: _pool3x3_kernel, "2/2": _pool2_kernel}
-_compiled: dict[object, object] = {}
+_KERNELS = {"windows": _windows_kernel, "2/2": _pool2_kernel}  # "2/2": every window of a 2x2/2 pool inside
+_compiled: dict[str, object] = {}
 
 
-def _kernel(size):
-    fn = _compiled.get(size)
+def _kernel(name: str):
+    fn = _compiled.get(name)
     if fn is None:
         numba = numba_module()
         global _pick_c, _row2x2_c, _row3x3_c, _borders_c
@@ -185,7 +175,7 @@ def _kernel(size):
             _row2x2_c = numba.njit(cache=True, nogil=True, inline="always")(_row2x2)
             _row3x3_c = numba.njit(cache=True, nogil=True, inline="always")(_row3x3)
             _borders_c = numba.njit(cache=True, nogil=True)(_borders)
-        fn = _compiled[size] = numba.njit(cache=True, nogil=True)(_KERNELS[size])
+        fn = _compiled[name] = numba.njit(cache=True, nogil=True)(_KERNELS[name])
     return fn
 
 
@@ -267,5 +257,5 @@ def max_pool2d_with_indices(x: torch.Tensor, kernel_size, stride: Optional[Seque
         _kernel("2/2")(xs, os_, is_)
     else:
         rows, cols = _inside(oh, h, kh, sh, ph), _inside(ow, w, kw, sw, pw)
-        _kernel(kh)(xs, os_, is_, sh, sw, ph, pw, rows, cols)
+        _kernel("windows")(xs, os_, is_, kh, sh, sw, ph, pw, rows, cols)
     return out, idx
