@@ -43,6 +43,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
+import spscan.kernels as _kernels
 from spscan.autograd import flatten_tensors, keep_graph, map_tensors, refuse_second_derivative
 from spscan.engine import CAPTURE_ERROR_MODE, PeriodicValues
 
@@ -363,12 +364,17 @@ class _StepEntry:
         return _copies(*self.out)
 
 
+# the installed package's own folders (spscan, spscan.kernels): a frame there is this package's, wherever the
+# checkout or a user's code lives (a clone folder named ``spscan`` holds the tests too)
+_PACKAGE_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, _kernels.__file__))
+
+
 def _why(part: str, e: Exception) -> str:
     """A failed recording's reason, one line: what was recorded, the device's or the code's error and
     where it was raised (the innermost frame of this package, else the innermost)."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     frames = traceback.extract_tb(e.__traceback__)
-    ours = [f for f in frames if f"{os.sep}spscan{os.sep}" in f.filename or f"{os.sep}kernels{os.sep}" in f.filename]
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(_PACKAGE_DIRS)]
     at = (ours or frames)[-1:] if frames else []
     where = "".join(f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})" for f in at)
     return f"{part}: {type(e).__name__}: {first[:200]}{where}"
