@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spscan.errors import NotPlannable
+from spscan.graph_rewrites import UPDATES, WRITES_INPUT, check_graph_is_the_forward, out_of_place, subtractions_as_sums
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
@@ -107,23 +108,6 @@ def refuse_node(node: fx.Node, why: str, exc: type = NotPlannable) -> Exception:
             hint = (f"; {cls.__name__} subclasses nn.{base.__name__} but defines its own forward, which is traced "
                     f"op by op instead of taking nn.{base.__name__}'s Jacobian")
     return exc(f"{head}{node_text(node)} (node {node.name}, at {node_source(node)}): {why}{hint}")
-
-
-def _subtractions_as_sums(graph: fx.Graph, root: nn.Module) -> None:
-    """Rewrite ``a - b`` of two computed tensors as ``a + (-b)`` (the same numbers bit for bit: IEEE subtraction
-    is the addition of the negation), so that a difference of two branches is an add join with a
-    :class:`ScaleUnit` on its second branch instead of an opaque node. Operands read straight from a parameter
-    or buffer, Python numbers and ``alpha=`` are left as written."""
-    for node in list(graph.nodes):
-        if node.op not in ("call_function", "call_method") or SCALAR_FORMS.get(node_key(node, root)) != "sub" \
-                or node.kwargs or len(node.args) != 2 \
-                or not all(isinstance(a, fx.Node) and a.op != "get_attr" for a in node.args):
-            continue
-        a, b = node.args
-        with graph.inserting_before(node):
-            neg = graph.create_node("call_function", operator.neg, (b,), name=f"{node.name}_neg")
-        neg.meta = dict(node.meta)
-        node.op, node.target, node.args = "call_function", operator.add, (a, neg)
 
 
 def fixed_arguments(model: nn.Module) -> dict[str, Any]:
@@ -225,7 +209,9 @@ class Traced:
             # it would be inside a model of the user's
             self.model = model = _Whole(model)
             self.graph = tracer.trace(model)
-        _subtractions_as_sums(self.graph, model)
+        # what the model updates in place, the graph computes out of place (graph_rewrites)
+        self.updates = out_of_place(self.graph, model)
+        subtractions_as_sums(self.graph, lambda n: SCALAR_FORMS.get(node_key(n, model)) == "sub")
         self.units: list[LayerUnit] = []
         self.names: list[str] = []
         self.module_backed: list[bool] = []
@@ -235,17 +221,19 @@ class Traced:
         # tensors computed from graph tensors that do not keep the batch dim first (``qkv.permute(2, 0, 3, 1,
         # 4)``): not part of the chain, recomputed inside each opaque node reading them; -> their graph tensors
         self.virtual: dict[fx.Node, list[fx.Node]] = {}
+        x = example_input.detach()
+        x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
         try:
-            self._propagate(example_input)
+            self._propagate(x2)
         except _ExampleRejected as e:
             _raise_if_forward_fails(model, example_input)  # the model's own error on the example is the user's
             raise NotPlannable(f"{e}; the model itself runs on the example, so its per-sample shapes depend on the "
                                "batch size (the planner traces a batch of 2)") from e
+        # the rewritten graph must compute the model's own forward (fx does not record every in-place update)
+        check_graph_is_the_forward(model, self.graph, x2)
         self._drop_dead()
 
-    def _propagate(self, example_input: torch.Tensor) -> None:
-        x = example_input.detach()
-        x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])
+    def _propagate(self, x2: torch.Tensor) -> None:
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != 1:
@@ -271,6 +259,8 @@ class Traced:
                 if node.op == "get_attr":  # a parameter or buffer read functionally: a constant of the graph
                     env[node] = self._attr(node.target)
                     continue
+                if UPDATES in node.meta:
+                    self._check_no_alias(node)
                 key = node_key(node, self.model)
                 args = fx.node.map_arg(node.args, lambda n: env[n])
                 kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
@@ -345,8 +335,33 @@ class Traced:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
+            if node.meta.get(WRITES_INPUT) and args and isinstance(args[0], torch.Tensor):
+                args = (args[0].clone(),) + tuple(args[1:])  # it writes into its input: a copy, never the graph's
             return self.model.get_submodule(node.target)(*args, **kwargs)
         return node.target(*args, **kwargs)
+
+    def _check_no_alias(self, node: fx.Node) -> None:
+        """Refuse an in-place update (rewritten out of place) of a tensor that shares its memory with another
+        tensor the graph reads after it (``v = x[:, :2]; v.relu_()``, then ``x``): in the model the other one sees
+        the update, out of place it would not."""
+        target = node.meta[UPDATES]
+        val = self.env.get(target)
+        if not isinstance(val, torch.Tensor):
+            return
+        storage = val.untyped_storage().data_ptr()
+        state = [t for t in (*self.model.parameters(), *self.model.buffers()) if t.numel()]
+        if target.op == "get_attr" or any(t.untyped_storage().data_ptr() == storage for t in state):
+            raise refuse_node(node, f"an in-place update of {target.name}, a parameter or buffer of the model (or a "
+                                    "view of one): the forward changes the model's state")
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for other, v in self.env.items():
+            if other is target or other is node or not isinstance(v, torch.Tensor) or v.numel() == 0 \
+                    or v.untyped_storage().data_ptr() != storage:
+                continue
+            if any(order[u] > order[node] for u in other.users):
+                raise refuse_node(node, f"an in-place update of {target.name}, which shares its memory with "
+                                        f"{other.name} (a view), read after it: out of place, {other.name} would not "
+                                        "see the update")
 
     def _join(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if builder == _ADD:
@@ -689,10 +704,12 @@ class Traced:
             if len(node.args) != 1 or node.kwargs:
                 raise refuse_node(node, "a module called with extra arguments is not supported")
             if unit_capabilities(m).shape_preserving:
-                y = xin  # no call: dropout would draw random numbers, train-mode BN would update its statistics
+                # no call: dropout would draw random numbers, train-mode BN would update its statistics (a copy:
+                # the model's own call returns another tensor, in train mode at least)
+                y = xin.clone()
             else:
                 try:
-                    y = m(xin)
+                    y = self._call(node, (xin,), {})
                 except Exception as e:
                     raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), _ExampleRejected) from e
             try:

@@ -174,7 +174,22 @@ class ElementwiseMoreUnit(LayerUnit):
         self.pattern = _identity_pattern(self.d_in)
 
     def run(self, x, tensors):
-        return self.module(x), x
+        # the function itself, never the module's call: a module made with ``inplace=True`` would overwrite ``x``,
+        # the input its derivative is evaluated at
+        m = self.module
+        if isinstance(m, nn.Hardswish):
+            y = F.hardswish(x)
+        elif isinstance(m, nn.Hardsigmoid):
+            y = F.hardsigmoid(x)
+        elif isinstance(m, nn.Mish):
+            y = F.mish(x)
+        elif isinstance(m, nn.SELU):
+            y = F.selu(x)
+        elif isinstance(m, nn.CELU):
+            y = F.celu(x, m.alpha)
+        else:
+            y = F.softsign(x)
+        return y, x
 
     def apply_transposed(self, saved, tensors, g):
         """``f'(x) g`` by the ATen backward kernel autograd calls for the layer (Softsign, which torch writes
@@ -193,7 +208,11 @@ class ElementwiseMoreUnit(LayerUnit):
             gi = aten.elu_backward(gy, 1.6732632423543772848170429916717, 1.0507009873554804934193349852946, 1.0,
                                    False, x)
         elif isinstance(m, nn.CELU):
-            gi = aten.elu_backward(gy, m.alpha, 1.0, 1.0 / float(np.float32(m.alpha)), False, x)  # as autograd
+            inv = 1.0 / float(np.float32(m.alpha))  # as autograd: alpha rounded to float32
+            if m.inplace:  # autograd differentiates celu_ from its output (another rounding of alpha)
+                gi = aten.elu_backward(gy, m.alpha, 1.0, inv, True, F.celu(x, m.alpha))
+            else:
+                gi = aten.elu_backward(gy, m.alpha, 1.0, inv, False, x)
         else:
             return self.fill(saved, tensors).mul_(g.reshape(b, -1))
         return gi.reshape(b, -1)
@@ -214,6 +233,8 @@ class ElementwiseMoreUnit(LayerUnit):
         if isinstance(m, nn.CELU):
             # torch differentiates celu as elu with input scale 1.0 / alpha.toFloat(): alpha rounded to float32
             inv = 1.0 / float(np.float32(m.alpha))
+            if m.inplace:  # celu_ from its output y: (y + alpha) / alpha_f
+                return torch.where(s <= 0, inv * (F.celu(s, m.alpha) + m.alpha), torch.ones_like(s))
             return torch.where(s <= 0, inv * m.alpha * torch.exp(s * inv), torch.ones_like(s))
         d = 1 + s.abs()  # Softsign: 1 / (1 + |x|)^2
         return 1 / (d * d)
