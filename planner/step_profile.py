@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["OPTIONAL_REGIMES", "REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "recurrent_features",
+__all__ = ["OPTIONAL_REGIMES", "PREDICTED", "REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "recurrent_features",
            "reference_profile"]
 
 REGIMES = ("native", "scan")
@@ -47,6 +47,9 @@ OPTIONAL_REGIMES = ("graph",)
 #: regimes that replay every launch of a step from a recording, an opaque node's operations too: their own
 #: constants price every term (:meth:`StepProfile.layers_time`)
 REPLAYED_REGIMES = frozenset({"graph"})
+#: the family of a term already priced in seconds per regime, ``(PREDICTED, {regime: seconds})``: a node that
+#: makes its own decision (a recurrent layer inside a model) and is priced at what that decision predicts
+PREDICTED = "predicted"
 FORMAT = 2
 _DATA = Path(__file__).with_name("data")
 
@@ -104,10 +107,14 @@ class StepProfile:
         ``(family, work, priced_as)`` triples: a term that costs what it costs under autograd in the scan
         too (the forward and autograd backward of an opaque node's own operations, run as they are)
         names the regime whose constants price it, ``"native"``; a regime that replays the whole step
-        (:data:`REPLAYED_REGIMES`) prices it with its own."""
+        (:data:`REPLAYED_REGIMES`) prices it with its own. A :data:`PREDICTED` term adds its seconds for the
+        regime (its ``native`` ones for a regime it does not name)."""
         t = self.base[regime]
         replayed = regime in REPLAYED_REGIMES
         for family, work, *priced_as in layers:
+            if family == PREDICTED:
+                t += work.get(regime, work["native"])
+                continue
             fixed, per = self._family(family)[priced_as[0] if priced_as and not replayed else regime]
             t += fixed + per * work
         return t

@@ -65,6 +65,7 @@ output that does not keep the batch dim first (named with its node and source li
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -73,6 +74,7 @@ import torch
 import torch.nn as nn
 
 from spscan.chain_backward import ForwardState, Jacobians, collect_param_grads
+from spscan.graph_recurrent import RecurrentNodeUnit
 from spscan.graph_segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
 from spscan.graph_trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
@@ -360,7 +362,17 @@ def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     """:func:`spscan.wrap` for a model with its own forward: planned by :func:`plan_graph`; a
     :class:`GraphSpscanModule` when the graph has blocks, else a chain's :class:`SpscanModule`."""
     backward = plan_kwargs.pop("backward", option_default("backward"))
-    plan = plan_graph(model, example_input, **plan_kwargs)
+    plan_fn = functools.partial(_plan_for_backward, backward)
+    plan = plan_fn(model, example_input, **plan_kwargs)
     cls = GraphSpscanModule if isinstance(plan, GraphPlan) else SpscanModule
     return cls(model, plan, backward, example_input.shape[0], example_input.device,
-               Replan(plan_graph, example_input, plan_kwargs))
+               Replan(plan_fn, example_input, plan_kwargs))
+
+
+def _plan_for_backward(backward: str, model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> ModelPlan:
+    """:func:`plan_graph`, its recurrent nodes following the wrapper's ``backward`` (a forced scan forces theirs)."""
+    plan = plan_graph(model, example_input, **plan_kwargs)
+    for u in plan.units:
+        if isinstance(u, RecurrentNodeUnit):
+            u.recurrent.set_backward(backward)
+    return plan

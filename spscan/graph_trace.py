@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from spscan.errors import NotPlannable
 from spscan.graph_rewrites import UPDATES, WRITES_INPUT, check_graph_is_the_forward, out_of_place, subtractions_as_sums
+from spscan.graph_recurrent import RecurrentCall, RecurrentNodeUnit, recurrent_calls
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
@@ -177,6 +178,9 @@ class _HookedLeaves(fx.Tracer):
     """fx's tracer, with a module that has hooks kept as one call (fx would trace through a container or a
     module of the user's, and its hooks would not run): it becomes an opaque node."""
 
+    # a buffer read in the forward is a node (``self.pos[:t]`` slices it with a traced size), as a parameter is
+    proxy_buffer_attributes = True
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
@@ -211,6 +215,8 @@ class Traced:
             self.graph = tracer.trace(model)
         # what the model updates in place, the graph computes out of place (graph_rewrites)
         self.updates = out_of_place(self.graph, model)
+        # a recurrent layer is one node run by its recurrent wrapper (graph_recurrent)
+        self.recurrent_calls = recurrent_calls(self.graph, model)
         subtractions_as_sums(self.graph, lambda n: SCALAR_FORMS.get(node_key(n, model)) == "sub")
         self.units: list[LayerUnit] = []
         self.names: list[str] = []
@@ -268,9 +274,11 @@ class Traced:
                                                    for t in ([n] if n in self.kind else self.virtual.get(n, []))))
                 consts = [n for n in node.all_input_nodes if n not in self.kind and
                           (isinstance(env[n], torch.Tensor) or n in self.virtual)]
-                if node.op != "call_module" and (not tensor_inputs or key in _TENSOR_QUERIES):
-                    # shape arithmetic for a view/reshape, or a tensor made from parameters (``self.cls.expand(B,
-                    # -1, -1)``): evaluated here, never part of the graph (an opaque node reading it recomputes it)
+                if not tensor_inputs or (node.op != "call_module" and key in _TENSOR_QUERIES):
+                    # shape arithmetic for a view/reshape, or a tensor made from parameters and buffers alone
+                    # (``self.cls.expand(B, -1, -1)``, ``self.wpe(torch.arange(t))``): a constant of the step,
+                    # evaluated here, never part of the graph; an opaque node reading it recomputes it from the live
+                    # parameters, and its parameter gradients come from that node's own backward
                     val = self._call(node, args, kwargs)
                     if not (key is getattr and tensor_inputs and isinstance(val, torch.Tensor)):
                         env[node] = val
@@ -425,7 +433,8 @@ class Traced:
             val = self.env.get(n, y if n is node else None)
             holds = isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and
                                                      any(isinstance(v, torch.Tensor) for v in val))
-            moves = node_key(n, self.model) in _MOVES or (n.target is getattr and n.args[1:] in (("T",), ("mT",)))
+            moves = node_key(n, self.model) in _MOVES or getattr(n.target, "moves_entries", False) is True \
+                or (n.target is getattr and n.args[1:] in (("T",), ("mT",)))
             if n.op == "get_attr" or n.op == "call_module" or (holds and not moves):
                 return None
         d_in = int(np.prod(x.shape[1:]))
@@ -445,21 +454,24 @@ class Traced:
     def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
         """``call(*ts)``: ``node`` computed from its graph tensors ``ts``, with the constants it reads
         recomputed every call (parameters read live, shape arithmetic at the current batch size: a graph
-        tensor read only for its shape stands in as a meta tensor); the parameters it reads; and the
-        modules it recomputes (named for its label)."""
+        tensor read only for its shape stands in as one element broadcast to its shape); the parameters it
+        reads; and the modules it recomputes (named for its label)."""
         order, shapes = self._between(node, inputs)
         env, fn, attr = self.env, self._call, self._attr
         params = [(n.target, attr(n.target)) for n in order if n.op == "get_attr"]
         params = [(t, v) for t, v in params if isinstance(v, nn.Parameter)]
         mods = [n.target for n in order if n.op == "call_module"]  # a module recomputed here (a tuple output)
         params += [(f"{t}.{n}", p) for t in mods for n, p in self.model.get_submodule(t).named_parameters()]
+        params += [(f"{n.target.path}.{k}", p) for n in order if isinstance(n.target, RecurrentCall)
+                   for k, p in n.target.module.named_parameters()]
         inner = [f"self.{t} ({type(self.model.get_submodule(t)).__name__})" for t in mods]
 
         def call(*ts: torch.Tensor) -> Any:
             vals: dict[fx.Node, Any] = dict(zip(inputs, ts))
             b = ts[0].shape[0]
             for p in shapes:
-                vals[p] = torch.empty((b,) + tuple(env[p].shape[1:]), dtype=env[p].dtype, device="meta")
+                # its shape, dtype and device (``device=x.device``), no memory: one element broadcast
+                vals[p] = torch.empty((), dtype=env[p].dtype, device=ts[0].device).expand((b,) + tuple(env[p].shape[1:]))
             for p in order + [node]:
                 if p.op == "get_attr":
                     vals[p] = attr(p.target)
@@ -483,6 +495,10 @@ class Traced:
             m = self.model.get_submodule(node.target)  # its hooks run with its call, as in the model
             params = [(f"{node.target}.{n}", p) for n, p in m.named_parameters()] + params
             name, backed, label = node.target, True, f"self.{node.target} ({type(m).__name__})"
+        elif isinstance(node.target, RecurrentCall):
+            m = node.target.module
+            params = [(f"{node.target.path}.{n}", p) for n, p in m.named_parameters()] + params
+            name, backed, label = node.target.path, True, f"self.{node.target.path} ({type(m).__name__})"
         else:
             m, name, backed, label = nn.Module(), node.name, False, node_text(node)
             if inner:
@@ -507,8 +523,12 @@ class Traced:
             if sel is not None:
                 self._add_unit(node, sel, name, False, tensor_inputs)
                 return y
-        unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params,
-                          own_cost)
+        if isinstance(node.target, RecurrentCall):
+            unit: OpaqueUnit = RecurrentNodeUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call,
+                                                 label, params, own_cost, call=node.target)
+        else:
+            unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params,
+                              own_cost)
         self._add_unit(node, unit, name, backed, tensor_inputs)
         return y
 

@@ -1,0 +1,264 @@
+"""Recurrent layers inside models as people write them: an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` anywhere in a
+traced model is one node run by its recurrent wrapper (its ``J^T g`` and parameter gradients from the recurrent
+scan), with autograd's gradients (float64) in every layout: ``batch_first`` or time-major, stacked,
+bidirectional, ``h_0`` given, ``(h_n, c_n)`` read, the output or the last state read."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spscan
+from spscan.graph_recurrent import RecurrentNodeUnit
+from spscan.layers.opaque import OpaqueUnit
+
+
+class PixelGRU(nn.Module):
+    """A pixel-by-pixel classifier: the last layer's final state into a linear head."""
+
+    def __init__(self, hidden=6):
+        super().__init__()
+        self.rnn = nn.GRU(1, hidden, batch_first=True)
+        self.fc = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        out, h = self.rnn(x.view(x.size(0), -1, 1))
+        return self.fc(h[-1])
+
+
+class AddingRNN(nn.Module):
+    """The adding problem's model: the last time step of the output sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(2, 5, batch_first=True)
+        self.fc = nn.Linear(5, 1)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.fc(out[:, -1, :])
+
+
+class Tagger(nn.Module):
+    """A bi-LSTM tagger: a tag for every token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+        self.lstm = nn.LSTM(4, 5, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(10, 3)
+
+    def forward(self, ids):
+        out, (h, c) = self.lstm(self.emb(ids))
+        return self.fc(out)
+
+
+class CharLM(nn.Module):
+    """A character language model: a stacked LSTM, logits for every step."""
+
+    def __init__(self, cell=nn.LSTM):
+        super().__init__()
+        self.emb = nn.Embedding(13, 5)
+        self.rnn = cell(5, 6, num_layers=2, batch_first=True)
+        self.head = nn.Linear(6, 13)
+
+    def forward(self, ids):
+        out, _ = self.rnn(self.emb(ids))
+        return self.head(out)
+
+
+class TimeMajor(nn.Module):
+    """A time-major GRU (the input transposed in the forward), both the output and the final state read."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5, num_layers=2)
+        self.fc = nn.Linear(5, 2)
+
+    def forward(self, x):
+        out, h = self.rnn(x.transpose(0, 1))
+        return self.fc(out[-1]) + self.fc(h[0])
+
+
+class BothStates(nn.Module):
+    """An LSTM given ``(h_0, c_0)`` made from the batch size, its ``h_n`` and ``c_n`` both read."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h0 = torch.zeros(1, x.size(0), 4, dtype=x.dtype, device=x.device)
+        c0 = x.new_zeros(1, x.size(0), 4) + 0.5
+        _, (h, c) = self.lstm(x, (h0, c0))
+        return self.fc(torch.cat([h[-1], c[-1]], 1))
+
+
+class LearnedState(nn.Module):
+    """A learned initial state, expanded to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+        self.rnn = nn.RNN(3, 4, batch_first=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, h = self.rnn(x, self.h0.expand(1, x.size(0), 4).contiguous())
+        return self.fc(out.mean(1))
+
+
+class Encoder(nn.Module):
+    """An encoder GRU whose final state starts a decoder GRU; a shared layer called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.GRU(3, 4, batch_first=True)
+        self.dec = nn.GRU(3, 4, batch_first=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        _, h = self.enc(x)
+        out, _ = self.dec(x.flip(1), h)
+        out2, _ = self.dec(x)
+        return self.fc(out[:, -1] + out2[:, 0])
+
+
+MODELS = {
+    "pixel_gru": (PixelGRU, lambda b: torch.randn(b, 3, 4)),
+    "adding_rnn": (AddingRNN, lambda b: torch.randn(b, 9, 2)),
+    "bilstm_tagger": (Tagger, lambda b: torch.randint(0, 11, (b, 7))),
+    "lstm_lm": (CharLM, lambda b: torch.randint(0, 13, (b, 8))),
+    "gru_lm": (lambda: CharLM(nn.GRU), lambda b: torch.randint(0, 13, (b, 8))),
+    "time_major": (TimeMajor, lambda b: torch.randn(b, 6, 3)),
+    "both_states": (BothStates, lambda b: torch.randn(b, 5, 3)),
+    "learned_state": (LearnedState, lambda b: torch.randn(b, 5, 3)),
+    "encoder_decoder": (Encoder, lambda b: torch.randn(b, 5, 3)),
+}
+
+
+def _step(model, x, wt):
+    for p in model.parameters():
+        p.grad = None
+    xi = x.clone().requires_grad_(x.is_floating_point())
+    y = model(xi)
+    (y * wt).sum().backward()
+    return y.detach(), xi.grad
+
+
+def _rel(a, b):
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300)
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_recurrent_layers_in_models_give_autograds_gradients(name, backward):
+    make, example = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model)
+    x0 = example(3)
+    x0 = x0.double() if x0.is_floating_point() else x0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, x0, backward=backward)
+    units = w.plan.units
+    recurrent = [u for u in units if isinstance(u, RecurrentNodeUnit)]
+    assert recurrent and not [u for u in units if type(u) is OpaqueUnit], [u.name for u in units]
+    for step, b in enumerate((3, 2)):
+        torch.manual_seed(10 + step)
+        x = example(b)
+        x = x.double() if x.is_floating_point() else x
+        with torch.no_grad():
+            wt = torch.randn_like(ref(x))
+        y, gx = _step(w, x, wt)
+        y_ref, gx_ref = _step(ref, x, wt)
+        assert _rel(y, y_ref) <= 1e-12
+        if gx_ref is not None:
+            assert _rel(gx, gx_ref) <= 1e-9
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                assert _rel(p.grad, q.grad) <= 1e-9, f"step {step}: {n}"
+
+
+def test_a_forced_scan_runs_each_node_through_its_scan():
+    """Under ``backward="scan"`` the node's wrapper runs its scan (not the layer's own backward), and the
+    model wrapper does not warn about it as a node that runs autograd's backward."""
+    torch.manual_seed(0)
+    model = PixelGRU().double()
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = spscan.wrap(model, x, backward="scan")
+        (node,) = [u for u in w.plan.units if isinstance(u, RecurrentNodeUnit)]
+        inner = node.recurrent.wrapper()
+        assert inner.backward_mode == "scan"
+        ran = []
+        real = type(inner)._scan_step
+
+        def spy(self, *a, **k):
+            ran.append(a[1])
+            return real(self, *a, **k)
+
+        type(inner)._scan_step = spy
+        try:
+            w(x.requires_grad_()).sum().backward()
+        finally:
+            type(inner)._scan_step = real
+    assert ran == ["scan"]
+
+
+def test_the_node_is_priced_by_its_own_decision():
+    """The model's scan-or-native decision prices the recurrent node at what the node's own decision predicts:
+    a long pixel sequence, where the scan is far faster, makes the model's ``auto`` choose the scan."""
+    torch.manual_seed(0)
+    model = PixelGRU(32)
+    x = torch.randn(16, 28, 28)
+    w = spscan.wrap(model, x, backward="auto")
+    (node,) = [u for u in w.plan.units if isinstance(u, RecurrentNodeUnit)]
+    inner = node.recurrent.decision(16)
+    assert inner.question.startswith("backward (T 784, batch 16)")
+    assert inner.chosen.name == "scan"
+    assert w.decision.chosen.name == "scan"
+    native = next(c.predicted_s for c in inner.candidates if c.name == "native")
+    outer_native = next(c.predicted_s for c in w.decision.candidates if c.name == "native")
+    assert outer_native >= native
+    assert "self.rnn (GRU)" in w.explain()
+
+
+def test_a_tuple_the_model_passes_on_keeps_the_layer_as_its_own_call():
+    """An LSTM whose ``(h_n, c_n)`` the model passes to another LSTM whole: that layer stays an opaque node
+    (its own call and backward); the other one, whose results are taken apart, is a recurrent node."""
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.LSTM(3, 4, batch_first=True), nn.LSTM(3, 4, batch_first=True)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            _, state = self.enc(x)
+            out, _ = self.dec(x, state)
+            return self.fc(out[:, -1])
+
+    torch.manual_seed(0)
+    model = Seq2Seq().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, x, backward="scan")
+    kinds = {type(u).__name__ for u in w.plan.units}
+    assert "RecurrentNodeUnit" in kinds
+    wt = torch.randn(3, 2, dtype=torch.float64)
+    y, gx = _step(w, x, wt)
+    y_ref, gx_ref = _step(ref, x, wt)
+    assert _rel(y, y_ref) <= 1e-12 and _rel(gx, gx_ref) <= 1e-9
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-9
