@@ -13,17 +13,23 @@ per input signature, on first use, from the formula (no timing).
 from __future__ import annotations
 
 import abc
+import os
 import platform
+import sys
+import warnings
+from collections import Counter
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
 from spscan.autograd import in_functorch_transform
 from spscan.planner.choose import Candidate, Decision, choose, explain
+from spscan.model_keys import ModelKeys
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "autocast_on", "batch_of",
-           "current_key", "device_label", "graph_activation_bytes", "outside_autocast",
+__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "autocast_on",
+           "batch_of", "current_key", "device_label", "graph_activation_bytes", "opaque_lines", "opaque_nodes",
+           "opaque_warning", "outside_autocast",
            "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "recurrent_shapes", "sequence_signature",
            "step_profile"]
 
@@ -125,7 +131,75 @@ def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: in
     return _decide(f"backward (T {seq_len}, batch {batch})", t["native"], t["scan"], scan_detail, mode, prof, more)
 
 
-class BackwardChoice(abc.ABC):
+# -- nodes that run autograd's own backward inside the scan (explain() and the forced scan's warning)
+
+#: what :func:`opaque_warning` names before "and N more"
+OPAQUE_NAMED = 3
+
+
+def opaque_nodes(plan: Any, mode: str = "auto") -> list[tuple[str, str, int]]:
+    """``(label, reason, count)`` of the plan's nodes that run their own call and autograd's own backward inside
+    the scan (:class:`~spscan.layers.opaque.OpaqueUnit`), in plan order, the same label and reason counted
+    once; empty for a plan without units (a recurrent module's). ``mode``: the wrapper's ``backward``. A node
+    whose call runs a recurrent wrapper of its own (``unit.recurrent``, a recurrent layer inside a traced model)
+    runs that wrapper's backward: the recurrent scan where the model's scan is forced (its wrapper is forced
+    too), else what its own decision chooses, autograd's own backward included; it counts except under
+    ``backward="scan"``."""
+    from spscan.layers.opaque import OpaqueUnit
+
+    seen: Counter = Counter()
+    for u in getattr(plan, "units", ()) or ():
+        if isinstance(u, OpaqueUnit) and not (mode == "scan" and getattr(u, "recurrent", None) is not None):
+            seen[(u.label, getattr(u, "reason", "") or "no analytic unit for this call")] += 1
+    return [(label, reason, n) for (label, reason), n in seen.items()]
+
+
+def opaque_lines(plan: Any, mode: str = "auto") -> list[str]:
+    """The lines :meth:`BackwardChoice.explain` adds for :func:`opaque_nodes`: one per node, what it runs and
+    why, and once what that means."""
+    nodes = opaque_nodes(plan, mode)
+    if not nodes:
+        return []
+    lines = [f"autograd's own backward inside the scan: {label}: {reason}" + (f" (x{n})" if n > 1 else "")
+             for label, reason, n in nodes]
+    total = sum(n for _, _, n in nodes)
+    lines.append(f"  ({total} node{'s' if total > 1 else ''}: where the scan runs, {'each' if total > 1 else 'it'} "
+                 "runs its own call again with autograd recording and takes its J^T g and parameter gradients from "
+                 "torch.autograd.grad; the gradients are exact, and the scan runs at depth 0 around it)")
+    return lines
+
+
+def opaque_warning(wrapper: Any, plan: Any) -> Optional[str]:
+    """The message of the one warning a wrapper with a forced ``scan`` or ``graph`` gives where its plan has
+    nodes that run autograd's own backward (None: it has none)."""
+    nodes = opaque_nodes(plan, wrapper.backward_mode)
+    if not nodes:
+        return None
+    total = sum(n for _, _, n in nodes)
+    named = [label + (f" (x{n})" if n > 1 else "") for label, _, n in nodes[:OPAQUE_NAMED]]
+    rest = sum(n for _, _, n in nodes[OPAQUE_NAMED:])
+    which = ", ".join(named) + (f" and {rest} more" if rest else "")
+    model = type(getattr(wrapper, wrapper._model_attr)).__name__
+    return (f"spscan: {type(wrapper).__name__} around {model} with backward={wrapper.backward_mode!r}: "
+            f"{total} node{'s' if total > 1 else ''} of its plan run{'' if total > 1 else 's'} autograd's own "
+            f"backward inside the scan, not an analytic unit: {which}. The gradients are exact; explain() says "
+            "why for each (backward='auto' chooses between the scan and autograd without this warning)")
+
+
+#: the frames :func:`user_stacklevel` steps over: spscan's own and torch's (a module's call, torch.compiler.disable)
+_INTERNAL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn`, called from the caller of this function, that points at the
+    first frame outside spscan and torch (the user's line that called the wrapper)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class BackwardChoice(ModelKeys, abc.ABC):
     """Mixin of the wrapped modules: the scan-or-native decision per input signature.
 
     A subclass sets :attr:`backward_mode` and implements :meth:`_backward_decision`. ``decision`` is
@@ -149,6 +223,7 @@ class BackwardChoice(abc.ABC):
                         self.training)
 
     def _init_choice(self, mode: str, first: Optional[Hashable]) -> None:
+        self._keep_model_keys()  # the wrapper's state_dict is the model's (ModelKeys)
         self.backward_mode = check_backward(mode)
         self._decisions: dict[Hashable, Decision] = {}
         # the last signature, in a plain dict: setting a module attribute on every call costs microseconds
@@ -251,13 +326,27 @@ class BackwardChoice(abc.ABC):
         last = self._seen["last"]
         return None if last is None else self._decision_for(last)
 
-    #: the attribute holding the wrapped model (one module registered once, under this name)
-    _model_attr = "model"
-
     def explain(self) -> str:
-        """What the planner chose for this model and what it compared each choice with."""
+        """What the planner chose for this model and what it compared each choice with, and every node that runs
+        autograd's own backward inside the scan, with why (:func:`opaque_lines`)."""
         ds = ([self.decision] if self.decision is not None else []) + self.plan.all_decisions()
-        return explain(ds, f"{type(self).__name__} around {type(getattr(self, self._model_attr)).__name__}:")
+        text = explain(ds, f"{type(self).__name__} around {type(getattr(self, self._model_attr)).__name__}:")
+        return "\n".join([text, *opaque_lines(self.plan, self.backward_mode)])
+
+    def _warn_opaque(self) -> None:
+        """Before a step that runs the scan with a forced ``scan`` or ``graph``: one ``UserWarning`` per wrapper
+        where the plan that runs has nodes that run autograd's own backward (:func:`opaque_warning`). Each plan
+        is looked at once (a traced model's plan for its other mode is made on first use)."""
+        seen = self._seen
+        if seen.get("opaque_checked") is self.plan or self.backward_mode == "auto":
+            return
+        seen["opaque_checked"] = self.plan
+        if seen.get("opaque_warned"):
+            return
+        message = opaque_warning(self, self.plan)
+        if message is not None:
+            seen["opaque_warned"] = True
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
 
 def autocast_on(x: Any) -> bool:
@@ -306,7 +395,7 @@ def batch_of(x: Any) -> Optional[int]:
     return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] > 0 else None
 
 
-class NativeModule(torch.nn.Module):
+class NativeModule(ModelKeys, torch.nn.Module):
     """A model the scan cannot plan (fx cannot trace it, or a node or layer has no unit), wrapped with
     ``backward="auto"``: it runs its own forward and autograd's backward, and says why.
 
@@ -319,6 +408,7 @@ class NativeModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, reason: str) -> None:
         super().__init__()
         self.model = model
+        self._keep_model_keys()  # its state_dict is the model's (ModelKeys)
         self.reason = reason
         self.decision = choose("backward", [Candidate("native", None, "the model's own autograd backward"),
                                             Candidate("scan", None, f"not available: {reason}")],
@@ -328,4 +418,5 @@ class NativeModule(torch.nn.Module):
         return self.model(*args, **kwargs)
 
     def explain(self) -> str:
-        return explain([self.decision], f"{type(self).__name__} around {type(self.model).__name__}:")
+        return explain([self.decision], f"{type(self).__name__} around {type(self.model).__name__}: the whole model "
+                                        "runs autograd's own backward")

@@ -894,6 +894,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
             return self.model(x)
+        self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
         y = self.plan.run_step(x, flat, choice == "graph")
         self._after_step(key, choice)
         return y

@@ -107,7 +107,8 @@ class OpaqueUnit(LayerUnit):
 
     ``call(x)`` is the node's computation of its one graph tensor (the module's own call for a
     module node, so dropout draws its random numbers as the module does). ``roles`` are the module's
-    parameters (qualified names; none for a function node).
+    parameters (qualified names; none for a function node). ``label`` names the call and ``reason`` says why it
+    has no analytic unit (a wrapper's ``explain()`` lists both, and a forced scan warns once).
     """
 
     capabilities = UnitCapabilities(structured_operator=True, fused_param_grads=True)
@@ -117,8 +118,10 @@ class OpaqueUnit(LayerUnit):
     def __init__(self, index: int, module: nn.Module, in_shapes: Sequence[tuple], out_shape: tuple,
                  call: Callable[..., torch.Tensor], label: str,
                  params: Optional[Sequence[tuple[str, nn.Parameter]]] = None,
-                 own_cost: Optional[Sequence[tuple[str, float]]] = None) -> None:
+                 own_cost: Optional[Sequence[tuple[str, float]]] = None,
+                 reason: str = "no analytic unit for this call") -> None:
         super().__init__(index, module, in_shapes[0], out_shape)
+        self.reason = reason  # why the node runs autograd's own backward (the wrapper's explain() says it)
         self.own_cost = None if own_cost is None else tuple(own_cost)  # (family, work per sample): counted_call
         self.in_shapes = [tuple(s) for s in in_shapes]
         self._params = list(module.named_parameters() if params is None else params)
