@@ -29,7 +29,7 @@ from spscan.planner.step_profile import StepProfile, load_step_profile, machine_
 
 __all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "autocast_on",
            "batch_of", "current_key", "device_label", "graph_activation_bytes", "opaque_lines", "opaque_nodes",
-           "opaque_warning", "outside_autocast",
+           "opaque_warning", "outside_autocast", "recurrent_lines",
            "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "recurrent_shapes", "sequence_signature",
            "step_profile"]
 
@@ -96,7 +96,9 @@ def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.dev
     prof = step_profile(device) if profile is None else profile
     layers = [t for u in units for t in u.cost_terms(batch)]
     more = []
+    # a unit that records its own step (a recurrent layer's wrapper) does not nest in a recorded model step
     if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
+            and all(getattr(u, "replays_in_step_graph", True) for u in units)
             and graph_activation_bytes(units, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
         more.append(Candidate("graph", prof.layers_time(layers, "graph"), GRAPH_DETAIL))
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
@@ -140,18 +142,33 @@ OPAQUE_NAMED = 3
 def opaque_nodes(plan: Any, mode: str = "auto") -> list[tuple[str, str, int]]:
     """``(label, reason, count)`` of the plan's nodes that run their own call and autograd's own backward inside
     the scan (:class:`~spscan.layers.opaque.OpaqueUnit`), in plan order, the same label and reason counted
-    once; empty for a plan without units (a recurrent module's). ``mode``: the wrapper's ``backward``. A node
-    whose call runs a recurrent wrapper of its own (``unit.recurrent``, a recurrent layer inside a traced model)
-    runs that wrapper's backward: the recurrent scan where the model's scan is forced (its wrapper is forced
-    too), else what its own decision chooses, autograd's own backward included; it counts except under
-    ``backward="scan"``."""
+    once; empty for a plan without units (a recurrent module's). ``mode``: the wrapper's ``backward``. A
+    recurrent layer inside a traced model (``unit.recurrent``) is not one: it runs its own recurrent wrapper,
+    whose decision :func:`recurrent_lines` shows."""
     from spscan.layers.opaque import OpaqueUnit
 
     seen: Counter = Counter()
     for u in getattr(plan, "units", ()) or ():
-        if isinstance(u, OpaqueUnit) and not (mode == "scan" and getattr(u, "recurrent", None) is not None):
+        if isinstance(u, OpaqueUnit) and getattr(u, "recurrent", None) is None:
             seen[(u.label, getattr(u, "reason", "") or "no analytic unit for this call")] += 1
     return [(label, reason, n) for (label, reason), n in seen.items()]
+
+
+def recurrent_lines(plan: Any, batch: Optional[int]) -> list[str]:
+    """What :meth:`BackwardChoice.explain` says of each recurrent layer inside a traced model: it runs its own
+    recurrent wrapper, which decides per ``(T, B)`` (the scan, or the layer's own backward), and that decision
+    for ``batch``, indented."""
+    lines = []
+    for u in getattr(plan, "units", ()) or ():
+        rec = getattr(u, "recurrent", None)
+        if rec is None:
+            continue
+        d = rec.decision(batch) if batch is not None else None
+        lines.append(f"recurrent layer inside the model: {u.label}: its own recurrent wrapper decides per "
+                     "(length, batch) between its scan and its own backward" + (":" if d is not None else ""))
+        if d is not None:
+            lines += ["  " + ln for ln in d.explain().splitlines()]
+    return lines
 
 
 def opaque_lines(plan: Any, mode: str = "auto") -> list[str]:
@@ -331,7 +348,9 @@ class BackwardChoice(ModelKeys, abc.ABC):
         autograd's own backward inside the scan, with why (:func:`opaque_lines`)."""
         ds = ([self.decision] if self.decision is not None else []) + self.plan.all_decisions()
         text = explain(ds, f"{type(self).__name__} around {type(getattr(self, self._model_attr)).__name__}:")
-        return "\n".join([text, *opaque_lines(self.plan, self.backward_mode)])
+        last = self._seen["last"]
+        batch = last[-1] if isinstance(last, tuple) else last
+        return "\n".join([text, *opaque_lines(self.plan, self.backward_mode), *recurrent_lines(self.plan, batch)])
 
     def _warn_opaque(self) -> None:
         """Before a step that runs the scan with a forced ``scan`` or ``graph``: one ``UserWarning`` per wrapper

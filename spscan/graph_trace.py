@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from spscan.errors import NotPlannable
 from spscan.graph_rewrites import UPDATES, WRITES_INPUT, check_graph_is_the_forward, out_of_place, subtractions_as_sums
-from spscan.graph_recurrent import RecurrentCall, RecurrentNodeUnit, recurrent_calls
+from spscan.graph_recurrent import RECURRENT_TYPES, RecurrentCall, RecurrentNodeUnit, recurrent_calls
 from spscan.graph_segments import Leaf, LiveStep, Parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
@@ -74,6 +74,10 @@ def node_source(node: fx.Node) -> str:
         path, cls = list(stack.values())[-1]
         where += f", in module '{path}' ({getattr(cls, '__name__', cls)})"
     return where
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 class NotSeriesParallel(NotPlannable):
@@ -299,7 +303,8 @@ class Traced:
                         and self._param_cat(node, args, kwargs, tensor_inputs, env):
                     y = env[node]
                 elif builder is None or consts or (builder not in (_ADD, _CAT) and len(tensor_inputs) > 1):
-                    y = self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                    y = self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                     self._why_opaque(node, builder, consts, tensor_inputs))
                 elif builder in (_ADD, _CAT):
                     y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
                 else:
@@ -376,19 +381,20 @@ class Traced:
             if len(node.args) != 2 or not all(isinstance(a, fx.Node) and isinstance(env.get(a), torch.Tensor)
                                               for a in node.args) \
                     or node.kwargs.get("alpha", 1) != 1 or len(node.kwargs) > (1 if "alpha" in node.kwargs else 0):
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # scalars, alpha: its own backward
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env, "an add of a number, or with alpha")
             a, b = args[0], args[1]
             if a.shape != b.shape:
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # broadcasting
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env, "an add that broadcasts")
             self.tin[node] = [node.args[0], node.args[1]]
         else:
             seq = node.args[0] if node.args else node.kwargs.get("tensors")
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             if not isinstance(seq, (list, tuple)) or not all(isinstance(a, fx.Node) for a in seq):
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env, "a concatenation of this form")
             nd = env[seq[0]].dim()
             if dim % nd != 1:
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # along another dim
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                    "a concatenation along another dim than dim 1")
             self.tin[node] = list(seq)
         self.kind[node] = builder
         return self._call(node, args, kwargs)
@@ -483,9 +489,34 @@ class Traced:
 
         return call, params, inner
 
-    def _opaque(self, node, key, args, kwargs, tensor_inputs, env):
+    def _why_opaque(self, node: fx.Node, builder: Any, consts: list, tensor_inputs: list) -> str:
+        """Why a node without a unit's form runs its own backward (what ``explain()`` says of it)."""
+        if builder is None:
+            if node.op == "call_module":
+                m = self.model.get_submodule(node.target)
+                if isinstance(m, RECURRENT_TYPES):
+                    return ("a recurrent layer whose results the model uses as a tuple (passed on whole), not taken "
+                            "apart: its own call")
+                return f"no analytic unit for the module type {type(m).__module__}.{type(m).__name__}"
+            what = f"Tensor.{node.target}" if node.op == "call_method" else node_text(node).split("(")[0]
+            return f"no analytic unit for {what}"
+        virtual = [c for c in consts if c in self.virtual]
+        if virtual:
+            order, _ = self._between(node, tensor_inputs)
+            mods = [self.model.get_submodule(n.target) for n in order if n.op == "call_module"]
+            if mods:
+                return ("no analytic unit for the module type " + ", ".join(
+                    dict.fromkeys(f"{type(m).__module__}.{type(m).__name__}" for m in mods)) +
+                        " (its result taken apart here)")
+            return "it reads a tensor that does not keep the batch dim first, recomputed here"
+        if consts:
+            return ("it reads a parameter, a buffer or a constant made from them besides its graph tensor (their "
+                    "gradients come from its own backward)")
+        return "it reads several graph tensors in a form no unit covers"
+
+    def _opaque(self, node, key, args, kwargs, tensor_inputs, env, why: str = "no analytic unit for this call"):
         """A node without an analytic unit (or one reading parameters, or several graph tensors): its own call
-        and its own autograd backward (:class:`OpaqueUnit`)."""
+        and its own autograd backward (:class:`OpaqueUnit`); ``why``: what ``explain()`` says of it."""
         if not tensor_inputs:
             raise refuse_node(node, "a node of the graph that reads no tensor of the graph")
         xins = [env[n] for n in tensor_inputs]
@@ -528,7 +559,7 @@ class Traced:
                                                  label, params, own_cost, call=node.target)
         else:
             unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params,
-                              own_cost)
+                              own_cost, reason=why)
         self._add_unit(node, unit, name, backed, tensor_inputs)
         return y
 
@@ -635,13 +666,14 @@ class Traced:
         """``a @ b`` / ``a * b`` of two distinct graph tensors: a :class:`ProductUnit` (any other form, such as
         ``2 * x``, ``x * x`` or a broadcast, is an opaque node)."""
         if kwargs or len(node.args) != 2 or list(node.args) != tensor_inputs or len(tensor_inputs) != 2:
-            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                "a product of one tensor with itself, or with a number")
         a, b = (env[n] for n in tensor_inputs)
         y = self._call(node, args, kwargs)
         try:
             unit = ProductUnit(len(self.units), kind, [tuple(a.shape[1:]), tuple(b.shape[1:])], tuple(y.shape[1:]))
-        except ValueError:
-            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        except ValueError as e:
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env, f"a product of this form ({e})")
         self._add_unit(node, unit, node.name, False, tensor_inputs)
         return y
 
@@ -658,20 +690,23 @@ class Traced:
         if mask is not None:
             mask = self._constant_mask(mask, env[qkv[0]] if isinstance(qkv[0], fx.Node) else None)
             if mask is None:
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                    "attention with a mask computed from the input or learned")
         plain = (not extra and given.get("dropout_p", 0.0) == 0.0
                  and not given.get("enable_gqa", False) and isinstance(given.get("is_causal", False), bool)
                  and (given.get("scale") is None or isinstance(given.get("scale"), (int, float)))
                  and all(isinstance(n, fx.Node) and n in tensor_inputs for n in qkv))
         if not plain:
-            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                "attention with dropout, grouped heads or a query, key or value that is not a tensor "
+                                "of the graph")
         y = self._call(node, args, kwargs)
         module = _Attention(given.get("is_causal", False), given.get("scale"), mask)
         try:
             unit = AttentionUnit(len(self.units), module, [tuple(env[n].shape[1:]) for n in tensor_inputs],
                                  [tensor_inputs.index(n) for n in qkv], tuple(y.shape[1:]))
-        except ValueError:
-            return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+        except ValueError as e:
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env, f"attention of this form ({e})")
         self._add_unit(node, unit, node.name, False, tensor_inputs)
         return y
 
@@ -713,14 +748,16 @@ class Traced:
 
     def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):
-            return self._opaque(node, key, args, kwargs, tensor_inputs, env)  # e.g. ``x * x``, ``2 * x``
+            return self._opaque(node, key, args, kwargs, tensor_inputs, env,  # ``x * x``, ``2 * x``
+                                "its graph tensor is not its first argument, or it reads several")
         src = tensor_inputs[0]
         xin = env[src]
         k = len(self.units)
         if node.op == "call_module":
             m = self.model.get_submodule(node.target)
             if has_hooks(m):  # what its hooks do is not in its unit's J^T: its own call and backward
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                    "the module has hooks, which its analytic unit would not run")
             if len(node.args) != 1 or node.kwargs:
                 raise refuse_node(node, "a module called with extra arguments is not supported")
             if unit_capabilities(m).shape_preserving:
@@ -734,18 +771,20 @@ class Traced:
                     raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), _ExampleRejected) from e
             try:
                 unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
-            except (TypeError, ValueError):  # a configuration its unit does not cover: its own call and backward
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+            except (TypeError, ValueError) as e:  # a configuration its unit does not cover: its own call and backward
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                    f"its unit does not cover this configuration ({_first_line(e)})")
             name, backed = node.target, True
         else:
             y = self._call(node, args, kwargs)
             if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[0] != xin.shape[0]:
                 # not a per-sample map (``x.transpose(0, 1)``): what opaque nodes do with such a tensor
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env, "not a map of each sample alone")
             try:
                 unit = builder(k, args, kwargs, tuple(xin.shape[1:]), tuple(y.shape[1:]), self.prune_zeros)
-            except (TypeError, ValueError):  # a form the analytic unit does not cover: the node's own backward
-                return self._opaque(node, key, args, kwargs, tensor_inputs, env)
+            except (TypeError, ValueError) as e:  # a form the analytic unit does not cover: the node's own backward
+                return self._opaque(node, key, args, kwargs, tensor_inputs, env,
+                                    f"its unit does not cover this form ({_first_line(e)})")
             name, backed = node.name, False
         self._add_unit(node, unit, name, backed, [src])
         return y

@@ -20,6 +20,7 @@ Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
@@ -791,6 +792,8 @@ def model_device(model: nn.Module) -> Optional[torch.device]:
 #: fx specializes the graph to them); a call passes the planned value where it is that value or equal to it
 PLAIN_ARGUMENT_TYPES = (type(None), bool, int, float, str)
 _NOT_PLANNED = object()  # an argument the plan has no value for (SpscanModule._unplanned_argument)
+#: how many plans a wrapper keeps for the per-sample shapes (and modes) it was called with (SpscanModule._plan_for)
+MAX_SHAPE_PLANS = 8
 
 
 class SpscanModule(BackwardChoice, nn.Module):
@@ -812,10 +815,12 @@ class SpscanModule(BackwardChoice, nn.Module):
         self.model = model
         self.plan = plan
         self._replan = replan
-        self._other_plan: Optional[ModelPlan] = None  # a traced model's plan for its other mode (_plan_for_mode)
+        # the plans made for other per-sample shapes and, for a traced model, the other mode: (mode, shape) -> plan,
+        # the most recently used last (_plan_for); None for a shape the scan cannot plan (backward="auto": native)
+        self._plans: "OrderedDict[tuple, Optional[ModelPlan]]" = OrderedDict({self._plan_key(plan): plan})
         # where the steps run, for the choice: the plan's device, else the model's, else the example input's
         self._example_device = device
-        self._init_choice(backward, batch)
+        self._init_choice(backward, None if batch is None else (tuple(plan.in_shape), int(batch)))
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """The model's call on ``x``, its backward as :attr:`decision` says. Further arguments are those of the
@@ -823,9 +828,8 @@ class SpscanModule(BackwardChoice, nn.Module):
         :attr:`ModelPlan.fixed_arguments`) the call is planned as any other; other values (a mask where the
         default is None) change the graph, so with ``backward="auto"`` that call runs the model's own forward
         and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError). An input of another
-        per-sample shape than the example's (an image of another size) runs the model's own step under
-        ``backward="auto"`` (:meth:`_call_choice`): the plan is the example shape's; a forced scan refuses it
-        (ValueError)."""
+        per-sample shape than the example's (an image of another size, a sequence of another length) is planned
+        for its shape on first use (:meth:`_plan_for`)."""
         if args or kwargs:
             try:
                 other = self._unplanned_argument(x, args, kwargs)
@@ -859,25 +863,31 @@ class SpscanModule(BackwardChoice, nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.plan.fixed_arguments.items())
 
     def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
-        """As :meth:`BackwardChoice._call_choice`, and with ``backward="auto"`` an input of another per-sample
-        shape than the plan's runs the model's own step (``"native"``)."""
-        if self.backward_mode == "auto" and isinstance(x, torch.Tensor) and x.shape[1:] != self.plan.in_shape:
+        """As :meth:`BackwardChoice._call_choice`, and with ``backward="auto"`` an input of a per-sample shape the
+        scan cannot plan runs the model's own step (``"native"``)."""
+        if key is not None and self.backward_mode == "auto" and self._plan_for(key[0]) is None:
             return "native"
         return super()._call_choice(key, x)
 
-    def _backward_decision(self, batch) -> Decision:
-        plan = self.plan
+    def _backward_decision(self, key) -> Decision:
+        shape, batch = key
+        plan = self._plan_for(shape)
         detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
+        if len(self._plans) > 1:
+            detail += f", input (B, {', '.join(map(str, shape))})"
         device = plan.core.device or model_device(self.model) or self._example_device
         notes: tuple[str, ...] = ()
-        if self.backward_mode == "auto":
-            notes = (f"an input of another per-sample shape than {tuple(plan.in_shape)}: native",)
-            if plan.fixed_arguments:
-                notes += (f"planned with {self._planned_arguments()}; a call with other values: native",)
+        if self._replan is not None:
+            notes = (f"an input of another per-sample shape is planned for its shape on first use (the last "
+                     f"{MAX_SHAPE_PLANS} kept)",)
+        if self.backward_mode == "auto" and plan.fixed_arguments:
+            notes += (f"planned with {self._planned_arguments()}; a call with other values: native",)
         return layers_decision(plan.units, batch, device, self.backward_mode, detail, notes=notes)
 
-    def _signature(self, x: Any) -> Optional[int]:
-        return batch_of(x)
+    def _signature(self, x: Any) -> Optional[tuple[tuple[int, ...], int]]:
+        """``(per-sample shape, batch size)``: each per-sample shape has its plan, each batch size its decision."""
+        b = batch_of(x)
+        return None if b is None else (tuple(x.shape[1:]), b)
 
     def _forward_alone(self) -> bool:
         return not torch.is_grad_enabled()  # nothing is recorded: the model's own forward
@@ -888,8 +898,8 @@ class SpscanModule(BackwardChoice, nn.Module):
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
         refuse_functorch()
-        if self._replan is not None:
-            self._plan_for_mode()
+        if self._replan is not None and key is not None:
+            self._plan_for(key[0])
         flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
@@ -899,24 +909,53 @@ class SpscanModule(BackwardChoice, nn.Module):
         self._after_step(key, choice)
         return y
 
-    def _plan_for_mode(self) -> None:
-        """Make :attr:`plan` one that runs the model in its present mode.
+    def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
+        """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units
+        follow their modules' modes) and the per-sample input shape."""
+        return (plan.planned_training, tuple(plan.in_shape) if shape is None else tuple(shape))
 
-        * A traced plan is specialized to the mode it was traced in (``self.training`` read in Python): in
-          the other mode (the model's ``training`` flag) the plan traced in that mode runs, made on first
-          use; the two are kept, as training and evaluation alternate.
-        * A plan made in eval mode at a depth a train-mode BatchNorm cannot run at (levels ``"auto"``) is
-          made again as the model now is, once (the linear scan, which runs in either mode).
+    def _plan_for(self, shape: tuple) -> Optional[ModelPlan]:
+        """Make :attr:`plan` the one that runs an input of per-sample ``shape`` in the model's present mode, and
+        return it (None: the scan cannot plan that shape, and ``backward="auto"`` runs the model's own step).
+
+        * Each per-sample shape has its plan (an image of another size, a sequence of another length: a recurrent
+          layer inside the model is planned for that length), made on first use from a zero example of that shape;
+          the last :data:`MAX_SHAPE_PLANS` are kept, the oldest one's buffers freed.
+        * A traced plan is specialized to the mode it was traced in (``self.training`` read in Python): in the
+          other mode (the model's ``training`` flag) the plan traced in that mode runs, made on first use; both
+          are kept, as training and evaluation alternate.
+        * A plan made in eval mode at a depth a train-mode BatchNorm cannot run at (levels ``"auto"``) is made
+          again as the model now is, once (the linear scan, which runs in either mode).
         """
-        plan, mode = self.plan, self.model.training
-        if plan.planned_training is not None and plan.planned_training != mode:
-            other = self._other_plan
-            if other is None or other.planned_training != mode:
-                other = self._replan(self.model)
-            self._other_plan, self.plan = plan, other
-        elif self._replan.levels == "auto" and plan.needs_linear_scan():
-            self.plan = self._replan(self.model)
-            plan.release_buffers()
+        plan, mode, shape = self.plan, self.model.training, tuple(shape)
+        if plan.in_shape == shape and plan.planned_training in (None, mode):
+            if self._replan is not None and self._replan.levels == "auto" and plan.needs_linear_scan():
+                self.plan = self._replan(self.model, shape)
+                self._plans[self._plan_key(plan)] = self.plan
+                plan.release_buffers()
+            return self.plan
+        if self._replan is None:  # planned directly (no way to plan another shape): the contract's own check
+            return plan
+        key = (None if plan.planned_training is None else mode, shape)
+        if key not in self._plans:
+            try:
+                self._plans[key] = self._replan(self.model, shape)
+            except NotPlannable:
+                if self.backward_mode != "auto":
+                    raise
+                self._plans[key] = None  # the model's own step for this shape
+            except ValueError as e:  # the model rejects that shape (its own error, as planning words it)
+                raise ValueError(f"input: per-sample shape {shape}, planned on first use (the example's was "
+                                 f"{tuple(plan.in_shape)}): {e}") from e
+            while len(self._plans) > MAX_SHAPE_PLANS:
+                _, old = self._plans.popitem(last=False)
+                if old is not None and old is not plan:
+                    old.release_buffers()
+        self._plans.move_to_end(key)
+        got = self._plans[key]
+        if got is not None:
+            self.plan = got
+        return got
 
     def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self.plan.step_tensors(x)
@@ -934,8 +973,10 @@ class Replan:
     def levels(self) -> Any:
         return self.options.get("levels", "auto")
 
-    def __call__(self, model: nn.Module) -> ModelPlan:
-        x = torch.zeros(self.shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
+    def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
+        """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
+        shape = self.shape if per_sample is None else self.shape[:1] + tuple(per_sample)
+        x = torch.zeros(shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
         return self.plan_fn(model, x, **self.options)
 
 

@@ -131,30 +131,38 @@ def test_auto_follows_the_profile(calibrated_as):
     assert rnn.decision.chosen.name == "native" and "T 10, batch 2" in rnn.decision.question
 
 
-def test_another_per_sample_shape_runs_native_under_auto(calibrated_as, monkeypatch):
-    """A fully convolutional model fed images of another size than the example's: where the scan is chosen,
-    such a call runs the model's own step (the plan is the example shape's); a forced scan refuses it."""
+def test_another_per_sample_shape_is_planned_for_its_shape(calibrated_as, monkeypatch):
+    """A fully convolutional model fed images of another size than the example's: each size is planned on first
+    use and runs the scan as chosen for it (with autograd's gradients), under ``auto`` and a forced scan; the
+    plans are kept per size, up to MAX_SHAPE_PLANS."""
+    from spscan.model import MAX_SHAPE_PLANS
+
     calibrated_as(_profile(native_cost=1e-3, scan_cost=1e-4))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(3, 4)).double()
     ref = copy.deepcopy(model)
-    w = spscan.wrap(model, torch.randn(4, 2, 8, 8, dtype=torch.float64), backward="auto")
-    assert w.decision.chosen.name == "scan"
-    assert "an input of another per-sample shape than (2, 8, 8): native" in w.explain()
-    ran = []
-    run_step = type(w.plan).run_step
-    monkeypatch.setattr(type(w.plan), "run_step", lambda self, *a, **k: ran.append(1) or run_step(self, *a, **k))
-    for size, scanned in ((8, True), (11, False), (8, True)):
-        x = torch.randn(4, 2, size, size, dtype=torch.float64)
-        ran.clear()
-        got, want = _grads(w, x), _grads(ref, x)
-        assert ran == ([1] if scanned else [])
-        for g, h in zip(got, want):
-            assert (g - h).abs().max().item() <= 1e-12 * max(1.0, h.abs().max().item())
-    forced = spscan.wrap(model, torch.randn(4, 2, 8, 8, dtype=torch.float64), backward="scan")
-    with pytest.raises(ValueError, match=r"expected shape \(B, 2, 8, 8\)"):
-        forced(torch.randn(4, 2, 11, 11, dtype=torch.float64))
+    for backward in ("auto", "scan"):
+        w = spscan.wrap(model, torch.randn(4, 2, 8, 8, dtype=torch.float64), backward=backward)
+        assert w.decision.chosen.name == "scan"
+        assert "an input of another per-sample shape is planned for its shape on first use" in w.explain()
+        ran = []
+        run_step = type(w.plan).run_step
+        monkeypatch.setattr(type(w.plan), "run_step", lambda self, *a, **k: ran.append(self.in_shape) or
+                            run_step(self, *a, **k))
+        for size in (8, 11, 8, 11):
+            x = torch.randn(4, 2, size, size, dtype=torch.float64)
+            ran.clear()
+            got, want = _grads(w, x), _grads(ref, x)
+            assert ran == [(2, size, size)]
+            for g, h in zip(got, want):
+                assert (g - h).abs().max().item() <= 1e-12 * max(1.0, h.abs().max().item())
+        if backward == "auto":  # a forced mode decides nothing per call: explain() shows the example's decision
+            assert "input (B, 2, 11, 11)" in w.explain()
+        monkeypatch.undo()
+        for size in range(12, 12 + MAX_SHAPE_PLANS + 2):  # older plans are let go
+            w(torch.randn(2, 2, size, size, dtype=torch.float64, requires_grad=True)).sum().backward()
+        assert len(w._plans) == MAX_SHAPE_PLANS
 
 
 def test_decision_per_batch_size(calibrated_as):

@@ -54,7 +54,7 @@ def test_wrapped_model_refusals_then_a_valid_step():
         w(x.double())
     with pytest.raises(TypeError, match="layer 0"):
         w(torch.ones(5, 3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="expected shape"):
+    with pytest.raises(ValueError, match=r"per-sample shape \(4,\).*layer 0 \(0: Linear\)"):
         w(torch.randn(5, 4))
     # nothing changed: parameters, input, and the next valid step equals autograd
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())) and torch.equal(x, x_keep)

@@ -466,7 +466,7 @@ def test_a_step_that_cannot_be_recorded_is_decided_again(kind):
     if kind == "chain":
         model = _lenet().double()
         x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
-        key = 2
+        key = ((3, 16, 16), 2)
     else:
         model = nn.GRU(3, 4).double()
         x = torch.randn(5, 2, 3, dtype=torch.float64)
