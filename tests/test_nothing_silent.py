@@ -212,21 +212,26 @@ class _WithRecurrent(nn.Module):
 
 
 def test_a_node_that_runs_a_scan_of_its_own_is_named_as_it_runs():
-    """A recurrent layer's node runs its own recurrent wrapper (``unit.recurrent``): under a forced scan that
-    wrapper is forced too, so the node is neither listed nor warned about; under ``auto`` it decides for itself,
-    and explain() lists it with its reason. Other opaque nodes are named in both."""
+    """A recurrent layer's node runs its own recurrent wrapper (``unit.recurrent``): it is not warned about as a
+    node that runs autograd's backward (under a forced scan its wrapper is forced too); explain() lists it apart,
+    with the decision its wrapper made. Other opaque nodes are named in both."""
     torch.manual_seed(0)
     x = _x()
     scan = spscan.wrap(_WithRecurrent().double(), x, backward="scan")
     auto = spscan.wrap(_WithRecurrent().double(), x, backward="auto")
     own = [u for u in _opaque(scan) if getattr(u, "recurrent", None) is not None]
     plain = [u for u in _opaque(scan) if getattr(u, "recurrent", None) is None]
-    assert plain and all("MultiheadAttention" in u.label for u in plain)
+    assert own and plain and all("MultiheadAttention" in u.label for u in plain)
     with pytest.warns(UserWarning, match="autograd's own backward inside the scan") as caught:
         _step(scan, x)
     (msg,) = [str(c.message) for c in _ours(caught)]
     assert all(u.label in msg for u in plain) and not any(u.label in msg for u in own)
-    assert not any(u.label in scan.explain() for u in own)
-    text = auto.explain()
-    for u in _opaque(auto):
-        assert f"autograd's own backward inside the scan: {u.label}: {u.reason}" in text
+    for w, mode in ((scan, "scan"), (auto, "auto")):
+        text = w.explain()
+        for u in own:
+            assert f"recurrent layer inside the model: {u.label}: its own recurrent wrapper decides" in text
+            assert f"autograd's own backward inside the scan: {u.label}" not in text
+        assert f"backward (T {x.shape[1]}, batch {x.shape[0]}): " + ("scan (forced" if mode == "scan" else "") in text
+        for u in _opaque(w):
+            if u not in own:
+                assert f"autograd's own backward inside the scan: {u.label}: {u.reason}" in text
