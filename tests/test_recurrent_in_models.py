@@ -262,3 +262,26 @@ def test_a_tuple_the_model_passes_on_keeps_the_layer_as_its_own_call():
     assert _rel(y, y_ref) <= 1e-12 and _rel(gx, gx_ref) <= 1e-9
     for p, q in zip(model.parameters(), ref.parameters()):
         assert _rel(p.grad, q.grad) <= 1e-9
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_each_sequence_length_is_planned_for_that_length(backward):
+    """A model wrapped with one length and called with others: each length is planned on first use (its
+    recurrent node planned for that length), never run some other way in silence; autograd's gradients."""
+    torch.manual_seed(0)
+    model = AddingRNN().double()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, torch.randn(3, 9, 2, dtype=torch.float64), backward=backward)
+    for steps in (9, 14, 9, 5):
+        x = torch.randn(3, steps, 2, dtype=torch.float64)
+        wt = torch.randn(3, 1, dtype=torch.float64)
+        y, gx = _step(w, x, wt)
+        y_ref, gx_ref = _step(ref, x, wt)
+        assert _rel(y, y_ref) <= 1e-12 and _rel(gx, gx_ref) <= 1e-9
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-9
+        (node,) = [u for u in w.plan.units if isinstance(u, RecurrentNodeUnit)]
+        assert w.plan.in_shape == (steps, 2) and node.recurrent.seq_len == steps
+    assert {shape for _, shape in w._plans} == {(9, 2), (14, 2), (5, 2)}
