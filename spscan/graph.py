@@ -370,9 +370,10 @@ def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
 
 
 def _plan_for_backward(backward: str, model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> ModelPlan:
-    """:func:`plan_graph`, its recurrent nodes following the wrapper's ``backward`` (a forced scan forces theirs)."""
+    """:func:`plan_graph`, its recurrent nodes following the wrapper's ``backward`` (a forced scan forces theirs)
+    and the planning options a recurrent plan takes too."""
     plan = plan_graph(model, example_input, **plan_kwargs)
     for u in plan.units:
         if isinstance(u, RecurrentNodeUnit):
-            u.recurrent.set_backward(backward)
+            u.recurrent.configure(backward, plan_kwargs)
     return plan

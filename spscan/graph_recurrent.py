@@ -35,6 +35,9 @@ from spscan.planner.step_profile import PREDICTED
 __all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "recurrent_calls"]
 
 RECURRENT_TYPES = (nn.RNN, nn.GRU, nn.LSTM)
+#: the model's planning options a recurrent layer's plan inside it takes as well (the scan's depth, the numeric
+#: backend, the memory bound); the others are the graph's own (its batch, its layer forms)
+SHARED_OPTIONS = ("levels", "backend", "max_memory")
 
 
 def _inner_mode(backward: str) -> str:
@@ -52,6 +55,7 @@ class RecurrentCall:
         self.path, self.module = path, module
         self.__name__ = self.__qualname__ = f"{path.replace('.', '_')}_through_its_scan"
         self.backward = _inner_mode(option_default("backward"))
+        self.options: dict = {}  # the model's planning options that a recurrent plan takes too (configure)
         self.seq_len: Optional[int] = None  # the planned length (the traced example's)
         self._wrapper: Optional[nn.Module] = None
 
@@ -59,11 +63,12 @@ class RecurrentCall:
     def is_lstm(self) -> bool:
         return isinstance(self.module, nn.LSTM)
 
-    def set_backward(self, backward: str) -> None:
-        """Follow the model wrapper's ``backward`` (see :func:`_inner_mode`); made before the node's first decision."""
-        mode = _inner_mode(backward)
-        if mode != self.backward:
-            self.backward, self._wrapper = mode, None
+    def configure(self, backward: str, options: dict) -> None:
+        """Follow the model wrapper's ``backward`` (see :func:`_inner_mode`) and its planning options that apply
+        to a recurrent plan too (:data:`SHARED_OPTIONS`); made before the node's first decision."""
+        mode, options = _inner_mode(backward), {k: v for k, v in options.items() if k in SHARED_OPTIONS}
+        if (mode, options) != (self.backward, self.options):
+            self.backward, self.options, self._wrapper = mode, options, None
 
     def wrapper(self) -> nn.Module:
         """The layer's recurrent wrapper (made on first use, sharing the layer's parameters; never registered
@@ -71,7 +76,7 @@ class RecurrentCall:
         if self._wrapper is None:
             import spscan  # the public entry: the recurrent front end that owns this layer
 
-            self._wrapper = spscan.wrap(self.module, backward=self.backward)
+            self._wrapper = spscan.wrap(self.module, backward=self.backward, **self.options)
         return self._wrapper
 
     def decision(self, batch: int) -> Any:
