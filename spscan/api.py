@@ -19,8 +19,9 @@ from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, tak
 from spscan.graph import plan_graph, wrap_graph
 from spscan.model import ModelPlan, UnitRefused, is_chain_model, plan_model, wrap_chain
 from spscan.plan import Plan, build_composite, build_plan, resolve_device
-from spscan.recurrent import RecurrentPlan, plan_recurrent, wrap_recurrent
-from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked, wrap_stacked
+from spscan.recurrent import RecurrentPlan, plan_recurrent
+from spscan.recurrent_wrapper import wrap_recurrent
+from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked
 
 __all__ = ["plan", "backward", "forward", "wrap", "plan_composite", "load_plan"]
 
@@ -31,7 +32,7 @@ def _front_end(model: torch.nn.Module):
     """``(kind, plan, wrap)`` of the front end that owns ``model``: the one place a model is dispatched."""
     if isinstance(model, _RECURRENT):
         if is_stacked(model):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
-            return RECURRENT, plan_stacked, wrap_stacked
+            return RECURRENT, plan_stacked, wrap_recurrent
         return RECURRENT, plan_recurrent, wrap_recurrent
     if is_chain_model(model):
         return CHAIN, plan_model, wrap_chain

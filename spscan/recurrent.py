@@ -78,20 +78,15 @@ from spscan.cells import (cell_kind, coefficients, factored_layout, jacobian_val
                           recurrent_patterns, resolve_layout, shared_flags, state_size)
 from spscan.engine import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.graphed import GraphedStep
-from spscan.autograd import refuse_functorch
-from spscan.options import option_default
-from spscan.choices import BackwardChoice, recurrent_decision, recurrent_shapes, sequence_signature
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.plan import build_plan
 from spscan.recurrent_backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
-                                       run_wrapped, split_hx, weight_grad, weight_grads_compile)
+                                       split_hx, weight_grad, weight_grads_compile)
 from spscan.recurrent_forward import CompiledForwards, Saved
 
 __all__ = [
     "RecurrentPlan",
-    "RecurrentWrapper",
     "plan_recurrent",
-    "wrap_recurrent",
     "recurrent_patterns",
 ]
 
@@ -332,6 +327,31 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
     def param_names(self) -> list[str]:
         """The module's parameter names in the order the autograd bridge takes them (:func:`module_params`)."""
         return ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if self.module.bias else [])
+
+    # -- what a wrapper's step asks (spscan.recurrent_wrapper.RecurrentWrapper)
+
+    def describe(self) -> str:
+        """The plan's form, as a wrapper's decision and repr name it."""
+        return f"layout {self.layout}"
+
+    def check_unchanged(self) -> None:
+        """Refuse a module whose configuration was changed after planning."""
+        m = self.module
+        if m.num_layers != 1 or m.bidirectional:
+            raise ValueError(f"{type(m).__name__}: num_layers / bidirectional changed after wrapping (planned 1 layer, "
+                             f"1 direction; now {m.num_layers} x {2 if m.bidirectional else 1}): wrap the module again "
+                             "(spscan.wrap plans stacked and bidirectional modules too)")
+        cell_kind(m)
+
+    def split_state(self, hx: Any) -> tuple[Any, Any]:
+        """``(h_0, c_0)`` of a call's ``hx`` (Nones where not given)."""
+        if hx is None:
+            return None, None
+        return hx if self.kind == "lstm" else (hx, None)
+
+    def step_params(self) -> list[torch.Tensor]:
+        """The module's parameters in :meth:`param_names` order (its own objects)."""
+        return module_params(self.module)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -673,60 +693,6 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         return out
 
 
-class RecurrentWrapper(BackwardChoice, nn.Module):
-    """A single-layer ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through the BPPSA scan.
-
-    Holds the module itself (``self.module``), so ``parameters()`` are the module's own
-    objects and ``torch.optim`` works unchanged. ``forward(x, hx=None)`` returns what the
-    module returns: ``(output, h_n)`` or ``(output, (h_n, c_n))``; batch size and sequence
-    length may change between calls (one scan plan per length is cached).
-    """
-
-    _model_attr = "module"
-
-    def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
-        super().__init__()
-        self.module = module
-        backward = plan_kwargs.pop("backward", option_default("backward"))
-        self.plan = RecurrentPlan(module, example_input, **plan_kwargs)
-        self._init_choice(backward, sequence_signature(module, example_input))
-
-    def _backward_decision(self, key) -> Decision:
-        m = self.module
-        return recurrent_decision(self.plan.kind, recurrent_shapes(m), key[0], key[1],
-                                  m.weight_hh_l0.device, self.backward_mode, f"layout {self.plan.layout}")
-
-    def forward(self, x: torch.Tensor, hx=None):
-        return super().forward(x, hx)
-
-    def _signature(self, x: Any) -> Optional[tuple[int, int]]:
-        return sequence_signature(self.module, x)
-
-    def _scan_dtype(self) -> torch.dtype:
-        return self.module.weight_hh_l0.dtype
-
-    @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
-    def _scan_step(self, key, choice: str, x: torch.Tensor, hx):
-        refuse_functorch()
-        self.plan._check_input(x)
-        # re-check: the wrapped module's configuration may have been changed after wrapping
-        m = self.module
-        if m.num_layers != 1 or m.bidirectional:
-            raise ValueError(f"{type(m).__name__}: num_layers / bidirectional changed after wrapping (planned 1 layer, "
-                             f"1 direction; now {m.num_layers} x {2 if m.bidirectional else 1}): wrap the module again "
-                             "(spscan.wrap plans stacked and bidirectional modules too)")
-        cell_kind(m)
-        h0 = c0 = None
-        if hx is not None:
-            h0, c0 = hx if self.plan.kind == "lstm" else (hx, None)
-        out = run_wrapped(self.plan, self.module, x, hx, h0, c0, module_params(self.module), choice == "graph")
-        self._after_step(key, choice)
-        return out
-
-    def extra_repr(self) -> str:
-        return f"layout={self.plan.layout!r}"
-
-
 def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> RecurrentPlan:
     """Plan BPPSA for a single-layer ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``.
 
@@ -740,13 +706,3 @@ def plan_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None,
     proj_size > 0 or parameters in a dtype other than float32/float64.
     """
     return RecurrentPlan(rnn, example_input, **plan_kwargs)
-
-
-def wrap_recurrent(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> RecurrentWrapper:
-    """``nn.Module`` around ``rnn`` (same parameter objects) whose backward is the BPPSA scan.
-
-    Forward returns exactly what ``rnn`` returns (``forward="newton"``: computed by Newton
-    iterations over the planned scan, equal to the module's up to rounding); ``loss.backward()``
-    fills ``.grad`` of the input, the initial state and every parameter as autograd would.
-    """
-    return RecurrentWrapper(rnn, example_input, **plan_kwargs)

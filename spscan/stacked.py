@@ -56,16 +56,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from spscan.autograd import refuse_functorch
 from spscan.cells import check_cell_form
-from spscan.options import option_default
-from spscan.choices import BackwardChoice, recurrent_decision, recurrent_shapes, sequence_signature
 from spscan.graphed import GraphedStep
 from spscan.planner.choose import Decision
 from spscan.recurrent import RecurrentFront, RecurrentPlan
-from spscan.recurrent_backward import run_wrapped
 
-__all__ = ["StackedRecurrentPlan", "StackedRecurrentWrapper", "plan_stacked", "wrap_stacked", "is_stacked"]
+__all__ = ["StackedRecurrentPlan", "plan_stacked", "is_stacked"]
 
 _CELLS = (nn.RNN, nn.GRU, nn.LSTM)
 _PARAM_KINDS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
@@ -366,72 +362,38 @@ class StackedRecurrentPlan(RecurrentFront):
         for p in self.layer_plans:
             p.release_buffers()
 
+    # -- what a wrapper's step asks (spscan.recurrent_wrapper.RecurrentWrapper)
+
+    def describe(self) -> str:
+        """The plan's form, as a wrapper's decision and repr name it."""
+        return f"{self.num_layers} layers x {self.num_directions} directions"
+
+    def check_unchanged(self) -> None:
+        """Refuse a module whose configuration was changed after planning."""
+        m = self.module
+        _check_module(m)
+        if (m.num_layers, 2 if m.bidirectional else 1) != (self.num_layers, self.num_directions):
+            raise ValueError(f"num_layers / bidirectional changed after wrapping: planned {self.num_layers} "
+                             f"layers x {self.num_directions} directions; wrap the module again")
+
+    def split_state(self, hx: Any) -> tuple[Any, Any]:
+        """``(h_0, c_0)`` of a call's ``hx`` (Nones where not given)."""
+        if hx is None:
+            return None, None
+        if self.kind != "lstm":
+            return hx, None
+        if not (isinstance(hx, (tuple, list)) and len(hx) == 2):
+            raise TypeError("hx: expected a tuple (h_0, c_0) for nn.LSTM")
+        return hx[0], hx[1]
+
+    def step_params(self) -> list[torch.Tensor]:
+        """The module's parameters in :meth:`param_names` order (its own objects)."""
+        return [getattr(self.module, n) for n in self.param_names()]
+
     def param_names(self) -> list[str]:
         """The module's parameter names in its registration (``parameters()``) order."""
         return [s for layer in range(self.num_layers) for d in range(self.num_directions)
                 for _, s in _param_names(self.module, layer, d)]
-
-
-# --------------------------------------------------------------------------- torch integration
-
-
-class StackedRecurrentWrapper(BackwardChoice, nn.Module):
-    """A stacked and/or bidirectional ``nn.RNN``/``nn.GRU``/``nn.LSTM`` whose backward runs through
-    one BPPSA scan per (layer, direction).
-
-    Holds the module itself (``self.module``): ``parameters()`` are the module's own objects and
-    ``train()``/``eval()`` reach it (dropout between layers follows ``module.training``).
-    ``forward(x, hx=None)`` returns what the module returns, ``(output, h_n)`` or
-    ``(output, (h_n, c_n))``; batch size and sequence length may change between calls.
-    """
-
-    _model_attr = "module"
-
-    def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
-        super().__init__()
-        self.module = module
-        backward = plan_kwargs.pop("backward", option_default("backward"))
-        self.plan = StackedRecurrentPlan(module, example_input, **plan_kwargs)
-        self._init_choice(backward, sequence_signature(module, example_input))
-
-    def _backward_decision(self, key) -> Decision:
-        m = self.module
-        return recurrent_decision(self.plan.kind, recurrent_shapes(m), key[0], key[1], m.weight_hh_l0.device,
-                                  self.backward_mode, f"{m.num_layers} layers x {self.plan.num_directions} directions")
-
-    def forward(self, x: torch.Tensor, hx=None):
-        return super().forward(x, hx)
-
-    def _signature(self, x: Any) -> Optional[tuple[int, int]]:
-        return sequence_signature(self.module, x)
-
-    def _scan_dtype(self) -> torch.dtype:
-        return self.module.weight_hh_l0.dtype
-
-    @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
-    def _scan_step(self, key, choice: str, x: torch.Tensor, hx):
-        refuse_functorch()
-        self.plan._check_input(x)
-        _check_module(self.module)  # the module's configuration may have been changed after wrapping
-        if (self.module.num_layers, 2 if self.module.bidirectional else 1) != (self.plan.num_layers,
-                                                                              self.plan.num_directions):
-            raise ValueError(f"num_layers / bidirectional changed after wrapping: planned {self.plan.num_layers} "
-                             f"layers x {self.plan.num_directions} directions; wrap the module again")
-        h0 = c0 = None
-        if hx is not None:
-            if self.plan.kind == "lstm":
-                if not (isinstance(hx, (tuple, list)) and len(hx) == 2):
-                    raise TypeError("hx: expected a tuple (h_0, c_0) for nn.LSTM")
-                h0, c0 = hx
-            else:
-                h0 = hx
-        params = [getattr(self.module, n) for n in self.plan.param_names()]
-        out = run_wrapped(self.plan, self.module, x, hx, h0, c0, params, choice == "graph")
-        self._after_step(key, choice)
-        return out
-
-    def extra_repr(self) -> str:
-        return f"layers={self.plan.num_layers}, directions={self.plan.num_directions}"
 
 
 def plan_stacked(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> StackedRecurrentPlan:
@@ -444,10 +406,3 @@ def plan_stacked(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, *
     float32/float64.
     """
     return StackedRecurrentPlan(rnn, example_input, **plan_kwargs)
-
-
-def wrap_stacked(rnn: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> StackedRecurrentWrapper:
-    """``nn.Module`` around ``rnn`` (same parameter objects) whose backward is one BPPSA scan per
-    (layer, direction), top layer first; ``loss.backward()`` fills ``.grad`` of the input, the
-    initial state and every parameter as autograd would (dropout masks included)."""
-    return StackedRecurrentWrapper(rnn, example_input, **plan_kwargs)

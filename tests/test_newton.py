@@ -15,7 +15,8 @@ from torch import nn
 
 import spscan
 from spscan.newton import NewtonNotConverged, NewtonOptions, transpose_pattern
-from spscan.recurrent import RecurrentPlan, plan_recurrent, wrap_recurrent
+from spscan.recurrent import RecurrentPlan, plan_recurrent
+from spscan.recurrent_wrapper import wrap_recurrent
 
 # every Newton forward run here, (kind, method, dtype, T, iterations, reason): the counts the tests saw
 ITERATIONS: list[tuple] = []

@@ -10,7 +10,8 @@ from torch import nn
 
 import spscan
 import spscan.recurrent as rec
-from spscan.recurrent import plan_recurrent, recurrent_patterns, wrap_recurrent
+from spscan.recurrent import plan_recurrent, recurrent_patterns
+from spscan.recurrent_wrapper import RecurrentWrapper, wrap_recurrent
 from spscan.reference import reference_backward
 
 CELLS = {"rnn_tanh": nn.RNN, "rnn_relu": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
@@ -242,12 +243,16 @@ def test_only_output_used_and_only_input_requires_grad():
     ],
 )
 def test_refuses_what_it_cannot_do(module, exc, match):
-    """The single-layer front end's refusals; a form the scan cannot plan (``NotPlannable``) is what
-    ``spscan.wrap``'s default ``backward="auto"`` runs natively instead."""
-    with pytest.raises(exc, match=match):
-        wrap_recurrent(module)
+    """The single-layer plan's refusals; a form the scan cannot plan (``NotPlannable``) is what
+    ``spscan.wrap``'s default ``backward="auto"`` runs natively instead. The one wrapper plans a stacked or
+    bidirectional module layer by layer instead."""
     with pytest.raises(exc, match=match):
         plan_recurrent(module)
+    if exc is ValueError:
+        assert type(wrap_recurrent(module).plan).__name__ == "StackedRecurrentPlan"
+    else:
+        with pytest.raises(exc, match=match):
+            wrap_recurrent(module)
 
 
 def test_bad_arguments():
@@ -298,7 +303,7 @@ def test_public_api_dispatch():
     torch.testing.assert_close(r["input"], want[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(r["bias_hh_l0"], want[1], rtol=1e-10, atol=1e-12)
     w = spscan.wrap(m, x)
-    assert isinstance(w, rec.RecurrentWrapper) and w.module is m
+    assert isinstance(w, RecurrentWrapper) and w.module is m
 
 
 def test_unbatched_input_with_initial_state():

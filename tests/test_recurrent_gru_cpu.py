@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import spscan.kernels.cpu_recurrence as rc
-from spscan.recurrent import plan_recurrent, wrap_recurrent
+from spscan.recurrent import plan_recurrent
+from spscan.recurrent_wrapper import wrap_recurrent
 
 needs_numba = pytest.mark.skipif(not rc.available(), reason="numba not installed")
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.stacked import StackedRecurrentPlan, StackedRecurrentWrapper
+from spscan.recurrent_wrapper import RecurrentWrapper
+from spscan.stacked import StackedRecurrentPlan
 
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 
@@ -71,7 +72,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_equal_autograd(m, x, hx, tol=1e-9, **plan_kwargs):
     want = run(m, m, x, hx)
     w = spscan.wrap(m, x, **plan_kwargs)
-    assert isinstance(w, StackedRecurrentWrapper)
+    assert isinstance(w, RecurrentWrapper)
     got = run(w, m, x, hx)
     assert len(got) == len(want) == 1 + 1 + (0 if hx is None else len(hx) if isinstance(hx, tuple) else 1) \
         + len(list(m.parameters()))

@@ -18,8 +18,7 @@ import spscan
 from spscan.choices import NativeModule
 from spscan.graph import GraphSpscanModule
 from spscan.model import SpscanModule
-from spscan.recurrent import RecurrentWrapper
-from spscan.stacked import StackedRecurrentWrapper
+from spscan.recurrent_wrapper import RecurrentWrapper
 
 
 class Residual(nn.Module):
@@ -52,7 +51,7 @@ MODELS = {
     "traced": (Residual, lambda: torch.randn(4, 6, dtype=torch.float64), GraphSpscanModule),
     "gru": (lambda: nn.GRU(3, 4), lambda: torch.randn(5, 2, 3, dtype=torch.float64), RecurrentWrapper),
     "stacked_bidirectional_lstm": (lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True),
-                                   lambda: torch.randn(5, 2, 3, dtype=torch.float64), StackedRecurrentWrapper),
+                                   lambda: torch.randn(5, 2, 3, dtype=torch.float64), RecurrentWrapper),
     "native": (Branchy, lambda: torch.randn(4, 5, dtype=torch.float64), NativeModule),
 }
 
@@ -193,7 +192,7 @@ def test_a_wrapped_submodule_keeps_the_parents_keys(bidirectional):
     net.rnn = spscan.wrap(net.rnn, x, backward="scan")
     net.head = spscan.wrap(net.head, torch.randn(10, 8 if bidirectional else 4, dtype=torch.float64),
                            backward="scan")
-    assert isinstance(net.rnn, (RecurrentWrapper, StackedRecurrentWrapper))
+    assert isinstance(net.rnn, RecurrentWrapper)
     after = net.state_dict()
     _same(after, before)
     assert list(after._metadata) == list(before._metadata)
@@ -310,7 +309,7 @@ def test_a_parent_with_a_wrapper_pickles():
     torch.save(net, buf)
     buf.seek(0)
     back = torch.load(buf, weights_only=False)
-    assert isinstance(back.rnn, StackedRecurrentWrapper)
+    assert isinstance(back.rnn, RecurrentWrapper)
     _same(back.state_dict(), before)
     _same(copy.deepcopy(net).state_dict(), before)
 

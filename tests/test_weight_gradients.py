@@ -17,7 +17,7 @@ import spscan.recurrent as rec
 import spscan.kernels.cpu_recurrence as rc
 from spscan.kernels import cpu_nt
 from spscan.kernels.backend import cpu_ops
-from spscan.recurrent import wrap_recurrent
+from spscan.recurrent_wrapper import wrap_recurrent
 
 pytestmark = pytest.mark.skipif(not rc.available(), reason="numba not installed")
 
