@@ -51,8 +51,11 @@ class RecurrentCall:
     returns packed per sample (see :class:`Unpack`). With gradients on, it runs through the layer's recurrent
     wrapper; with gradients off (tracing, evaluation), the layer itself."""
 
-    def __init__(self, path: str, module: nn.Module) -> None:
+    def __init__(self, path: str, module: nn.Module, parts: tuple[str, ...] = ("output", "h_n", "c_n")) -> None:
         self.path, self.module = path, module
+        # what the model reads of the layer's results, in packing order: only those are packed, so the others
+        # get no gradient (None) and the recurrent backward does no work for them
+        self.parts = tuple(p for p in ("output", "h_n", "c_n") if p in parts and (p != "c_n" or self.is_lstm))
         self.__name__ = self.__qualname__ = f"{path.replace('.', '_')}_through_its_scan"
         self.backward = _inner_mode(option_default("backward"))
         self.options: dict = {}  # the model's planning options that a recurrent plan takes too (configure)
@@ -98,9 +101,10 @@ class RecurrentCall:
             out, state = m(x, hx)
         h_n, c_n = state if self.is_lstm else (state, None)
         b = x.shape[0] if m.batch_first else x.shape[1]
-        per_sample = out if m.batch_first else out.transpose(0, 1)
-        parts = [per_sample.reshape(b, -1)] + [s.transpose(0, 1).reshape(b, -1) for s in (h_n, c_n) if s is not None]
-        return torch.cat(parts, 1)
+        got = {"output": out if m.batch_first else out.transpose(0, 1), "h_n": h_n, "c_n": c_n}
+        parts = [got[p].reshape(b, -1) if p == "output" else got[p].transpose(0, 1).reshape(b, -1)
+                 for p in self.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
     def __repr__(self) -> str:
         return f"RecurrentCall({self.path!r})"
@@ -117,7 +121,8 @@ class Unpack:
         m = call.module
         self.which = which
         self.batch_first = m.batch_first
-        self.states = (2 if call.is_lstm else 1)
+        self.parts = call.parts
+        self.states = sum(p != "output" for p in call.parts)
         self.layers = m.num_layers * (2 if m.bidirectional else 1)
         self.hidden = m.hidden_size
         self.width = self.hidden * (2 if m.bidirectional else 1)
@@ -126,11 +131,11 @@ class Unpack:
     def __call__(self, packed: torch.Tensor) -> torch.Tensor:
         b, n = packed.shape[0], packed.shape[1]
         size = self.layers * self.hidden
-        steps = n - self.states * size
+        steps = n - self.states * size if "output" in self.parts else 0  # the output's entries per sample
+        start = sum(steps if p == "output" else size for p in self.parts[:self.parts.index(self.which)])
         if self.which == "output":
-            out = packed.narrow(1, 0, steps).reshape(b, steps // self.width, self.width)
+            out = packed.narrow(1, start, steps).reshape(b, steps // self.width, self.width)
             return out if self.batch_first else out.transpose(0, 1)
-        start = steps + (size if self.which == "c_n" else 0)
         return packed.narrow(1, start, size).reshape(b, self.layers, self.hidden).transpose(0, 1)
 
     def __repr__(self) -> str:
@@ -154,14 +159,30 @@ def recurrent_calls(graph: fx.Graph, root: nn.Module) -> list[RecurrentCall]:
         states = [u for u in users if _element(u) == 1]
         if lstm and not all(all(_element(w) is not None for w in v.users) for v in states):
             continue  # (h_n, c_n) passed on as a pair
-        call = RecurrentCall(node.target, m)
+        read = {"output": any(_element(u) == 0 and u.users for u in users)}
+        if lstm:
+            read.update({which: any(_element(w) == i for v in states for w in v.users if w.users)
+                         for i, which in enumerate(("h_n", "c_n"))})
+        else:
+            read["h_n"] = any(v.users for v in states)
+        if not any(read.values()):
+            continue  # nothing of it is read: left as it is (fx's dead code, dropped with the output's)
+        call = RecurrentCall(node.target, m, tuple(p for p, r in read.items() if r))
         node.op, node.target = "call_function", call
         for u in users:
             if _element(u) == 0 or not lstm:
-                u.target, u.args = Unpack(call, "output" if _element(u) == 0 else "h_n"), (node,)
+                which = "output" if _element(u) == 0 else "h_n"
+                if which in call.parts:
+                    u.target, u.args = Unpack(call, which), (node,)
+                else:
+                    graph.erase_node(u)  # read by nothing
                 continue
             for w in list(u.users):
-                w.target, w.args = Unpack(call, ("h_n", "c_n")[_element(w)]), (node,)
+                which = ("h_n", "c_n")[_element(w)]
+                if which in call.parts:
+                    w.target, w.args = Unpack(call, which), (node,)
+                else:
+                    graph.erase_node(w)
             graph.erase_node(u)
         made.append(call)
     return made
