@@ -1,8 +1,8 @@
 """Planning time of ``levels="auto"`` against planning at the depth it picks, on four workloads.
 
 Run: ``pytest bench/test_planning.py --benchmark-only``. The depth search costs depths in order and
-stops before it builds pair lists it will not use, so ``auto`` should cost at most ~1.5x the plan
-of its own choice. Each row times both sides interleaved (auto, then the chosen depth, repeated) on
+stops before it builds pair lists (or whole schedules) it will not use, so ``auto`` should cost at most
+~1.5x the plan of its own choice. Each row times both sides interleaved (auto, then the chosen depth, repeated) on
 the same device and reports in ``extra_info`` the medians, their ratio ``auto / chosen`` (<= 1.5 is
 the goal), the depth chosen and the candidates costed.
 

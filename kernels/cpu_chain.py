@@ -56,7 +56,8 @@ from .cpu_fpenv import flushing_subnormals
 from .cpu_numba import available
 from .cpu_simd import LANES
 
-__all__ = ["MAX_SOURCES", "available", "diagonal_bands", "resolve_steps", "run_chain", "shared_column_blocks"]
+__all__ = ["MAX_SOURCES", "available", "diagonal_bands", "diagonal_runs", "resolve_steps", "run_chain",
+           "shared_column_blocks"]
 
 # A reducing tap multiplies out its rows every REDUCE_STEPS steps of a tile: its ring (rows x
 # REDUCE_STEPS * LANES values) stays in L2, where storing every step's rows and a GEMM over them
@@ -145,15 +146,16 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     hit = None if memo is None else memo.get("tables")
     if hit is not None and int(vin0) == hit[0] and len(hit[1]) == len(tables) and all(
             a is b for a, b in zip(hit[1], tables)):
-        estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest = hit[2]
+        estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest, drun = hit[2]
     else:
         estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest = _checked_tables(
             code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
             csr_blocks, csr_bands)
+        drun = None  # the narrow loop's diagonal runs, worked out when it first runs these tables
         if memo is not None:
             memo.clear()
-            memo["tables"] = (int(vin0), tables, (estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands,
-                                                  width, longest))
+            memo["tables"] = (int(vin0), tables, [estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands,
+                                                  width, longest, drun])
     for i, s in enumerate(sources):
         if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
@@ -167,8 +169,12 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
             if memo is not None:
                 memo["narrow"] = nt
         if nt.reads >= NARROW_MIN_REUSE * max(vectors.shape[0], 1) * nt.size:  # (blocks made where this holds)
+            if drun is None:
+                drun = diagonal_runs(code, src, bstride, estride, rows)
+                if memo is not None:
+                    memo["tables"][2][8] = drun
             _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors,
-                        csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo)
+                        csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo, drun)
             return
     cur = np.zeros(width * LANES, dtype=vectors.dtype)
     nxt = np.zeros(width * LANES, dtype=vectors.dtype)
@@ -194,9 +200,29 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
                    tap_rows, tap_bufs, *feed_args, *reduce_args)
 
 
+def diagonal_runs(code: np.ndarray, src: np.ndarray, bstride: np.ndarray, estride: np.ndarray,
+                  rows: np.ndarray) -> np.ndarray:
+    """``(steps,)`` int64: for each step, how many steps from it on are diagonals (code 0) whose values lie
+    row after row (shared, or per sample with unit entry stride), of one source array and one size: the
+    narrow loop runs such a stretch (elementwise layers back to back) through one tight loop, up to the
+    first step with an affine term, a feed or a tap (known per call). 0 for a step that is not such a
+    diagonal. Worked out once per step tables (:func:`run_chain`'s memo)."""
+    steps = int(code.shape[0])
+    plain = (code == 0) & ((estride == 1) | (bstride == 0))
+    link = np.zeros(steps, dtype=bool)  # step j's stretch goes on to step j + 1
+    link[:-1] = plain[:-1] & plain[1:] & (src[1:] == src[:-1]) & (rows[1:] == rows[:-1])
+    ends = np.flatnonzero(~link) + 1  # one past the last step of each stretch (the last step ends one)
+    at = np.arange(steps, dtype=np.int64)
+    runs = ends[np.searchsorted(ends, at, side="right")] - at
+    return np.where(plain, runs, 0).astype(np.int64)
+
+
 def _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors, csr_ptr,
-                csr_indptr, csr_indices, width, taps, feeds, memo) -> None:
-    """:func:`run_chain` on a narrow batch: :mod:`.cpu_chain_narrow`'s loop over the row blocks ``nt``."""
+                csr_indptr, csr_indices, width, taps, feeds, memo, drun=None) -> None:
+    """:func:`run_chain` on a narrow batch: :mod:`.cpu_chain_narrow`'s loop over the row blocks ``nt``
+    (``drun``: :func:`diagonal_runs` of the tables, worked out here when not given)."""
+    if drun is None:
+        drun = diagonal_runs(code, src, bstride, estride, rows)
     steps = int(code.shape[0])
     tval = np.empty(max(nt.size, 1), dtype=vectors.dtype)
     cur = np.zeros(width, dtype=vectors.dtype)
@@ -208,7 +234,7 @@ def _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, v
                                     cur, nxt, csr_ptr, csr_indptr, csr_indices, nt.step_tv, nt.step_fill, nt.step_b0,
                                     nt.step_b1, nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val,
                                     nt.blk_cols, nt.col_step, tval, np.zeros(1, dtype=vectors.dtype), *tap_args,
-                                    *feed_args)
+                                    *feed_args, drun)
 
 
 def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,

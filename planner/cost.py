@@ -201,70 +201,94 @@ def schedule_costs(
     batch of ``batch`` samples of ``elem``-byte values on ``profile``'s device."""
     out = []
     run_steps: list[tuple[int, Pattern]] = []  # (index in out, pattern) of the fused linear-run steps
+    # a step of one mat-vec and no product (the linear scan's, one per step of a long chain) costs what its
+    # matrix's pattern and operator entries say: costed once per (phase, pattern, entries), the same numbers
+    single: dict[tuple, tuple] = {}
     for st in sched.steps:
-        pairs = gemm = gemv = 0
-        launches = 0
-        nnz = 0
-        nbytes = 0
-        bins_pairs = 0
-        gemm_shapes = set()
-        for op in st.mm:
-            info = mats[op.out]
-            nnz += info.pattern.nnz
-            if info.algo == "gemm":
-                gemm += info.gemm_macs
-                l, r = mats[op.left].pattern, mats[op.right].pattern
-                gemm_shapes.add((l.shape, r.shape))
-                nbytes += (l.nnz + r.nnz + info.pattern.nnz) * elem
-            elif info.algo == "rows":  # one launch per step; indices O(nnz), read once per sample block
-                pairs += info.rw.npairs
-                bins_pairs = max(bins_pairs, 1)
-                nbytes += info.rw.npairs * 2 * elem + info.pattern.nnz * elem + info.rw.index_bytes
-            else:
-                pairs += info.sym.npairs
-                bins_pairs = max(bins_pairs, _pair_bins(info))
-                nbytes += info.sym.npairs * (2 * elem + 2 * INDEX_BYTES) + info.pattern.nnz * elem
-        mv_sparse = mv_dense = 0
-        mv_bins = 0
-        gemv_shapes = set()
-        applied = 0  # mat-vecs a layer's own operator makes: one call each
-        applied_entries = 0
-        for op in st.mv:
-            info = mats[op.mat]
-            p = info.pattern
-            if info.apply_entries is not None:
-                applied_entries += info.apply_entries
-                applied += 1
-                nbytes += (info.apply_entries + p.rows + p.cols) * elem
-                continue
-            if p.is_full:
-                gemv += p.nnz
-                gemv_shapes.add(p.shape)
-                mv_dense += 1
-            else:
-                mv_sparse += p.nnz
-                mv_bins = max(mv_bins, row_bins(p))
-            nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
-        launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes) + applied
-        run_kind = linear_run_kind(mats[st.mv[0].mat].pattern, profile) \
-            if st.phase == "mid" and len(st.mv) == 1 and not applied else None
-        if run_kind is not None:
-            launches = 0  # a step of a fused linear run: no launch of its own
-            t = profile.run_step_s(run_kind)
-            run_steps.append((len(out), mats[st.mv[0].mat].pattern))
-        else:
-            t = 0.0
-        t += launches * profile.op_overhead_s
-        t += batch * (pairs + mv_sparse) / profile.pair_rate
-        t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
-        t += batch * applied_entries / profile.operator_rate
-        flops = 2 * (pairs + gemm + mv_sparse + gemv + applied_entries)
-        nnz_read = sum(mats[op.left].pattern.nnz + mats[op.right].pattern.nnz for op in st.mm)
-        nnz_read += sum(mats[op.mat].pattern.nnz if mats[op.mat].apply_entries is None else mats[op.mat].apply_entries
-                        for op in st.mv)
+        if not st.mm and len(st.mv) == 1:
+            info = mats[st.mv[0].mat]
+            key = (st.phase, info.pattern, info.apply_entries)
+            hit = single.get(key)
+            if hit is None:
+                hit = single[key] = _step_cost(st, mats, profile, batch, elem)
+            nnz, flops, nbytes, t, nnz_read, run_pattern = hit
+            if run_pattern is not None:
+                run_steps.append((len(out), run_pattern))
+            out.append(LevelCost(st.phase, st.level, 0, 1, nnz, flops, nbytes, t, nnz_read))
+            continue
+        nnz, flops, nbytes, t, nnz_read, run_pattern = _step_cost(st, mats, profile, batch, elem)
+        if run_pattern is not None:
+            run_steps.append((len(out), run_pattern))
         out.append(LevelCost(st.phase, st.level, len(st.mm), len(st.mv), nnz, flops, nbytes, t, nnz_read))
     _parallel_run_costs(out, run_steps, profile, batch)
     return out
+
+
+def _step_cost(st: Any, mats: dict[int, Any], profile: DeviceProfile, batch: int, elem: int) -> tuple:
+    """``(nnz, flops, nbytes, time_s, nnz_read, run_pattern)`` of one step of :func:`schedule_costs`
+    (``run_pattern``: the pattern of a step of the fused linear run, else ``None``)."""
+    pairs = gemm = gemv = 0
+    launches = 0
+    nnz = 0
+    nbytes = 0
+    bins_pairs = 0
+    gemm_shapes = set()
+    for op in st.mm:
+        info = mats[op.out]
+        nnz += info.pattern.nnz
+        if info.algo == "gemm":
+            gemm += info.gemm_macs
+            l, r = mats[op.left].pattern, mats[op.right].pattern
+            gemm_shapes.add((l.shape, r.shape))
+            nbytes += (l.nnz + r.nnz + info.pattern.nnz) * elem
+        elif info.algo == "rows":  # one launch per step; indices O(nnz), read once per sample block
+            pairs += info.rw.npairs
+            bins_pairs = max(bins_pairs, 1)
+            nbytes += info.rw.npairs * 2 * elem + info.pattern.nnz * elem + info.rw.index_bytes
+        else:
+            pairs += info.sym.npairs
+            bins_pairs = max(bins_pairs, _pair_bins(info))
+            nbytes += info.sym.npairs * (2 * elem + 2 * INDEX_BYTES) + info.pattern.nnz * elem
+    mv_sparse = mv_dense = 0
+    mv_bins = 0
+    gemv_shapes = set()
+    applied = 0  # mat-vecs a layer's own operator makes: one call each
+    applied_entries = 0
+    for op in st.mv:
+        info = mats[op.mat]
+        p = info.pattern
+        if info.apply_entries is not None:
+            applied_entries += info.apply_entries
+            applied += 1
+            nbytes += (info.apply_entries + p.rows + p.cols) * elem
+            continue
+        if p.is_full:
+            gemv += p.nnz
+            gemv_shapes.add(p.shape)
+            mv_dense += 1
+        else:
+            mv_sparse += p.nnz
+            mv_bins = max(mv_bins, row_bins(p))
+        nbytes += p.nnz * (elem + (0 if p.is_full else 2 * INDEX_BYTES)) + p.rows * elem
+    launches = bins_pairs + len(gemm_shapes) + mv_bins + len(gemv_shapes) + applied
+    run_kind = linear_run_kind(mats[st.mv[0].mat].pattern, profile) \
+        if st.phase == "mid" and len(st.mv) == 1 and not applied else None
+    run_pattern = None
+    if run_kind is not None:
+        launches = 0  # a step of a fused linear run: no launch of its own
+        t = profile.run_step_s(run_kind)
+        run_pattern = mats[st.mv[0].mat].pattern
+    else:
+        t = 0.0
+    t += launches * profile.op_overhead_s
+    t += batch * (pairs + mv_sparse) / profile.pair_rate
+    t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
+    t += batch * applied_entries / profile.operator_rate
+    flops = 2 * (pairs + gemm + mv_sparse + gemv + applied_entries)
+    nnz_read = sum(mats[op.left].pattern.nnz + mats[op.right].pattern.nnz for op in st.mm)
+    nnz_read += sum(mats[op.mat].pattern.nnz if mats[op.mat].apply_entries is None else mats[op.mat].apply_entries
+                    for op in st.mv)
+    return nnz, flops, nbytes, t, nnz_read, run_pattern
 
 
 def _parallel_run_costs(out: list[LevelCost], run_steps: list[tuple[int, Pattern]], profile: DeviceProfile,

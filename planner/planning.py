@@ -8,14 +8,14 @@ same plan on every machine and every rank. What a product costs and how it is st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from .choose import Candidate, Decision, choose
 from .cost import DeviceProfile, LevelCost, row_bins, schedule_costs
 from .patterns import Pattern, PatternTable, full_pattern, make_pattern
-from .schedule import ScanSchedule, Step, blelloch_schedule, max_levels
+from .schedule import ScanSchedule, Step, UpSweep, blelloch_schedule, max_levels
 from .storage import _NO_USES, MatInfo, StorageRule, Uses, _Products, intern_pattern, matrix_uses
 from .symbolic import product_pattern
 
@@ -108,46 +108,65 @@ class _DepthSearch:
         self.cache[key] = info
         return info
 
-    def index_bytes(self, step: Step, mats: dict[int, MatInfo], budget: float) -> int:
-        """Pair-index bytes of one up-sweep level's sparse products (the exploration budget's measure)."""
-        est = 0
+    @staticmethod
+    def operand_pairs(step: Step, mats: dict[int, MatInfo]) -> dict[tuple[Pattern, Pattern], int]:
+        """The distinct ``(left, right)`` operand patterns of ``step``'s products, with how many products
+        take each (interned patterns: a long chain's level repeats a few pairs, priced once each)."""
+        out: dict[tuple[Pattern, Pattern], int] = {}
         for op in step.mm:
-            a, b = mats[op.left].pattern, mats[op.right].pattern
-            est += self.products.index_estimate(a, b)
+            key = (mats[op.left].pattern, mats[op.right].pattern)
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def index_bytes(self, step: Step, mats: dict[int, MatInfo], budget: float,
+                    pairs: Optional[dict[tuple[Pattern, Pattern], int]] = None) -> int:
+        """Pair-index bytes of one up-sweep level's sparse products (the exploration budget's measure);
+        summed as far as needed to exceed ``budget``. ``pairs``: :meth:`operand_pairs` of the step."""
+        est = 0
+        for (a, b), count in (self.operand_pairs(step, mats) if pairs is None else pairs).items():
+            est += count * self.products.index_estimate(a, b)
             if est > budget:
                 break
         return est
 
     def level_lower_bound(self, step: Step, mats: dict[int, MatInfo], profile: DeviceProfile,
-                          batch: int) -> float:
+                          batch: int, pairs: Optional[dict[tuple[Pattern, Pattern], int]] = None) -> float:
         """A lower bound of :func:`_step_costs` for an up-sweep level whose products are not planned.
 
         Exact in every term but the number of SpGEMM launches, counted as one (the exact count,
-        the number of width bins of the pairs per entry, is at least one).
+        the number of width bins of the pairs per entry, is at least one). ``pairs``: :meth:`operand_pairs`
+        of the step.
         """
-        pairs = gemm = gemv = mv_sparse = 0
+        pairs = self.operand_pairs(step, mats) if pairs is None else pairs
+        return self._lower_bound(pairs, [op.mat for op in step.mv], mats, profile, batch)
+
+    def _lower_bound(self, pairs: dict[tuple[Pattern, Pattern], int], mv_mats: Sequence[int],
+                     mats: dict[int, MatInfo], profile: DeviceProfile, batch: int) -> float:
+        npairs = gemm = gemv = mv_sparse = 0
         gemm_shapes = set()
         gemv_shapes = set()
         mv_bins = 0
-        for op in step.mm:
-            a, b = mats[op.left].pattern, mats[op.right].pattern
+        for (a, b), count in pairs.items():
             if a.is_full and b.is_full:
-                gemm += a.rows * a.cols * b.cols
+                gemm += count * (a.rows * a.cols * b.cols)
                 gemm_shapes.add((a.shape, b.shape))
             else:
-                pairs += self.npairs(a, b)
-        for op in step.mv:
-            p = mats[op.mat].pattern
+                npairs += count * self.npairs(a, b)
+        mv_patterns: dict[Pattern, int] = {}
+        for m in mv_mats:
+            p = mats[m].pattern
+            mv_patterns[p] = mv_patterns.get(p, 0) + 1
+        for p, count in mv_patterns.items():
             if p.is_full:
-                gemv += p.nnz
+                gemv += count * p.nnz
                 gemv_shapes.add(p.shape)
             else:
-                mv_sparse += p.nnz
+                mv_sparse += count * p.nnz
                 mv_bins = max(mv_bins, row_bins(p))
-        launches = (1 if pairs else 0) + len(gemm_shapes) + mv_bins + len(gemv_shapes)
+        launches = (1 if npairs else 0) + len(gemm_shapes) + mv_bins + len(gemv_shapes)
         t = 0.0
         t += launches * profile.op_overhead_s
-        t += batch * (pairs + mv_sparse) / profile.pair_rate
+        t += batch * (npairs + mv_sparse) / profile.pair_rate
         t += batch * gemm / profile.gemm_rate + batch * gemv / profile.gemv_rate
         return t
 
@@ -158,10 +177,16 @@ class _DepthSearch:
         are formed); 0 where one of them is not planned yet."""
         for st in sched.steps:
             if st.phase == "down" and st.level == level:
-                if any(op.mat not in mats for op in st.mv):
-                    return 0.0
-                return self.level_lower_bound(st, mats, profile, batch)
+                return self.mv_lower_bound([op.mat for op in st.mv], mats, profile, batch)
         return 0.0
+
+    def mv_lower_bound(self, mv_mats: Sequence[int], mats: dict[int, MatInfo], profile: DeviceProfile,
+                       batch: int) -> float:
+        """:meth:`down_lower_bound` of a down-sweep step given by the matrices of its mat-vecs
+        (:meth:`~.schedule.UpSweep.down_mats`): no schedule needed."""
+        if any(m not in mats for m in mv_mats):
+            return 0.0
+        return self._lower_bound({}, mv_mats, mats, profile, batch)
 
 
 class _Levels:
@@ -175,20 +200,24 @@ class _Levels:
     """
 
     def __init__(self, pats: Sequence[Pattern], provider, sched: Optional[ScanSchedule] = None,
-                 apply_entries: Optional[Sequence[Optional[int]]] = None):
+                 apply_entries: Optional[Sequence[Optional[int]]] = None,
+                 inputs: Optional[dict[int, MatInfo]] = None):
         self.provider = provider
-        self.mats: dict[int, MatInfo] = input_mats(pats, apply_entries)
+        # ``inputs``: the chain's input_mats made already (read only: each planning copies the dict)
+        self.mats: dict[int, MatInfo] = input_mats(pats, apply_entries) if inputs is None else dict(inputs)
         self.pending: dict[int, tuple[Pattern, Pattern]] = {}  # product id -> its operands' stored patterns
         self.schedule(sched)
 
-    def schedule(self, sched: Optional[ScanSchedule]) -> None:
-        """The schedule whose readers decide storage (the uses are computed only if a decision needs them)."""
+    def schedule(self, sched: Union[None, ScanSchedule, Callable[[], ScanSchedule]]) -> None:
+        """The schedule whose readers decide storage, or a function that makes it (the uses, and a schedule
+        given by a function, are made only if a decision needs them)."""
         self._sched = sched
         self._uses: Optional[dict[int, Uses]] = None
 
     def uses(self, m: int) -> Uses:
         if self._uses is None:
-            self._uses = matrix_uses(self._sched)
+            sched = self._sched if isinstance(self._sched, ScanSchedule) else self._sched()
+            self._uses = matrix_uses(sched)
         return self._uses.get(m, _NO_USES)
 
     def _store(self, m: int, dense: bool) -> None:
@@ -231,6 +260,21 @@ class _Levels:
         return out
 
 
+class _Once:
+    """``make()``'s result, made on the first call and kept (a depth's schedule, while the search is at that depth)."""
+
+    __slots__ = ("_make", "_made")
+
+    def __init__(self, make: Callable[[], ScanSchedule]):
+        self._make = make
+        self._made: Optional[ScanSchedule] = None
+
+    def __call__(self) -> ScanSchedule:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+
 class _Steps(NamedTuple):
     steps: list[Step]
 
@@ -253,12 +297,17 @@ def input_mats(pats: Sequence[Pattern], apply_entries: Optional[Sequence[Optiona
 def _planned_mats(sched: ScanSchedule, levels: int, pats: list[Pattern], products: _Products,
                   profile: DeviceProfile, what: str,
                   advice: str = "choose fewer levels",
-                  apply_entries: Optional[Sequence[Optional[int]]] = None) -> dict[int, MatInfo]:
+                  apply_entries: Optional[Sequence[Optional[int]]] = None,
+                  inputs: Optional[dict[int, MatInfo]] = None) -> dict[int, MatInfo]:
     """Inputs and the products of the first ``levels`` up-sweep levels, with their pair lists and storage.
 
     ``what`` names the request in the error raised when a level's pair indices exceed the budget.
+    ``inputs``: :func:`input_mats` of the chain, where made already.
     """
-    lv = _Levels(pats, products, sched, apply_entries)
+    if levels == 0:  # the linear scan: the inputs alone
+        mats = input_mats(pats, apply_entries) if inputs is None else inputs
+        return {i: mats[i] for i in range(sched.num_mats) if i in mats}
+    lv = _Levels(pats, products, sched, apply_entries, inputs)
     for d, st in enumerate(sched.steps[:levels]):
         lv.decide(st)
         est_bytes = 0
@@ -304,6 +353,10 @@ def plan_scan(
     with chunked linear runs: above the best depth >= 1 so far, since a chunked depth 0 is costed
     on other terms than the up-sweeps), or the level's pair indices exceed the budget. Candidates
     are costed from product patterns and pair counts; pair lists are built only for the depth chosen.
+    The up-sweep is built one level at a time (:class:`~.schedule.UpSweep`: a level's bounds need only
+    that level and the down-sweep step that mirrors it), a whole schedule only for a depth that is
+    costed, and the chosen depth's schedule (at depth 0 its input matrices too) goes into the plan as
+    the search made it: a long chain that stays linear builds one schedule, as ``levels=0`` does.
     """
     n = len(patterns)
     table = PatternTable()
@@ -324,37 +377,49 @@ def plan_scan(
         return plan
 
     search = _DepthSearch(products)
-    lv = _Levels(pats, search, apply_entries=apply_entries)
+    inputs = input_mats(pats, apply_entries)
+    lv = _Levels(pats, search, apply_entries=apply_entries, inputs=inputs)
+    # the up-sweep is built one level at a time; a depth's whole schedule (middle and down-sweep) only
+    # once its bounds let it be costed (a chain of 30000 steps stops at depth 1 without building one)
+    upsweep = UpSweep(n)
     candidates: dict[int, float] = {}
-    best: Optional[tuple[int, ScanSchedule]] = None
+    best: Optional[tuple[int, ScanSchedule, dict[int, MatInfo]]] = None  # depth, its schedule, its mats
     up_prev = 0.0  # up-sweep cost of the last depth costed (its levels are the next depth's first ones)
     worse = 0
     best_deep: Optional[int] = None
     explored = 0
     for k in range(kmax + 1):
-        sched = blelloch_schedule(n, k)
-        lv.schedule(sched)
         if k > 0:
             if best is not None and worse >= 2:
                 break  # the cost has turned up twice
-            level = sched.steps[k - 1]
+            level = upsweep.extend()
+            schedule_k = _Once(upsweep.finish)  # the schedule at depth k, made once, when first needed
+            lv.schedule(schedule_k)
             lv.decide(level)  # the operands of this level: their readers are known now
-            if search.index_bytes(level, lv.mats, profile.bytes_budget) > profile.bytes_budget:
+            pairs = search.operand_pairs(level, lv.mats)
+            if search.index_bytes(level, lv.mats, profile.bytes_budget, pairs) > profile.bytes_budget:
                 break  # this level's fill-in is never expanded symbolically
-            if best is not None and (up_prev + search.level_lower_bound(level, lv.mats, profile, batch_hint)
-                                     >= candidates[best[0]]):
-                break  # deeper plans only add up-sweep work: none can win
-            if best is not None and not profile.parallel_run_max_m and (
-                    up_prev + search.level_lower_bound(level, lv.mats, profile, batch_hint)
-                    + search.down_lower_bound(sched, k - 1, lv.mats, profile, batch_hint) >= candidates[best[0]]):
-                # every depth from k on runs up-sweep levels 0..k-1 and the down-sweep level k-1 over the
-                # same matrices: their bound already costs more than the best depth, so no product of this
-                # level need be formed (a chunked-run profile costs depth 0 otherwise: not used there)
-                break
+            if best is not None:
+                up_bound = up_prev + search.level_lower_bound(level, lv.mats, profile, batch_hint, pairs)
+                if up_bound >= candidates[best[0]]:
+                    break  # deeper plans only add up-sweep work: none can win
+                if not profile.parallel_run_max_m and (
+                        up_bound + search.mv_lower_bound(upsweep.down_mats(k - 1), lv.mats, profile, batch_hint)
+                        >= candidates[best[0]]):
+                    # every depth from k on runs up-sweep levels 0..k-1 and the down-sweep level k-1 over the
+                    # same matrices: their bound already costs more than the best depth, so no product of
+                    # this level need be formed (a chunked-run profile costs depth 0 otherwise: not used there)
+                    break
             lv.form(level)
             explored = k
-        mats = lv.finalize()
-        sub = {i: mats[i] for i in range(sched.num_mats) if i in mats}
+            sched = schedule_k()
+            lv.schedule(sched)
+            mats = lv.finalize()
+            sub = {i: mats[i] for i in range(sched.num_mats) if i in mats}
+        else:
+            sched = upsweep.finish()
+            lv.schedule(sched)
+            sub = inputs  # depth 0 forms no product
         costs = _costs_of(sched.steps, sub, profile, batch_hint, elem_bytes)
         up = 0.0
         for c in costs[:k]:
@@ -371,7 +436,7 @@ def plan_scan(
         # then compared with the best deeper plan so far, so a cheap depth 0 does not end the search
         rival = best_deep if profile.parallel_run_max_m else (best[0] if best is not None else None)
         if best is None or t < candidates[best[0]]:
-            best = (k, sched)
+            best = (k, sched, sub)
         if rival is None or t < candidates[rival]:
             worse = 0
             if k > 0:
@@ -380,12 +445,15 @@ def plan_scan(
             worse += 1
     if best is None:
         sched = blelloch_schedule(n, 0)
-        mats0 = input_mats(pats, apply_entries)
-        candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, mats0, profile, batch_hint, elem_bytes))
+        candidates[0] = sum(c.time_s for c in _costs_of(sched.steps, inputs, profile, batch_hint, elem_bytes))
+        best = (0, sched, inputs)
     k = depth_decision(candidates, profile).chosen.value
-    sched = blelloch_schedule(n, k)
-    plan = ScanPlan(pats, k, _planned_mats(sched, k, pats, products, profile, "levels=auto",
-                                           apply_entries=apply_entries), sched, profile, batch_hint, elem_bytes)
+    # the chosen depth's schedule as the search made it; its products planned again with their pair lists
+    # (the search formed them from pair counts only), the linear scan's inputs as they are
+    sched = best[1] if k == best[0] else blelloch_schedule(n, k)
+    mats = best[2] if k == best[0] == 0 else _planned_mats(
+        sched, k, pats, products, profile, "levels=auto", apply_entries=apply_entries, inputs=inputs)
+    plan = ScanPlan(pats, k, mats, sched, profile, batch_hint, elem_bytes)
     plan.candidates = candidates
     plan.explored = explored
     return plan

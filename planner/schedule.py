@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["MMOp", "MVOp", "Step", "ScanSchedule", "max_levels", "blelloch_schedule", "reduction_schedule",
-           "schedule_for", "GRAD"]
+           "schedule_for", "UpSweep", "GRAD"]
 
 GRAD = 0  # vector id of the incoming gradient g_n (+ extra[n])
 
@@ -109,8 +109,8 @@ def _combine(left: Element, right: Element, step: Step, products: dict[int, MMOp
     return m, vv
 
 
-def _counters(n: int):
-    counters = {"mat": n, "vec": n + 2}
+def _counters(n: int, start: Optional[dict[str, int]] = None):
+    counters = {"mat": n, "vec": n + 2} if start is None else dict(start)
 
     def new(kind: str) -> int:
         value = counters[kind]
@@ -173,58 +173,104 @@ def blelloch_schedule(n: int, levels: int, has_extra: Optional[Sequence[bool]] =
         raise ValueError(f"a chain needs at least one Jacobian, got n={n}")
     if not 0 <= levels <= max_levels(n):
         raise ValueError(f"levels must lie in [0, {max_levels(n)}] for n={n}, got {levels}")
-    flags = [False] * (n + 1) if has_extra is None else [bool(f) for f in has_extra]
-    counters, new = _counters(n)
+    up = UpSweep(n, has_extra)
+    for _ in range(levels):
+        up.extend()
+    return up.finish()
 
-    # el[k] = (matrix id or None, vector id or None); position k >= 1 holds layer n-k+1.
-    el: list[tuple[Optional[int], Optional[int]]] = [(None, GRAD)]
-    el += [(n - k, extra_vec(n - k) if flags[n - k] else None) for k in range(1, n + 1)]
-    span = [(k, k) for k in range(n + 1)]
-    steps: list[Step] = []
-    products: dict[int, MMOp] = {}
 
-    for d in range(levels):
+class UpSweep:
+    """The up-sweep of :func:`blelloch_schedule` built one level at a time.
+
+    The first ``K`` up-sweep levels of the schedule are the same nodes, with the same ids, at every
+    depth ``>= K``, and the down-sweep step of level ``d`` reads matrices fixed once level ``d - 1``
+    is built. So a depth search extends one ``UpSweep`` level by level, asks :meth:`down_mats` for
+    what mirrors each new level, and :meth:`finish`es a whole schedule (middle and down-sweep) only
+    for the depths it costs. Schedules finished from one ``UpSweep`` share its up-sweep
+    :class:`Step` objects (read-only, as every schedule is).
+    """
+
+    def __init__(self, n: int, has_extra: Optional[Sequence[bool]] = None) -> None:
+        if n < 1:
+            raise ValueError(f"a chain needs at least one Jacobian, got n={n}")
+        flags = [False] * (n + 1) if has_extra is None else [bool(f) for f in has_extra]
+        self.n = n
+        self._counters, self._new = _counters(n)
+        # el[k] = (matrix id or None, vector id or None); position k >= 1 holds layer n-k+1.
+        self.el: list[Element] = [(None, GRAD)]
+        self.el += [(n - k, extra_vec(n - k) if flags[n - k] else None) for k in range(1, n + 1)]
+        self.span = [(k, k) for k in range(n + 1)]
+        self.steps: list[Step] = []
+        self.products: dict[int, MMOp] = {}
+
+    @property
+    def depth(self) -> int:
+        """Up-sweep levels built so far."""
+        return len(self.steps)
+
+    def extend(self) -> Step:
+        """Build the next up-sweep level and return its step."""
+        n, d = self.n, len(self.steps)
+        if d >= max_levels(n):
+            raise ValueError(f"levels must lie in [0, {max_levels(n)}] for n={n}, got {d + 1}")
+        el, span, products, new = self.el, self.span, self.products, self._new
         step = Step("up", d)
         for l, r in _pairs(n, d):
             assert span[l][1] + 1 == span[r][0], "up-sweep operands must be adjacent"
             el[r] = _combine(el[l], el[r], step, products, new)
             span[r] = (span[l][0], span[r][1])
-        steps.append(step)
+        self.steps.append(step)
+        return step
 
-    width = 1 << levels
-    ends = [min((j + 1) * width - 1, n) for j in range(math.ceil((n + 1) / width))]
-    for j, e in enumerate(ends):
-        assert span[e] == (j * width, e), f"block {j} not fully reduced: {span[e]}"
-    assert el[ends[0]][0] is None
-    IDENT = -1
-    excl: dict[int, int] = {ends[0]: IDENT}
-    inclusive = el[ends[0]][1]
-    for j in range(1, len(ends)):
-        step = Step("mid", j - 1)
-        m, vv = el[ends[j]]
-        excl[ends[j]] = inclusive
-        out = new("vec")
-        step.mv.append(MVOp(out, m, inclusive, vv))
-        inclusive = out
-        steps.append(step)
-    g0 = inclusive
+    def down_mats(self, level: int) -> list[int]:
+        """The matrices the down-sweep step of ``level`` (``< depth``) reads, one mat-vec each, in the
+        order of that step's mat-vecs in every schedule of depth ``> level``."""
+        if not 0 <= level < len(self.steps):
+            raise ValueError(f"down_mats: level {level} is not built (depth {len(self.steps)})")
+        el = self.el
+        # the left operand of each pair of ``level``: fixed since level - 1 (no later level writes it); the
+        # first pair's is the spine, which meets the identity and takes no mat-vec
+        return [el[l][0] for l, _ in _pairs(self.n, level) if el[l][0] is not None]
 
-    for d in reversed(range(levels)):
-        step = Step("down", d)
-        for l, r in _pairs(n, d):
-            tm, tv = el[l]
-            e = excl[r]
-            excl[l] = e
-            if e == IDENT:
-                assert tm is None, "only the spine meets the identity"
-                excl[r] = tv
-            else:
-                v = new("vec")
-                step.mv.append(MVOp(v, tm, e, tv))
-                excl[r] = v
-        if step.mv:
-            steps.append(step)
+    def finish(self) -> ScanSchedule:
+        """The whole schedule at the depth built so far (this builder may be extended afterwards)."""
+        n, levels, el, span = self.n, len(self.steps), self.el, self.span
+        counters, new = _counters(n, self._counters)
+        width = 1 << levels
+        ends = [min((j + 1) * width - 1, n) for j in range(math.ceil((n + 1) / width))]
+        for j, e in enumerate(ends):
+            assert span[e] == (j * width, e), f"block {j} not fully reduced: {span[e]}"
+        assert el[ends[0]][0] is None
+        IDENT = -1
+        excl: dict[int, int] = {ends[0]: IDENT}
+        inclusive = el[ends[0]][1]
+        steps = list(self.steps)
+        out = counters["vec"]
+        for j in range(1, len(ends)):  # one mat-vec per step, outputs numbered in order
+            m, vv = el[ends[j]]
+            excl[ends[j]] = inclusive
+            steps.append(Step("mid", j - 1, [], [MVOp(out, m, inclusive, vv)]))
+            inclusive = out
+            out += 1
+        counters["vec"] = out
+        g0 = inclusive
 
-    outputs = [g0] + [excl[n - i + 1] for i in range(1, n + 1)]
-    assert outputs[n] == GRAD
-    return ScanSchedule(n, levels, steps, products, outputs, counters["mat"], counters["vec"])
+        for d in reversed(range(levels)):
+            step = Step("down", d)
+            for l, r in _pairs(n, d):
+                tm, tv = el[l]
+                e = excl[r]
+                excl[l] = e
+                if e == IDENT:
+                    assert tm is None, "only the spine meets the identity"
+                    excl[r] = tv
+                else:
+                    v = new("vec")
+                    step.mv.append(MVOp(v, tm, e, tv))
+                    excl[r] = v
+            if step.mv:
+                steps.append(step)
+
+        outputs = [g0] + [excl[n - i + 1] for i in range(1, n + 1)]
+        assert outputs[n] == GRAD
+        return ScanSchedule(n, levels, steps, dict(self.products), outputs, counters["mat"], counters["vec"])

@@ -212,14 +212,17 @@ def backward(
     if plan.kind != "scan":
         raise TypeError("plan: a composite plan has no per-layer gradients; run it with "
                         "plan.bind(shared, has_extra).run(values, extra=...)")
+    dims, nnz, uniform = plan._call_tables  # tuples made once: no O(n) copy per call
     items, stacked, shared, has_extra, _, _, device, operators = check_inputs(
-        plan.n, plan.nnz, plan.dims, plan.dtype, plan.device, values, grad, extra, check_finite)
+        plan.n, nnz, dims, plan.dtype, plan.device, values, grad, extra, check_finite, uniform_nnz=uniform)
     if torch.is_grad_enabled() and _any_requires_grad(grad, items, extra):
         raise ValueError("spscan.backward is not differentiable: its results would be silently detached from the "
                          "inputs that require grad (values, grad or extra). Call it under torch.no_grad() or pass "
                          "detached tensors; to train a model, use spscan.wrap(model), whose backward runs the scan "
                          "inside autograd")
-    bound = plan.bind(shared, has_extra, device, operators)
+    # the flags come from check_inputs (one per layer, tuples) and the device from the tensors (canonical, there):
+    # the binding is looked up directly, without Plan.bind's checks of caller-given flags and device
+    bound = plan._binding(shared, has_extra, device, operators)
     return Gradients(bound.run(items[0] if stacked else items, grad, extra, check=False))
 
 

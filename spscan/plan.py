@@ -92,6 +92,13 @@ class Plan:
         pats = self._scan.patterns
         return tuple(p.rows for p in pats) + (pats[-1].cols,), tuple(p.nnz for p in pats)
 
+    @cached_property
+    def _call_tables(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """``(dims, nnz, uniform)`` as every call checks its inputs against them: tuples made once (the
+        public :attr:`dims` and :attr:`nnz` are fresh lists, O(n) each), and whether every layer has one nnz."""
+        dims, nnz = self._shape_tables
+        return dims, nnz, len(set(nnz)) == 1
+
     @property
     def dims(self) -> list[int]:
         """``d_0 .. d_n``: the size of each ``x_i``."""

@@ -91,6 +91,7 @@ class BoundProgram:
         pats = scan.patterns
         self._nnz = [p.nnz for p in pats]
         self._dims = [p.rows for p in pats] + [pats[-1].cols]
+        self._uniform_nnz = len(set(self._nnz)) == 1  # (a checked call need not count n layers' nnz)
         # ``lowering`` / ``table_memo``: the plan's caches, so tables equal to another binding's are held once
         self.program = lower(scan, shared, has_extra, self.operators, first_output, lowering, period)
         self.period = self.program.period  # > 0: values come as PeriodicValues of this many elements
@@ -317,7 +318,7 @@ class BoundPlan(BoundProgram):
             extra = list(extra)
         items, stacked, shared, has_extra, batch, dtype, device, operators = check_inputs(
             self.n, self._nnz, self._dims, self.dtype, None, values, grad, extra, req.check_finite,
-            needs_grad=self.kind == "scan")
+            needs_grad=self.kind == "scan", uniform_nnz=self._uniform_nnz)
         if device != self.device:
             raise ValueError(f"{'grad' if grad is not None else 'values'}: on {device}, the bound plan is for "
                              f"{self.device} (bind it for that device)")

@@ -72,11 +72,14 @@ def _list_as_stacked(values: Sequence, nnz: int, batch: int, dtype, device) -> O
 
 
 def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, plan_device, values: Any,
-                 grad: Optional[torch.Tensor], extra, check_finite: bool, *, needs_grad: bool = True):
+                 grad: Optional[torch.Tensor], extra, check_finite: bool, *, needs_grad: bool = True,
+                 uniform_nnz: Optional[bool] = None):
     """Validate one call's inputs; returns ``(items, stacked, shared, has_extra, batch, dtype, device, operators)``.
 
     ``nnzs[i]``: nnz of ``J_{i+1}^T``; ``dims``: ``d_0 .. d_n``. Never copies or mutates the caller's
     tensors. ``needs_grad=False`` (a reduction) takes ``grad=None`` and the batch from the values.
+    ``uniform_nnz``: whether every ``nnzs[i]`` is ``nnzs[0]``, where the caller knows it (a plan's, made
+    once; ``None``: counted here, O(n)).
     """
     d_n = dims[n]
     if needs_grad or grad is not None:
@@ -104,7 +107,9 @@ def check_inputs(n: int, nnzs: Sequence[int], dims: Sequence[int], plan_dtype, p
                           f"got {device}")
 
     stacked = isinstance(values, torch.Tensor)
-    uniform_nnz = n > 0 and list(nnzs).count(nnzs[0]) == n
+    if uniform_nnz is None:
+        uniform_nnz = n > 0 and list(nnzs).count(nnzs[0]) == n
+    uniform_nnz = n > 0 and bool(uniform_nnz)
     if stacked:
         if values.dim() not in (2, 3) or values.shape[0] != n:
             _fail(ValueError, f"values: a stacked tensor must be (n={n}, B, nnz) or (n, nnz), got {tuple(values.shape)}")
