@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 import pytest
 import torch
-from spscan.kernels import launch
+from spscan.kernels.triton import launch
 
 from conftest import time_mode
 

@@ -1,5 +1,5 @@
 """The max-pooling forward on a CPU: ATen's ``max_pool2d_with_indices`` against the compiled one
-(:mod:`spscan.kernels.cpu_pool`) on the pools of the bench's CNNs, at the current torch thread count.
+(:mod:`spscan.kernels.cpu.pool`) on the pools of the bench's CNNs, at the current torch thread count.
 
 Each row times both in interleaved rounds (median of the rounds, wall time, float32, a ReLU'd input as
 the pools see it) and checks that output and indices are equal. Run: ``python -m bench.pool_forward
@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from spscan.kernels import cpu_pool
+from spscan.kernels.cpu import pool as cpu_pool
 
 # (the model it comes from, input (N, C, H, W), kernel, stride, padding, ceil_mode)
 POOLS = (

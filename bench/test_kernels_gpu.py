@@ -41,8 +41,8 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.kernels.segments import segments_from_pairs
-from spscan.kernels.spmv import spmv
+from spscan.kernels.triton.segments import segments_from_pairs
+from spscan.kernels.triton.spmv import spmv
 from spscan.planner.patterns import as_pattern
 from spscan.planner.symbolic import spgemm_symbolic
 

@@ -1,4 +1,4 @@
-"""The Newton forward (spscan.newton) vs the sequential forward: iterations, time per iteration, ratio.
+"""The Newton forward (spscan.recurrent.newton) vs the sequential forward: iterations, time per iteration, ratio.
 
 Run: ``pytest bench/test_newton.py --benchmark-only -s``. Every row times, interleaved in the
 same test on the same device, the module's own forward (torch's CPU loop, cuDNN on CUDA) and
@@ -31,7 +31,7 @@ from conftest import device_name
 from torch import nn
 
 import spscan
-from spscan.newton import NewtonNotConverged
+from spscan.recurrent.newton import NewtonNotConverged
 
 B = 16
 FULL = os.environ.get("SPSCAN_BENCH_NEWTON_FULL", "") not in ("", "0")

@@ -3,7 +3,7 @@
 Writes into ``SPSCAN_PIPELINE_RESULTS`` (default ``bench/results/cpu-2core/pipeline``):
 
 * ``simulated.md/.json`` — step time, bubble, peak activations, staleness, exactness per schedule
-  and p, from :mod:`spscan.pipeline.simulator` with unit layer costs;
+  and p, from :mod:`spscan.parallel.pipeline.simulator` with unit layer costs;
 * ``timelines_*.png`` — the papers' unit-time examples and every schedule at p = 4;
 * ``convergence.md/.png`` — exact vs stale (PipeDream) vs stale + SpecTrain training;
 * ``measured.md/.json`` — torch.distributed.pipelining schedules and spscan's scan on one MLP,
@@ -28,8 +28,8 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from spscan.pipeline import simulator as S
-from spscan.pipeline.draw import draw_timelines
+from spscan.parallel.pipeline import simulator as S
+from spscan.parallel.pipeline.draw import draw_timelines
 
 OUT = Path(os.environ.get("SPSCAN_PIPELINE_RESULTS", Path(__file__).parent / "results" / "cpu-2core" / "pipeline"))
 SIM_P = (2, 4, 8, 16, 32, 64)
@@ -175,7 +175,7 @@ def _clusters(seed: int, n: int = 20000, din: int = 32, classes: int = 10, noise
 
 
 def test_convergence(benchmark):
-    from spscan.pipeline.spectrain import pipedream_staleness, train_pipelined
+    from spscan.parallel.pipeline.spectrain import pipedream_staleness, train_pipelined
 
     p, steps, rows_per_mb = 8, 2000, 32
     x, y = _clusters(1)
@@ -254,7 +254,7 @@ def _spread(a) -> str:
 
 
 def test_measured_vs_simulated(benchmark):
-    from spscan.pipeline import realrun as R
+    from spscan.parallel.pipeline import realrun as R
 
     cfg = dict(dims=[512] * 9, batch=256, microbatches=4, warmup=3, steps=20)
     tiny = dict(cfg, dims=[8] * 9)

@@ -20,12 +20,12 @@ loss on the last output, 5 pairs).
 
 ``test_middle_chain_compiled_vs_numpy``: the paper's RNN chain as the recurrent wrapper plans it
 (factored: shared ``W_hh^T`` and per-sample diagonal ``1 - h^2``, T = 1000, 3000, 10000, B = 16,
-H = 20, linear scan), ``spscan.backward`` with the compiled loop (kernels/cpu_chain.py) against the
+H = 20, linear scan), ``spscan.backward`` with the compiled loop (kernels/cpu/chain.py) against the
 NumPy loop, interleaved: ``speedup_compiled_vs_numpy``.
 
 Denormals: over thousands of steps the gradient of a loss on the last output decays into the
 float32 denormal range, where x86 arithmetic slows down by ~100x. spscan's compiled loops flush
-denormals to zero on their own while they run (kernels/cpu_fpenv.py); autograd's kernels do not,
+denormals to zero on their own while they run (kernels/cpu/fpenv.py); autograd's kernels do not,
 and a row would time autograd's denormal penalty rather than its backward. So every row here runs
 with ``torch.set_flush_denormal(True)`` (recorded as ``flush_denormal`` in ``extra_info``), the
 faster baseline, and restores the default (off) afterwards. ``bench/never_slower.py`` times the
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.kernels import cpu_chain
+from spscan.kernels.cpu import chain as cpu_chain
 
 from conftest import device_name, time_mode
 from cuda_step import checked_step, needs_cuda, plan_backend, record, step_info, time_pairs

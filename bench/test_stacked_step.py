@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.kernels import cpu_chain
+from spscan.kernels.cpu import chain as cpu_chain
 
 from conftest import device_name, time_mode
 from cuda_step import checked_step, needs_cuda, plan_backend, record, step_info, time_pairs

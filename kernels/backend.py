@@ -8,7 +8,7 @@ the two attributes every :class:`Tables` object carries, never probed with ``get
 
 Two implementations: ``"torch"`` (:mod:`spscan.kernels.torch_ops`: vectorized torch/NumPy, the
 CPU default and the reference for the kernels) and ``"triton"``
-(:mod:`spscan.kernels.triton_backend`: the Triton kernels, on CUDA or in Triton's interpreter),
+(:mod:`spscan.kernels.triton.backend`: the Triton kernels, on CUDA or in Triton's interpreter),
 found by name through :mod:`spscan.kernels.registry`. This module imports neither.
 
 The compiled CPU loops (numba) that front ends call outside a program run are declared here too, in
@@ -72,7 +72,7 @@ class Tap:
         row0, rows: row ``row0 + r`` of output ``k`` goes to ``out[r, k]`` (``r < rows``).
         out: ``(rows, K, B)`` contiguous (feature-major), of the vectors' dtype and device.
         operand: ``None``, or ``(C, K, B)`` contiguous: then the stacked rows are wanted only
-            multiplied with it (:class:`spscan.engine.Collect`), and ``out`` is ``(rows, C)``.
+            multiplied with it (:class:`spscan.runtime.Collect`), and ``out`` is ``(rows, C)``.
     """
 
     cols: np.ndarray
@@ -249,22 +249,22 @@ class CpuOps:
     def tile_samples() -> int:
         """Samples the compiled linear scan runs side by side in one tile (:data:`.cpu_simd.LANES`): a batch
         that is not a multiple of it leaves lanes idle in its last tile."""
-        from .cpu_simd import LANES
+        from spscan.kernels.cpu.simd import LANES
 
         return LANES
 
     @staticmethod
     def recurrence_available() -> bool:
         """Whether the compiled recurrence forwards and :meth:`matmul_nt` can run (numba importable)."""
-        from . import cpu_recurrence
+        from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.available()
 
     @staticmethod
     def input_projection(x: torch.Tensor, w_ih: torch.Tensor, bias: Optional[torch.Tensor]):
         """The input part ``x W_ih^T + bias`` of a forward's pre-activations, in the form the forwards read
-        (:func:`spscan.kernels.cpu_recurrence.input_projection`)."""
-        from . import cpu_recurrence
+        (:func:`spscan.kernels.cpu.recurrence.input_projection`)."""
+        from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.input_projection(x, w_ih, bias)
 
@@ -273,8 +273,8 @@ class CpuOps:
                                       batch_first: bool = False, buffers=None,
                                       prev: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``h_t = act(gi_t + h_{t-1} W^T)``: ``(hs, d)``
-        (:func:`spscan.kernels.cpu_recurrence.activation_recurrence_forward`)."""
-        from . import cpu_recurrence
+        (:func:`spscan.kernels.cpu.recurrence.activation_recurrence_forward`)."""
+        from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.activation_recurrence_forward(gi, w_hh, h0, relu, batch_first, buffers, prev)
 
@@ -283,8 +283,8 @@ class CpuOps:
                            buffers=None, prev: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Four gates and a cell state: ``(hs, c_T, values)``, the values in the :data:`GATE_BANDS` form
-        (:func:`spscan.kernels.cpu_recurrence.gated_cell_forward`)."""
-        from . import cpu_recurrence
+        (:func:`spscan.kernels.cpu.recurrence.gated_cell_forward`)."""
+        from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.gated_cell_forward(gi, w_hh, h0, c0, batch_first, buffers, prev)
 
@@ -292,23 +292,23 @@ class CpuOps:
     def reset_gated_forward(gi, w_hh: torch.Tensor, b_hn: Optional[torch.Tensor], h0: torch.Tensor,
                             batch_first: bool = False, buffers=None, prev: Optional[torch.Tensor] = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Reset and update gates: ``(hs, d, dn)`` (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`)."""
-        from . import cpu_recurrence
+        """Reset and update gates: ``(hs, d, dn)`` (:func:`spscan.kernels.cpu.recurrence.reset_gated_forward`)."""
+        from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.reset_gated_forward(gi, w_hh, b_hn, h0, batch_first, buffers, prev)
 
     @staticmethod
     def matmul_nt(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """``a @ z[rows].T`` over a long reduction, in one pass over ``a`` (:func:`spscan.kernels.cpu_nt.matmul_nt`)."""
-        from . import cpu_nt
+        """``a @ z[rows].T`` over a long reduction, in one pass over ``a`` (:func:`spscan.kernels.cpu.nt.matmul_nt`)."""
+        from spscan.kernels.cpu import nt as cpu_nt
 
         return cpu_nt.matmul_nt(a, z, rows)
 
     @staticmethod
     def max_pool_compiled(kernel_size, dilation) -> bool:
         """Whether a 2-d max-pool of this window has a compiled forward
-        (:func:`spscan.kernels.cpu_pool.compiled_window`)."""
-        from . import cpu_pool
+        (:func:`spscan.kernels.cpu.pool.compiled_window`)."""
+        from spscan.kernels.cpu import pool as cpu_pool
 
         return cpu_pool.compiled_window(kernel_size, dilation)
 
@@ -316,8 +316,8 @@ class CpuOps:
     def max_pool2d_with_indices(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode: bool
                                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """ATen's ``max_pool2d_with_indices`` on CPU, or ``None`` where the compiled loop does not apply
-        (:func:`spscan.kernels.cpu_pool.max_pool2d_with_indices`)."""
-        from . import cpu_pool
+        (:func:`spscan.kernels.cpu.pool.max_pool2d_with_indices`)."""
+        from spscan.kernels.cpu import pool as cpu_pool
 
         return cpu_pool.max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
 

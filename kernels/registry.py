@@ -1,7 +1,7 @@
 """The backends by name: ``"torch"`` and ``"triton"``, each imported and made once, on first use.
 
 Sits above the interface (:mod:`.backend`) and its two implementations (:mod:`.torch_ops`,
-:mod:`.triton_backend`), which import only the interface: nothing below imports this module.
+:mod:`.triton.backend`), which import only the interface: nothing below imports this module.
 
 >>> get_backend("torch").capabilities.reads_caller_inputs
 True
@@ -13,19 +13,19 @@ from typing import Callable, Optional
 
 import torch
 
-from .backend import Backend
+from spscan.kernels.backend import Backend
 
 __all__ = ["backend_names", "default_backend", "get_backend"]
 
 
 def _torch() -> Backend:
-    from .torch_ops import TorchBackend
+    from spscan.kernels.torch_ops import TorchBackend
 
     return TorchBackend()
 
 
 def _triton() -> Backend:
-    from .triton_backend import TritonBackend
+    from spscan.kernels.triton.backend import TritonBackend
 
     return TritonBackend()
 

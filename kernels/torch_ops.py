@@ -17,10 +17,10 @@ import torch
 
 from spscan.planner.program import Apply, BlockRef, Gemm, LinearRun, Program, RowSpGEMM, SpMM, SpMV
 
-from .spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
+from spscan.kernels.spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
 
-from . import cpu_chain
-from .backend import Backend, Capabilities, Feed, Tables, Tap, load_feeds, run_apply
+from spscan.kernels.cpu import chain as cpu_chain
+from spscan.kernels.backend import Backend, Capabilities, Feed, Tables, Tap, load_feeds, run_apply
 
 __all__ = ["TorchTables", "TorchBackend", "run_program"]
 
@@ -279,7 +279,7 @@ def _run_plan(op: LinearRun, device: Optional[torch.device] = None) -> _RunPlan:
 
 
 # A CPU linear-run step is a few microseconds of call overhead around a tiny product. NumPy's calls cost
-# less than eager torch's and the compiled loop (kernels/cpu_chain) removes them, so CPU linear runs go
+# less than eager torch's and the compiled loop (kernels/cpu/chain.py) removes them, so CPU linear runs go
 # through NumPy views of the same buffers unless a dense step's product is big enough for torch's BLAS to
 # spread over its threads: above this many multiply-adds per step (all samples) times torch's thread
 # count (bench/results/calibration.md).

@@ -7,7 +7,7 @@ fixed part per regime::
     t_regime(model) = base[regime] + sum_u (fixed[family_u, regime] + per_work[family_u, regime] * work_u)
 
 for the regimes ``native`` and ``scan``, and on a GPU ``graph`` (the whole step replayed from CUDA graphs,
-:mod:`spscan.graphed`), which a profile either prices for every family or not at all,
+:mod:`spscan.runtime.graphed`), which a profile either prices for every family or not at all,
 
 with ``work_u = B * (nnz of J_u^T + d_in + d_out)`` (multiply-adds of ``J^T g`` plus the elements the
 layer reads and writes). An opaque node (a traced operation without an analytic unit) runs its own

@@ -14,13 +14,13 @@ schedule); ``backward()`` does only numeric work per step.
 from __future__ import annotations
 
 from spscan.api import backward, forward, load_plan, plan, plan_composite, wrap
-from spscan.calibration import calibrate
-from spscan.engine import BoundPlan, ScanResult
+from spscan.cli.calibration import calibrate
+from spscan.runtime import BoundPlan, ScanResult
 from spscan.errors import NotPlannable
-from spscan.model import ModelPlan, SpscanModule, param_grads
-from spscan.plan import Plan
-from spscan.recurrent import RecurrentPlan
-from spscan.stacked import StackedRecurrentPlan
+from spscan.chain.model import ModelPlan, SpscanModule, param_grads
+from spscan.runtime.plan import Plan
+from spscan.recurrent.plan import RecurrentPlan
+from spscan.recurrent.stacked import StackedRecurrentPlan
 from spscan.reference import reference_backward
 
 __version__ = "0.1.0"

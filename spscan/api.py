@@ -1,7 +1,7 @@
 """Public entry points: :func:`plan`, :func:`backward`, :func:`plan_composite`, :func:`load_plan`.
 
-Chains of patterns are planned here (:func:`spscan.plan.build_plan`); an ``nn.Module`` is handed
-to its front end (:mod:`spscan.model` for traced chains, :mod:`spscan.recurrent` for
+Chains of patterns are planned here (:func:`spscan.runtime.plan.build_plan`); an ``nn.Module`` is handed
+to its front end (:mod:`spscan.chain.model` for traced chains, :mod:`spscan.recurrent.plan` for
 ``nn.RNN``/``GRU``/``LSTM``), which plans through the same entry point and runs on the same engine.
 """
 
@@ -12,16 +12,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from spscan.choices import NativeModule
-from spscan.engine import Gradients, check_inputs
+from spscan.runtime.choices import NativeModule
+from spscan.runtime import Gradients, check_inputs
 from spscan.errors import NotPlannable
 from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, takes_options
-from spscan.graph import plan_graph, wrap_graph
-from spscan.model import ModelPlan, UnitRefused, is_chain_model, plan_model, wrap_chain
-from spscan.plan import Plan, build_composite, build_plan, resolve_device
-from spscan.recurrent import RecurrentPlan, plan_recurrent
-from spscan.recurrent_wrapper import wrap_recurrent
-from spscan.stacked import StackedRecurrentPlan, is_stacked, plan_stacked
+from spscan.graph.plan import plan_graph, wrap_graph
+from spscan.chain.model import ModelPlan, UnitRefused, is_chain_model, plan_model, wrap_chain
+from spscan.runtime.plan import Plan, build_composite, build_plan, resolve_device
+from spscan.recurrent.plan import RecurrentPlan, plan_recurrent
+from spscan.recurrent.wrapper import wrap_recurrent
+from spscan.recurrent.stacked import StackedRecurrentPlan, is_stacked, plan_stacked
 
 __all__ = ["plan", "backward", "forward", "wrap", "plan_composite", "load_plan"]
 
@@ -68,9 +68,9 @@ def plan(patterns: Any, example_input: Optional[torch.Tensor] = None, **options:
         patterns: ``n`` patterns in layer order, ``patterns[i-1]`` the structure of ``J_i^T``
             (shape ``(d_{i-1}, d_i)``), each a canonical SciPy CSR matrix/array or torch sparse
             CSR tensor (values ignored). A model followed by an example input plans that model
-            instead: an ``nn.Sequential`` chain (:mod:`spscan.model`), an ``nn.RNN``/``GRU``/``LSTM``
-            (:mod:`spscan.recurrent`; stacked and bidirectional ones through :mod:`spscan.stacked`)
-            or any other model ``torch.fx`` traces (:mod:`spscan.graph`).
+            instead: an ``nn.Sequential`` chain (:mod:`spscan.chain.model`), an ``nn.RNN``/``GRU``/``LSTM``
+            (:mod:`spscan.recurrent.plan`; stacked and bidirectional ones through :mod:`spscan.recurrent.stacked`)
+            or any other model ``torch.fx`` traces (:mod:`spscan.graph.plan`).
         example_input: for a model, a batch ``(B, *in_shape)`` (a recurrent module: ``(T, B, I)``,
             or ``(B, T, I)`` if batch_first); its per-sample shape is planned.
 
@@ -136,7 +136,7 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
 def _wrap_again(model: torch.nn.Module, options: dict, spec: Optional[tuple], training: bool) -> torch.nn.Module:
     """A wrapper unpickled (``torch.load``, ``copy.deepcopy``): ``model`` wrapped again as it was, planned
     from a zero example of the shape and dtype it was planned from, on the model's device."""
-    from spscan.model import model_device
+    from spscan.chain.model import model_device
 
     example = None
     if spec is not None:
@@ -195,7 +195,7 @@ def backward(
             by default non-finite values propagate as in autograd.
 
     Returns:
-        a sequence of ``n+1`` tensors ``(B, d_i)`` (:class:`spscan.engine.Gradients`: indexable,
+        a sequence of ``n+1`` tensors ``(B, d_i)`` (:class:`spscan.runtime.Gradients`: indexable,
         ``len``, iterable, ``.stacked()``); ``[n]`` is ``grad`` (+ ``extra[n]``). They are views into
         one buffer owned by the result (not necessarily contiguous), each made only when asked for,
         so a long chain costs no per-layer host work. Inputs are never modified.

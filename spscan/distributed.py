@@ -25,7 +25,7 @@ all-reduce of a small status table (error flag, batch size, dtype, extras and sh
 rank) makes a rank with bad input fail on *every* rank at once instead of leaving peers hanging.
 
 The plan (slices, peers, composite patterns, each rank's plans) lives in
-:mod:`spscan.distributed_plan`; this module runs it over a process group.
+:mod:`spscan.parallel.plan`; this module runs it over a process group.
 
 >>> import scipy.sparse as sp
 >>> dplan = plan([sp.csr_array(sp.eye(3))] * 5, world_size=2, slices=[0, 2, 5])
@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 
 from spscan.api import backward as _scan_backward
-from spscan.distributed_plan import DistributedPlan, RankPlan, balanced_slices, plan
-from spscan.distributed_plan import layer_costs as _layer_costs  # noqa: F401  (the slice cost per layer, read by tests)
-from spscan.engine import check_inputs
+from spscan.parallel.plan import DistributedPlan, RankPlan, balanced_slices, plan
+from spscan.parallel.plan import layer_costs as _layer_costs  # noqa: F401  (the slice cost per layer, read by tests)
+from spscan.runtime import check_inputs
 
 __all__ = ["DistributedPlan", "RankPlan", "CommStats", "SliceGrads", "PeerError", "plan", "backward",
            "balanced_slices", "run_local"]

@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
            'whole training step of the scan, forward and backward, replayed from two CUDA graphs per input '
            'signature; bitwise equal to "scan"). The environment variable SPSCAN_BACKWARD sets the default.'),
     Option("newton", None, frozenset({RECURRENT}),
-           "a spscan.newton.NewtonOptions (or a dict of its fields) for forward='newton'/'auto'."),
+           "a spscan.recurrent.newton.NewtonOptions (or a dict of its fields) for forward='newton'/'auto'."),
 )
 
 _BY_NAME = {o.name: o for o in OPTIONS}

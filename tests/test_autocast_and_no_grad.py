@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 import spscan
-from spscan.graphed import GraphedCall, GraphedStep
+from spscan.runtime.graphed import GraphedCall, GraphedStep
 from wrapper_models import MODELS as ALL_MODELS, output
 
 

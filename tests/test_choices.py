@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import spscan
-from spscan.calibration import calibrate
-from spscan.choices import current_key
+from spscan.cli.calibration import calibrate
+from spscan.runtime.choices import current_key
 from spscan.planner.choose import Candidate, choose
 from spscan.planner.step_profile import StepProfile, forget_loaded, reference_profile
 
@@ -135,7 +135,7 @@ def test_another_per_sample_shape_is_planned_for_its_shape(calibrated_as, monkey
     """A fully convolutional model fed images of another size than the example's: each size is planned on first
     use and runs the scan as chosen for it (with autograd's gradients), under ``auto`` and a forced scan; the
     plans are kept per size, up to MAX_SHAPE_PLANS."""
-    from spscan.model import MAX_SHAPE_PLANS
+    from spscan.chain.model import MAX_SHAPE_PLANS
 
     calibrated_as(_profile(native_cost=1e-3, scan_cost=1e-4))
     torch.manual_seed(0)
@@ -355,7 +355,7 @@ def test_whole_model_fit_recovers_its_constants():
     """:func:`fit_whole_models` (a GPU's layer fit) recovers per-regime constants from steps made by them,
     the native-priced terms of an opaque node priced by the native fit in the scan regime and by the
     regime's own in the graph regime (which replays them with the rest of the step)."""
-    from spscan.calibration import fit_whole_models, layer_features
+    from spscan.cli.calibration import fit_whole_models, layer_features
 
     want = {"native": [1e-3, 8e-5, 1e-12], "scan": [9e-4, 1.4e-4, 0.0], "graph": [8e-4, 4e-5, 2e-13]}
     models = [[("ConvUnit", 5e6)] * 2 + [("ElementwiseUnit", 1e5)] * 3,
@@ -377,7 +377,7 @@ def test_whole_model_fit_keeps_its_scale_where_native_terms_overshoot():
     """A model whose native-priced terms (an opaque node's operations) the native fit prices above the whole
     measured step leaves a negative rest: the fit weighs it by the measured step, so it cannot outweigh
     the other models and drive the constants to zero (as weighing it by its clipped rest did)."""
-    from spscan.calibration import fit_whole_models, layer_features
+    from spscan.cli.calibration import fit_whole_models, layer_features
 
     want = {"native": [1e-3, 8e-5, 0.0], "scan": [5e-4, 1.5e-4, 0.0]}
     models = [[("ConvUnit", 5e6)] * n for n in (4, 8, 16, 32)]
@@ -412,7 +412,7 @@ def test_replayed_regime_prices_an_opaque_nodes_operations_with_its_own_constant
 def test_gpu_calibration_fits_whole_models_alike_for_every_family(monkeypatch):
     """On a GPU ``calibrate()`` times whole small models (here, on the CPU, what it does with them): every
     family gets the same non-negative constants per regime."""
-    from spscan import calibration
+    from spscan.cli import calibration
 
     base, families = calibration._fit_models(torch.device("cpu"), torch.float32, 1)
     assert set(base) == {"native", "scan"} and all(v >= 0 for v in base.values())

@@ -10,8 +10,8 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.engine import Collect, StackedExtra
-from spscan.kernels import cpu_chain
+from spscan.runtime import Collect, StackedExtra
+from spscan.kernels.cpu import chain as cpu_chain
 from spscan.reference import reference_backward
 
 

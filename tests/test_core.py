@@ -372,8 +372,8 @@ def test_chain_output_period_detection():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_no_index_work_at_run_time(backend, monkeypatch):
     """Planning binds the default signature; backward after that lowers nothing and uploads no table."""
-    import spscan.engine as engine
-    import spscan.engine.bound as bound
+    import spscan.runtime as engine
+    import spscan.runtime.bound as bound
     from spscan.kernels.registry import get_backend
 
     pats = [sp.csr_array(sp.random(6, 6, density=0.4, random_state=i)) + sp.csr_array(sp.eye(6)) for i in range(9)]

@@ -1,4 +1,4 @@
-"""The compiled linear-run loop (kernels/cpu_chain.py) against a float64 NumPy loop, the NumPy path of
+"""The compiled linear-run loop (kernels/cpu/chain.py) against a float64 NumPy loop, the NumPy path of
 the torch backend, and spscan.reference; float32/float64, diagonal/dense/per-sample steps, affine
 terms, odd sizes, inf/NaN propagation, bitwise repeatability."""
 
@@ -10,7 +10,7 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.kernels import cpu_chain
+from spscan.kernels.cpu import chain as cpu_chain
 from spscan.reference import reference_backward
 
 pytestmark = pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
@@ -212,7 +212,7 @@ def test_engine_compiled_and_numpy_loops_agree_in_float32(monkeypatch):
 
 # --------------------------------------------------------------------------- periodic values, stacked extras
 
-from spscan.engine import PeriodicValues, StackedExtra  # noqa: E402
+from spscan.runtime import PeriodicValues, StackedExtra  # noqa: E402
 
 
 def _periodic_chain(T: int, H: int, batch: int, dtype, seed: int):
@@ -302,7 +302,7 @@ def test_resolve_steps_memo_reuses_tables_for_one_layout():
     same size: recycled buffers, or a new shared tensor of the same size) reuse the earlier step tables;
     another layout (a different batch, an entry-major view) gets its own; the sources are always the
     current call's tensors."""
-    from spscan.engine import PeriodicValues
+    from spscan.runtime import PeriodicValues
 
     T, B, n = 6, 3, 4
     code = np.array([3, 4] * T, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""The compiled linear run on a narrow batch (kernels/cpu_chain_narrow.py: one sample at a time, the lanes
+"""The compiled linear run on a narrow batch (kernels/cpu/chain_narrow.py: one sample at a time, the lanes
 along the features): bitwise the tiled loop's results (which the per-sample checks of
 test_cpu_chain_tiles.py compare with batches of 15 to 33), with taps, feeds, entry-major values and the
 LSTM gate code; the row blocks it reads shared steps by (narrow_tables), on the patterns recurrences
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spscan.kernels import cpu_chain
-from spscan.kernels.cpu_chain_tables import narrow_tables
+from spscan.kernels.cpu import chain as cpu_chain
+from spscan.kernels.cpu.chain_tables import narrow_tables
 
 from test_cpu_chain_tiles import _entry_major, _random_run, _reference
 

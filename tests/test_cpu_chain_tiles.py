@@ -1,4 +1,4 @@
-"""The compiled linear run's tiles (kernels/cpu_chain.py over kernels/cpu_simd.py): runs wide enough for the
+"""The compiled linear run's tiles (kernels/cpu/chain.py over kernels/cpu/simd.py): runs wide enough for the
 register transposes (rows and entries >= LANES), CSR rows sharing one column list (four- and eight-row
 blocks), diagonal bands of short rows,
 full and partial tiles, per-sample values stored sample-major or entry-major; against a float64 loop,
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spscan.kernels import cpu_chain
+from spscan.kernels.cpu import chain as cpu_chain
 
 pytestmark = pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
 
@@ -430,7 +430,7 @@ def test_vector_operations_compile_to_no_calls():
     transposes' array arguments once lowered to two calls of numba's np.take per transpose, ~7x the
     transpose's own cost)."""
     numba = pytest.importorskip("numba")
-    from spscan.kernels import cpu_simd
+    from spscan.kernels.cpu import simd as cpu_simd
 
     ops = cpu_simd.intrinsics()
     vtranspose, vtranspose_add = ops["vtranspose"], ops["vtranspose_add"]
@@ -460,7 +460,7 @@ def test_get_reads_table_indices_without_wraparound():
     read from a table (a CSR row's columns): numba adds ``len(a)`` to a possibly negative index, four
     integer instructions per load in the kernels' innermost loops."""
     numba = pytest.importorskip("numba")
-    from spscan.kernels import cpu_simd
+    from spscan.kernels.cpu import simd as cpu_simd
 
     get = cpu_simd.intrinsics()["get"]
 
@@ -518,7 +518,7 @@ def test_diagonal_bands_equal_a_row_by_row_check():
 
 def test_simd_intrinsics_against_numpy():
     numba = pytest.importorskip("numba")
-    from spscan.kernels import cpu_simd
+    from spscan.kernels.cpu import simd as cpu_simd
 
     ops = cpu_simd.intrinsics()
     vload, vstore, vzero = ops["vload"], ops["vstore"], ops["vzero"]
@@ -604,7 +604,7 @@ def test_lstm_gate_code_equals_its_csr_values(H, batch, entry_major, dtype):
     gate step's output."""
     import torch
 
-    from spscan.cells import lstm_gate_encoding, lstm_gate_pattern
+    from spscan.recurrent.cells import lstm_gate_encoding, lstm_gate_pattern
 
     rng = np.random.default_rng(H * 100 + batch)
     T = 5

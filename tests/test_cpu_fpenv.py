@@ -1,4 +1,4 @@
-"""Subnormals flushed to zero inside the compiled CPU loops (kernels/cpu_fpenv.py): the flags are set only
+"""Subnormals flushed to zero inside the compiled CPU loops (kernels/cpu/fpenv.py): the flags are set only
 while a loop runs, and a decaying run gives zeros where gradual underflow would give subnormals, the
 normal values unchanged."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spscan.kernels import cpu_chain, cpu_fpenv
+from spscan.kernels.cpu import chain as cpu_chain
+
+from spscan.kernels.cpu import fpenv as cpu_fpenv
 
 pytestmark = pytest.mark.skipif(not cpu_fpenv.supported(), reason="needs x86-64 and numba")
 

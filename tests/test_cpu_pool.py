@@ -1,4 +1,4 @@
-"""The compiled CPU max-pooling forward (:mod:`spscan.kernels.cpu_pool`): output and indices bit for
+"""The compiled CPU max-pooling forward (:mod:`spscan.kernels.cpu.pool`): output and indices bit for
 bit ATen's, over drawn shapes, windows, dtypes and NaN/inf/tied inputs; where it does not apply it
 says so (``None``) and the layer runs ATen's kernel; through ``spscan.wrap`` the gradients stay
 autograd's bit for bit."""
@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spscan
-from spscan.kernels import cpu_chain, cpu_pool
+from spscan.kernels.cpu import chain as cpu_chain
+from spscan.kernels.cpu import pool as cpu_pool
 
 pytestmark = pytest.mark.skipif(not cpu_chain.available(), reason="numba not installed")
 
@@ -109,7 +110,7 @@ def test_where_it_does_not_apply():
     """``None`` (the caller runs ATen) for small, non-contiguous, integer, half, 3-d, grad-requiring or
     empty inputs, for a padding torch refuses (its own error stays torch's), for windows other than
     2x2 and 3x3 without dilation, and with more torch
-    threads than :data:`~spscan.kernels.cpu_pool.MAX_THREADS`."""
+    threads than :data:`~spscan.kernels.cpu.pool.MAX_THREADS`."""
     big = torch.randn(2, 4, 64, 64)
     assert cpu_pool.max_pool2d_with_indices(big, 2, None, 0, 1, False) is not None
     for x in (torch.randn(1, 1, 8, 8), big.transpose(2, 3), big.to(torch.int32), big.half(), big[0],

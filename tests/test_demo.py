@@ -14,7 +14,7 @@ import torch
 
 from spscan.cli.datasets import IRMAS_SHAPES, bitstream_dataset, load_irmas_mfcc, synthetic_irmas
 from spscan.cli.demo import BitstreamClassifier, main
-from spscan.recurrent_wrapper import wrap_recurrent
+from spscan.recurrent.wrapper import wrap_recurrent
 
 
 def test_demo_tiny_writes_png_and_summary(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""Diagonal steps back to back in the narrow compiled loop (kernels/cpu_chain_narrow.py): a stretch of them
-runs through one tight loop (kernels.cpu_chain.diagonal_runs) up to the first step with an affine term, a
+"""Diagonal steps back to back in the narrow compiled loop (kernels/cpu/chain_narrow.py): a stretch of them
+runs through one tight loop (kernels.cpu.chain.diagonal_runs) up to the first step with an affine term, a
 feed or a tap. Its results are bitwise the tiled loop's (and the general narrow step's), with stretches of
 shared and per-sample diagonals, entry-major values (not a stretch), dense steps between them, and adds,
 taps and feeds on any step."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spscan.kernels import cpu_chain
+from spscan.kernels.cpu import chain as cpu_chain
 
 from test_cpu_chain_tiles import _reference
 

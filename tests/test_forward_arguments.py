@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import spscan
-from spscan.choices import NativeModule
+from spscan.runtime.choices import NativeModule
 from spscan.errors import NotPlannable
 
 

@@ -239,7 +239,7 @@ def test_dot_precision_accuracy_and_graphs(case):
     """``launch.dot_precision``: float32 ``tl.dot`` products (dense nodes, chunk maps) as exact FMAs,
     three TF32 products or one, against the float64 reference; a bound plan's CUDA graph is kept per
     setting, so replaying after a change gives bitwise what eager gives under the new setting."""
-    from spscan.kernels import launch
+    from spscan.kernels.triton import launch
 
     pats, shared, levels, batch, every = CASES[case]
     vals, grad, extra = _inputs(pats, shared, batch, torch.float32, every)
@@ -269,7 +269,7 @@ def test_dot_precision_accuracy_and_graphs(case):
 def test_gemm_small_nodes_direct():
     """The dense-node GEMM on the device for small and odd node shapes (the rank-1-update path) and
     ``tl.dot`` sizes, every shared/per-sample mix, float32 and float64, against float64 torch."""
-    from spscan.kernels.gemm import gemm
+    from spscan.kernels.triton.gemm import gemm
     from spscan.planner.program import BlockRef
 
     g = torch.Generator().manual_seed(5)

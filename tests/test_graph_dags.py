@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import spscan
 from layer_checks import run_errors
-from spscan.graph import GraphPlan
+from spscan.graph.plan import GraphPlan
 from spscan.resnet import ResNet20
 from test_graph_models import _grads, _init, _loss, _rel
 
@@ -385,7 +385,7 @@ def test_dag_explicit_api_and_pattern():
 def test_live_state_limit_refusal():
     """A graph whose live set keeps growing (every tensor read again by the last node) is refused
     with the numbers, naming the node; a product of two graph tensors plans (a product step)."""
-    from spscan.graph import LIVE_STATE_LIMIT
+    from spscan.graph.plan import LIVE_STATE_LIMIT
 
     n = 2 * LIVE_STATE_LIMIT + 4
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import spscan
 from layer_checks import run_errors
-from spscan.graph import GraphPlan, TracedChainPlan
+from spscan.graph.plan import GraphPlan, TracedChainPlan
 from spscan.resnet import ResNet20
 
 
@@ -266,7 +266,7 @@ def test_train_mode_blocks_form_no_patterns():
     """With train-mode BatchNorm the blocks only ever run as structured operators: planning and
     training form none of their symbolic products (most of a residual network's planning time);
     the core API's per-block values are refused with the reason; in eval mode they are formed."""
-    from spscan.graph_segments import Parallel as _Parallel
+    from spscan.graph.segments import Parallel as _Parallel
 
     model = _init(ResNet20(width=2, classes=5), 13).double().train()
     x = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The backward replayed from a CUDA graph (:mod:`spscan.graphed`, ``spscan.wrap(..., backward="graph")``).
+"""The backward replayed from a CUDA graph (:mod:`spscan.runtime.graphed`, ``spscan.wrap(..., backward="graph")``).
 
 The bookkeeping runs anywhere with a stand-in recorder whose replay runs the recorded call again on the
 same buffers (a CUDA graph replays the same launches on them): the inputs copied in, the outputs copied
@@ -18,8 +18,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spscan
-from spscan.choices import GRAPH_MAX_ACTIVATION_BYTES, graph_activation_bytes, layers_decision
-from spscan.graphed import GraphedCall, GraphedStep
+from spscan.runtime.choices import GRAPH_MAX_ACTIVATION_BYTES, graph_activation_bytes, layers_decision
+from spscan.runtime.graphed import GraphedCall, GraphedStep
 from spscan.resnet import ResNet20
 
 
@@ -36,7 +36,7 @@ def failing_record(fn, device):
 def test_a_recording_is_failed_only_by_its_own_thread(monkeypatch):
     """A capture made inside a training loop fails for what the recording thread does, not for what a
     data loader's threads do meanwhile (pinned memory, copies to the GPU): ``thread_local``."""
-    from spscan import graphed
+    from spscan.runtime import graphed
 
     seen = {}
 
@@ -403,7 +403,7 @@ def test_graph_is_a_candidate_only_on_a_gpu(monkeypatch):
     units = spscan.wrap(model, x, backward="scan").plan.units
     cpu = layers_decision(units, 64, torch.device("cpu"), "auto", "")
     assert [c.name for c in cpu.candidates] == ["scan", "native"]
-    monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
+    monkeypatch.setattr("spscan.runtime.choices.device_label", lambda device: "a GPU")
     gpu = layers_decision(units, 64, torch.device("cuda"), "auto", "")
     assert [c.name for c in gpu.candidates] == ["scan", "native", "graph"]
     assert all(c.predicted_s > 0 for c in gpu.candidates)
@@ -430,7 +430,7 @@ def test_an_opaque_node_is_recorded_with_the_step(monkeypatch):
     x = torch.randn(3, 6, dtype=torch.float64)
     w = spscan.wrap(model, x, backward="scan")
     assert any(isinstance(u, OpaqueUnit) for u in w.plan.units)
-    monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
+    monkeypatch.setattr("spscan.runtime.choices.device_label", lambda device: "a GPU")
     gpu = layers_decision(w.plan.units, 3, torch.device("cuda"), "auto", "")
     assert "graph" in [c.name for c in gpu.candidates]
     w = _graphed(model, x, monkeypatch)
@@ -655,7 +655,7 @@ def test_recurrent_step_records_what_a_capture_allows_on_the_gpu_path(name, monk
     whose upstream gradient of the output is zeros in the step (the ordinary backward gets none), used a
     binding whose gather indices were first uploaded inside the recording, until a signature's first
     call ran the step itself eagerly."""
-    import spscan.recurrent as recurrent
+    import spscan.recurrent.plan as recurrent
 
     monkeypatch.setattr(recurrent.RecurrentPlan, "_compiled_forward_applies", lambda self, x, hx: False)
     monkeypatch.setattr(recurrent, "any_nonzero", lambda t: True)
@@ -756,10 +756,10 @@ def test_recurrent_graph_is_a_gpu_candidate(monkeypatch):
     """On a GPU a recurrent module's decision offers ``graph``, priced by the shipped profile; a profile that
     does not price it offers it unpriced (taken only when forced); off a GPU forcing it is refused at wrap
     time."""
-    from spscan.choices import recurrent_decision
+    from spscan.runtime.choices import recurrent_decision
     from spscan.planner.step_profile import reference_profile
 
-    monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
+    monkeypatch.setattr("spscan.runtime.choices.device_label", lambda device: "a GPU")
 
     cpu = recurrent_decision("lstm", [(16, 32)], 100, 16, torch.device("cpu"), "auto", "")
     assert "graph" not in [c.name for c in cpu.candidates]
@@ -783,10 +783,10 @@ def test_recurrent_graph_is_a_gpu_candidate(monkeypatch):
 def test_a_calibrated_recurrent_graph_is_chosen_where_cheaper(tmp_path, monkeypatch):
     """A GPU profile that prices the recurrent ``graph`` (as ``spscan.calibrate()`` fits it there) makes it a
     candidate like the others: chosen where predicted cheapest."""
-    from spscan.choices import current_key, recurrent_decision
+    from spscan.runtime.choices import current_key, recurrent_decision
     from spscan.planner.step_profile import forget_loaded, reference_profile
 
-    monkeypatch.setattr("spscan.choices.device_label", lambda device: "a GPU")
+    monkeypatch.setattr("spscan.runtime.choices.device_label", lambda device: "a GPU")
     monkeypatch.setenv("SPSCAN_CACHE_DIR", str(tmp_path))
     prof = copy.deepcopy(reference_profile("cuda", torch.get_num_threads()))
     for regs in prof.recurrent.values():

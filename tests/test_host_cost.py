@@ -18,7 +18,7 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.engine.checks import check_inputs
+from spscan.runtime.checks import check_inputs
 from spscan.planner import cost, planning, schedule
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain

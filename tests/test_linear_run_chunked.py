@@ -21,9 +21,9 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.kernels import launch
-from spscan.kernels.linear_run import FIELDS, chunked_size, diagonal_size, linear_run_chunked
-from spscan.kernels.triton_backend import _compiled
+from spscan.kernels.triton import launch
+from spscan.kernels.triton.linear_run import FIELDS, chunked_size, diagonal_size, linear_run_chunked
+from spscan.kernels.triton.backend import _compiled
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain
 from spscan.planner.planning import plan_scan
@@ -247,7 +247,7 @@ def _check_engine(plan, pats, shared, dtype, batches, every: int, kernels: set) 
 def test_auto_layout_is_factored_everywhere():
     """The factored chain is a structured recurrence on a GPU (the fused kernels), so "auto" never
     materializes per-sample ``H x H`` blocks."""
-    from spscan.cells import resolve_layout
+    from spscan.recurrent.cells import resolve_layout
 
     for kind in ("rnn_tanh", "gru", "lstm"):
         for device in ("cuda", "cpu"):

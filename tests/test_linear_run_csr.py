@@ -23,7 +23,8 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.kernels import cpu_chain, torch_ops
+from spscan.kernels import torch_ops
+from spscan.kernels.cpu import chain as cpu_chain
 from spscan.planner import cost, planning
 from spscan.planner import program as program_mod
 from spscan.planner.cost import profile_for
@@ -471,7 +472,7 @@ def test_run_chain_rejects_missing_csr_tables():
 def test_run_chain_csr_sample_loops_agree(dtype):
     """The batch runs in tiles of LANES samples (a full one and a partial one here): each sample's outputs
     are summed in stored order whatever its tile, so they equal a run of that sample alone bit for bit."""
-    from spscan.kernels.cpu_simd import LANES
+    from spscan.kernels.cpu.simd import LANES
 
     rng = np.random.default_rng(12)
     batch = LANES + 3

@@ -14,7 +14,7 @@ import torch.nn.utils.prune as prune
 import spscan
 from layer_checks import run_errors
 from spscan.layers import make_unit
-from spscan.model import Jacobians, ModelPlan, param_grads, plan_model, wrap_chain as wrap
+from spscan.chain.model import Jacobians, ModelPlan, param_grads, plan_model, wrap_chain as wrap
 
 # torch warns that even kernels with padding='same' copy the input; those cases are tested on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
@@ -264,7 +264,7 @@ def test_non_chain_models_refused():
         def forward(self, x):
             return self.a(x) * self.b(x)  # a product of branches: a live-set step (a sum is a planned block)
 
-    # a model with its own forward is traced (spscan.graph); spscan.model plans chains only and says where to go
+    # a model with its own forward is traced (spscan.graph.plan); spscan.chain.model plans chains only and says where to go
     # the product of two branches is a product unit (an operator per input) in a live-set step
     assert "mul (product) over live [a, b]" in spscan.plan(Net(), torch.zeros(1, 4)).summary()
     run_errors(lambda: plan_model(Net(), torch.zeros(1, 4)), TypeError, "Net", "nn.Sequential", "spscan.plan(model")

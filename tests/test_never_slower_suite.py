@@ -192,7 +192,7 @@ def test_a_graph_step_that_ran_eagerly_is_noted(monkeypatch):
     """A side whose whole-step CUDA graphs could not all be recorded ran (partly) eagerly: the row says so,
     with the recording's own reason, as its time is not the graph's."""
     import spscan
-    from spscan.graphed import GraphedStep
+    from spscan.runtime.graphed import GraphedStep
 
     def failing_record(fn, device):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -1,4 +1,4 @@
-"""The Newton forward (spscan.newton): converged outputs equal the sequential forward, gradients autograd's."""
+"""The Newton forward (spscan.recurrent.newton): converged outputs equal the sequential forward, gradients autograd's."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from test_recurrent import CELLS, grads_of, make_inputs, make_module, rel_err
 from torch import nn
 
 import spscan
-from spscan.newton import NewtonNotConverged, NewtonOptions, transpose_pattern
-from spscan.recurrent import RecurrentPlan, plan_recurrent
-from spscan.recurrent_wrapper import wrap_recurrent
+from spscan.recurrent.newton import NewtonNotConverged, NewtonOptions, transpose_pattern
+from spscan.recurrent.plan import RecurrentPlan, plan_recurrent
+from spscan.recurrent.wrapper import wrap_recurrent
 
 # every Newton forward run here, (kind, method, dtype, T, iterations, reason): the counts the tests saw
 ITERATIONS: list[tuple] = []
@@ -347,7 +347,7 @@ def test_triton_backend_forward_scan():
 def test_triton_quasi_forward_runs_diagonals_per_lane(kind):
     """The quasi-Newton forward's scan is a run of per-sample diagonals: on the Triton backend it runs
     parallel over its steps per lane (the diagonal kernels), and converges to the sequential forward."""
-    from spscan.kernels import launch
+    from spscan.kernels.triton import launch
 
     m = tame(make_module(kind, 2, 5, batch_first=False, bias=True), 0.5)
     x, hx = make_inputs(m, 70, 2, with_h0=True, dtype=torch.float64)

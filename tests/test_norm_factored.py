@@ -1,5 +1,5 @@
 """LayerNorm, GroupNorm, Softmax and LogSoftmax as two low-rank factors ``J^T = L R`` in the chain
-(:class:`spscan.layers.LowRankFactors`, ``norm_form`` of :func:`spscan.model.plan_chain`): the
+(:class:`spscan.layers.LowRankFactors`, ``norm_form`` of :func:`spscan.chain.model.plan_chain`): the
 factors against the dense blocks and autograd, the planner's choice, and the model plan's mapping
 from its core elements back to layers."""
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spscan
-from spscan import model as chain_model
+from spscan.chain import model as chain_model
 from spscan.layers import LowRankFactors
 
 from layer_checks import build_unit, filled, run_errors, seq

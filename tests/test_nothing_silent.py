@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import spscan
-from spscan.choices import OPAQUE_NAMED, opaque_nodes
+from spscan.runtime.choices import OPAQUE_NAMED, opaque_nodes
 from spscan.layers.opaque import OpaqueUnit
 
 

@@ -87,7 +87,7 @@ def test_a_pickled_wrapper_is_wrapped_again(name, backward, how):
 def test_a_wrapper_made_without_spscan_wrap_pickles_as_a_module():
     """A front end's wrapper made directly (no record of how ``spscan.wrap`` made it) pickles field by field,
     as any module (the recurrent ones can)."""
-    from spscan.recurrent_wrapper import wrap_recurrent
+    from spscan.recurrent.wrapper import wrap_recurrent
 
     w = wrap_recurrent(nn.RNN(3, 4).double(), torch.randn(5, 2, 3, dtype=torch.float64))
     assert w.wrapped_as is None

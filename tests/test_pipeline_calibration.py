@@ -5,8 +5,8 @@ prediction made from them."""
 import numpy as np
 import pytest
 
-from spscan.pipeline import realrun as R
-from spscan.pipeline import simulator as S
+from spscan.parallel.pipeline import realrun as R
+from spscan.parallel.pipeline import simulator as S
 
 CFG = dict(dims=[8] * 9, batch=8, microbatches=4)
 B = [0, 8, 15]

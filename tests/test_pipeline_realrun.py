@@ -4,7 +4,7 @@ spscan's scan give autograd's gradients (float64) on the same MLP, and the bytes
 import numpy as np
 import torch
 
-from spscan.pipeline.realrun import _data, build_mlp, compare, reference_grads
+from spscan.parallel.pipeline.realrun import _data, build_mlp, compare, reference_grads
 
 CFG = dict(dims=[16, 24, 24, 24, 8], batch=8, microbatches=4, warmup=0, steps=1, update=False, return_grads=True,
            dtype=torch.float64, cost_reps=1)
@@ -40,8 +40,8 @@ def test_all_schedules_and_scan_exact_two_ranks():
 def _check_trace(res, cfg, methods):
     """Every rank ran torch's compute actions in the order the simulator replays, and the calibration
     timed every stage a rank owns."""
-    from spscan.pipeline import simulator as S
-    from spscan.pipeline.realrun import _ACTION, MULTI_STAGE, _stage_key, step_breakdown, step_times
+    from spscan.parallel.pipeline import simulator as S
+    from spscan.parallel.pipeline.realrun import _ACTION, MULTI_STAGE, _stage_key, step_breakdown, step_times
 
     n = 2 * (len(cfg["dims"]) - 1) - 1
     costs = S.LayerCosts.uniform(n)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spscan.pipeline.simulator import (
+from spscan.parallel.pipeline.simulator import (
     LayerCosts, Link, Overheads, Task, bppsa_scan, dualpipe, gpipe, list_schedule, one_f_one_b, ooo_pipe, pipedream,
     torch_schedule, zero_bubble,
 )
@@ -252,7 +252,7 @@ def test_deterministic_and_errors():
 
 
 def test_draw_writes_png(tmp_path):
-    from spscan.pipeline.draw import draw_timelines
+    from spscan.parallel.pipeline.draw import draw_timelines
 
     path = draw_timelines([gpipe(UNIT16, 4, 4), ooo_pipe(UNIT16, 4, 4, modulo=True)], str(tmp_path / "t" / "x.png"))
     with open(path, "rb") as fh:
@@ -261,7 +261,7 @@ def test_draw_writes_png(tmp_path):
 
 
 def test_timeline_panels_share_a_labelled_time_axis_and_a_legend():
-    from spscan.pipeline.draw import timeline_figure
+    from spscan.parallel.pipeline.draw import timeline_figure
 
     fig = timeline_figure([gpipe(UNIT16, 4, 4), ooo_pipe(UNIT16, 4, 4, modulo=True)])
     axes = fig.axes

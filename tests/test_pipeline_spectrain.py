@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from spscan.pipeline.spectrain import pipedream_staleness, predict_weights, train_pipelined
+from spscan.parallel.pipeline.spectrain import pipedream_staleness, predict_weights, train_pipelined
 
 
 def _stages(seed=0):

@@ -291,7 +291,7 @@ def test_version_1_file_is_refused_with_advice(tmp_path):
 
 def _rowwise_plan():
     """A plan whose sparse products run row-wise (the profile's pair-list limit set to 1 byte)."""
-    from spscan.plan import Plan
+    from spscan.runtime.plan import Plan
     from spscan.planner.cost import profile_for
     from spscan.planner.patterns import as_chain
     from spscan.planner.planning import plan_scan
@@ -328,7 +328,7 @@ def test_rowwise_products_round_trip_and_are_checked(tmp_path):
 def _densified_plan(threshold=None):
     """A plan in which the storage rule densifies some products (the level-1 products, ~0.3 dense,
     read only by mat-vecs) and keeps others sparse (the level-0 products the level-1 products read)."""
-    from spscan.plan import Plan
+    from spscan.runtime.plan import Plan
     from spscan.planner.cost import profile_for
     from spscan.planner.patterns import as_chain
     from spscan.planner.planning import plan_scan

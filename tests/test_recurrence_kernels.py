@@ -1,6 +1,6 @@
 """Structured recurrences: the planner's descriptor, the fused kernels and the periodic binding.
 
-The kernels (:mod:`spscan.kernels.recurrence`) run in Triton's interpreter here (compiled on a GPU)
+The kernels (:mod:`spscan.kernels.triton.recurrence`) run in Triton's interpreter here (compiled on a GPU)
 against a float64 loop over the run's own table (:mod:`recurrence_cases`), for every period the
 recurrent chains make, in both directions (the backward's ``S E`` and the Newton forward's ``E S``):
 odd block sizes, ``H = 1``, one fused step, batch 1, a step count that is not a multiple of the
@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.engine import PeriodicValues
-from spscan.kernels import launch
-from spscan.kernels.recurrence import recurrence_scratch, run_recurrence
-from spscan.kernels.triton_backend import _compiled
+from spscan.runtime import PeriodicValues
+from spscan.kernels.triton import launch
+from spscan.kernels.triton.recurrence import recurrence_scratch, run_recurrence
+from spscan.kernels.triton.backend import _compiled
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain
 from spscan.planner.planning import plan_scan
@@ -108,7 +108,7 @@ def test_descriptor_refuses_what_is_not_one_recurrence():
 
 
 def test_cost_model_sees_the_recurrence():
-    from spscan.cells import recurrent_patterns
+    from spscan.recurrent.cells import recurrent_patterns
 
     for kind, layout_steps in ((nn.RNN, 2), (nn.GRU, 3), (nn.LSTM, 2)):
         pats = as_chain(recurrent_patterns(kind(1, 20), 300, "factored"))
@@ -119,7 +119,7 @@ def test_cost_model_sees_the_recurrence():
 
 
 def test_periodic_binding_holds_shared_values_once():
-    from spscan.cells import factored_step_values, recurrent_patterns
+    from spscan.recurrent.cells import factored_step_values, recurrent_patterns
 
     T, H, B = 12, 5, 3
     pats = recurrent_patterns(nn.RNN(2, H), T, "factored")
@@ -199,8 +199,8 @@ def test_graphed_backward_replays_on_new_inputs(cell, monkeypatch):
     one entry per signature), with a stand-in recorder that replays by running the backward again on
     those buffers, so it runs anywhere: every call equals the eager backward, for new upstream
     gradients, new forward values, new weights and a changed batch size."""
-    from spscan.recurrent import plan_recurrent
-    from spscan.recurrent_backward import GraphedBackward as _GraphedBackward
+    from spscan.recurrent.plan import plan_recurrent
+    from spscan.recurrent.backward import GraphedBackward as _GraphedBackward
 
     def record(fn, device):  # a stand-in recording: a replay runs the call again on the same buffers
         fn()
@@ -235,7 +235,7 @@ def test_periodic_chain_through_the_engine_matches_the_reference(cell, dtype):
     periodic binding (the fused kernels), against ``spscan.reference`` in float64, with additive terms
     on every step for two batch sizes on one binding; with terms on every other step the run is not one
     recurrence and takes the general kernels, as correct."""
-    from spscan.cells import cell_kind, factored_layout, recurrent_patterns, shared_flags
+    from spscan.recurrent.cells import cell_kind, factored_layout, recurrent_patterns, shared_flags
     from spscan.reference import reference_backward
 
     T, H = 17, 5

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import spscan
-import spscan.recurrent as rec
-from spscan.recurrent import plan_recurrent, recurrent_patterns
-from spscan.recurrent_wrapper import RecurrentWrapper, wrap_recurrent
+import spscan.recurrent.plan as rec
+from spscan.recurrent.plan import plan_recurrent, recurrent_patterns
+from spscan.recurrent.wrapper import RecurrentWrapper, wrap_recurrent
 from spscan.reference import reference_backward
 
 CELLS = {"rnn_tanh": nn.RNN, "rnn_relu": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
@@ -210,7 +210,7 @@ def test_forward_outputs_equal_module_and_no_grad_path():
     x = torch.randn(6, 2, 3, dtype=torch.float64)
     o1, h1 = m(x)
     o2, h2 = w(x)
-    # the GRU's CPU forward is spscan.kernels.cpu_recurrence's compiled pass (its own summation order): rounding
+    # the GRU's CPU forward is spscan.kernels.cpu.recurrence's compiled pass (its own summation order): rounding
     # may differ
     assert o2.shape == o1.shape and h2.shape == h1.shape
     assert (o1 - o2).abs().max() <= 1e-14 * o1.abs().max() and (h1 - h2).abs().max() <= 1e-14 * h1.abs().max()
@@ -353,7 +353,7 @@ def test_retain_graph_backward_twice_accumulates(kind):
 def test_recycled_buffers_hand_out_only_unused_tensors():
     """A kept tensor comes back only when nothing else uses its storage: not while a caller holds what
     it was given, a view of it or a NumPy array of it; shape or dtype changes make a new one."""
-    from spscan.engine import RecycledBuffers
+    from spscan.runtime import RecycledBuffers
 
     pool = RecycledBuffers()
     a = pool.take("x", (3, 4), torch.float32)
@@ -510,7 +510,7 @@ def test_triton_backend_equals_autograd(kind, levels):
 
 
 def _no_compiled_forward(monkeypatch):
-    import spscan.kernels.cpu_recurrence as rc
+    import spscan.kernels.cpu.recurrence as rc
 
     monkeypatch.setattr(rc, "available", lambda: False)
 
@@ -558,9 +558,10 @@ def test_lstm_compact_gate_values_on_every_path(monkeypatch, path, dtype):
     loop and a kernel that does not know the form read them expanded to the 9H CSR values; every
     way gives autograd's gradients (a full and a partial tile, a loss on every step)."""
     pytest.importorskip("numba")
-    from spscan.cells import lstm_gate_encoding
-    from spscan.engine import PeriodicValues
-    from spscan.kernels import cpu_chain, cpu_chain_tables
+    from spscan.recurrent.cells import lstm_gate_encoding
+    from spscan.runtime import PeriodicValues
+    from spscan.kernels.cpu import chain as cpu_chain
+    from spscan.kernels.cpu import chain_tables as cpu_chain_tables
 
     m = make_module("lstm", 2, 5, batch_first=True, bias=True, dtype=dtype)
     x, hx = make_inputs(m, 17, 21, with_h0=True, dtype=dtype)
@@ -610,8 +611,8 @@ def test_compact_gate_values_through_a_checked_run():
 
 
 def test_encoded_periodic_values_are_checked():
-    from spscan.cells import lstm_gate_encoding
-    from spscan.engine import PeriodicValues
+    from spscan.recurrent.cells import lstm_gate_encoding
+    from spscan.runtime import PeriodicValues
 
     shared, compact = torch.zeros(10), torch.zeros(4, 2, 18)
     with pytest.raises(ValueError, match="encodings"):
@@ -691,7 +692,7 @@ def test_compiled_forward_input_projection(kind, input_size, dtype, bias):
     outputs, the same chain values as each other, and autograd's gradients (a full and a partial tile,
     a non-contiguous batch-first input)."""
     pytest.importorskip("numba")
-    import spscan.kernels.cpu_recurrence as rc
+    import spscan.kernels.cpu.recurrence as rc
 
     assert rc.FUSED_MAX_INPUT == 4  # the sizes above sit at and past the bound
     T, B = 9, 20
@@ -745,7 +746,7 @@ def test_compiled_forward_streamed_values_equal_plain(monkeypatch, kind, dtype):
     last-level cache and with plain stores below: both give the same outputs and values, bit for bit
     (full and partial tiles; the partial one goes through a scratch tile either way)."""
     pytest.importorskip("numba")
-    import spscan.kernels.cpu_recurrence as rc
+    import spscan.kernels.cpu.recurrence as rc
 
     T, B, I = 7, 21, 1
     m = make_module(kind, I, 6, batch_first=False, bias=True, dtype=dtype)
@@ -809,7 +810,7 @@ def test_compiled_expm1_within_a_few_ulp(np_dtype):
     pytest.importorskip("numba")
     import numpy as np
 
-    import spscan.kernels.cpu_recurrence_steps as rs
+    import spscan.kernels.cpu.recurrence_steps as rs
 
     vexpm1 = rs.compiled()["_vexpm1_c"]
     dt = np.dtype(np_dtype).type

@@ -1,4 +1,4 @@
-"""The GRU's one-pass compiled CPU forward (:func:`spscan.kernels.cpu_recurrence.reset_gated_forward`) and the
+"""The GRU's one-pass compiled CPU forward (:func:`spscan.kernels.cpu.recurrence.reset_gated_forward`) and the
 wrapper around it.
 
 The forward is compared with ``nn.GRU``'s own (float64 to a few units in the last place, float32 to
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import spscan.kernels.cpu_recurrence as rc
-from spscan.recurrent import plan_recurrent
-from spscan.recurrent_wrapper import wrap_recurrent
+import spscan.kernels.cpu.recurrence as rc
+from spscan.recurrent.plan import plan_recurrent
+from spscan.recurrent.wrapper import wrap_recurrent
 
 needs_numba = pytest.mark.skipif(not rc.available(), reason="numba not installed")
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import spscan
-from spscan.graph_recurrent import RecurrentNodeUnit
+from spscan.graph.recurrent import RecurrentNodeUnit
 from spscan.layers.opaque import OpaqueUnit
 
 

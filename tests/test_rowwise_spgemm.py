@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spscan  # noqa: F401  (sets up Triton's interpreter on CPU-only machines before triton is imported)
-from spscan.kernels import launch
-from spscan.kernels.aot import specs_to_json
-from spscan.kernels.spgemm_rows import RowProduct, rows_table, spgemm_rows, spgemm_rows_product
+from spscan.kernels.triton import launch
+from spscan.kernels.triton.aot import specs_to_json
+from spscan.kernels.triton.spgemm_rows import RowProduct, rows_table, spgemm_rows, spgemm_rows_product
 from spscan.kernels.spgemm_rows_torch import rows_torch_table, spgemm_rows_torch
-from spscan.kernels.triton_backend import _compiled
+from spscan.kernels.triton.backend import _compiled
 from spscan.planner.patterns import Pattern, full_pattern, make_pattern
 from spscan.planner.rowwise import (pair_list_bytes, row_pair_counts, rowwise_index_bytes,
                                     rowwise_symbolic)
@@ -287,7 +287,7 @@ def test_rowwise_kernel_compiles_for_cuda(tmp_path):
     path = tmp_path / "specs.json"
     path.write_text(json.dumps(payload))
     env = dict(os.environ, TRITON_INTERPRET="0")
-    procs = {cap: subprocess.Popen([sys.executable, "-m", "spscan.kernels.aot", str(path), str(cap)],
+    procs = {cap: subprocess.Popen([sys.executable, "-m", "spscan.kernels.triton.aot", str(path), str(cap)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for cap in (80, 90)}
     for cap, proc in procs.items():

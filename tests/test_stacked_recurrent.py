@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.recurrent_wrapper import RecurrentWrapper
-from spscan.stacked import StackedRecurrentPlan
+from spscan.recurrent.wrapper import RecurrentWrapper
+from spscan.recurrent.stacked import StackedRecurrentPlan
 
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 
@@ -77,7 +77,7 @@ def assert_equal_autograd(m, x, hx, tol=1e-9, **plan_kwargs):
     assert len(got) == len(want) == 1 + 1 + (0 if hx is None else len(hx) if isinstance(hx, tuple) else 1) \
         + len(list(m.parameters()))
     # a reverse direction's input GEMM runs over a time-flipped copy, and the RNN's, GRU's and LSTM's CPU
-    # forwards are spscan.kernels.cpu_recurrence's compiled passes (their own summation order): rounding may differ
+    # forwards are spscan.kernels.cpu.recurrence's compiled passes (their own summation order): rounding may differ
     assert rel_err(got[0], want[0]) <= 1e-14
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == b.shape, (i, a.shape, b.shape)

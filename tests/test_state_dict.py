@@ -1,4 +1,4 @@
-"""A wrapper's ``state_dict`` is the wrapped model's, key for key (:class:`spscan.model_keys.ModelKeys`): a checkpoint
+"""A wrapper's ``state_dict`` is the wrapped model's, key for key (:class:`spscan.runtime.model_keys.ModelKeys`): a checkpoint
 saved before wrapping loads into the wrapper, one saved from the wrapper loads into the unwrapped model, also
 where the wrapper is a submodule of the user's model (``model.rnn = spscan.wrap(model.rnn)``); strict mode's
 reports name the model's keys; pickling, ``copy.deepcopy`` and ``torch.distributed.checkpoint`` keep working;
@@ -15,10 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spscan
-from spscan.choices import NativeModule
-from spscan.graph import GraphSpscanModule
-from spscan.model import SpscanModule
-from spscan.recurrent_wrapper import RecurrentWrapper
+from spscan.runtime.choices import NativeModule
+from spscan.graph.plan import GraphSpscanModule
+from spscan.chain.model import SpscanModule
+from spscan.recurrent.wrapper import RecurrentWrapper
 
 
 class Residual(nn.Module):

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spscan
-from spscan.plan import Plan
+from spscan.runtime.plan import Plan
 from spscan.planner import planning, storage
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain, full_pattern

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles ahead of time for CUDA sm_80 and sm_90, with the launches we really make.
 
 The launch specs (argument types, constexprs, warps) are recorded from the one launch-config
-path (``spscan.kernels.launch``) in its GPU mode, over the shapes of the interpreter tests and
+path (``spscan.kernels.triton.launch``) in its GPU mode, over the shapes of the interpreter tests and
 the paper's RNN cases (H = 20 and 64, B = 16), each int argument equal to 1 compiled as the
 constant the JIT makes of it (Triton 3.6 failed to compile the chunked carry loop with a bound of
 1 on a GPU; ``kernels.aot.specialized``). Compilation runs in a subprocess with
@@ -25,9 +25,9 @@ import scipy.sparse as sp
 import torch
 
 import spscan
-from spscan.kernels import launch
-from spscan.kernels.aot import specs_to_json
-from spscan.kernels.triton_backend import _compiled
+from spscan.kernels.triton import launch
+from spscan.kernels.triton.aot import specs_to_json
+from spscan.kernels.triton.backend import _compiled
 
 DEVICE = torch.device("cuda") if _compiled() else torch.device("cpu")  # recording launches nothing
 
@@ -112,8 +112,8 @@ def _recurrence_specs() -> list:
     cell and H as an annotation (``_tag``; ``hot``: the RNN at H = 20)."""
     from torch import nn
 
-    from spscan.cells import factored_layout, recurrent_patterns, shared_flags
-    from spscan.engine import PeriodicValues
+    from spscan.recurrent.cells import factored_layout, recurrent_patterns, shared_flags
+    from spscan.runtime import PeriodicValues
 
     specs = []
     T, B = 20, 16
@@ -216,7 +216,7 @@ def test_specs_cover_every_kernel(specs_file):
 def compiled(specs_file) -> dict[int, subprocess.CompletedProcess]:
     """Both targets compiled concurrently, each in a fresh interpreter with TRITON_INTERPRET=0."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    procs = {cap: subprocess.Popen([sys.executable, "-m", "spscan.kernels.aot", str(specs_file), str(cap)],
+    procs = {cap: subprocess.Popen([sys.executable, "-m", "spscan.kernels.triton.aot", str(specs_file), str(cap)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for cap in (80, 90)}
     out = {}
@@ -234,7 +234,7 @@ def _default_scheme(consts: dict, line: str) -> str:
 
 
 def _report(line: str) -> tuple[dict, dict]:
-    """An ``ok`` line of ``spscan.kernels.aot``: its resource fields and its constexprs."""
+    """An ``ok`` line of ``spscan.kernels.triton.aot``: its resource fields and its constexprs."""
     head, consts = line.split(" {", 1)
     fields = dict(kv.split("=", 1) for kv in head.split()[3:])
     return fields, json.loads("{" + consts)
@@ -288,7 +288,7 @@ def test_resource_report_lists_every_recurrence_kernel(specs_file, compiled):
 
 def test_interpreted_kernels_are_not_compilable_objects():
     """Why the subprocess: with TRITON_INTERPRET=1 at decoration time, kernels are interpreted functions."""
-    code = ("import triton, spscan.kernels.spgemm as k; "
+    code = ("import triton, spscan.kernels.triton.spgemm as k; "
             "print(type(k.spgemm_kernel).__name__, isinstance(k.spgemm_kernel, triton.runtime.JITFunction))")
     out = {}
     for flag in ("0", "1"):

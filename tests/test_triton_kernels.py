@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spscan
-from spscan.kernels import launch
-from spscan.kernels.segments import SegmentTable
-from spscan.kernels.triton_backend import TritonTables, _compiled, _SpMMLaunch, _SpMVLaunch
+from spscan.kernels.triton import launch
+from spscan.kernels.triton.segments import SegmentTable
+from spscan.kernels.triton.backend import TritonTables, _compiled, _SpMMLaunch, _SpMVLaunch
 from spscan.reference import reference_backward
 
 DTYPES = (torch.float64, torch.float32)
@@ -454,7 +454,7 @@ def test_dot_precision_selects_input_precision():
 
 
 def test_launcher_shape_errors():
-    from spscan.kernels.spgemm import spgemm
+    from spscan.kernels.triton.spgemm import spgemm
 
     pats = [band(12, [-1, 0, 1])] * 4
     plan = spscan.plan(pats, levels="full", backend="triton").prepare(device=DEVICE)

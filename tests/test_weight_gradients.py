@@ -1,4 +1,4 @@
-"""The recurrent layers' weight and bias gradients in one compiled pass (:func:`spscan.kernels.cpu_nt.matmul_nt`),
+"""The recurrent layers' weight and bias gradients in one compiled pass (:func:`spscan.kernels.cpu.nt.matmul_nt`),
 and the forwards' feature-major operands they read (``prev``).
 
 Compared with float64 products of the same operands; then through the wrappers, where the compiled
@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import spscan.recurrent as rec
-import spscan.kernels.cpu_recurrence as rc
-from spscan.kernels import cpu_nt
+import spscan.recurrent.plan as rec
+import spscan.kernels.cpu.recurrence as rc
+from spscan.kernels.cpu import nt as cpu_nt
 from spscan.kernels.backend import cpu_ops
-from spscan.recurrent_wrapper import wrap_recurrent
+from spscan.recurrent.wrapper import wrap_recurrent
 
 pytestmark = pytest.mark.skipif(not rc.available(), reason="numba not installed")
 

@@ -7,13 +7,13 @@ A GPU step of the small models people wrap is host-bound: what a layer costs is 
 and the Python around them, not its work, and a one-layer step's median moves by more than a layer
 costs. So a GPU's profile prices every family alike, per regime (``native``: the model's own autograd
 step; ``scan``; ``graph``: the whole step from CUDA graphs) one ``base``, one cost per layer and one
-per unit of work, fitted to whole models (:func:`spscan.calibration.fit_whole_models`, which
+per unit of work, fitted to whole models (:func:`spscan.cli.calibration.fit_whole_models`, which
 ``spscan.calibrate()`` applies on a GPU to its own small models). This script applies it to the
 measured rows of "never slower" runs (several files pool their rows: one GPU at several thread counts,
 several runs), each model planned here (on the CPU: the units and their work do not depend on the
 device), for the shipped reference profile. The recurrent constants are kept from the profile being
 replaced, taken from a GPU's own calibration (``--recurrent-from``), or fitted to the recurrent rows
-among ROWS (``--recurrent-rows``: :func:`spscan.calibration.fit_recurrent`, each regime's measured
+among ROWS (``--recurrent-rows``: :func:`spscan.cli.calibration.fit_recurrent`, each regime's measured
 step at the sizes people train, where the calibration's small modules may not reach: an LSTM's
 whole-step graph at T = 1000 costs twice what they predict). It prints, and writes as a table, the
 prediction against the measurement for every row and regime.
@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import spscan  # noqa: E402
 from never_slower_models import CASES  # noqa: E402
-from spscan.calibration import fit_recurrent, fit_whole_models, layer_features  # noqa: E402
-from spscan.choices import recurrent_shapes, sequence_signature  # noqa: E402
+from spscan.cli.calibration import fit_recurrent, fit_whole_models, layer_features  # noqa: E402
+from spscan.runtime.choices import recurrent_shapes, sequence_signature  # noqa: E402
 from spscan.planner.step_profile import StepProfile, recurrent_features  # noqa: E402
 
 REGIMES = ("native", "scan", "graph")

@@ -65,7 +65,7 @@ if want calibrate; then
     stage calibrate
     SPSCAN_CACHE_DIR="$cache/calibrate" timeout 240 "$py" - "$out" "${GRAPHS_CALIBRATE_RECURRENT:-0}" <<'EOF' 2>&1 | tee -a "$log"
 import json, sys, torch, spscan
-from spscan.calibration import calibrate
+from spscan.cli.calibration import calibrate
 torch.set_num_threads(2)  # as the benchmarks run (bench/conftest.py): the profile is kept per thread count
 prof = calibrate("cuda", recurrent=sys.argv[2] == "1", log=print)
 open(f"{sys.argv[1]}/step-profile-cuda.json", "w").write(json.dumps(prof.to_json(), indent=1, sort_keys=True))

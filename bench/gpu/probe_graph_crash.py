@@ -29,7 +29,7 @@ VARIANTS = {
 
 def child(name):
     import torch, spscan
-    import spscan.graphed as gr
+    import spscan.runtime.graphed as gr
     from never_slower_models import CASES
     v = VARIANTS[name]
     why = gr._why

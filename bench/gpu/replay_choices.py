@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spscan  # noqa: E402
 from fit_cuda_profile import measured, recurrent_shape  # noqa: E402
 from never_slower_models import CASES  # noqa: E402
-from spscan.choices import layers_decision, recurrent_decision  # noqa: E402
+from spscan.runtime.choices import layers_decision, recurrent_decision  # noqa: E402
 from spscan.planner.step_profile import StepProfile  # noqa: E402
 
 CUDA = torch.device("cuda")  # named, never used: the decisions read its type

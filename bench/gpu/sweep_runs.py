@@ -5,11 +5,11 @@ B = 16, float32; the rows of ``bench/test_rnn_step.py``) and a GRU and an LSTM o
 (loss on the last output) it times ``loss.backward()`` (CUDA events, median of 7) of cuDNN
 autograd and of ``spscan.wrap`` under: the cost model's choice (``levels="auto"``), one linear run
 parallel over its steps (``levels=0``) at several chunk lengths
-(``spscan.kernels.launch.chunk_steps``), the deep up-sweep the cost model chose before runs were
+(``spscan.kernels.triton.launch.chunk_steps``), the deep up-sweep the cost model chose before runs were
 chunked (``parallel_run_max_m = 0``), and for the GRU and the LSTM (T <= 10000) both layouts
 (materialized: one block per step) at the cost model's depth, depth 0 and depth 1. The RNN's and
 the GRU's main shapes are timed again with float32 ``tl.dot`` products as three TF32 tensor-core
-products or one (``spscan.kernels.launch.dot_precision`` = ``"tf32x3"`` / ``"tf32"``; exact FMAs
+products or one (``spscan.kernels.triton.launch.dot_precision`` = ``"tf32x3"`` / ``"tf32"``; exact FMAs
 otherwise). Prints one line per configuration with the ratio against cuDNN measured in the same
 process and the weight gradients' largest relative error against float64 autograd (``err``;
 cuDNN's own float32 error on the cuDNN line).
@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.kernels import launch
+from spscan.kernels.triton import launch
 from spscan.cli.datasets import bitstream_dataset
 from spscan.planner.cost import profile_for
 from spscan.planner.patterns import as_chain
 from spscan.planner.planning import plan_scan
-from spscan.recurrent import recurrent_patterns
+from spscan.recurrent.plan import recurrent_patterns
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_rnn_step import _setup as rnn_step_setup  # noqa: E402

@@ -7,7 +7,7 @@ H = 20, B = 16, float32) it builds the factored backward chain exactly as the re
 does (``spscan.plan`` at depth 0, a periodic binding), fills it with one step's values computed by
 the cells' own formulas at random states, and then, on the arenas the engine loaded:
 
-1. times each phase of :func:`spscan.kernels.recurrence.run_recurrence` under several variants
+1. times each phase of :func:`spscan.kernels.triton.recurrence.run_recurrence` under several variants
    (compose: ``tl.dot`` scheme x lanes per program x warps; expand: scheme x warps; carry: warps),
    each from a CUDA graph of 20 launches, median of 5 replays;
 2. times the whole run with the best of each phase at several chunk lengths, and checks each
@@ -15,7 +15,7 @@ the cells' own formulas at random states, and then, on the arenas the engine loa
 3. times cuDNN's backward of the same module (autograd, loss on the last output) in the same process.
 
 Prints one table per case and the winners last; writes ``tune.json`` into ``--out``. The winners
-are what ``spscan.kernels.launch.RECURRENCE_TABLE``, ``RECURRENCE_EXACT_DOT`` and
+are what ``spscan.kernels.triton.launch.RECURRENCE_TABLE``, ``RECURRENCE_EXACT_DOT`` and
 ``RECURRENCE_CHUNK_SCALE`` should say for this device. A float32-exact scheme wins only if its
 error stays within 2x the FMA variant's. Every row carries the floor of the case: the bytes that
 must move (per-step values read once, every output written once) at the measured copy bandwidth,
@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.cells import cell_kind, cell_step, factored_layout, factored_step_values, recurrent_patterns, shared_flags
-from spscan.engine import PeriodicValues
-from spscan.kernels import launch
-from spscan.kernels.recurrence import recurrence_scratch, run_recurrence
+from spscan.recurrent.cells import cell_kind, cell_step, factored_layout, factored_step_values, recurrent_patterns, shared_flags
+from spscan.runtime import PeriodicValues
+from spscan.kernels.triton import launch
+from spscan.kernels.triton.recurrence import recurrence_scratch, run_recurrence
 
 DEV = torch.device("cuda")
 H, B = 20, 16

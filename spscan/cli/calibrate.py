@@ -1,4 +1,4 @@
-"""``python -m spscan calibrate``: fit and cache this machine's step-cost profile (:mod:`spscan.calibration`)."""
+"""``python -m spscan calibrate``: fit and cache this machine's step-cost profile (:mod:`spscan.cli.calibration`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from spscan.calibration import calibrate
-    from spscan.choices import current_key
+    from spscan.cli.calibration import calibrate
+    from spscan.runtime.choices import current_key
     from spscan.planner.step_profile import cache_dir
 
     dev = torch.device(args.device) if args.device else None

@@ -336,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
                         "H x H Jacobians")
     p.add_argument("--forward", default="sequential", choices=["sequential", "newton", "auto"],
                    help="forward of the BPPSA run: the module's own loop, Newton iterations over the planned scan "
-                        "(spscan.newton; falls back to the loop with a warning if it does not converge), or the cost "
+                        "(spscan.recurrent.newton; falls back to the loop with a warning if it does not converge), or the cost "
                         "model's choice (default sequential)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, initial weights and batch order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none unless a terminal)")
