@@ -145,8 +145,8 @@ def test_selection_refusals_name_the_node():
         def forward(self, x):
             return F.pad(x, (0, 0, 1, 1), mode="reflect")
 
-    run_errors(lambda: spscan.wrap(Batch(), torch.zeros(3, 4)), spscan.NotPlannable, "getitem", "batch dim", "Batch")
-    with pytest.warns(UserWarning, match="batch dim"):  # a model the scan cannot plan: auto runs it natively
+    run_errors(lambda: spscan.wrap(Batch(), torch.zeros(3, 4)), spscan.NotPlannable, "nothing to scan", "Batch")
+    with pytest.warns(UserWarning, match="nothing to scan"):  # a model the scan cannot plan: auto runs it natively
         assert spscan.wrap(Batch(), torch.zeros(3, 4), backward="auto").decision.chosen.name == "native"
     with pytest.raises(ValueError, match="batch dim must be kept whole and first"):
         from spscan.layers.shape import SelectionUnit, _Selection

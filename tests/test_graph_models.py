@@ -358,8 +358,6 @@ class _TwoOutputs(nn.Module):
 def test_refusals_name_the_node_and_line():
     x = torch.zeros(2, 4)
     assert "mul 2" in spscan.wrap(_Scaled(), x).plan.summary()  # a scalar factor: a scale unit
-    run_errors(lambda: spscan.wrap(_TwoOutputs(), x), TypeError, "_TwoOutputs", "expected the forward to return "
-               "one tensor")
     net = _init(PreActNet(), 0)
     net.block1.bn1.train()  # couples the batch: planned matrix-free at block depth 0 only
     run_errors(lambda: spscan.wrap(net, torch.zeros(2, 2, 5, 5), levels="full"), ValueError, "BatchNorm2d",
@@ -382,7 +380,59 @@ def test_refusals_name_the_node_and_line():
         def forward(self, x):
             return x.view(-1)
 
-    run_errors(lambda: spscan.wrap(Mixed(), x), spscan.NotPlannable, "batch dim")
+    run_errors(lambda: spscan.wrap(Mixed(), x), spscan.NotPlannable, "nothing to scan")
+
+
+class _Results(nn.Module):
+    """A forward whose result is not one batch-first tensor: a tuple with the input and a constant, a dict,
+    the batch merged into the rows (a language model's ``logits.view(-1, V)``), a tensor with the batch second."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        y = self.fc2(h)
+        if self.how == "tuple":
+            return y, x, None
+        if self.how == "dict":
+            return {"logits": y, "hidden": h, "n": 3}
+        if self.how == "rows":
+            return F.log_softmax(y.view(-1, 1), dim=1) + y.reshape(-1, 1)
+        return y.unsqueeze(0).transpose(0, 1).transpose(0, 2), h  # (3, B, 1) and (B, 6)
+
+
+@pytest.mark.parametrize("how", ["tuple", "dict", "rows", "batch_second"])
+def test_results_other_than_one_batch_first_tensor(how):
+    """The chain ends in the graph tensors the result is computed from (concatenated where several), and the
+    wrapper makes the result from it after the scan's step, under autograd: autograd's gradients."""
+    torch.manual_seed(0)
+    model = _init(_Results(how), 1).double()
+    ref = copy.deepcopy(model)
+    w = spscan.wrap(model, torch.randn(4, 3, 4, dtype=torch.float64), backward="scan")
+    flat = lambda r: [t for t in (r.values() if isinstance(r, dict) else r if isinstance(r, tuple) else [r])  # noqa
+                      if isinstance(t, torch.Tensor)]
+    for b in (4, 2):
+        x = torch.randn(b, 3, 4, dtype=torch.float64)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = w(xa), ref(xb)
+        assert type(got) is type(want)
+        if isinstance(want, (tuple, dict)):
+            assert [type(v) for v in (got.values() if isinstance(got, dict) else got)] == \
+                [type(v) for v in (want.values() if isinstance(want, dict) else want)]
+        ga, gb = flat(got), flat(want)
+        torch.manual_seed(b)
+        wts = [torch.randn_like(t) for t in gb]
+        sum((a * wt).sum() for a, wt in zip(ga, wts)).backward()
+        sum((a * wt).sum() for a, wt in zip(gb, wts)).backward()
+        for a, c in zip(ga, gb):
+            assert a.shape == c.shape and _rel(a, c) <= 1e-12
+        assert _rel(xa.grad, xb.grad) <= 1e-10
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-10
+            p.grad = q.grad = None
 
 
 # ----------------------------------------------------------------------------- random DAGs

@@ -175,6 +175,9 @@ class ModelPlan:
         # (``forward(x, mask=None)``: the graph of a call without a mask); a call that passes other values
         # runs the model's own forward (:meth:`SpscanModule.forward`)
         self.fixed_arguments: dict[str, Any] = {}
+        # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
+        # ``h_n``): how the wrapper makes that result from the output, under autograd (None: the output is it)
+        self.output_tail: Optional[Callable[[torch.Tensor], Any]] = None
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")
@@ -907,7 +910,8 @@ class SpscanModule(BackwardChoice, nn.Module):
         self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
         y = self.plan.run_step(x, flat, choice == "graph")
         self._after_step(key, choice)
-        return y
+        tail = self.plan.output_tail
+        return y if tail is None else tail(y)
 
     def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
         """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units

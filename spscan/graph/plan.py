@@ -346,10 +346,12 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
 
 
 def _traced_as(plan: ModelPlan, traced: Traced, model: nn.Module) -> ModelPlan:
-    """``plan`` marked with what its graph was traced with: the model's mode and its forward's optional
-    arguments (:attr:`ModelPlan.planned_training`, :attr:`ModelPlan.fixed_arguments`)."""
+    """``plan`` marked with what its graph was traced with: the model's mode, its forward's optional arguments
+    and how the forward's result is made from the scan's output (:attr:`ModelPlan.planned_training`,
+    :attr:`ModelPlan.fixed_arguments`, :attr:`ModelPlan.output_tail`)."""
     plan.planned_training = model.training
     plan.fixed_arguments = dict(traced.fixed_arguments)
+    plan.output_tail = traced.output_tail
     return plan
 
 

@@ -4,10 +4,8 @@ and the refusals that name the layer, the call and its source line.
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
-import re
 from typing import Any, Optional
 
 import numpy as np
@@ -26,9 +24,12 @@ from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
-from spscan.chain.model import PLAIN_ARGUMENT_TYPES, example_rejected, has_hooks
+from spscan.chain.model import example_rejected, has_hooks
+from spscan.graph.nodes import first_line, node_key, node_text, refuse_node
+from spscan.graph.tracer import (ExampleRejected, LeafTracer, ShapeTracer, Whole, drop_fixed_inputs,
+                                 fixed_arguments, raise_if_forward_fails)
 
-__all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced", "fixed_arguments", "node_source", "refuse_node"]
+__all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced"]
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
@@ -48,145 +49,48 @@ _MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.t
 LIVE_STATE_LIMIT = 16
 
 
-def node_key(node: fx.Node, root: nn.Module) -> Any:
-    if node.op == "call_module":
-        return type(root.get_submodule(node.target))
-    if node.op == "call_method":
-        return ("method", node.target)
-    return node.target
-
-
-def node_source(node: fx.Node) -> str:
-    """The innermost user frame that made ``node`` (``file:line in fn: code``), and the module it is in."""
-    frames, lines = [], (node.stack_trace or "").splitlines()
-    for i, ln in enumerate(lines):
-        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', ln)
-        if m:
-            nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            frames.append(m.groups() + ("" if nxt.startswith("File ") else nxt,))
-    user = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
-    where = "source line unknown"
-    if user:
-        f, line, fn, code = user[-1]
-        where = f"{f}:{line} in {fn}" + (f": {code.strip()}" if code else "")
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path, cls = list(stack.values())[-1]
-        where += f", in module '{path}' ({getattr(cls, '__name__', cls)})"
-    return where
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-
-
 class NotSeriesParallel(NotPlannable):
     """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
 
 
-def node_text(node: fx.Node) -> str:
-    """``node`` as the call it stands for: ``operator.mul(relu, 2)``, ``x.view(...)``, ``self.fc(x)``."""
-    args = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
-    args += [f"{k}={v.name if isinstance(v, fx.Node) else repr(v)}" for k, v in node.kwargs.items()]
-    if node.op == "call_method":
-        return f"{args[0]}.{node.target}({', '.join(args[1:])})" if args else f".{node.target}()"
-    if node.op == "call_module":
-        name = f"self.{node.target}"
-    else:
-        t = node.target
-        mod = {"_operator": "operator"}.get(getattr(t, "__module__", None) or "", getattr(t, "__module__", None) or "")
-        name = f"{mod}.{getattr(t, '__name__', repr(t))}".lstrip(".")
-    return f"{name}({', '.join(args)})"
+class _OutputTail:
+    """The forward's result from the scan's output (see :meth:`Traced._output`): ``tail(y)``."""
+
+    def __init__(self, structure: Any, sources: list, sizes: list, shapes: list, evaluators: dict, packed: bool,
+                 reads: dict) -> None:
+        self.structure, self.sources, self.sizes, self.shapes = structure, sources, sizes, shapes
+        self.evaluators, self.packed, self.reads = evaluators, packed, reads
+
+    def __call__(self, y: torch.Tensor) -> Any:
+        b = y.shape[0]
+        if self.packed:
+            # contiguous, as each was in the model (a .view() of it in the forward needs that)
+            parts = [p.reshape((b,) + s).contiguous() for p, s in zip(y.split(self.sizes, 1), self.shapes)]
+        else:
+            parts = [y]
+        got = dict(zip(self.sources, parts))
+
+        def value(n: fx.Node) -> Any:
+            if n in got:
+                return got[n]
+            return self.evaluators[n](*[got[t] for t in self.reads[n]])
+
+        return _rebuilt(self.structure, value)
 
 
-def refuse_node(node: fx.Node, why: str, exc: type = NotPlannable) -> Exception:
-    """An error naming the layer the node is in (its path and type), the call, where it was written, and
-    why; a layer that subclasses a supported type with its own forward is told so."""
-    stack = node.meta.get("nn_module_stack")
-    head, hint = "", ""
-    if stack:
-        path, cls = list(stack.values())[-1]
-        cls = cls if isinstance(cls, type) else None
-        head = f"layer '{path}' ({getattr(cls, '__name__', cls)}): "
-        base = next((b for b in (cls.__mro__[1:] if cls else ()) if b in NODE_UNITS), None)
-        if base is not None and cls.forward is not base.forward:
-            hint = (f"; {cls.__name__} subclasses nn.{base.__name__} but defines its own forward, which is traced "
-                    f"op by op instead of taking nn.{base.__name__}'s Jacobian")
-    return exc(f"{head}{node_text(node)} (node {node.name}, at {node_source(node)}): {why}{hint}")
-
-
-def fixed_arguments(model: nn.Module) -> dict[str, Any]:
-    """``{name: default}`` of the parameters of ``model``'s forward after its input that have a plain default
-    (None, a bool, number or string): ``forward(x, mask=None, causal=False)``. The model is traced with them
-    at those values (fx's ``concrete_args``), so a call that passes nothing else runs the planned graph; a
-    parameter without a default, or with another kind of default, stays an input of the graph (refused:
-    the scan plans one tensor input)."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):  # a forward without a signature Python can read
-        return {}
-    return {p.name: p.default for p in params[1:]
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
-            and type(p.default) in PLAIN_ARGUMENT_TYPES}
-
-
-def _drop_fixed_inputs(graph: fx.Graph) -> None:
-    """Remove what fx's ``concrete_args`` leaves of the fixed parameters: their placeholders and the checks
-    that a call passed the planned values (``_assert_is_none``, ``torch._assert``), which read nothing else.
-    The forward itself saw the values, not the placeholders; a placeholder the forward's nodes do read is
-    kept (the graph then has several inputs and is refused as such)."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"][1:]
-    for ph in placeholders:
-        members, todo = set(), [ph]
-        while todo:
-            n = todo.pop()
-            if n not in members:
-                members.add(n)
-                todo.extend(n.users)
-        if any(n.op == "output" or any(i not in members for i in n.all_input_nodes) for n in members):
-            continue  # the forward reads it
-        for n in reversed(list(graph.nodes)):
-            if n in members:
-                graph.erase_node(n)
-
-
-class _Whole(nn.Module):
-    """A model that is itself a ``torch.nn`` layer, called as a leaf of a one-node graph."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return self.layer(x)
-
-
-class _ExampleRejected(ValueError):
-    """A node rejected the planner's example batch (of 2)."""
-
-
-def _raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
-    """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
-    were) and let its own error through: a forward that fails without tracing is the model's error, not a
-    form the scan cannot plan."""
-    buffers = [(t, t.clone()) for t in model.buffers()]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(example_input)
-    finally:
-        for t, v in buffers:
-            t.copy_(v)
-
-
-class _HookedLeaves(fx.Tracer):
-    """fx's tracer, with a module that has hooks kept as one call (fx would trace through a container or a
-    module of the user's, and its hooks would not run): it becomes an opaque node."""
-
-    # a buffer read in the forward is a node (``self.pos[:t]`` slices it with a traced size), as a parameter is
-    proxy_buffer_attributes = True
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
+def _rebuilt(a: Any, value: Any) -> Any:
+    """``a`` (a traced output's structure) with each node replaced by ``value(node)``, in plain Python containers
+    (fx keeps lists and dicts as immutable ones)."""
+    if isinstance(a, fx.Node):
+        return value(a)
+    if isinstance(a, dict):
+        return {k: _rebuilt(v, value) for k, v in a.items()}
+    if isinstance(a, tuple):
+        items = [_rebuilt(v, value) for v in a]
+        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
+    if isinstance(a, list):
+        return [_rebuilt(v, value) for v in a]
+    return a
 
 
 class Traced:
@@ -198,27 +102,20 @@ class Traced:
             raise NotPlannable("the model has forward/backward hooks of its own, which its "
                                "traced graph would not run (hooks on its submodules are fine: each such module runs "
                                "as its own call)")
-        tracer = _HookedLeaves()
-        tracer.record_stack_traces = True
         #: the forward's optional parameters the graph is planned with (:func:`fixed_arguments`)
         self.fixed_arguments = fixed_arguments(model)
-        try:
-            if self.fixed_arguments:
-                self.graph = tracer.trace(model, concrete_args=dict(self.fixed_arguments))
-                _drop_fixed_inputs(self.graph)
-            else:
-                self.graph = tracer.trace(model)
-        except Exception as e:  # data-dependent control flow and the like, or a forward that fails anyway
-            _raise_if_forward_fails(model, example_input)
-            if not tracer.is_leaf_module(model, ""):
-                raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
-                                   "spscan plans models whose graph fx can trace") from e
-            # a torch.nn layer fx cannot see into (nn.TransformerEncoderLayer): the model is one opaque node, as
-            # it would be inside a model of the user's
-            self.model = model = _Whole(model)
-            self.graph = tracer.trace(model)
-        # what the model updates in place, the graph computes out of place (graph_rewrites)
-        self.updates = out_of_place(self.graph, model)
+        #: submodules that update their own buffers in their forward (timm's BatchNormAct2d counts its batches):
+        #: each runs as its own call, an opaque node, which updates them once per step as the model does
+        self.stateful: set[str] = set()
+        while True:
+            self.graph = self._trace(model, example_input)
+            model = self.model
+            # what the model updates in place, the graph computes out of place (graph_rewrites)
+            self.updates = out_of_place(self.graph, model)
+            stateful = {p for p in map(self._updates_state_of, self.updates) if p} - self.stateful
+            if not stateful:
+                break
+            self.stateful |= stateful  # traced again, those modules as leaves
         # a recurrent layer is one node run by its recurrent wrapper (graph_recurrent)
         self.recurrent_calls = recurrent_calls(self.graph, model)
         subtractions_as_sums(self.graph, lambda n: SCALAR_FORMS.get(node_key(n, model)) == "sub")
@@ -235,13 +132,55 @@ class Traced:
         x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
         try:
             self._propagate(x2)
-        except _ExampleRejected as e:
-            _raise_if_forward_fails(model, example_input)  # the model's own error on the example is the user's
+        except ExampleRejected as e:
+            raise_if_forward_fails(model, example_input)  # the model's own error on the example is the user's
             raise NotPlannable(f"{e}; the model itself runs on the example, so its per-sample shapes depend on the "
                                "batch size (the planner traces a batch of 2)") from e
         # the rewritten graph must compute the model's own forward (fx does not record every in-place update)
         check_graph_is_the_forward(model, self.graph, x2)
         self._drop_dead()
+
+    def _trace(self, model: nn.Module, example_input: torch.Tensor) -> fx.Graph:
+        def trace(tracer: LeafTracer) -> fx.Graph:
+            tracer.record_stack_traces = True
+            if self.fixed_arguments:
+                graph = tracer.trace(model, concrete_args=dict(self.fixed_arguments))
+                drop_fixed_inputs(graph)
+                return graph
+            return tracer.trace(model)
+
+        tracer = LeafTracer(self.stateful)
+        try:
+            return trace(tracer)
+        except Exception as e:  # data-dependent control flow and the like, or a forward that fails anyway
+            raise_if_forward_fails(model, example_input)
+            if not tracer.is_leaf_module(model, ""):
+                # Python that reads the tensors' sizes (``assert T <= block_size``): traced again, the per-sample
+                # sizes the example's numbers (the plan is per per-sample shape)
+                x = example_input.detach()
+                x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])
+                try:
+                    return trace(ShapeTracer(self.stateful, (x2, torch.cat([x2, x2[:1]]))))
+                except Exception:
+                    pass
+                raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
+                                   "spscan plans models whose graph fx can trace") from e
+            # a torch.nn layer fx cannot see into (nn.TransformerEncoderLayer): the model is one opaque node, as
+            # it would be inside a model of the user's
+            self.model = Whole(model)
+            return tracer.trace(self.model)
+
+    def _updates_state_of(self, node: fx.Node) -> Optional[str]:
+        """The path of the innermost submodule whose forward ``node`` updates a parameter or buffer of (in place,
+        rewritten out of place: ``self.num_batches_tracked.add_(1)``), else None (also for the model itself)."""
+        target = node.meta[UPDATES]
+        while target.op != "get_attr":
+            if node_key(target, self.model) not in _MOVES or not target.args or not isinstance(target.args[0], fx.Node):
+                return None
+            target = target.args[0]
+        stack = node.meta.get("nn_module_stack")
+        path = list(stack.values())[-1][0] if stack else ""
+        return path or None
 
     def _propagate(self, x2: torch.Tensor) -> None:
         env: dict[fx.Node, Any] = {}
@@ -259,12 +198,7 @@ class Traced:
                     self.input_node = node
                     continue
                 if node.op == "output":
-                    res = node.args[0]
-                    if isinstance(res, fx.Node) and res in self.virtual:
-                        raise refuse_node(res, "the forward's output does not keep the batch dim first")
-                    if not isinstance(res, fx.Node) or res not in self.kind:
-                        raise refuse_node(node, "expected the forward to return one tensor")
-                    self.output_node = res
+                    self._output(node)
                     continue
                 if node.op == "get_attr":  # a parameter or buffer read functionally: a constant of the graph
                     env[node] = self._attr(node.target)
@@ -317,6 +251,60 @@ class Traced:
                                   f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
                                   "an example batch of 2")
                 env[node] = y
+
+    def _output(self, node: fx.Node) -> None:
+        """What the scan's chain ends in (:attr:`output_node`, one graph tensor) and how the forward's result is
+        made from it (:attr:`output_tail`, None where it is that tensor itself).
+
+        The forward may return a structure (``logits, None``; ``logits, hidden``; a dict), tensors that do not
+        keep the batch dim first (an RNN's ``h_n``, ``logits.view(-1, V)``), or numbers: the chain ends in the one
+        graph tensor they are computed from, or in the concatenation of several (each flattened per sample),
+        and the tail, run by the wrapper after the scan's step under autograd, rebuilds the result from it
+        (the slices of that concatenation, then what the forward computed from them, recomputed)."""
+        res = node.args[0]
+        if isinstance(res, fx.Node) and res in self.kind:
+            self.output_node, self.output_tail = res, None
+            return
+        leaves: list[fx.Node] = []
+        fx.node.map_arg(res, lambda n: leaves.append(n) or n)
+        sources: list[fx.Node] = []
+        for n in leaves:
+            if n in self.kind:
+                sources.append(n)
+            elif n in self.virtual:
+                sources += self.virtual[n]
+            elif isinstance(self.env.get(n), torch.Tensor):
+                raise refuse_node(n, "a tensor the forward returns that is not computed from the input (a constant "
+                                     "of the step), which the scan's output does not carry")
+        sources = list(dict.fromkeys(sources))
+        if not sources:
+            raise refuse_node(node, "the forward returns no tensor computed from the input")
+        if sources == [self.input_node]:
+            raise refuse_node(node, "the forward's result is its input moved or copied by no layer (nothing to scan)")
+        if len(sources) == 1:
+            end = sources[0]
+        else:  # several: their concatenation, each flattened per sample (a join, as any cat of the graph)
+            flats = []
+            for n in sources:
+                if self.env[n].dim() == 2:
+                    flats.append(n)
+                    continue
+                with self.graph.inserting_before(node):
+                    f = self.graph.call_function(torch.flatten, (n, 1))
+                f.meta = dict(n.meta)
+                self.env[f] = self._unit(f, torch.flatten, NODE_UNITS[torch.flatten], (self.env[n], 1), {}, [n],
+                                         self.env)
+                flats.append(f)
+            with self.graph.inserting_before(node):
+                end = self.graph.call_function(torch.cat, (flats, 1))
+            end.meta = dict(node.meta)
+            self.env[end] = self._join(end, torch.cat, _CAT, ([self.env[f] for f in flats], 1), {}, flats, self.env)
+        self.output_node = end
+        sizes = [int(np.prod(self.env[n].shape[1:])) for n in sources]
+        shapes = [tuple(self.env[n].shape[1:]) for n in sources]
+        evaluators = {n: self._evaluator(n, self.virtual[n])[0] for n in leaves if n in self.virtual}
+        self.output_tail = _OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1,
+                                       {n: self.virtual[n] for n in evaluators})
 
     def _drop_dead(self) -> None:
         """Leave out the units the output does not depend on (``out, h = self.rnn(x)`` with only ``h`` used;
@@ -494,6 +482,8 @@ class Traced:
         if builder is None:
             if node.op == "call_module":
                 m = self.model.get_submodule(node.target)
+                if node.target in self.stateful:
+                    return "its forward updates its own parameters or buffers (state no analytic unit keeps): its own call"
                 if isinstance(m, RECURRENT_TYPES):
                     return ("a recurrent layer whose results the model uses as a tuple (passed on whole), not taken "
                             "apart: its own call")
@@ -538,14 +528,16 @@ class Traced:
             state = [t.clone() for t in m.buffers()]
             try:
                 y, own_cost = counted_call(call, xins)  # what its operations cost, for the step profile
-                one = call(*[t[:1] for t in xins])  # which output dim is the batch: not told by the size alone
+                # which output dim is the batch, not told by the size alone: a batch of 3 (a batch of 1 would fail a
+                # train-mode BatchNorm of one value per channel)
+                three = call(*[torch.cat([t, t[:1]]) for t in xins])
             except Exception as e:
-                raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), _ExampleRejected) from e
+                raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), ExampleRejected) from e
             finally:
                 for t, v in zip(m.buffers(), state):  # nor updates its running statistics
                     t.copy_(v)
-        keeps_batch = (isinstance(y, torch.Tensor) and isinstance(one, torch.Tensor) and y.dim() >= 1
-                       and y.shape[0] == xins[0].shape[0] and one.shape == (1,) + y.shape[1:])
+        keeps_batch = (isinstance(y, torch.Tensor) and isinstance(three, torch.Tensor) and y.dim() >= 1
+                       and y.shape[0] == xins[0].shape[0] and three.shape == (3,) + y.shape[1:])
         if not keeps_batch:
             self.virtual[node] = list(tensor_inputs)
             return y
@@ -768,12 +760,12 @@ class Traced:
                 try:
                     y = self._call(node, (xin,), {})
                 except Exception as e:
-                    raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), _ExampleRejected) from e
+                    raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), ExampleRejected) from e
             try:
                 unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
             except (TypeError, ValueError) as e:  # a configuration its unit does not cover: its own call and backward
                 return self._opaque(node, key, args, kwargs, tensor_inputs, env,
-                                    f"its unit does not cover this configuration ({_first_line(e)})")
+                                    f"its unit does not cover this configuration ({first_line(e)})")
             name, backed = node.target, True
         else:
             y = self._call(node, args, kwargs)
@@ -784,7 +776,7 @@ class Traced:
                 unit = builder(k, args, kwargs, tuple(xin.shape[1:]), tuple(y.shape[1:]), self.prune_zeros)
             except (TypeError, ValueError) as e:  # a form the analytic unit does not cover: the node's own backward
                 return self._opaque(node, key, args, kwargs, tensor_inputs, env,
-                                    f"its unit does not cover this form ({_first_line(e)})")
+                                    f"its unit does not cover this form ({first_line(e)})")
             name, backed = node.name, False
         self._add_unit(node, unit, name, backed, [src])
         return y

@@ -1,0 +1,208 @@
+"""Tracing a model with ``torch.fx``: its forward's optional arguments fixed at their defaults
+(:func:`fixed_arguments`), modules with hooks (and those the tracing names) kept as one call
+(:class:`LeafTracer`), and, for a forward whose Python reads its tensors' sizes (``assert t <= block_size``,
+``torch.arange(t)``), the per-sample sizes made the example's numbers while the batch size stays traced
+(:class:`ShapeTracer`): a plan is made per per-sample shape, and the batch may change between calls."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from spscan.chain.model import PLAIN_ARGUMENT_TYPES, has_hooks
+
+__all__ = ["ExampleRejected", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
+           "raise_if_forward_fails"]
+
+
+def fixed_arguments(model: nn.Module) -> dict[str, Any]:
+    """``{name: default}`` of the parameters of ``model``'s forward after its input that have a plain default
+    (None, a bool, number or string): ``forward(x, mask=None, causal=False)``. The model is traced with them
+    at those values (fx's ``concrete_args``), so a call that passes nothing else runs the planned graph; a
+    parameter without a default, or with another kind of default, stays an input of the graph (refused:
+    the scan plans one tensor input)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return {}
+    return {p.name: p.default for p in params[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
+            and type(p.default) in PLAIN_ARGUMENT_TYPES}
+
+
+def drop_fixed_inputs(graph: fx.Graph) -> None:
+    """Remove what fx's ``concrete_args`` leaves of the fixed parameters: their placeholders and the checks
+    that a call passed the planned values (``_assert_is_none``, ``torch._assert``), which read nothing else.
+    The forward itself saw the values, not the placeholders; a placeholder the forward's nodes do read is
+    kept (the graph then has several inputs and is refused as such)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][1:]
+    for ph in placeholders:
+        members, todo = set(), [ph]
+        while todo:
+            n = todo.pop()
+            if n not in members:
+                members.add(n)
+                todo.extend(n.users)
+        if any(n.op == "output" or any(i not in members for i in n.all_input_nodes) for n in members):
+            continue  # the forward reads it
+        for n in reversed(list(graph.nodes)):
+            if n in members:
+                graph.erase_node(n)
+
+
+class Whole(nn.Module):
+    """A model that is itself a ``torch.nn`` layer, called as a leaf of a one-node graph."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+class ExampleRejected(ValueError):
+    """A node rejected the planner's example batch (of 2)."""
+
+
+def raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
+    """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
+    were) and let its own error through: a forward that fails without tracing is the model's error, not a
+    form the scan cannot plan."""
+    buffers = [(t, t.clone()) for t in model.buffers()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(example_input)
+    finally:
+        for t, v in buffers:
+            t.copy_(v)
+
+
+class LeafTracer(fx.Tracer):
+    """fx's tracer, with a module that has hooks kept as one call (fx would trace through a container or a
+    module of the user's, and its hooks would not run), and the modules named in ``leaves``: each becomes an
+    opaque node."""
+
+    def __init__(self, leaves: Optional[set] = None) -> None:
+        super().__init__()
+        self.leaves = set(leaves or ())
+
+    # a buffer read in the forward is a node (``self.pos[:t]`` slices it with a traced size), as a parameter is
+    proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return has_hooks(m) or module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+class _ShapeProxy(fx.Proxy):
+    """A traced tensor whose sizes its tracer knows from two example batches (:class:`ShapeTracer`): ``size()``,
+    ``shape`` and ``dim()`` give Python numbers for the per-sample sizes and a traced size for the batch's."""
+
+    def _examples(self) -> Optional[tuple]:
+        got = self.tracer.examples.get(self.node)  # type: ignore[attr-defined]
+        return got if got is not None and all(isinstance(v, torch.Tensor) for v in got) else None
+
+    def _size_of(self, d: int) -> Any:
+        a, b = (v.shape for v in self._examples())  # type: ignore[union-attr]
+        if a[d] == b[d]:
+            return int(a[d])
+        return self.tracer.create_proxy("call_method", "size", (self, d), {})
+
+    def size(self, dim: Optional[int] = None) -> Any:
+        ex = self._examples()
+        if ex is None:
+            return fx.Proxy.__getattr__(self, "size")(*(() if dim is None else (dim,)))
+        if dim is not None:
+            return self._size_of(dim % ex[0].dim())
+        return tuple(self._size_of(d) for d in range(ex[0].dim()))
+
+    @property
+    def shape(self) -> Any:  # type: ignore[override]
+        return self.size()
+
+    def dim(self) -> Any:
+        ex = self._examples()
+        return ex[0].dim() if ex is not None else fx.Proxy.__getattr__(self, "dim")()
+
+
+class ShapeTracer(LeafTracer):
+    """:class:`LeafTracer` that runs every traced call on two example batches (of 2 and 3 samples) as it records
+    it, so that the forward's Python may read its tensors' per-sample sizes as numbers (``B, T, C = x.size()``,
+    ``assert T <= self.block_size``, ``torch.arange(T)``): a size the two batches agree on is that number in the
+    graph (the plan is per per-sample shape), a size they do not (the batch's) stays traced. Control flow on
+    tensor values is still refused. The examples draw random numbers and update buffers (dropout, BatchNorm):
+    :meth:`trace` restores both."""
+
+    def __init__(self, leaves: Optional[set], examples: tuple) -> None:
+        super().__init__(leaves)
+        self.examples: dict = {}
+        self._inputs = examples
+        self._running = False
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if self._running:  # a parameter or buffer an example's run of a module reads: the tensor itself
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if self._running:  # an example's run of a module: the module itself, nothing recorded
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:  # type: ignore[override]
+        buffers = [(t, t.clone()) for t in root.buffers()]
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                return super().trace(root, concrete_args)
+        finally:
+            for t, v in buffers:
+                t.copy_(v)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if kind == "placeholder":
+            if not self.examples:  # the input (the forward's optional arguments are fixed, not traced)
+                self.examples[p.node] = self._inputs
+        elif kind != "output":
+            self._running = True
+            try:
+                self.examples[p.node] = tuple(self._run(kind, target, args, kwargs, i) for i in range(2))
+            except Exception:  # an example the call rejects: its sizes stay traced
+                pass
+            finally:
+                self._running = False
+        return p
+
+    def _run(self, kind: str, target: Any, args: Any, kwargs: Any, i: int) -> Any:
+        missing = object()
+
+        def value(v: Any) -> Any:
+            if isinstance(v, fx.Proxy):
+                got = self.examples.get(v.node, missing)
+                if got is missing:
+                    raise LookupError(v.node.name)
+                return got[i]
+            return v
+
+        a = fx.node.map_aggregate(args, value)
+        k = fx.node.map_aggregate(kwargs, value)
+        if kind == "call_function":
+            return target(*a, **k)
+        if kind == "call_method":
+            return getattr(a[0], target)(*a[1:], **k)
+        if kind == "call_module":
+            m = self.root.get_submodule(target)
+            return type(m).forward(m, *a, **k)
+        if kind == "get_attr":
+            obj: Any = self.root
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            return obj
+        raise LookupError(kind)
