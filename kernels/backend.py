@@ -255,7 +255,7 @@ class CpuOps:
 
     @staticmethod
     def recurrence_available() -> bool:
-        """Whether the compiled recurrence forwards and :meth:`matmul_nt` can run (numba importable)."""
+        """Whether the compiled recurrence forwards can run (numba importable)."""
         from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.available()
@@ -296,13 +296,6 @@ class CpuOps:
         from spscan.kernels.cpu import recurrence as cpu_recurrence
 
         return cpu_recurrence.reset_gated_forward(gi, w_hh, b_hn, h0, batch_first, buffers, prev)
-
-    @staticmethod
-    def matmul_nt(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """``a @ z[rows].T`` over a long reduction, in one pass over ``a`` (:func:`spscan.kernels.cpu.nt.matmul_nt`)."""
-        from spscan.kernels.cpu import nt as cpu_nt
-
-        return cpu_nt.matmul_nt(a, z, rows)
 
     @staticmethod
     def max_pool_compiled(kernel_size, dilation) -> bool:

@@ -1,31 +1,22 @@
-"""Products ``A Z^T`` of two feature-major operands over a long dimension, in vector lanes: the compiled CPU
-weight-gradient GEMMs of a recurrence.
+"""Products ``A Z^T`` of two feature-major operands over a short run of positions, in vector lanes: the
+reducing tap of the compiled linear scan (:class:`~spscan.runtime.Collect` with an ``operand``).
 
-A recurrence's weight gradient is ``sum_n a[:, n] z[:, n]^T`` over all ``N = T*B`` steps and samples:
-a ``(M x N) (N x K)`` product with a long reduction and a tiny output (``80 x 22`` over ``N = 16000``
-at ``H = 20``, ``T = 1000``, ``B = 16``), which the BLAS GEMM runs at a fraction of the core's vector
-width. :func:`block_sums` adds ``a``'s rows times ``z``'s rows over ``w`` positions into lane-wise
-partial sums: blocks of 4 rows by 4 columns, 16 vector accumulators in registers over the positions
-(lanes along ``N``, both operands' rows contiguous there), 4 x 1 and 1 x 1 blocks at the edges. The
-caller sums the lanes at the end, in order: every sum runs in a fixed order, so results are
-reproducible bit for bit. Used by :func:`matmul_nt` (chunk by chunk of memory it holds) and by the
-compiled linear scan (:mod:`.cpu_chain_tiles`, on the gradients it has just produced, a few dozen
-steps at a time, without storing them).
+:func:`block_sums` adds ``a``'s rows times ``z``'s rows over ``w`` positions into lane-wise partial sums:
+blocks of 4 rows by 4 columns, 16 vector accumulators in registers over the positions (lanes along the
+positions, both operands' rows contiguous there), 4 x 1 and 1 x 1 blocks at the edges. The caller sums
+the lanes at the end, in order (:func:`lane_sum`): every sum runs in a fixed order, so results are
+reproducible bit for bit. The compiled linear scan (:mod:`.chain_tiles`) runs it on the rows it has just
+produced, a few dozen steps at a time, without storing them. (A product over stored operands is a BLAS
+GEMM's: it runs faster and on every thread torch has.)
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-import numpy as np
-import torch
-
 from spscan.kernels.cpu import simd as cpu_simd
-from spscan.kernels.cpu.fpenv import flushing_subnormals
-from spscan.kernels.cpu.jit import available, numba_module
+from spscan.kernels.cpu.jit import numba_module
 from spscan.kernels.cpu.simd import LANES
 
-__all__ = ["block_sums", "lane_sum", "matmul_nt"]
+__all__ = ["block_sums", "lane_sum"]
 
 # bound by block_sums() before the first compile (numba is optional and slow to import)
 vload = vstore = vzero = vadd = vmuladd = vmuladdv = vtranspose = None
@@ -33,7 +24,6 @@ _VECTOR_OPS = ("vload", "vstore", "vzero", "vadd", "vmuladd", "vmuladdv", "vtran
 
 _block_sums_c = None
 _add4_c = _lane_sum_c = None  # compiled with block_sums() / lane_sum()
-_matmul_nt_c = None
 
 
 def _block_sums(af, lda, ab, zf, ldz, zb, zgs, zrows, w, acc, M, K):  # pragma: no cover - compiled
@@ -163,115 +153,3 @@ def lane_sum():
     if _lane_sum_c is None:
         _lane_sum_c = numba_module().njit(cache=True, nogil=True, error_model="numpy", inline="always")(_lane_sum)
     return _lane_sum_c
-
-
-def _matmul_nt_kernel(af, lda, n, zf, ldz, zrows, nc, acc, out, tr, zt):  # pragma: no cover - compiled
-    # out[g, c] = sum_q a[g, q] z[zrows[c], q], q < n (a: M rows, row g at af[g * lda:]; z: rows at
-    # zf[r * ldz:]; both feature-major, positions contiguous). Chunks of nc positions (the chunk of z's
-    # rows stays in L1 while every block of a's rows reads it) through block_sums (lane-wise partials
-    # in acc); at the end each partial is summed across its lanes in order, then the positions past
-    # the last whole vector one by one. Fixed order: reproducible bit for bit. The end runs LANES
-    # outputs of a row at a time where it can: their partials transposed (tr: LANES x LANES scratch),
-    # so lane l of all of them is one vector and the in-order sums are vector adds, and the positions
-    # past the last whole vector read from zt ((n % LANES) x K: those columns of z's rows, transposed),
-    # the same operations in the same order as one output at a time.
-    M, K = out.shape
-    nv = n - n % LANES
-    for i in range(acc.shape[0]):
-        acc[i] = 0
-    for c0 in range(0, nv, nc):
-        _block_sums_c(af, lda, c0, zf, ldz, c0, LANES, zrows, min(nc, nv - c0), acc, M, K)
-    for q in range(nv, n):
-        for c in range(K):
-            zt[(q - nv) * K + c] = zf[zrows[c] * ldz + q]
-    of = out.reshape(M * K)
-    for g in range(M):
-        c = 0
-        while c + LANES <= K:
-            vtranspose(acc, (g * K + c) * LANES, LANES, tr, 0, LANES)
-            s = vload(tr, 0)
-            for r in range(1, LANES):
-                s = vadd(s, vload(tr, r * LANES))
-            for q in range(nv, n):
-                s = vmuladd(s, af[g * lda + q], vload(zt, (q - nv) * K + c))
-            vstore(of, g * K + c, s)
-            c += LANES
-        for c in range(c, K):
-            s = _lane_sum_c(acc, (g * K + c) * LANES)
-            for q in range(nv, n):  # past the last whole vector
-                s += af[g * lda + q] * zt[(q - nv) * K + c]
-            of[g * K + c] = s
-
-
-
-# positions per chunk of the product: the chunk of the second operand's rows stays in the L1 cache while
-# every block of the first's rows reads it (2 KB per row at float32; shorter or longer chunks measured slower)
-_CHUNK = 512
-
-
-def matmul_nt(a: torch.Tensor, z: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """``a @ z[rows].T`` in one compiled pass over ``a``.
-
-    Args:
-        a: ``(M, N)`` with contiguous rows (any row stride), ``N`` long (a recurrence's pre-activation
-            gradients, row ``g`` over all ``N = T*B`` steps and samples).
-        z: ``(K, N)`` with contiguous rows (any row stride): the other operands, feature-major as well
-            (the previous states' rows, the inputs' and a row of ones, whose product is ``a``'s row sums).
-        rows: which rows of ``z``, in the order wanted (default: all).
-    Returns:
-        ``(M, len(rows))`` of ``a``'s dtype.
-
-    Why: a ``(M x N) (N x K)`` product with a long reduction and a tiny output, which the BLAS GEMM
-    runs at a fraction of the core's vector width, and several such products read ``a`` again each.
-    Here each ``4 x 4`` output block is 16 vector accumulators over a cache-sized chunk of both
-    operands (lanes along ``N``), and ``a`` is read once for all of them. Sums run in a fixed order
-    (lane-wise partials, then across lanes): reproducible bit for bit.
-
-    Raises ``RuntimeError`` without numba, ``TypeError`` for dtypes other than float32/float64 or
-    non-CPU tensors, ``ValueError`` for mismatched shapes, rows without contiguous positions or
-    ``rows`` out of range.
-    """
-    if not available():
-        raise RuntimeError("spscan.kernels.cpu.nt needs numba (pip install numba)")
-    dt = a.dtype
-    if dt not in (torch.float32, torch.float64) or any(t.dtype != dt or t.device.type != "cpu" for t in (a, z)):
-        raise TypeError(f"matmul_nt: expected float32/float64 CPU tensors of one dtype, got a {a.dtype} on "
-                        f"{a.device}, z {z.dtype} on {z.device}")
-    if a.dim() != 2 or z.dim() != 2 or z.shape[1] != a.shape[1] or any(
-            t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) != 1 for t in (a, z)):
-        raise ValueError(f"matmul_nt: expected a (M, N) and z (K, N), each with contiguous rows, got a "
-                         f"{tuple(a.shape)} strides {a.stride()}, z {tuple(z.shape)} strides {z.stride()}")
-    M, N = a.shape
-    K = z.shape[0]
-    zrows = np.arange(K, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    if zrows.size and (zrows.min() < 0 or zrows.max() >= K):
-        raise ValueError(f"matmul_nt: rows must be within range({K}), got {zrows.tolist()}")
-    out = torch.empty(M, zrows.size, dtype=dt)
-    if M == 0 or N == 0 or zrows.size == 0:
-        return out.zero_()
-    af, lda = _flat_rows(a)
-    zf, ldz = _flat_rows(z)
-    with flushing_subnormals():  # as the scan that made ``a`` (cpu_fpenv)
-        K = zrows.size
-        _compiled_matmul_nt()(af, lda, N, zf, ldz, zrows, _CHUNK, np.empty(M * K * LANES, dtype=af.dtype), out.numpy(),
-                              np.empty(LANES * LANES, dtype=af.dtype), np.empty(max(N % LANES, 1) * K, dtype=af.dtype))
-    return out
-
-
-def _compiled_matmul_nt():
-    global _matmul_nt_c
-    if _matmul_nt_c is None:
-        block_sums()
-        lane_sum()
-        _matmul_nt_c = numba_module().njit(cache=True, nogil=True, error_model="numpy")(_matmul_nt_kernel)
-    return _matmul_nt_c
-
-
-def _flat_rows(t: torch.Tensor) -> tuple:
-    """``(flat, row_stride)``: a 2-D tensor with contiguous rows as the 1-D NumPy view of its memory from its
-    first element (rows ``row_stride`` apart), as the compiled kernels index it."""
-    R, N = t.shape
-    ld = t.stride(0) if R > 1 else N
-    t = t.detach()
-    return torch.as_strided(t, ((R - 1) * ld + N,), (1,), t.storage_offset()).numpy(), ld
-

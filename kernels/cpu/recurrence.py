@@ -90,7 +90,7 @@ def activation_recurrence_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torc
             multi-MB tensors page-fault on first touch), or ``None``: new tensors.
         prev: ``None``, or a C-contiguous ``(K, T, B)`` tensor (``K >= H``) whose rows ``0 .. H-1``
             receive the previous states feature-major: ``prev[:H, t] = h_{t-1}^T`` (``h_0`` at
-            ``t = 0``), the operand of the weight gradients (:func:`spscan.kernels.cpu.nt.matmul_nt`);
+            ``t = 0``), the operand of the weight gradients (one BLAS GEMM over all steps);
             the tiles write it as they go, one vector store per row and step. Its other rows are left as
             they are.
     Returns:

@@ -7,7 +7,7 @@ Used by :class:`spscan.recurrent.plan.RecurrentPlan`; imports no front end.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -15,11 +15,9 @@ import torch.nn as nn
 
 from spscan.runtime.autograd import apply as autograd_apply
 from spscan.runtime.graphed import GraphedCall
-from spscan.kernels.backend import cpu_ops
 
-__all__ = ["GraphedBackward", "any_nonzero", "compiled_weight_grads", "reduce_in_scan", "run_wrapped",
-           "split_hx", "weight_grad",
-           "weight_grads_compile"]
+__all__ = ["GraphedBackward", "any_nonzero", "has_operands", "operand_weight_grads", "run_wrapped", "split_hx",
+           "weight_grad"]
 
 
 class GraphedBackward:
@@ -50,51 +48,34 @@ class GraphedBackward:
         return self.call(backward, (saved, args), (wanted, saved.T, saved.B, saved.unbatched), hold)
 
 
-#: the reduction in the scan pays for every lane of a tile, used or not: it is taken where at least this
-#: share of the batch's tiles is samples
-REDUCE_MIN_FILL = 0.75
+def has_operands(saved: Any) -> bool:
+    """Whether :func:`operand_weight_grads` applies: a compiled forward kept the operands."""
+    return getattr(saved, "operands", None) is not None
 
 
-def reduce_in_scan(wanted: Optional[frozenset], batch: int) -> bool:
-    """Whether a backward of ``batch`` samples reduces its weight gradients in the scan
-    (:class:`~spscan.runtime.Collect` with an operand) instead of from stored pre-activation gradients.
-
-    Only where it wants parameter gradients but not the input's (which needs the stored gradients), and
-    where the batch fills the compiled scan's tiles: the reduction multiplies every lane of a tile with
-    the operands, so a batch of one does sixteen samples' work where the stored gradients' one GEMM
-    over all steps does one (an LSTM, H = 64, T = 1000, B = 1, one thread: 29.9 ms against 17.2; at
-    B = 16 the reduction is 8 % faster)."""
-    if wanted is None or "input" in wanted or not any(n.startswith(("weight_", "bias_")) for n in wanted):
-        return False
-    lanes = cpu_ops.tile_samples()
-    return batch >= lanes and batch / (-(-batch // lanes) * lanes) >= REDUCE_MIN_FILL
-
-
-def weight_grads_compile(saved: Any, a_ih: torch.Tensor, a_hh: torch.Tensor) -> bool:
-    """Whether :func:`compiled_weight_grads` applies: a compiled forward kept the operands, and the
-    pre-activation gradients have contiguous rows (as the factored scan collects them)."""
-    return getattr(saved, "operands", None) is not None and all(
-        a.shape[1] < 2 or a.stride(1) == 1 for a in (a_ih, a_hh))
-
-
-def compiled_weight_grads(saved: Any, a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
+def operand_weight_grads(saved: Any, a_ih: torch.Tensor, a_hh: torch.Tensor, bias: bool):
     """``(W_ih, W_hh, b_ih, b_hh)`` gradients (biases ``None`` without ``bias``) from the pre-activation
-    gradients ``(G, T*B)`` and the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), by
-    :func:`spscan.kernels.cpu.nt.matmul_nt`: one compiled pass over ``a`` for all of them where
-    both sides share it (RNN, LSTM), one per side otherwise (GRU). On CPU it replaces two GEMMs and
-    a sum, each reading ``a``."""
-    weight_gradients = cpu_ops.matmul_nt
+    gradients ``(G, T*B)`` and the forward's operands ``z`` (rows ``h_{t-1}``, ``x_t``, ones: ``(H + I + 1,
+    T*B)``): one BLAS GEMM ``z a^T`` for all of them where both sides share ``a`` (RNN, LSTM; the row of
+    ones gives the bias), one per side otherwise (GRU: ``z``'s hidden rows against ``a_hh``, its input
+    rows and ones against ``a_ih``). Each GEMM reads ``a`` once; the operands' rows are contiguous, as the
+    compiled forward stores them, so no transposed copy is made.
+
+    The BLAS GEMM, not a compiled reduction over ``T*B``: on a 2-core AVX-512 CPU it ran 2.5-3x faster at
+    every size measured (G = 20..512, K = 23..259, N = 16000..480000; ``bench/results/cpu-2core/weight-grads.md``),
+    and it uses the threads torch is given."""
     z = saved.operands
     H, I = saved.h_prev.shape[-1], saved.x.shape[-1]
     z = z.view(z.shape[0], -1)
     if a_ih is a_hh:
-        both = weight_gradients(a_hh, z)
+        both = z.mm(a_hh.t()).t()  # (G, H + I + 1)
         hh, ih, b_hh = both[:, :H], both[:, H:H + I], both[:, H + I]
         b_ih = b_hh
     else:
-        hh_all = weight_gradients(a_hh, z, [*range(H), H + I])
-        ih_all = weight_gradients(a_ih, z, [*range(H, H + I + 1)])
-        hh, b_hh, ih, b_ih = hh_all[:, :H], hh_all[:, H], ih_all[:, :I], ih_all[:, I]
+        hh = z[:H].mm(a_hh.t()).t()
+        ih_all = z[H:].mm(a_ih.t()).t()  # (G, I + 1): the input rows and the row of ones
+        ih, b_ih = ih_all[:, :I], ih_all[:, I]
+        b_hh = a_hh.sum(1) if bias else None
     biases = (b_ih.clone(), b_hh.clone()) if bias else (None, None)  # separate tensors, each contiguous
     return (ih.contiguous(), hh.contiguous()) + biases
 

@@ -27,7 +27,7 @@ class Saved:
     the caller may change in place), gate coefficients per kind, ``values`` (the chain's Jacobian
     values) and the sizes. The compiled CPU forwards also keep ``operands``: ``(H + I + 1, T, B)``,
     rows ``h_{t-1}``, ``x_t`` and ones, feature-major (``h_prev`` is a view of its first rows), the
-    weight gradients' operand (:meth:`~spscan.kernels.backend.CpuOps.matmul_nt`); otherwise ``None``.
+    weight gradients' operand (:func:`~spscan.recurrent.backward.compiled_weight_grads`); otherwise ``None``.
     Through autograd its tensors are kept by ``ctx.save_for_backward`` (:mod:`spscan.runtime.autograd`).
     """
 

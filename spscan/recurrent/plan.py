@@ -80,8 +80,8 @@ from spscan.runtime import Collect, PeriodicValues, RecycledBuffers, ScanResult,
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.runtime.plan import build_plan
-from spscan.recurrent.backward import (GraphedBackward, any_nonzero, compiled_weight_grads, reduce_in_scan,
-                                       split_hx, weight_grad, weight_grads_compile)
+from spscan.recurrent.backward import (GraphedBackward, any_nonzero, has_operands, operand_weight_grads, split_hx,
+                                       weight_grad)
 from spscan.recurrent.forward import CompiledForwards, Saved
 
 __all__ = [
@@ -594,13 +594,6 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             rows = {"rnn_tanh": H, "rnn_relu": H, "gru": 3 * H, "lstm": 4 * H}[self.kind]
             # element 1's output of step t (the gate pre-activation gradients) is chain position per*t + 1
             index = range(1, per * (T - 1) + 2, per)
-            z = getattr(saved, "operands", None)
-            if self.kind != "gru" and z is not None and reduce_in_scan(wanted, B):
-                # only the parameters' gradients: the scan multiplies those gradients with the forward's
-                # operands (h_{t-1}, x_t, ones) as it produces them (Collect.operand), never storing them
-                red = torch.empty(rows, z.shape[0], dtype=dt, device=dev)
-                G = self._scan(saved, top, extra, [Collect(index, slice(0, rows), red, operand=z)])
-                return self._pack(saved, G[0].clone(), None, None, wanted, reduced=red)
             pre = take("pre", (rows, T, B), dt, dev)
             collect = [Collect(index, slice(0, rows), pre)]
             if self.kind == "gru":
@@ -639,25 +632,16 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         return p, p
 
     def _pack(self, saved: Saved, g0: torch.Tensor, a_ih, a_hh,
-              wanted: Optional[frozenset] = None, reduced: Optional[torch.Tensor] = None
-              ) -> dict[str, Optional[torch.Tensor]]:
+              wanted: Optional[frozenset] = None) -> dict[str, Optional[torch.Tensor]]:
         """The gradients from ``dl/ds_0`` (``g0``) and the pre-activation gradients of the input and hidden
         GEMMs as ``(G, T*B)`` matrices (column ``t*B + b``: step ``t``, sample ``b``; any strides); of the
-        input and the parameters only those in ``wanted`` (default: all), the others ``None``. Or, for
-        a caller that wants no input gradient, from ``reduced``: those matrices already multiplied with
-        the forward's operands (rows ``h_{t-1}``, ``x_t``, ones), ``(G, H + I + 1)``."""
+        input and the parameters only those in ``wanted`` (default: all), the others ``None``."""
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         params = saved.params
         want = (lambda name: True) if wanted is None else wanted.__contains__
         out: dict[str, Optional[torch.Tensor]] = {}
         x_grad = gw_ih = gw_hh = gb_ih = gb_hh = None
-        if reduced is not None:
-            I = saved.x.shape[-1]
-            gw_hh = reduced[:, :H].contiguous() if want("weight_hh_l0") else None
-            gw_ih = reduced[:, H:H + I].contiguous() if want("weight_ih_l0") else None
-            if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
-                gb_ih, gb_hh = reduced[:, H + I].clone(), reduced[:, H + I].clone()
-        elif a_ih is None:
+        if a_ih is None:
             x_grad = torch.zeros_like(saved.x) if want("input") else None
             gw_ih = torch.zeros_like(params[0]) if want("weight_ih_l0") else None
             gw_hh = torch.zeros_like(params[1]) if want("weight_hh_l0") else None
@@ -666,8 +650,8 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             # one GEMM over all T*B steps and samples per parameter: no loop over time
             if want("input"):
                 x_grad = a_ih.t().mm(params[0]).view(T, B, -1)
-            if want("weight_hh_l0") and weight_grads_compile(saved, a_ih, a_hh):
-                gw_ih, gw_hh, gb_ih, gb_hh = compiled_weight_grads(
+            if want("weight_hh_l0") and has_operands(saved):
+                gw_ih, gw_hh, gb_ih, gb_hh = operand_weight_grads(
                     saved, a_ih, a_hh, m.bias and (want("bias_ih_l0") or want("bias_hh_l0")))
                 gw_ih = gw_ih if want("weight_ih_l0") else None
             else:
