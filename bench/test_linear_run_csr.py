@@ -23,7 +23,7 @@ import torch
 
 import spscan
 from spscan.planner import cost, planning
-from spscan.planner import program as program_mod
+from spscan.planner import lowering as lowering_mod
 from spscan.planner.program import LinearRun, SpMV
 
 H, B = 20, 16
@@ -40,14 +40,14 @@ def lstm_step(h: int) -> tuple[sp.csr_array, sp.csr_array]:
 def _bound(pats, shared, fused: bool):
     """The level-0 plan bound for (shared, per-sample) values; ``fused=False`` keeps CSR elements out of runs."""
     kind = cost.linear_run_kind
-    saved = program_mod.linear_run_kind
+    saved = lowering_mod.linear_run_kind
     if not fused:
-        program_mod.linear_run_kind = lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile)
+        lowering_mod.linear_run_kind = lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile)
     try:
         plan = spscan.plan(pats, levels=0, backend="torch")
         bound = plan.bind(shared, (False,) * (len(pats) + 1))
     finally:
-        program_mod.linear_run_kind = saved
+        lowering_mod.linear_run_kind = saved
     ops = [op for st in bound.program.steps for op in st.ops]
     if fused:
         assert sum(int(op.sparse.sum()) for op in ops if isinstance(op, LinearRun)) == len(pats)

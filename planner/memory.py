@@ -6,12 +6,12 @@ Index data is counted array by array, as :func:`held_index_bytes` measures it:
   :class:`~.patterns.FullPattern` and holds none), planned pair lists (``pair_ptr``, ``pair_a``,
   ``pair_b``), row-wise per-row pair counts;
 * per bound value signature (by default one: every input per sample, no ``extra``, no
-  structured operators), the lowered work tables of :func:`~.program.lower` (padded SpGEMM and
+  structured operators), the lowered work tables of :func:`~.lowering.lower` (padded SpGEMM and
   SpMV bins, GEMV/GEMM block offsets, linear runs with their CSR patterns) and the torch
   backend's own tables (the linear runs' gather tables, kept as NumPy and as tensors; the
   row-wise products' row and key arrays, and the arrays a dense operand's pattern is read into).
-  Bindings of one plan share every table whose content is the same (:class:`~.program.LoweringCache`,
-  keyed by :func:`~.program.layout`): a shared table is counted once, as it is held once.
+  Bindings of one plan share every table whose content is the same (:class:`~.lowering.LoweringCache`,
+  keyed by :func:`~.lowering.layout`): a shared table is counted once, as it is held once.
 """
 
 from __future__ import annotations
@@ -131,11 +131,11 @@ def _rows_table_bytes(a: Pattern, b: Pattern, c: Pattern) -> int:
 
 def _binding_bytes(plan: ScanPlan, sig: Signature, run_patterns: dict,
                    seen: Optional[set] = None) -> tuple[int, int]:
-    """Index bytes of one bound signature's tables (as :func:`~.program.lower` and the torch backend
+    """Index bytes of one bound signature's tables (as :func:`~.lowering.lower` and the torch backend
     build them) and, apart, its linear runs' per-step scalars. ``run_patterns``: key -> bytes of the
     runs' CSR tables (each distinct pattern once per run). ``seen``: the keys of tables counted for
-    earlier signatures of the same plan (updated): the bindings share those (:class:`~.program.LoweringCache`)."""
-    from .program import layout
+    earlier signatures of the same plan (updated): the bindings share those (:class:`~.lowering.LoweringCache`)."""
+    from .lowering import layout
 
     shared, has_extra, operators, first_output = sig
     n = plan.n

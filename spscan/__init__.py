@@ -17,7 +17,8 @@ from spscan.api import backward, forward, load_plan, plan, plan_composite, wrap
 from spscan.cli.calibration import calibrate
 from spscan.runtime import BoundPlan, ScanResult
 from spscan.errors import NotPlannable
-from spscan.chain.model import ModelPlan, SpscanModule, param_grads
+from spscan.chain.model import ModelPlan, param_grads
+from spscan.chain.wrapper import SpscanModule
 from spscan.runtime.plan import Plan
 from spscan.recurrent.plan import RecurrentPlan
 from spscan.recurrent.stacked import StackedRecurrentPlan

@@ -17,7 +17,9 @@ from spscan.runtime import Gradients, check_inputs
 from spscan.errors import NotPlannable
 from spscan.options import CHAIN, GRAPH, PATTERNS, RECURRENT, check_options, takes_options
 from spscan.graph.plan import plan_graph, wrap_graph
-from spscan.chain.model import ModelPlan, UnitRefused, is_chain_model, plan_model, wrap_chain
+from spscan.chain.model import ModelPlan
+from spscan.chain.planning import UnitRefused, is_chain_model, plan_model
+from spscan.chain.wrapper import wrap_chain
 from spscan.runtime.plan import Plan, build_composite, build_plan, resolve_device
 from spscan.recurrent.plan import RecurrentPlan, plan_recurrent
 from spscan.recurrent.wrapper import wrap_recurrent
@@ -136,7 +138,7 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
 def _wrap_again(model: torch.nn.Module, options: dict, spec: Optional[tuple], training: bool) -> torch.nn.Module:
     """A wrapper unpickled (``torch.load``, ``copy.deepcopy``): ``model`` wrapped again as it was, planned
     from a zero example of the shape and dtype it was planned from, on the model's device."""
-    from spscan.chain.model import model_device
+    from spscan.chain.wrapper import model_device
 
     example = None
     if spec is not None:

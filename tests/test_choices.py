@@ -135,7 +135,7 @@ def test_another_per_sample_shape_is_planned_for_its_shape(calibrated_as, monkey
     """A fully convolutional model fed images of another size than the example's: each size is planned on first
     use and runs the scan as chosen for it (with autograd's gradients), under ``auto`` and a forced scan; the
     plans are kept per size, up to MAX_SHAPE_PLANS."""
-    from spscan.chain.model import MAX_SHAPE_PLANS
+    from spscan.chain.wrapper import MAX_SHAPE_PLANS
 
     calibrated_as(_profile(native_cost=1e-3, scan_cost=1e-4))
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ import spscan
 from spscan.kernels import torch_ops
 from spscan.kernels.cpu import chain as cpu_chain
 from spscan.planner import cost, planning
-from spscan.planner import program as program_mod
+from spscan.planner import lowering as lowering_mod
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import estimate_memory
 from spscan.planner.patterns import as_chain, as_pattern
@@ -172,7 +172,7 @@ def path(request, monkeypatch):
         monkeypatch.setattr(torch_ops, "NUMPY_RUN_MAX_WORK", 0)
     if request.param == "unfused":
         kind = cost.linear_run_kind
-        monkeypatch.setattr(program_mod, "linear_run_kind", lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile))
+        monkeypatch.setattr(lowering_mod, "linear_run_kind", lambda p, profile: None if kind(p, profile) == "sparse" else kind(p, profile))
     run = cpu_chain.run_chain
 
     def spy(*args, **kwargs):
@@ -315,7 +315,7 @@ def test_big_csr_steps_take_the_compiled_loop_on_cpu():
     assert torch_ops.uses_numpy(torch_ops._run_plan(run), torch.empty(16, 1))
     for device, want in (("cpu", {0: 6}), ("cuda", {})):  # the middle's runs: start step -> length
         scan = planning.plan_scan(as_chain(pats), 0, profile_for(device))
-        assert program_mod.middle_runs(scan.schedule.steps, scan.mats, scan.profile) == want, device
+        assert lowering_mod.middle_runs(scan.schedule.steps, scan.mats, scan.profile) == want, device
     vals = make_values(pats, shared, 2, torch.float64, 0, pooled=True)
     grad = torch.randn(2, pats[-1].shape[1], dtype=torch.float64)
     got = spscan.backward(plan, vals, grad)

@@ -14,7 +14,9 @@ import torch.nn.utils.prune as prune
 import spscan
 from layer_checks import run_errors
 from spscan.layers import make_unit
-from spscan.chain.model import Jacobians, ModelPlan, param_grads, plan_model, wrap_chain as wrap
+from spscan.chain.model import Jacobians, ModelPlan, param_grads
+from spscan.chain.planning import plan_model
+from spscan.chain.wrapper import wrap_chain as wrap
 
 # torch warns that even kernels with padding='same' copy the input; those cases are tested on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")

@@ -517,7 +517,7 @@ def test_reductions_in_a_model(plan_kw):
 def test_sequential_with_a_layer_without_a_unit_is_traced():
     """A plain nn.Sequential holding a layer the library has no unit for (Softmin, Softmax2d) is the trivial traced
     graph with that layer as an opaque node, not a refused chain; the chain planner itself still names the layer."""
-    from spscan.chain.model import plan_model
+    from spscan.chain.planning import plan_model
 
     torch.manual_seed(11)
     model = nn.Sequential(nn.Linear(4, 6), nn.Softmin(dim=1), nn.Sequential(nn.Unflatten(1, (6, 1, 1)),

@@ -1,5 +1,5 @@
 """LayerNorm, GroupNorm, Softmax and LogSoftmax as two low-rank factors ``J^T = L R`` in the chain
-(:class:`spscan.layers.LowRankFactors`, ``norm_form`` of :func:`spscan.chain.model.plan_chain`): the
+(:class:`spscan.layers.LowRankFactors`, ``norm_form`` of :func:`spscan.chain.planning.plan_chain`): the
 factors against the dense blocks and autograd, the planner's choice, and the model plan's mapping
 from its core elements back to layers."""
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spscan
-from spscan.chain import model as chain_model
+from spscan.chain import model as chain_model, planning as chain_planning
 from spscan.layers import LowRankFactors
 
 from layer_checks import build_unit, filled, run_errors, seq
@@ -143,38 +143,38 @@ def test_auto_chooses_by_cost():
     auto = spscan.plan(cnn, x_cnn)
     if auto.levels == 0:
         assert not any(auto.factored)
-    old = chain_model.DENSE_BLOCK_LIMIT
+    old = chain_planning.DENSE_BLOCK_LIMIT
     try:
-        chain_model.DENSE_BLOCK_LIMIT = 1000  # below a LayerNorm(256)'s 65536 block entries
+        chain_planning.DENSE_BLOCK_LIMIT = 1000  # below a LayerNorm(256)'s 65536 block entries
         calls = []
-        real = chain_model.build_plan
+        real = chain_planning.build_plan
 
         def spy(pats, **kw):
             calls.append(len(pats))
             return real(pats, **kw)
 
-        chain_model.build_plan = spy
+        chain_planning.build_plan = spy
         try:
             p = spscan.plan(mlp, x_mlp, levels=1)
         finally:
-            chain_model.build_plan = real
+            chain_planning.build_plan = real
         assert p.factored == [False, True, False, False, True, False, False]
         assert calls == [9]  # only the factored chain was planned
         assert all("_dense" not in u.__dict__ for u in p.units)  # the blocks' pattern was never built
         p0 = spscan.plan(mlp, x_mlp, levels=0)  # depth 0: the layers' kernels, not the factors' SpMVs
         assert not any(p0.factored)
         calls.clear()
-        chain_model.build_plan = spy
+        chain_planning.build_plan = spy
         try:
             pa = spscan.plan(mlp, x_mlp)
         finally:
-            chain_model.build_plan = real
+            chain_planning.build_plan = real
         if pa.levels == 0:  # the factored chain's best was the linear scan: the kernels instead
             assert not any(pa.factored) and calls == [9, 7]
         else:
             assert any(pa.factored) and calls == [9]
     finally:
-        chain_model.DENSE_BLOCK_LIMIT = old
+        chain_planning.DENSE_BLOCK_LIMIT = old
 
 
 def test_sgd_steps_equal_autograd():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import spscan
 from spscan.runtime.choices import NativeModule
 from spscan.graph.plan import GraphSpscanModule
-from spscan.chain.model import SpscanModule
+from spscan.chain.wrapper import SpscanModule
 from spscan.recurrent.wrapper import RecurrentWrapper
 
 

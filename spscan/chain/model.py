@@ -1,8 +1,9 @@
-"""Model-level API for ``nn.Sequential`` chains: plan once from the model, then per step run the
-forward that fills the transposed-Jacobian values, scan, and compute parameter gradients.
+"""The plan of a model's layers (:class:`ModelPlan`): per step, the forward that fills the transposed-Jacobian
+values, the scan, and the parameter gradients. A chain's plan is made by :mod:`spscan.chain.planning`, a
+traced graph's (a subclass) by :mod:`spscan.graph.plan`; :mod:`spscan.chain.wrapper` makes either a module.
 
 >>> import torch, torch.nn as nn
->>> from spscan.chain.model import plan_model
+>>> from spscan.chain.planning import plan_model
 >>> net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)).double()
 >>> plan = plan_model(net, torch.zeros(1, 1, 2, 2, dtype=torch.float64), levels=0)
 >>> [p.shape for p in plan.patterns]
@@ -11,7 +12,8 @@ forward that fills the transposed-Jacobian values, scan, and compute parameter g
 ``plan_model(model, example_input, **kw)`` builds a :class:`ModelPlan`; ``plan.forward(x)``
 returns ``(output, jacobians)``; ``plan._spscan_backward(jacobians, grad)`` (what
 ``spscan.backward`` calls) returns ``[dl/dx_0, ..., dl/dx_n]``; :func:`param_grads` turns those
-into ``dl/dθ``; :func:`wrap` packages all of it as an ``nn.Module`` trained with ``loss.backward()``.
+into ``dl/dθ``; :func:`spscan.chain.wrapper.wrap_chain` packages all of it as an ``nn.Module`` trained with
+``loss.backward()``.
 
 Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 ``prune_zeros=True``) are left out of the patterns and must stay zero while the plan is used.
@@ -19,40 +21,24 @@ Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 
 from __future__ import annotations
 
-import inspect
-from collections import OrderedDict
-from typing import Any, Callable, Hashable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from spscan.runtime.autograd import apply as autograd_apply, keep_graph, refuse_functorch
-from spscan.chain.backward import (RELEASED, ForwardState, Jacobians, StepBackward,  # noqa: F401
-                                   collect_param_grads, unit_param_grads)
-from spscan.errors import NotPlannable
+from spscan.runtime.autograd import apply as autograd_apply, keep_graph
+from spscan.chain.backward import (RELEASED, ForwardState, Jacobians, StepBackward, collect_param_grads,
+                                   unit_param_grads)
 from spscan.runtime.graphed import GraphedCall, GraphedStep
 from spscan.runtime import check_inputs
-from spscan.options import option_default
-from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
-from spscan.planner.choose import Candidate, Decision, choose, explain as explain_decisions
-from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
+from spscan.planner.choose import Decision, explain as explain_decisions
+from spscan.layers import LayerUnit
 from spscan.layers.opaque import OpaqueUnit
-from spscan.runtime.plan import build_plan
 
-__all__ = ["ModelPlan", "Jacobians", "plan_model", "plan_chain", "param_grads", "wrap_chain", "SpscanModule"]
+__all__ = ["Jacobians", "ModelPlan", "check_hooks", "has_hooks", "param_grads"]
 
 
 # ----------------------------------------------------------------------------- chain discovery
-
-
-def _is_plain_sequential(m: nn.Module) -> bool:
-    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
-
-
-class UnitRefused(NotPlannable):
-    """A layer of a chain whose analytic unit does not cover its configuration (``padding_mode="circular"``,
-    ``sparse=True``, ...): ``spscan.plan`` and ``spscan.wrap`` trace the chain instead, that layer an opaque
-    node (its own call and autograd backward)."""
 
 
 def has_hooks(m: nn.Module) -> bool:
@@ -72,70 +58,6 @@ def check_hooks(index: int, name: str, m: nn.Module) -> None:
         raise ValueError(
             f"layer {index} ({name or type(m).__name__}: {type(m).__name__}): forward/backward hooks other "
             "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
-
-
-def is_chain_model(model: nn.Module) -> bool:
-    """A supported layer, or a plain ``nn.Sequential`` (nested plain ones allowed) of supported
-    layers without hooks: planned as a chain directly. Anything else (a module with its own forward, a layer
-    without a unit or with hooks, anywhere in it) is traced with torch.fx (:mod:`spscan.graph.plan`), where a
-    sequential container is the trivial graph and a layer without a unit (or with hooks) an opaque node."""
-    supported = supported_layer_types()
-    if has_hooks(model):
-        return False
-    if type(model) in supported:
-        return True
-    if not _is_plain_sequential(model):
-        return False
-    for child in model._modules.values():
-        if child is None:
-            continue
-        if isinstance(child, nn.Sequential):
-            if not is_chain_model(child):
-                return False
-        elif type(child) not in supported or has_hooks(child):
-            return False
-    return True
-
-
-def _plain_containers(model: nn.Module) -> bool:
-    """A supported layer, or plain ``nn.Sequential`` containers all the way down (any leaves): what
-    :func:`plan_model` takes, naming a leaf without a unit."""
-    if type(model) in supported_layer_types():
-        return True
-    return _is_plain_sequential(model) and all(_plain_containers(c) for c in model._modules.values()
-                                               if isinstance(c, nn.Sequential))
-
-
-def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of every layer of a (nested) ``nn.Sequential`` chain."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    supported = supported_layer_types()
-    if not _is_plain_sequential(model):
-        if type(model) in supported:
-            return [("", model)]
-        raise NotPlannable(
-            f"{type(model).__name__} is not a chain spscan can plan: expected an nn.Sequential (without an "
-            "overridden forward) of supported layers, or a single supported layer; a custom forward may "
-            "branch, reuse or transform activations in ways the plan cannot see")
-    out: list[tuple[str, nn.Module]] = []
-
-    def walk(prefix: str, seq: nn.Module) -> None:
-        # _modules, not named_children(): the latter skips a module repeated in the chain
-        for name, child in seq._modules.items():
-            if child is None:
-                continue
-            q = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, nn.Sequential):
-                if not _is_plain_sequential(child):
-                    raise NotPlannable(f"layer {len(out)} ({q}): {type(child).__name__} overrides forward; "
-                                    "only plain nn.Sequential containers can be flattened into a chain")
-                walk(q, child)
-            else:
-                out.append((q, child))
-
-    walk("", model)
-    return out
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -549,198 +471,6 @@ class ModelPlan:
         return hit
 
 
-def example_rejected(k: int, in_shape: tuple, error: Exception) -> str:
-    """Why layer ``k`` refused the example input that reached it, with what to do where the cause is likely
-    a missing batch dimension (the first layer rejecting a per-sample shape of one dimension or none)."""
-    msg = f"the example input reaching it has per-sample shape {in_shape}, which it rejects: {error}"
-    if k == 0 and len(in_shape) <= 1:
-        msg += (". The example input's first dimension is the batch (spscan plans per sample): a single sample "
-                "needs a batch dimension; pass x.unsqueeze(0) (a batch of one) or a batch of your data")
-    return msg
-
-
-def levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
-    """A layer that couples the samples of a batch (train-mode BatchNorm) has no CSR values to
-    multiply into up-sweep products: ``levels="auto"`` becomes the linear scan; a deeper forced
-    depth is refused, naming the layer."""
-    coupled = [u for u in units if not u.has_csr_values]
-    if not coupled:
-        return kwargs
-    levels = kwargs.get("levels", "auto")
-    if levels == "auto":
-        return {**kwargs, "levels": 0}
-    if levels != 0:
-        u = coupled[0]
-        raise ValueError(f"layer {u.index} ({u.name}): {u.operator_only_because}, so it runs as a structured "
-                         f"operator only; levels={levels!r} would multiply it into up-sweep products: use levels=0 "
-                         "or 'auto'" + (", or model.eval()" if u.capabilities.mode_dependent else ""))
-    return kwargs
-
-
-NORM_FORMS = ("auto", "dense", "factored")
-
-# above this many dense-block entries per sample, a layer's blocks are never planned into products:
-# a dense LayerNorm(1024) over 16 tokens is 16.8M entries per sample (its values alone 4 GiB a step at
-# batch 64, float32), the factors 98k
-DENSE_BLOCK_LIMIT = 1 << 22
-
-# ``norm_form="auto"`` keeps the factors only when their estimated time is below the dense blocks' divided
-# by this: the CPU profile prices per-sample dense GEMMs below what a core runs, so the margin keeps the
-# estimate from picking factors that run slower (bench/results/calibration.md)
-FACTORED_MARGIN = 2.0
-
-
-def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: bool = True,
-               **kwargs: Any) -> tuple[Any, list[bool], Any]:
-    """The core plan of a chain of layer units, per layer whether it is factored, and the normalization-form
-    :class:`~spscan.planner.choose.Decision` (``None`` when no layer has factors).
-
-    A layer whose ``J^T`` is a block-diagonal of diagonal-plus-low-rank blocks
-    (:class:`~spscan.layers.LowRankFactors`: LayerNorm, GroupNorm, Softmax, LogSoftmax) enters the
-    chain either as its dense blocks (one element) or as its two factors ``L R`` (two elements,
-    ``(1 + r) N`` entries per group each instead of ``N^2``). ``norm_form``:
-
-    * ``"dense"``: the blocks (at depth 0 the wrapper applies the layer's own backward kernel and
-      never forms them).
-    * ``"factored"``: the factors, at any depth.
-    * ``"auto"``: the planner's choice. At depth 0 nothing is multiplied, so the dense form (applied
-      as the layer's kernel) is kept. Where the plan multiplies matrices (a depth ``K >= 1``, forced
-      or chosen by ``levels="auto"``), both chains are planned and the one with the lower estimated
-      critical-path time is kept (the factors must win by :data:`FACTORED_MARGIN`): the factors win
-      where the blocks would fill the neighbours' products (a conv next to a GroupNorm), the blocks
-      where the products are dense anyway (a Linear next to a LayerNorm over its whole output) and
-      one element fewer is cheaper. Where a layer's blocks exceed :data:`DENSE_BLOCK_LIMIT`
-      entries per sample, only the factored chain is planned; if its best depth is 0, the linear
-      scan with the layers' kernels is planned instead.
-
-    ``kwargs`` go to :func:`spscan.runtime.plan.build_plan` (``levels``, ``backend``, ...).
-    """
-    if norm_form not in NORM_FORMS:
-        raise ValueError(f"norm_form: expected one of {NORM_FORMS}, got {norm_form!r}")
-    can = [u.capabilities.low_rank_factors and u.has_csr_values for u in units]
-    dense = [False] * len(units)
-
-    def core_of(flags: Sequence[bool], **over: Any):
-        pats = [p for u, f in zip(units, flags) for p in (u.factor_patterns() if f else (u.pattern,))]
-        # what the wrapper applies by a layer's own operator (as ModelPlan.operator_flags) is priced by its work
-        work = [e for u, f in zip(units, flags) for e in ((None, None) if f else (
-            u.cost_entries if (operators and u.has_operator) or not u.has_csr_values else None,))]
-        return build_plan(pats, bind=None, apply_entries=work, **{**kwargs, **over})
-
-    def decided(core, flags, why: str, rivals: Sequence[tuple[str, Any]] = ()):
-        """``(core, flags, the norm-form decision)``: the chain kept, and the rivals costed against it."""
-        name = "factored" if any(flags) else "dense"
-        best = core.candidates.get(core.levels)
-        cands = [Candidate(name, best, why)]
-        for other, plan in rivals:
-            t = plan.candidates.get(plan.levels)
-            factor = FACTORED_MARGIN if other == "factored" else 1.0
-            cands.append(Candidate(other, None if t is None else t * factor,
-                                   f"depth {plan.levels}" + (f", estimate x {FACTORED_MARGIN} (must win by it)"
-                                                             if factor != 1.0 else "")))
-        forced = name if norm_form != "auto" else None
-        return core, flags, choose("normalization form", cands, forced, basis="critical-path model of each chain")
-
-    if not any(can):
-        return core_of(dense), dense, None
-    if norm_form == "dense":
-        return decided(core_of(dense), dense, "as asked")
-    if norm_form == "factored":
-        return decided(core_of(can), can, "as asked")
-    levels = kwargs.get("levels", "auto")
-    if levels == 0:
-        return decided(core_of(dense), dense, "depth 0: each layer's own backward kernel, nothing multiplied")
-    if any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can)):
-        other = core_of(can)
-        if other.levels == 0:  # the linear scan: each layer's own kernel (faster than the factors' SpMVs)
-            return decided(core_of(dense, levels=0), dense, "the factored chain's best depth is 0: kernels instead",
-                           [("factored", other)])
-        return decided(other, can, f"dense blocks exceed {DENSE_BLOCK_LIMIT} entries")
-    plain = core_of(dense)
-    if plain.levels == 0 and levels == "auto":
-        return decided(plain, dense, "depth 0 chosen: each layer's kernel, no products to fill")
-    other = core_of(can)
-    if other.levels == 0:
-        return decided(plain, dense, "the factored chain's best depth is 0: kernels are faster", [("factored", other)])
-    t_plain, t_other = plain.candidates.get(plain.levels), other.candidates.get(other.levels)
-    if t_plain is not None and t_other is not None and t_other * FACTORED_MARGIN < t_plain:
-        return decided(other, can, f"depth {other.levels}", [("dense", plain)])
-    return decided(plain, dense, f"depth {plain.levels}", [("factored", other)])
-
-
-def plan_model(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
-               operators: bool = True, **kwargs: Any) -> ModelPlan:
-    """Plan an ``nn.Sequential`` chain (nested Sequentials are flattened) for scan backprop.
-
-    Args:
-        model: a plain ``nn.Sequential`` of supported layers (see
-            :func:`spscan.layers.supported_layer_types`), or one supported layer.
-        example_input: ``(B, *in_shape)``; only its per-sample shape (and dtype) matter — every
-            later input must have the same per-sample shape.
-        prune_zeros: also leave exactly-zero weights of Linear/Conv layers out of the patterns
-            (they must stay zero while the plan is used).
-        operators: in the wrapper's backward, layers that have a structured operator (conv,
-            linear, activations, max-pool, batch-norm, reshapes, dropout) apply ``J^T`` directly
-            instead of forming CSR values, wherever the scan only multiplies them by vectors.
-        norm_form: ``"auto"`` (default), ``"dense"`` or ``"factored"``: how LayerNorm, GroupNorm,
-            Softmax and LogSoftmax enter up-sweep products (see :func:`plan_chain`).
-        **kwargs: passed to ``spscan.plan(patterns, **kwargs)`` (``levels``, ``backend``, ...).
-
-    Raises:
-        TypeError: a layer type without a unit (names the first one: index, name, type), or a
-            model that is not a chain.
-        ValueError: the example input does not fit a layer (names the layer and the shapes).
-    """
-    if isinstance(model, nn.Module) and not _plain_containers(model):
-        raise NotPlannable(f"{type(model).__name__}: spscan.chain.model plans nn.Sequential chains of supported layers (or "
-                        "one layer); a model with its own forward is traced with torch.fx by spscan.graph.plan: use "
-                        "spscan.plan(model, example_input) or spscan.wrap(model, example_input)")
-    chain = _flatten_chain(model)
-    if not chain:
-        raise ValueError("model: expected at least one layer, got an empty nn.Sequential")
-    supported = supported_layer_types()
-    for k, (name, m) in enumerate(chain):
-        if type(m) not in supported:
-            kind = "a container with its own forward" if list(m.children()) else "an unsupported layer type"
-            raise NotPlannable(f"layer {k} ({name or '-'}): {type(m).__module__}.{type(m).__name__} is {kind}; "
-                            f"supported: {', '.join(t.__name__ for t in supported)} (spscan.plan and spscan.wrap "
-                            "trace such a chain with torch.fx and run that layer as its own autograd backward)")
-        check_hooks(k, name, m)
-    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
-        raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
-                         f"{getattr(example_input, 'shape', type(example_input).__name__)}")
-    x = example_input.detach()[:1]
-    in_shape0 = tuple(x.shape[1:])
-    units: list[LayerUnit] = []
-    with torch.no_grad():
-        for k, (name, m) in enumerate(chain):
-            in_shape = tuple(x.shape[1:])
-            if unit_capabilities(m).shape_preserving:
-                y = x  # no call: dropout would draw random numbers, train-mode BN would update stats
-            else:
-                try:
-                    y = m(x)
-                except Exception as e:  # the layer's own message says what it expected
-                    raise ValueError(f"layer {k} ({name or '-'}: {type(m).__name__}): "
-                                     + example_rejected(k, in_shape, e)) from e
-                if not isinstance(y, torch.Tensor):
-                    raise UnitRefused(f"layer {k} ({name or '-'}: {type(m).__name__}): returns {type(y).__name__}; "
-                                     "expected one tensor (a chain passes one tensor on; e.g. return_indices=False)")
-            try:
-                units.append(make_unit(k, m, in_shape, tuple(y.shape[1:]), prune_zeros=prune_zeros))
-            except (TypeError, ValueError) as e:
-                if y is x:  # not called (shape-preserving): the input may well be what is wrong
-                    raise
-                raise UnitRefused(str(e)) from e  # the layer ran: its configuration is what the unit lacks
-            x = y
-    kwargs = levels_for_coupled_layers(units, kwargs)
-    core, factored, norm = plan_chain(units, operators=operators, **kwargs)
-    plan = ModelPlan(model, units, [n for n, _ in chain], in_shape0, core, operators=operators, factored=factored)
-    plan.decisions = [d for d in (norm,) if d is not None]
-    plan.bind_signatures()
-    return plan
-
-
 # ----------------------------------------------------------------------------- parameter gradients
 
 
@@ -769,227 +499,3 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
     needed = [[p.requires_grad for _, p, _ in roles] for roles in plan.param_roles]
     with torch.no_grad():
         return collect_param_grads(plan.param_roles, unit_param_grads(plan, jacobians, grads, needed))
-
-
-# ----------------------------------------------------------------------------- wrap
-
-
-def model_dtype(model: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of ``model``'s first floating parameter (else buffer); ``None`` for a model without one."""
-    for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point():
-            return t.dtype
-    return None
-
-
-def model_device(model: nn.Module) -> Optional[torch.device]:
-    """Where ``model``'s parameters (else buffers) live; ``None`` for a model without either."""
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return None
-
-
-#: the kinds of value a traced forward's optional arguments are planned at (:attr:`ModelPlan.fixed_arguments`:
-#: fx specializes the graph to them); a call passes the planned value where it is that value or equal to it
-PLAIN_ARGUMENT_TYPES = (type(None), bool, int, float, str)
-_NOT_PLANNED = object()  # an argument the plan has no value for (SpscanModule._unplanned_argument)
-#: how many plans a wrapper keeps for the per-sample shapes (and modes) it was called with (SpscanModule._plan_for)
-MAX_SHAPE_PLANS = 8
-
-
-class SpscanModule(BackwardChoice, nn.Module):
-    """``model`` with the same forward, whose backward runs through the scan.
-
-    Holds ``model`` as a submodule, so ``parameters()`` yields the model's own parameter objects
-    and optimizers work unchanged. Input ``(B, *in_shape)``, output ``(B, *out_shape)``.
-    ``backward``: ``"auto"`` (the planner chooses, per batch size, the scan, the model's own
-    autograd backward or, on a GPU, the scan's whole step from CUDA graphs: :attr:`decision`,
-    :meth:`explain`), ``"scan"``, ``"native"`` or ``"graph"``. With gradients off, or nothing that needs
-    one, a call runs the model's own forward; under ``torch.autocast`` see
-    :meth:`~spscan.runtime.choices.BackwardChoice._call_choice`. A traced model whose forward takes optional
-    arguments (``forward(x, mask=None)``) is planned with their defaults; see :meth:`forward`.
-    """
-
-    def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
-                 device: Optional[torch.device] = None, replan: Optional["Replan"] = None):
-        super().__init__()
-        self.model = model
-        self.plan = plan
-        self._replan = replan
-        # the plans made for other per-sample shapes and, for a traced model, the other mode: (mode, shape) -> plan,
-        # the most recently used last (_plan_for); None for a shape the scan cannot plan (backward="auto": native)
-        self._plans: "OrderedDict[tuple, Optional[ModelPlan]]" = OrderedDict({self._plan_key(plan): plan})
-        # where the steps run, for the choice: the plan's device, else the model's, else the example input's
-        self._example_device = device
-        self._init_choice(backward, None if batch is None else (tuple(plan.in_shape), int(batch)))
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        """The model's call on ``x``, its backward as :attr:`decision` says. Further arguments are those of the
-        model's own forward: where they are the values the graph was planned with (its defaults,
-        :attr:`ModelPlan.fixed_arguments`) the call is planned as any other; other values (a mask where the
-        default is None) change the graph, so with ``backward="auto"`` that call runs the model's own forward
-        and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError). An input of another
-        per-sample shape than the example's (an image of another size, a sequence of another length) is planned
-        for its shape on first use (:meth:`_plan_for`)."""
-        if args or kwargs:
-            try:
-                other = self._unplanned_argument(x, args, kwargs)
-            except TypeError:  # arguments the model's forward does not take: its own error
-                return self.model(x, *args, **kwargs)
-            if other is not None:
-                if self.backward_mode not in ("auto", "native") and torch.is_grad_enabled():
-                    raise TypeError(f"{type(self).__name__} with backward={self.backward_mode!r}: the scan runs the "
-                                    f"graph of {type(self.model).__name__} traced with "
-                                    f"{self._planned_arguments() or 'no arguments'} besides the input; "
-                                    f"this call passes {other}, which changes it (backward='auto' runs such a call "
-                                    "through the model's own backward)")
-                return self.model(x, *args, **kwargs)
-        return super().forward(x)
-
-    def _unplanned_argument(self, x: Any, args: tuple, kwargs: dict) -> Optional[str]:
-        """``name=value`` of the first argument besides ``x`` that is not the value the graph was planned with
-        (None: every one is); TypeError where the model's forward does not take them."""
-        fixed = self.plan.fixed_arguments
-        bound = inspect.signature(self.model.forward).bind(x, *args, **kwargs)
-        for name, value in list(bound.arguments.items())[1:]:
-            planned = fixed.get(name, _NOT_PLANNED)
-            if not (value is planned or (type(value) is type(planned) and type(value) in PLAIN_ARGUMENT_TYPES
-                                         and value == planned)):
-                shown = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-                return f"{name}={shown}"
-        return None
-
-    def _planned_arguments(self) -> str:
-        """``name=value, ...`` of :attr:`ModelPlan.fixed_arguments` ('' for none)."""
-        return ", ".join(f"{k}={v!r}" for k, v in self.plan.fixed_arguments.items())
-
-    def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
-        """As :meth:`BackwardChoice._call_choice`, and with ``backward="auto"`` an input of a per-sample shape the
-        scan cannot plan runs the model's own step (``"native"``)."""
-        if key is not None and self.backward_mode == "auto" and self._plan_for(key[0]) is None:
-            return "native"
-        return super()._call_choice(key, x)
-
-    def _backward_decision(self, key) -> Decision:
-        shape, batch = key
-        plan = self._plan_for(shape)
-        detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
-        if len(self._plans) > 1:
-            detail += f", input (B, {', '.join(map(str, shape))})"
-        device = plan.core.device or model_device(self.model) or self._example_device
-        notes: tuple[str, ...] = ()
-        if self._replan is not None:
-            notes = (f"an input of another per-sample shape is planned for its shape on first use (the last "
-                     f"{MAX_SHAPE_PLANS} kept)",)
-        if self.backward_mode == "auto" and plan.fixed_arguments:
-            notes += (f"planned with {self._planned_arguments()}; a call with other values: native",)
-        return layers_decision(plan.units, batch, device, self.backward_mode, detail, notes=notes)
-
-    def _signature(self, x: Any) -> Optional[tuple[tuple[int, ...], int]]:
-        """``(per-sample shape, batch size)``: each per-sample shape has its plan, each batch size its decision."""
-        b = batch_of(x)
-        return None if b is None else (tuple(x.shape[1:]), b)
-
-    def _forward_alone(self) -> bool:
-        return not torch.is_grad_enabled()  # nothing is recorded: the model's own forward
-
-    def _scan_dtype(self) -> Optional[torch.dtype]:
-        return model_dtype(self.model)
-
-    @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
-    def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
-        refuse_functorch()
-        if self._replan is not None and key is not None:
-            self._plan_for(key[0])
-        flat = self._step_tensors(x)
-        if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
-            # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
-            return self.model(x)
-        self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
-        y = self.plan.run_step(x, flat, choice == "graph")
-        self._after_step(key, choice)
-        tail = self.plan.output_tail
-        return y if tail is None else tail(y)
-
-    def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
-        """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units
-        follow their modules' modes) and the per-sample input shape."""
-        return (plan.planned_training, tuple(plan.in_shape) if shape is None else tuple(shape))
-
-    def _plan_for(self, shape: tuple) -> Optional[ModelPlan]:
-        """Make :attr:`plan` the one that runs an input of per-sample ``shape`` in the model's present mode, and
-        return it (None: the scan cannot plan that shape, and ``backward="auto"`` runs the model's own step).
-
-        * Each per-sample shape has its plan (an image of another size, a sequence of another length: a recurrent
-          layer inside the model is planned for that length), made on first use from a zero example of that shape;
-          the last :data:`MAX_SHAPE_PLANS` are kept, the oldest one's buffers freed.
-        * A traced plan is specialized to the mode it was traced in (``self.training`` read in Python): in the
-          other mode (the model's ``training`` flag) the plan traced in that mode runs, made on first use; both
-          are kept, as training and evaluation alternate.
-        * A plan made in eval mode at a depth a train-mode BatchNorm cannot run at (levels ``"auto"``) is made
-          again as the model now is, once (the linear scan, which runs in either mode).
-        """
-        plan, mode, shape = self.plan, self.model.training, tuple(shape)
-        if plan.in_shape == shape and plan.planned_training in (None, mode):
-            if self._replan is not None and self._replan.levels == "auto" and plan.needs_linear_scan():
-                self.plan = self._replan(self.model, shape)
-                self._plans[self._plan_key(plan)] = self.plan
-                plan.release_buffers()
-            return self.plan
-        if self._replan is None:  # planned directly (no way to plan another shape): the contract's own check
-            return plan
-        key = (None if plan.planned_training is None else mode, shape)
-        if key not in self._plans:
-            try:
-                self._plans[key] = self._replan(self.model, shape)
-            except NotPlannable:
-                if self.backward_mode != "auto":
-                    raise
-                self._plans[key] = None  # the model's own step for this shape
-            except ValueError as e:  # the model rejects that shape (its own error, as planning words it)
-                raise ValueError(f"input: per-sample shape {shape}, planned on first use (the example's was "
-                                 f"{tuple(plan.in_shape)}): {e}") from e
-            while len(self._plans) > MAX_SHAPE_PLANS:
-                _, old = self._plans.popitem(last=False)
-                if old is not None and old is not plan:
-                    old.release_buffers()
-        self._plans.move_to_end(key)
-        got = self._plans[key]
-        if got is not None:
-            self.plan = got
-        return got
-
-    def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return self.plan.step_tensors(x)
-
-
-class Replan:
-    """How a wrapper's plan is made again (:meth:`SpscanModule._scan_step`): the planning function, the
-    example input's shape and dtype (a zero batch of them stands in, on the model's device) and the options."""
-
-    def __init__(self, plan_fn: Callable[..., ModelPlan], example_input: torch.Tensor, options: dict) -> None:
-        self.plan_fn, self.options = plan_fn, dict(options)
-        self.shape, self.dtype = tuple(example_input.shape), example_input.dtype
-
-    @property
-    def levels(self) -> Any:
-        return self.options.get("levels", "auto")
-
-    def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
-        """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
-        shape = self.shape if per_sample is None else self.shape[:1] + tuple(per_sample)
-        x = torch.zeros(shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
-        return self.plan_fn(model, x, **self.options)
-
-
-def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
-    """An ``nn.Module`` equal to ``model`` in forward whose backward is the scan.
-
-    ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
-    ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
-    """
-    backward = plan_kwargs.pop("backward", option_default("backward"))
-    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0],
-                        example_input.device, Replan(plan_model, example_input, plan_kwargs))

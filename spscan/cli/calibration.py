@@ -24,7 +24,7 @@ from scipy.optimize import nnls
 
 from spscan.api import wrap
 from spscan.runtime.choices import current_key, device_label
-from spscan.chain.model import plan_model
+from spscan.chain.planning import plan_model
 from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, REPLAYED_REGIMES, StepProfile, cache_dir,
                                          forget_loaded, recurrent_features, reference_profile)
 

@@ -77,9 +77,12 @@ from spscan.chain.backward import ForwardState, Jacobians, collect_param_grads
 from spscan.graph.recurrent import RecurrentNodeUnit
 from spscan.graph.segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
-from spscan.graph.trace import LIVE_STATE_LIMIT, NotSeriesParallel, Traced
+from spscan.graph.structure import LIVE_STATE_LIMIT, NotSeriesParallel
+from spscan.graph.trace import Traced
 from spscan.layers.registry import NODE_UNITS, supported_node_targets
-from spscan.chain.model import ModelPlan, Replan, SpscanModule, levels_for_coupled_layers, plan_chain
+from spscan.chain.model import ModelPlan
+from spscan.chain.planning import levels_for_coupled_layers, plan_chain
+from spscan.chain.wrapper import Replan, SpscanModule
 from spscan.options import option_default
 from spscan.runtime.plan import build_plan
 

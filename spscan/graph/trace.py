@@ -16,7 +16,9 @@ import torch.nn as nn
 from spscan.errors import NotPlannable
 from spscan.graph.rewrites import UPDATES, WRITES_INPUT, check_graph_is_the_forward, out_of_place, subtractions_as_sums
 from spscan.graph.recurrent import RECURRENT_TYPES, RecurrentCall, RecurrentNodeUnit, recurrent_calls
-from spscan.graph.segments import Leaf, LiveStep, Parallel
+from spscan.graph.segments import Leaf
+from spscan.graph.outputs import chain_end
+from spscan.graph.structure import live_steps, series_parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
 from spscan.layers.opaque import OpaqueUnit, counted_call
@@ -24,12 +26,13 @@ from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
-from spscan.chain.model import example_rejected, has_hooks
+from spscan.chain.model import has_hooks
+from spscan.chain.planning import example_rejected
 from spscan.graph.nodes import first_line, node_key, node_text, refuse_node
 from spscan.graph.tracer import (ExampleRejected, LeafTracer, ShapeTracer, Whole, drop_fixed_inputs,
                                  fixed_arguments, raise_if_forward_fails)
 
-__all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "Traced"]
+__all__ = ["Traced"]
 
 # nodes that compute shapes for a view/reshape (never tensors of the graph)
 _TENSOR_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr}
@@ -44,53 +47,6 @@ _MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.t
                             "movedim", "moveaxis", "contiguous", "squeeze", "unsqueeze", "unbind", "chunk", "split",
                             "select", "narrow", "flip", "roll")}
 
-#: A general DAG is refused when its live-set chain would carry more than this many times the values
-#: of the graph's own tensors (``sum_s d_live(s) > LIVE_STATE_LIMIT * sum_n d_n``, per sample).
-LIVE_STATE_LIMIT = 16
-
-
-class NotSeriesParallel(NotPlannable):
-    """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
-
-
-class _OutputTail:
-    """The forward's result from the scan's output (see :meth:`Traced._output`): ``tail(y)``."""
-
-    def __init__(self, structure: Any, sources: list, sizes: list, shapes: list, evaluators: dict, packed: bool,
-                 reads: dict) -> None:
-        self.structure, self.sources, self.sizes, self.shapes = structure, sources, sizes, shapes
-        self.evaluators, self.packed, self.reads = evaluators, packed, reads
-
-    def __call__(self, y: torch.Tensor) -> Any:
-        b = y.shape[0]
-        if self.packed:
-            # contiguous, as each was in the model (a .view() of it in the forward needs that)
-            parts = [p.reshape((b,) + s).contiguous() for p, s in zip(y.split(self.sizes, 1), self.shapes)]
-        else:
-            parts = [y]
-        got = dict(zip(self.sources, parts))
-
-        def value(n: fx.Node) -> Any:
-            if n in got:
-                return got[n]
-            return self.evaluators[n](*[got[t] for t in self.reads[n]])
-
-        return _rebuilt(self.structure, value)
-
-
-def _rebuilt(a: Any, value: Any) -> Any:
-    """``a`` (a traced output's structure) with each node replaced by ``value(node)``, in plain Python containers
-    (fx keeps lists and dicts as immutable ones)."""
-    if isinstance(a, fx.Node):
-        return value(a)
-    if isinstance(a, dict):
-        return {k: _rebuilt(v, value) for k, v in a.items()}
-    if isinstance(a, tuple):
-        items = [_rebuilt(v, value) for v in a]
-        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
-    if isinstance(a, list):
-        return [_rebuilt(v, value) for v in a]
-    return a
 
 
 class Traced:
@@ -253,58 +209,9 @@ class Traced:
                 env[node] = y
 
     def _output(self, node: fx.Node) -> None:
-        """What the scan's chain ends in (:attr:`output_node`, one graph tensor) and how the forward's result is
-        made from it (:attr:`output_tail`, None where it is that tensor itself).
-
-        The forward may return a structure (``logits, None``; ``logits, hidden``; a dict), tensors that do not
-        keep the batch dim first (an RNN's ``h_n``, ``logits.view(-1, V)``), or numbers: the chain ends in the one
-        graph tensor they are computed from, or in the concatenation of several (each flattened per sample),
-        and the tail, run by the wrapper after the scan's step under autograd, rebuilds the result from it
-        (the slices of that concatenation, then what the forward computed from them, recomputed)."""
-        res = node.args[0]
-        if isinstance(res, fx.Node) and res in self.kind:
-            self.output_node, self.output_tail = res, None
-            return
-        leaves: list[fx.Node] = []
-        fx.node.map_arg(res, lambda n: leaves.append(n) or n)
-        sources: list[fx.Node] = []
-        for n in leaves:
-            if n in self.kind:
-                sources.append(n)
-            elif n in self.virtual:
-                sources += self.virtual[n]
-            elif isinstance(self.env.get(n), torch.Tensor):
-                raise refuse_node(n, "a tensor the forward returns that is not computed from the input (a constant "
-                                     "of the step), which the scan's output does not carry")
-        sources = list(dict.fromkeys(sources))
-        if not sources:
-            raise refuse_node(node, "the forward returns no tensor computed from the input")
-        if sources == [self.input_node]:
-            raise refuse_node(node, "the forward's result is its input moved or copied by no layer (nothing to scan)")
-        if len(sources) == 1:
-            end = sources[0]
-        else:  # several: their concatenation, each flattened per sample (a join, as any cat of the graph)
-            flats = []
-            for n in sources:
-                if self.env[n].dim() == 2:
-                    flats.append(n)
-                    continue
-                with self.graph.inserting_before(node):
-                    f = self.graph.call_function(torch.flatten, (n, 1))
-                f.meta = dict(n.meta)
-                self.env[f] = self._unit(f, torch.flatten, NODE_UNITS[torch.flatten], (self.env[n], 1), {}, [n],
-                                         self.env)
-                flats.append(f)
-            with self.graph.inserting_before(node):
-                end = self.graph.call_function(torch.cat, (flats, 1))
-            end.meta = dict(node.meta)
-            self.env[end] = self._join(end, torch.cat, _CAT, ([self.env[f] for f in flats], 1), {}, flats, self.env)
-        self.output_node = end
-        sizes = [int(np.prod(self.env[n].shape[1:])) for n in sources]
-        shapes = [tuple(self.env[n].shape[1:]) for n in sources]
-        evaluators = {n: self._evaluator(n, self.virtual[n])[0] for n in leaves if n in self.virtual}
-        self.output_tail = _OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1,
-                                       {n: self.virtual[n] for n in evaluators})
+        """:attr:`output_node` and :attr:`output_tail` from the graph's output ``node``
+        (:func:`spscan.graph.outputs.chain_end`)."""
+        self.output_node, self.output_tail = chain_end(self, node)
 
     def _drop_dead(self) -> None:
         """Leave out the units the output does not depend on (``out, h = self.rnn(x)`` with only ``h`` used;
@@ -781,98 +688,10 @@ class Traced:
         self._add_unit(node, unit, name, backed, [src])
         return y
 
-    # -- the live-set chain (any DAG)
     def live_steps(self) -> list[Any]:
-        """The graph as a chain over its live set (see :class:`LiveStep`), in fx's topological order.
-        A node whose only input is the whole live set and is read by nothing else stays a plain unit
-        (nodes the output does not depend on were left out when traced: :meth:`_drop_dead`).
-        """
-        nodes = [n for n in self.graph.nodes if n in self.kind]
-        last = {p: i for i, n in enumerate(nodes) for p in self.tin[n]}
-        dim = {n: int(np.prod(self.env[n].shape[1:])) for n in nodes}
-        # the live sets first (cheap), so that a graph past the limit is refused before any pattern is built
-        live, plan, widths = [self.input_node], [], []
-        for i, n in enumerate(nodes[1:], 1):
-            keep = [j for j, t in enumerate(live) if last.get(t, -1) > i]
-            plan.append((n, list(live), keep))
-            live = [live[j] for j in keep] + [n]
-            widths.append((sum(dim[t] for t in live), n, live))
-        total, own = sum(w for w, _, _ in widths), sum(dim[n] for n in nodes[1:])
-        if total > LIVE_STATE_LIMIT * own:
-            w, n, ts = max(widths, key=lambda t: t[0])
-            raise refuse_node(n, f"as a live-set chain (the graph is not series-parallel) it would carry {total} values per "
-                          f"sample over its {len(plan)} steps, more than {LIVE_STATE_LIMIT}x the {own} of the graph's "
-                          f"own tensors (widest after this node: {len(ts)} live tensors, {w} values: "
-                          f"{', '.join(t.name for t in ts)})")
-        steps: list[Any] = []
-        for n, before, keep in plan:
-            inputs = [before.index(p) for p in self.tin[n]]
-            kind, leaf = self.kind[n], self.leaf_of.get(n)
-            if kind == "unit" and len(before) == 1 and not keep and len(self.tin[n]) == 1:
-                steps.append(leaf)
-                continue
-            offs = [0] * len(inputs)
-            if kind == _CAT:
-                offs = [int(o) for o in np.cumsum([0] + [dim[p] for p in self.tin[n][:-1]])]
-            steps.append(LiveStep(kind, leaf, [dim[t] for t in before], keep, inputs, offs, n.name,
-                                   [t.name for t in before]))
-        return steps
+        """The graph as a chain over its live set (:func:`spscan.graph.structure.live_steps`)."""
+        return live_steps(self)
 
-    # -- series-parallel parse
     def parse(self) -> list[Any]:
-        nodes = [n for n in self.graph.nodes if n in self.kind]
-        users: dict[fx.Node, int] = {n: 0 for n in nodes}
-        for n in nodes:
-            for p in set(self.tin[n]):
-                users[p] += 1
-            if len(set(self.tin[n])) != len(self.tin[n]):
-                raise refuse_node(n, "a join reading the same tensor twice", NotSeriesParallel)
-        dom: dict[fx.Node, set] = {}
-        for n in nodes:
-            preds = self.tin[n]
-            dom[n] = ({n} | set.intersection(*[dom[p] for p in preds])) if preds else {n}
-        order = {n: i for i, n in enumerate(nodes)}
-        self.consumed: dict[fx.Node, int] = {n: 0 for n in nodes}
-        self.visited: set = set()
-        segs = self._back(self.output_node, self.input_node, dom, order)
-        for n in nodes:
-            if n is not self.output_node and self.consumed[n] != users[n]:
-                raise refuse_node(n, "its output is read across branches of different blocks (the graph is not a "
-                              "chain of series-parallel blocks)", NotSeriesParallel)
-        return segs
-
-    def _back(self, end, start, dom, order) -> list[Any]:
-        segs: list[Any] = []
-        node = end
-        while node is not start:
-            if node in self.visited:
-                raise refuse_node(node, "read by two branches of one block (not series-parallel)", NotSeriesParallel)
-            self.visited.add(node)
-            kind = self.kind[node]
-            if kind == "unit" and len(self.tin[node]) > 1:
-                raise refuse_node(node, "a node reading several graph tensors", NotSeriesParallel)
-            if kind == "unit":
-                segs.insert(0, self.leaf_of[node])
-                src = self.tin[node][0]
-                self.consumed[src] += 1
-                node = src
-            elif kind in (_ADD, _CAT):
-                fork = max(dom[node] - {node}, key=lambda n: order[n])
-                if order[fork] < order[start]:
-                    raise refuse_node(node, f"this join's branches start before {start.format_node()}, outside the block "
-                                  "it belongs to (not series-parallel)", NotSeriesParallel)
-                branches = []
-                for inp in self.tin[node]:
-                    if inp is fork:
-                        self.consumed[fork] += 1
-                        branches.append([])
-                    else:
-                        self.consumed[inp] += 1
-                        branches.append(self._back(inp, fork, dom, order))
-                d_in = int(np.prod(self.env[fork].shape[1:]))
-                d_outs = [int(np.prod(self.env[i].shape[1:])) for i in self.tin[node]]
-                segs.insert(0, Parallel(kind, branches, d_in, d_outs, self.opts))
-                node = fork
-            else:
-                raise refuse_node(node, "unexpected node in the graph")
-        return segs
+        """The graph as a chain of series-parallel blocks (:func:`spscan.graph.structure.series_parallel`)."""
+        return series_parallel(self)

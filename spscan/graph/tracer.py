@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from spscan.chain.model import PLAIN_ARGUMENT_TYPES, has_hooks
+from spscan.chain.model import has_hooks
+from spscan.chain.wrapper import PLAIN_ARGUMENT_TYPES
 
 __all__ = ["ExampleRejected", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
            "raise_if_forward_fails"]

@@ -6,7 +6,7 @@ backward kernel (as autograd does); the CSR values, needed only where a planned 
 the layer into an up-sweep (``levels >= 1``), write each group's block densely, or, where the plan
 chooses it, as two sparse factors (:class:`LowRankFactors`). Which form is cheaper depends on the
 neighbours (a dense weight next to the layer makes the products dense either way), so it is a
-planning decision (:func:`spscan.chain.model.plan_chain`; measurements in
+planning decision (:func:`spscan.chain.planning.plan_chain`; measurements in
 ``bench/results/cpu-2core/norm_factored.md``).
 """
 
@@ -214,7 +214,7 @@ class LowRankFactors(LayerUnit):
     ``J^T g = L (R g)``: ``R`` maps ``g`` to ``[g', <v_1, g>, ..., <v_r, g>]`` per group, ``L`` combines
     them. In a chain the factors are two elements (``R`` nearer the output), which the planner
     multiplies like any others; whether a plan uses them instead of the dense blocks is a planning
-    decision (:func:`spscan.chain.model.plan_chain`).
+    decision (:func:`spscan.chain.planning.plan_chain`).
 
     Subclasses set ``rank`` and ``factor_groups`` (``(G, N)`` flat indices) and implement
     :meth:`_factor_parts`.

@@ -24,7 +24,8 @@ from spscan.runtime.workspace import Workspace
 from spscan.kernels.backend import Backend, Feed, Tap, load_feeds
 from spscan.planner.memory import estimate_memory
 from spscan.planner.planning import ScanPlan
-from spscan.planner.program import Apply, LoweringCache, lower
+from spscan.planner.lowering import LoweringCache, lower
+from spscan.planner.program import Apply
 
 __all__ = ["BoundPlan", "BoundProgram"]
 

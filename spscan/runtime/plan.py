@@ -24,7 +24,7 @@ from spscan.planner.choose import Decision
 from spscan.planner.cost import profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
 from spscan.planner.patterns import Pattern, as_chain
-from spscan.planner.program import LoweringCache
+from spscan.planner.lowering import LoweringCache
 from spscan.planner.planning import ScanPlan, composite_pattern, depth_decision, plan_reduction, plan_scan, step_costs
 from spscan.planner.schedule import max_levels
 

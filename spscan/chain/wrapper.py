@@ -1,0 +1,246 @@
+"""The module wrapper of a planned model (:class:`SpscanModule`): the model's own forward, its backward the
+scan's (or autograd's, as the wrapper's choice says); a plan per per-sample shape and mode, made again
+on first use (:class:`Replan`). :func:`wrap_chain` wraps an ``nn.Sequential`` chain; a traced model's
+wrapper (:class:`spscan.graph.plan.GraphSpscanModule`) is this one with a traced plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+import torch.nn as nn
+
+from spscan.errors import NotPlannable
+from spscan.options import option_default
+from spscan.planner.choose import Decision
+from spscan.runtime.autograd import refuse_functorch
+from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
+from spscan.chain.model import ModelPlan
+from spscan.chain.planning import plan_model
+
+__all__ = ["MAX_SHAPE_PLANS", "PLAIN_ARGUMENT_TYPES", "Replan", "SpscanModule", "model_device", "model_dtype",
+           "wrap_chain"]
+
+
+def model_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of ``model``'s first floating parameter (else buffer); ``None`` for a model without one."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
+
+
+def model_device(model: nn.Module) -> Optional[torch.device]:
+    """Where ``model``'s parameters (else buffers) live; ``None`` for a model without either."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
+#: the kinds of value a traced forward's optional arguments are planned at (:attr:`ModelPlan.fixed_arguments`:
+#: fx specializes the graph to them); a call passes the planned value where it is that value or equal to it
+PLAIN_ARGUMENT_TYPES = (type(None), bool, int, float, str)
+_NOT_PLANNED = object()  # an argument the plan has no value for (SpscanModule._unplanned_argument)
+#: how many plans a wrapper keeps for the per-sample shapes (and modes) it was called with (SpscanModule._plan_for)
+MAX_SHAPE_PLANS = 8
+
+
+class SpscanModule(BackwardChoice, nn.Module):
+    """``model`` with the same forward, whose backward runs through the scan.
+
+    Holds ``model`` as a submodule, so ``parameters()`` yields the model's own parameter objects
+    and optimizers work unchanged. Input ``(B, *in_shape)``, output ``(B, *out_shape)``.
+    ``backward``: ``"auto"`` (the planner chooses, per batch size, the scan, the model's own
+    autograd backward or, on a GPU, the scan's whole step from CUDA graphs: :attr:`decision`,
+    :meth:`explain`), ``"scan"``, ``"native"`` or ``"graph"``. With gradients off, or nothing that needs
+    one, a call runs the model's own forward; under ``torch.autocast`` see
+    :meth:`~spscan.runtime.choices.BackwardChoice._call_choice`. A traced model whose forward takes optional
+    arguments (``forward(x, mask=None)``) is planned with their defaults; see :meth:`forward`.
+    """
+
+    def __init__(self, model: nn.Module, plan: ModelPlan, backward: str = "auto", batch: Optional[int] = None,
+                 device: Optional[torch.device] = None, replan: Optional["Replan"] = None):
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self._replan = replan
+        # the plans made for other per-sample shapes and, for a traced model, the other mode: (mode, shape) -> plan,
+        # the most recently used last (_plan_for); None for a shape the scan cannot plan (backward="auto": native)
+        self._plans: "OrderedDict[tuple, Optional[ModelPlan]]" = OrderedDict({self._plan_key(plan): plan})
+        # where the steps run, for the choice: the plan's device, else the model's, else the example input's
+        self._example_device = device
+        self._init_choice(backward, None if batch is None else (tuple(plan.in_shape), int(batch)))
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """The model's call on ``x``, its backward as :attr:`decision` says. Further arguments are those of the
+        model's own forward: where they are the values the graph was planned with (its defaults,
+        :attr:`ModelPlan.fixed_arguments`) the call is planned as any other; other values (a mask where the
+        default is None) change the graph, so with ``backward="auto"`` that call runs the model's own forward
+        and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError). An input of another
+        per-sample shape than the example's (an image of another size, a sequence of another length) is planned
+        for its shape on first use (:meth:`_plan_for`)."""
+        if args or kwargs:
+            try:
+                other = self._unplanned_argument(x, args, kwargs)
+            except TypeError:  # arguments the model's forward does not take: its own error
+                return self.model(x, *args, **kwargs)
+            if other is not None:
+                if self.backward_mode not in ("auto", "native") and torch.is_grad_enabled():
+                    raise TypeError(f"{type(self).__name__} with backward={self.backward_mode!r}: the scan runs the "
+                                    f"graph of {type(self.model).__name__} traced with "
+                                    f"{self._planned_arguments() or 'no arguments'} besides the input; "
+                                    f"this call passes {other}, which changes it (backward='auto' runs such a call "
+                                    "through the model's own backward)")
+                return self.model(x, *args, **kwargs)
+        return super().forward(x)
+
+    def _unplanned_argument(self, x: Any, args: tuple, kwargs: dict) -> Optional[str]:
+        """``name=value`` of the first argument besides ``x`` that is not the value the graph was planned with
+        (None: every one is); TypeError where the model's forward does not take them."""
+        fixed = self.plan.fixed_arguments
+        bound = inspect.signature(self.model.forward).bind(x, *args, **kwargs)
+        for name, value in list(bound.arguments.items())[1:]:
+            planned = fixed.get(name, _NOT_PLANNED)
+            if not (value is planned or (type(value) is type(planned) and type(value) in PLAIN_ARGUMENT_TYPES
+                                         and value == planned)):
+                shown = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                return f"{name}={shown}"
+        return None
+
+    def _planned_arguments(self) -> str:
+        """``name=value, ...`` of :attr:`ModelPlan.fixed_arguments` ('' for none)."""
+        return ", ".join(f"{k}={v!r}" for k, v in self.plan.fixed_arguments.items())
+
+    def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
+        """As :meth:`BackwardChoice._call_choice`, and with ``backward="auto"`` an input of a per-sample shape the
+        scan cannot plan runs the model's own step (``"native"``)."""
+        if key is not None and self.backward_mode == "auto" and self._plan_for(key[0]) is None:
+            return "native"
+        return super()._call_choice(key, x)
+
+    def _backward_decision(self, key) -> Decision:
+        shape, batch = key
+        plan = self._plan_for(shape)
+        detail = f"{plan.element_name}s: {len(plan)}, depth {plan.levels}"
+        if len(self._plans) > 1:
+            detail += f", input (B, {', '.join(map(str, shape))})"
+        device = plan.core.device or model_device(self.model) or self._example_device
+        notes: tuple[str, ...] = ()
+        if self._replan is not None:
+            notes = (f"an input of another per-sample shape is planned for its shape on first use (the last "
+                     f"{MAX_SHAPE_PLANS} kept)",)
+        if self.backward_mode == "auto" and plan.fixed_arguments:
+            notes += (f"planned with {self._planned_arguments()}; a call with other values: native",)
+        return layers_decision(plan.units, batch, device, self.backward_mode, detail, notes=notes)
+
+    def _signature(self, x: Any) -> Optional[tuple[tuple[int, ...], int]]:
+        """``(per-sample shape, batch size)``: each per-sample shape has its plan, each batch size its decision."""
+        b = batch_of(x)
+        return None if b is None else (tuple(x.shape[1:]), b)
+
+    def _forward_alone(self) -> bool:
+        return not torch.is_grad_enabled()  # nothing is recorded: the model's own forward
+
+    def _scan_dtype(self) -> Optional[torch.dtype]:
+        return model_dtype(self.model)
+
+    @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
+    def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
+        refuse_functorch()
+        if self._replan is not None and key is not None:
+            self._plan_for(key[0])
+        flat = self._step_tensors(x)
+        if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
+            # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
+            return self.model(x)
+        self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
+        y = self.plan.run_step(x, flat, choice == "graph")
+        self._after_step(key, choice)
+        tail = self.plan.output_tail
+        return y if tail is None else tail(y)
+
+    def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
+        """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units
+        follow their modules' modes) and the per-sample input shape."""
+        return (plan.planned_training, tuple(plan.in_shape) if shape is None else tuple(shape))
+
+    def _plan_for(self, shape: tuple) -> Optional[ModelPlan]:
+        """Make :attr:`plan` the one that runs an input of per-sample ``shape`` in the model's present mode, and
+        return it (None: the scan cannot plan that shape, and ``backward="auto"`` runs the model's own step).
+
+        * Each per-sample shape has its plan (an image of another size, a sequence of another length: a recurrent
+          layer inside the model is planned for that length), made on first use from a zero example of that shape;
+          the last :data:`MAX_SHAPE_PLANS` are kept, the oldest one's buffers freed.
+        * A traced plan is specialized to the mode it was traced in (``self.training`` read in Python): in the
+          other mode (the model's ``training`` flag) the plan traced in that mode runs, made on first use; both
+          are kept, as training and evaluation alternate.
+        * A plan made in eval mode at a depth a train-mode BatchNorm cannot run at (levels ``"auto"``) is made
+          again as the model now is, once (the linear scan, which runs in either mode).
+        """
+        plan, mode, shape = self.plan, self.model.training, tuple(shape)
+        if plan.in_shape == shape and plan.planned_training in (None, mode):
+            if self._replan is not None and self._replan.levels == "auto" and plan.needs_linear_scan():
+                self.plan = self._replan(self.model, shape)
+                self._plans[self._plan_key(plan)] = self.plan
+                plan.release_buffers()
+            return self.plan
+        if self._replan is None:  # planned directly (no way to plan another shape): the contract's own check
+            return plan
+        key = (None if plan.planned_training is None else mode, shape)
+        if key not in self._plans:
+            try:
+                self._plans[key] = self._replan(self.model, shape)
+            except NotPlannable:
+                if self.backward_mode != "auto":
+                    raise
+                self._plans[key] = None  # the model's own step for this shape
+            except ValueError as e:  # the model rejects that shape (its own error, as planning words it)
+                raise ValueError(f"input: per-sample shape {shape}, planned on first use (the example's was "
+                                 f"{tuple(plan.in_shape)}): {e}") from e
+            while len(self._plans) > MAX_SHAPE_PLANS:
+                _, old = self._plans.popitem(last=False)
+                if old is not None and old is not plan:
+                    old.release_buffers()
+        self._plans.move_to_end(key)
+        got = self._plans[key]
+        if got is not None:
+            self.plan = got
+        return got
+
+    def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.plan.step_tensors(x)
+
+
+class Replan:
+    """How a wrapper's plan is made again (:meth:`SpscanModule._scan_step`): the planning function, the
+    example input's shape and dtype (a zero batch of them stands in, on the model's device) and the options."""
+
+    def __init__(self, plan_fn: Callable[..., ModelPlan], example_input: torch.Tensor, options: dict) -> None:
+        self.plan_fn, self.options = plan_fn, dict(options)
+        self.shape, self.dtype = tuple(example_input.shape), example_input.dtype
+
+    @property
+    def levels(self) -> Any:
+        return self.options.get("levels", "auto")
+
+    def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
+        """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
+        shape = self.shape if per_sample is None else self.shape[:1] + tuple(per_sample)
+        x = torch.zeros(shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
+        return self.plan_fn(model, x, **self.options)
+
+
+def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
+    """An ``nn.Module`` equal to ``model`` in forward whose backward is the scan.
+
+    ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
+    ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
+    """
+    backward = plan_kwargs.pop("backward", option_default("backward"))
+    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0],
+                        example_input.device, Replan(plan_model, example_input, plan_kwargs))

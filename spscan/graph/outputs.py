@@ -1,0 +1,113 @@
+"""What a traced forward returns, made from the scan's output: the graph tensor the scan's chain ends in, and
+the tail that rebuilds the forward's result from it (tuples, dicts, ``None``s, tensors that do not keep the
+batch first, several tensors at once).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from spscan.graph.nodes import refuse_node
+from spscan.layers.registry import JOIN_CAT as _CAT, NODE_UNITS
+
+if TYPE_CHECKING:
+    from spscan.graph.trace import Traced
+
+__all__ = ["OutputTail", "chain_end", "rebuilt"]
+
+
+class OutputTail:
+    """The forward's result from the scan's output (see :func:`chain_end`): ``tail(y)``."""
+
+    def __init__(self, structure: Any, sources: list, sizes: list, shapes: list, evaluators: dict, packed: bool,
+                 reads: dict) -> None:
+        self.structure, self.sources, self.sizes, self.shapes = structure, sources, sizes, shapes
+        self.evaluators, self.packed, self.reads = evaluators, packed, reads
+
+    def __call__(self, y: torch.Tensor) -> Any:
+        b = y.shape[0]
+        if self.packed:
+            # contiguous, as each was in the model (a .view() of it in the forward needs that)
+            parts = [p.reshape((b,) + s).contiguous() for p, s in zip(y.split(self.sizes, 1), self.shapes)]
+        else:
+            parts = [y]
+        got = dict(zip(self.sources, parts))
+
+        def value(n: fx.Node) -> Any:
+            if n in got:
+                return got[n]
+            return self.evaluators[n](*[got[t] for t in self.reads[n]])
+
+        return rebuilt(self.structure, value)
+
+
+def rebuilt(a: Any, value: Any) -> Any:
+    """``a`` (a traced output's structure) with each node replaced by ``value(node)``, in plain Python containers
+    (fx keeps lists and dicts as immutable ones)."""
+    if isinstance(a, fx.Node):
+        return value(a)
+    if isinstance(a, dict):
+        return {k: rebuilt(v, value) for k, v in a.items()}
+    if isinstance(a, tuple):
+        items = [rebuilt(v, value) for v in a]
+        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
+    if isinstance(a, list):
+        return [rebuilt(v, value) for v in a]
+    return a
+
+
+def chain_end(traced: "Traced", node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]]:
+    """What the scan's chain of ``traced`` ends in (one graph tensor) and how the forward's result is made from
+    it (an :class:`OutputTail`, None where it is that tensor itself); ``node``: the graph's output node.
+
+    The forward may return a structure (``logits, None``; ``logits, hidden``; a dict), tensors that do not
+    keep the batch dim first (an RNN's ``h_n``, ``logits.view(-1, V)``), or numbers: the chain ends in the one
+    graph tensor they are computed from, or in the concatenation of several (each flattened per sample),
+    and the tail, run by the wrapper after the scan's step under autograd, rebuilds the result from it
+    (the slices of that concatenation, then what the forward computed from them, recomputed)."""
+    res = node.args[0]
+    if isinstance(res, fx.Node) and res in traced.kind:
+        return res, None
+    leaves: list[fx.Node] = []
+    fx.node.map_arg(res, lambda n: leaves.append(n) or n)
+    sources: list[fx.Node] = []
+    for n in leaves:
+        if n in traced.kind:
+            sources.append(n)
+        elif n in traced.virtual:
+            sources += traced.virtual[n]
+        elif isinstance(traced.env.get(n), torch.Tensor):
+            raise refuse_node(n, "a tensor the forward returns that is not computed from the input (a constant "
+                                 "of the step), which the scan's output does not carry")
+    sources = list(dict.fromkeys(sources))
+    if not sources:
+        raise refuse_node(node, "the forward returns no tensor computed from the input")
+    if sources == [traced.input_node]:
+        raise refuse_node(node, "the forward's result is its input moved or copied by no layer (nothing to scan)")
+    if len(sources) == 1:
+        end = sources[0]
+    else:  # several: their concatenation, each flattened per sample (a join, as any cat of the graph)
+        flats = []
+        for n in sources:
+            if traced.env[n].dim() == 2:
+                flats.append(n)
+                continue
+            with traced.graph.inserting_before(node):
+                f = traced.graph.call_function(torch.flatten, (n, 1))
+            f.meta = dict(n.meta)
+            traced.env[f] = traced._unit(f, torch.flatten, NODE_UNITS[torch.flatten], (traced.env[n], 1), {}, [n],
+                                     traced.env)
+            flats.append(f)
+        with traced.graph.inserting_before(node):
+            end = traced.graph.call_function(torch.cat, (flats, 1))
+        end.meta = dict(node.meta)
+        traced.env[end] = traced._join(end, torch.cat, _CAT, ([traced.env[f] for f in flats], 1), {}, flats, traced.env)
+    sizes = [int(np.prod(traced.env[n].shape[1:])) for n in sources]
+    shapes = [tuple(traced.env[n].shape[1:]) for n in sources]
+    evaluators = {n: traced._evaluator(n, traced.virtual[n])[0] for n in leaves if n in traced.virtual}
+    return end, OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1,
+                           {n: traced.virtual[n] for n in evaluators})
