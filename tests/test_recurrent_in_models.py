@@ -232,9 +232,10 @@ def test_the_node_is_priced_by_its_own_decision():
     assert "self.rnn (GRU)" in w.explain()
 
 
-def test_a_tuple_the_model_passes_on_keeps_the_layer_as_its_own_call():
-    """An LSTM whose ``(h_n, c_n)`` the model passes to another LSTM whole: that layer stays an opaque node
-    (its own call and backward); the other one, whose results are taken apart, is a recurrent node."""
+def test_a_state_pair_the_model_passes_on_whole_keeps_both_layers_recurrent_nodes():
+    """An LSTM whose ``(h_n, c_n)`` the model passes to another LSTM whole (an encoder-decoder): the pair is
+    rebuilt from its two unpacked tensors, so both layers are recurrent nodes, the decoder's ``h_0``/``c_0``
+    read from the encoder's node."""
 
     class Seq2Seq(nn.Module):
         def __init__(self):
@@ -254,14 +255,56 @@ def test_a_tuple_the_model_passes_on_keeps_the_layer_as_its_own_call():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w = spscan.wrap(model, x, backward="scan")
-    kinds = {type(u).__name__ for u in w.plan.units}
-    assert "RecurrentNodeUnit" in kinds
+    assert sorted(u.label for u in w.plan.units if isinstance(u, RecurrentNodeUnit)) == ["self.dec (LSTM)",
+                                                                                          "self.enc (LSTM)"]
+    assert not [u for u in w.plan.units if type(u) is OpaqueUnit]
     wt = torch.randn(3, 2, dtype=torch.float64)
     y, gx = _step(w, x, wt)
     y_ref, gx_ref = _step(ref, x, wt)
     assert _rel(y, y_ref) <= 1e-12 and _rel(gx, gx_ref) <= 1e-9
     for p, q in zip(model.parameters(), ref.parameters()):
         assert _rel(p.grad, q.grad) <= 1e-9
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_a_language_model_returning_its_lstm_state_keeps_the_layer_a_recurrent_node(backward):
+    """char-rnn's ``return logits, hidden``: the LSTM's ``(h_n, c_n)`` returned whole is rebuilt from its two
+    unpacked tensors, so the LSTM is still a recurrent node; a loss on the logits and on both states gives
+    autograd's gradients, at the planned batch and another."""
+
+    class CharRNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, 6)
+            self.rnn = nn.LSTM(6, 5, num_layers=2, batch_first=True)
+            self.fc = nn.Linear(5, 11)
+
+        def forward(self, x, hidden=None):
+            out, hidden = self.rnn(self.emb(x), hidden)
+            return self.fc(out.contiguous().view(-1, 5)), hidden
+
+    torch.manual_seed(0)
+    model = CharRNN().double()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, torch.randint(0, 11, (3, 7)), backward=backward)
+    units = w.plan.units
+    assert [u for u in units if isinstance(u, RecurrentNodeUnit)] and not [u for u in units if type(u) is OpaqueUnit]
+    for b in (3, 2):
+        x = torch.randint(0, 11, (b, 7))
+        got = []
+        for mod in (w, ref):
+            for p in mod.parameters():
+                p.grad = None
+            logits, (h, c) = mod(x)
+            assert h.shape == c.shape == (2, b, 5)
+            (logits.sin().sum() + (h ** 2).sum() + (c * torch.linspace(-1, 1, 5, dtype=c.dtype)).sum()).backward()
+            got.append((logits.detach(), h.detach(), c.detach(), [p.grad for p in mod.parameters()]))
+        (y, h, c, gs), (y_ref, h_ref, c_ref, gs_ref) = got
+        assert _rel(y, y_ref) <= 1e-12 and _rel(h, h_ref) <= 1e-12 and _rel(c, c_ref) <= 1e-12
+        for g, g_ref in zip(gs, gs_ref):
+            assert _rel(g, g_ref) <= 1e-9
 
 
 @pytest.mark.parametrize("backward", ["scan", "auto"])

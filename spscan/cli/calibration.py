@@ -56,10 +56,12 @@ _FAMILIES: dict[str, list[tuple[Callable[[], nn.Module], tuple[int, ...], int]]]
 }
 _CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 # (input, hidden, T, B): short and long sequences, one sample and a batch (a long sequence's activations
-# leave the caches), narrow and wide cells (a one-feature input runs other kernels than a wide one)
+# leave the caches), narrow and wide cells (a one-feature input runs other kernels than a wide one), and
+# hidden sizes up to 256, where the multiply-adds outweigh the per-step costs (fitted on H <= 64 alone, an
+# RNN of H = 128 was predicted 62 ms a step under autograd, measured ~100 ms)
 _RECURRENT_POINTS = ((16, 32, 16, 1), (16, 32, 256, 1), (16, 32, 1000, 1), (16, 32, 128, 8), (16, 32, 1000, 16),
                      (16, 32, 2000, 16), (1, 20, 100, 16), (1, 20, 1000, 16), (1, 20, 3000, 16), (32, 64, 100, 16),
-                     (32, 64, 1000, 16))
+                     (32, 64, 1000, 16), (2, 128, 1000, 16), (32, 128, 300, 16), (16, 256, 200, 16))
 
 
 def _sync(device: torch.device) -> None:

@@ -9,7 +9,9 @@ the graph front end calls :mod:`spscan.recurrent.plan` / :mod:`spscan.recurrent.
   Every ``out, h = self.rnn(x)`` element the model reads becomes an :class:`Unpack` of that tensor: the same
   tensor as the layer's, in its layout (``batch_first`` or time-major, ``h_n`` with the batch second), which
   only moves entries, so what the model selects from it (``h[-1]``, ``out[:, -1]``) is a selection unit.
-  A layer whose tuple is used otherwise (returned whole, passed on as a tuple) keeps its call (an opaque node).
+  An LSTM's state pair used whole (``return logits, hidden``, as a character language model hands its state
+  to the next batch) is rebuilt from its two unpacked tensors (:func:`lstm_state`). A layer whose result
+  tuple itself is used otherwise (returned whole, passed on as a tuple) keeps its call (an opaque node).
 * **The node** (:class:`RecurrentNodeUnit`): an opaque unit whose call runs the layer through its recurrent
   wrapper (:func:`spscan.wrap` of the layer, made once per node), so its ``J^T g`` to the input sequence
   (and to ``h_0``) and its parameter gradients come from the recurrent plan: the scan over time and the
@@ -32,7 +34,7 @@ from spscan.layers.opaque import OpaqueUnit
 from spscan.options import option_default
 from spscan.planner.step_profile import PREDICTED
 
-__all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "recurrent_calls"]
+__all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "lstm_state", "recurrent_calls"]
 
 RECURRENT_TYPES = (nn.RNN, nn.GRU, nn.LSTM)
 #: the model's planning options a recurrent layer's plan inside it takes as well (the scan's depth, the numeric
@@ -142,6 +144,11 @@ class Unpack:
         return f"Unpack({self.which!r})"
 
 
+def lstm_state(h_n: torch.Tensor, c_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LSTM's ``(h_n, c_n)`` pair, made again from its two tensors where a model uses the pair whole."""
+    return h_n, c_n
+
+
 def recurrent_calls(graph: fx.Graph, root: nn.Module) -> list[RecurrentCall]:
     """Rewrite every call of a recurrent layer of ``root`` whose result the graph only takes apart (``out, h =
     self.rnn(x)``; an LSTM's ``(h_n, c_n)`` too) as described in the module docstring; the calls made."""
@@ -157,11 +164,11 @@ def recurrent_calls(graph: fx.Graph, root: nn.Module) -> list[RecurrentCall]:
             continue
         lstm = isinstance(m, nn.LSTM)
         states = [u for u in users if _element(u) == 1]
-        if lstm and not all(all(_element(w) is not None for w in v.users) for v in states):
-            continue  # (h_n, c_n) passed on as a pair
+        # (h_n, c_n) used as a pair (returned, passed on): both read, the pair rebuilt below
+        pairs = [v for v in states if not all(_element(w) is not None for w in v.users)] if lstm else []
         read = {"output": any(_element(u) == 0 and u.users for u in users)}
         if lstm:
-            read.update({which: any(_element(w) == i for v in states for w in v.users if w.users)
+            read.update({which: bool(pairs) or any(_element(w) == i for v in states for w in v.users if w.users)
                          for i, which in enumerate(("h_n", "c_n"))})
         else:
             read["h_n"] = any(v.users for v in states)
@@ -176,6 +183,16 @@ def recurrent_calls(graph: fx.Graph, root: nn.Module) -> list[RecurrentCall]:
                     u.target, u.args = Unpack(call, which), (node,)
                 else:
                     graph.erase_node(u)  # read by nothing
+                continue
+            if u in pairs:
+                with graph.inserting_after(u):
+                    h = graph.call_function(Unpack(call, "h_n"), (node,))
+                with graph.inserting_after(h):
+                    c = graph.call_function(Unpack(call, "c_n"), (node,))
+                with graph.inserting_after(c):
+                    pair = graph.call_function(lstm_state, (h, c))
+                u.replace_all_uses_with(pair)
+                graph.erase_node(u)
                 continue
             for w in list(u.users):
                 which = ("h_n", "c_n")[_element(w)]
@@ -212,6 +229,12 @@ class RecurrentNodeUnit(OpaqueUnit):
     @property
     def name(self) -> str:
         return f"recurrent: {self.label}"
+
+    @property
+    def cost_family(self) -> str:
+        """The call's wrapping (its read results packed, their gradients passed to the layer's backward) is a
+        copy of its input and output elements: priced by the fitted reshape, as a selection is."""
+        return "ReshapeUnit"
 
     def cost_terms(self, batch: int) -> list[tuple]:
         """What the node's own decision predicts: the layer's own step (``native``), and the candidate it

@@ -22,7 +22,7 @@ from spscan.graph.structure import live_steps, series_parallel
 from spscan.layers import LayerUnit, make_unit, unit_capabilities
 from spscan.layers.elementwise import ParamAffineUnit
 from spscan.layers.opaque import OpaqueUnit, counted_call
-from spscan.layers.shape import ParamCatUnit, SelectionUnit, _Selection
+from spscan.layers.shape import ParamCatUnit, PerSampleReshapeUnit, SelectionUnit, _PerSampleReshape, _Selection
 from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
@@ -322,11 +322,13 @@ class Traced:
         return order, shapes
 
     def _selection(self, node: fx.Node, inputs: list[fx.Node], call, x: torch.Tensor,
-                   y: torch.Tensor) -> Optional[SelectionUnit]:
+                   y: torch.Tensor) -> Optional[LayerUnit]:
         """A node that only moves entries of its one graph tensor, through any chain of reshapes, permutations
         (the batch dim moved and back: ``qkv.permute(2, 0, 3, 1, 4)[0]``) and basic indexing: a
         :class:`SelectionUnit` with the gather the chain amounts to, found by running the chain on the entries'
-        own indices. ``None`` where any step computes values (only index-moving ops may touch a tensor)."""
+        own indices; a per-sample reshape where that gather keeps every entry in its place (a recurrent layer's
+        ``out`` unpacked from its result: no copy forward, no scatter into zeros backward). ``None`` where any
+        step computes values (only index-moving ops may touch a tensor)."""
         if len(inputs) != 1:
             return None
         order, _ = self._between(node, inputs)
@@ -350,6 +352,9 @@ class Traced:
         if not bool((probe[1].reshape(-1) - src == d_in).all()) or src.numel() == 0 \
                 or int(src.min()) < 0 or int(src.max()) >= d_in or torch.unique(src).numel() != src.numel():
             return None
+        if src.numel() == d_in and bool((src == torch.arange(d_in)).all()):
+            return PerSampleReshapeUnit(len(self.units), _PerSampleReshape(tuple(y.shape[1:])), tuple(x.shape[1:]),
+                                        tuple(y.shape[1:]))
         return SelectionUnit(len(self.units), _Selection("index", src.numpy()), tuple(x.shape[1:]), tuple(y.shape[1:]))
 
     def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):
