@@ -5,7 +5,7 @@ batch first, several tensors at once).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -13,9 +13,6 @@ import torch.fx as fx
 
 from spscan.graph.nodes import refuse_node
 from spscan.layers.registry import JOIN_CAT as _CAT, NODE_UNITS
-
-if TYPE_CHECKING:
-    from spscan.graph.trace import Traced
 
 __all__ = ["OutputTail", "chain_end", "rebuilt"]
 
@@ -60,9 +57,10 @@ def rebuilt(a: Any, value: Any) -> Any:
     return a
 
 
-def chain_end(traced: "Traced", node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]]:
-    """What the scan's chain of ``traced`` ends in (one graph tensor) and how the forward's result is made from
-    it (an :class:`OutputTail`, None where it is that tensor itself); ``node``: the graph's output node.
+def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]]:
+    """What the scan's chain of ``traced`` (the :class:`~spscan.graph.trace.Traced` being built) ends in (one
+    graph tensor) and how the forward's result is made from it (an :class:`OutputTail`, None where it is that
+    tensor itself); ``node``: the graph's output node.
 
     The forward may return a structure (``logits, None``; ``logits, hidden``; a dict), tensors that do not
     keep the batch dim first (an RNN's ``h_n``, ``logits.view(-1, V)``), or numbers: the chain ends in the one

@@ -5,7 +5,7 @@ series-parallel blocks (:func:`series_parallel`), or, for any DAG, a chain over 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch.fx as fx
@@ -14,9 +14,6 @@ from spscan.errors import NotPlannable
 from spscan.graph.nodes import refuse_node
 from spscan.graph.segments import LiveStep, Parallel
 from spscan.layers.registry import JOIN_ADD as _ADD, JOIN_CAT as _CAT
-
-if TYPE_CHECKING:
-    from spscan.graph.trace import Traced
 
 __all__ = ["LIVE_STATE_LIMIT", "NotSeriesParallel", "live_steps", "series_parallel"]
 
@@ -29,7 +26,7 @@ class NotSeriesParallel(NotPlannable):
     """The graph is not a chain of series-parallel blocks: it is planned as a live-set chain instead."""
 
 
-def live_steps(traced: "Traced") -> list[Any]:
+def live_steps(traced: Any) -> list[Any]:
     """The graph as a chain over its live set (see :class:`LiveStep`), in fx's topological order.
     A node whose only input is the whole live set and is read by nothing else stays a plain unit
     (nodes the output does not depend on were left out when traced: :meth:`~spscan.graph.trace.Traced._drop_dead`).
@@ -65,7 +62,7 @@ def live_steps(traced: "Traced") -> list[Any]:
                                [t.name for t in before]))
     return steps
 
-def series_parallel(traced: "Traced") -> list[Any]:
+def series_parallel(traced: Any) -> list[Any]:
     """The graph as a chain of series-parallel blocks: units in series, and blocks whose branches fork at one
     node and meet at an add or a channel concatenation (:class:`~spscan.graph.segments.Parallel`), walked back
     from the output. Raises :class:`NotSeriesParallel` naming the node where the graph is not one."""
@@ -89,7 +86,7 @@ def series_parallel(traced: "Traced") -> list[Any]:
                           "chain of series-parallel blocks)", NotSeriesParallel)
     return segs
 
-def _back(traced: "Traced", end, start, dom, order, consumed: dict, visited: set) -> list[Any]:
+def _back(traced: Any, end, start, dom, order, consumed: dict, visited: set) -> list[Any]:
     """The segments between ``start`` and ``end`` (exclusive, inclusive), walking back from ``end``; counts in
     ``consumed`` how often each node is read on the way."""
     segs: list[Any] = []

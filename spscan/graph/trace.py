@@ -154,7 +154,7 @@ class Traced:
                     self.input_node = node
                     continue
                 if node.op == "output":
-                    self._output(node)
+                    self.output_node, self.output_tail = chain_end(self, node)
                     continue
                 if node.op == "get_attr":  # a parameter or buffer read functionally: a constant of the graph
                     env[node] = self._attr(node.target)
@@ -207,11 +207,6 @@ class Traced:
                                   f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__} for "
                                   "an example batch of 2")
                 env[node] = y
-
-    def _output(self, node: fx.Node) -> None:
-        """:attr:`output_node` and :attr:`output_tail` from the graph's output ``node``
-        (:func:`spscan.graph.outputs.chain_end`)."""
-        self.output_node, self.output_tail = chain_end(self, node)
 
     def _drop_dead(self) -> None:
         """Leave out the units the output does not depend on (``out, h = self.rnn(x)`` with only ``h`` used;
