@@ -16,7 +16,7 @@ import torch.nn as nn
 from spscan.runtime.autograd import apply as autograd_apply
 from spscan.runtime.graphed import GraphedCall
 
-__all__ = ["GraphedBackward", "any_nonzero", "has_operands", "operand_weight_grads", "run_wrapped", "split_hx",
+__all__ = ["GraphedBackward", "any_nonzero", "check_input", "has_operands", "operand_weight_grads", "run_wrapped", "split_hx",
            "weight_grad"]
 
 
@@ -46,6 +46,20 @@ class GraphedBackward:
             return [b.held_buffers() for b in plan.bindings_for(saved.T, saved.device, saved.dtype)]
 
         return self.call(backward, (saved, args), (wanted, saved.T, saved.B, saved.unbatched), hold)
+
+
+def check_input(module: nn.Module, x: Any) -> None:
+    """Refuse what a recurrent module's scan cannot take, naming it: a ``PackedSequence`` (with what to do
+    instead), a non-tensor, a tensor of other than 2 or 3 dims, another feature size than ``module``'s."""
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        raise TypeError("PackedSequence inputs are not supported: pad them (torch.nn.utils.rnn.pad_packed_sequence) "
+                        "and mask the loss of the padding steps instead")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor input, got {type(x).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"expected input of 2 or 3 dims (T, I) / (T, B, I) / (B, T, I), got shape {tuple(x.shape)}")
+    if x.shape[-1] != module.input_size:
+        raise ValueError(f"expected input feature size {module.input_size}, got {x.shape[-1]}")
 
 
 def has_operands(saved: Any) -> bool:

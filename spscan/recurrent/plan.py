@@ -80,8 +80,8 @@ from spscan.runtime import Collect, PeriodicValues, RecycledBuffers, ScanResult,
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.runtime.plan import build_plan
-from spscan.recurrent.backward import (GraphedBackward, any_nonzero, has_operands, operand_weight_grads, split_hx,
-                                       weight_grad)
+from spscan.recurrent.backward import (GraphedBackward, any_nonzero, check_input, has_operands, operand_weight_grads,
+                                       split_hx, weight_grad)
 from spscan.recurrent.forward import CompiledForwards, Saved
 
 __all__ = [
@@ -212,7 +212,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         self.last_seq_len: Optional[int] = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
-            self._check_input(x)
+            check_input(self.module, x)
             T = x.shape[1 if (module.batch_first and x.dim() == 3) else 0]
             if x.dim() == 3:
                 # the core's cost model assumes a batch size: the example's, unless given
@@ -353,21 +353,13 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         """The module's parameters in :meth:`param_names` order (its own objects)."""
         return module_params(self.module)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"expected a tensor input, got {type(x).__name__} (PackedSequence is not supported)")
-        if x.dim() not in (2, 3):
-            raise ValueError(f"expected input of 2 or 3 dims (T, I) / (T, B, I) / (B, T, I), got shape {tuple(x.shape)}")
-        if x.shape[-1] != self.module.input_size:
-            raise ValueError(f"expected input feature size {self.module.input_size}, got {x.shape[-1]}")
-
     def forward(self, x: torch.Tensor, hx=None):
         """Run the forward (no autograd; the module's own or Newton's, per ``forward=``) and save what the scan needs.
 
         ``x``: ``(T, B, I)`` (``(B, T, I)`` if batch_first) or unbatched ``(T, I)``; ``hx`` as the
         module takes it. Returns ``(outputs, saved)`` with ``outputs`` exactly what the module returns.
         """
-        self._check_input(x)
+        check_input(self.module, x)
         with torch.no_grad():
             return self.run_forward(x, hx, need_saved=True)
 

@@ -56,6 +56,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from spscan.recurrent.backward import check_input
 from spscan.recurrent.cells import check_cell_form
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Decision
@@ -140,7 +141,7 @@ class StackedRecurrentPlan(RecurrentFront):
         ex = None
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
-            self._check_input(x)
+            check_input(self.module, x)
             T = x.shape[1 if (module.batch_first and x.dim() == 3) else 0]
             B = 1 if x.dim() == 2 else x.shape[0 if module.batch_first else 1]
             if x.dim() == 3:
@@ -187,17 +188,6 @@ class StackedRecurrentPlan(RecurrentFront):
 
     # -- forward
 
-    def _check_input(self, x: Any) -> None:
-        if isinstance(x, nn.utils.rnn.PackedSequence):
-            raise TypeError("PackedSequence inputs are not supported: pad them (torch.nn.utils.rnn.pad_packed_sequence) "
-                            "and mask the loss of the padding steps instead")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"expected a tensor input, got {type(x).__name__}")
-        if x.dim() not in (2, 3):
-            raise ValueError(f"expected input of 2 or 3 dims (T, I) / (T, B, I) / (B, T, I), got shape {tuple(x.shape)}")
-        if x.shape[-1] != self.module.input_size:
-            raise ValueError(f"expected input feature size {self.module.input_size}, got {x.shape[-1]}")
-
     def _split_hx(self, hx, unbatched: bool) -> list:
         """Per (layer, direction) initial state as the single-layer module takes it (``(1, B, H)``), or Nones."""
         n = self.num_layers * self.num_directions
@@ -225,7 +215,7 @@ class StackedRecurrentPlan(RecurrentFront):
         ``(outputs, saved)`` with ``outputs`` what the module returns: ``output`` ``(T, B, D*H)`` in the
         input's layout and ``h_n`` (``(h_n, c_n)``) shaped like ``hx``.
         """
-        self._check_input(x)
+        check_input(self.module, x)
         with torch.no_grad():
             return self.run_forward(x, hx, need_saved=True)
 

@@ -15,7 +15,7 @@ from spscan.runtime.choices import BackwardChoice, recurrent_decision, recurrent
 from spscan.options import option_default
 from spscan.planner.choose import Decision
 from spscan.recurrent.plan import plan_recurrent
-from spscan.recurrent.backward import run_wrapped
+from spscan.recurrent.backward import check_input, run_wrapped
 from spscan.recurrent.stacked import is_stacked, plan_stacked
 
 __all__ = ["RecurrentWrapper", "wrap_recurrent"]
@@ -59,7 +59,7 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
     def _scan_step(self, key, choice: str, x: torch.Tensor, hx):
         refuse_functorch()
         plan = self.plan
-        plan._check_input(x)
+        check_input(plan.module, x)
         plan.check_unchanged()  # the module's configuration may have been changed after wrapping
         h0, c0 = plan.split_state(hx)
         out = run_wrapped(plan, self.module, x, hx, h0, c0, plan.step_params(), choice == "graph")
