@@ -73,14 +73,8 @@ class DeviceProfile:
             return self.chain_sparse_step_s
         return self.chain_step_s
 
-    def sparse_time(self, pairs: float, launches: int) -> float:
-        return launches * self.op_overhead_s + pairs / self.pair_rate
-
     def gemm_time(self, macs: float, launches: int) -> float:
         return launches * self.op_overhead_s + macs / self.gemm_rate
-
-    def gemv_time(self, macs: float, launches: int) -> float:
-        return launches * self.op_overhead_s + macs / self.gemv_rate
 
 
 # Orders of magnitude of a small multi-core CPU (torch eager) and a recent datacenter GPU (Triton launches:

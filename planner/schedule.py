@@ -120,11 +120,6 @@ def _counters(n: int, start: Optional[dict[str, int]] = None):
     return counters, new
 
 
-def reduction_levels(n: int) -> int:
-    """Levels of the pairwise tree that reduces ``n`` elements to one."""
-    return max(0, math.ceil(math.log2(n))) if n >= 1 else 0
-
-
 def reduction_schedule(n: int, has_extra: Optional[Sequence[bool]] = None) -> ScanSchedule:
     """Reduce a whole chain to its affine composite ``g_0 = M g_n + v`` by a pairwise product tree.
 
