@@ -15,11 +15,13 @@ import torch
 from spscan.kernels.backend import cpu_ops
 from spscan.recurrent.cells import gru_weight_values, lstm_gate_encoding, lstm_weight_values, module_params
 from spscan.runtime import PeriodicValues
+from spscan.runtime.autograd import holds_tensors
 from spscan.recurrent.backward import split_hx
 
 __all__ = ["Saved", "CompiledForwards"]
 
 
+@holds_tensors
 class Saved:
     """What the backward needs from one forward: time-major tensors and the chain's values.
 
@@ -27,11 +29,9 @@ class Saved:
     the caller may change in place), gate coefficients per kind, ``values`` (the chain's Jacobian
     values) and the sizes. The compiled CPU forwards also keep ``operands``: ``(H + I + 1, T, B)``,
     rows ``h_{t-1}``, ``x_t`` and ones, feature-major (``h_prev`` is a view of its first rows), the
-    weight gradients' operand (:func:`~spscan.recurrent.backward.compiled_weight_grads`); otherwise ``None``.
+    weight gradients' operand (:func:`~spscan.recurrent.backward.operand_weight_grads`); otherwise ``None``.
     Through autograd its tensors are kept by ``ctx.save_for_backward`` (:mod:`spscan.runtime.autograd`).
     """
-
-    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.runtime.autograd)
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)

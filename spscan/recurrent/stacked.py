@@ -58,6 +58,7 @@ from torch import nn
 
 from spscan.recurrent.backward import check_input
 from spscan.recurrent.cells import check_cell_form
+from spscan.runtime.autograd import holds_tensors
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Decision
 from spscan.recurrent.plan import RecurrentFront, RecurrentPlan
@@ -109,10 +110,9 @@ def _sync_view(view: nn.Module, module: nn.Module, layer: int, direction: int) -
             setattr(view, vname, p)
 
 
+@holds_tensors
 class _StackedSaved:
     """What one forward keeps for the backward: each (layer, direction)'s saved state and the masks."""
-
-    _holds_tensors = True  # its tensors go through ctx.save_for_backward (spscan.runtime.autograd)
 
     def __init__(self, subs: list, masks: list, T: int, B: int, unbatched: bool, batch_first: bool) -> None:
         self.subs, self.masks = subs, masks  # subs[l * D + d]; masks[l] scales layer l's output (None: no dropout)

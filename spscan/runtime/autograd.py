@@ -12,15 +12,15 @@ gradient recording off.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
 
 from spscan.runtime import PeriodicValues
 
-__all__ = ["FrontEnd", "ScanFunction", "apply", "in_functorch_transform", "keep_graph", "refuse_functorch",
-           "refuse_second_derivative"]
+__all__ = ["FrontEnd", "ScanFunction", "apply", "holds_tensors", "in_functorch_transform", "keep_graph",
+           "map_tensors", "refuse_functorch", "refuse_second_derivative", "tensors_and_signature"]
 
 
 class FrontEnd(Protocol):
@@ -118,29 +118,93 @@ class _Slot:
         self.index = index
 
 
-# types map_tensors returns as they are without a look inside
-_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, range, slice])
+# The one tensor walker (map_tensors, tensors_and_signature). Its containers: dicts, lists, tuples, and the
+# classes of this package whose objects hold tensors in their attributes (a front end's saved state,
+# PeriodicValues), which register with holds_tensors; anything else is a leaf, passed on as it is.
+# Hand-written rather than torch.utils._pytree's tree_map: it runs twice per training step, and on a stacked
+# LSTM's saved state it took 62 us a call against tree_map's 235 us.
+
+_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size, range, slice])
+_HOLDERS: set = set()
+
+
+def holds_tensors(cls: type) -> type:
+    """Class decorator: objects of ``cls`` hold tensors in their attributes (``__dict__``), and the tensor walker
+    (:func:`map_tensors`, :func:`tensors_and_signature`) looks inside them: their tensors go through
+    ``ctx.save_for_backward`` and into a recorded graph's signature. A copy is made with ``object.__new__``
+    and the attributes set, no ``__init__``."""
+    _HOLDERS.add(cls)
+    return cls
+
+
+holds_tensors(PeriodicValues)
+
+
+class Unseen(Exception):
+    """What :func:`tensors_and_signature` walked holds something a recorded graph could not replay."""
+
+
+_TENSOR = object()  # a tensor's place in a signature
+
+
+def _walk(value, fn, trace: Optional[list]):
+    """``value`` rebuilt with ``fn`` applied to its tensors (and :class:`_Slot` s); with ``trace``, a hashable
+    record of everything else appended to it, in the same order. Dispatched on the exact type first."""
+    t = type(value)
+    if t in _ATOMS:
+        if trace is not None:
+            trace.append((t, value))
+        return value
+    if t is torch.Tensor or t is _Slot or isinstance(value, torch.Tensor):
+        if trace is not None:
+            trace.append(_TENSOR)
+        return fn(value)
+    if t is dict or isinstance(value, dict):
+        if trace is not None:
+            trace.append((dict, tuple(value)))
+        return {k: _walk(v, fn, trace) for k, v in value.items()}
+    if t is list or t is tuple:
+        if trace is not None:
+            trace.append((t, len(value)))
+        return t([_walk(v, fn, trace) for v in value])
+    if t in _HOLDERS:
+        if trace is not None:
+            trace.append((t, tuple(value.__dict__)))
+        copy = object.__new__(t)
+        copy.__dict__.update({k: _walk(v, fn, trace) for k, v in value.__dict__.items()})
+        return copy
+    if trace is not None:  # passed on as it is: part of the signature (a configuration object)
+        try:
+            hash(value)
+        except TypeError:
+            raise Unseen from None
+        trace.append((t, value))
+    return value
 
 
 def map_tensors(value, fn):
-    """A copy of ``value`` with ``fn`` applied to every tensor (or :class:`_Slot`) it holds: inside
-    dicts, lists, tuples, :class:`~spscan.runtime.PeriodicValues` and objects that say they hold
-    tensors (``_holds_tensors``); other objects are kept as they are. Containers are rebuilt, not
-    changed. (Dispatched on the exact type first: it runs twice per training step.)"""
-    t = type(value)
-    if t in _ATOMS:
-        return value
-    if t is torch.Tensor or t is _Slot or isinstance(value, torch.Tensor):
-        return fn(value)
-    if t is dict or isinstance(value, dict):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    if t is list or t is tuple:
-        return t([map_tensors(v, fn) for v in value])
-    if isinstance(value, PeriodicValues) or getattr(t, "_holds_tensors", False):
-        copy = object.__new__(t)
-        copy.__dict__.update({k: map_tensors(v, fn) for k, v in value.__dict__.items()})
-        return copy
-    return value
+    """A copy of ``value`` with ``fn`` applied to every tensor (or :class:`_Slot`) it holds, inside the walker's
+    containers (dicts, lists, tuples, :func:`holds_tensors` objects); other objects are kept as they are.
+    Containers are rebuilt, not changed."""
+    return _walk(value, fn, None)
+
+
+def tensors_and_signature(value: Any) -> tuple[list[torch.Tensor], Hashable]:
+    """``value``'s tensors, in :func:`map_tensors`' order, and a hashable signature of everything else (its
+    structure and every other leaf). Raises :class:`Unseen` where a replay could not reproduce ``value``: a
+    tensor with an autograd graph, or an unhashable leaf (a hashable one is part of the signature: a new
+    object is a new signature)."""
+    tensors: list[torch.Tensor] = []
+    trace: list = []
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        if t.grad_fn is not None:  # it carries an autograd graph of the first call's tensors
+            raise Unseen
+        tensors.append(t)
+        return t
+
+    _walk(value, take, trace)
+    return tensors, tuple(trace)
 
 
 def flatten_tensors(value) -> tuple[Any, list[torch.Tensor]]:

@@ -44,8 +44,9 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 import spscan.kernels as _kernels
-from spscan.runtime.autograd import flatten_tensors, keep_graph, map_tensors, refuse_second_derivative
-from spscan.runtime import CAPTURE_ERROR_MODE, PeriodicValues
+from spscan.runtime.autograd import (Unseen, flatten_tensors, keep_graph, map_tensors, refuse_second_derivative,
+                                     tensors_and_signature)
+from spscan.runtime import CAPTURE_ERROR_MODE
 
 __all__ = ["GraphedCall", "GraphedStep", "copy_all", "record_cuda_graph"]
 
@@ -79,49 +80,6 @@ def record_cuda_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Call
         with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
             fn()
     return graph.replay, graph
-
-
-class _Unseen(Exception):
-    """The inputs hold something a graph cannot replay (see :func:`_walk`)."""
-
-
-_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size, range, slice])
-
-
-def _walk(value: Any, tensors: list[torch.Tensor], atoms: list) -> None:
-    """Collect ``value``'s tensors in the order :func:`~spscan.runtime.autograd.map_tensors` visits them and a
-    hashable trace of everything else; raise :class:`_Unseen` for what a replay could not reproduce: a
-    tensor with an autograd graph, or an unhashable object ``map_tensors`` passes on as it is. (A
-    hashable one is part of the signature: a new object is a new signature, recorded anew.)"""
-    t = type(value)
-    if t in _ATOMS:
-        atoms.append((t, value))
-    elif isinstance(value, torch.Tensor):
-        if value.grad_fn is not None:  # it carries an autograd graph of the first call's tensors
-            raise _Unseen
-        tensors.append(value)
-        atoms.append(_TENSOR)
-    elif t is dict or isinstance(value, dict):
-        atoms.append((dict, tuple(value)))
-        for v in value.values():
-            _walk(v, tensors, atoms)
-    elif t is list or t is tuple:
-        atoms.append((t, len(value)))
-        for v in value:
-            _walk(v, tensors, atoms)
-    elif isinstance(value, PeriodicValues) or getattr(t, "_holds_tensors", False):
-        atoms.append((t, tuple(value.__dict__)))
-        for v in value.__dict__.values():
-            _walk(v, tensors, atoms)
-    else:  # passed on as it is: a configuration object (a value encoding) is part of the signature
-        try:
-            hash(value)
-        except TypeError:
-            raise _Unseen from None
-        atoms.append((t, value))
-
-
-_TENSOR = object()  # a tensor's place in a signature's trace
 
 
 def _packing(outputs: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
@@ -187,11 +145,9 @@ class GraphedCall:
 
     def __call__(self, fn: Callable[..., Any], args: tuple, key: Hashable = (),
                  hold: Optional[Callable[[], list]] = None) -> Any:
-        tensors: list[torch.Tensor] = []
-        atoms: list = []
         try:
-            _walk(args, tensors, atoms)
-        except _Unseen:
+            tensors, structure = tensors_and_signature(args)
+        except Unseen:
             return fn(*args)
         if not tensors:
             return fn(*args)
@@ -200,7 +156,7 @@ class GraphedCall:
             return fn(*args)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # the caller records a graph
             return fn(*args)
-        sig = (key, tuple(atoms), tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        sig = (key, structure, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
         if sig in self.eager:
             return fn(*args)
         # one buffer per distinct tensor (a tensor the inputs hold twice is one input of the graph)
