@@ -90,6 +90,11 @@ class Row:
     # a side whose steps from CUDA graphs could not all be recorded (those steps ran eagerly, so its time
     # is partly the eager step's): why, as the recording said it
     graph_failed: Optional[str] = None
+    # the peer a user would pick for launch-bound steps: torch.compile(model, mode="reduce-overhead") on an
+    # identical copy, timed in the same rounds (``--peer-compile``); None: not measured
+    compiled_s: Optional[float] = None
+    ratio_vs_compiled: Optional[float] = None  # median over rounds of compiled time / wrapped time
+    compiled_failed: Optional[str] = None
     explain: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -268,12 +273,15 @@ def grad_error(ref: Sequence, other: Sequence) -> float:
 
 def measure_row(case, device: str = "cpu", threads: Optional[int] = None, threads_label: str = "",
                 budget_s: float = 6.0, min_rounds: int = 5, max_rounds: int = 41, warmup: int = 2,
-                grad_tol: float = 1e-3, wrap: Optional[Callable] = None, run_rounds: Optional[Callable] = None) -> Row:
+                grad_tol: float = 1e-3, wrap: Optional[Callable] = None, run_rounds: Optional[Callable] = None,
+                compile_peer: Optional[Callable] = None) -> Row:
     """One row for ``case`` (a :class:`never_slower_models.Case`) on ``device`` at ``threads`` torch
     threads (None: as set). ``wrap`` replaces ``spscan.wrap``; ``run_rounds(fn, n)`` runs the timed
     rounds (the benchmark fixture's ``pedantic``; default a loop). A wrapped side whose gradients
     differ from autograd's by ``grad_tol`` or more (:func:`grad_error`) sets ``row.wrong`` and
-    nothing is timed."""
+    nothing is timed. ``compile_peer(module)``: a compiled module (:func:`compile_reduce_overhead`) timed as
+    one more side on an identical copy (``row.compiled_s``, ``row.ratio_vs_compiled``); a peer that fails to
+    compile or run is recorded in ``row.compiled_failed`` and the row goes on without it."""
     import torch
 
     if wrap is None:
@@ -287,7 +295,8 @@ def measure_row(case, device: str = "cpu", threads: Optional[int] = None, thread
         row = Row(model=case.name, device=device, threads=torch.get_num_threads(), batch=case.batch,
                   family=case.family, threads_label=threads_label or str(torch.get_num_threads()),
                   option=backward_option_supported(wrap))
-        _measure(row, case, device, wrap, torch, budget_s, min_rounds, max_rounds, warmup, grad_tol, run_rounds)
+        _measure(row, case, device, wrap, torch, budget_s, min_rounds, max_rounds, warmup, grad_tol, run_rounds,
+                 compile_peer)
     finally:
         torch.set_num_threads(before)
     row.load_1min = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -311,7 +320,16 @@ def fresh_copy(module: Any) -> Any:
     return out
 
 
-def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_rounds, warmup, grad_tol, run_rounds):
+def compile_reduce_overhead(module: Any) -> Any:
+    """``torch.compile(module, mode="reduce-overhead")``: the peer of a step replayed from CUDA graphs (inductor's
+    kernels, recorded as CUDA graphs by torch)."""
+    import torch
+
+    return torch.compile(module, mode="reduce-overhead")
+
+
+def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_rounds, warmup, grad_tol, run_rounds,
+             compile_peer=None):
     model, head = case.build(device)
     x, y = case.data(device)
     plain, plain_head = fresh_copy(model), fresh_copy(head)
@@ -359,6 +377,18 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
 
         return step
 
+    compiled_at = None
+    if compile_peer is not None:
+        peer_model, peer_head = fresh_copy(plain), fresh_copy(plain_head)
+        try:
+            peer = compile_peer(peer_model)
+            peer_step = stepper(peer, peer_head, peer_model)
+            for _ in range(3):  # compiled, then recorded (reduce-overhead records from its second or third call)
+                peer_step()
+            sides.append((peer, peer_head, peer_model))
+            compiled_at = len(sides) - 1
+        except Exception as e:  # noqa: BLE001 - a peer that cannot compile is noted, the row goes on
+            row.compiled_failed = refusal(e)
     steps = [stepper(*side) for side in sides]
 
     # one seeded step on every side from the same weights, in full float32 (no TF32 on CUDA): the
@@ -373,7 +403,7 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
         for k, step in enumerate(steps):
             torch.manual_seed(1234)
             step()
-            if k:
+            if k and k != compiled_at:  # the peer's own gradients are torch.compile's affair, not the row's
                 worst = max(worst, grad_error(grads(plain, plain_head), grads(sides[k][2], sides[k][1])))
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -411,10 +441,13 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
     row.ratio_q25, row.ratio_q75 = quartiles(ratios)
     row.autograd_s = statistics.median(t[0] for t in times)
     row.chosen_s = statistics.median(t[1] for t in times)
-    if len(steps) > 2:
+    if len(steps) > 2 and compiled_at != 2:  # the forced other candidate's side, where it exists
         row.other_s = statistics.median(t[2] for t in times)
     for k, m in enumerate(row.more):
         m["measured_s"] = statistics.median(t[3 + k] for t in times)
+    if compiled_at is not None:
+        row.compiled_s = statistics.median(t[compiled_at] for t in times)
+        row.ratio_vs_compiled = statistics.median(t[compiled_at] / t[1] for t in times)
     failed = [f for net, _, _ in sides[1:] for f in graph_failures(net)]
     row.graph_failed = "; ".join(sorted(set(failed))) or None
 
@@ -436,7 +469,13 @@ COLUMNS = ["model", "device", "threads", "batch", "choice", "ratio vs autograd (
            "predicted chosen (ms)", "measured chosen (ms)", "predicted other / measured other (ms)", "note"]
 
 
-def format_row(r: Row) -> str:
+def _vs_compiled(r: Row) -> str:
+    if r.compiled_failed:
+        return "failed"
+    return "-" if r.ratio_vs_compiled is None else f"{r.ratio_vs_compiled:.2f} ({_ms(r.compiled_s)} ms)"
+
+
+def format_row(r: Row, compiled: bool = False) -> str:
     other = "-" if r.other is None else "; ".join(
         f"{name}: {_ms(p)} / {_ms(m)}" for name, p, m in
         [(r.other, r.predicted_other_s, r.other_s)] + [(d["name"], d.get("predicted_s"), d.get("measured_s"))
@@ -445,12 +484,19 @@ def format_row(r: Row) -> str:
     notes = "; ".join(r.notes or row_notes(r)).replace("|", "\\|")
     cells = [r.model, r.device, r.threads_label or str(r.threads), str(r.batch), choice, _ratio(r),
              _ms(r.autograd_s), _ms(r.predicted_chosen_s), _ms(r.chosen_s), other, notes]
+    if compiled:
+        cells.insert(6, _vs_compiled(r))
     return "| " + " | ".join(cells) + " |"
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 5 + ["---:"] * 4 + ["---"] * 2) + "|"]
-    return "\n".join(lines + [format_row(r) for r in rows])
+    """The markdown table; with a column *vs compile* (torch.compile's reduce-overhead step time over the
+    wrapped one, and its time) where any row timed that peer."""
+    compiled = any(r.compiled_s is not None or r.compiled_failed for r in rows)
+    cols = COLUMNS[:6] + ["vs torch.compile reduce-overhead (its ms)"] + COLUMNS[6:] if compiled else COLUMNS
+    align = ["---"] * 5 + ["---:"] * (len(cols) - 7) + ["---"] * 2
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(align) + "|"]
+    return "\n".join(lines + [format_row(r, compiled) for r in rows])
 
 
 def summary_line(rows: Sequence[Row], bar: float = BAR) -> str:
@@ -530,6 +576,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--date", default=None, help="the date in the header (default: today, UTC)")
     p.add_argument("--note", action="append", default=[], help="a line added to the header (repeatable)")
     p.add_argument("--from-json", default=None, help="write the table from an earlier run's rows, run nothing")
+    p.add_argument("--peer-compile", action="store_true",
+                   help='also time torch.compile(model, mode="reduce-overhead") on each row (NEVER_SLOWER_PEER_COMPILE=1)')
     ns = p.parse_args(argv)
     if ns.from_json:
         header, rows = rows_from_json(Path(ns.from_json))
@@ -545,6 +593,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env["NEVER_SLOWER_DATE"] = ns.date
     if ns.note:
         env["NEVER_SLOWER_NOTE"] = "\n".join(ns.note)
+    if ns.peer_compile:
+        env["NEVER_SLOWER_PEER_COMPILE"] = "1"
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "bench" / "test_never_slower.py"), "-p", "no:cacheprovider",
            *passthrough]
     return subprocess.call(cmd, cwd=ROOT, env=env)

@@ -39,6 +39,7 @@ from never_slower_models import CASES
 
 QUICK = os.environ.get("SPSCAN_BENCH_QUICK") == "1"
 STRICT = os.environ.get("NEVER_SLOWER_STRICT") == "1"
+PEER_COMPILE = os.environ.get("NEVER_SLOWER_PEER_COMPILE") == "1"
 TIMING = dict(budget_s=1.0, min_rounds=3, max_rounds=9) if QUICK else dict(budget_s=12.0, min_rounds=5, max_rounds=81)
 DEFAULT_THREADS = torch.get_num_threads()  # as bench/conftest.py sets it
 
@@ -95,7 +96,8 @@ def test_never_slower(benchmark, case, threads, device):
     def run_rounds(one_round, rounds):
         benchmark.pedantic(one_round, rounds=rounds, iterations=1)
 
-    row = ns.measure_row(case, device, threads=n, threads_label=label, run_rounds=run_rounds, **TIMING)
+    row = ns.measure_row(case, device, threads=n, threads_label=label, run_rounds=run_rounds,
+                         compile_peer=ns.compile_reduce_overhead if PEER_COMPILE else None, **TIMING)
     RECORDED.append(row)
     _write()
     # spscan.wrap with backward="auto" refuses no model (what the scan cannot plan runs autograd's backward): a

@@ -167,6 +167,38 @@ def test_the_decision_api_is_read_and_the_other_candidate_timed():
     assert "| native |" in text and "scan: 2.00 / " in text
 
 
+def test_a_compiled_peer_is_timed_as_one_more_side():
+    """``compile_peer``: torch.compile's step (a stand-in here) timed in the same rounds on an identical copy,
+    apart from the chosen and the other candidate; its own gradients do not make the row wrong, and a peer
+    that fails to compile is noted while the row goes on. The table gets a column for it."""
+    calls = []
+
+    def wrap(model, x, *, backward="auto"):
+        return _Decided(model, "native" if backward == "auto" else backward)
+
+    def peer(module):
+        calls.append(module)
+        return module
+
+    row = ns.measure_row(TINY, wrap=wrap, compile_peer=peer, **FAST)
+    assert len(calls) == 1 and row.ran and row.other == "scan" and row.other_s is not None
+    assert row.compiled_s is not None and row.ratio_vs_compiled > 0 and row.compiled_failed is None
+    assert "vs torch.compile" in ns.format_table([row]) and f"{row.ratio_vs_compiled:.2f} (" in ns.format_row(row, True)
+
+    def bad_peer(module):
+        raise RuntimeError("no compiler here")
+
+    row = ns.measure_row(TINY, wrap=wrap, compile_peer=bad_peer, **FAST)
+    assert row.ran and row.compiled_s is None and "no compiler here" in row.compiled_failed
+    assert "| failed |" in ns.format_table([row])
+
+    def wrong_peer(module):  # a compiled step whose gradients differ: the row is still spscan's
+        return lambda x: 2 * module(x)
+
+    row = ns.measure_row(TINY, wrap=lambda model, x: model, compile_peer=wrong_peer, **FAST)
+    assert row.ran and row.wrong is None and row.other_s is None and row.compiled_s is not None
+
+
 def test_a_model_refusing_the_backward_option_is_wrapped_without_it():
     def wrap(model, x, *, backward=None):
         if backward is not None:

@@ -15,6 +15,8 @@
 #   rnn        the recurrent rows, the same way, at the default thread count and at one thread (their
 #              whole-step graph among the candidates; a row notes a graph side that ran partly eagerly)
 #   cnn1       the CNN, MLP and transformer rows at one thread
+#   compile    the CNN, MLP and transformer rows with torch.compile(model, mode="reduce-overhead") timed in
+#              the same rounds (--peer-compile: a column "vs torch.compile"; compiling takes most of its time)
 #   calibrate  spscan.calibrate() on this GPU at two threads (whole models; GRAPHS_CALIBRATE_RECURRENT=1
 #              also fits the recurrent cells, graph included), written to OUTDIR/step-profile-cuda.json
 #   profile    forward and backward timed apart for LeNet-5, ResNet-20, the transformer layer and an LSTM
@@ -31,7 +33,7 @@ root="$(cd "$here/../.." && pwd)"
 out="${1:-${OUT:-$root/gpu-graphs}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
-stages=" ${GRAPHS_STAGES:-tests opaque cnn rnn cnn1 calibrate profile} "
+stages=" ${GRAPHS_STAGES:-tests opaque cnn rnn cnn1 compile calibrate profile} "
 cd "$root" || exit 2
 export PYTHONUNBUFFERED=1
 cache="${GRAPHS_CACHE_DIR:-$(mktemp -d)}"
@@ -53,14 +55,15 @@ if want opaque; then
     stage opaque
     timeout 150 "$py" bench/gpu/probe_graph_crash.py 2>&1 | cut -c1-300 | head -40 | tee -a "$log"
 fi
-rows() {  # rows NAME TIMEOUT PYTEST-K
+rows() {  # rows NAME TIMEOUT PYTEST-K [OPTION...]
     stage "never-slower: $1"
-    timeout "$2" "$py" -m bench.never_slower --out "$out/never-slower-cuda-$1.md" --quick \
+    timeout "$2" "$py" -m bench.never_slower --out "$out/never-slower-cuda-$1.md" --quick "${@:4}" \
         -- -k "$3" -p no:cacheprovider 2>&1 | tail -8 | tee -a "$log"
 }
 want cnn && rows cnn 200 "cuda-default and not _T1"
 want rnn && rows rnn 240 "cuda and _T1"
 want cnn1 && rows cnn-1-thread 200 "cuda-1-threads and not _T1"
+want compile && rows compile 420 "cuda-default and not _T1" --peer-compile
 if want calibrate; then
     stage calibrate
     SPSCAN_CACHE_DIR="$cache/calibrate" timeout 240 "$py" - "$out" "${GRAPHS_CALIBRATE_RECURRENT:-0}" <<'EOF' 2>&1 | tee -a "$log"
