@@ -18,7 +18,8 @@ import torch
 from spscan.runtime.autograd import keep_graph
 from spscan.layers import UnitOperator
 
-__all__ = ["RELEASED", "ForwardState", "Jacobians", "StepBackward", "collect_param_grads", "unit_param_grads"]
+__all__ = ["RELEASED", "ForwardState", "Jacobians", "StepBackward", "collect_param_grads", "needed_per_unit",
+           "unit_param_grads"]
 
 
 class Jacobians(Sequence[torch.Tensor]):
@@ -51,6 +52,16 @@ class Jacobians(Sequence[torch.Tensor]):
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self.values)
 
+
+
+def needed_per_unit(units: Sequence[Any], flags: Sequence[Any]) -> list[list[bool]]:
+    """The autograd function's flat per-parameter flags (which parameters want a gradient, in the units' role
+    order) as one list per unit."""
+    needed, pos = [], 0
+    for u in units:
+        needed.append([bool(f) for f in flags[pos:pos + len(u.roles)]])
+        pos += len(u.roles)
+    return needed
 
 
 def unit_param_grads(plan, jac: Jacobians, grads: Sequence[torch.Tensor],
@@ -153,11 +164,7 @@ class StepBackward:
         units = plan.units
         self.plan = plan
         self.first = bool(needs[1])
-        needed, pos = [], 2
-        for u in units:
-            needed.append([bool(f) for f in needs[pos:pos + len(u.roles)]])
-            pos += len(u.roles)
-        self.needed = needed
+        self.needed = needed = needed_per_unit(units, needs[2:])
         flags = plan.operator_flags
         self.bound = plan.core.bind(plan.element_shared, None, device, plan.element_operator_flags, self.first)
         fuse = plan.levels == 0

@@ -73,7 +73,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn as nn
 
-from spscan.chain.backward import ForwardState, Jacobians, collect_param_grads
+from spscan.chain.backward import ForwardState, Jacobians, collect_param_grads, needed_per_unit
 from spscan.graph.recurrent import RecurrentNodeUnit
 from spscan.graph.segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
@@ -258,10 +258,7 @@ class GraphPlan(ModelPlan):
     def _eager_backward(self, state: ForwardState, gy: torch.Tensor, needs: tuple) -> tuple:
         """The autograd front end's backward (:class:`spscan.runtime.autograd.FrontEnd`) as it runs eagerly: block
         values, the block-level scan, then every branch's inner scan and all parameter gradients."""
-        needed, pos = [], 1
-        for u in self.units:
-            needed.append(list(needs[pos:pos + len(u.roles)]))
-            pos += len(u.roles)
+        needed = needed_per_unit(self.units, needs[1:])
         values = self._values(state.saved, state.tensors, needed)
         grads = self.backward(values, gy.reshape(gy.shape[0], -1).contiguous(), first_output=needs[0],
                               stop=0 if needs[0] else self.lowest_needed_element(needed))
