@@ -38,7 +38,7 @@ class ValueEncoding:
     CSR entries made of ``6H`` numbers). A layer may hand over those numbers and say how to make
     the CSR values from them: every path that needs CSR values (products of the schedule, the
     NumPy loop, Triton) expands them with ``expand``; a kernel that knows the form by ``name``
-    applies it from the compact numbers directly (:mod:`.cpu_chain`: :data:`GATE_BANDS`), reading
+    applies it from the compact numbers directly (:mod:`.cpu.chain`: :data:`GATE_BANDS`), reading
     and computing less.
 
     Attributes:
@@ -247,7 +247,7 @@ class CpuOps:
 
     @staticmethod
     def tile_samples() -> int:
-        """Samples the compiled linear scan runs side by side in one tile (:data:`.cpu_simd.LANES`): a batch
+        """Samples the compiled linear scan runs side by side in one tile (:data:`.cpu.simd.LANES`): a batch
         that is not a multiple of it leaves lanes idle in its last tile."""
         from spscan.kernels.cpu.simd import LANES
 

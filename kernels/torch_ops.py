@@ -243,7 +243,7 @@ class _RunPlan:
 
 
 def _run_codes(op: LinearRun) -> np.ndarray:
-    """``(steps,)`` int64 step codes of :mod:`.cpu_chain` (0 diagonal, 1/2 dense, 3/4 CSR; shared/per sample)."""
+    """``(steps,)`` int64 step codes of :mod:`.cpu.chain` (0 diagonal, 1/2 dense, 3/4 CSR; shared/per sample)."""
     shared = np.asarray(op.shared, dtype=bool)
     return np.where(op.sparse, np.where(shared, 3, 4),
                     np.where(op.dense, np.where(shared, 1, 2), 0)).astype(np.int64)
@@ -302,7 +302,7 @@ def uses_numpy(cp: _RunPlan, vectors: torch.Tensor) -> bool:
 def _run_compiled(op: LinearRun, cp: _RunPlan, arenas: dict[str, torch.Tensor], vectors: torch.Tensor,
                   inputs, taps: Sequence[Tap] = (), skip: Optional[np.ndarray] = None,
                   feeds: Sequence[Feed] = ()) -> Optional[bool]:
-    """The whole run in one call of the compiled CPU loop (:mod:`.cpu_chain`); ``None`` where it does not
+    """The whole run in one call of the compiled CPU loop (:mod:`.cpu.chain`); ``None`` where it does not
     apply (no numba, or an input matrix that is not a strided view of a contiguous tensor: nothing
     ran, the feeds are not loaded), else whether it took ``taps`` and ``skip`` (when every tapped
     column is an output of this run). Feeds are read in place where each slot is a step's affine
@@ -358,7 +358,7 @@ def _lookup(cp: _RunPlan, key: tuple, make):
 
 
 def _feed_steps(op: LinearRun, cp: _RunPlan, feeds: Sequence[Feed], vectors: torch.Tensor) -> Optional[list]:
-    """:func:`~.cpu_chain.run_chain`'s ``feeds`` for ``feeds`` (each slot the affine term of one step of
+    """:func:`~.cpu.chain.run_chain`'s ``feeds`` for ``feeds`` (each slot the affine term of one step of
     ``op``), or ``None`` where one is not (or its terms are not a CPU tensor of the vectors' dtype with
     non-negative strides): then the caller loads them into the vectors."""
     if cp.add_step is None:

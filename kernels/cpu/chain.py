@@ -34,11 +34,11 @@ time, to be read across the batch. A CSR step costs O(nnz * B) multiply-adds, ne
 Without numba the NumPy loop in :mod:`spscan.kernels.torch_ops` runs instead (:func:`available`).
 
 Modules: this one checks a run's arguments and calls the loop (:func:`run_chain`);
-:mod:`.cpu_chain_tiles` is the loop (tiles of ``LANES`` samples, taps, prefetches);
-:mod:`.cpu_chain_narrow` the loop for a batch of at most :data:`NARROW_MAX_BATCH` samples that reads its
+:mod:`.chain_tiles` is the loop (tiles of ``LANES`` samples, taps, prefetches);
+:mod:`.chain_narrow` the loop for a batch of at most :data:`NARROW_MAX_BATCH` samples that reads its
 shared values again and again (:data:`NARROW_MIN_REUSE`; one sample at a time, the lanes along the
 features; bitwise the same sums);
-:mod:`.cpu_chain_tables` makes the tables it reads (where each step's values lie, taps, feeds, the
+:mod:`.chain_tables` makes the tables it reads (where each step's values lie, taps, feeds, the
 patterns' column blocks and diagonal bands).
 """
 
@@ -219,7 +219,7 @@ def diagonal_runs(code: np.ndarray, src: np.ndarray, bstride: np.ndarray, estrid
 
 def _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors, csr_ptr,
                 csr_indptr, csr_indices, width, taps, feeds, memo, drun=None) -> None:
-    """:func:`run_chain` on a narrow batch: :mod:`.cpu_chain_narrow`'s loop over the row blocks ``nt``
+    """:func:`run_chain` on a narrow batch: :mod:`.chain_narrow`'s loop over the row blocks ``nt``
     (``drun``: :func:`diagonal_runs` of the tables, worked out here when not given)."""
     if drun is None:
         drun = diagonal_runs(code, src, bstride, estride, rows)

@@ -1,7 +1,7 @@
 """The compiled loop of a linear run for a narrow batch (a few samples): one sample at a time, the vector
 lanes along the features.
 
-Why: the tiled loop (:mod:`.cpu_chain_tiles`) runs ``LANES`` samples side by side, one per lane, so a
+Why: the tiled loop (:mod:`.chain_tiles`) runs ``LANES`` samples side by side, one per lane, so a
 batch of one does a whole tile's arithmetic (a 64 x 256 shared block: 16384 vector multiply-adds, 1 lane
 of 16 used). Here each sample runs alone and a shared dense block's rows go along the lanes: the same
 block is 1024 vector multiply-adds. That is the batch of one of a recurrent step on a single sequence
@@ -13,7 +13,7 @@ input`` in ascending stored order (a multiply, then an add: no fused multiply-ad
 diagonal is one product, a gate step the same products, so a sample's result is bitwise the same in
 either loop (and in any batch). For that a shared step's values are read by blocks of rows that agree
 slot by slot, each slot's column the same in every row or one further per row (a weight block beside
-its diagonal band of identity entries; :func:`.cpu_chain_tables.narrow_tables`): the call first copies
+its diagonal band of identity entries; :func:`.chain_tables.narrow_tables`): the call first copies
 such a block of ``R`` rows position by position (the ``R`` values of stored position ``q`` together;
 16 x 16 register transposes), once for all the steps that share those values, so its rows run as
 ``LANES``-row vectors, four at a time, each row still summing its own entries in stored order; rows
@@ -23,10 +23,10 @@ loop does per lane.
 
 Diagonal steps back to back (elementwise layers: a chain of activations, scalings, masks) whose values lie
 row after row run through one tight loop, each a product per row in place, until a step with an affine
-term, a feed or a tap (:func:`.cpu_chain.diagonal_runs`): there the general step's table reads and branches
+term, a feed or a tap (:func:`.chain.diagonal_runs`): there the general step's table reads and branches
 cost several times its few multiplies (a chain of 30000 4-wide diagonals ran 3-5x faster so). The products are the same, so the results are too.
 
-The copy is what the narrow loop pays: :func:`.cpu_chain.run_chain` takes it only where each sample
+The copy is what the narrow loop pays: :func:`.chain.run_chain` takes it only where each sample
 reads the shared values at least ``NARROW_MIN_REUSE`` times over (a recurrence's weight, read every
 step), not for a run that reads each layer's weight once. Not here: the reducing tap (a weight gradient
 summed across a full batch's lanes; that batch runs tiled) and prefetching (a sample's running vector

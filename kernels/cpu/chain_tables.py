@@ -1,7 +1,7 @@
-"""The tables the compiled linear-run loop (:mod:`.cpu_chain_tiles`) reads besides the step descriptors:
+"""The tables the compiled linear-run loop (:mod:`.chain_tiles`) reads besides the step descriptors:
 where each step's values lie (:func:`resolve_steps`), the taps' and feeds' per-step tables, the
 properties of the run's CSR patterns it exploits (:func:`shared_column_blocks`, :func:`diagonal_bands`),
-and the narrow-batch loop's (:mod:`.cpu_chain_narrow`) blocks of shared rows (:func:`narrow_tables`).
+and the narrow-batch loop's (:mod:`.chain_narrow`) blocks of shared rows (:func:`narrow_tables`).
 
 All of it is index work, done when a run is planned or, with a memo, once per run and values
 layout: nothing here grows with the batch, and nothing is redone per call that a memo keeps.
@@ -22,7 +22,7 @@ __all__ = ["ENCODED_CODES", "MAX_SOURCES", "NarrowTables", "diagonal_bands", "fe
 
 def feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray, memo: Optional[dict] = None):
     """Per-step ``(feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows)`` and the tuple of buffers of
-    :func:`.cpu_chain.run_chain`'s ``feeds``, checked (every element a feed names lies within its buffer)."""
+    :func:`.chain.run_chain`'s ``feeds``, checked (every element a feed names lies within its buffer)."""
     if not feeds:
         return _no_feeds(steps, vectors.dtype)
     batch = vectors.shape[0]
@@ -94,7 +94,7 @@ def _no_feeds(steps: int, dtype) -> tuple:
 
 def tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray, memo: Optional[dict] = None):
     """Per-step ``(tap_buf, tap_at, tap_ld, tap_row0, tap_rows)`` and the tuple of flat buffers of
-    :func:`.cpu_chain.run_chain`'s ``taps``, checked. With ``memo`` (``run_chain``'s), the per-step tables
+    :func:`.chain.run_chain`'s ``taps``, checked. With ``memo`` (``run_chain``'s), the per-step tables
     of taps of the same step arrays (the same objects), rows and batch are kept; the buffers are checked
     per call."""
     batch = vectors.shape[0]
@@ -118,7 +118,7 @@ def tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarr
 
 
 def _memo_put(memo: dict, key, value) -> None:
-    """``memo[key] = value`` in :func:`.cpu_chain.run_chain`'s memo, bounded: past 16 entries (a caller passing new tap
+    """``memo[key] = value`` in :func:`.chain.run_chain`'s memo, bounded: past 16 entries (a caller passing new tap
     or feed step arrays every call) the tap and feed entries go; the step tables' entries (``"tables"``, and
     ``"narrow"``: :func:`narrow_tables`) stay."""
     if len(memo) > 16:
@@ -182,7 +182,7 @@ def _operand_of(tap) -> Optional[np.ndarray]:
 
 
 def _tap_arrays_fit(tap, ksteps: int, batch: int, dtype) -> bool:
-    """Whether a tap's buffer (and operand) have the shapes, dtype and layout :func:`.cpu_chain.run_chain` needs."""
+    """Whether a tap's buffer (and operand) have the shapes, dtype and layout :func:`.chain.run_chain` needs."""
     nrows, buf, operand = int(tap[2]), tap[3], _operand_of(tap)
     arrays = (buf,) if operand is None else (buf, operand)
     if not all(isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous for a in arrays):
@@ -208,7 +208,7 @@ def shared_column_blocks(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.
     pattern).
 
     A property of the run's patterns: worked out once per run (the backend keeps it with the run's
-    tables) and passed to :func:`.cpu_chain.run_chain`, not redone per call.
+    tables) and passed to :func:`.chain.run_chain`, not redone per call.
     """
     indptr = np.asarray(csr_indptr, dtype=np.int64)
     out = np.zeros(indptr.shape[0], dtype=np.bool_)
@@ -235,7 +235,7 @@ def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarra
     numbers of the run's tables) that form one diagonal band: each has row ``r``'s length, non-zero, and
     row ``r + d`` has row ``r``'s columns plus ``d`` (0 for an empty row; a lone row is a band of 1).
 
-    Transposed Jacobians made of diagonal blocks have such rows (a :data:`~.backend.GATE_BANDS` step is
+    Transposed Jacobians made of diagonal blocks have such rows (a :data:`~..backend.GATE_BANDS` step is
     five bands of ``H`` rows with one or two entries each), which the compiled loop then runs without
     reading each row's start and columns. Worked out once per run, like :func:`shared_column_blocks`.
     """
@@ -263,7 +263,7 @@ def diagonal_bands(csr_indptr: np.ndarray, csr_indices: np.ndarray) -> np.ndarra
 
 
 class NarrowTables(NamedTuple):
-    """:func:`narrow_tables`: the shared steps' row blocks for :mod:`.cpu_chain_narrow`."""
+    """:func:`narrow_tables`: the shared steps' row blocks for :mod:`.chain_narrow`."""
 
     step_tv: np.ndarray  # (steps,) where the step's values start in tval (0 for others)
     step_fill: np.ndarray  # (steps,) 1 for the first step of its values: the call copies them into tval
@@ -399,7 +399,7 @@ def resolve_steps(code: Sequence[int], shared: Sequence[bool], layers: Sequence[
                   memo: Optional[dict] = None) \
         -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]:
     """Where each step's values lie: ``(code, src, offset, bstride, estride, sources)`` for
-    :func:`.cpu_chain.run_chain`, or ``None`` when some input matrix is not a plain strided view of a
+    :func:`.chain.run_chain`, or ``None`` when some input matrix is not a plain strided view of a
     contiguous CPU tensor of ``dtype`` (or is encoded in a form the loop does not know).
 
     Steps over products read the arenas (``arena_s`` 1-D, shared; ``arena_p`` ``(B, size_p)``);

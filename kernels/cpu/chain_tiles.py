@@ -1,5 +1,5 @@
-"""The compiled loop of a linear run (:mod:`.cpu_chain` checks its arguments and calls it): numba, over the
-fixed-width vectors of :mod:`.cpu_simd`.
+"""The compiled loop of a linear run (:mod:`.chain` checks its arguments and calls it): numba, over the
+fixed-width vectors of :mod:`.simd`.
 
 Loop order: the batch runs in tiles of ``LANES`` samples, each through the whole run before the
 next (a tile's running vector stays in L1). Within a tile the running vector is feature-major (row
@@ -7,7 +7,7 @@ next (a tile's running vector stays in L1). Within a tile the running vector is 
 accumulator in a register: a shared dense or CSR row adds ``w * y[col]`` per stored entry, four rows
 of one length at a time (four independent accumulators; rows that share one column list, and dense
 rows, eight at a time, reading each column's vector once); a diagonal band of rows with one or two
-entries (:func:`.cpu_chain_tables.diagonal_bands`: row ``i + r`` has row ``i``'s columns plus ``r``, as
+entries (:func:`.chain_tables.diagonal_bands`: row ``i + r`` has row ``i``'s columns plus ``r``, as
 in Jacobians made of diagonal blocks) runs without reading each row's start and columns; a
 per-sample dense or CSR row adds ``values * y[col]``, its values read in place when they are stored
 entry-major (``bstride`` 1) and the tile is full, else first copied entry-major (``(n, LANES)``, a
@@ -19,7 +19,7 @@ not fetch them early.
 Taps: rows of chosen steps' outputs go, as the tile holds them (one vector store per row), to the
 caller's feature-major buffers; or, for one tap with an operand ``Z``, are multiplied with ``Z``'s
 columns of the same steps and samples (a weight gradient, ``sum_k y_k Z_k^T``): the tapped rows of a
-few dozen steps gather in a small ring (L2-resident) that :func:`.cpu_nt.block_sums` multiplies out
+few dozen steps gather in a small ring (L2-resident) that :func:`.nt.block_sums` multiplies out
 in 4 x 4 register blocks, so they are never stored (a full tile reads ``Z`` where it lies, an evenly
 spaced run of its columns at a time). Lane-wise partial sums, summed in order at the end:
 reproducible bit for bit.

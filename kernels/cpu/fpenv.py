@@ -7,7 +7,7 @@ multiply and add that reads or makes one takes a microcode assist on x86: about 
 normal one. Measured on a T = 1000 LSTM scan (forced, B = 1, two threads): 89 ms with gradual
 underflow, 22 ms with these loops flushed.
 
-So the compiled loops of :mod:`.cpu_chain` and :mod:`.cpu_nt` run with the x86 ``MXCSR`` flags
+So the compiled loops of :mod:`.chain` and :mod:`.nt` run with the x86 ``MXCSR`` flags
 flush-to-zero (FTZ: a subnormal result is 0) and denormals-are-zero (DAZ: a subnormal operand reads
 as 0) set, as GPUs run float32 arithmetic, and put the caller's flags back when they return. What
 changes: a value whose magnitude is below the smallest normal number is 0 instead of a subnormal,

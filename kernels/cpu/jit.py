@@ -1,5 +1,5 @@
-"""numba, imported on first use, for the compiled CPU loops (:mod:`.cpu_chain`, :mod:`.cpu_recurrence`,
-:mod:`.cpu_nt`, :mod:`.cpu_pool`).
+"""numba, imported on first use, for the compiled CPU loops (:mod:`.chain`, :mod:`.recurrence`,
+:mod:`.nt`, :mod:`.pool`).
 
 numba is optional and slow to import: a process that never runs a compiled loop never imports it,
 and where it is not installed :func:`available` says so and the callers run their NumPy or torch

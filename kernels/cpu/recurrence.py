@@ -21,7 +21,7 @@ Three forms, each a function named by its math (the caller lowers its own model 
 The gates are evaluated once, in the forward; the backward does not recompute them from the outputs.
 
 Tiles: from ``TILE_MIN_BATCH`` samples up each forward runs the batch in tiles of ``LANES`` samples,
-feature-major (unit ``j`` of a tile is one vector of ``LANES`` samples, :mod:`.cpu_simd`), so the
+feature-major (unit ``j`` of a tile is one vector of ``LANES`` samples, :mod:`.simd`), so the
 hidden-state product is four register accumulators per pass over ``h`` and the elementwise work
 runs over whole tiles; the input part of the gates is computed in the time loop for inputs of at
 most ``FUSED_MAX_INPUT`` features (:class:`InputProjection`), else read from ``(G, T, B)`` memory
@@ -31,8 +31,8 @@ in place. Below ``TILE_MIN_BATCH`` a loop per sample runs (same sums).
 
 Why compiled: the step is tiny (``B x G x H`` multiply-adds, a few transcendentals per unit), so a
 loop of torch calls is bound by per-call overhead. ``sigmoid`` and ``tanh`` come from an ``expm1`` made
-of arithmetic only (:mod:`.cpu_recurrence_steps`), which vectorizes where libm's does not. The
-loops themselves are :mod:`.cpu_recurrence_loops`. Every sum runs in a fixed order: results are
+of arithmetic only (:mod:`.recurrence_steps`), which vectorizes where libm's does not. The
+loops themselves are :mod:`.recurrence_loops`. Every sum runs in a fixed order: results are
 bitwise reproducible run to run. No ``fastmath``, no ``parallel``.
 """
 

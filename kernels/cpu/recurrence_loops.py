@@ -1,8 +1,8 @@
 """The compiled recurrence loops (numba): one pass over time that computes the outputs and the chain's
-per-step Jacobian values (the math and the callers: :mod:`.cpu_recurrence`).
+per-step Jacobian values (the math and the callers: :mod:`.recurrence`).
 
 Three recurrences, named by their form, each as a loop over tiles of ``LANES`` samples (the fast
-path: feature-major tiles, vector registers across the batch, :mod:`.cpu_simd`) and as a loop per
+path: feature-major tiles, vector registers across the batch, :mod:`.simd`) and as a loop per
 sample (small batches):
 
 * ``"activation"``: ``h_t = act(a_t)``, ``a_t = gi_t + h_{t-1} W^T``, ``act`` tanh or relu;

@@ -1,4 +1,4 @@
-"""The pieces of one recurrence step that the compiled loops (:mod:`.cpu_recurrence_loops`) inline.
+"""The pieces of one recurrence step that the compiled loops (:mod:`.recurrence_loops`) inline.
 
 * :func:`_vexpm1`: ``expm1`` of a 1-D buffer in place, from arithmetic only, so the loop vectorizes:
   Cody-Waite reduction ``y = k ln2 + r`` (``|r| <= ln2/2``), a degree-13 Taylor polynomial for
@@ -10,7 +10,7 @@
 * :func:`_gated_cell`: the cell-state update of four gates (three sigmoid, one tanh) and the
   derivatives the chain's gate element needs.
 * ``_tile_*``: moves between a tile of ``LANES`` samples held feature-major (row ``j`` is one vector
-  of ``LANES`` samples, :mod:`.cpu_simd`) and the sample- or feature-major memory outside, the
+  of ``LANES`` samples, :mod:`.simd`) and the sample- or feature-major memory outside, the
   tile's gate inputs, and the hidden-state product in four register accumulators.
 * :func:`_sample_preactivations`: the pre-activations of the loops that run sample by sample.
 

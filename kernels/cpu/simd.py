@@ -1,6 +1,6 @@
 """Fixed-width SIMD vectors for the compiled CPU kernels: ``LANES`` samples of a batch in one register value.
 
-Why this exists: the compiled loops (:mod:`.cpu_chain`, :mod:`.cpu_recurrence`) work on a
+Why this exists: the compiled loops (:mod:`.chain`, :mod:`.recurrence`) work on a
 tile of ``LANES`` samples at a time, and numba leaves such short loops scalar: it turns off LLVM's
 SLP vectorizer by default (a loop of constant count 16 is unrolled into scalar code), and a loop
 of 16 iterations with a run-time count ran at scalar speed too (the vectorized body covers more
