@@ -13,10 +13,11 @@ complements, not replaces, the timed rows: it shows whether the work a step does
 
 Rows, named like the timed rows: ``{rnn,gru,lstm}-T-{step,backward,forward}-{last,every}`` (the model,
 input and loss of ``bench/test_recurrent_step.py``) and ``{lenet5,vgg_small,alexnet_like}-{step,backward,
-forward}`` (``bench/test_cnn_step.py``'s), built by those modules' own set-ups (this checkout's ``bench/``
-with each side's spscan: they use the public API only). Each side's process runs two warm-up steps (planning, lowering, allocator), then counts ``--reps``
-steps between two callgrind client requests (a four-line C shim compiled with the system's ``cc``
-against valgrind's ``callgrind.h``). Needs ``valgrind`` and a C compiler; Linux only.
+forward}`` (``bench/test_cnn_step.py``'s), built by those modules' own set-ups: each side's checkout's
+``bench/`` (the same models; a move of spscan's modules may change their imports) with that side's spscan.
+Each side's process runs two warm-up steps (planning, lowering, allocator), then counts ``--reps`` steps
+between two callgrind client requests (a four-line C shim compiled with the system's ``cc`` against
+valgrind's ``callgrind.h``). Needs ``valgrind`` and a C compiler; Linux only.
 """
 
 from __future__ import annotations
@@ -142,8 +143,12 @@ def main(argv=None) -> int:
     procs = []
     t0 = time.perf_counter()
     for name, python, root in sides:
+        # each side's rows are built by its own checkout's bench/ (the same models; module paths may differ
+        # between the two trees), with that side's spscan (its PYTHON's install)
+        script = root / "bench" / "instructions.py"
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--smc-check=all-non-file",
-               f"--callgrind-out-file={work}/{name}.%p", python, str(Path(__file__).resolve()), "--child",
+               f"--callgrind-out-file={work}/{name}.%p", python,
+               str(script if script.exists() else Path(__file__).resolve()), "--child",
                "--shim", str(shim), "--reps", str(args.reps), "--rows", *args.rows]
         log = open(work / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT), log))
