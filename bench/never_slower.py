@@ -242,7 +242,9 @@ def strict_failures(rows: Sequence[Row], bar: float = BAR) -> list[Row]:
 # ----------------------------------------------------------------------------- measuring a row
 
 
-def _clock(device: str) -> Callable[[], float]:
+def device_clock(device: str) -> Callable[[], float]:
+    """``time.perf_counter``, after synchronizing ``device`` where it is a CUDA one (a time then covers every
+    kernel the timed work launched)."""
     if device.startswith("cuda"):
         import torch
 
@@ -412,7 +414,7 @@ def _measure(row: Row, case, device, wrap, torch, budget_s, min_rounds, max_roun
         row.wrong = f"gradients differ from autograd's by {worst:.3g} (relative, limit {grad_tol:g})"
         return
 
-    clock = _clock(device)
+    clock = device_clock(device)
     times: list[tuple[float, ...]] = []
 
     def one_round() -> None:

@@ -38,7 +38,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "tests")):
@@ -74,18 +74,6 @@ def _describe(x) -> str:
     return "x".join(str(s) for s in x.shape) + (f" {kind}" if kind else "")
 
 
-def _sync(device: str) -> Callable[[], float]:
-    import torch
-
-    if device.startswith("cuda"):
-        def clock() -> float:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-
-        return clock
-    return time.perf_counter
-
-
 def _copy(case, model):
     """An identical copy of ``model`` (``torch.nn.utils.weight_norm``'s modules cannot be deep-copied: the same
     seeded build, loaded with the model's state)."""
@@ -118,7 +106,7 @@ def measure(case, args) -> ZooRow:
     import torch
 
     import spscan
-    from bench.never_slower import grad_error, median_ratio, quartiles, refusal, rounds_for
+    from bench.never_slower import device_clock, grad_error, median_ratio, quartiles, refusal, rounds_for
 
     device = args.device
     model = case.build("bench").to(device)
@@ -159,7 +147,7 @@ def measure(case, args) -> ZooRow:
         row.wrong = f"gradients differ from autograd's by {err:.3g} (relative, limit 1e-3)"
         return row
 
-    clock = _sync(device)
+    clock = device_clock(device)
     times: list[tuple[float, float]] = []
 
     def one_round() -> None:
@@ -197,7 +185,9 @@ def profile_native(case, plain, wrapped, model, x, w, args, n: int = 21) -> list
     import cProfile
     import pstats
 
-    clock = _sync(args.device)
+    from bench.never_slower import device_clock
+
+    clock = device_clock(args.device)
     out = []
 
     def parts(net, params):

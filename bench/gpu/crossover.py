@@ -40,7 +40,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 for _p in (str(HERE.parents[1]), str(HERE.parent)):
@@ -52,19 +52,11 @@ from torch import nn  # noqa: E402
 
 import spscan  # noqa: E402
 from floors import recurrent_floor  # noqa: E402
+from never_slower import device_clock  # noqa: E402
 
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 #: the chosen side must measure within this factor of the faster one for the choice to count as right
 CHOICE_SLACK = 1.03
-
-
-def _clock(device: torch.device) -> Callable[[], float]:
-    if device.type == "cuda":
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-        return clock
-    return time.perf_counter
 
 
 def points(cells, hidden, lengths, batches) -> list[tuple[str, int, int, int]]:
@@ -122,7 +114,7 @@ def measure_point(cell: str, H: int, T: int, B: int, modes, rounds: int, device:
     if not err <= 1e-3:
         return [dict(base, mode=m, error=f"gradients differ from autograd's: relative {err:.2e}", **choice)
                 for m in modes]
-    clock = _clock(device)
+    clock = device_clock(device.type)
     rows = []
     for mode in modes:
         for _ in range(2):
