@@ -1,5 +1,5 @@
-"""A chain wrapper's backward, decided once per signature: the step's values or structured
-operators, the scan, and the parameter gradients.
+"""A layer plan's backward (a chain of layers or a traced graph's chain of blocks), decided once per
+signature: the step's values or structured operators, the scan, and the parameter gradients.
 
 :class:`StepBackward` is made by :meth:`spscan.chain.model.ModelPlan._step_backward` (cached per which
 inputs need gradients, the device and the mode of mode-dependent layers) and run by the autograd
@@ -18,8 +18,8 @@ import torch
 from spscan.runtime.autograd import keep_graph
 from spscan.layers import UnitOperator
 
-__all__ = ["RELEASED", "ForwardState", "Jacobians", "StepBackward", "collect_param_grads", "needed_per_unit",
-           "unit_param_grads"]
+__all__ = ["RELEASED", "ForwardState", "FusedUnitOperator", "Jacobians", "StepBackward", "collect_param_grads",
+           "needed_per_unit", "unit_param_grads"]
 
 
 class Jacobians(Sequence[torch.Tensor]):
@@ -64,13 +64,14 @@ def needed_per_unit(units: Sequence[Any], flags: Sequence[Any]) -> list[list[boo
     return needed
 
 
-def unit_param_grads(plan, jac: Jacobians, grads: Sequence[torch.Tensor],
-                      needed: list[list[bool]]) -> list[list[Optional[torch.Tensor]]]:
-    """dl/dθ for every unit's roles w.r.t. the effective tensors; weight gradients the units declare
-    batchable (:meth:`~spscan.layers.LayerUnit.batched_weight_grad_key`: same-shaped Linear layers) share one bmm."""
-    out: list[list[Optional[torch.Tensor]]] = [[None] * len(u.roles) for u in plan.units]
+def unit_param_grads(units: Sequence[Any], saved: Sequence[Any], tensors: Sequence[Sequence[torch.Tensor]],
+                     grads: Sequence[Optional[torch.Tensor]], needed: list[list[bool]]) -> list[list[Optional[torch.Tensor]]]:
+    """dl/dθ for every unit's roles w.r.t. the effective tensors, from ``grads[k + 1] = dl/dy_k`` (a chain's
+    layer-boundary gradients); weight gradients the units declare batchable
+    (:meth:`~spscan.layers.LayerUnit.batched_weight_grad_key`: same-shaped Linear layers) share one bmm."""
+    out: list[list[Optional[torch.Tensor]]] = [[None] * len(u.roles) for u in units]
     groups: dict[tuple, list[int]] = {}
-    for k, u in enumerate(plan.units):
+    for k, u in enumerate(units):
         key = u.batched_weight_grad_key() if u.roles and needed[k][0] else None
         if key is not None:
             groups.setdefault(key, []).append(k)
@@ -80,18 +81,18 @@ def unit_param_grads(plan, jac: Jacobians, grads: Sequence[torch.Tensor],
             continue
         # all same-shaped weight gradients as one batched GEMM: (G, out, B) @ (G, B, in)
         g = torch.stack([grads[k + 1] for k in ks]).transpose(1, 2)
-        x = torch.stack([jac.saved[k] for k in ks])
+        x = torch.stack([saved[k] for k in ks])
         dw = torch.bmm(g, x)
         for j, k in enumerate(ks):
             out[k][0] = dw[j]
             batched.add(k)
-    for k, u in enumerate(plan.units):
+    for k, u in enumerate(units):
         if not u.roles or not any(needed[k]):
             continue
         need = list(needed[k])
         if k in batched:
             need[0] = False
-        res = u.param_grads(jac.saved[k], jac.tensors[k], grads[k + 1], need)
+        res = u.param_grads(saved[k], tensors[k], grads[k + 1], need)
         for r, v in enumerate(res):
             if k not in batched or r != 0:
                 out[k][r] = v
@@ -129,7 +130,7 @@ class ForwardState:
         self.graph = False  # the backward replays from a CUDA graph (spscan.runtime.graphed)
 
 
-class _FusedOperator(UnitOperator):
+class FusedUnitOperator(UnitOperator):
     """A unit's ``J^T`` in the wrapper's depth-0 scan: applied once, to ``g = dl/dy``, it also computes
     the parameter gradients ``needed`` from that ``g`` — in the same call where the unit has one
     (a conv's ``convolution_backward``), else right after — as autograd does for each layer while
@@ -155,70 +156,78 @@ class _FusedOperator(UnitOperator):
 
 
 class StepBackward:
-    """The wrapper's backward for one signature (see :meth:`ModelPlan._step_backward`), decided once:
-    the bound plan, each layer's operator flag and wanted parameter gradients, and which ``dl/dx_i``
-    the scan must keep (at depth 0 the operators compute their parameter gradients as they are
-    applied, so only ``dl/dx_0`` and the inputs of the rest are kept)."""
+    """The wrapper's backward for one signature (see :meth:`ModelPlan._step_backward`), one for a chain of
+    layers and a traced graph's chain of blocks alike, decided once: the bound core plan, the parameter
+    gradients wanted per unit, and the lowest element the scan must apply when ``dl/dx_0`` is not wanted
+    (frozen bottom layers cost nothing). The plan supplies each step's elements
+    (:meth:`ModelPlan.step_elements`), the parameter gradients its operators computed while applied
+    (:meth:`~ModelPlan.fused_param_grads`) and the rest (:meth:`~ModelPlan.unit_param_grads`).
+
+    Where the core's elements are the layers themselves (:attr:`ModelPlan.layer_elements`) it also decides
+    each layer's operator flag, which ``dl/dx_i`` the scan must keep (at depth 0 the operators compute
+    their parameter gradients as they are applied, so only ``dl/dx_0`` and the inputs of the rest are
+    kept), which activations can go as soon as they are read, and, for a plain linear scan of operators,
+    the chain's steps themselves (dispatch, ATen arguments, fused parameter gradients)."""
 
     def __init__(self, plan, needs: tuple, device: torch.device) -> None:
         units = plan.units
         self.plan = plan
         self.first = bool(needs[1])
         self.needed = needed = needed_per_unit(units, needs[2:])
-        flags = plan.operator_flags
         self.bound = plan.core.bind(plan.element_shared, None, device, plan.element_operator_flags, self.first)
         fuse = plan.levels == 0
+        # no dl/dx_0 wanted: the scan stops at the lowest element a wanted parameter gradient needs
+        self.stop = 0 if self.first else plan.lowest_needed_element(needed)
+        self.has_roles = any(u.roles for u in units)
+        self.keep: Optional[list[bool]] = None
+        self.release: list[int] = []
+        self.chain: Optional[list[tuple[int, Any]]] = None
+        self.layers: list[tuple[Any, bool, Optional[list[bool]]]] = []
+        if not plan.layer_elements:
+            return
+        flags = plan.operator_flags
         # per layer: (unit, its operator flag, the roles its operator computes while applied, or None)
         self.layers = [(u, op, nd if (op and fuse and any(nd)) else None)
                        for u, op, nd in zip(units, flags, needed)]
         chain = self.bound.operator_chain if plan._ends is None else None
-        # no dl/dx_0 wanted: the chain stops above the lowest layer with a parameter gradient wanted (that
-        # layer's gradients come from the kept dl/dx above it), so frozen bottom layers cost nothing
-        self.stop = 0
-        if chain is not None and not self.first:
-            self.stop = min((k for k in range(len(units)) if any(needed[k])), default=len(units) - 1) + 1
-            chain = tuple(k for k in chain if k >= self.stop)
-        self.keep: Optional[list[bool]] = None
-        if chain is not None:
-            applied = set(chain)
-            keep = [False] * (len(units) + 1)
-            keep[0] = self.first
-            for k, (u, op, fused) in enumerate(self.layers):
-                if any(needed[k]) and (fused is None or k not in applied):
-                    keep[k + 1] = True
-            self.keep = keep
+        if chain is None:
+            return
+        chain = tuple(k for k in chain if k >= self.stop)
+        applied = set(chain)
+        keep = [False] * (len(units) + 1)
+        keep[0] = self.first
+        for k, (u, op, fused) in enumerate(self.layers):
+            if any(needed[k]) and (fused is None or k not in applied):
+                keep[k + 1] = True
+        self.keep = keep
         # layers whose saved activations nothing reads after their operator ran (not fused operators whose
         # parameter gradients come after the scan, which read them)
-        self.release: list[int] = []
-        if chain is not None:
-            self.release = [k for k in chain if self.layers[k][1] and not (any(needed[k]) and self.layers[k][2] is None)]
-        self.has_roles = any(u.roles for u in units)
+        self.release = [k for k in chain if self.layers[k][1] and not (any(needed[k]) and self.layers[k][2] is None)]
+        if not fuse:
+            return
         # depth 0, every applied layer an operator: the chain's steps decided here once (dispatch, ATen
-        # arguments, fused parameter gradients); a step only binds the saved tensors and applies them
-        self.chain: Optional[list[tuple[int, Any]]] = None
-        if chain is not None and fuse:
-            applied = set(chain)
-            # a layer whose step applies the ReLU mask of the layer right below (a 2-d max-pool with disjoint
-            # windows, at the pooled resolution): the ReLU's step passes g on (dl/dx between them not kept)
-            relu_pool = {k for k in applied
-                         if k - 1 in applied and units[k].capabilities.fuses_relu_below
-                         and units[k - 1].capabilities.relu_mask and not self.keep[k]}
-            masked = {k - 1 for k in relu_pool}
-            self.chain = []
-            for k in chain:
-                nd = needed[k] if any(needed[k]) else None
-                if k in relu_pool:
-                    step = units[k].chain_step(nd, relu_below=True)
-                elif k in masked:
-                    step = units[k].chain_step(nd, masked_above=True)
-                else:
-                    step = units[k].chain_step(nd)
-                self.chain.append((k, step))
-            # layers whose parameter gradients come after the scan (not applied: the bottom layer when
-            # dl/dx_0 is not wanted), from the kept dl/dx_{k+1}
-            self.rest = [k for k in range(len(units)) if any(needed[k]) and k not in applied]
-            self.release_flags = [k in self.release for k in range(len(units))]
-            self.role_slots = [(k, r) for k, u in enumerate(units) for r in range(len(u.roles))]
+        # arguments, fused parameter gradients); a step only binds the saved tensors and applies them.
+        # A layer whose step applies the ReLU mask of the layer right below (a 2-d max-pool with disjoint
+        # windows, at the pooled resolution): the ReLU's step passes g on (dl/dx between them not kept)
+        relu_pool = {k for k in applied
+                     if k - 1 in applied and units[k].capabilities.fuses_relu_below
+                     and units[k - 1].capabilities.relu_mask and not keep[k]}
+        masked = {k - 1 for k in relu_pool}
+        self.chain = []
+        for k in chain:
+            nd = needed[k] if any(needed[k]) else None
+            if k in relu_pool:
+                step = units[k].chain_step(nd, relu_below=True)
+            elif k in masked:
+                step = units[k].chain_step(nd, masked_above=True)
+            else:
+                step = units[k].chain_step(nd)
+            self.chain.append((k, step))
+        # layers whose parameter gradients come after the scan (not applied: the bottom layer when
+        # dl/dx_0 is not wanted), from the kept dl/dx_{k+1}
+        self.rest = [k for k in range(len(units)) if any(needed[k]) and k not in applied]
+        self.release_flags = [k in self.release for k in range(len(units))]
+        self.role_slots = [(k, r) for k, u in enumerate(units) for r in range(len(u.roles))]
 
     def run(self, st: ForwardState, g: torch.Tensor) -> tuple:
         """``(None, dl/dx, *parameter gradients)`` for the autograd function, from ``g = dl/dy``
@@ -231,8 +240,8 @@ class StepBackward:
 
     def _apply_chain(self, st: ForwardState, g: torch.Tensor) -> tuple[list, list]:
         """The chain's steps applied to ``g`` in the engine's order (:attr:`BoundPlan.operator_chain`):
-        ``(dl/dx_i kept, flattened, or None; parameter gradients per layer, or None)``. Activations nothing reads any more are freed
-        as each step has run (a graph not retained)."""
+        ``(dl/dx_i kept, flattened, or None; parameter gradients per layer, or None)``. Activations nothing
+        reads any more are freed as each step has run (a graph not retained)."""
         saved, tensors, keep = st.saved, st.tensors, self.keep
         n = len(saved)
         grads: list[Optional[torch.Tensor]] = [None] * (n + 1)
@@ -268,8 +277,7 @@ class StepBackward:
             per_unit[k] = units[k].param_grads(saved[k], tensors[k], grads[k + 1], self.needed[k])
         elif rest:  # same-shaped Linear layers share one GEMM there
             mask = [nd if k in rest else [False] * len(nd) for k, nd in enumerate(self.needed)]
-            jac = Jacobians([], g.shape[0], saved, tensors)  # (the parameter-gradient rules read saved, tensors)
-            for k, gs in enumerate(unit_param_grads(self.plan, jac, grads, mask)):
+            for k, gs in enumerate(self.plan.unit_param_grads(saved, tensors, grads, mask)):
                 if k in rest:
                     per_unit[k] = gs
         needed = self.needed
@@ -278,16 +286,7 @@ class StepBackward:
 
     def _run_general(self, st: ForwardState, g: torch.Tensor) -> tuple:
         plan = self.plan
-        values = [(_FusedOperator(u, s, t, fused) if op else (None if f else u.fill(s, t)))
-                  for (u, op, fused), f, s, t in zip(self.layers, plan.factored, st.saved, st.tensors)]
-        elements = values
-        if plan._ends is not None:  # factored layers pass their two factors' values
-            elements = []
-            for (u, _, _), f, v, s, t in zip(self.layers, plan.factored, values, st.saved, st.tensors):
-                if f:
-                    elements += u.factor_fill(s, t)
-                else:
-                    elements.append(v)
+        values, elements = plan.step_elements(st, self)
         if self.release and not keep_graph():
             # the graph is freed after this backward: each layer's activations can go once its operator
             # has run (the peak and the pages touched stay near autograd's); a retained graph keeps them
@@ -295,26 +294,22 @@ class StepBackward:
             saved = st.saved = list(st.saved)
             for k in self.release:
                 values[k].release = (saved, k)
-        grads = plan._layer_grads(self.bound.run(elements, g, check=False, keep=self.keep).grads)
+        grads = plan._layer_grads(self.bound.run(elements, g, check=False, keep=self.keep, stop=self.stop).grads)
         gx = grads[0].reshape(st.x_shape) if self.first else None
         if not self.has_roles:
             return (None, gx)
         needed = self.needed
-        per_unit: list[list[Optional[torch.Tensor]]] = []
-        rest: Optional[list[list[bool]]] = None
-        for k, ((u, op, fused), v) in enumerate(zip(self.layers, values)):
-            done = v.param_grads if fused is not None and v.applied == 1 else None
-            if done is None:
-                per_unit.append([None] * len(u.roles))
-                if any(needed[k]):
-                    if rest is None:
-                        rest = [[False] * len(w.roles) for w in plan.units]
-                    rest[k] = needed[k]
-            else:
-                per_unit.append([d if n else None for d, n in zip(done, needed[k])])
-        if rest is not None:
-            jac = Jacobians(values, g.shape[0], st.saved, st.tensors)
-            for k, gs in enumerate(unit_param_grads(plan, jac, grads, rest)):
-                if any(rest[k]):
-                    per_unit[k] = gs
+        # parameter gradients a unit's operator computed while the scan applied it (one conv backward each);
+        # the rest from the scan's gradients, afterwards
+        done = plan.fused_param_grads(values)
+        rest = [[n and (k not in done or done[k][r] is None) for r, n in enumerate(nd)]
+                for k, nd in enumerate(needed)]
+        if any(any(r) for r in rest):
+            per_unit = plan.unit_param_grads(st.saved, st.tensors, grads, rest)
+        else:
+            per_unit = [[None] * len(u.roles) for u in plan.units]
+        for k, d in done.items():
+            for r, v in enumerate(d):
+                if v is not None and needed[k][r]:
+                    per_unit[k][r] = v
         return (None, gx, *[g for gs in per_unit for g in gs])

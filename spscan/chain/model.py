@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from spscan.runtime.autograd import apply as autograd_apply, keep_graph
-from spscan.chain.backward import (RELEASED, ForwardState, Jacobians, StepBackward, collect_param_grads,
-                                   unit_param_grads)
+from spscan.chain.backward import (RELEASED, ForwardState, FusedUnitOperator, Jacobians, StepBackward,
+                                   collect_param_grads, unit_param_grads)
 from spscan.runtime.graphed import GraphedCall, GraphedStep
 from spscan.runtime import check_inputs
 from spscan.planner.choose import Decision, explain as explain_decisions
@@ -80,7 +80,7 @@ class ModelPlan:
 
     def __init__(self, model: nn.Module, units: list[LayerUnit], layer_names: list[str],
                  in_shape: tuple[int, ...], core: Any, operators: bool = True,
-                 factored: Optional[Sequence[bool]] = None):
+                 factored: Optional[Sequence[bool]] = None, module_backed: Optional[Sequence[bool]] = None):
         self.use_operators = bool(operators)
         self.model = model
         self.units = units
@@ -117,6 +117,9 @@ class ModelPlan:
         self.param_roles: list[list[tuple[str, nn.Parameter, Optional[torch.Tensor]]]] = [
             [(names[id(p)], p, mask) for p, mask in u.parameters_for_roles()] for u in units]
         # per-step bookkeeping decided once (see _flat_tensors, _check_layers, _step_backward)
+        # per layer: whether it is a module of the model (a traced forward's functional nodes, ``F.relu``,
+        # ``x.view(...)``, have units that stand for them and no module)
+        self.module_backed = [True] * len(units) if module_backed is None else [bool(b) for b in module_backed]
         self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
         self._role_names = [(u, u.roles, tuple(r + "_orig" for r in u.roles)) for u in units if u.roles]
@@ -213,7 +216,9 @@ class ModelPlan:
         """Refuse a model whose planned layers were replaced after planning (the old ones would run), or one
         given hooks after planning where its analytic unit would not run them."""
         model = self.model
-        for path, u in zip(self._layer_paths, self.units):  # walk each layer's path: no module listing
+        for path, u, backed in zip(self._layer_paths, self.units, self.module_backed):  # no module listing
+            if not backed:
+                continue
             m = model
             for key in path:
                 m = m._modules.get(key)
@@ -228,9 +233,9 @@ class ModelPlan:
         else:
             return
         modules = dict(self.model.named_modules(remove_duplicate=False))
-        for k, (name, u) in enumerate(zip(self.layer_names, self.units)):
+        for k, (name, u, backed) in enumerate(zip(self.layer_names, self.units, self.module_backed)):
             now = modules.get(name) if name else self.model
-            if now is not u.module:
+            if backed and now is not u.module:
                 raise ValueError(f"layer {k} ({name or '-'}): the model's module was replaced after planning "
                                  f"(planned {type(u.module).__name__}, now "
                                  f"{type(now).__name__ if now is not None else 'missing'}); wrap the model again")
@@ -360,19 +365,57 @@ class ModelPlan:
         return [not f and ((self.use_operators and u.has_operator) or not u.has_csr_values)
                 for u, f in zip(self.units, self.factored)]
 
-    def _values(self, saved: list[Any], tensors: list[list[torch.Tensor]],
-                needed: Optional[list[list[bool]]] = None) -> list[Any]:
-        """Per layer: its structured operator where :attr:`operator_flags` says so, else its CSR values.
-        ``needed``: per layer, the parameter gradients an operator may compute while it is applied
-        (only at depth 0, where each layer's ``J^T`` is applied once, to ``dl/dx_k``)."""
-        fuse = needed is not None and self.levels == 0
-        out: list[Any] = []
-        for k, (u, s, t, op) in enumerate(zip(self.units, saved, tensors, self.operator_flags)):
-            if self.factored[k]:
-                out += u.factor_fill(s, t)
+    # -- the pieces of a step's backward (spscan.chain.backward.StepBackward runs them, for a traced graph too)
+    layer_elements = True  # the core's elements are the layers (a traced graph's are blocks)
+
+    def step_elements(self, st: ForwardState, step: StepBackward) -> tuple[list[Any], list[Any]]:
+        """``(per layer: its operator, its CSR values or None for a factored layer; the core's elements)``
+        for one step: a layer's structured operator where :attr:`operator_flags` says so (computing the
+        parameter gradients ``step`` decided while it is applied, at depth 0), else its CSR values; a
+        factored layer passes its two factors' values."""
+        values = [(FusedUnitOperator(u, s, t, fused) if op else (None if f else u.fill(s, t)))
+                  for (u, op, fused), f, s, t in zip(step.layers, self.factored, st.saved, st.tensors)]
+        if self._ends is None:
+            return values, values
+        elements: list[Any] = []
+        for (u, _, _), f, v, s, t in zip(step.layers, self.factored, values, st.saved, st.tensors):
+            if f:
+                elements += u.factor_fill(s, t)
             else:
-                out.append(u.operator(s, t, needed[k] if fuse else None) if op else u.fill(s, t))
-        return out
+                elements.append(v)
+        return values, elements
+
+    def fused_param_grads(self, values: Sequence[Any]) -> dict[int, list[Optional[torch.Tensor]]]:
+        """``{layer: parameter gradients}`` that layers' operators computed while the scan applied them
+        (each exactly once, to the layer's output gradient)."""
+        return {k: v.param_grads for k, v in enumerate(values)
+                if isinstance(v, FusedUnitOperator) and v.needed is not None and v.applied == 1}
+
+    def unit_param_grads(self, saved: Sequence[Any], tensors: Sequence[Sequence[torch.Tensor]],
+                         grads: Sequence[Optional[torch.Tensor]], needed: list[list[bool]]) -> list[list[Any]]:
+        """dl/dθ per layer and role ``needed`` from the layer-boundary gradients ``grads`` (``n+1``)."""
+        return unit_param_grads(self.units, saved, tensors, grads, needed)
+
+    def lowest_needed_element(self, needed: Sequence[Sequence[bool]]) -> int:
+        """Without ``dl/dx_0``: the lowest core element the scan must apply for the parameter gradients
+        ``needed`` (per layer): the one above the lowest layer with a gradient wanted (that layer's
+        gradients come from the gradient at its output). Layers below need nothing."""
+        k = next((k for k, nd in enumerate(needed) if any(nd)), None)
+        if k is None:
+            return self.core.n
+        return k + 1 if self._ends is None else self._ends[k]
+
+    def param_grads(self, jacobians: Jacobians, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{parameter name: gradient}`` from a step's ``forward`` result and the scan's gradients at the
+        element boundaries (:func:`param_grads`)."""
+        if not isinstance(jacobians, Jacobians):
+            raise TypeError(f"jacobians: expected the Jacobians returned by forward(), got {type(jacobians).__name__}")
+        if len(grads) != len(self) + 1:
+            raise ValueError(f"grads: expected {len(self) + 1} tensors, got {len(grads)}")
+        needed = [[p.requires_grad for _, p, _ in roles] for roles in self.param_roles]
+        with torch.no_grad():
+            return collect_param_grads(self.param_roles,
+                                       self.unit_param_grads(jacobians.saved, jacobians.tensors, grads, needed))
 
     # -- the autograd front end (spscan.runtime.autograd.FrontEnd): inputs (x, *the units' tensors)
     materialize_grads = True
@@ -475,12 +518,13 @@ class ModelPlan:
 
 
 def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every parameter gradient of the chain from the scan's output.
+    """Every parameter gradient of the model from the scan's output.
 
     Args:
-        plan: the :class:`ModelPlan`.
+        plan: the :class:`ModelPlan` (or a traced graph's :class:`~spscan.graph.plan.GraphPlan`).
         jacobians: what ``plan.forward(x)`` returned for this step.
-        grads: ``n+1`` tensors from the scan, ``grads[i] = dl/dx_i`` of shape ``(B, d_i)``.
+        grads: ``len(plan) + 1`` tensors from the scan, ``grads[i] = dl/dx_i`` of shape ``(B, d_i)``, one
+            per layer boundary (a graph's: per block boundary).
 
     Returns:
         ``{qualified parameter name: gradient}`` for every parameter with ``requires_grad``, named as
@@ -490,12 +534,4 @@ def param_grads(plan: ModelPlan, jacobians: Jacobians, grads: Sequence[torch.Ten
     All layers are independent once the scan is done, so this runs out of the scan's critical
     path; same-shaped Linear layers are batched into one GEMM.
     """
-    if not isinstance(jacobians, Jacobians):
-        raise TypeError(f"jacobians: expected the Jacobians returned by forward(), got {type(jacobians).__name__}")
-    if hasattr(plan, "unit_param_grads"):  # a traced graph with blocks: grads are per block
-        return plan.param_grads(jacobians, grads)
-    if len(grads) != len(plan.units) + 1:
-        raise ValueError(f"grads: expected {len(plan.units) + 1} tensors, got {len(grads)}")
-    needed = [[p.requires_grad for _, p, _ in roles] for roles in plan.param_roles]
-    with torch.no_grad():
-        return collect_param_grads(plan.param_roles, unit_param_grads(plan, jacobians, grads, needed))
+    return plan.param_grads(jacobians, grads)

@@ -8,8 +8,8 @@ functions/methods alike;
 basic-indexing slices ``x[:, :, ::2, ::2]`` and zero padding of any dims, ``F.pad(x, (0, 0, 0, 0,
 p, p))``, are selection units, so He et al.'s option-A shortcut in a ``LambdaLayer`` plans).
 
-* A straight chain of supported nodes keeps today's plan (a :class:`TracedChainPlan`, which is a
-  :class:`~spscan.chain.model.ModelPlan`).
+* A straight chain of supported nodes is planned as a chain of layers (a
+  :class:`~spscan.chain.model.ModelPlan` whose functional nodes have units and no module).
 * A graph with skips is decomposed into series-parallel blocks: a fork node ``x`` whose paths
   meet again at a join ``y = a + b`` (add) or ``y = cat([a, b, ...], 1)`` (channel concatenation),
   with ``x`` the join's immediate dominator. Each path from ``x`` to the join is a branch (a chain
@@ -73,7 +73,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn as nn
 
-from spscan.chain.backward import ForwardState, Jacobians, collect_param_grads, needed_per_unit
+from spscan.chain.backward import ForwardState, Jacobians
 from spscan.graph.recurrent import RecurrentNodeUnit
 from spscan.graph.segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
@@ -86,24 +86,8 @@ from spscan.chain.wrapper import Replan, SpscanModule
 from spscan.options import option_default
 from spscan.runtime.plan import build_plan
 
-__all__ = ["plan_graph", "wrap_graph", "GraphPlan", "TracedChainPlan", "GraphSpscanModule", "NODE_UNITS",
+__all__ = ["plan_graph", "wrap_graph", "GraphPlan", "GraphSpscanModule", "NODE_UNITS",
            "supported_node_targets", "LIVE_STATE_LIMIT"]
-
-
-class TracedChainPlan(ModelPlan):
-    """A traced model that is a straight chain: today's chain plan; functional nodes (``F.relu``,
-    ``x.view(...)``) have units that stand for them and no module in the model."""
-
-    def __init__(self, *args: Any, module_backed: Sequence[bool], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.module_backed = list(module_backed)
-
-    def _check_layers(self) -> None:
-        modules = dict(self.model.named_modules(remove_duplicate=False))
-        for k, (name, u, backed) in enumerate(zip(self.layer_names, self.units, self.module_backed)):
-            if backed and modules.get(name) is not u.module:
-                raise ValueError(f"layer {k} ({name}): the model's module was replaced after planning; "
-                                 "wrap the model again")
 
 
 class GraphPlan(ModelPlan):
@@ -121,12 +105,12 @@ class GraphPlan(ModelPlan):
 
     def __init__(self, model: nn.Module, traced: Traced, segments: list[Any], in_shape: tuple[int, ...],
                  core: Any, operators: bool = True, operator_only: bool = False) -> None:
-        super().__init__(model, traced.units, traced.names, in_shape, core, operators=operators)
+        super().__init__(model, traced.units, traced.names, in_shape, core, operators=operators,
+                         module_backed=traced.module_backed)
         self.segments = segments
         # planned with train-mode BatchNorm: the blocks run only as structured operators, their patterns
         # were never formed and the core scan holds empty placeholders for them
         self.operator_only = bool(operator_only)
-        self.module_backed = traced.module_backed
         out = traced.env[traced.output_node]
         self.out_shape = tuple(out.shape[1:])
 
@@ -138,7 +122,6 @@ class GraphPlan(ModelPlan):
         """The block-level ``J^T`` patterns (a parallel block's are made on first use)."""
         return [s.pattern for s in self.segments]
 
-    _check_layers = TracedChainPlan._check_layers
 
     def step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
         self._check_input(x)
@@ -192,6 +175,25 @@ class GraphPlan(ModelPlan):
             return out
         return self._fill(saved, tensors)
 
+    # -- the pieces of a step's backward (spscan.chain.backward.StepBackward), per block
+    layer_elements = False
+
+    @property
+    def element_shared(self) -> list[bool]:
+        """Per block: whether its values are shared by the batch."""
+        return [bool(s.shared) for s in self.segments]
+
+    @property
+    def element_operator_flags(self) -> list[bool]:
+        """Per block: whether the wrapper's backward passes a structured operator (see :meth:`_values`)."""
+        return [self.use_operators] * len(self.segments)
+
+    def step_elements(self, st: ForwardState, step: Any) -> tuple[list[Any], list[Any]]:
+        """One step's block elements (:meth:`_values`), twice: they are what the scan runs and what
+        :meth:`fused_param_grads` reads."""
+        values = self._values(st.saved, st.tensors, step.needed)
+        return values, values
+
     def fused_param_grads(self, values: Sequence[Any]) -> dict[int, list[Optional[torch.Tensor]]]:
         """``{unit index: parameter gradients}`` that unit operators computed while the scan applied them
         (each exactly once, to the unit's output gradient)."""
@@ -244,42 +246,15 @@ class GraphPlan(ModelPlan):
             s.grads(saved[i], tensors, grads[i + 1], out, needed)
         return out
 
-    def param_grads(self, jac: Jacobians, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{parameter name: gradient}`` from a step's ``forward`` result and the scan's block gradients."""
-        if len(grads) != len(self.segments) + 1:
-            raise ValueError(f"grads: expected {len(self.segments) + 1} tensors, got {len(grads)}")
-        needed = [[p.requires_grad for _, p, _ in roles] for roles in self.param_roles]
-        with torch.no_grad():
-            return collect_param_grads(self.param_roles, self.unit_param_grads(jac.saved, jac.tensors, grads, needed))
-
     def engine_plans(self) -> list:
         return [self.core, *segment_plans(self.segments)]
-
-    def _eager_backward(self, state: ForwardState, gy: torch.Tensor, needs: tuple) -> tuple:
-        """The autograd front end's backward (:class:`spscan.runtime.autograd.FrontEnd`) as it runs eagerly: block
-        values, the block-level scan, then every branch's inner scan and all parameter gradients."""
-        needed = needed_per_unit(self.units, needs[1:])
-        values = self._values(state.saved, state.tensors, needed)
-        grads = self.backward(values, gy.reshape(gy.shape[0], -1).contiguous(), first_output=needs[0],
-                              stop=0 if needs[0] else self.lowest_needed_element(needed))
-        gx = grads[0].reshape(state.x_shape) if needs[0] else None
-        # parameter gradients a unit's operator computed while the scan applied it (one conv backward each)
-        done = self.fused_param_grads(values)
-        rest = [[n and (k not in done or done[k][r] is None) for r, n in enumerate(nd)]
-                for k, nd in enumerate(needed)]
-        per_unit = self.unit_param_grads(state.saved, state.tensors, grads, rest)
-        for k, d in done.items():
-            for r, v in enumerate(d):
-                if v is not None and needed[k][r]:
-                    per_unit[k][r] = v
-        return (gx, *[g for gs in per_unit for g in gs])
 
 
 def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
                operators: bool = True, dag: str = "auto", **kwargs: Any) -> ModelPlan:
     """Plan any model ``torch.fx`` can trace whose nodes are supported, any DAG (see the module docstring).
 
-    Returns a :class:`TracedChainPlan` for a straight chain, else a :class:`GraphPlan`. ``dag``:
+    Returns a :class:`~spscan.chain.model.ModelPlan` for a straight chain, else a :class:`GraphPlan`. ``dag``:
     ``"auto"`` plans a chain of series-parallel blocks where the graph is one and the live-set chain
     otherwise; ``"live"`` plans the live-set chain always (the same gradients; for comparison).
     ``kwargs`` go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
@@ -310,8 +285,8 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     if all(isinstance(s, Leaf) for s in segments):
         kwargs = levels_for_coupled_layers(traced.units, kwargs)  # layers without CSR values
         core, factored, norm = plan_chain(traced.units, operators=operators, **kwargs)
-        plan: ModelPlan = TracedChainPlan(traced.model, traced.units, traced.names, in_shape, core, operators=operators,
-                                          module_backed=traced.module_backed, factored=factored)
+        plan = ModelPlan(traced.model, traced.units, traced.names, in_shape, core, operators=operators,
+                         module_backed=traced.module_backed, factored=factored)
         plan.decisions = [d for d in (norm,) if d is not None]
         plan.bind_signatures()
         return _traced_as(plan, traced, model)
