@@ -7,7 +7,7 @@ to ``spscan.wrap`` is :attr:`Case.make`'s module; a recurrent case's linear head
 output) stays outside it on both sides, as in ``bench/test_recurrent_step.py``.
 
 Families: ``cnn`` (LeNet-5 and the small VGG of ``bench/test_cnn_step.py``, an AlexNet-like CNN with
-overlapping 3/2 max-pools and dropout, ResNet-20 of ``spscan/resnet.py``, a depthwise-separable
+overlapping 3/2 max-pools and dropout, ResNet-20 of ``examples/resnet.py``, a depthwise-separable
 MobileNet-like stack, an MLP with LayerNorm, a GroupNorm CNN, an EfficientNet-like block with
 squeeze-and-excitation), ``recurrent`` (``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``, input 32, hidden 64,
 T = 100 and 1000, B = 1 and 16) and ``transformer`` (``nn.TransformerEncoderLayer``, an MLP-Mixer
@@ -18,15 +18,21 @@ statistics, dropout on).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spscan.resnet import ResNet20
 from test_cnn_step import lenet5, vgg_small
+
+_EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from resnet import ResNet20  # noqa: E402
 
 __all__ = ["Case", "CASES", "CASE_NAMES", "alexnet_like", "mobilenet_like", "groupnorm_cnn", "efficientnet_like",
            "layernorm_mlp", "MixerBlock", "TinyViT", "GPTBlock", "transformer_encoder_layer", "recurrent"]

@@ -26,17 +26,23 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import spscan
-from spscan.resnet import ResNet20
 
 from conftest import device_name
 from cuda_step import checked_step, needs_cuda, plan_backend, record, step_info, time_pairs
+
+_EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from resnet import ResNet20  # noqa: E402
 
 BATCH = 16
 ROUNDS = 7

@@ -2,7 +2,8 @@
 
 The ResNet-20 of He et al. (2016) for 32x32 images: a 3x3 convolution, three stages of three basic
 blocks (16, 32 and 64 channels; option-A shortcuts: subsample and pad channels with zeros), global
-average pooling and a Linear head, batch norm in train mode. The whole model is wrapped with
+average pooling and a Linear head, batch norm in train mode; the model is the one of ``resnet.py``
+beside this script, which the tests and benchmarks also train. The whole model is wrapped with
 ``spscan.wrap``, and an ordinary ``loss.backward()`` trains it. The images are synthetic (no
 downloads): each of the 10 classes is a fixed random 3x32x32 template plus noise.
 
@@ -14,58 +15,10 @@ downloads): each of the 10 classes is a fixed random 3x32x32 template plus noise
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from _side_by_side import parse, parser, train_side_by_side
-
-
-class DownsampleA(nn.Module):
-    """Option-A shortcut: every other pixel, channels padded with zeros to ``planes``."""
-
-    def __init__(self, planes: int) -> None:
-        super().__init__()
-        self.planes = planes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pad = (self.planes - x.shape[1]) // 2
-        return F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, pad, pad))
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.shortcut = DownsampleA(planes) if stride != 1 or in_planes != planes else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += self.shortcut(x)
-        return F.relu(out)
-
-
-class ResNet20(nn.Module):
-    def __init__(self, classes: int = 10) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 16, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(16)
-        blocks, in_planes = [], 16
-        for planes, stride in ((16, 1), (32, 2), (64, 2)):
-            for i in range(3):
-                blocks.append(BasicBlock(in_planes, planes, stride if i == 0 else 1))
-                in_planes = planes
-        self.blocks = nn.Sequential(*blocks)
-        self.fc = nn.Linear(64, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn(self.conv(x)))
-        out = self.blocks(out)
-        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
-        return self.fc(out)
+from resnet import ResNet20
 
 
 def synthetic_images(n_batches: int, batch: int, device: str, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,7 +39,7 @@ def main() -> None:
     args = parse(p)
     batch = args.batch or (8 if args.quick else 32)
     print(f"ResNet-20 (option-A shortcuts, train mode) on 3x32x32 images, batch {batch}, on {args.device}")
-    model = ResNet20().to(args.device)
+    model = ResNet20(shortcut="A").to(args.device)
     batches = synthetic_images(8, batch, args.device, args.seed)
     train_side_by_side(model, batches, nn.functional.cross_entropy, steps=args.steps,
                        warmup=1 if args.quick else 2, lr=1e-3)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import spscan
+
+_EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from resnet import ResNet20  # noqa: E402
 
 
 def _net(momentum=0.1, track=True, seed=0):
@@ -84,7 +92,7 @@ def _small_cnn():
 
 
 @pytest.mark.parametrize("make, shape", [(_small_cnn, (4, 2, 6, 6)),
-                                         (lambda: __import__("spscan.resnet").resnet.ResNet20(width=4).double(),
+                                         (lambda: ResNet20(width=4).double(),
                                           (3, 3, 8, 8))], ids=["chain", "resnet"])
 @pytest.mark.parametrize("levels", ["auto", "full"])
 def test_planned_in_eval_mode_then_trained(make, shape, levels):

@@ -12,6 +12,8 @@ parameters (and running statistics)."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +23,12 @@ import torch.nn.functional as F
 import spscan
 from layer_checks import run_errors
 from spscan.graph.plan import GraphPlan
-from spscan.resnet import ResNet20
 from test_graph_models import _grads, _init, _loss, _rel
+
+_EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from resnet import BasicBlock, ResNet20  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- option-A ResNet-20
@@ -536,8 +542,7 @@ def test_block_union_against_dense():
 
 
 def test_reference_resnet_shortcut_arguments():
-    """``spscan.resnet``: the shortcut is 'A' or 'B'; option A needs stride 2 and an even channel growth."""
-    from spscan.resnet import BasicBlock
+    """``examples/resnet.py``: the shortcut is 'A' or 'B'; option A needs stride 2 and an even channel growth."""
 
     with pytest.raises(ValueError, match="shortcut: expected 'A' or 'B', got 'C'"):
         ResNet20(width=2, shortcut="C")

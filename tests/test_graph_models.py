@@ -6,6 +6,8 @@ SGD steps from the same initialization land on the same parameters."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import spscan
 from layer_checks import run_errors
 from spscan.graph.plan import GraphPlan, TracedChainPlan
-from spscan.resnet import ResNet20
+
+_EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from resnet import ResNet20  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- models

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import spscan
 from spscan.runtime.choices import GRAPH_MAX_ACTIVATION_BYTES, graph_activation_bytes, layers_decision
 from spscan.runtime.graphed import GraphedCall, GraphedStep
-from spscan.resnet import ResNet20
+
+_EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from resnet import ResNet20  # noqa: E402
 
 
 def fake_record(fn, device):

@@ -1,8 +1,10 @@
-"""Reference models: He et al. 2016's CIFAR ResNet-20, as the benchmarks and tests train it.
+"""The reference CIFAR ResNet-20 (He et al. 2016): the model of ``cifar_resnet.py``, and the one the
+benchmarks (``bench/``) and tests (``tests/``) train.
 
 Plain PyTorch modules with nothing spscan-specific: ``spscan.wrap(ResNet20(), x)`` plans them like
-any model ``torch.fx`` traces. One definition, so the benchmark rows and the exactness tests run
-the same architecture.
+any model ``torch.fx`` traces. One definition, so the example, the benchmark rows and the exactness
+tests run the same architecture. It lives here, beside the example, rather than in the library; the
+tests and benchmarks put this folder on ``sys.path`` and ``from resnet import ResNet20``.
 
 * :class:`BasicBlock`: ``relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))``; where the shape
   changes the shortcut is option B (a 1x1 strided conv + BatchNorm) or option A (subsample by 2
