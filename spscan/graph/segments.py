@@ -14,6 +14,7 @@ import torch
 
 from spscan.kernels.backend import StructuredOperator
 from spscan.layers import LayerUnit, UnitOperator
+from spscan.layers.base import PerDevice
 from spscan.layers.registry import JOIN_ADD as _ADD
 from spscan.runtime.plan import build_composite, build_plan
 from spscan.planner.blocks import block_union, identity_pattern, place, product_pattern, union_pattern
@@ -155,16 +156,16 @@ class Parallel:
         self.d_out = d_outs[0] if join == _ADD else sum(d_outs)
         self._opts = opts
         self._composites: list[Any] = [None] * len(branches)
-        self._gathers: list[Optional[torch.Tensor]] = [None] * len(branches)
+        self._gathers: list[Optional[PerDevice]] = [None] * len(branches)
         self.offsets = [0] * len(branches) if join == _ADD else [int(o) for o in np.cumsum([0] + d_outs[:-1])]
-        self._ones: dict = {}
+        self._ones = PerDevice(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
         # (branch composite patterns, the block's union pattern, each branch's map into it): symbolic
         # products of the branches' layers, made on first use. A block that only ever runs as its
         # structured operator (train-mode BatchNorm inside) never needs them; they are most of a
         # residual network's planning time
-        self._structure: Optional[tuple[list[sp.csr_array], sp.csr_array, list[torch.Tensor]]] = None
+        self._structure: Optional[tuple[list[sp.csr_array], sp.csr_array, list[PerDevice]]] = None
 
-    def _struct(self) -> tuple[list[sp.csr_array], sp.csr_array, list[torch.Tensor]]:
+    def _struct(self) -> tuple[list[sp.csr_array], sp.csr_array, list[PerDevice]]:
         if self._structure is None:
             pats: list[sp.csr_array] = []
             for br in self.branches:
@@ -175,7 +176,7 @@ class Parallel:
                 else:  # the composite's structure; its numeric plan on first use (operators rarely need it)
                     pats.append(product_pattern([s.pattern for s in br]))
             pattern, maps = union_pattern(pats, None if self.join == _ADD else self.offsets)
-            self._structure = (pats, pattern, [torch.from_numpy(m) for m in maps])
+            self._structure = (pats, pattern, [PerDevice.index(m) for m in maps])
         return self._structure
 
     @property
@@ -184,8 +185,8 @@ class Parallel:
         return self._struct()[1]
 
     @property
-    def maps(self) -> list[torch.Tensor]:
-        """Per branch, the positions of its composite's entries in :attr:`pattern`."""
+    def maps(self) -> list[PerDevice]:
+        """Per branch, the positions of its composite's entries in :attr:`pattern` (an index table)."""
         return self._struct()[2]
 
     @property
@@ -201,7 +202,7 @@ class Parallel:
             want = self._branch_patterns[b]
             if not (np.array_equal(got.indptr, want.indptr) and np.array_equal(got.indices, want.indices)):
                 # the engine may store the product denser (e.g. dense): keep the structural entries only
-                self._gathers[b] = torch.from_numpy(place(got, want))
+                self._gathers[b] = PerDevice.index(place(got, want))
             self._composites[b] = comp
         return comp
 
@@ -233,10 +234,7 @@ class Parallel:
             filled = [s.fill(v, T) for s, v in zip(br, sv)]
             inner.append(filled)
             if not br:
-                key = (dtype, device)
-                if key not in self._ones:
-                    self._ones[key] = torch.ones(self.d_in, dtype=dtype, device=device)
-                parts.append(self._ones[key])
+                parts.append(self._ones.get(dtype, device))
             elif len(br) == 1:
                 parts.append(filled[0][0])
             else:
@@ -245,13 +243,13 @@ class Parallel:
                 comp = self._composite(b)
                 v = comp.bind(shared=[v.dim() == 1 for v in vals], device=device).run(vals).composite
                 if self._gathers[b] is not None:
-                    v = torch.index_select(v, v.dim() - 1, self._gathers[b].to(device))
+                    v = torch.index_select(v, v.dim() - 1, self._gathers[b].on(device))
                 parts.append(v)
         shared = all(p.dim() == 1 for p in parts)
         nnz = self.pattern.nnz
         out = torch.zeros((nnz,) if shared else (batch, nnz), dtype=dtype, device=device)
         for p, m in zip(parts, self.maps):
-            m = m.to(device)  # a branch's entries map to distinct union entries: plain indexed adds, no atomics
+            m = m.on(device)  # a branch's entries map to distinct union entries: plain indexed adds, no atomics
             if shared:
                 out[m] += p
             else:
@@ -343,9 +341,8 @@ class LiveStep:
         const = np.zeros(self.pattern.nnz)
         for m in maps[:len(self.copies)] + ([] if leaf is not None else maps[len(self.copies):]):
             const[m] += 1.0  # identity entries (an input read twice gets 2 on its diagonal)
-        self._const_np = const
-        self._unit_map = torch.from_numpy(maps[-1]) if leaf is not None and not self.multi else None
-        self._const: dict = {}
+        self._const = PerDevice(lambda dtype, device: torch.from_numpy(const).to(dtype=dtype, device=device))
+        self._unit_map = PerDevice.index(maps[-1]) if leaf is not None and not self.multi else None
 
     @property
     def shared(self) -> bool:
@@ -365,19 +362,13 @@ class LiveStep:
         new = [live[i] for i in self.keep] + [y]
         return (new[0] if len(new) == 1 else new), (sv, y.shape[0], y.dtype, y.device)
 
-    def _constant(self, dtype, device) -> torch.Tensor:
-        key = (dtype, device)
-        if key not in self._const:
-            self._const[key] = torch.from_numpy(self._const_np).to(dtype=dtype, device=device)
-        return self._const[key]
-
     def fill(self, saved, T):
         sv, batch, dtype, device = saved
-        c = self._constant(dtype, device)
+        c = self._const.get(dtype, device)
         if self.leaf is None:
             return c, None
         v = self.leaf.fill(sv, T)[0]
-        m = self._unit_map.to(device)  # distinct entries: a plain indexed add, no atomics
+        m = self._unit_map.on(device)  # distinct entries: a plain indexed add, no atomics
         if v.dim() == 1:
             out = c.clone()
             out[m] += v

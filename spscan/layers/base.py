@@ -102,20 +102,38 @@ def _flat_index(idx: Sequence[np.ndarray], dims: Sequence[int]) -> np.ndarray:
     return out
 
 
-class _IndexCache:
-    """A numpy index array with per-device torch copies made on first use."""
+class PerDevice:
+    """A value made once per ``(dtype, device)`` by ``make(dtype, device)`` and kept for its owner's life: a
+    unit's or block's index tables and constant ``J^T`` values, which no step makes or copies to the device
+    again. An index table (:meth:`index`) has one dtype, its own: it is keyed by device alone (:meth:`on`)."""
 
-    def __init__(self, array: np.ndarray):
+    __slots__ = ("_make", "_made", "array")
+
+    def __init__(self, make: Callable[[Optional[torch.dtype], torch.device], Any],
+                 array: Optional[np.ndarray] = None) -> None:
+        self._make = make
+        self._made: dict[tuple, Any] = {}
+        self.array = array  # an index table's host array (None for a made value)
+
+    @classmethod
+    def index(cls, array: Any) -> "PerDevice":
+        """An int64 index table (a numpy array, or a CPU tensor) with its per-device copies."""
+        if isinstance(array, torch.Tensor):
+            array = array.numpy()
         a = np.ascontiguousarray(array, dtype=np.int64)
-        self.array = a if a.flags.writeable else a.copy()  # broadcast views are read-only; torch wants writable
-        self._by_device: dict[torch.device, torch.Tensor] = {}
+        a = a if a.flags.writeable else a.copy()  # broadcast views are read-only; torch wants writable
+        return cls(lambda dtype, device: torch.from_numpy(a).to(device), a)
 
-    def on(self, device: torch.device) -> torch.Tensor:
-        t = self._by_device.get(device)
-        if t is None:
-            t = torch.from_numpy(self.array).to(device)
-            self._by_device[device] = t
-        return t
+    def get(self, dtype: Optional[torch.dtype], device: torch.device) -> Any:
+        key = (dtype, device)
+        v = self._made.get(key)
+        if v is None:
+            v = self._made[key] = self._make(dtype, device)
+        return v
+
+    def on(self, device: torch.device) -> Any:
+        """An index table on ``device``."""
+        return self.get(None, device)
 
 
 def _effective(module: nn.Module, role: str) -> Optional[torch.Tensor]:
@@ -128,21 +146,6 @@ def _effective(module: nn.Module, role: str) -> Optional[torch.Tensor]:
 def _identity_pattern(d: int) -> sp.csr_array:
     ar = np.arange(d, dtype=np.int32)
     return sp.csr_array((np.ones(d), ar, np.arange(d + 1, dtype=np.int32)), shape=(d, d))
-
-
-class _ConstantValues:
-    """Shared ``J^T`` values that depend only on dtype and device, made once per pair."""
-
-    def __init__(self, make: Callable[[torch.dtype, torch.device], torch.Tensor]) -> None:
-        self._make = make
-        self._by_key: dict[tuple, torch.Tensor] = {}
-
-    def get(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
-        v = self._by_key.get(key)
-        if v is None:
-            v = self._by_key[key] = self._make(dtype, device)
-        return v
 
 
 # ----------------------------------------------------------------------------- the contract

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern, _IndexCache
+from spscan.layers.base import LayerUnit, PerDevice, UnitCapabilities, _identity_pattern
 from spscan.layers.normalization import LowRankFactors
 
 __all__ = ["ElementwiseUnit", "ElementwiseMoreUnit", "PReLUUnit", "DropoutUnit", "SoftmaxUnit", "ScaleUnit",
@@ -260,7 +260,7 @@ class PReLUUnit(LayerUnit):
         self.per_channel = k != 1
         per = self.d_in // in_shape[0]
         ch = np.repeat(np.arange(in_shape[0], dtype=np.int64), per) if self.per_channel else np.zeros(self.d_in, np.int64)
-        self.channel_of = _IndexCache(ch)
+        self.channel_of = PerDevice.index(ch)
 
     def run(self, x, tensors):
         return F.prelu(x, tensors[0]), x
@@ -327,7 +327,7 @@ class ScaleUnit(LayerUnit):
             raise ValueError(f"layer {index} (scale): shape-preserving expected, got {in_shape} -> {out_shape}")
         self.pattern = _identity_pattern(self.d_in)
         c = float(module.scale)
-        self._values = _ConstantValues(lambda dtype, device: torch.full((self.d_in,), c, dtype=dtype, device=device))
+        self._values = PerDevice(lambda dtype, device: torch.full((self.d_in,), c, dtype=dtype, device=device))
 
     @property
     def name(self) -> str:
@@ -367,7 +367,7 @@ class ParamAffineUnit(LayerUnit):
         self._shape = shape  # p as it broadcasts against (B, *in_shape)
         self._sum_dims = tuple(i for i, (a, b) in enumerate(zip(shape, (2,) + tuple(in_shape))) if a == 1 and b != 1)
         self.pattern = _identity_pattern(self.d_in)
-        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
+        self._ones = PerDevice(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
 
     @property
     def name(self) -> str:
@@ -488,7 +488,7 @@ class SoftmaxUnit(LowRankFactors):
         self.log = isinstance(module, nn.LogSoftmax)
         flat = np.arange(self.d_in, dtype=np.int64).reshape(in_shape)
         slices = np.moveaxis(flat, self.dim - 1, -1).reshape(-1, in_shape[self.dim - 1])
-        self.slices = _IndexCache(slices.reshape(-1))
+        self.slices = PerDevice.index(slices.reshape(-1))
         self.n_slice = slices.shape[1]
         self.rank, self.factor_groups = 1, np.ascontiguousarray(slices)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import (LayerUnit, UnitCapabilities, _ConstantValues, _effective, _flat_index, _IndexCache,
+from spscan.layers.base import (LayerUnit, PerDevice, UnitCapabilities, _effective, _flat_index,
                                 _prod, _tuple, coo_to_csr)
 
 __all__ = ["LinearUnit", "ConvUnit", "ConvTransposeUnit", "SeparableResampleUnit", "EmbeddingUnit",
@@ -23,8 +23,8 @@ __all__ = ["LinearUnit", "ConvUnit", "ConvTransposeUnit", "SeparableResampleUnit
 class _WeightGatherMixin:
     """Units whose ``J^T`` entries are elements of one weight tensor (shared values)."""
 
-    weight_gather: _IndexCache
-    zero_weights: _IndexCache  # flat weight indices dropped from the pattern (must stay zero)
+    weight_gather: PerDevice
+    zero_weights: PerDevice  # flat weight indices dropped from the pattern (must stay zero)
 
     def _drop_mask(self, module: nn.Module, prune_zeros: bool) -> np.ndarray:
         """Boolean per flat weight element: ``True`` if it is pruned (left out of the pattern)."""
@@ -80,8 +80,8 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
         rows = (l * fi + i[None, :]).reshape(-1)
         cols = (l * fo + j[None, :]).reshape(-1)
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
-        self.weight_gather = _IndexCache(np.broadcast_to(widx[None, :], (lead, widx.size)).reshape(-1)[order])
-        self.zero_weights = _IndexCache(np.flatnonzero(drop))
+        self.weight_gather = PerDevice.index(np.broadcast_to(widx[None, :], (lead, widx.size)).reshape(-1)[order])
+        self.zero_weights = PerDevice.index(np.flatnonzero(drop))
 
     def run(self, x, tensors):
         if self.zero_weights.array.size:
@@ -259,8 +259,8 @@ class _ConvLike(_WeightGatherMixin, LayerUnit):
 
     def _set_entries(self, rows: np.ndarray, cols: np.ndarray, widx: np.ndarray, drop: np.ndarray) -> None:
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
-        self.weight_gather = _IndexCache(widx[order])
-        self.zero_weights = _IndexCache(np.flatnonzero(drop))
+        self.weight_gather = PerDevice.index(widx[order])
+        self.zero_weights = PerDevice.index(np.flatnonzero(drop))
 
     def _bias_grad(self, g: torch.Tensor) -> torch.Tensor:
         return g.sum(dim=[0] + list(range(2, g.dim())))
@@ -508,7 +508,7 @@ class SeparableResampleUnit(LayerUnit):
         cols = (ch * n_out + rout[None, :]).reshape(-1)
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         entry_values = np.array(np.broadcast_to(vals[None, :], (c, vals.size)).reshape(-1)[order])
-        self._values = _ConstantValues(
+        self._values = PerDevice(
             lambda dtype, device: torch.from_numpy(entry_values).to(device=device, dtype=dtype))
         # the separability the construction relies on, checked on the module itself
         gen = torch.Generator().manual_seed(0)
@@ -525,7 +525,7 @@ class SeparableResampleUnit(LayerUnit):
         if factors is None:  # no dense per-axis factors: the CSR values only
             self.capabilities = UnitCapabilities()
         # the operator: one small matrix product per axis, no gathers
-        self._factors = _ConstantValues(lambda dtype, device: [torch.from_numpy(a).to(device=device, dtype=dtype)
+        self._factors = PerDevice(lambda dtype, device: [torch.from_numpy(a).to(device=device, dtype=dtype)
                                                                for a in factors or ()])
 
     def run(self, x, tensors):
@@ -570,7 +570,7 @@ class EmbeddingUnit(LayerUnit):
             raise ValueError(f"layer {index} (Embedding): sparse=True (a sparse weight gradient) is not supported; "
                              "use sparse=False")
         self.pattern = sp.csr_array((self.d_in, self.d_out), dtype=np.float64)
-        self._none = _ConstantValues(lambda dtype, device: torch.zeros(0, dtype=dtype, device=device))
+        self._none = PerDevice(lambda dtype, device: torch.zeros(0, dtype=dtype, device=device))
 
     def run(self, x, tensors):
         m = self.module
@@ -638,7 +638,7 @@ class ReductionUnit(LayerUnit):
         rows = np.arange(self.d_in, dtype=np.int64)
         self.pattern, _ = coo_to_csr(rows, cols.astype(np.int64), (self.d_in, self.d_out))  # one entry per row
         self.scale = 1.0 / n if module.kind == "mean" else 1.0
-        self._values = _ConstantValues(lambda dtype, device: torch.full((self.d_in,), self.scale, dtype=dtype,
+        self._values = PerDevice(lambda dtype, device: torch.full((self.d_in,), self.scale, dtype=dtype,
                                                                         device=device))
 
     @property

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, UnitCapabilities, _identity_pattern, _IndexCache, _prod, coo_to_csr
+from spscan.layers.base import LayerUnit, PerDevice, UnitCapabilities, _identity_pattern, _prod, coo_to_csr
 
 __all__ = ["BatchNormUnit", "LayerNormUnit", "GroupNormUnit", "LowRankFactors"]
 
@@ -73,7 +73,7 @@ class BatchNormUnit(LayerUnit):
             raise ValueError(f"layer {index} ({self.name}): expected {module.num_features} channels "
                              f"(num_features), got per-sample input {tuple(in_shape)}")
         self.pattern = _identity_pattern(self.d_in)
-        self.channel_of = _IndexCache(np.repeat(np.arange(c, dtype=np.int64), self.d_in // c))
+        self.channel_of = PerDevice.index(np.repeat(np.arange(c, dtype=np.int64), self.d_in // c))
 
     @property
     def batch_statistics(self) -> bool:
@@ -201,7 +201,7 @@ def _low_rank_entries(groups: np.ndarray, rank: int) -> tuple[np.ndarray, np.nda
 def _csr_with_order(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]):
     """:func:`coo_to_csr`, its permutation kept only where it is not the identity."""
     pat, order = coo_to_csr(rows, cols, shape)
-    return pat, None if isinstance(order, slice) else _IndexCache(order)
+    return pat, None if isinstance(order, slice) else PerDevice.index(order)
 
 
 class LowRankFactors(LayerUnit):
@@ -230,11 +230,11 @@ class LowRankFactors(LayerUnit):
         return self._blocks()[0]
 
     @property
-    def dense_order(self) -> Optional[_IndexCache]:
+    def dense_order(self) -> Optional[PerDevice]:
         """CSR position -> ``(group, j, i)`` entry of the dense blocks (``None``: the same order)."""
         return self._blocks()[1]
 
-    def _blocks(self) -> tuple[sp.csr_array, Optional[_IndexCache]]:
+    def _blocks(self) -> tuple[sp.csr_array, Optional[PerDevice]]:
         got = self.__dict__.get("_dense")
         if got is None:
             got = self._dense = _csr_with_order(*_dense_blocks(self.factor_groups), (self.d_in, self.d_out))
@@ -322,7 +322,7 @@ class _GroupNormalizeUnit(LowRankFactors):
     def _setup(self, gain_index: Optional[np.ndarray]) -> None:
         g, n = self.groups, self.group_size
         self.rank, self.factor_groups = 2, np.arange(self.d_in, dtype=np.int64).reshape(g, n)
-        self.gain_index = None if gain_index is None else _IndexCache(gain_index)
+        self.gain_index = None if gain_index is None else PerDevice.index(gain_index)
 
     def _tensor(self, tensors: Sequence[torch.Tensor], role: str) -> Optional[torch.Tensor]:
         return _role_tensor(self, tensors, role)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.overrides import has_torch_function_unary
 
 from spscan.kernels.backend import cpu_ops
-from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _flat_index, _IndexCache, _tuple, coo_to_csr
+from spscan.layers.base import LayerUnit, PerDevice, UnitCapabilities, _flat_index, _tuple, coo_to_csr
 
 __all__ = ["MaxPoolUnit", "AvgPoolUnit"]
 
@@ -80,8 +80,8 @@ class MaxPoolUnit(LayerUnit):
                              f"lies entirely in the padding (input {tuple(in_shape)}, kernel {k}, stride {s}, "
                              f"padding {p}, dilation {d}); expected every window to hold an input element")
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
-        self.entry_out = _IndexCache(cols[order])
-        self.entry_plane = _IndexCache(plane[order])
+        self.entry_out = PerDevice.index(cols[order])
+        self.entry_plane = PerDevice.index(plane[order])
         # 2x2 and 3x3 windows have a compiled forward on a CPU (2-5x ATen's speed on one thread): a cost
         # family of their own (other windows run ATen's forward in every regime)
         self._compiled_forward = nd == 2 and cpu_ops.max_pool_compiled(k, d)
@@ -198,7 +198,7 @@ class AvgPoolUnit(LayerUnit):
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
         self.entry_divisor = div_full[order]
         # 1/divisor computed in float64 then rounded once: what the backward kernel yields for grad 1
-        self._values = _ConstantValues(
+        self._values = PerDevice(
             lambda dtype, device: torch.from_numpy(1.0 / self.entry_divisor).to(device=device, dtype=dtype))
         one = ((1,), (1,), (0,)) if nd == 1 else ((), (), ())
         self._backward_args = ([*one[0], *k], [*one[1], *s], [*one[2], *p], bool(module.ceil_mode),

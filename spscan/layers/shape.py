@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, UnitCapabilities, _ConstantValues, _identity_pattern, _IndexCache
+from spscan.layers.base import LayerUnit, PerDevice, UnitCapabilities, _identity_pattern
 
 __all__ = ["ReshapeUnit", "UnflattenUnit", "PerSampleReshapeUnit", "SelectionUnit", "ParamCatUnit"]
 
@@ -37,7 +37,7 @@ class ReshapeUnit(LayerUnit):
                 raise ValueError(f"layer {index} (Flatten): start_dim >= 1 expected (the batch dim must stay), "
                                  f"got start_dim={module.start_dim}")
         self.pattern = _identity_pattern(self.d_in)
-        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
+        self._ones = PerDevice(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
 
     @property
     def cost_family(self) -> str:
@@ -99,7 +99,7 @@ class _Selection(nn.Module):
         if kind not in ("slice", "pad", "permute", "index"):
             raise ValueError(f"unknown selection kind {kind!r}")
         self.kind, self.arg = kind, arg
-        self.index = _IndexCache(arg) if kind == "index" else None  # arg: the source entry of each output entry
+        self.index = PerDevice.index(arg) if kind == "index" else None  # arg: the source entry of each output entry
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "slice":
@@ -159,7 +159,7 @@ class SelectionUnit(LayerUnit):
         self.pattern = _selection_pattern(src.numpy(), d_in, self.d_out, module.kind)
         if module.kind == "permute":
             self._inverse = tuple(int(i) for i in np.argsort(module.arg))
-        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.nnz, dtype=dtype, device=device))
+        self._ones = PerDevice(lambda dtype, device: torch.ones(self.nnz, dtype=dtype, device=device))
 
     @property
     def name(self) -> str:
@@ -226,7 +226,7 @@ class ParamCatUnit(LayerUnit):
         src = torch.cat([ids if p is None else torch.full((1,) + tuple(p[1].shape[1:]), -1, dtype=torch.int64)
                          for p in pieces], self.dim).reshape(-1).numpy()
         self.pattern = _selection_pattern(src, self.d_in, self.d_out, "cat")
-        self._ones = _ConstantValues(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
+        self._ones = PerDevice(lambda dtype, device: torch.ones(self.d_in, dtype=dtype, device=device))
 
     @property
     def name(self) -> str:
