@@ -69,6 +69,37 @@ def test_a_recording_is_failed_only_by_its_own_thread(monkeypatch):
     assert ran == [1] and seen == {"capture_error_mode": "thread_local", "replayed": True}
 
 
+def test_a_workspace_records_its_program_through_the_one_recorder(monkeypatch):
+    """A bound program's launches (:meth:`Workspace.replay`) are recorded by ``record_cuda_graph`` as every
+    other graph is: run eagerly once, recorded, then replayed per key; at most ``_MAX_GRAPHS`` kept; inside
+    a caller's own capture the launches just run (they are recorded there)."""
+    from spscan.runtime import workspace as ws
+
+    recorded = []
+
+    def record(fn, device):
+        recorded.append(device)
+        return fn, None
+
+    monkeypatch.setattr(ws, "record_cuda_graph", record)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    w = ws.Workspace(program=None, device=torch.device("cpu"))
+    ran = []
+    w.replay(("b", 1), lambda: ran.append(1))  # eager run, then the recording (a stand-in: runs nothing)
+    assert ran == [1] and len(recorded) == 1
+    w.replay(("b", 1), lambda: ran.append(2))  # replays what was recorded
+    assert ran == [1, 1] and len(recorded) == 1
+    for b in range(2, 2 + ws._MAX_GRAPHS):
+        w.replay(("b", b), lambda: None)
+    assert len(w._graphs) == ws._MAX_GRAPHS and ("b", 1) not in w._graphs
+    capturing[0] = True
+    w.replay(("b", 99), lambda: ran.append(3))
+    assert ran[-1] == 3 and ("b", 99) not in w._graphs
+    w.release()
+    assert not w._graphs
+
+
 # ----------------------------------------------------------------------------- GraphedCall
 
 

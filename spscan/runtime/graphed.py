@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import traceback
-import warnings
 import weakref
 from typing import Any, Callable, Hashable, Optional
 
@@ -46,7 +45,7 @@ import torch
 import spscan.kernels as _kernels
 from spscan.runtime.autograd import (Unseen, flatten_tensors, keep_graph, map_tensors, refuse_second_derivative,
                                      tensors_and_signature)
-from spscan.runtime import CAPTURE_ERROR_MODE
+from spscan.runtime.workspace import record_cuda_graph
 
 __all__ = ["GraphedCall", "GraphedStep", "copy_all", "record_cuda_graph"]
 
@@ -68,18 +67,6 @@ def _buffer_like(t: torch.Tensor) -> torch.Tensor:
     elements share memory, else dense ones (an expanded tensor, the upstream gradient of a ``sum``, has
     stride 0, and a buffer with it could not be written)."""
     return torch.empty_like(t, memory_format=torch.preserve_format)
-
-
-def record_cuda_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Callable[[], None], Any]:
-    """``fn``'s launches as a CUDA graph: ``(replay, graph)``; a replay rewrites what ``fn`` wrote. Only
-    this thread's calls can fail the capture (:data:`~spscan.runtime.CAPTURE_ERROR_MODE`)."""
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings():  # a step without device work (an identity) records an empty graph
-        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
-            fn()
-    return graph.replay, graph
 
 
 def _packing(outputs: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:

@@ -8,14 +8,15 @@ for a front end's own large host tensors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from spscan.planner.program import Program
 
-__all__ = ["CAPTURE_ERROR_MODE", "RecycledBuffers", "Workspace"]
+__all__ = ["CAPTURE_ERROR_MODE", "RecycledBuffers", "Workspace", "record_cuda_graph"]
 
 _MAX_GRAPHS = 4  # CUDA graphs a workspace keeps (one per batch size and dtype in use)
 
@@ -26,6 +27,20 @@ _MAX_GRAPHS = 4  # CUDA graphs a workspace keeps (one per batch size and dtype i
 #: spscan does not control. The recording thread's own unsafe calls (a copy from the host, a wait for
 #: the device, a ``cudaMalloc``) still fail the capture.
 CAPTURE_ERROR_MODE = "thread_local"
+
+
+def record_cuda_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Callable[[], None], Any]:
+    """``fn``'s launches as a CUDA graph: ``(replay, graph)``; a replay rewrites what ``fn`` wrote. Every
+    CUDA graph spscan records is recorded here (a workspace's program, a front end's backward or whole
+    step, :mod:`spscan.runtime.graphed`). Only this thread's calls can fail the capture
+    (:data:`CAPTURE_ERROR_MODE`)."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():  # a step without device work (an identity) records an empty graph
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+            fn()
+    return graph.replay, graph
 
 
 def _storage_use_count(t: torch.Tensor) -> Optional[int]:
@@ -140,18 +155,15 @@ class Workspace:
         if torch.cuda.is_current_stream_capturing():
             launch()
             return
-        g = self._graphs.get(key)
-        if g is not None:
-            g.replay()
+        replay = self._graphs.get(key)
+        if replay is not None:
+            replay()
             return
         launch()
-        torch.cuda.current_stream(self.device).synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, capture_error_mode=CAPTURE_ERROR_MODE):
-            launch()
+        replay, graph = record_cuda_graph(launch, self.device)
         if len(self._graphs) >= _MAX_GRAPHS:  # buffers of old batch sizes are gone: drop their graphs
             self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[key] = g
+        self._graphs[key] = replay  # (the bound method keeps its graph alive)
 
     def held_buffers(self) -> list[torch.Tensor]:
         """The buffers a run writes and reads now (arenas, working buffers)."""
