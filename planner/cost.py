@@ -66,6 +66,15 @@ class DeviceProfile:
     # entries per second (per sample) of a layer's own operator applying its J^T (ATen's convolution or
     # normalization backward, a GEMM): a dense kernel's rate, not the CSR gathers' pair_rate
     operator_rate: float = 1.0e10
+    # the normalization form (:func:`spscan.chain.planning.plan_chain`): ``norm_form="auto"`` keeps a layer's
+    # low-rank factors only when their estimated time is below its dense blocks' divided by
+    # ``factored_margin`` (the CPU constants price per-sample dense GEMMs below what a core runs, so the
+    # margin keeps the estimate from picking factors that run slower: bench/results/calibration.md); above
+    # ``dense_block_limit`` dense-block entries per sample a layer's blocks are never planned into products
+    # (a dense LayerNorm(1024) over 16 tokens is 16.8M entries per sample: 4 GiB of values a step at batch
+    # 64, float32; its factors 98k)
+    factored_margin: float = 2.0
+    dense_block_limit: int = 1 << 22
 
     def run_step_s(self, kind: str) -> float:
         """Fixed cost of one fused linear-run step of kind ``"dense"``, ``"diag"`` or ``"sparse"``."""
@@ -75,6 +84,17 @@ class DeviceProfile:
 
     def gemm_time(self, macs: float, launches: int) -> float:
         return launches * self.op_overhead_s + macs / self.gemm_rate
+
+    def describe_thresholds(self) -> str:
+        """The thresholds of this profile that decide besides its rates, as ``explain()`` shows them."""
+        run = (f"chunked linear runs of width <= {self.parallel_run_max_m} and >= {self.parallel_run_min_steps} "
+               "steps" if self.parallel_run_max_m else "no chunked linear runs")
+        rec = f"fused recurrences of blocks <= {self.recurrence_max_n}" if self.recurrence_max_n else "no fused recurrences"
+        csr = "any" if self.run_sparse_max_nnz is None else f"<= {self.run_sparse_max_nnz}"
+        store = ("storage by the cost of what reads it" if self.dense_threshold is None
+                 else f"dense storage at density >= {self.dense_threshold:g}")
+        return (f"{self.name} thresholds: {store}; {run}; CSR run steps of {csr} entries; {rec}; factored norm form "
+                f"must win by {self.factored_margin:g}x; dense norm blocks <= {self.dense_block_limit} entries")
 
 
 # Orders of magnitude of a small multi-core CPU (torch eager) and a recent datacenter GPU (Triton launches:

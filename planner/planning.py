@@ -465,7 +465,7 @@ def depth_decision(candidates: dict[int, float], profile: DeviceProfile, forced:
     cands = [Candidate(f"depth {k}", t, "linear scan" if k == 0 else f"{k} up-sweep level{'s' if k > 1 else ''}", k)
              for k, t in sorted(candidates.items())]
     return choose("scan depth", cands, None if forced is None else f"depth {forced}",
-                  basis=f"{profile.name} critical-path model")
+                  basis=f"{profile.name} critical-path model", notes=(profile.describe_thresholds(),))
 
 
 def step_costs(plan: ScanPlan) -> list[LevelCost]:

@@ -185,11 +185,12 @@ def _index_array(arrays: dict, name: str, ndim: int = 1) -> np.ndarray:
 # profile fields added after version 3 files were first written, in the groups they came in: a
 # file without a group was planned by a profile that did not have it, whose behavior the group's
 # defaults keep (no chunked linear runs; CSR steps of at most 2**16 entries in runs; no structured
-# recurrences; a layer's own operator priced at the default rate)
+# recurrences; a layer's own operator priced at the default rate; the normalization form's margin and
+# dense-block bound as they were fixed before they were profile fields)
 _LATER_PROFILE_FIELDS = (("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s"),
                          ("run_sparse_max_nnz",), ("recurrence_rate", "recurrence_step_s", "recurrence_max_n"),
-                         ("operator_rate",))
-_LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "recurrence_max_n")
+                         ("operator_rate",), ("factored_margin", "dense_block_limit"))
+_LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "recurrence_max_n", "dense_block_limit")
 _ZERO_ALLOWED = ("parallel_run_max_m", "recurrence_max_n")
 
 
@@ -207,7 +208,7 @@ def _profile(raw: Any) -> DeviceProfile:
         if k in _LATER_INT_FIELDS:
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k in _ZERO_ALLOWED else 1):
                 raise ValueError(f"header field 'profile.{k}': expected a non-negative int (at least 1 for "
-                                 f"parallel_run_min_steps), got {v!r}")
+                                 f"parallel_run_min_steps and dense_block_limit), got {v!r}")
             continue
         if k == "recurrence_rate":  # 0: the device runs no structured recurrences
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:

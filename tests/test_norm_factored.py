@@ -5,6 +5,8 @@ from its core elements back to layers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 import spscan
 from spscan.chain import model as chain_model, planning as chain_planning
 from spscan.layers import LowRankFactors
+from spscan.planner import cost
 
 from layer_checks import build_unit, filled, run_errors, seq
 from test_layers_more import (NORM_CASES, NORM_CHAINS, _rel, _seeded, _step, check_chain_equals_autograd,
@@ -133,8 +136,8 @@ def test_core_api_maps_elements_to_layers():
 def test_auto_chooses_by_cost():
     """``norm_form="auto"``: the factors next to convs (the dense blocks would fill their products),
     the blocks next to a Linear over the whole LayerNorm (the products are dense anyway); depth 0
-    (forced or chosen) keeps the layer's kernel; ``DENSE_BLOCK_LIMIT`` factors without planning the
-    blocks into products."""
+    (forced or chosen) keeps the layer's kernel; the profile's ``dense_block_limit`` factors without planning
+    the blocks into products."""
     cnn, x_cnn = _gn_cnn(), seq(2, 4, 4, 4)
     mlp, x_mlp = _ln_mlp(256), seq(2, 256)
     assert any(spscan.plan(cnn, x_cnn, levels=1).factored)
@@ -143,9 +146,9 @@ def test_auto_chooses_by_cost():
     auto = spscan.plan(cnn, x_cnn)
     if auto.levels == 0:
         assert not any(auto.factored)
-    old = chain_planning.DENSE_BLOCK_LIMIT
+    old = cost._CPU
     try:
-        chain_planning.DENSE_BLOCK_LIMIT = 1000  # below a LayerNorm(256)'s 65536 block entries
+        cost._CPU = dataclasses.replace(old, dense_block_limit=1000)  # below a LayerNorm(256)'s 65536 block entries
         calls = []
         real = chain_planning.build_plan
 
@@ -174,7 +177,7 @@ def test_auto_chooses_by_cost():
         else:
             assert any(pa.factored) and calls == [9]
     finally:
-        chain_planning.DENSE_BLOCK_LIMIT = old
+        cost._CPU = old
 
 
 def test_sgd_steps_equal_autograd():

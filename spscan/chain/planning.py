@@ -15,7 +15,7 @@ from spscan.chain.model import ModelPlan, check_hooks, has_hooks
 from spscan.errors import NotPlannable
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
 from spscan.planner.choose import Candidate, choose
-from spscan.runtime.plan import build_plan
+from spscan.runtime.plan import build_plan, plan_profile
 
 __all__ = ["UnitRefused", "example_rejected", "is_chain_model", "levels_for_coupled_layers", "plan_chain", "plan_model"]
 
@@ -130,15 +130,6 @@ def levels_for_coupled_layers(units: Sequence[LayerUnit], kwargs: dict) -> dict:
 
 NORM_FORMS = ("auto", "dense", "factored")
 
-# above this many dense-block entries per sample, a layer's blocks are never planned into products:
-# a dense LayerNorm(1024) over 16 tokens is 16.8M entries per sample (its values alone 4 GiB a step at
-# batch 64, float32), the factors 98k
-DENSE_BLOCK_LIMIT = 1 << 22
-
-# ``norm_form="auto"`` keeps the factors only when their estimated time is below the dense blocks' divided
-# by this: the CPU profile prices per-sample dense GEMMs below what a core runs, so the margin keeps the
-# estimate from picking factors that run slower (bench/results/calibration.md)
-FACTORED_MARGIN = 2.0
 
 
 def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: bool = True,
@@ -157,10 +148,11 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: b
     * ``"auto"``: the planner's choice. At depth 0 nothing is multiplied, so the dense form (applied
       as the layer's kernel) is kept. Where the plan multiplies matrices (a depth ``K >= 1``, forced
       or chosen by ``levels="auto"``), both chains are planned and the one with the lower estimated
-      critical-path time is kept (the factors must win by :data:`FACTORED_MARGIN`): the factors win
+      critical-path time is kept (the factors must win by the profile's ``factored_margin``,
+      :class:`~spscan.planner.cost.DeviceProfile`): the factors win
       where the blocks would fill the neighbours' products (a conv next to a GroupNorm), the blocks
       where the products are dense anyway (a Linear next to a LayerNorm over its whole output) and
-      one element fewer is cheaper. Where a layer's blocks exceed :data:`DENSE_BLOCK_LIMIT`
+      one element fewer is cheaper. Where a layer's blocks exceed the profile's ``dense_block_limit``
       entries per sample, only the factored chain is planned; if its best depth is 0, the linear
       scan with the layers' kernels is planned instead.
 
@@ -170,6 +162,8 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: b
         raise ValueError(f"norm_form: expected one of {NORM_FORMS}, got {norm_form!r}")
     can = [u.capabilities.low_rank_factors and u.has_csr_values for u in units]
     dense = [False] * len(units)
+    prof = plan_profile(kwargs.get("device"), kwargs.get("backend", "auto"))
+    margin, limit = prof.factored_margin, prof.dense_block_limit
 
     def core_of(flags: Sequence[bool], **over: Any):
         pats = [p for u, f in zip(units, flags) for p in (u.factor_patterns() if f else (u.pattern,))]
@@ -185,12 +179,15 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: b
         cands = [Candidate(name, best, why)]
         for other, plan in rivals:
             t = plan.candidates.get(plan.levels)
-            factor = FACTORED_MARGIN if other == "factored" else 1.0
+            factor = margin if other == "factored" else 1.0
             cands.append(Candidate(other, None if t is None else t * factor,
-                                   f"depth {plan.levels}" + (f", estimate x {FACTORED_MARGIN} (must win by it)"
+                                   f"depth {plan.levels}" + (f", estimate x {margin:g} (must win by it)"
                                                              if factor != 1.0 else "")))
         forced = name if norm_form != "auto" else None
-        return core, flags, choose("normalization form", cands, forced, basis="critical-path model of each chain")
+        return core, flags, choose("normalization form", cands, forced,
+                                   basis=f"{prof.name} critical-path model of each chain",
+                                   notes=(f"factors must win by {margin:g}x; dense blocks <= {limit} entries per "
+                                          "sample",))
 
     if not any(can):
         return core_of(dense), dense, None
@@ -201,12 +198,12 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: b
     levels = kwargs.get("levels", "auto")
     if levels == 0:
         return decided(core_of(dense), dense, "depth 0: each layer's own backward kernel, nothing multiplied")
-    if any(c and u.nnz > DENSE_BLOCK_LIMIT for u, c in zip(units, can)):
+    if any(c and u.nnz > limit for u, c in zip(units, can)):
         other = core_of(can)
         if other.levels == 0:  # the linear scan: each layer's own kernel (faster than the factors' SpMVs)
             return decided(core_of(dense, levels=0), dense, "the factored chain's best depth is 0: kernels instead",
                            [("factored", other)])
-        return decided(other, can, f"dense blocks exceed {DENSE_BLOCK_LIMIT} entries")
+        return decided(other, can, f"dense blocks exceed {limit} entries")
     plain = core_of(dense)
     if plain.levels == 0 and levels == "auto":
         return decided(plain, dense, "depth 0 chosen: each layer's kernel, no products to fill")
@@ -214,7 +211,7 @@ def plan_chain(units: Sequence[LayerUnit], norm_form: str = "auto", operators: b
     if other.levels == 0:
         return decided(plain, dense, "the factored chain's best depth is 0: kernels are faster", [("factored", other)])
     t_plain, t_other = plain.candidates.get(plain.levels), other.candidates.get(other.levels)
-    if t_plain is not None and t_other is not None and t_other * FACTORED_MARGIN < t_plain:
+    if t_plain is not None and t_other is not None and t_other * margin < t_plain:
         return decided(other, can, f"depth {other.levels}", [("dense", plain)])
     return decided(plain, dense, f"depth {plain.levels}", [("factored", other)])
 

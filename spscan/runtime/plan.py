@@ -21,7 +21,7 @@ import torch
 from spscan.runtime import BoundPlan, ValuesBuffer, canonical_device, fmt_bytes
 from spscan.kernels.registry import backend_names, default_backend, get_backend
 from spscan.planner.choose import Decision
-from spscan.planner.cost import profile_for
+from spscan.planner.cost import DeviceProfile, profile_for
 from spscan.planner.memory import MemoryEstimate, estimate_memory
 from spscan.planner.patterns import Pattern, as_chain
 from spscan.planner.lowering import LoweringCache
@@ -348,6 +348,16 @@ def check_plan_options(levels, backend, dtype, max_memory, batch_size) -> None:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
 
 
+def plan_profile(device=None, backend: str = "auto") -> DeviceProfile:
+    """The critical-path cost model's constants and thresholds a plan for ``device`` (and ``backend``) is made
+    with (:func:`build_plan`; the front ends' own choices read its thresholds too)."""
+    dev = resolve_device(device)
+    if backend == "auto":
+        backend = default_backend(dev)
+    dev = backend_device(backend, dev)
+    return profile_for(dev.type if dev is not None else "cpu")
+
+
 def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str = "auto", device=None,
                dtype: Optional[torch.dtype] = None, max_memory: Optional[float] = None, batch_size: int = 16,
                bind: Optional[tuple[Sequence[bool], Sequence[bool]]] = ((), ()),
@@ -366,7 +376,7 @@ def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str 
     dev = backend_device(backend, dev)
     pats = as_chain(patterns)
     elem = 8 if dtype == torch.float64 else 4
-    profile = profile_for(dev.type if dev is not None else "cpu")
+    profile = plan_profile(dev, backend)
 
     def peak(candidate) -> int:
         return estimate_memory(candidate).total(batch_size)
