@@ -44,7 +44,8 @@ class Candidate:
 class Decision:
     """The answer to one ``question``: the ``chosen`` candidate among ``candidates`` (all of them, in
     the order offered); ``forced``: the user named it; ``basis``: what the predictions come from (the
-    device profile)."""
+    device profile); ``incumbent``/``margin``: the candidate kept unless another was predicted ``margin``
+    times faster (a threshold of the profile, shown by :meth:`explain`)."""
 
     question: str
     chosen: Candidate
@@ -52,13 +53,17 @@ class Decision:
     forced: bool = False
     basis: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    incumbent: Optional[str] = None
+    margin: float = 1.0
 
     def candidate(self, name: str) -> Optional[Candidate]:
         return next((c for c in self.candidates if c.name == name), None)
 
     def explain(self) -> str:
+        known = [c.predicted_s for c in self.candidates if c.predicted_s is not None and math.isfinite(c.predicted_s)]
         how = ("forced" if self.forced else "only candidate" if len(self.candidates) == 1 else
-               "the only one available" if self.chosen.predicted_s is None else "lowest predicted")
+               "the only one available" if self.chosen.predicted_s is None else
+               "lowest predicted" if self.chosen.predicted_s <= min(known) else f"kept: within {self.margin:g}x")
         head = f"{self.question}: {self.chosen.name} ({how}"
         head += f"; {self.basis})" if self.basis else ")"
         lines = [head]
@@ -66,6 +71,8 @@ class Decision:
             mark = "*" if c is self.chosen else " "
             lines.append(f"  {mark} {c.name:<22} {format_seconds(c.predicted_s):>10}  {c.detail}".rstrip())
         lines += [f"  {n}" for n in self.notes]
+        if self.incumbent is not None and self.margin != 1.0 and not self.forced and len(self.candidates) > 1:
+            lines.append(f"  {self.incumbent} is kept unless another is predicted {self.margin:g}x faster")
         return "\n".join(lines)
 
 
@@ -87,15 +94,13 @@ def choose(question: str, candidates: Sequence[Candidate], forced: Optional[str]
         if pick is None:
             raise ValueError(f"{question}: {forced!r} is not a candidate here (candidates: "
                              f"{', '.join(c.name for c in cands)})")
-        return Decision(question, pick, cands, True, basis, tuple(notes))
+        return Decision(question, pick, cands, True, basis, tuple(notes), incumbent, margin)
     known = [c for c in cands if c.predicted_s is not None and math.isfinite(c.predicted_s)]
     pick = min(known, key=lambda c: c.predicted_s) if known else cands[0]
     keep = next((c for c in known if c.name == incumbent), None)
-    if keep is not None and pick is not keep:
-        if pick.predicted_s * margin > keep.predicted_s:
-            pick = keep
-        notes = (*notes, f"{keep.name} is kept unless another is predicted {margin:g}x faster")
-    return Decision(question, pick, cands, False, basis, tuple(notes))
+    if keep is not None and pick is not keep and pick.predicted_s * margin > keep.predicted_s:
+        pick = keep
+    return Decision(question, pick, cands, False, basis, tuple(notes), incumbent, margin)
 
 
 def explain(decisions: Sequence[Decision], title: str = "") -> str:

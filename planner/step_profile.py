@@ -87,6 +87,14 @@ class StepProfile:
     recurrent: dict[str, dict[str, tuple[float, ...]]] = field(default_factory=dict)
     source: str = "reference"  # "reference" (shipped) or "calibrated" (fitted on this machine)
     fitted_on: str = ""
+    # thresholds of the decisions made with this profile (a profile file may set them; calibration keeps them):
+    # ``backward="auto"`` runs the scan only where it is predicted ``scan_margin`` times faster than the
+    # model's own backward (near a tie the prediction's error could make the scan the slower one, and native
+    # never loses); ``graph`` is offered only where a step's activations fit ``graph_max_activation_bytes``
+    # (a recorded step keeps them, and a copy of the input, between steps, per signature, where autograd
+    # frees them after each backward)
+    scan_margin: float = 1.1
+    graph_max_activation_bytes: int = 1 << 30
 
     # ---------------------------------------------------------------- predictions
 
@@ -130,13 +138,21 @@ class StepProfile:
         what = "calibrated on this machine" if self.source == "calibrated" else "reference profile, not calibrated here"
         return f"step profile {self.name} ({what})"
 
+    def describe_thresholds(self) -> str:
+        """The bound this profile offers ``graph`` within, as ``explain()`` shows it (a GPU profile's; the
+        scan margin is shown by the decision it decides, :attr:`~spscan.planner.choose.Decision.margin`)."""
+        if self.device_type != "cuda":
+            return ""
+        return f"graph offered up to {self.graph_max_activation_bytes / (1 << 30):g} GiB of activations"
+
     # ---------------------------------------------------------------- files
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "name": self.name, "device_type": self.device_type, "base": self.base,
                 "families": {f: {r: list(v) for r, v in d.items()} for f, d in self.families.items()},
                 "recurrent": {c: {r: list(v) for r, v in d.items()} for c, d in self.recurrent.items()},
-                "source": self.source, "fitted_on": self.fitted_on}
+                "source": self.source, "fitted_on": self.fitted_on, "scan_margin": self.scan_margin,
+                "graph_max_activation_bytes": self.graph_max_activation_bytes}
 
     @classmethod
     def from_json(cls, d: dict) -> "StepProfile":
@@ -149,8 +165,14 @@ class StepProfile:
         if "default" not in fams or any(set(v) != regimes for v in fams.values()):
             raise ValueError(f"step profile: every family needs the regimes {sorted(regimes)} (the base's), and a "
                              "'default' family is required")
+        margin = d.get("scan_margin", cls.scan_margin)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 1.0 <= margin < float("inf"):
+            raise ValueError(f"step profile: scan_margin must be a finite number >= 1, got {margin!r}")
+        limit = d.get("graph_max_activation_bytes", cls.graph_max_activation_bytes)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"step profile: graph_max_activation_bytes must be an int >= 0, got {limit!r}")
         return cls(str(d["name"]), str(d["device_type"]), base, fams, rec, str(d.get("source", "reference")),
-                   str(d.get("fitted_on", "")))
+                   str(d.get("fitted_on", "")), float(margin), limit)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

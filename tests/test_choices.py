@@ -26,7 +26,10 @@ def test_choose_lowest_forced_and_unknown():
     assert choose("q", [Candidate("x", 1.0), Candidate("y", 1.0)]).chosen.name == "x"  # first among equals
     kept = choose("q", [Candidate("s", 0.95), Candidate("n", 1.0)], incumbent="n", margin=1.1)
     assert kept.chosen.name == "n" and "kept unless another is predicted 1.1x faster" in kept.explain()
-    assert choose("q", [Candidate("s", 0.5), Candidate("n", 1.0)], incumbent="n", margin=1.1).chosen.name == "s"
+    assert "q: n (kept: within 1.1x" in kept.explain()
+    won = choose("q", [Candidate("s", 0.5), Candidate("n", 1.0)], incumbent="n", margin=1.1)
+    assert won.chosen.name == "s" and "n is kept unless another is predicted 1.1x faster" in won.explain()
+    assert won.margin == 1.1 and won.incumbent == "n"  # the threshold travels with the decision
     with pytest.raises(ValueError, match="'z' is not a candidate"):
         choose("q", [a, b], forced="z")
     with pytest.raises(ValueError, match="no candidate"):
@@ -111,6 +114,29 @@ def calibrated_as(tmp_path, monkeypatch):
 
     yield install
     forget_loaded()
+
+
+def test_the_scan_margin_is_a_profile_threshold_explain_shows(calibrated_as):
+    """``backward="auto"`` keeps native unless the scan is predicted ``scan_margin`` times faster: a profile
+    file may set it (round trip), bad values are refused, and the decision names it."""
+    import dataclasses
+
+    x = torch.randn(4, 2, 8, 8)
+    prof = _profile(native_cost=1e-3, scan_cost=0.5e-3)  # the scan predicted 2x faster
+    calibrated_as(prof)
+    d = spscan.wrap(_chain(), x, backward="auto").decision
+    assert d.chosen.name == "scan" and d.margin == 1.1 and "native is kept unless another is predicted 1.1x" in d.explain()
+    calibrated_as(dataclasses.replace(prof, scan_margin=3.0))
+    d = spscan.wrap(_chain(), x, backward="auto").decision
+    assert d.chosen.name == "native" and "(kept: within 3x" in d.explain() and "predicted 3x faster" in d.explain()
+    assert StepProfile.from_json(dataclasses.replace(prof, scan_margin=3.0).to_json()).scan_margin == 3.0
+    for bad in ({"scan_margin": 0.5}, {"scan_margin": True}, {"graph_max_activation_bytes": -1},
+                {"graph_max_activation_bytes": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            StepProfile.from_json({**prof.to_json(), **bad})
+    legacy = prof.to_json()
+    del legacy["scan_margin"], legacy["graph_max_activation_bytes"]  # a file written before they were fields
+    assert StepProfile.from_json(legacy).scan_margin == 1.1
 
 
 def test_auto_follows_the_profile(calibrated_as):

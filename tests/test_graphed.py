@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spscan
-from spscan.runtime.choices import GRAPH_MAX_ACTIVATION_BYTES, graph_activation_bytes, layers_decision
+from spscan.runtime.choices import graph_activation_bytes, layers_decision, step_profile
 from spscan.runtime.graphed import GraphedCall, GraphedStep
 
 _EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")  # the reference ResNet-20: examples/resnet.py
@@ -445,10 +445,12 @@ def test_graph_is_a_candidate_only_on_a_gpu(monkeypatch):
     assert [c.name for c in gpu.candidates] == ["scan", "native", "graph"]
     assert all(c.predicted_s > 0 for c in gpu.candidates)
     assert "CUDA graph" in gpu.explain()
-    # a batch whose activations a recording would keep beyond the limit: not offered
-    big = layers_decision(units, GRAPH_MAX_ACTIVATION_BYTES // graph_activation_bytes(units, 1) + 1,
-                          torch.device("cuda"), "auto", "")
+    # a batch whose activations a recording would keep beyond the profile's bound: not offered, and the
+    # bound is named
+    limit = step_profile(torch.device("cuda")).graph_max_activation_bytes
+    big = layers_decision(units, limit // graph_activation_bytes(units, 1) + 1, torch.device("cuda"), "auto", "")
     assert "graph" not in [c.name for c in big.candidates]
+    assert "graph offered up to 1 GiB of activations" in big.explain()
 
 
 def test_an_opaque_node_is_recorded_with_the_step(monkeypatch):

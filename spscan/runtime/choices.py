@@ -27,16 +27,13 @@ from spscan.planner.choose import Candidate, Decision, choose, explain
 from spscan.runtime.model_keys import ModelKeys
 from spscan.planner.step_profile import StepProfile, load_step_profile, machine_key
 
-__all__ = ["BACKWARD_MODES", "GRAPH_MAX_ACTIVATION_BYTES", "BackwardChoice", "NativeModule", "autocast_on",
+__all__ = ["BACKWARD_MODES", "BackwardChoice", "NativeModule", "autocast_on",
            "batch_of", "current_key", "device_label", "graph_activation_bytes", "opaque_lines", "opaque_nodes",
            "opaque_warning", "outside_autocast", "recurrent_lines",
            "layers_decision", "recurrent_decision", "recurrent_graph_bytes", "recurrent_shapes", "sequence_signature",
            "step_profile"]
 
 BACKWARD_MODES = ("auto", "scan", "native", "graph")
-#: ``backward="auto"`` runs the scan only where it is predicted this many times faster than the model's own
-#: backward: near a tie the prediction's error could make the scan the slower one, and native never loses
-SCAN_MARGIN = 1.1
 
 
 def device_label(device: torch.device) -> str:
@@ -62,9 +59,6 @@ def step_profile(device: Optional[torch.device]) -> StepProfile:
 
 
 GRAPH_DETAIL = "the scan's whole step replayed from CUDA graphs"
-#: ``graph`` is offered only where a step's activations fit this: a recorded step keeps them (and a copy
-#: of the input) between steps, per signature, where autograd frees them after each backward
-GRAPH_MAX_ACTIVATION_BYTES = 1 << 30
 
 
 def graph_activation_bytes(units: Sequence[Any], batch: int) -> int:
@@ -81,15 +75,17 @@ def _decide(question: str, native: float, scan: float, scan_detail: str, mode: s
             more: Sequence[Candidate] = (), notes: Sequence[str] = ()) -> Decision:
     cands = [Candidate("scan", scan, scan_detail), Candidate("native", native, "the model's own autograd backward"),
              *more]
+    bound = prof.describe_thresholds()
+    notes = (*notes, bound) if bound else tuple(notes)
     return choose(question, cands, None if mode == "auto" else mode, basis=prof.describe(), incumbent="native",
-                  margin=SCAN_MARGIN, notes=((AUTOCAST_NOTE, *notes) if mode == "auto" else tuple(notes)))
+                  margin=prof.scan_margin, notes=((AUTOCAST_NOTE, *notes) if mode == "auto" else tuple(notes)))
 
 
 def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.device], mode: str,
                     scan_detail: str, profile: Optional[StepProfile] = None, notes: Sequence[str] = ()) -> Decision:
     """Scan or native for a chain or traced graph of ``units`` at batch ``batch``; on a GPU also the scan's
     whole step replayed from CUDA graphs (``graph``), where the profile prices it and the activations a
-    recording keeps fit :data:`GRAPH_MAX_ACTIVATION_BYTES`. (An opaque node's own autograd backward is
+    recording keeps fit the profile's ``graph_max_activation_bytes``. (An opaque node's own autograd backward is
     recorded with the rest: the forward graph rewrites the tensors its autograd graph saved, in place.)
     ``profile``: the step profile to decide with (default: the device's, :func:`step_profile`); ``notes``: lines
     the explanation adds (what else decides a call)."""
@@ -99,7 +95,7 @@ def layers_decision(units: Sequence[Any], batch: int, device: Optional[torch.dev
     # a unit that records its own step (a recurrent layer's wrapper) does not nest in a recorded model step
     if (device is not None and torch.device(device).type == "cuda" and prof.has_regime("graph")
             and all(getattr(u, "replays_in_step_graph", True) for u in units)
-            and graph_activation_bytes(units, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
+            and graph_activation_bytes(units, batch) <= prof.graph_max_activation_bytes):
         more.append(Candidate("graph", prof.layers_time(layers, "graph"), GRAPH_DETAIL))
     return _decide(f"backward (batch {batch})", prof.layers_time(layers, "native"), prof.layers_time(layers, "scan"),
                    scan_detail, mode, prof, more, notes)
@@ -117,14 +113,14 @@ def recurrent_decision(cell: str, shapes: Sequence[tuple[int, int]], seq_len: in
     """Scan or native for a recurrent module of ``cell`` kind whose (layer, direction)s have
     ``(input_size, hidden_size)`` ``shapes``, for a ``(seq_len, batch)`` input; on a GPU also the whole
     step replayed from CUDA graphs (``graph``) where the activations a recording keeps fit
-    :data:`GRAPH_MAX_ACTIVATION_BYTES`. A profile that does not price a recurrent ``graph`` offers it
+    the profile's ``graph_max_activation_bytes``. A profile that does not price a recurrent ``graph`` offers it
     without a prediction: chosen only when forced (:func:`spscan.calibrate` on a GPU prices it, and so
     does the shipped CUDA profile). ``profile`` as in :func:`layers_decision`."""
     prof = step_profile(device) if profile is None else profile
     t = {r: sum(prof.recurrent_time(cell, seq_len, batch, i, h, r) for i, h in shapes) for r in ("native", "scan")}
     more = []
     if (device is not None and torch.device(device).type == "cuda"
-            and recurrent_graph_bytes(shapes, seq_len, batch) <= GRAPH_MAX_ACTIVATION_BYTES):
+            and recurrent_graph_bytes(shapes, seq_len, batch) <= prof.graph_max_activation_bytes):
         if prof.has_recurrent_regime(cell, "graph"):
             more.append(Candidate("graph", sum(prof.recurrent_time(cell, seq_len, batch, i, h, "graph")
                                                for i, h in shapes), GRAPH_DETAIL))
@@ -314,8 +310,8 @@ class BackwardChoice(ModelKeys, abc.ABC):
         why = self.plan.step_graphs.failure
         failed = " (its recording failed here" + (f": {why})" if why else ")")
         cands = [c if c.name != "graph" else Candidate("graph", None, c.detail + failed) for c in d.candidates]
-        self._decisions[key] = choose(d.question, cands, None, basis=d.basis, incumbent="native", margin=SCAN_MARGIN,
-                                      notes=(AUTOCAST_NOTE,))
+        self._decisions[key] = choose(d.question, cands, None, basis=d.basis, incumbent=d.incumbent, margin=d.margin,
+                                      notes=d.notes)
 
     def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
         """What a call of signature ``key`` with input ``x`` runs: :meth:`_choice`, except that with
