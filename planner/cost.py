@@ -10,7 +10,7 @@ every planned product (by the cost of what reads it) and never affect results.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -25,6 +25,17 @@ __all__ = ["INDEX_BYTES", "DeviceProfile", "LevelCost", "bin_widths", "linear_ru
            "row_bins", "schedule_costs"]
 
 INDEX_BYTES = 8  # bytes of one stored index (int64)
+
+# profile fields added after version 3 files were first written, in the groups they came in: a
+# file without a group was planned by a profile that did not have it, whose behavior the group's
+# defaults keep (no chunked linear runs; CSR steps of at most 2**16 entries in runs; no structured
+# recurrences; a layer's own operator priced at the default rate; the normalization form's margin and
+# dense-block bound as they were fixed before they were profile fields)
+LATER_PROFILE_FIELDS = (("parallel_run_max_m", "parallel_run_min_steps", "parallel_run_rate", "chain_sparse_step_s"),
+                         ("run_sparse_max_nnz",), ("recurrence_rate", "recurrence_step_s", "recurrence_max_n"),
+                         ("operator_rate",), ("factored_margin", "dense_block_limit"))
+_LATER_INT_FIELDS = ("parallel_run_max_m", "parallel_run_min_steps", "recurrence_max_n", "dense_block_limit")
+_ZERO_ALLOWED = ("parallel_run_max_m", "recurrence_max_n")
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,46 @@ class DeviceProfile:
 
     def gemm_time(self, macs: float, launches: int) -> float:
         return launches * self.op_overhead_s + macs / self.gemm_rate
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "DeviceProfile":
+        """A profile from its fields as a plan file (or a device profile file) stores them, checked: a dict of
+        every field, where the groups of :data:`LATER_PROFILE_FIELDS` may be absent (their defaults). Raises
+        ``ValueError`` naming the field for anything else."""
+        names = [f.name for f in fields(cls)]
+        for group in LATER_PROFILE_FIELDS:
+            if isinstance(raw, dict) and all(k not in raw for k in group):
+                raw = dict(raw, **{f.name: f.default for f in fields(cls) if f.name in group})
+        if not isinstance(raw, dict) or sorted(raw) != sorted(names):
+            raise ValueError(f"expected the keys {names}, got {raw!r}")
+        if not isinstance(raw["name"], str):
+            raise ValueError(f"'name': expected a string, got {raw['name']!r}")
+        for k in names[1:]:
+            v = raw[k]
+            if k in _LATER_INT_FIELDS:
+                if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k in _ZERO_ALLOWED else 1):
+                    raise ValueError(f"'{k}': expected a non-negative int (at least 1 for "
+                                     f"parallel_run_min_steps and dense_block_limit), got {v!r}")
+                continue
+            if k == "recurrence_rate":  # 0: the device runs no structured recurrences
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"'recurrence_rate': expected a finite number >= 0, got {v!r}")
+                continue
+            if k == "chain_sparse_step_s" and v is None:
+                continue  # the dense steps' cost
+            if k == "run_sparse_max_nnz":
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                    raise ValueError(f"'run_sparse_max_nnz': expected null (no bound) or an int "
+                                     f">= 1, got {v!r}")
+                continue
+            if k == "dense_threshold":
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1):
+                    raise ValueError(f"'dense_threshold': expected null (storage by cost) or a "
+                                     f"density in (0, 1], got {v!r}")
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"'{k}': expected a finite positive number, got {v!r}")
+        return cls(**raw)
 
     def describe_thresholds(self) -> str:
         """The thresholds of this profile that decide besides its rates, as ``explain()`` shows them."""

@@ -20,6 +20,10 @@ node's launches are in the graph with the rest, :data:`REPLAYED_REGIMES`), plus 
 ``fixed + per_step * T + per_mac * T * B * (I + H) * H * gates + per_state * T * B * H * gates`` per
 (layer, direction).
 
+A profile also holds the constants of the scan's critical-path model (:class:`~spscan.planner.cost.DeviceProfile`,
+:attr:`StepProfile.critical_path`: the depth, storage and normalization-form decisions of every plan) and the
+thresholds of every decision made with it: one profile per machine decides everything.
+
 The constants are fitted on the machine at hand by :func:`spscan.calibrate` and cached per
 machine (device name, cores, torch version, thread count) under :func:`cache_dir`; until a machine is
 calibrated the reference profile of its device class is used (``data/step-profile-<device>*.json``,
@@ -35,7 +39,9 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+from .cost import DeviceProfile, profile_for
 
 __all__ = ["OPTIONAL_REGIMES", "PREDICTED", "REGIMES", "StepProfile", "cache_dir", "load_step_profile", "machine_key", "recurrent_features",
            "reference_profile"]
@@ -95,6 +101,15 @@ class StepProfile:
     # frees them after each backward)
     scan_margin: float = 1.1
     graph_max_activation_bytes: int = 1 << 30
+    # the critical-path model's constants where this machine's differ from its device class's
+    # (:func:`~spscan.planner.cost.profile_for`): field name -> value
+    critical_path_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def critical_path(self) -> DeviceProfile:
+        """The scan's critical-path model on this machine: the device class's constants with this profile's
+        overrides (what every plan's depth, storage and normalization form are decided with)."""
+        return profile_for(self.device_type, self.critical_path_overrides or None)
 
     # ---------------------------------------------------------------- predictions
 
@@ -152,7 +167,8 @@ class StepProfile:
                 "families": {f: {r: list(v) for r, v in d.items()} for f, d in self.families.items()},
                 "recurrent": {c: {r: list(v) for r, v in d.items()} for c, d in self.recurrent.items()},
                 "source": self.source, "fitted_on": self.fitted_on, "scan_margin": self.scan_margin,
-                "graph_max_activation_bytes": self.graph_max_activation_bytes}
+                "graph_max_activation_bytes": self.graph_max_activation_bytes,
+                "critical_path": dict(self.critical_path_overrides)}
 
     @classmethod
     def from_json(cls, d: dict) -> "StepProfile":
@@ -171,8 +187,15 @@ class StepProfile:
         limit = d.get("graph_max_activation_bytes", cls.graph_max_activation_bytes)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"step profile: graph_max_activation_bytes must be an int >= 0, got {limit!r}")
+        over = d.get("critical_path", {})
+        if not isinstance(over, dict):
+            raise ValueError(f"step profile: critical_path must be a dict of DeviceProfile fields, got {over!r}")
+        try:  # every field checked as a plan file's are
+            DeviceProfile.from_dict({**profile_for(str(d["device_type"])).__dict__, **over})
+        except ValueError as e:
+            raise ValueError(f"step profile: critical_path: {e}") from None
         return cls(str(d["name"]), str(d["device_type"]), base, fams, rec, str(d.get("source", "reference")),
-                   str(d.get("fitted_on", "")), float(margin), limit)
+                   str(d.get("fitted_on", "")), float(margin), limit, dict(over))
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,22 @@ def test_the_scan_margin_is_a_profile_threshold_explain_shows(calibrated_as):
     assert StepProfile.from_json(legacy).scan_margin == 1.1
 
 
+def test_plans_are_made_with_the_machine_profiles_critical_path(calibrated_as):
+    """One profile per machine: the critical-path constants a plan's depth is decided with are the machine
+    profile's (the device class's, with the profile file's overrides, checked on load)."""
+    import dataclasses
+
+    pats = [sp.csr_array(sp.eye(3))] * 20
+    base = spscan.plan(pats).candidates
+    prof = dataclasses.replace(reference_profile("cpu"), critical_path_overrides={"op_overhead_s": 1e-3, "chain_step_s": 1e-3})
+    calibrated_as(prof)
+    slow = spscan.plan(pats).candidates
+    assert slow[0] > 10 * base[0]  # the linear scan priced with the override (deeper scans now explored too)
+    assert StepProfile.from_json(prof.to_json()).critical_path.op_overhead_s == 1e-3
+    with pytest.raises(ValueError, match="critical_path: 'op_overhead_s'"):
+        StepProfile.from_json({**prof.to_json(), "critical_path": {"op_overhead_s": -1.0}})
+
+
 def test_auto_follows_the_profile(calibrated_as):
     x = torch.randn(4, 2, 8, 8)
     calibrated_as(_profile(native_cost=1e-3, scan_cost=1e-4))

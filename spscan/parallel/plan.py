@@ -18,8 +18,7 @@ import scipy.sparse as sp
 import torch
 
 from spscan.api import plan as _plan_model
-from spscan.runtime.plan import build_composite, build_plan, resolve_device
-from spscan.planner.cost import profile_for
+from spscan.runtime.plan import build_composite, build_plan, plan_profile
 from spscan.planner.patterns import Pattern, as_chain
 from spscan.planner.symbolic import product_counts
 
@@ -334,8 +333,7 @@ def plan(patterns: Any, world_size: int, slices: Optional[Sequence[int]] = None,
                 b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
             raise ValueError(f"slices: expected {world_size + 1} strictly increasing boundaries from 0 to n={n} "
                              f"(every rank owns at least one layer), got {list(slices)}")
-    dev = resolve_device(plan_kwargs.get("device"))
-    profile = profile_for(dev.type if dev is not None else "cpu")
+    profile = plan_profile(plan_kwargs.get("device"), plan_kwargs.get("backend", "auto"))
     dplan = DistributedPlan(pats, world_size, bounds, plan_kwargs, profile.bytes_budget)
     if rank is not None:
         dplan.rank_plan(rank)

@@ -68,8 +68,7 @@ import torch
 
 from spscan.recurrent.cells import cell_step, factored_step_values, jacobian_values, recurrent_patterns, shared_flags
 from spscan.runtime import PeriodicValues, StackedExtra
-from spscan.runtime.plan import build_plan
-from spscan.planner.cost import profile_for
+from spscan.runtime.plan import build_plan, plan_profile
 
 __all__ = [
     "NewtonNotConverged",
@@ -308,7 +307,7 @@ class NewtonSolver:
         """
         own = self.owner
         dev = torch.device(device)
-        prof = profile_for(dev.type)
+        prof = plan_profile(dev)
         H, G = own.hidden_size, _gate_count(own.kind)
         it = iterations or options.expected_iterations
         plan = self.forward_plan(seq_len, device, dtype, options.method)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import cached_property
 
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 import scipy.sparse as sp
@@ -21,7 +22,8 @@ import torch
 from spscan.runtime import BoundPlan, ValuesBuffer, canonical_device, fmt_bytes
 from spscan.kernels.registry import backend_names, default_backend, get_backend
 from spscan.planner.choose import Decision
-from spscan.planner.cost import DeviceProfile, profile_for
+from spscan.planner.cost import DeviceProfile
+from spscan.runtime.choices import step_profile
 from spscan.planner.memory import MemoryEstimate, estimate_memory
 from spscan.planner.patterns import Pattern, as_chain
 from spscan.planner.lowering import LoweringCache
@@ -350,12 +352,13 @@ def check_plan_options(levels, backend, dtype, max_memory, batch_size) -> None:
 
 def plan_profile(device=None, backend: str = "auto") -> DeviceProfile:
     """The critical-path cost model's constants and thresholds a plan for ``device`` (and ``backend``) is made
-    with (:func:`build_plan`; the front ends' own choices read its thresholds too)."""
+    with (:func:`build_plan`; the front ends' own choices read its thresholds too): those of the machine's
+    profile (:attr:`~spscan.planner.step_profile.StepProfile.critical_path`), the one every decision reads."""
     dev = resolve_device(device)
     if backend == "auto":
         backend = default_backend(dev)
     dev = backend_device(backend, dev)
-    return profile_for(dev.type if dev is not None else "cpu")
+    return step_profile(dev).critical_path
 
 
 def build_plan(patterns: Any, *, levels: Union[str, int] = "auto", backend: str = "auto", device=None,
@@ -409,7 +412,8 @@ def build_composite(patterns: Any, *, backend: str = "auto", device=None, dtype:
     dev = backend_device(backend, dev)
     pats: list[Pattern] = as_chain(patterns)
     elem = 8 if dtype == torch.float64 else 4
-    profile = profile_for(dev.type if dev is not None else "cpu",
-                          None if bytes_budget is None else {"bytes_budget": float(bytes_budget)})
+    profile = plan_profile(dev, backend)
+    if bytes_budget is not None:
+        profile = replace(profile, bytes_budget=float(bytes_budget))
     scan = plan_reduction(pats, profile, batch_hint=batch_size, elem_bytes=elem)
     return Plan(scan, backend, dev, dtype, None, "composite")
