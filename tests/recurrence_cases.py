@@ -8,7 +8,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from spscan.recurrent.cells import _blocksum_pattern, _gru_weight_pattern, _lstm_weight_pattern, lstm_gate_pattern
+from spscan.recurrent.elements import _blocksum_pattern, _gru_weight_pattern, _lstm_weight_pattern, lstm_gate_pattern
 from spscan.planner.patterns import as_pattern
 from spscan.planner.program import LinearRun
 

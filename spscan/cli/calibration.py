@@ -25,6 +25,7 @@ from scipy.optimize import nnls
 from spscan.api import wrap
 from spscan.runtime.choices import current_key, device_label
 from spscan.chain.planning import plan_model
+from spscan.recurrent.cells import CELLS
 from spscan.planner.step_profile import (OPTIONAL_REGIMES, REGIMES, REPLAYED_REGIMES, StepProfile, cache_dir,
                                          forget_loaded, recurrent_features, reference_profile)
 
@@ -54,7 +55,8 @@ _FAMILIES: dict[str, list[tuple[Callable[[], nn.Module], tuple[int, ...], int]]]
                       (lambda: nn.LayerNorm(512), (16, 512), 32)],
     "ReshapeUnit": [(nn.Flatten, (4, 4, 4), 8), (nn.Flatten, (32, 16, 16), 32)],
 }
-_CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
+# one cell per family (the profile's key, Cell.family): nn.RNN's default tanh, nn.GRU, nn.LSTM
+_CELLS = tuple(CELLS[name] for name in ("rnn_tanh", "gru", "lstm"))
 # (input, hidden, T, B): short and long sequences, one sample and a batch (a long sequence's activations
 # leave the caches), narrow and wide cells (a one-feature input runs other kernels than a wide one), and
 # hidden sizes up to 256, where the multiply-adds outweigh the per-step costs (fitted on H <= 64 alone, an
@@ -247,14 +249,15 @@ def fit_recurrent(samples: list[tuple[str, str, list[float], float]]) -> dict[st
 
 def _fit_recurrent(device, dtype, reps) -> dict:
     samples = []
-    for cell, cls in _CELLS.items():
+    for cell in _CELLS:
         for regime in _regimes(device):  # on a GPU also the whole step from CUDA graphs
             for n_in, hidden, seq_len, batch in _RECURRENT_POINTS:
                 torch.manual_seed(0)
-                module = cls(n_in, hidden).to(device=device, dtype=dtype)
+                module = cell.new_module(n_in, hidden).to(device=device, dtype=dtype)
                 x = torch.randn((seq_len, batch, n_in), device=device, dtype=dtype, requires_grad=True)
                 t = _median_step(_step_of(_wrapped(module, x, regime), x), device, reps)
-                samples.append((cell, regime, recurrent_features(cell, seq_len, batch, n_in, hidden), t))
+                features = recurrent_features(cell.family, seq_len, batch, n_in, hidden)
+                samples.append((cell.family, regime, features, t))
     return fit_recurrent(samples)
 
 

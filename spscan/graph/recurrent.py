@@ -33,6 +33,7 @@ from spscan.layers.base import LayerUnit
 from spscan.layers.opaque import OpaqueUnit
 from spscan.options import option_default
 from spscan.planner.step_profile import PREDICTED
+from spscan.recurrent.cells import sequence_dims
 
 __all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "lstm_state", "recurrent_calls"]
 
@@ -95,14 +96,14 @@ class RecurrentCall:
         if x.dim() != 3:
             raise ValueError(f"self.{self.path} ({type(m).__name__}): a batched input (3 dims) expected inside a "
                              f"model, got {x.dim()} dims")
+        T, b = sequence_dims(x, m.batch_first)
         if self.seq_len is None:
-            self.seq_len = int(x.shape[1] if m.batch_first else x.shape[0])
+            self.seq_len = int(T)
         if torch.is_grad_enabled():
             out, state = self.wrapper()(x, hx)
         else:
             out, state = m(x, hx)
         h_n, c_n = state if self.is_lstm else (state, None)
-        b = x.shape[0] if m.batch_first else x.shape[1]
         got = {"output": out if m.batch_first else out.transpose(0, 1), "h_n": h_n, "c_n": c_n}
         parts = [got[p].reshape(b, -1) if p == "output" else got[p].transpose(0, 1).reshape(b, -1)
                  for p in self.parts]

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from spscan.recurrent.cells import sequence_dims
 from spscan.runtime.autograd import apply as autograd_apply
 from spscan.runtime.graphed import GraphedCall
 
-__all__ = ["GraphedBackward", "any_nonzero", "check_input", "has_operands", "operand_weight_grads", "run_wrapped", "split_hx",
+__all__ = ["GraphedBackward", "any_nonzero", "check_input", "has_operands", "operand_weight_grads", "run_wrapped",
            "weight_grad"]
 
 
@@ -111,18 +112,6 @@ def any_nonzero(t: torch.Tensor) -> bool:
     return bool(t.any())
 
 
-def split_hx(kind: str, hx, B: int, H: int, like: torch.Tensor, unbatched: bool):
-    """Initial ``h_0`` (B, H) and ``c_0`` (B, H) (LSTM) from the module's ``hx`` (zeros when None)."""
-    dt, dev = like.dtype, like.device
-    if hx is None:
-        z = torch.zeros(B, H, dtype=dt, device=dev)
-        return z, (z if kind == "lstm" else None)
-    if kind == "lstm":
-        h0, c0 = hx
-        return h0.detach().reshape(B, H), c0.detach().reshape(B, H)
-    return hx.detach().reshape(B, H), None
-
-
 def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Sequence[torch.Tensor],
                 graph: bool = False):
     """A recurrent wrapper's forward once its inputs are checked: the module's own outputs.
@@ -136,8 +125,8 @@ def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Se
         x.requires_grad or any(p.requires_grad for p in params)
         or (h0 is not None and h0.requires_grad) or (c0 is not None and c0.requires_grad)
     )
-    empty = x.dim() == 3 and x.shape[0 if module.batch_first else 1] == 0
-    if empty or x.shape[-2 if x.dim() == 2 else (1 if module.batch_first else 0)] == 0:
+    T, B = sequence_dims(x, module.batch_first)
+    if T == 0 or B == 0:
         return module(x, hx)  # nothing to scan (an empty batch or no time steps): plain torch
     if not grad_on:
         with torch.no_grad():
@@ -145,6 +134,4 @@ def run_wrapped(plan, module: nn.Module, x: torch.Tensor, hx, h0, c0, params: Se
     outs = plan.run_step(x, h0, c0, params) if graph else None
     if outs is None:
         outs = autograd_apply(plan, x, h0, c0, *params)
-    if plan.kind == "lstm":
-        return outs[0], (outs[1], outs[2])
-    return outs[0], outs[1]
+    return plan.cell.module_outputs(outs)

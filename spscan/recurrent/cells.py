@@ -1,69 +1,529 @@
-"""The recurrent cells' math, shared by the backward (:mod:`spscan.recurrent.plan`) and the Newton forward
-(:mod:`spscan.recurrent.newton`): which modules are supported (:func:`cell_kind`), the patterns of each time
-step's transposed Jacobian in the factored and materialized layouts (:func:`recurrent_patterns`,
-:func:`factored_layout`), the gates and their derivative coefficients for all steps at once
-(:func:`gates`, :func:`coefficients`), one step of the cell (:func:`cell_step`) and the chain's
-values from those coefficients (:func:`jacobian_values`, :func:`factored_step_values`).
+"""The recurrent cells: one object per kind (:class:`Cell`: ``nn.RNN`` with ``tanh`` or ``relu``, ``nn.GRU``,
+``nn.LSTM``) that owns what differs between them, so the front ends above ask the cell instead of switching on
+its name: which module it reads and how (:func:`cell_for`, :func:`check_cell_form`, :meth:`Cell.new_module`,
+:func:`module_params`), its state (the LSTM's joint ``(h, c)``: :meth:`Cell.split_hx`, :meth:`Cell.join_hx`,
+:meth:`Cell.initial_state`), the patterns of each time step's transposed Jacobian in the factored and
+materialized layouts and of the quasi-Newton step (built from :mod:`spscan.recurrent.elements`), one step
+of the cell for all steps at once with its derivative coefficients (:meth:`Cell.step`), the chain's values
+from those coefficients, the gate pre-activation gradients, and the compiled CPU forward's kernel and its
+arguments (:meth:`Cell.compiled_forward`). A cell's :attr:`~Cell.name` (``"rnn_tanh"``, ``"rnn_relu"``,
+``"gru"``, ``"lstm"``) is a single-layer plan's ``kind``; its :attr:`~Cell.family` (``"rnn"``, ``"gru"``,
+``"lstm"``) keys the step profiles' recurrent constants (``planner/data/*.json``).
 
-Pure functions of the module's configuration and tensors: no plans, no engine state. The
-front ends above build on them; nothing here imports them.
+Also the one conversion of a module's sequences to time-major and back (:func:`time_major`,
+:func:`module_layout`, :func:`sequence_dims`).
+
+Pure functions of the module's configuration and tensors: no plans, no engine state. The front ends above
+build on them; nothing here imports them.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.runtime import PeriodicValues
 from spscan.errors import NotPlannable
-from spscan.kernels.backend import GATE_BANDS, ValueEncoding
+from spscan.kernels.backend import cpu_ops
+from spscan.recurrent.elements import (SHARED_ELEMENTS, element_pattern, gru_weight_values, lstm_gate_encoding,
+                                       lstm_gate_pattern, lstm_gate_values, lstm_joint_pattern, lstm_weight_values,
+                                       weighted_wt)
+from spscan.runtime import PeriodicValues
 
 __all__ = [
-    "SCAN_DTYPES", "cell_kind", "cell_step", "check_cell_form", "coefficients", "factored_layout", "factored_step_values",
-    "gates", "gru_weight_values", "jacobian_values", "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern",
-    "lstm_weight_values",
-    "module_params", "recurrent_patterns", "resolve_layout", "shared_flags", "state_size",
+    "CELLS", "Cell", "MODULE_TYPES", "SCAN_DTYPES", "cell_for", "cell_kind", "cell_named", "cell_step",
+    "check_cell_form", "factored_layout", "factored_step_values", "gates", "gru_weight_values", "jacobian_values",
+    "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern", "lstm_weight_values", "module_layout", "module_params",
+    "recurrent_patterns", "resolve_layout", "sequence_dims", "shared_flags", "time_major",
 ]
-
-_KINDS = {nn.RNN: "rnn", nn.GRU: "gru", nn.LSTM: "lstm"}
-
-
-# --------------------------------------------------------------------------- validation
 
 
 #: the dtypes the scan computes in (a module in another is not plannable: its own backward runs)
 SCAN_DTYPES = (torch.float32, torch.float64)
 
 
-def check_cell_form(module: nn.Module) -> None:
-    """Refuse, with :class:`~spscan.errors.NotPlannable`, a recurrent module of a form the scan cannot plan
-    (LSTM projections, parameters in a dtype other than float32/float64): ``spscan.wrap(...,
-    backward="auto")`` runs its own backward instead. Checked for stacked modules as for single layers."""
+# --------------------------------------------------------------------------- the cells
+
+
+class Cell:
+    """One kind of recurrent cell: what its module, state, chain and kernels are. One instance per kind
+    (:data:`CELLS`), stateless and shared by every plan.
+
+    Attributes:
+        name: ``"rnn_tanh"``, ``"rnn_relu"``, ``"gru"`` or ``"lstm"``: a single-layer plan's ``kind``.
+        family: ``"rnn"``, ``"gru"`` or ``"lstm"``: the module class's kind, a stacked plan's ``kind`` and the
+            key of the step profiles' recurrent constants (``planner/data/*.json``, the cost model).
+        module_type: the ``nn`` class (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``).
+        nonlinearity: the module's ``nonlinearity`` (``nn.RNN``), else ``None``.
+        gates: gate blocks ``G`` of ``W_ih`` / ``W_hh`` (``G*H`` rows).
+        state_parts: 1 (``h_t``), or 2 for the LSTM: the chain's state is the joint ``(h_t, c_t)``.
+        input_grads_from_state: the input GEMMs' gate gradients are the hidden ones' but for one block read
+            from ``dl/dh_t`` (the GRU's ``n`` gate, whose input part is outside ``r * (...)``).
+    """
+
+    name: str = ""
+    family: str = ""
+    module_type: type = nn.Module
+    nonlinearity: Optional[str] = None
+    gates: int = 1
+    state_parts: int = 1
+    input_grads_from_state: bool = False
+
+    def __repr__(self) -> str:
+        return f"Cell({self.name!r})"
+
+    def __reduce__(self):
+        return cell_named, (self.name,)  # one instance per kind, also after pickling a plan
+
+    # -- the torch module and its state
+
+    def state_size(self, hidden: int) -> int:
+        """The size of the chain's state: ``h_t``, or for the LSTM the joint ``(h_t, c_t)``."""
+        return self.state_parts * hidden
+
+    def new_module(self, input_size: int, hidden_size: int, **kwargs: Any) -> nn.Module:
+        """A module of this kind (``kwargs`` as its class takes them; an RNN's nonlinearity is this cell's)."""
+        return self.module_type(input_size, hidden_size, **kwargs)
+
+    def split_hx(self, hx: Any) -> tuple[Any, Any]:
+        """``(h_0, c_0)`` of a module's ``hx`` that is not None (``c_0`` None but for the LSTM)."""
+        return hx, None
+
+    def join_hx(self, h: Any, c: Any = None) -> Any:
+        """The module's form of a state from ``h`` (and the LSTM's ``c``): ``h``, or ``(h, c)``."""
+        return h
+
+    def hx_parts(self, hx: Any) -> Optional[tuple]:
+        """The parts of a module's ``hx`` (``(h,)`` or ``(h, c)``), or None where it is not of the cell's form."""
+        return (hx,)
+
+    def state_tensors(self, hx: Any) -> tuple:
+        """:meth:`hx_parts` of an ``hx`` that is not None; refuses one not of the cell's form (an LSTM's not a pair)."""
+        parts = self.hx_parts(hx)
+        if parts is None:
+            raise TypeError(f"hx: expected a tuple (h_0, c_0) for nn.{self.module_type.__name__}")
+        return parts
+
+    def flat_outputs(self, out: torch.Tensor, state: Any) -> tuple:
+        """The module's ``(output, state)`` as one flat tuple ``(output, h_n[, c_n])``."""
+        return out, state
+
+    def module_outputs(self, outs: Sequence[torch.Tensor]) -> tuple:
+        """What the module returns from :meth:`flat_outputs`' form: ``(output, h_n)`` or ``(output, (h_n, c_n))``."""
+        return outs[0], outs[1]
+
+    def initial_state(self, hx: Any, B: int, H: int, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Initial ``h_0`` (B, H) and the LSTM's ``c_0`` (B, H) (else None) from the module's ``hx`` (zeros
+        when None), detached."""
+        if hx is None:
+            return torch.zeros(B, H, dtype=like.dtype, device=like.device), None
+        return hx.detach().reshape(B, H), None
+
+    def joint(self, h: torch.Tensor, c: Any) -> torch.Tensor:
+        """The chain's state ``s`` from ``h`` (and the LSTM's ``c``), last axis ``D``."""
+        return h
+
+    def split_joint(self, s: torch.Tensor, H: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(h, c)`` of a chain state ``s`` (last axis ``D``): ``c`` None but for the LSTM."""
+        return s[..., :H], None
+
+    # -- the chain's structure
+
+    def factored_layout(self, hidden: int) -> list[tuple[str, int, int]]:
+        """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``
+        (:mod:`spscan.recurrent.elements`). The gradients after element 1 are always the gate
+        pre-activations' (first ``G*H`` entries)."""
+        raise NotImplementedError
+
+    def factored_patterns(self, hidden: int) -> list[sp.csr_array]:
+        """The patterns of one factored step's elements, in layer order."""
+        return [element_pattern(k, r, c, hidden) for k, r, c in self.factored_layout(hidden)]
+
+    def shared_flags(self, hidden: int) -> list[bool]:
+        """Per element of one factored step: whether its values are shared by the batch."""
+        return [k in SHARED_ELEMENTS for k, _, _ in self.factored_layout(hidden)]
+
+    def materialized_pattern(self, hidden: int) -> sp.csr_array:
+        """``J_t^T`` of one step, materialized: ``(D, D)``."""
+        return element_pattern("shared", hidden, hidden, hidden)
+
+    def quasi_pattern(self, hidden: int) -> sp.csr_array:
+        """Pattern of the quasi-Newton ``J_t``: its diagonal ``(H, H)`` (the LSTM: per-unit 2x2 blocks of
+        ``(h, c)``)."""
+        return element_pattern("diag", hidden, hidden, hidden)
+
+    # -- the values
+
+    def step(self, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
+        """``F(s_{t-1}, x_t)`` and the derivative coefficients for all ``T*B`` steps at once.
+
+        ``gi`` (T, B, G*H): ``x W_ih^T + b_ih`` (fixed across iterations); ``s_prev`` (T, B, D). Returns
+        ``(s_new (T, B, D), coefs)``, the coefficients all ``(T, B, H)`` (the one place their formulas live:
+        the Newton forward's converged values are what the backward reuses). RNN: ``d`` = d h_t / d a_t.
+        GRU: ``dr, dz, dn, dm`` = d h_t / d(R, Z, N, M)_t and ``z``. LSTM: ``ci, cf, cg, co`` (gate
+        pre-activation derivatives of ``c_t`` resp. ``h_t``), ``k`` = d h_t / d c_t and ``f``.
+        """
+        raise NotImplementedError
+
+    def coefficients(self, x, h_prev, c0, hs, params) -> dict[str, torch.Tensor]:
+        """The coefficients of :meth:`step` after the module's own forward: from ``x`` (T, B, I), ``h_prev``
+        (T, B, H) = ``h_0..h_{T-1}``, the LSTM's ``c_0`` (B, H) and ``hs`` (T, B, H) = ``h_1..h_T``; ``T > 0``."""
+        return self.step(input_gates(x, params), h_prev, params, h_prev.shape[-1])[1]
+
+    def factored_values(self, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
+        """Values of one factored step's elements: ``(nnz,)`` shared, ``(T, B, nnz)`` per sample."""
+        raise NotImplementedError
+
+    def materialized_values(self, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
+        """The materialized chain's values, stacked ``(T, B, nnz)``."""
+        raise NotImplementedError
+
+    def quasi_values(self, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
+        """Values ``(T, B, nnz)`` of the quasi-Newton ``J_t`` in :meth:`quasi_pattern`'s CSR order."""
+        raise NotImplementedError
+
+    def pre_activation_grads(self, Gs: torch.Tensor, coefs: dict, H: int):
+        """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``
+        ``Gs`` (T, B, D) (the same tensor where the two sides share them)."""
+        raise NotImplementedError
+
+    def input_side_grads(self, pre: torch.Tensor, dh: torch.Tensor, coefs: dict, out: torch.Tensor) -> torch.Tensor:
+        """With :attr:`input_grads_from_state`: the input GEMMs' gate gradients ``(G*H, T*B)`` from the hidden
+        ones ``pre`` (G*H, T, B) and ``dl/dh_t`` ``dh`` (H, T, B, overwritten), written into ``out`` (G*H, T, B)."""
+        raise NotImplementedError
+
+    # -- the compiled CPU forward
+
+    def compiled_forward(self, xz, params: Sequence[torch.Tensor], h0: torch.Tensor, c0: Any, bias: bool,
+                         batch_first: bool, buffers: Any, prev: torch.Tensor):
+        """The forward on CPU in one compiled pass (:data:`spscan.kernels.backend.cpu_ops`) that also writes the
+        factored step's per-sample values. ``xz`` (T, B, I): the input; ``params`` detached; ``bias``: whether
+        the module has biases; ``buffers``/``prev`` as the kernels take them. Returns ``(hs, c_n, coefs,
+        step values, encodings)``: ``hs`` in the module's layout (``batch_first``), the LSTM's ``c_n`` (else
+        None), the coefficients the backward reads, the step's element values and their encodings (None:
+        plain CSR values)."""
+        raise NotImplementedError
+
+
+def _hidden_gates(h_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int) -> torch.Tensor:
+    """``h_{t-1} W_hh^T + b_hh`` for all ``T*B`` steps at once: ``(T, B, H) -> (T, B, G*H)``."""
+    w_hh = params[1]
+    T, B = h_prev.shape[:2]
+    if len(params) <= 2:
+        return torch.matmul(h_prev, w_hh.t())
+    return torch.addmm(params[3], h_prev.reshape(T * B, H), w_hh.t()).view(T, B, -1)
+
+
+def _summed_bias(params: Sequence[torch.Tensor], bias: bool) -> Optional[torch.Tensor]:
+    """Both biases, added to the input part once (they enter every gate pre-activation together)."""
+    return params[2] + params[3] if bias else None
+
+
+class _RNNCell(Cell):
+    """``h_t = act(x_t W_ih^T + b_ih + h_{t-1} W_hh^T + b_hh)``. Factored: ``h -> a`` (``W_hh^T``), ``a -> h``
+    (diag)."""
+
+    family, module_type = "rnn", nn.RNN
+    relu = False  #: the compiled forward's activation code (the kernel takes a flag)
+
+    def activation(self, a: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def derivative(self, h: torch.Tensor) -> torch.Tensor:
+        """``d h / d a`` from ``h = act(a)``."""
+        raise NotImplementedError
+
+    def new_module(self, input_size: int, hidden_size: int, **kwargs: Any) -> nn.Module:
+        return self.module_type(input_size, hidden_size, nonlinearity=self.nonlinearity, **kwargs)
+
+    def factored_layout(self, hidden: int) -> list[tuple[str, int, int]]:
+        return [("shared", hidden, hidden), ("diag", hidden, hidden)]
+
+    def step(self, gi, s_prev, params, H):
+        h = self.activation(gi + _hidden_gates(s_prev, params, H))
+        return h, {"d": self.derivative(h)}
+
+    def coefficients(self, x, h_prev, c0, hs, params):
+        return {"d": self.derivative(hs)}
+
+    def factored_values(self, coefs, w_hh, H):
+        return [w_hh.t().contiguous().reshape(-1), coefs["d"]]
+
+    def materialized_values(self, coefs, w_hh, H):
+        d = coefs["d"]
+        T, B = d.shape[:2]
+        vals = torch.empty(T, B, H * H, dtype=w_hh.dtype, device=w_hh.device)
+        torch.mul(w_hh.t(), d.unsqueeze(-2), out=vals.view(T, B, H, H))
+        return vals
+
+    def quasi_values(self, coefs, w_hh, H):
+        return coefs["d"] * torch.diagonal(w_hh, dim1=-2, dim2=-1)
+
+    def pre_activation_grads(self, Gs, coefs, H):
+        p = Gs * coefs["d"]
+        return p, p
+
+    def compiled_forward(self, xz, params, h0, c0, bias, batch_first, buffers, prev):
+        gi = cpu_ops.input_projection(xz, params[0], _summed_bias(params, bias))
+        hs, d = cpu_ops.activation_recurrence_forward(gi, params[1], h0, relu=self.relu, batch_first=batch_first,
+                                                      buffers=buffers, prev=prev)
+        return hs, None, {"d": d}, [params[1].t().contiguous().reshape(-1), d], None
+
+
+class TanhRNNCell(_RNNCell):
+    name, nonlinearity = "rnn_tanh", "tanh"
+
+    def activation(self, a):
+        return torch.tanh(a)
+
+    def derivative(self, h):
+        return 1.0 - h * h
+
+
+class ReluRNNCell(_RNNCell):
+    name, nonlinearity, relu = "rnn_relu", "relu", True
+
+    def activation(self, a):
+        return torch.relu(a)
+
+    def derivative(self, h):
+        return (h > 0).to(h.dtype)
+
+
+class GRUCell(Cell):
+    """Reset and update gates. Factored: ``h -> (R, Z, M, h)`` (``[W_hh^T | I]``), scale by ``(dr, dz, dm, z)``,
+    sum the four blocks (eq. 11 as a product; the sum is sparse, ``4H`` entries, one per row)."""
+
+    name = family = "gru"
+    module_type, gates, input_grads_from_state = nn.GRU, 3, True
+
+    def factored_layout(self, hidden):
+        H = hidden
+        return [("gru_weight", H, 4 * H), ("diag", 4 * H, 4 * H), ("blocksum", 4 * H, H)]
+
+    def step(self, gi, s_prev, params, H):
+        gh = _hidden_gates(s_prev, params, H)
+        ir, iz, in_ = gi.chunk(3, dim=-1)
+        hr, hz, hn = gh.chunk(3, dim=-1)
+        r = torch.sigmoid(ir + hr)
+        z = torch.sigmoid(iz + hz)
+        n = torch.tanh(in_ + r * hn)
+        h = torch.lerp(n, s_prev, z)  # (1 - z) n + z h
+        dn = (1.0 - z) * (1.0 - n * n)
+        return h, {"dr": dn * hn * r * (1.0 - r), "dz": (s_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
+
+    def factored_values(self, coefs, w_hh, H):
+        d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
+        return [gru_weight_values(w_hh, H), d, torch.ones(4 * H, dtype=w_hh.dtype, device=w_hh.device)]
+
+    def materialized_values(self, coefs, w_hh, H):
+        T, B = coefs["z"].shape[:2]
+        vals = torch.empty(T, B, H * H, dtype=w_hh.dtype, device=w_hh.device)
+        jt = weighted_wt(vals.view(T, B, H, H), w_hh.view(3, H, H), [coefs["dr"], coefs["dz"], coefs["dm"]])
+        jt.diagonal(dim1=-2, dim2=-1).add_(coefs["z"])
+        return vals
+
+    def quasi_values(self, coefs, w_hh, H):
+        wd = torch.diagonal(w_hh.view(3, H, H), dim1=-2, dim2=-1)
+        return coefs["dr"] * wd[0] + coefs["dz"] * wd[1] + coefs["dm"] * wd[2] + coefs["z"]
+
+    def pre_activation_grads(self, Gs, coefs, H):
+        gr, gz = Gs * coefs["dr"], Gs * coefs["dz"]
+        return torch.cat([gr, gz, Gs * coefs["dn"]], dim=-1), torch.cat([gr, gz, Gs * coefs["dm"]], dim=-1)
+
+    def input_side_grads(self, pre, dh, coefs, out):
+        # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t
+        H = dh.shape[0]
+        dh.mul_(coefs["dn"].permute(2, 0, 1))
+        return torch.cat([pre[: 2 * H], dh], out=out).view(3 * H, -1)
+
+    def compiled_forward(self, xz, params, h0, c0, bias, batch_first, buffers, prev):
+        H = h0.shape[-1]
+        b_hn = None
+        if bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
+            gi = cpu_ops.input_projection(xz, params[0], torch.cat([params[2][: 2 * H] + params[3][: 2 * H],
+                                                                    params[2][2 * H:]]))
+            b_hn = params[3][2 * H:]
+        else:
+            gi = cpu_ops.input_projection(xz, params[0], None)
+        hs, d, dn = cpu_ops.reset_gated_forward(gi, params[1], b_hn, h0, batch_first=batch_first, buffers=buffers,
+                                                prev=prev)
+        values = [gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)]
+        return hs, None, {"dn": dn}, values, None
+
+
+class LSTMCell(Cell):
+    """Four gates and a cell state; the chain's state is the joint ``(h_t, c_t)``. Factored: ``(h, c) ->
+    (a_i, a_f, a_g, a_o, c')`` (``[[W_hh^T, 0], [0, I]]``), then the gate derivatives and the cell path in one
+    sparse element (:func:`~spscan.recurrent.elements.lstm_gate_pattern`)."""
+
+    name = family = "lstm"
+    module_type, gates, state_parts = nn.LSTM, 4, 2
+
+    def split_hx(self, hx):
+        return self.state_tensors(hx)
+
+    def join_hx(self, h, c=None):
+        return h, c
+
+    def hx_parts(self, hx):
+        return tuple(hx) if isinstance(hx, (tuple, list)) and len(hx) == 2 else None
+
+    def flat_outputs(self, out, state):
+        return out, state[0], state[1]
+
+    def module_outputs(self, outs):
+        return outs[0], (outs[1], outs[2])
+
+    def initial_state(self, hx, B, H, like):
+        if hx is None:
+            z = torch.zeros(B, H, dtype=like.dtype, device=like.device)
+            return z, z
+        h0, c0 = hx
+        return h0.detach().reshape(B, H), c0.detach().reshape(B, H)
+
+    def joint(self, h, c):
+        return torch.cat([h, c], dim=-1)
+
+    def split_joint(self, s, H):
+        return s[..., :H], s[..., H:]
+
+    def factored_layout(self, hidden):
+        H = hidden
+        return [("lstm_weight", 2 * H, 5 * H), ("lstm_gate", 5 * H, 2 * H)]
+
+    def materialized_pattern(self, hidden):
+        return lstm_joint_pattern(hidden)
+
+    def quasi_pattern(self, hidden):
+        H = hidden
+        ar = np.arange(H, dtype=np.int64)
+        row = np.stack([ar, ar + H], axis=1).reshape(-1)  # row j and row H+j both read columns (j, H+j)
+        indices = np.concatenate([row, row])
+        indptr = 2 * np.arange(2 * H + 1, dtype=np.int64)
+        return sp.csr_array((np.ones(4 * H), indices, indptr), shape=(2 * H, 2 * H))
+
+    def step(self, gi, s_prev, params, H):
+        h_prev, c_prev = s_prev[..., :H], s_prev[..., H:]
+        pi, pf, pg, po = (gi + _hidden_gates(h_prev, params, H)).chunk(4, dim=-1)
+        i, f, g, o = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg), torch.sigmoid(po)
+        c = torch.addcmul(f * c_prev, i, g)
+        tc = torch.tanh(c)
+        s = torch.cat([o * tc, c], dim=-1)
+        coefs = {
+            "ci": g * i * (1.0 - i),
+            "cf": c_prev * f * (1.0 - f),
+            "cg": i * (1.0 - g * g),
+            "co": tc * o * (1.0 - o),
+            "k": o * (1.0 - tc * tc),
+            "f": f,
+        }
+        return s, coefs
+
+    def coefficients(self, x, h_prev, c0, hs, params):
+        # the module returns only c_T: recompute c_1..c_T from the batched gates (no time loop on h)
+        cs = lstm_cells(x, h_prev, c0, params)
+        c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]], dim=0)
+        return self.step(input_gates(x, params), torch.cat([h_prev, c_prev], dim=-1), params, h_prev.shape[-1])[1]
+
+    def factored_values(self, coefs, w_hh, H):
+        return [lstm_weight_values(w_hh, H), lstm_gate_values(coefs)]
+
+    def materialized_values(self, coefs, w_hh, H):
+        # rows of h_{t-1}: [d h_t/d h_{t-1}^T | d c_t/d h_{t-1}^T]; rows of c_{t-1}: [k*f, f]
+        w = w_hh.view(4, H, H)
+        k, f = coefs["k"], coefs["f"]
+        T, B = k.shape[:2]
+        vals = torch.empty(T, B, 2 * H * H + 2 * H, dtype=w_hh.dtype, device=w_hh.device)
+        top = vals[..., : 2 * H * H].view(T, B, H, 2 * H)
+        dh, dc = top[..., :H], top[..., H:]
+        weighted_wt(dc, w, [coefs["ci"], coefs["cf"], coefs["cg"]])
+        torch.mul(dc, k.unsqueeze(-2), out=dh)
+        dh.addcmul_(w[3].t(), coefs["co"].unsqueeze(-2))
+        bottom = vals[..., 2 * H * H:].view(T, B, H, 2)
+        torch.mul(k, f, out=bottom[..., 0])
+        bottom[..., 1].copy_(f)
+        return vals
+
+    def quasi_values(self, coefs, w_hh, H):
+        wd = torch.diagonal(w_hh.view(4, H, H), dim1=-2, dim2=-1)
+        jch = coefs["ci"] * wd[0] + coefs["cf"] * wd[1] + coefs["cg"] * wd[2]
+        k, f = coefs["k"], coefs["f"]
+        jhh = k * jch + coefs["co"] * wd[3]
+        top = torch.stack([jhh, k * f], dim=-1).flatten(-2)
+        bottom = torch.stack([jch, f], dim=-1).flatten(-2)
+        return torch.cat([top, bottom], dim=-1)
+
+    def pre_activation_grads(self, Gs, coefs, H):
+        gh, gc = Gs[..., :H], Gs[..., H:]
+        gc_tot = gc + gh * coefs["k"]
+        p = torch.cat([gc_tot * coefs["ci"], gc_tot * coefs["cf"], gc_tot * coefs["cg"], gh * coefs["co"]], dim=-1)
+        return p, p
+
+    def compiled_forward(self, xz, params, h0, c0, bias, batch_first, buffers, prev):
+        gi = cpu_ops.input_projection(xz, params[0], _summed_bias(params, bias))
+        hs, c_n, gate_values = cpu_ops.gated_cell_forward(gi, params[1], h0, c0, batch_first=batch_first,
+                                                          buffers=buffers, prev=prev)
+        H = h0.shape[-1]
+        # the gate element as its compact numbers: the compiled CPU linear scan applies them as they are,
+        # every other path expands them to CSR values
+        return hs, c_n, {}, [lstm_weight_values(params[1], H), gate_values], [None, lstm_gate_encoding(H)]
+
+
+#: every cell, by name
+CELLS: dict[str, Cell] = {c.name: c for c in (TanhRNNCell(), ReluRNNCell(), GRUCell(), LSTMCell())}
+# by (module class, nonlinearity): how a module is read
+_BY_MODULE = {(c.module_type, c.nonlinearity): c for c in CELLS.values()}
+#: the module classes of the cells
+MODULE_TYPES = tuple(dict.fromkeys(c.module_type for c in CELLS.values()))
+
+
+def cell_named(name: str) -> Cell:
+    """The cell of a :attr:`Cell.name` (``"rnn_tanh"``, ``"rnn_relu"``, ``"gru"``, ``"lstm"``)."""
+    try:
+        return CELLS[name]
+    except KeyError:
+        raise ValueError(f"expected a cell kind of {sorted(CELLS)}, got {name!r}") from None
+
+
+def _as_cell(kind: Any) -> Cell:
+    return kind if isinstance(kind, Cell) else cell_named(kind)
+
+
+# --------------------------------------------------------------------------- reading a module
+
+
+def _check_type(module: nn.Module) -> None:
+    if type(module) not in MODULE_TYPES:
+        raise TypeError(f"expected nn.RNN, nn.GRU or nn.LSTM, got {type(module).__name__}")
+
+
+def check_cell_form(module: nn.Module) -> Cell:
+    """The cell of an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` of any depth; refuses, with
+    :class:`~spscan.errors.NotPlannable`, a form the scan cannot plan (LSTM projections, parameters in a dtype
+    other than float32/float64): ``spscan.wrap(..., backward="auto")`` runs its own backward instead. Checked
+    for stacked modules as for single layers."""
+    _check_type(module)
     if getattr(module, "proj_size", 0):
         raise NotPlannable(
             f"LSTM projections are not supported: expected proj_size=0, got {module.proj_size} (h_t = W_hr (o_t * "
             "tanh c_t) needs a projection element in the recurrence's chain, which the scan does not have)")
-    if isinstance(module, nn.RNN) and module.nonlinearity not in ("tanh", "relu"):
+    cell = _BY_MODULE.get((type(module), getattr(module, "nonlinearity", None)))
+    if cell is None:
         raise ValueError(f"expected nonlinearity 'tanh' or 'relu', got {module.nonlinearity!r}")
     dtype = module.weight_hh_l0.dtype
     if dtype not in SCAN_DTYPES:
         raise NotPlannable(f"{type(module).__name__} with {dtype} parameters: the scan computes in float32 or "
                            "float64 (for mixed precision keep the module in float32 and use torch.autocast)")
+    return cell
 
 
-def cell_kind(module: nn.Module) -> str:
-    """``"rnn_tanh" | "rnn_relu" | "gru" | "lstm"``; refuses what this module cannot do exactly."""
-    kind = None
-    for cls, name in _KINDS.items():
-        if type(module) is cls:
-            kind = name
-    if kind is None:
-        raise TypeError(f"expected nn.RNN, nn.GRU or nn.LSTM, got {type(module).__name__}")
+def cell_for(module: nn.Module) -> Cell:
+    """The cell of a single-layer, unidirectional recurrent module; refuses what this module cannot do exactly."""
+    _check_type(module)
     if module.num_layers != 1:
         raise ValueError(
             f"only single-layer recurrent modules are supported: expected num_layers=1, got "
@@ -71,163 +531,73 @@ def cell_kind(module: nn.Module) -> str:
         )
     if module.bidirectional:
         raise ValueError("bidirectional recurrent modules are not supported: expected bidirectional=False, got True")
-    check_cell_form(module)
-    return "rnn_" + module.nonlinearity if kind == "rnn" else kind
+    return check_cell_form(module)
 
 
-def state_size(kind: str, hidden: int) -> int:
-    """The size of the chain's state: ``h_t``, or for the LSTM the joint ``(h_t, c_t)``."""
-    return 2 * hidden if kind == "lstm" else hidden
+def cell_kind(module: nn.Module) -> str:
+    """``"rnn_tanh" | "rnn_relu" | "gru" | "lstm"``: the name of :func:`cell_for`'s cell."""
+    return cell_for(module).name
 
 
-# --------------------------------------------------------------------------- patterns
+def module_params(module: nn.Module) -> list[torch.Tensor]:
+    """``[W_ih, W_hh]`` plus ``[b_ih, b_hh]`` when the module has biases: the module's own objects."""
+    names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if module.bias else [])
+    return [getattr(module, n) for n in names]
 
 
-def _dense_pattern(rows: int, cols: int) -> sp.csr_array:
-    indptr = np.arange(rows + 1, dtype=np.int64) * cols
-    indices = np.tile(np.arange(cols, dtype=np.int64), rows)
-    return sp.csr_array((np.ones(rows * cols), indices, indptr), shape=(rows, cols))
+def sequence_dims(x: torch.Tensor, batch_first: bool) -> tuple[int, int]:
+    """``(T, B)`` of a module's input or output: ``(T, B, ...)``, ``(B, T, ...)`` if ``batch_first``, or
+    unbatched ``(T, I)`` (``B = 1``)."""
+    if x.dim() == 2:
+        return x.shape[0], 1
+    return (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
 
 
-def _diag_pattern(d: int) -> sp.csr_array:
-    ar = np.arange(d, dtype=np.int64)
-    return sp.csr_array((np.ones(d), ar, np.arange(d + 1, dtype=np.int64)), shape=(d, d))
+def time_major(t: torch.Tensor, batch_first: bool, unbatched: bool = False) -> torch.Tensor:
+    """A sequence in a module's layout (``(T, B, ...)``, ``(B, T, ...)`` if ``batch_first``, ``(T, ...)``
+    ``unbatched``) as a time-major view ``(T, B, ...)``; :func:`module_layout` turns it back."""
+    if unbatched:
+        return t.unsqueeze(1)
+    return t.transpose(0, 1) if batch_first else t
 
 
-def _gru_weight_pattern(hidden: int) -> sp.csr_array:
-    """GRU element 1, ``(H, 4H)``, shared: ``[W_hh^T | I]`` stored sparse (``3H^2 + H`` entries): row ``i``
-    holds ``3H`` entries of ``W_hh^T`` then the identity's ``1`` at column ``3H + i``."""
-    H = hidden
-    ar = np.arange(H, dtype=np.int64)
-    indices = np.concatenate([np.tile(np.arange(3 * H, dtype=np.int64), (H, 1)), (3 * H + ar)[:, None]], axis=1)
-    indptr = np.arange(H + 1, dtype=np.int64) * (3 * H + 1)
-    return sp.csr_array((np.ones(H * (3 * H + 1)), indices.reshape(-1), indptr), shape=(H, 4 * H))
+def module_layout(t: torch.Tensor, batch_first: bool, unbatched: bool = False) -> torch.Tensor:
+    """A time-major ``(T, B, ...)`` sequence in a module's layout: the inverse of :func:`time_major`."""
+    if unbatched:
+        return t.squeeze(1)
+    return t.transpose(0, 1) if batch_first else t
 
 
-def _blocksum_pattern(blocks: int, d: int) -> sp.csr_array:
-    """``(blocks*d, d)``: ``blocks`` identities stacked (one entry per row, values all ones).
-
-    As a chain element it sums the ``blocks`` blocks of a ``blocks*d`` vector (its transpose
-    replicates one): ``blocks*d`` multiply-adds per sample, not ``blocks*d^2`` as a dense block would.
-    """
-    rows = blocks * d
-    return sp.csr_array((np.ones(rows), np.arange(rows, dtype=np.int64) % d, np.arange(rows + 1, dtype=np.int64)),
-                        shape=(rows, d))
+# --------------------------------------------------------------------------- patterns and values by kind
 
 
-def _lstm_pattern(hidden: int) -> sp.csr_array:
-    """``J_t^T`` of the LSTM joint state, ``(2H, 2H)``: rows of ``h_{t-1}`` dense, rows of ``c_{t-1}`` two entries."""
-    H = hidden
-    top_idx = np.tile(np.arange(2 * H, dtype=np.int64), H)
-    ar = np.arange(H, dtype=np.int64)
-    bot_idx = np.stack([ar, ar + H], axis=1).reshape(-1)
-    indices = np.concatenate([top_idx, bot_idx])
-    indptr = np.concatenate([np.arange(H + 1, dtype=np.int64) * 2 * H, 2 * H * H + 2 * np.arange(1, H + 1, dtype=np.int64)])
-    return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(2 * H, 2 * H))
+def factored_layout(kind: Any, hidden: int) -> list[tuple[str, int, int]]:
+    """:meth:`Cell.factored_layout` of a cell or cell name. ``"shared"`` dense shared by the batch, ``"diag"``
+    per-sample diagonal, ``"blocksum"``, ``"gru_weight"``, ``"lstm_weight"`` (shared) and ``"lstm_gate"``
+    (per sample): :mod:`spscan.recurrent.elements`."""
+    return _as_cell(kind).factored_layout(hidden)
 
 
-def _lstm_weight_pattern(hidden: int) -> sp.csr_array:
-    """LSTM element 1, ``(2H, 5H)``, shared: ``[[W_hh^T, 0], [0, I_H]]`` (``nnz = 4H^2 + H``).
-
-    Maps the 5H vector ``(da_i, da_f, da_g, da_o, f*dc)`` to ``(dh_{t-1}, dc_{t-1})``.
-    """
-    H = hidden
-    top = np.tile(np.arange(4 * H, dtype=np.int64), H)
-    indices = np.concatenate([top, 4 * H + np.arange(H, dtype=np.int64)])
-    indptr = np.concatenate([np.arange(H + 1, dtype=np.int64) * 4 * H, 4 * H * H + np.arange(1, H + 1, dtype=np.int64)])
-    return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(2 * H, 5 * H))
-
-
-def lstm_gate_pattern(hidden: int) -> sp.csr_array:
-    """LSTM element 2, ``(5H, 2H)``, per sample (``nnz = 9H``): ``(gh, gc) -> (da_i, da_f, da_g, da_o, f*dc)``.
-
-    With ``dc = k*gh + gc``: rows ``da_q = c_q*dc`` (``q = i, f, g``) and ``f*dc`` read columns
-    ``(j, H+j)``; row ``da_o = co*gh`` reads column ``j``. CSR values per unit ``j``:
-    ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]`` (blocks of ``2H``), ``co`` (``H``), ``[f k, f]`` (``2H``).
-    """
-    H = hidden
-    ar = np.arange(H, dtype=np.int64)
-    pair = np.stack([ar, ar + H], axis=1).reshape(-1)
-    indices = np.concatenate([pair, pair, pair, ar, pair])
-    lengths = np.concatenate([np.full(3 * H, 2), np.ones(H), np.full(H, 2)]).astype(np.int64)
-    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return sp.csr_array((np.ones(indices.shape[0]), indices, indptr), shape=(5 * H, 2 * H))
-
-
-def _expand_lstm_gate(compact: torch.Tensor) -> torch.Tensor:
-    """:func:`lstm_gate_pattern`'s CSR values ``(..., 9H)`` from the compact ``(..., 6H)`` numbers
-    ``k, f, c_i, c_f, c_g, c_o`` (blocks of ``H``; any strides)."""
-    return _lstm_gate_csr(*compact.unflatten(-1, (6, compact.shape[-1] // 6)).unbind(-2))
-
-
-@functools.lru_cache(maxsize=None)
-def lstm_gate_encoding(hidden: int) -> ValueEncoding:
-    """The LSTM gate element's values as ``6H`` numbers per sample: ``k`` (``o (1 - tanh^2 c_t)``), ``f``,
-    ``c_i``, ``c_f``, ``c_g``, ``c_o`` (blocks of ``H``), of which its ``9H`` CSR values are products
-    (:func:`lstm_gate_pattern`). The compiled CPU forward writes these (a third fewer bytes than the
-    CSR values) and the compiled linear scan applies them as they are (their form, ``GATE_BANDS``)."""
-    return ValueEncoding(GATE_BANDS, 6 * hidden, _expand_lstm_gate)
-
-
-# element kinds of a factored step: values shared by the batch ``(nnz,)`` or per sample ``(T, B, nnz)``
-_SHARED_KINDS = ("shared", "lstm_weight", "blocksum", "gru_weight")
-
-
-def factored_layout(kind: str, hidden: int) -> list[tuple[str, int, int]]:
-    """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``:
-    ``"shared"`` dense shared by the batch, ``"diag"`` per-sample diagonal, ``"blocksum"``
-    (:func:`_blocksum_pattern`, shared, all ones), ``"gru_weight"`` (:func:`_gru_weight_pattern`, shared),
-    ``"lstm_weight"``
-    (:func:`_lstm_weight_pattern`, shared) and ``"lstm_gate"`` (:func:`lstm_gate_pattern`, per
-    sample). The gradients after element 1 are always the gate pre-activations' (first ``G*H`` entries).
-
-    RNN: ``h -> a`` (``W_hh^T``), ``a -> h`` (diag). GRU: ``h -> (R, Z, M, h)`` (``[W_hh^T | I]``),
-    scale by ``(dr, dz, dm, z)``, sum the four blocks. LSTM: ``(h, c) -> (a_i, a_f, a_g, a_o, c')``
-    (``[[W_hh^T, 0], [0, I]]``), then the gate derivatives and the cell path in one sparse element.
-    """
-    H = hidden
-    if kind.startswith("rnn"):
-        return [("shared", H, H), ("diag", H, H)]
-    if kind == "gru":
-        return [("gru_weight", H, 4 * H), ("diag", 4 * H, 4 * H), ("blocksum", 4 * H, H)]
-    return [("lstm_weight", 2 * H, 5 * H), ("lstm_gate", 5 * H, 2 * H)]
-
-
-def shared_flags(kind: str, hidden: int) -> list[bool]:
-    """Per element of one factored step: whether its values are shared by the batch."""
-    return [k in _SHARED_KINDS for k, _, _ in factored_layout(kind, hidden)]
-
-
-def _element_pattern(element: str, rows: int, cols: int, hidden: int) -> sp.csr_array:
-    if element == "shared":
-        return _dense_pattern(rows, cols)
-    if element == "diag":
-        return _diag_pattern(rows)
-    if element == "gru_weight":
-        return _gru_weight_pattern(cols // 4)
-    if element == "blocksum":
-        return _blocksum_pattern(rows // cols, cols)
-    return _lstm_weight_pattern(hidden) if element == "lstm_weight" else lstm_gate_pattern(hidden)
+def shared_flags(kind: Any, hidden: int) -> list[bool]:
+    """:meth:`Cell.shared_flags` of a cell or cell name."""
+    return _as_cell(kind).shared_flags(hidden)
 
 
 def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") -> list[sp.csr_array]:
     """The chain's transposed-Jacobian patterns for a sequence of ``seq_len`` steps, in layer order.
 
     Materialized: ``T`` patterns ``(D, D)`` (``D = H``, or ``2H`` for the LSTM). Factored: ``m*T``
-    patterns, ``m`` per step as in ``factored_layout`` (2 RNN, 3 GRU, 2 LSTM). The same SciPy
+    patterns, ``m`` per step as in :meth:`Cell.factored_layout` (2 RNN, 3 GRU, 2 LSTM). The same SciPy
     objects are repeated so the planner interns them.
     """
-    kind = cell_kind(module)
-    layout = resolve_layout(kind, layout, module.weight_hh_l0.device.type, module.hidden_size)
+    cell = cell_for(module)
     H = module.hidden_size
-    if layout == "factored":
-        step = [_element_pattern(k, r, c, H) for k, r, c in factored_layout(kind, H)]
-        return step * seq_len
-    pat = _lstm_pattern(H) if kind == "lstm" else _dense_pattern(H, H)
-    return [pat] * seq_len
+    if resolve_layout(cell.name, layout, module.weight_hh_l0.device.type, H) == "factored":
+        return cell.factored_patterns(H) * seq_len
+    return [cell.materialized_pattern(H)] * seq_len
 
 
-def resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: int = 0) -> str:
+def resolve_layout(kind: Any, layout: str, device_type: str = "cpu", hidden: int = 0) -> str:
     """``layout`` (``"auto"``, ``"factored"`` or ``"materialized"``) as the chain of a ``kind`` cell of
     ``hidden`` units on a ``device_type`` device will be laid out (``"auto"`` resolved)."""
     if layout not in ("auto", "factored", "materialized"):
@@ -241,212 +611,41 @@ def resolve_layout(kind: str, layout: str, device_type: str = "cpu", hidden: int
     return "factored"
 
 
-def module_params(module: nn.Module) -> list[torch.Tensor]:
-    """``[W_ih, W_hh]`` plus ``[b_ih, b_hh]`` when the module has biases: the module's own objects."""
-    names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if module.bias else [])
-    return [getattr(module, n) for n in names]
+def input_gates(x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``x W_ih^T + b_ih`` for all ``T*B`` steps at once: ``(T, B, I) -> (T, B, G*H)``."""
+    w_ih = params[0]
+    T, B, _ = x.shape
+    if len(params) <= 2:
+        return torch.matmul(x, w_ih.t())
+    return torch.addmm(params[2], x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
 
 
-def gates(kind: str, x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
+def gates(x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor]):
     """Pre-activations ``x W_ih^T + b_ih`` and ``h_{t-1} W_hh^T + b_hh`` for all ``T*B`` steps at once.
 
     ``x`` (T, B, I), ``h_prev`` (T, B, H) → two ``(T, B, G*H)`` tensors.
     """
-    w_hh = params[1]
-    b_hh = params[3] if len(params) > 2 else None
-    T, B, _ = x.shape
-    gi = _input_gates(x, params)
-    gh = (
-        torch.matmul(h_prev, w_hh.t())
-        if b_hh is None
-        else torch.addmm(b_hh, h_prev.reshape(T * B, -1), w_hh.t()).view(T, B, -1)
-    )
-    return gi, gh
+    return input_gates(x, params), _hidden_gates(h_prev, params, h_prev.shape[-1])
 
 
-def coefficients(kind: str, x, h_prev, c_prev, hs, params) -> dict[str, torch.Tensor]:
-    """Elementwise derivative coefficients of one step, all ``(T, B, H)``.
-
-    RNN: ``d`` = d h_t / d a_t. GRU: ``dr, dz, dn, dm`` = d h_t / d(R, Z, N, M)_t and ``z``.
-    LSTM: ``ci, cf, cg, co`` (gate pre-activation derivatives of ``c_t`` resp. ``h_t``), ``k`` =
-    d h_t / d c_t and ``f``.
-    """
-    if kind == "rnn_tanh":
-        return {"d": 1.0 - hs * hs}
-    if kind == "rnn_relu":
-        return {"d": (hs > 0).to(hs.dtype)}
-    H = h_prev.shape[-1]
-    s_prev = h_prev if kind == "gru" else torch.cat([h_prev, c_prev], dim=-1)
-    return cell_step(kind, _input_gates(x, params), s_prev, params, H)[1]
+def cell_step(kind: Any, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
+    """:meth:`Cell.step` of a cell or cell name."""
+    return _as_cell(kind).step(gi, s_prev, params, H)
 
 
-def _input_gates(x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``x W_ih^T + b_ih`` for all ``T*B`` steps at once: ``(T, B, I) -> (T, B, G*H)``."""
-    w_ih = params[0]
-    b_ih = params[2] if len(params) > 2 else None
-    T, B, _ = x.shape
-    return torch.matmul(x, w_ih.t()) if b_ih is None else torch.addmm(b_ih, x.reshape(T * B, -1), w_ih.t()).view(T, B, -1)
-
-
-def cell_step(kind: str, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
-    """``F(s_{t-1}, x_t)`` and the derivative coefficients for all ``T*B`` steps at once.
-
-    ``gi`` (T, B, G*H): ``x W_ih^T + b_ih`` (fixed across iterations); ``s_prev`` (T, B, D), ``D = H``
-    (``2H`` for the LSTM, ``[h, c]``). Returns ``(s_new (T, B, D), coefs)`` with the coefficients of
-    :func:`coefficients` (the one place their formulas live: the Newton forward's converged values
-    are what the backward reuses).
-    """
-    w_hh = params[1]
-    b_hh = params[3] if len(params) > 2 else None
-    h_prev = s_prev[..., :H]
-    T, B = s_prev.shape[:2]
-    gh = torch.matmul(h_prev, w_hh.t()) if b_hh is None else \
-        torch.addmm(b_hh, h_prev.reshape(T * B, H), w_hh.t()).view(T, B, -1)
-    if kind.startswith("rnn"):
-        a = gi + gh
-        if kind == "rnn_tanh":
-            h = torch.tanh(a)
-            return h, {"d": 1.0 - h * h}
-        h = torch.relu(a)
-        return h, {"d": (h > 0).to(h.dtype)}
-    if kind == "gru":
-        ir, iz, in_ = gi.chunk(3, dim=-1)
-        hr, hz, hn = gh.chunk(3, dim=-1)
-        r = torch.sigmoid(ir + hr)
-        z = torch.sigmoid(iz + hz)
-        n = torch.tanh(in_ + r * hn)
-        h = torch.lerp(n, h_prev, z)  # (1 - z) n + z h
-        dn = (1.0 - z) * (1.0 - n * n)
-        return h, {"dr": dn * hn * r * (1.0 - r), "dz": (h_prev - n) * z * (1.0 - z), "dn": dn, "dm": dn * r, "z": z}
-    c_prev = s_prev[..., H:]
-    pi, pf, pg, po = (gi + gh).chunk(4, dim=-1)
-    i, f, g, o = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg), torch.sigmoid(po)
-    c = torch.addcmul(f * c_prev, i, g)
-    tc = torch.tanh(c)
-    s = torch.cat([o * tc, c], dim=-1)
-    coefs = {
-        "ci": g * i * (1.0 - i),
-        "cf": c_prev * f * (1.0 - f),
-        "cg": i * (1.0 - g * g),
-        "co": tc * o * (1.0 - o),
-        "k": o * (1.0 - tc * tc),
-        "f": f,
-    }
-    return s, coefs
-
-
-
-
-def _weighted_wt(out: torch.Tensor, w_blocks: torch.Tensor, coefs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``out[..., j, i] = sum_g W_g[i, j] * c_g[..., i]``, written in place into ``out`` (T, B, H, H).
-
-    ``w_blocks`` (G, H, H) are the gate blocks of ``W_hh``; coefs ``(T, B, H)``. Row ``j`` of
-    ``out`` is row ``j`` of the transposed Jacobian ``sum_g W_g^T diag(c_g)``. ``out`` may be a
-    strided view into the values buffer (no temporaries of size ``T*B*H*H``).
-    """
-    torch.mul(w_blocks[0].t(), coefs[0].unsqueeze(-2), out=out)
-    for g in range(1, len(coefs)):
-        out.addcmul_(w_blocks[g].t(), coefs[g].unsqueeze(-2))
-    return out
-
-
-def jacobian_values(kind: str, layout: str, coefs: dict, w_hh: torch.Tensor, H: int):
-    """The chain's values: a list of ``2T`` tensors (factored) or one stacked ``(T, B, nnz)`` tensor."""
+def jacobian_values(kind: Any, layout: str, coefs: dict, w_hh: torch.Tensor, H: int):
+    """The chain's values: the factored step's as one :class:`~spscan.runtime.PeriodicValues` (read as the
+    list of ``m*T`` tensors), or one stacked ``(T, B, nnz)`` tensor."""
+    cell = _as_cell(kind)
     if layout == "factored":
-        step = factored_step_values(kind, coefs, w_hh, H)
-        T = next(iter(coefs.values())).shape[0]
-        # reads as the list of m*T tensors; the engine locates them per element, not per step
-        return PeriodicValues(step, T)
-    T, B = next(iter(coefs.values())).shape[:2]
-    dt, dev = w_hh.dtype, w_hh.device
-    if kind.startswith("rnn"):
-        vals = torch.empty(T, B, H * H, dtype=dt, device=dev)
-        torch.mul(w_hh.t(), coefs["d"].unsqueeze(-2), out=vals.view(T, B, H, H))
-        return vals
-    if kind == "gru":
-        vals = torch.empty(T, B, H * H, dtype=dt, device=dev)
-        jt = _weighted_wt(vals.view(T, B, H, H), w_hh.view(3, H, H), [coefs["dr"], coefs["dz"], coefs["dm"]])
-        jt.diagonal(dim1=-2, dim2=-1).add_(coefs["z"])
-        return vals
-    # lstm: rows of h_{t-1}: [d h_t/d h_{t-1}^T | d c_t/d h_{t-1}^T]; rows of c_{t-1}: [k*f, f]
-    w = w_hh.view(4, H, H)
-    k, f = coefs["k"], coefs["f"]
-    vals = torch.empty(T, B, 2 * H * H + 2 * H, dtype=dt, device=dev)
-    top = vals[..., : 2 * H * H].view(T, B, H, 2 * H)
-    dh, dc = top[..., :H], top[..., H:]
-    _weighted_wt(dc, w, [coefs["ci"], coefs["cf"], coefs["cg"]])
-    torch.mul(dc, k.unsqueeze(-2), out=dh)
-    dh.addcmul_(w[3].t(), coefs["co"].unsqueeze(-2))
-    bottom = vals[..., 2 * H * H :].view(T, B, H, 2)
-    torch.mul(k, f, out=bottom[..., 0])
-    bottom[..., 1].copy_(f)
-    return vals
+        # the engine locates them per element, not per step
+        return PeriodicValues(cell.factored_values(coefs, w_hh, H), next(iter(coefs.values())).shape[0])
+    return cell.materialized_values(coefs, w_hh, H)
 
 
-def factored_step_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
-    """Values of one step's elements (``factored_layout``): ``(nnz,)`` shared, ``(T, B, nnz)`` per sample."""
-    dt, dev = w_hh.dtype, w_hh.device
-    if kind.startswith("rnn"):
-        return [w_hh.t().contiguous().reshape(-1), coefs["d"]]
-    if kind == "gru":
-        d = torch.cat([coefs["dr"], coefs["dz"], coefs["dm"], coefs["z"]], dim=-1)
-        return [gru_weight_values(w_hh, H), d, torch.ones(4 * H, dtype=dt, device=dev)]
-    return [lstm_weight_values(w_hh, H), _lstm_gate_values(coefs)]
-
-
-def gru_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
-    """Values ``(3H^2 + H,)`` of :func:`_gru_weight_pattern`: row ``k`` of ``W_hh^T``, then its identity's one."""
-    host = _host_weight_values(w_hh, H, 3 * H, interleaved=True)
-    if host is not None:
-        return host
-    return torch.cat([w_hh.t(), torch.ones(H, 1, dtype=w_hh.dtype, device=w_hh.device)], dim=1).reshape(-1)
-
-
-def _host_weight_values(w_hh: torch.Tensor, H: int, G: int, interleaved: bool):
-    """:func:`gru_weight_values` / :func:`lstm_weight_values` of a float32/float64 CPU weight through NumPy
-    (a few microseconds, where the torch ops' dispatch costs ~50): ``W_hh^T`` row by row with a one after
-    each row (``interleaved``) or ``H`` ones after all of them; ``None`` for other weights."""
-    if w_hh.device.type != "cpu" or w_hh.dtype not in (torch.float32, torch.float64):
-        return None
-    w = w_hh.detach().numpy()
-    if interleaved:
-        out = np.empty((H, G + 1), dtype=w.dtype)
-        out[:, :G] = w.T
-        out[:, G] = 1
-    else:
-        out = np.empty(G * H + H, dtype=w.dtype)
-        out[: G * H].reshape(H, G)[:] = w.T
-        out[G * H:] = 1
-    return torch.from_numpy(out.reshape(-1))
-
-
-def lstm_weight_values(w_hh: torch.Tensor, H: int) -> torch.Tensor:
-    """Values ``(4H^2 + H,)`` of :func:`_lstm_weight_pattern`: row ``k`` of ``W_hh^T``, then ones."""
-    host = _host_weight_values(w_hh, H, 4 * H, interleaved=False)
-    if host is not None:
-        return host
-    return torch.cat([w_hh.t().reshape(-1), torch.ones(H, dtype=w_hh.dtype, device=w_hh.device)])
-
-
-def _lstm_gate_values(coefs: dict) -> torch.Tensor:
-    """Values ``(T, B, 9H)`` of :func:`lstm_gate_pattern` from the coefficients of :func:`cell_step`."""
-    return _lstm_gate_csr(*(coefs[name] for name in ("k", "f", "ci", "cf", "cg", "co")))
-
-
-def _lstm_gate_csr(k, f, ci, cf, cg, co) -> torch.Tensor:
-    """:func:`lstm_gate_pattern`'s CSR values ``(..., 9H)`` from its coefficients, each ``(..., H)``: per
-    unit ``[c_i k, c_i]``, ``[c_f k, c_f]``, ``[c_g k, c_g]`` (blocks of ``2H``), ``c_o``, ``[f k, f]``."""
-    lead, H = k.shape[:-1], k.shape[-1]
-    vals = torch.empty(*lead, 9 * H, dtype=k.dtype, device=k.device)
-    gates = vals[..., : 6 * H].view(*lead, 3, H, 2)
-    for q, c in enumerate((ci, cf, cg)):
-        torch.mul(c, k, out=gates[..., q, :, 0])
-        gates[..., q, :, 1].copy_(c)
-    vals[..., 6 * H : 7 * H].copy_(co)
-    cell = vals[..., 7 * H :].view(*lead, H, 2)
-    torch.mul(f, k, out=cell[..., 0])
-    cell[..., 1].copy_(f)
-    return vals
+def factored_step_values(kind: Any, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
+    """:meth:`Cell.factored_values` of a cell or cell name."""
+    return _as_cell(kind).factored_values(coefs, w_hh, H)
 
 
 def lstm_cells(x, h_prev, c0, params) -> torch.Tensor:
@@ -455,7 +654,7 @@ def lstm_cells(x, h_prev, c0, params) -> torch.Tensor:
     ``c_t = f_t c_{t-1} + i_t g_t`` is a diagonal affine recurrence, solved with ``ceil(log2 T)``
     whole-sequence doubling steps (Hillis-Steele) instead of a loop over time.
     """
-    gi, gh = gates("lstm", x, h_prev, params)
+    gi, gh = gates(x, h_prev, params)
     pi, pf, pg, _ = (gi + gh).chunk(4, dim=-1)
     a = torch.sigmoid(pf)
     b = torch.sigmoid(pi) * torch.tanh(pg)
@@ -467,6 +666,3 @@ def lstm_cells(x, h_prev, c0, params) -> torch.Tensor:
         a = torch.cat([a[:k], a[k:] * a[:-k]], dim=0)
         k *= 2
     return torch.addcmul(b, a, c0.unsqueeze(0))
-
-
-# --------------------------------------------------------------------------- torch integration

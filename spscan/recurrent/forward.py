@@ -1,8 +1,8 @@
 """The recurrent front end's forward state and its compiled CPU forwards.
 
 :class:`Saved` is what a recurrent module's backward needs from its forward. :class:`CompiledForwards`
-holds the forwards of the factored RNN, GRU and LSTM that run in one compiled pass on a CPU
-(:mod:`spscan.kernels.cpu.recurrence`), writing the chain's per-step values as they go; the plan
+holds the forward of a factored cell that runs in one compiled pass on a CPU (each cell's kernel,
+:meth:`spscan.recurrent.cells.Cell.compiled_forward`), writing the chain's per-step values as they go; the plan
 (:class:`~spscan.recurrent.plan.RecurrentPlan`) mixes them in and decides when they apply.
 """
 
@@ -13,10 +13,9 @@ from typing import Any
 import torch
 
 from spscan.kernels.backend import cpu_ops
-from spscan.recurrent.cells import gru_weight_values, lstm_gate_encoding, lstm_weight_values, module_params
+from spscan.recurrent.cells import module_params, sequence_dims, time_major
 from spscan.runtime import PeriodicValues
 from spscan.runtime.autograd import holds_tensors
-from spscan.recurrent.backward import split_hx
 
 __all__ = ["Saved", "CompiledForwards"]
 
@@ -38,34 +37,29 @@ class Saved:
 
 
 class CompiledForwards:
-    """The compiled CPU forwards of :class:`~spscan.recurrent.plan.RecurrentPlan` (a mixin: they read the plan's
-    ``module``, ``kind``, ``layout``, ``hidden_size`` and recycled ``buffers``)."""
+    """The compiled CPU forward of :class:`~spscan.recurrent.plan.RecurrentPlan` (a mixin: it reads the plan's
+    ``module``, ``cell``, ``layout``, ``hidden_size`` and recycled ``buffers``)."""
 
     def _compiled_forward_applies(self, x: torch.Tensor, hx) -> bool:
-        """Whether the factored RNN's, GRU's or LSTM's forward runs in one compiled pass
-        (:mod:`spscan.kernels.cpu.recurrence`): CPU, float32/float64 input and state of the parameters' dtype,
-        well-formed shapes; anything else runs the module (whose own checks then speak)."""
-        if self.kind not in ("lstm", "gru", "rnn_tanh", "rnn_relu") or self.layout != "factored" \
-                or not cpu_ops.recurrence_available():
+        """Whether the factored cell's forward runs in one compiled pass
+        (:meth:`~spscan.recurrent.cells.Cell.compiled_forward`, :mod:`spscan.kernels.cpu.recurrence`): CPU,
+        float32/float64 input and state of the parameters' dtype, well-formed shapes; anything else runs the
+        module (whose own checks then speak)."""
+        if self.layout != "factored" or not cpu_ops.recurrence_available():
             return False
         m, p = self.module, self.module.weight_hh_l0
         if x.device.type != "cpu" or p.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) \
                 or any(q.dtype != x.dtype for q in module_params(m)):
             return False
         unbatched = x.dim() == 2
-        T = x.shape[1 if (m.batch_first and not unbatched) else 0]
-        B = 1 if unbatched else x.shape[0 if m.batch_first else 1]
+        T, B = sequence_dims(x, m.batch_first)
         if T == 0 or B == 0:
             return False
         if hx is not None:
             want = (1, self.hidden_size) if unbatched else (1, B, self.hidden_size)
-            if self.kind != "lstm":
-                return (isinstance(hx, torch.Tensor) and tuple(hx.shape) == want and hx.dtype == x.dtype
-                        and hx.device.type == "cpu")
-            if not (isinstance(hx, (tuple, list)) and len(hx) == 2 and all(
-                    isinstance(h, torch.Tensor) and tuple(h.shape) == want and h.dtype == x.dtype
-                    and h.device.type == "cpu" for h in hx)):
-                return False
+            parts = self.cell.hx_parts(hx)
+            return parts is not None and all(isinstance(h, torch.Tensor) and tuple(h.shape) == want
+                                             and h.dtype == x.dtype and h.device.type == "cpu" for h in parts)
         return True
 
     def _compiled_inputs(self, x: torch.Tensor, hx):
@@ -73,11 +67,10 @@ class CompiledForwards:
         whether it was unbatched, the detached parameters and the initial ``h_0`` (and ``c_0``)."""
         m, H = self.module, self.hidden_size
         unbatched = x.dim() == 2
-        xt = x.detach()
-        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
+        xt = time_major(x.detach(), m.batch_first, unbatched)
         T, B, _ = xt.shape
         params = [q.detach() for q in module_params(m)]
-        h0, c0 = split_hx(self.kind, hx, B, H, xt, unbatched)
+        h0, c0 = self.cell.initial_state(hx, B, H, xt)
         return xt, T, B, unbatched, params, h0, c0
 
     def _operands(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,74 +86,22 @@ class CompiledForwards:
         zn[H + I] = 1
         return z, z[H: H + I].permute(1, 2, 0)
 
-    def _compiled_outputs(self, hs: torch.Tensor, unbatched: bool):
-        """From the compiled forward's hidden states ``hs`` (``(B, T, H)`` for a batch-first module, as
-        the forward wrote them, else ``(T, B, H)``): the module's output and ``h_n``."""
-        batch_first = self.module.batch_first and not unbatched
-        time_major = hs.transpose(0, 1) if batch_first else hs
-        out = hs.squeeze(1) if unbatched else hs
-        shape = (1, self.hidden_size) if unbatched else (1, time_major.shape[1], self.hidden_size)
-        return out, time_major[-1].reshape(shape).clone()
-
-    def _compiled_saved(self, xt: torch.Tensor, operands: torch.Tensor, coefs: dict, values, unbatched: bool,
-                        params) -> Saved:
-        """The backward's state after a compiled forward (``h_prev`` a view of ``operands``)."""
-        T, B, _ = xt.shape
-        return Saved(x=xt, h_prev=operands[: self.hidden_size].permute(1, 2, 0), operands=operands, coefs=coefs,
-                      values=values, T=T, B=B, unbatched=unbatched, params=params, dtype=xt.dtype, device=xt.device)
-
-    def _lstm_compiled_forward(self, x: torch.Tensor, hx):
-        """The LSTM forward on CPU in one pass that also writes the gate element's values (the gates
-        are evaluated once; ``c_t`` comes from the recurrence itself). Returns ``(outputs, saved)``."""
+    def _compiled_forward(self, x: torch.Tensor, hx):
+        """The forward on CPU in one compiled pass that also writes the factored step's per-sample values
+        (:meth:`~spscan.recurrent.cells.Cell.compiled_forward`: the gates are evaluated once, not recomputed
+        from the module's outputs; the LSTM's ``c_t`` comes from the recurrence itself). Returns
+        ``(outputs, saved)``: the module's outputs and the backward's state (``h_prev`` a view of the operands)."""
         m, H = self.module, self.hidden_size
         xt, T, B, unbatched, params, h0, c0 = self._compiled_inputs(x, hx)
-        # both biases enter every gate pre-activation: added to the input part once
         z, xz = self._operands(xt)
-        gi = cpu_ops.input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
-        hs, c_n, gate_values = cpu_ops.gated_cell_forward(gi, params[1], h0, c0,
-                                                          batch_first=m.batch_first and not unbatched,
-                                                          buffers=self.buffers, prev=z)
-        shared = lstm_weight_values(params[1], H)
-        # the gate element as its compact numbers: the compiled CPU linear scan applies them as they are,
-        # every other path expands them to CSR values
-        values = PeriodicValues([shared, gate_values], T, encodings=[None, lstm_gate_encoding(H)])
-        out, h_n = self._compiled_outputs(hs, unbatched)
-        saved = self._compiled_saved(xt, z, {}, values, unbatched, params)
-        return (out, (h_n, c_n.reshape(h_n.shape))), saved
-
-    def _rnn_compiled_forward(self, x: torch.Tensor, hx):
-        """The RNN forward on CPU in one compiled pass that also writes the diagonal element's values
-        (:func:`spscan.kernels.cpu.recurrence.activation_recurrence_forward`). Returns ``(outputs, saved)``."""
-        m = self.module
-        xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
-        # both biases enter the pre-activation: added to the input part once
-        z, xz = self._operands(xt)
-        gi = cpu_ops.input_projection(xz, params[0], params[2] + params[3] if m.bias else None)
-        hs, d = cpu_ops.activation_recurrence_forward(gi, params[1], h0, relu=self.kind == "rnn_relu",
-                                                      batch_first=m.batch_first and not unbatched,
-                                                      buffers=self.buffers, prev=z)
-        values = PeriodicValues([params[1].t().contiguous().reshape(-1), d], T)
-        out, h_n = self._compiled_outputs(hs, unbatched)
-        saved = self._compiled_saved(xt, z, {"d": d}, values, unbatched, params)
-        return (out, h_n), saved
-
-    def _gru_compiled_forward(self, x: torch.Tensor, hx):
-        """The GRU forward on CPU in one compiled pass that also writes the diagonal element's values
-        ``(dr, dz, dm, z)`` and ``dn`` (:func:`spscan.kernels.cpu.recurrence.reset_gated_forward`): the gates are
-        evaluated once, not recomputed from the module's outputs. Returns ``(outputs, saved)``."""
-        m, H = self.module, self.hidden_size
-        xt, T, B, unbatched, params, h0, _ = self._compiled_inputs(x, hx)
-        b_hn = None
-        z, xz = self._operands(xt)
-        if m.bias:  # b_hr, b_hz join the input part once; b_hn stays inside r * (W_hn h + b_hn)
-            bias = torch.cat([params[2][: 2 * H] + params[3][: 2 * H], params[2][2 * H:]])
-            gi = cpu_ops.input_projection(xz, params[0], bias)
-            b_hn = params[3][2 * H:]
-        else:
-            gi = cpu_ops.input_projection(xz, params[0], None)
-        hs, d, dn = cpu_ops.reset_gated_forward(gi, params[1], b_hn, h0, batch_first=m.batch_first and not unbatched,
-                                                buffers=self.buffers, prev=z)
-        values = PeriodicValues([gru_weight_values(params[1], H), d, torch.ones(4 * H, dtype=hs.dtype)], T)
-        out, h_n = self._compiled_outputs(hs, unbatched)
-        saved = self._compiled_saved(xt, z, {"dn": dn}, values, unbatched, params)
-        return (out, h_n), saved
+        batch_first = m.batch_first and not unbatched
+        hs, c_n, coefs, step, encodings = self.cell.compiled_forward(xz, params, h0, c0, m.bias, batch_first,
+                                                                     self.buffers, z)
+        values = PeriodicValues(step, T, encodings=encodings)
+        # hs as the forward wrote it: (B, T, H) for a batch-first module, else (T, B, H)
+        out = hs.squeeze(1) if unbatched else hs
+        shape = (1, H) if unbatched else (1, B, H)
+        h_n = time_major(hs, batch_first)[-1].reshape(shape).clone()
+        saved = Saved(x=xt, h_prev=z[:H].permute(1, 2, 0), operands=z, coefs=coefs, values=values, T=T, B=B,
+                      unbatched=unbatched, params=params, dtype=xt.dtype, device=xt.device)
+        return self.cell.module_outputs((out, h_n, None if c_n is None else c_n.reshape(shape))), saved

@@ -66,7 +66,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from spscan.recurrent.cells import cell_step, factored_step_values, jacobian_values, recurrent_patterns, shared_flags
+from spscan.recurrent.cells import cell_named, recurrent_patterns
 from spscan.runtime import PeriodicValues, StackedExtra
 from spscan.runtime.plan import build_plan, plan_profile
 
@@ -184,33 +184,9 @@ def transpose_pattern(p: sp.csr_array) -> tuple[sp.csr_array, np.ndarray]:
 
 
 def quasi_pattern(kind: str, hidden: int) -> sp.csr_array:
-    """Pattern of the quasi-Newton ``J_t``: diagonal ``(H, H)``; LSTM: per-unit 2x2 blocks of ``(h, c)``."""
-    H = hidden
-    ar = np.arange(H, dtype=np.int64)
-    if kind != "lstm":
-        return sp.csr_array((np.ones(H), ar, np.arange(H + 1, dtype=np.int64)), shape=(H, H))
-    row = np.stack([ar, ar + H], axis=1).reshape(-1)  # row j and row H+j both read columns (j, H+j)
-    indices = np.concatenate([row, row])
-    indptr = 2 * np.arange(2 * H + 1, dtype=np.int64)
-    return sp.csr_array((np.ones(4 * H), indices, indptr), shape=(2 * H, 2 * H))
-
-
-# --------------------------------------------------------------------------- the cell, batched
-
-
-def _quasi_values(kind: str, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
-    """Values ``(T, B, nnz)`` of the quasi-Newton ``J_t`` in :func:`quasi_pattern`'s CSR order."""
-    wd = torch.diagonal(w_hh.view(-1, H, H), dim1=-2, dim2=-1)  # (G, H): diagonal of each gate block
-    if kind.startswith("rnn"):
-        return coefs["d"] * wd[0]
-    if kind == "gru":
-        return coefs["dr"] * wd[0] + coefs["dz"] * wd[1] + coefs["dm"] * wd[2] + coefs["z"]
-    jch = coefs["ci"] * wd[0] + coefs["cf"] * wd[1] + coefs["cg"] * wd[2]
-    k, f = coefs["k"], coefs["f"]
-    jhh = k * jch + coefs["co"] * wd[3]
-    top = torch.stack([jhh, k * f], dim=-1).flatten(-2)
-    bottom = torch.stack([jch, f], dim=-1).flatten(-2)
-    return torch.cat([top, bottom], dim=-1)
+    """Pattern of the quasi-Newton ``J_t`` of a ``kind`` cell (:meth:`spscan.recurrent.cells.Cell.quasi_pattern`):
+    diagonal ``(H, H)``; LSTM: per-unit 2x2 blocks of ``(h, c)``."""
+    return cell_named(kind).quasi_pattern(hidden)
 
 
 # --------------------------------------------------------------------------- cost model for "auto"
@@ -223,17 +199,13 @@ _SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 5.5e-7}
 _ITERATION_S_PER_UNIT = {"cuda": 1.9e-10}
 
 
-def _gate_count(kind: str) -> int:
-    return {"gru": 3, "lstm": 4}.get(kind, 1)
-
-
 # --------------------------------------------------------------------------- the solver
 
 
 class NewtonSolver:
     """The forward-direction scans of one recurrent plan (one per ``(T, device, dtype, method)``) and the iteration.
 
-    ``owner`` is a :class:`spscan.recurrent.plan.RecurrentPlan`: its cell kind, layout, hidden size and
+    ``owner`` is a :class:`spscan.recurrent.plan.RecurrentPlan`: its cell, layout, hidden size and
     planning options. The forward plans use the same options (depth choice, backend, memory limit).
     """
 
@@ -251,7 +223,7 @@ class NewtonSolver:
             own = self.owner
             step = recurrent_patterns(own.module, 1, own.layout)
             if own.layout == "factored":
-                shared = shared_flags(own.kind, own.hidden_size)
+                shared = own.cell.shared_flags(own.hidden_size)
             else:
                 shared = [False]
             tp = [transpose_pattern(p) for p in step]
@@ -267,7 +239,7 @@ class NewtonSolver:
             kw = {k: v for k, v in own.plan_kwargs.items() if v is not None}
             kw["device"], kw["dtype"] = device, dtype
             if method == "quasi":
-                pats = [quasi_pattern(own.kind, own.hidden_size)] * seq_len
+                pats = [own.cell.quasi_pattern(own.hidden_size)] * seq_len
             else:
                 pats = self._forward_step()[0] * seq_len
             hit = self._plans[key] = build_plan(pats, bind=None, **kw)
@@ -308,7 +280,7 @@ class NewtonSolver:
         own = self.owner
         dev = torch.device(device)
         prof = plan_profile(dev)
-        H, G = own.hidden_size, _gate_count(own.kind)
+        H, G = own.hidden_size, own.cell.gates
         it = iterations or options.expected_iterations
         plan = self.forward_plan(seq_len, device, dtype, options.method)
         hint = max(1, getattr(own, "plan_kwargs", {}).get("batch_size") or 16)
@@ -331,7 +303,7 @@ class NewtonSolver:
         """
 
         own = self.owner
-        kind, H, layout = own.kind, own.hidden_size, own.layout
+        cell, H, layout = own.cell, own.hidden_size, own.layout
         T, B, _ = x.shape
         D = s0.shape[1]
         dt, dev = x.dtype, x.device
@@ -360,7 +332,7 @@ class NewtonSolver:
             """Values of the forward chain of the full ``J_t`` (times ``scale``), in chain order."""
             if layout == "factored":
                 fstep = []
-                for j, v in enumerate(reversed(factored_step_values(kind, coefs, w_hh, H))):
+                for j, v in enumerate(reversed(cell.factored_values(coefs, w_hh, H))):
                     if v.dim() == 1:  # forward factor j is backward factor m-1-j, transposed
                         hit = shared_cache.get(j)  # the weights do not change between iterations
                         if hit is None:
@@ -378,12 +350,12 @@ class NewtonSolver:
                                                        sample_perms[j]))
                 return PeriodicValues(elements, T)  # element j of period t: step T-t's factor j
 
-            bv = jacobian_values(kind, "materialized", coefs, w_hh, H)  # (T, B, nnz) of J_t^T
+            bv = cell.materialized_values(coefs, w_hh, H)  # (T, B, nnz) of J_t^T
             vals = bv.flip(0).index_select(-1, torch.as_tensor(fperms[0], device=dev))
             return vals * scale if scale != 1.0 else vals
 
         def quasi_values(coefs: dict) -> torch.Tensor:
-            vals = _quasi_values(kind, coefs, w_hh, H)
+            vals = cell.quasi_values(coefs, w_hh, H)
             return (vals * scale_j if scale_j != 1.0 else vals).flip(0)
 
         stacks: dict[str, torch.Tensor] = {}
@@ -415,7 +387,7 @@ class NewtonSolver:
         done = False
         while True:
             s_prev = torch.cat([s0.unsqueeze(0), s[:-1]], dim=0)
-            f, coefs = cell_step(kind, gi, s_prev, params, H)
+            f, coefs = cell.step(gi, s_prev, params, H)
             r = f - s
             S = max(float(f.abs().max()), tiny)  # the scale: the cell's own outputs (bounded), not the guess
             if done:
@@ -429,7 +401,7 @@ class NewtonSolver:
                         if not info.amplification * eps <= confirm:
                             info.converged, info.reason = False, "ill-conditioned"
                             return None, None, None, info
-                    step = factored_step_values(kind, coefs, w_hh, H) if layout == "factored" else None
+                    step = cell.factored_values(coefs, w_hh, H) if layout == "factored" else None
                     return f, coefs, step, info
                 info.converged, done, info.reason = False, False, ""
             if info.iterations >= options.max_iter:

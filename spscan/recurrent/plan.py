@@ -74,14 +74,14 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.recurrent.cells import (cell_kind, coefficients, factored_layout, jacobian_values, lstm_cells, module_params,
-                          recurrent_patterns, resolve_layout, shared_flags, state_size)
+from spscan.recurrent.cells import (cell_for, jacobian_values, module_layout, module_params, recurrent_patterns,
+                                    resolve_layout, sequence_dims, time_major)
 from spscan.runtime import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.runtime.plan import build_plan
 from spscan.recurrent.backward import (GraphedBackward, any_nonzero, check_input, has_operands, operand_weight_grads,
-                                       split_hx, weight_grad)
+                                       weight_grad)
 from spscan.recurrent.forward import CompiledForwards, Saved
 
 __all__ = [
@@ -104,12 +104,9 @@ class RecurrentFront:
 
     def scan_forward(self, inputs: tuple):
         x, h0, c0, *params = inputs
-        hx = None
-        if h0 is not None:
-            hx = (h0, c0) if self.kind == "lstm" else h0
+        hx = None if h0 is None else self.cell.join_hx(h0, c0)
         (out, state), saved = self.run_forward(x, hx, need_saved=True)
-        outputs = (out, state[0], state[1]) if self.kind == "lstm" else (out, state)
-        return outputs, (saved, h0 is not None)
+        return self.cell.flat_outputs(out, state), (saved, h0 is not None)
 
     def scan_backward(self, state, grad_outputs: tuple, needs: tuple, graphs: bool = True):
         saved, has_h0 = state
@@ -121,7 +118,7 @@ class RecurrentFront:
         r = self.backward(saved, grad_out, grad_hn, grad_cn, wanted, graphs)
         gx = r["input"] if needs[0] else None
         gh0 = r["h_0"] if (has_h0 and needs[1]) else None
-        gc0 = r["c_0"] if (has_h0 and self.kind == "lstm" and needs[2]) else None
+        gc0 = r["c_0"] if (has_h0 and needs[2]) else None  # None but for the LSTM
         return (gx, gh0, gc0, *[r[n] if needs[3 + i] else None for i, n in enumerate(names)])
 
     # -- the whole step from CUDA graphs (spscan.runtime.graphed.GraphedStep's front, with scan_forward)
@@ -188,9 +185,10 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
     ) -> None:
         from spscan.recurrent.newton import FORWARD_MODES, NewtonOptions, NewtonSolver
 
-        self.kind = cell_kind(module)
+        self.cell = cell_for(module)
+        self.kind = self.cell.name
         self.module = module
-        self.layout = resolve_layout(self.kind, layout, module.weight_hh_l0.device.type, module.hidden_size)
+        self.layout = resolve_layout(self.cell, layout, module.weight_hh_l0.device.type, module.hidden_size)
         if forward not in FORWARD_MODES:
             raise ValueError(f"forward: expected 'sequential', 'newton' or 'auto', got {forward!r}")
         self.forward_mode = forward
@@ -200,7 +198,9 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         self.forward_decision: Optional[Decision] = None  # the last forward="auto" choice
         self.plan_kwargs = dict(plan_kwargs)
         self.hidden_size = module.hidden_size
-        self.state_size = state_size(self.kind, module.hidden_size)
+        self.state_size = self.cell.state_size(module.hidden_size)
+        # chain elements per time step
+        self.per_step = len(self.cell.factored_layout(module.hidden_size)) if self.layout == "factored" else 1
         self._plans: dict[tuple, Any] = {}
         self._bindings: dict[tuple, Any] = {}  # (T, device, dtype, with_extra) -> bound engine
         self._keep_first: dict[int, np.ndarray] = {}  # chain length -> keep flags of dl/ds_0 alone
@@ -213,10 +213,10 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
             check_input(self.module, x)
-            T = x.shape[1 if (module.batch_first and x.dim() == 3) else 0]
+            T, B = sequence_dims(x, module.batch_first)
             if x.dim() == 3:
                 # the core's cost model assumes a batch size: the example's, unless given
-                self.plan_kwargs.setdefault("batch_size", int(x.shape[0 if module.batch_first else 1]))
+                self.plan_kwargs.setdefault("batch_size", int(B))
             p = module.weight_hh_l0
             self.scan_plan(T, p.device, p.dtype)
             if forward != "sequential" and T > 0:
@@ -268,14 +268,14 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
 
     def _bind(self, seq_len: int, device: torch.device, dtype: torch.dtype, with_extra: bool):
         plan = self.scan_plan(seq_len, device, dtype)
-        per = len(factored_layout(self.kind, self.hidden_size)) if self.layout == "factored" else 1
+        per = self.per_step
         n = per * seq_len
         has_extra = [False] * (n + 1)
         if with_extra:
             for t in range(seq_len - 1):  # extra[t] (the loss on s_{t+1}) enters at chain index per*(t+1)
                 has_extra[per * (t + 1)] = True
         if self.layout == "factored":
-            shared = shared_flags(self.kind, self.hidden_size) * seq_len
+            shared = self.cell.shared_flags(self.hidden_size) * seq_len
         else:
             shared = [False] * n
         # the factored values come as PeriodicValues: each shared element held once (period = elements per step)
@@ -341,13 +341,11 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             raise ValueError(f"{type(m).__name__}: num_layers / bidirectional changed after wrapping (planned 1 layer, "
                              f"1 direction; now {m.num_layers} x {2 if m.bidirectional else 1}): wrap the module again "
                              "(spscan.wrap plans stacked and bidirectional modules too)")
-        cell_kind(m)
+        cell_for(m)
 
     def split_state(self, hx: Any) -> tuple[Any, Any]:
         """``(h_0, c_0)`` of a call's ``hx`` (Nones where not given)."""
-        if hx is None:
-            return None, None
-        return hx if self.kind == "lstm" else (hx, None)
+        return (None, None) if hx is None else self.cell.split_hx(hx)
 
     def step_params(self) -> list[torch.Tensor]:
         """The module's parameters in :meth:`param_names` order (its own objects)."""
@@ -405,9 +403,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         :attr:`last_forward` records the iterations either way.
         """
         m = self.module
-        unbatched = x.dim() == 2
-        T = x.shape[1 if (m.batch_first and not unbatched) else 0]
-        B = 1 if unbatched else x.shape[0 if m.batch_first else 1]
+        T, B = sequence_dims(x, m.batch_first)
         p = m.weight_hh_l0
         fell_back = False
         if T > 0 and B > 0 and self.forward_method(T, B, x.device, x.dtype) == "newton":
@@ -419,11 +415,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
                 return hit if need_saved else (hit[0], None)
             fell_back = True  # the module's own forward, as the warning says (not the compiled pass)
         if need_saved and not fell_back and self._compiled_forward_applies(x, hx):
-            if self.kind == "lstm":
-                return self._lstm_compiled_forward(x, hx)
-            if self.kind == "gru":
-                return self._gru_compiled_forward(x, hx)
-            return self._rnn_compiled_forward(x, hx)
+            return self._compiled_forward(x, hx)
         outputs = m(x, hx)
         return outputs, (self._save(x, hx, outputs, need_values=True) if need_saved else None)
 
@@ -431,15 +423,13 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         """Newton forward; ``(outputs, saved)`` with the converged iteration's Jacobians, or ``None`` (warned)."""
         from spscan.recurrent.newton import warn_fallback
 
-        m, H = self.module, self.hidden_size
+        m, H, cell = self.module, self.hidden_size, self.cell
         unbatched = x.dim() == 2
-        xt = x.detach()
-        xt = xt.unsqueeze(1) if unbatched else (xt.transpose(0, 1) if m.batch_first else xt)
-        xt = xt.contiguous()
+        xt = time_major(x.detach(), m.batch_first, unbatched).contiguous()
         T, B, _ = xt.shape
         params = [q.detach() for q in module_params(m)]
-        h0, c0 = split_hx(self.kind, hx, B, H, xt, unbatched)
-        s0 = h0 if self.kind != "lstm" else torch.cat([h0, c0], dim=-1)
+        h0, c0 = cell.initial_state(hx, B, H, xt)
+        s0 = cell.joint(h0, c0)
         states, coefs, step_values, info = self.newton.solve(xt, s0, params, self.newton_options)
         self.last_forward = info
         if states is None:
@@ -449,39 +439,27 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         if self.layout == "factored":
             values = PeriodicValues(step_values, T)
         else:
-            values = jacobian_values(self.kind, self.layout, coefs, params[1], H)
+            values = jacobian_values(cell, self.layout, coefs, params[1], H)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = Saved(x=xt, h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out = hs.squeeze(1) if unbatched else (hs.transpose(0, 1) if m.batch_first else hs)
+        out = module_layout(hs, m.batch_first, unbatched)
         shape = (1, H) if unbatched else (1, B, H)
-        h_n = hs[-1].reshape(shape).clone()
-        if self.kind == "lstm":
-            return (out, (h_n, states[-1, :, H:].reshape(shape).clone())), saved
-        return (out, h_n), saved
+        h_n, c_n = (None if s is None else s.reshape(shape).clone() for s in cell.split_joint(states[-1], H))
+        return cell.module_outputs((out, h_n, c_n)), saved
 
     def _save(self, x: torch.Tensor, hx, outputs, need_values: bool) -> Saved:
-        m = self.module
+        m, cell = self.module, self.cell
         unbatched = x.dim() == 2
         H = self.hidden_size
-        out = outputs[0]
-        x, out = x.detach(), out.detach()
-        if unbatched:
-            x, out = x.unsqueeze(1), out.unsqueeze(1)
-        elif m.batch_first:
-            x, out = x.transpose(0, 1), out.transpose(0, 1)
+        x = time_major(x.detach(), m.batch_first, unbatched)
+        hs = time_major(outputs[0].detach(), m.batch_first, unbatched)
         T, B, _ = x.shape
         params = [p.detach() for p in module_params(m)]
-        h0, c0 = split_hx(self.kind, hx, B, H, x, unbatched)
-        hs = out.detach()
+        h0, c0 = cell.initial_state(hx, B, H, x)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0) if T > 0 else hs
-        c_prev = cs = None
-        if self.kind == "lstm":
-            # the module returns only c_T: recompute c_1..c_T from the batched gates (no time loop on h)
-            cs = lstm_cells(x, h_prev, c0, params)
-            c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]], dim=0)
-        coefs = coefficients(self.kind, x, h_prev, c_prev, hs, params) if T > 0 else {}
-        values = jacobian_values(self.kind, self.layout, coefs, params[1], H) if (need_values and T > 0) else None
+        coefs = cell.coefficients(x, h_prev, c0, hs, params) if T > 0 else {}
+        values = jacobian_values(cell, self.layout, coefs, params[1], H) if (need_values and T > 0) else None
         return Saved(
             x=x.detach(), h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
             params=params, dtype=hs.dtype, device=hs.device,
@@ -500,7 +478,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         """
         T = saved.T
         bound = self._bound(T, saved.device, saved.dtype, extra is not None)
-        per = len(factored_layout(self.kind, self.hidden_size)) if self.layout == "factored" else 1
+        per = self.per_step
         n = per * T
         ext: Optional[StackedExtra] = None
         if extra is not None:
@@ -555,9 +533,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         m, H, T, B = self.module, self.hidden_size, saved.T, saved.B
         D = self.state_size
         dt, dev = saved.dtype, saved.device
-        go = grad_output
-        if go is not None:
-            go = go.unsqueeze(1) if saved.unbatched else (go.transpose(0, 1) if m.batch_first else go)
+        go = None if grad_output is None else time_major(grad_output, m.batch_first, saved.unbatched)
         top = torch.zeros(B, D, dtype=dt, device=dev)
         if grad_h_n is not None:
             top[:, :H] += grad_h_n.reshape(B, H)
@@ -582,46 +558,30 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         # them into its sample-major buffer and a copy out of it afterwards
         take = self.buffers.take
         if self.layout == "factored":
-            per = len(factored_layout(self.kind, H))
-            rows = {"rnn_tanh": H, "rnn_relu": H, "gru": 3 * H, "lstm": 4 * H}[self.kind]
+            per = self.per_step
+            rows = self.cell.gates * H
             # element 1's output of step t (the gate pre-activation gradients) is chain position per*t + 1
             index = range(1, per * (T - 1) + 2, per)
             pre = take("pre", (rows, T, B), dt, dev)
             collect = [Collect(index, slice(0, rows), pre)]
-            if self.kind == "gru":
-                # the input side of the n gate is not on the chain: dl/dN_t = dl/dh_t * dn_t, with
-                # dl/dh_t at chain position per*(t+1)
+            split = self.cell.input_grads_from_state
+            if split:
+                # the input side differs by a term of dl/dh_t (the GRU's n gate), at chain position per*(t+1)
                 dh = take("dh", (H, T, B), dt, dev)
                 collect.append(Collect(range(per, per * T + 1, per), slice(0, H), dh))
             G = self._scan(saved, top, extra, collect)
             g0 = G[0].clone()
             a_hh = pre.view(rows, T * B)
-            if self.kind != "gru":
+            if not split:
                 return self._pack(saved, g0, a_hh, a_hh, wanted)
-            dh.mul_(saved.coefs["dn"].permute(2, 0, 1))
-            a_ih = torch.cat([pre[: 2 * H], dh], out=take("pre_ih", (3 * H, T, B), dt, dev)).view(3 * H, T * B)
+            a_ih = self.cell.input_side_grads(pre, dh, saved.coefs, take("pre_ih", (rows, T, B), dt, dev))
             return self._pack(saved, g0, a_ih, a_hh, wanted)
         grads = take("grads", (D, T, B), dt, dev)
         G = self._scan(saved, top, extra, [Collect(range(1, T + 1), slice(None), grads)])
-        pre_ih, pre_hh = self._pre_activation_grads(saved, grads.permute(1, 2, 0))
+        pre_ih, pre_hh = self.cell.pre_activation_grads(grads.permute(1, 2, 0), saved.coefs, H)
         a_ih = pre_ih.reshape(T * B, -1).t()
         a_hh = a_ih if pre_hh is pre_ih else pre_hh.reshape(T * B, -1).t()
         return self._pack(saved, G[0].clone(), a_ih, a_hh, wanted)
-
-    def _pre_activation_grads(self, saved: Saved, Gs: torch.Tensor):
-        """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``."""
-        c = saved.coefs
-        H = self.hidden_size
-        if self.kind.startswith("rnn"):
-            p = Gs * c["d"]
-            return p, p
-        if self.kind == "gru":
-            gr, gz = Gs * c["dr"], Gs * c["dz"]
-            return torch.cat([gr, gz, Gs * c["dn"]], dim=-1), torch.cat([gr, gz, Gs * c["dm"]], dim=-1)
-        gh, gc = Gs[..., :H], Gs[..., H:]
-        gc_tot = gc + gh * c["k"]
-        p = torch.cat([gc_tot * c["ci"], gc_tot * c["cf"], gc_tot * c["cg"], gh * c["co"]], dim=-1)
-        return p, p
 
     def _pack(self, saved: Saved, g0: torch.Tensor, a_ih, a_hh,
               wanted: Optional[frozenset] = None) -> dict[str, Optional[torch.Tensor]]:
@@ -654,15 +614,11 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
                 if m.bias and (want("bias_ih_l0") or want("bias_hh_l0")):
                     gb_ih = a_ih.sum(1)
                     gb_hh = gb_ih.clone() if a_hh is a_ih else a_hh.sum(1)  # one sum where both sides share it
-        if x_grad is not None:
-            if saved.unbatched:
-                x_grad = x_grad.squeeze(1)
-            elif m.batch_first:
-                x_grad = x_grad.transpose(0, 1)
-        out["input"] = x_grad
+        out["input"] = None if x_grad is None else module_layout(x_grad, m.batch_first, saved.unbatched)
         shape = (1, H) if saved.unbatched else (1, B, H)
-        out["h_0"] = g0[:, :H].reshape(shape)
-        out["c_0"] = g0[:, H:].reshape(shape) if self.kind == "lstm" else None
+        g_h0, g_c0 = self.cell.split_joint(g0, H)
+        out["h_0"] = g_h0.reshape(shape)
+        out["c_0"] = None if g_c0 is None else g_c0.reshape(shape)
         out["weight_ih_l0"], out["weight_hh_l0"] = gw_ih, gw_hh
         if m.bias:
             out["bias_ih_l0"], out["bias_hh_l0"] = gb_ih, gb_hh

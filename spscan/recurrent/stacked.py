@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from spscan.recurrent.backward import check_input
-from spscan.recurrent.cells import check_cell_form
+from spscan.recurrent.cells import MODULE_TYPES, Cell, check_cell_form, module_layout, sequence_dims, time_major
 from spscan.runtime.autograd import holds_tensors
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Decision
@@ -65,20 +65,17 @@ from spscan.recurrent.plan import RecurrentFront, RecurrentPlan
 
 __all__ = ["StackedRecurrentPlan", "plan_stacked", "is_stacked"]
 
-_CELLS = (nn.RNN, nn.GRU, nn.LSTM)
 _PARAM_KINDS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 def is_stacked(module: nn.Module) -> bool:
     """True for an ``nn.RNN``/``GRU``/``LSTM`` with ``num_layers > 1`` or ``bidirectional``."""
-    return type(module) in _CELLS and (module.num_layers > 1 or bool(module.bidirectional))
+    return type(module) in MODULE_TYPES and (module.num_layers > 1 or bool(module.bidirectional))
 
 
-def _check_module(module: nn.Module) -> None:
-    """Refuse what the layer-by-layer scan cannot do exactly, naming the argument."""
-    if type(module) not in _CELLS:
-        raise TypeError(f"expected nn.RNN, nn.GRU or nn.LSTM, got {type(module).__name__}")
-    check_cell_form(module)
+def _check_module(module: nn.Module) -> Cell:
+    """The module's cell; refuses what the layer-by-layer scan cannot do exactly, naming the argument."""
+    return check_cell_form(module)
 
 
 def _param_names(module: nn.Module, layer: int, direction: int) -> list[tuple[str, str]]:
@@ -88,16 +85,15 @@ def _param_names(module: nn.Module, layer: int, direction: int) -> list[tuple[st
     return [(k + "_l0", k + suffix) for k in kinds]
 
 
-def _layer_view(module: nn.Module, layer: int, direction: int) -> nn.Module:
+def _layer_view(module: nn.Module, cell: Cell, layer: int, direction: int) -> nn.Module:
     """A single-layer unidirectional module of ``module``'s class whose parameters are the stacked
     module's own objects for ``(layer, direction)`` (``RNNBase.__setattr__`` keeps its
     ``_flat_weights`` pointing at them, so its forward uses them)."""
     H = module.hidden_size
     in_size = module.input_size if layer == 0 else H * (2 if module.bidirectional else 1)
-    kw: dict[str, Any] = {"nonlinearity": module.nonlinearity} if isinstance(module, nn.RNN) else {}
     # built on the meta device: its own placeholder parameters are replaced at once and never allocated
-    view = type(module)(in_size, H, num_layers=1, bias=module.bias, batch_first=False, dropout=0.0,
-                        bidirectional=False, device="meta", **kw)
+    view = cell.new_module(in_size, H, num_layers=1, bias=module.bias, batch_first=False, dropout=0.0,
+                           bidirectional=False, device="meta")
     _sync_view(view, module, layer, direction)
     return view
 
@@ -108,6 +104,12 @@ def _sync_view(view: nn.Module, module: nn.Module, layer: int, direction: int) -
         p = getattr(module, sname)
         if getattr(view, vname) is not p:
             setattr(view, vname, p)
+
+
+def _layers_state(per_layer: list, unbatched: bool) -> torch.Tensor:
+    """``(L*D, B, H)`` (``(L*D, H)`` unbatched) from each (layer, direction)'s ``(1, B, H)``."""
+    cat = torch.cat(per_layer, dim=0)
+    return cat.squeeze(1) if unbatched else cat
 
 
 @holds_tensors
@@ -132,9 +134,9 @@ class StackedRecurrentPlan(RecurrentFront):
     """
 
     def __init__(self, module: nn.Module, example_input: Optional[torch.Tensor] = None, **plan_kwargs: Any) -> None:
-        _check_module(module)
+        self.cell = _check_module(module)
         self.module = module
-        self.kind = {nn.RNN: "rnn", nn.GRU: "gru", nn.LSTM: "lstm"}[type(module)]
+        self.kind = self.cell.family
         self.num_layers = module.num_layers
         self.num_directions = 2 if module.bidirectional else 1
         self.hidden_size = module.hidden_size
@@ -142,8 +144,7 @@ class StackedRecurrentPlan(RecurrentFront):
         if example_input is not None:
             x = example_input[0] if isinstance(example_input, (tuple, list)) else example_input
             check_input(self.module, x)
-            T = x.shape[1 if (module.batch_first and x.dim() == 3) else 0]
-            B = 1 if x.dim() == 2 else x.shape[0 if module.batch_first else 1]
+            T, B = sequence_dims(x, module.batch_first)
             if x.dim() == 3:
                 plan_kwargs.setdefault("batch_size", int(B))
             ex = (T, B)
@@ -154,7 +155,7 @@ class StackedRecurrentPlan(RecurrentFront):
         self.step_graphs = GraphedStep(self)
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
-                view = _layer_view(module, layer, d)
+                view = _layer_view(module, self.cell, layer, d)
                 sub_ex = None
                 if ex is not None:
                     p = view.weight_hh_l0
@@ -193,9 +194,7 @@ class StackedRecurrentPlan(RecurrentFront):
         n = self.num_layers * self.num_directions
         if hx is None:
             return [None] * n
-        hs = hx if self.kind == "lstm" else (hx,)
-        if self.kind == "lstm" and not (isinstance(hx, (tuple, list)) and len(hx) == 2):
-            raise TypeError("hx: expected a tuple (h_0, c_0) for nn.LSTM")
+        hs = self.cell.state_tensors(hx)
         for name, h in zip(("h_0", "c_0"), hs):
             want_dim = 2 if unbatched else 3
             if not isinstance(h, torch.Tensor) or h.dim() != want_dim or h.shape[0] != n:
@@ -204,8 +203,7 @@ class StackedRecurrentPlan(RecurrentFront):
                                  f"(num_layers * num_directions first), got {got}")
         if unbatched:
             hs = tuple(h.unsqueeze(1) for h in hs)
-        per = [tuple(h[i:i + 1] for h in hs) for i in range(n)]
-        return per if self.kind == "lstm" else [p[0] for p in per]
+        return [self.cell.join_hx(*(h[i:i + 1] for h in hs)) for i in range(n)]
 
     def forward(self, x: torch.Tensor, hx=None):
         """Run the forward (no autograd) and save what the backward needs.
@@ -225,7 +223,7 @@ class StackedRecurrentPlan(RecurrentFront):
         _check_module(m)
         L, D = self.num_layers, self.num_directions
         unbatched = x.dim() == 2
-        inp = x.unsqueeze(1) if unbatched else (x.transpose(0, 1) if m.batch_first else x)
+        inp = time_major(x, m.batch_first, unbatched)
         T, B = inp.shape[:2]
         hx_per = self._split_hx(hx, unbatched)
         p_drop = float(m.dropout) if (m.training and L > 1) else 0.0
@@ -242,7 +240,7 @@ class StackedRecurrentPlan(RecurrentFront):
                 (out, state), saved = self.layer_plans[i].run_forward(xi, hx_per[i], need_saved=need_saved)
                 subs.append(saved)
                 outs.append(out if d == 0 else out.flip(0))
-                h, c = state if self.kind == "lstm" else (state, None)
+                h, c = self.cell.split_hx(state)
                 h_n.append(h)
                 c_n.append(c)
             inp = outs[0] if D == 1 else torch.cat(outs, dim=-1)
@@ -256,14 +254,9 @@ class StackedRecurrentPlan(RecurrentFront):
                     mask.div_(1 - p_drop)
                 inp = inp * mask
             masks.append(mask)
-        out = inp.squeeze(1) if unbatched else (inp.transpose(0, 1) if m.batch_first else inp)
-        hn = torch.cat(h_n, dim=0)
-        hn = hn.squeeze(1) if unbatched else hn
-        if self.kind == "lstm":
-            cn = torch.cat(c_n, dim=0)
-            outputs = (out, (hn, cn.squeeze(1) if unbatched else cn))
-        else:
-            outputs = (out, hn)
+        out = module_layout(inp, m.batch_first, unbatched)
+        hn = _layers_state(h_n, unbatched)
+        outputs = (out, self.cell.join_hx(hn, None if c_n[0] is None else _layers_state(c_n, unbatched)))
         saved = _StackedSaved(subs, masks, T, B, unbatched, m.batch_first) if need_saved else None
         return outputs, saved
 
@@ -288,9 +281,7 @@ class StackedRecurrentPlan(RecurrentFront):
     def _backward(self, saved: _StackedSaved, grad_output, grad_h_n, grad_c_n, wanted=None, graphs=True):
         m = self.module
         L, D, H = self.num_layers, self.num_directions, self.hidden_size
-        go = grad_output
-        if go is not None:
-            go = go.unsqueeze(1) if saved.unbatched else (go.transpose(0, 1) if saved.batch_first else go)
+        go = None if grad_output is None else time_major(grad_output, saved.batch_first, saved.unbatched)
         if saved.unbatched:
             grad_h_n = None if grad_h_n is None else grad_h_n.unsqueeze(1)
             grad_c_n = None if grad_c_n is None else grad_c_n.unsqueeze(1)
@@ -322,19 +313,10 @@ class StackedRecurrentPlan(RecurrentFront):
                 # the output of layer - 1 fed layer `layer` through dropout: out * mask
                 mask = saved.masks[layer - 1]
                 go = g_in if mask is None else g_in * mask
-        x_grad = g_in  # None when the first layer was not asked for it
-        if x_grad is not None and saved.unbatched:
-            x_grad = x_grad.squeeze(1)
-        elif x_grad is not None and saved.batch_first:
-            x_grad = x_grad.transpose(0, 1)
-        res["input"] = x_grad
-        hh = torch.cat(h0, dim=0)
-        res["h_0"] = hh.squeeze(1) if saved.unbatched else hh
-        if self.kind == "lstm":
-            cc = torch.cat(c0, dim=0)
-            res["c_0"] = cc.squeeze(1) if saved.unbatched else cc
-        else:
-            res["c_0"] = None
+        # g_in: None when the first layer was not asked for it
+        res["input"] = None if g_in is None else module_layout(g_in, saved.batch_first, saved.unbatched)
+        res["h_0"] = _layers_state(h0, saved.unbatched)
+        res["c_0"] = None if c0[0] is None else _layers_state(c0, saved.unbatched)  # None but for the LSTM
         return res
 
     def bound_engines(self) -> list:
@@ -368,13 +350,7 @@ class StackedRecurrentPlan(RecurrentFront):
 
     def split_state(self, hx: Any) -> tuple[Any, Any]:
         """``(h_0, c_0)`` of a call's ``hx`` (Nones where not given)."""
-        if hx is None:
-            return None, None
-        if self.kind != "lstm":
-            return hx, None
-        if not (isinstance(hx, (tuple, list)) and len(hx) == 2):
-            raise TypeError("hx: expected a tuple (h_0, c_0) for nn.LSTM")
-        return hx[0], hx[1]
+        return (None, None) if hx is None else self.cell.split_hx(hx)
 
     def step_params(self) -> list[torch.Tensor]:
         """The module's parameters in :meth:`param_names` order (its own objects)."""

@@ -43,7 +43,7 @@ class RecurrentWrapper(BackwardChoice, nn.Module):
 
     def _backward_decision(self, key) -> Decision:
         m = self.module
-        return recurrent_decision(self.plan.kind, recurrent_shapes(m), key[0], key[1], m.weight_hh_l0.device,
+        return recurrent_decision(self.plan.cell.family, recurrent_shapes(m), key[0], key[1], m.weight_hh_l0.device,
                                   self.backward_mode, self.plan.describe())
 
     def forward(self, x: torch.Tensor, hx=None):
