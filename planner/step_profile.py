@@ -209,11 +209,13 @@ def _pair(v: Sequence[float]) -> tuple[float, float]:
     return a, b
 
 
+# gate blocks per cell family (the data files' keys); a cell's full name keys its family too
 _GATES = {"rnn": 1, "gru": 3, "lstm": 4}
+_FAMILY = {"rnn_tanh": "rnn", "rnn_relu": "rnn"}
 
 
 def _cell(cell: str) -> str:
-    return "rnn" if cell.startswith("rnn") else cell  # rnn_tanh, rnn_relu
+    return _FAMILY.get(cell, cell)
 
 
 def recurrent_features(cell: str, seq_len: int, batch: int, input_size: int, hidden: int) -> list[float]:
