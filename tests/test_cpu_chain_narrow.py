@@ -25,7 +25,7 @@ def narrow_calls(monkeypatch):
     real = cpu_chain._run_narrow
 
     def counted(*args, **kwargs):
-        calls.append(args[12].shape[0])  # the vectors' batch
+        calls.append(args[4].shape[0])  # the vectors' batch (_run_narrow(nt, st, drun, srcs, vectors, ...))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_chain, "_run_narrow", counted)

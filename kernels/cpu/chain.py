@@ -38,19 +38,24 @@ Modules: this one checks a run's arguments and calls the loop (:func:`run_chain`
 :mod:`.chain_narrow` the loop for a batch of at most :data:`NARROW_MAX_BATCH` samples that reads its
 shared values again and again (:data:`NARROW_MIN_REUSE`; one sample at a time, the lanes along the
 features; bitwise the same sums);
-:mod:`.chain_tables` makes the tables it reads (where each step's values lie, taps, feeds, the
-patterns' column blocks and diagonal bands).
+:mod:`.chain_tables` makes the tables they read (where each step's values lie, taps, feeds, the
+patterns' column blocks and diagonal bands) and the few records that carry them to the loops
+(:class:`~.chain_tables.ChainSteps`, made once per step tables and kept in the caller's memo, and the
+taps', feeds' and reducing tap's records).
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Optional, Sequence
 
 import numpy as np
 
 from spscan.kernels.cpu import chain_narrow as cpu_chain_narrow
-from spscan.kernels.cpu.chain_tables import (MAX_SOURCES, diagonal_bands, feed_tables, homogeneous, narrow_tables, resolve_steps,
-                               shared_column_blocks, tap_tables)
+from spscan.kernels.cpu.chain_tables import (MAX_SOURCES, ChainSteps, Reduction, diagonal_bands, feed_tables,
+                                             homogeneous, narrow_tables, no_reduction, resolve_steps,
+                                             shared_column_blocks, tap_tables)
 from spscan.kernels.cpu.chain_tiles import compiled
 from spscan.kernels.cpu.fpenv import flushing_subnormals
 from spscan.kernels.cpu.jit import available
@@ -145,17 +150,15 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
               csr_blocks, csr_bands)
     hit = None if memo is None else memo.get("tables")
     if hit is not None and int(vin0) == hit[0] and len(hit[1]) == len(tables) and all(
-            a is b for a, b in zip(hit[1], tables)):
-        estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest, drun = hit[2]
+            map(operator.is_, hit[1], tables)):
+        st, width, longest, drun = hit[2]
     else:
-        estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest = _checked_tables(
-            code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
-            csr_blocks, csr_bands)
+        st, width, longest = _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0),
+                                             csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands)
         drun = None  # the narrow loop's diagonal runs, worked out when it first runs these tables
         if memo is not None:
             memo.clear()
-            memo["tables"] = (int(vin0), tables, [estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands,
-                                                  width, longest, drun])
+            memo["tables"] = (int(vin0), tables, [st, width, longest, drun])
     for i, s in enumerate(sources):
         if s.dtype != vectors.dtype or s.ndim != 1 or not s.flags.c_contiguous:
             raise TypeError(f"sources[{i}]: expected a C-contiguous 1-D {vectors.dtype} array, got {s.dtype} "
@@ -165,39 +168,36 @@ def run_chain(code: np.ndarray, src: np.ndarray, offset: np.ndarray, bstride: np
     if vectors.shape[0] <= NARROW_MAX_BATCH and red is None:
         nt = None if memo is None else memo.get("narrow")
         if nt is None:
-            nt = narrow_tables(code, src, offset, rows, cols, csr_ptr, csr_indptr, csr_indices, NARROW_MIN_REUSE)
+            nt = narrow_tables(st.code, st.src, st.offset, st.rows, st.cols, st.csr_ptr, st.csr_indptr,
+                               st.csr_indices, NARROW_MIN_REUSE)
             if memo is not None:
                 memo["narrow"] = nt
         if nt.reads >= NARROW_MIN_REUSE * max(vectors.shape[0], 1) * nt.size:  # (blocks made where this holds)
             if drun is None:
-                drun = diagonal_runs(code, src, bstride, estride, rows)
+                drun = diagonal_runs(st.code, st.src, st.bstride, st.estride, st.rows)
                 if memo is not None:
-                    memo["tables"][2][8] = drun
-            _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors,
-                        csr_ptr, csr_indptr, csr_indices, width, taps, feeds, memo, drun)
+                    memo["tables"][2][3] = drun
+            _run_narrow(nt, st, drun, srcs, vectors, width, taps, feeds, memo)
             return
-    cur = np.zeros(width * LANES, dtype=vectors.dtype)
-    nxt = np.zeros(width * LANES, dtype=vectors.dtype)
-    tv = np.zeros(longest * LANES, dtype=vectors.dtype)
-    tap_buf, tap_at, tap_ld, tap_row0, tap_rows, tap_bufs = tap_tables(taps, steps, rows, int(cols[0]), vectors,
-                                                                       memo)
-    feed_args = feed_tables(feeds, steps, rows, vectors, memo)
+    dt = vectors.dtype
+    cur = np.zeros(width * LANES, dtype=dt)
+    nxt = np.zeros(width * LANES, dtype=dt)
+    tv = np.zeros(longest * LANES, dtype=dt)
+    tap_t, tap_bufs = tap_tables(taps, steps, st.rows, int(st.cols[0]), vectors, memo)
+    feed_t, feed_bufs = feed_tables(feeds, steps, st.rows, vectors, memo)
     if red is None:
-        dummy = np.zeros(LANES, dtype=vectors.dtype)
-        reduce_args = (0, np.zeros(0, dtype=np.int64), dummy, dummy, dummy, dummy, np.zeros((0, 0), vectors.dtype))
+        reduction = no_reduction(dt, LANES)
     else:
         nrows, operand, target = int(red[2]), red[4], red[3]
         C = operand.shape[0]
-        acc = np.zeros(nrows * C * LANES, dtype=vectors.dtype)
         # ring rows one vector longer than they hold: rows a power of two apart would all fall in a
         # few L1 sets (the 80 rows of 32 steps at float32: 2 of 64)
         rs = (REDUCE_STEPS + 1) * LANES
-        reduce_args = (nrows, np.arange(C, dtype=np.int64), operand.reshape(-1),
-                       np.empty(nrows * rs, dtype=vectors.dtype), np.empty(C * rs, dtype=vectors.dtype), acc, target)
+        reduction = Reduction(nrows, np.arange(C, dtype=np.int64), operand.reshape(-1),
+                              np.empty(nrows * rs, dtype=dt), np.empty(C * rs, dtype=dt),
+                              np.zeros(nrows * C * LANES, dtype=dt), target)
     with flushing_subnormals():  # a decaying gradient's subnormals cost ~100x each (cpu_fpenv)
-        compiled()(code, src, offset, bstride, estride, rows, cols, add, out, int(vin0), srcs, vectors, cur, nxt,
-                   csr_ptr, csr_indptr, csr_indices, tv, csr_blocks, csr_bands, tap_buf, tap_at, tap_ld, tap_row0,
-                   tap_rows, tap_bufs, *feed_args, *reduce_args)
+        compiled()(st, srcs, vectors, cur, nxt, tv, tap_t, tap_bufs, feed_t, feed_bufs, reduction)
 
 
 def diagonal_runs(code: np.ndarray, src: np.ndarray, bstride: np.ndarray, estride: np.ndarray,
@@ -217,31 +217,34 @@ def diagonal_runs(code: np.ndarray, src: np.ndarray, bstride: np.ndarray, estrid
     return np.where(plain, runs, 0).astype(np.int64)
 
 
-def _run_narrow(nt, code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors, csr_ptr,
-                csr_indptr, csr_indices, width, taps, feeds, memo, drun=None) -> None:
-    """:func:`run_chain` on a narrow batch: :mod:`.chain_narrow`'s loop over the row blocks ``nt``
-    (``drun``: :func:`diagonal_runs` of the tables, worked out here when not given)."""
-    if drun is None:
-        drun = diagonal_runs(code, src, bstride, estride, rows)
-    steps = int(code.shape[0])
-    tval = np.empty(max(nt.size, 1), dtype=vectors.dtype)
-    cur = np.zeros(width, dtype=vectors.dtype)
-    nxt = np.zeros(width, dtype=vectors.dtype)
-    tap_args = tap_tables(taps, steps, rows, int(cols[0]), vectors, memo)
-    feed_args = feed_tables(feeds, steps, rows, vectors, memo)
+def _run_narrow(nt, st: ChainSteps, drun: np.ndarray, srcs: tuple, vectors: np.ndarray, width: int, taps, feeds,
+                memo) -> None:
+    """:func:`run_chain` on a narrow batch: :mod:`.chain_narrow`'s loop over the row blocks ``nt`` of the step
+    tables ``st`` (``drun``: their :func:`diagonal_runs`; ``srcs``: the sources as one tuple)."""
+    steps = int(st.code.shape[0])
+    dt = vectors.dtype
+    tval = np.empty(max(nt.size, 1), dtype=dt)
+    cur = np.zeros(width, dtype=dt)
+    nxt = np.zeros(width, dtype=dt)
+    tap_t, tap_bufs = tap_tables(taps, steps, st.rows, int(st.cols[0]), vectors, memo)
+    feed_t, feed_bufs = feed_tables(feeds, steps, st.rows, vectors, memo)
     with flushing_subnormals():
-        cpu_chain_narrow.compiled()(code, src, offset, bstride, estride, rows, cols, add, out, vin0, srcs, vectors,
-                                    cur, nxt, csr_ptr, csr_indptr, csr_indices, nt.step_tv, nt.step_fill, nt.step_b0,
-                                    nt.step_b1, nt.blk_r0, nt.blk_rows, nt.blk_n, nt.blk_col, nt.blk_val,
-                                    nt.blk_cols, nt.col_step, tval, np.zeros(1, dtype=vectors.dtype), *tap_args,
-                                    *feed_args, drun)
+        cpu_chain_narrow.compiled()(st, nt, drun, srcs, vectors, cur, nxt, tval, _zero(dt), tap_t, tap_bufs, feed_t,
+                                    feed_bufs)
 
 
-def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
-                    csr_blocks, csr_bands):
-    """:func:`run_chain`'s step tables checked, and what the loop needs worked out from them: ``(estride,
-    csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest)`` (the defaults filled in;
-    ``width``: rows of the running vector; ``longest``: entries of the entry-major values scratch)."""
+@functools.lru_cache(maxsize=4)
+def _zero(dtype) -> np.ndarray:
+    """``(1,)``: a zero of ``dtype``, where the narrow loop's scalar sums start (only read), made once per dtype."""
+    return np.zeros(1, dtype=dtype)
+
+
+def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, vin0, csr_ptr, csr_indptr,
+                    csr_indices, csr_blocks, csr_bands) -> tuple[ChainSteps, int, int]:
+    """:func:`run_chain`'s step tables checked, and what the loops need worked out from them: ``(steps, width,
+    longest)``, ``steps`` the :class:`~.chain_tables.ChainSteps` the loops read (the defaults filled in: made
+    here, once per step tables), ``width`` the rows of the running vector, ``longest`` the entries of the
+    entry-major values scratch."""
     steps = int(code.shape[0])
     if estride is None:
         estride = np.ones(steps, dtype=np.int64)
@@ -295,4 +298,5 @@ def _checked_tables(code, src, offset, bstride, estride, rows, cols, add, out, c
     elif csr_bands.shape != csr_indptr.shape or csr_bands.dtype != np.int64:
         raise ValueError(f"csr_bands: expected {csr_indptr.shape} int64 (diagonal_bands), got "
                          f"{csr_bands.shape} {csr_bands.dtype}")
-    return estride, csr_ptr, csr_indptr, csr_indices, csr_blocks, csr_bands, width, longest
+    return (ChainSteps(code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices,
+                       csr_blocks, csr_bands, int(vin0)), width, longest)

@@ -46,31 +46,32 @@ get = vload = vstore = vzero = vmul = vmuladd = vmuladdv = vtranspose = None
 _VECTOR_OPS = ("get", "vload", "vstore", "vzero", "vmul", "vmuladd", "vmuladdv", "vtranspose")
 
 
-def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                   csr_ptr, csr_indptr, csr_indices, step_tv, step_fill, step_b0, step_b1, blk_r0, blk_rows, blk_n,
-                   blk_col, blk_val, blk_cols, col_step, tval, zero, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
-                   tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
-                   feed_bufs, drun):  # pragma: no cover - compiled
+def _narrow_kernel(st, blocks, drun, sources, vectors, cur, nxt, tval, zero, taps, tap_bufs, feeds,
+                   feed_bufs):  # pragma: no cover - compiled
+    # st: the run's step tables (chain_tables.ChainSteps), read below under their own names; blocks: their
+    # shared steps' row blocks (chain_tables.NarrowTables); taps, feeds: the per-step tap and feed tables
+    # (TapTables, FeedTables), their buffers tap_bufs, feed_bufs (tuples)
+    (code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices, _, _, vin0) = st
     # cur, nxt: (width,) the sample's running vector and the next one. Shared steps (codes 1, 3): blocks
-    # step_b0[j] .. step_b1[j] of the blk_* tables, block u: rows blk_r0[u] .. + blk_rows[u] (R) of
-    # blk_n[u] (n) entries each, slot q of row r0 + r at column blk_cols[blk_col[u] + q] + r * col_step[.]
-    # (0 or 1), its value at tval[step_tv[j] + blk_val[u] + q * R + r], copied there (from the row-major
-    # values at the step's offset + blk_val[u]) for the first step of those values (step_fill[j]).
+    # blocks.step_b0[j] .. blocks.step_b1[j], block u: rows blk_r0[u] .. + blk_rows[u] (R) of blk_n[u] (n)
+    # entries each (blocks.blk_r0, ...), slot q of row r0 + r at column blk_cols[blk_col[u] + q] + r *
+    # col_step[.] (0 or 1), its value at tval[step_tv[j] + blk_val[u] + q * R + r], copied there (from the
+    # row-major values at the step's offset + blk_val[u]) for the first step of those values (step_fill[j]).
     # zero: (1,) a zero of the dtype (scalar sums start there)
     # drun: (steps,) the diagonal run from each step (cpu_chain.diagonal_runs): where it is 2 or more, the
     # steps go through one tight loop until one has an affine term, a feed or a tap
     batch = vectors.shape[0]
     steps = code.shape[0]
     for j in range(steps):
-        if step_fill[j]:
+        if blocks.step_fill[j]:
             s = sources[src[j]]
             o = offset[j]
-            tv = step_tv[j]
-            for u in range(step_b0[j], step_b1[j]):
-                R = blk_rows[u]
-                n = blk_n[u]
-                bs = o + blk_val[u]  # row r, position q at bs + r * n + q; copied to bt + q * R + r
-                bt = tv + blk_val[u]
+            tv = blocks.step_tv[j]
+            for u in range(blocks.step_b0[j], blocks.step_b1[j]):
+                R = blocks.blk_rows[u]
+                n = blocks.blk_n[u]
+                bs = o + blocks.blk_val[u]  # row r, position q at bs + r * n + q; copied to bt + q * R + r
+                bt = tv + blocks.blk_val[u]
                 r = 0
                 while r + LANES <= R:  # LANES x LANES tiles through register transposes
                     q = 0
@@ -87,12 +88,12 @@ def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vi
     for b in range(batch):
         for kk in range(cols[0]):
             cur[kk] = vectors[b, vin0 + kk]
-        ta = tap_at[steps]
+        ta = taps.at[steps]
         if ta >= 0:  # the run's input y_{-1} is tapped too
-            r0 = tap_row0[steps]
-            ld = tap_ld[steps]
-            dst = tap_bufs[tap_buf[steps]]
-            for i in range(tap_rows[steps]):
+            r0 = taps.row0[steps]
+            ld = taps.ld[steps]
+            dst = tap_bufs[taps.buf[steps]]
+            for i in range(taps.rows[steps]):
                 dst[ta + b + i * ld] = cur[r0 + i]
         j = 0
         while j < steps:
@@ -101,7 +102,7 @@ def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vi
                 s = sources[src[j]]
                 e = j + drun[j]
                 jj = j
-                while jj < e and add[jj] < 0 and feed_at[jj] < 0 and tap_at[jj] < 0:
+                while jj < e and add[jj] < 0 and feeds.at[jj] < 0 and taps.at[jj] < 0:
                     vb = offset[jj] + b * bstride[jj]
                     for i in range(m):
                         cur[i] = get(s, vb + i) * cur[i]
@@ -132,20 +133,20 @@ def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vi
                     nxt[i] = get(s, vb + i * es) * cur[i]
                     i += 1
             elif cj == 1 or cj == 3:  # shared: blocks of rows with one column list, their values by column
-                tv = step_tv[j]
-                for u in range(step_b0[j], step_b1[j]):
-                    r0 = blk_r0[u]
-                    R = blk_rows[u]
-                    n = blk_n[u]
-                    ca = blk_col[u]
-                    va = tv + blk_val[u]
+                tv = blocks.step_tv[j]
+                for u in range(blocks.step_b0[j], blocks.step_b1[j]):
+                    r0 = blocks.blk_r0[u]
+                    R = blocks.blk_rows[u]
+                    n = blocks.blk_n[u]
+                    ca = blocks.blk_col[u]
+                    va = tv + blocks.blk_val[u]
                     r = 0
                     while r + 4 * LANES <= R:
                         a0 = a1 = a2 = a3 = vzero(cur)
                         for q in range(n):
-                            c = get(blk_cols, ca + q)
+                            c = get(blocks.blk_cols, ca + q)
                             vq = va + q * R + r
-                            if get(col_step, ca + q) == 0:  # one column for every row: one input
+                            if get(blocks.col_step, ca + q) == 0:  # one column for every row: one input
                                 x = get(cur, c)
                                 a0 = vmuladd(a0, x, vload(tval, vq))
                                 a1 = vmuladd(a1, x, vload(tval, vq + LANES))
@@ -164,8 +165,8 @@ def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vi
                     while r + LANES <= R:
                         a0 = vzero(cur)
                         for q in range(n):
-                            c = get(blk_cols, ca + q)
-                            if get(col_step, ca + q) == 0:
+                            c = get(blocks.blk_cols, ca + q)
+                            if get(blocks.col_step, ca + q) == 0:
                                 a0 = vmuladd(a0, get(cur, c), vload(tval, va + q * R + r))
                             else:
                                 a0 = vmuladdv(a0, vload(tval, va + q * R + r), vload(cur, c + r))
@@ -174,7 +175,7 @@ def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vi
                     while r < R:
                         acc = zero[0]
                         for q in range(n):
-                            c = get(blk_cols, ca + q) + r * get(col_step, ca + q)
+                            c = get(blocks.blk_cols, ca + q) + r * get(blocks.col_step, ca + q)
                             acc = acc + get(tval, va + q * R + r) * get(cur, c)
                         nxt[r0 + r] = acc
                         r += 1
@@ -222,20 +223,16 @@ def _narrow_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vi
             if a >= 0:
                 for i in range(m):
                     nxt[i] += vectors[b, a + i]
-            fa = feed_at[j]
+            fa = feeds.at[j]
             if fa >= 0:
-                fsrc = feed_bufs[feed_buf[j]]
-                r0 = feed_row0[j]
-                fbs = feed_bs[j]
-                fs = feed_fs[j]
-                for i in range(feed_rows[j]):
+                fsrc = feed_bufs[feeds.buf[j]]
+                r0, fbs, fs = feeds.row0[j], feeds.bs[j], feeds.fs[j]
+                for i in range(feeds.rows[j]):
                     nxt[r0 + i] += fsrc[fa + b * fbs + i * fs]
-            ta = tap_at[j]
+            ta = taps.at[j]
             if ta >= 0:
-                r0 = tap_row0[j]
-                ld = tap_ld[j]
-                dst = tap_bufs[tap_buf[j]]
-                for i in range(tap_rows[j]):
+                r0, ld, dst = taps.row0[j], taps.ld[j], tap_bufs[taps.buf[j]]
+                for i in range(taps.rows[j]):
                     dst[ta + b + i * ld] = nxt[r0 + i]
             oj = out[j]
             if oj >= 0:

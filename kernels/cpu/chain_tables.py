@@ -1,10 +1,18 @@
-"""The tables the compiled linear-run loop (:mod:`.chain_tiles`) reads besides the step descriptors:
-where each step's values lie (:func:`resolve_steps`), the taps' and feeds' per-step tables, the
-properties of the run's CSR patterns it exploits (:func:`shared_column_blocks`, :func:`diagonal_bands`),
-and the narrow-batch loop's (:mod:`.chain_narrow`) blocks of shared rows (:func:`narrow_tables`).
+"""The tables the compiled linear-run loops (:mod:`.chain_tiles`, :mod:`.chain_narrow`) read: where each
+step's values lie (:func:`resolve_steps`), the taps' and feeds' per-step tables, the properties of the
+run's CSR patterns they exploit (:func:`shared_column_blocks`, :func:`diagonal_bands`), and the
+narrow-batch loop's blocks of shared rows (:func:`narrow_tables`).
 
 All of it is index work, done when a run is planned or, with a memo, once per run and values
 layout: nothing here grows with the batch, and nothing is redone per call that a memo keeps.
+
+The loops take these tables as a few records (:class:`ChainSteps`, :class:`TapTables`,
+:class:`FeedTables`, :class:`NarrowTables`, :class:`Reduction`), not one argument per array: named tuples,
+which numba passes as tuples of their arrays (reading a field compiles to reading that array). A record
+of index tables is made once, where its tables are made, and passed again call after call; the values
+and the caller's buffers a call reads and writes travel beside them. numba works out a named tuple's type
+on every call from its class and field names (a few hundred instructions a field, a few thousand a
+record), so the loops take few records, not one per table.
 """
 
 from __future__ import annotations
@@ -16,13 +24,82 @@ import numpy as np
 
 from spscan.kernels.backend import GATE_BANDS
 
-__all__ = ["ENCODED_CODES", "MAX_SOURCES", "NarrowTables", "diagonal_bands", "feed_tables", "homogeneous",
-           "narrow_tables", "resolve_steps", "shared_column_blocks", "tap_tables"]
+__all__ = ["ENCODED_CODES", "MAX_SOURCES", "ChainSteps", "FeedTables", "NarrowTables", "Reduction", "TapTables",
+           "diagonal_bands", "feed_tables", "homogeneous", "narrow_tables", "no_reduction", "resolve_steps",
+           "shared_column_blocks", "tap_tables"]
 
 
-def feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray, memo: Optional[dict] = None):
-    """Per-step ``(feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows)`` and the tuple of buffers of
-    :func:`.chain.run_chain`'s ``feeds``, checked (every element a feed names lies within its buffer)."""
+class ChainSteps(NamedTuple):
+    """A run's step tables as the compiled loops read them: :func:`.chain.run_chain`'s, checked, the defaults
+    filled in and the patterns' properties worked out. Made once per step tables (``run_chain``'s memo keeps
+    it), not per call. All arrays ``(steps,)`` int64 but the CSR tables and their properties."""
+
+    code: np.ndarray  # 0 diagonal, 1/2 dense shared/per sample, 3/4 CSR shared/per sample, 5 gate bands
+    src: np.ndarray  # which of the sources holds the step's values
+    offset: np.ndarray  # where they start there
+    bstride: np.ndarray  # from one sample's values to the next (0: shared)
+    estride: np.ndarray  # from one entry of a per-sample step's values to the next
+    rows: np.ndarray
+    cols: np.ndarray
+    add: np.ndarray  # column of the step's affine term in the vectors (-1: none)
+    out: np.ndarray  # column of the step's output in the vectors (-1: not stored there)
+    csr_ptr: np.ndarray  # where a CSR step's row starts begin in csr_indptr
+    csr_indptr: np.ndarray  # the run's CSR tables (global positions in csr_indices)
+    csr_indices: np.ndarray
+    same: np.ndarray  # (len(csr_indptr),) bool: shared_column_blocks(csr_indptr, csr_indices)
+    bands: np.ndarray  # (len(csr_indptr),) int64: diagonal_bands(csr_indptr, csr_indices)
+    vin0: int  # column of the input y_{-1} in the vectors
+
+
+class TapTables(NamedTuple):
+    """:func:`tap_tables`: per step, ``steps + 1`` entries (the last for the input ``y_{-1}``), where the tapped
+    rows go. Made once per taps (the memo keeps it); the buffers they name travel beside it, per call."""
+
+    buf: np.ndarray  # index of the tap's buffer among the stored taps' (-1: the reducing tap)
+    at: np.ndarray  # where the step's column starts in its buffer (-1: not tapped)
+    ld: np.ndarray  # the buffer's row stride (the reducing tap: its operand's)
+    row0: np.ndarray  # the first tapped row of the step's vector
+    rows: np.ndarray  # how many
+
+
+class FeedTables(NamedTuple):
+    """:func:`feed_tables`: per step (``steps`` entries), where its affine terms lie in the caller's buffers.
+    Made once per feeds (the memo keeps it); the buffers travel beside it, per call."""
+
+    buf: np.ndarray  # index of the feed's buffer
+    at: np.ndarray  # the step's first term there (-1: not fed)
+    bs: np.ndarray  # from one sample's terms to the next
+    fs: np.ndarray  # from one row's term to the next
+    row0: np.ndarray  # the first fed row of the step's output
+    rows: np.ndarray  # how many
+
+
+class Reduction(NamedTuple):
+    """The reducing tap's operands for the tiled loop (:mod:`.chain_tiles`): made per call, as they are the
+    caller's operand and output and the call's scratch; :func:`no_reduction` where no tap reduces."""
+
+    rows: int  # rows of the tapped vectors reduced
+    cols: np.ndarray  # arange(C): the operand's columns
+    op: np.ndarray  # the operand, (C, taps, B) flat
+    ring: np.ndarray  # scratch: the tapped rows of a few dozen steps, a tile's lanes each
+    zt: np.ndarray  # scratch: a partial tile's operand columns, zero-padded
+    acc: np.ndarray  # scratch: lane-wise partial sums, (rows, C, LANES) flat
+    out: np.ndarray  # (rows, C): the lane sums, the caller's buffer
+
+
+@functools.lru_cache(maxsize=4)
+def no_reduction(dtype, lanes: int) -> Reduction:
+    """The :class:`Reduction` of a run without a reducing tap (the loop reads none of it), made once per dtype.
+    Its arrays have the types a reducing tap's have, so both runs share one compiled loop."""
+    dtype = np.dtype(dtype)
+    dummy = np.zeros(lanes, dtype=dtype)
+    return Reduction(0, np.zeros(0, dtype=np.int64), dummy, dummy, dummy, dummy, np.zeros((0, 0), dtype))
+
+
+def feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray,
+                memo: Optional[dict] = None) -> tuple[FeedTables, tuple]:
+    """The per-step :class:`FeedTables` and the tuple of buffers of :func:`.chain.run_chain`'s ``feeds``,
+    checked (every element a feed names lies within its buffer)."""
     if not feeds:
         return _no_feeds(steps, vectors.dtype)
     batch = vectors.shape[0]
@@ -36,13 +113,13 @@ def feed_tables(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray, memo: 
         bufs = [f[3] for f in feeds]
         if all(isinstance(b, np.ndarray) and b.dtype == vectors.dtype and b.ndim == 1 and r < b.size
                for b, r in zip(bufs, reach)):
-            return tables + (homogeneous(bufs),)
-    tables = _feed_tables_checked(feeds, steps, rows, vectors)
+            return tables, homogeneous(bufs)
+    tables, bufs = _feed_tables_checked(feeds, steps, rows, vectors)
     if memo is not None:
         reach = [int(np.max(f[4], initial=-1)) + (batch - 1) * int(f[5]) + (int(f[2]) - 1) * int(f[6])
                  for f in feeds]
-        _memo_put(memo, key, (tables[:6], reach, [f[0] for f in feeds]))  # the steps arrays kept: their ids too
-    return tables
+        _memo_put(memo, key, (tables, reach, [f[0] for f in feeds]))  # the steps arrays kept: their ids too
+    return tables, bufs
 
 
 def _feed_tables_checked(feeds, steps: int, rows: np.ndarray, vectors: np.ndarray):
@@ -78,25 +155,30 @@ def _feed_tables_checked(feeds, steps: int, rows: np.ndarray, vectors: np.ndarra
         feed_row0[idx] = row0
         feed_rows[idx] = nrows
         bufs.append(buf)
-    return feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows, homogeneous(bufs or [np.zeros(1, vectors.dtype)])
+    return FeedTables(feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows), homogeneous(bufs)
 
 
 @functools.lru_cache(maxsize=16)
-def _no_feeds(steps: int, dtype) -> tuple:
+def _no_feeds(steps: int, dtype) -> tuple[FeedTables, tuple]:
     """:func:`feed_tables` of a run without feeds (the loop only reads them), made once per length and dtype."""
     zeros = np.zeros(steps, dtype=np.int64)
-    tables = (zeros, np.full(steps, -1, dtype=np.int64), zeros, zeros, zeros, zeros,
-              homogeneous([np.zeros(1, dtype)]))
-    for a in tables[:6]:
+    tables = FeedTables(zeros, np.full(steps, -1, dtype=np.int64), zeros, zeros, zeros, zeros)
+    for a in tables:
         a.flags.writeable = False
-    return tables
+    return tables, _no_buffers(dtype)
 
 
-def tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray, memo: Optional[dict] = None):
-    """Per-step ``(tap_buf, tap_at, tap_ld, tap_row0, tap_rows)`` and the tuple of flat buffers of
-    :func:`.chain.run_chain`'s ``taps``, checked. With ``memo`` (``run_chain``'s), the per-step tables
-    of taps of the same step arrays (the same objects), rows and batch are kept; the buffers are checked
-    per call."""
+@functools.lru_cache(maxsize=4)
+def _no_buffers(dtype) -> tuple:
+    """The buffers of no taps or no feeds: one placeholder the loop never reads, made once per dtype."""
+    return homogeneous([np.zeros(1, dtype)])
+
+
+def tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarray,
+               memo: Optional[dict] = None) -> tuple[TapTables, tuple]:
+    """The per-step :class:`TapTables` and the tuple of flat buffers of :func:`.chain.run_chain`'s ``taps``,
+    checked. With ``memo`` (``run_chain``'s), the per-step tables of taps of the same step arrays (the same
+    objects), rows and batch are kept; the buffers are checked per call."""
     batch = vectors.shape[0]
     key = ("taps", batch) + tuple((id(t[0]), int(t[1]), int(t[2]), _operand_of(t) is not None) for t in taps)
     hit = None if memo is None else memo.get(key)
@@ -109,12 +191,12 @@ def tap_tables(taps, steps: int, rows: np.ndarray, cols0: int, vectors: np.ndarr
             if _operand_of(t) is None:
                 bufs.append(t[3].reshape(-1))
         else:
-            return tables + (homogeneous(bufs or [np.zeros(1, vectors.dtype)]),)
-    tables = _tap_tables_checked(taps, steps, rows, cols0, vectors)
+            return tables, (homogeneous(bufs) if bufs else _no_buffers(vectors.dtype))
+    tables, bufs = _tap_tables_checked(taps, steps, rows, cols0, vectors)
     if memo is not None:
         # the step arrays are kept with the tables, so their ids in the key stay theirs
-        _memo_put(memo, key, ([t[0] for t in taps], tables[:5]))
-    return tables
+        _memo_put(memo, key, ([t[0] for t in taps], tables))
+    return tables, bufs
 
 
 def _memo_put(memo: dict, key, value) -> None:
@@ -173,7 +255,8 @@ def _tap_tables_checked(taps, steps: int, rows: np.ndarray, cols0: int, vectors:
         tap_rows[idx] = nrows
         if operand is None:
             bufs.append(buf.reshape(-1))
-    return tap_buf, tap_at, tap_ld, tap_row0, tap_rows, homogeneous(bufs or [np.zeros(1, vectors.dtype)])
+    return (TapTables(tap_buf, tap_at, tap_ld, tap_row0, tap_rows),
+            homogeneous(bufs) if bufs else _no_buffers(vectors.dtype))
 
 
 def _operand_of(tap) -> Optional[np.ndarray]:

@@ -64,24 +64,26 @@ def _store4(a, i, a0, a1, a2, a3):  # pragma: no cover - compiled
     vstore(a, (i + 3) * LANES, a3)
 
 
-def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin0, sources, vectors, cur, nxt,
-                  csr_ptr, csr_indptr, csr_indices, tv, same, bands, tap_buf, tap_at, tap_ld, tap_row0, tap_rows,
-                  tap_bufs, feed_buf, feed_at, feed_bs, feed_fs, feed_row0, feed_rows,
-                  feed_bufs, red_rows, red_cols, red_op, red_ring, red_zt, red_acc,
-                  red_out):  # pragma: no cover - compiled
+def _chain_kernel(st, sources, vectors, cur, nxt, tv, taps, tap_bufs, feeds, feed_bufs,
+                  red):  # pragma: no cover - compiled
+    # st: the run's step tables (chain_tables.ChainSteps), read below under their own names; taps, feeds: the
+    # per-step tap and feed tables (TapTables, FeedTables), their buffers tap_bufs, feed_bufs (tuples); red:
+    # the reducing tap's operands (Reduction; chain_tables.no_reduction where no tap reduces)
+    (code, src, offset, bstride, estride, rows, cols, add, out, csr_ptr, csr_indptr, csr_indices, same, bands,
+     vin0) = st
     # same: shared_column_blocks(csr_indptr, csr_indices); bands: diagonal_bands(csr_indptr, csr_indices)
-    # out[j] < 0: y_j is not stored in vectors; tap_at[j] >= 0: row tap_row0[j] + r of y_j (r <
-    # tap_rows[j]) goes to tap_bufs[tap_buf[j]][r * tap_ld[j] + tap_at[j]:][:batch], samples contiguous;
-    # the tap tables have steps + 1 entries, the last one for the input y_{-1}; feed_at[j] >= 0: row
-    # feed_row0[j] + r of y_j (r < feed_rows[j]) gets feed_bufs[feed_buf[j]][feed_at[j] + b * feed_bs[j]
-    # + r * feed_fs[j]] added for sample b (an affine term read where the caller holds it)
-    # tap_buf[j] < 0: the reducing tap (at most one; never the input): rows tap_row0[j] .. + red_rows
-    # of y_j go to the ring red_ring (red_rows rows of rw positions, rs = rw + LANES apart, rs =
-    # red_zt.shape[0] // len(red_cols)), to be multiplied with the operand's columns red_op[c *
-    # tap_ld[j] + tap_at[j] + b] (c < len(red_cols)) of the same samples (copied to red_zt, rows
+    # out[j] < 0: y_j is not stored in vectors; taps.at[j] >= 0: row taps.row0[j] + r of y_j (r <
+    # taps.rows[j]) goes to tap_bufs[taps.buf[j]][r * taps.ld[j] + taps.at[j]:][:batch], samples
+    # contiguous; the tap tables have steps + 1 entries, the last one for the input y_{-1}; feeds.at[j] >=
+    # 0: row feeds.row0[j] + r of y_j (r < feeds.rows[j]) gets feed_bufs[feeds.buf[j]][feeds.at[j] + b *
+    # feeds.bs[j] + r * feeds.fs[j]] added for sample b (an affine term read where the caller holds it)
+    # taps.buf[j] < 0: the reducing tap (at most one; never the input): rows taps.row0[j] .. + red.rows
+    # of y_j go to the ring red.ring (red.rows rows of rw positions, rs = rw + LANES apart, rs =
+    # red.zt.shape[0] // len(red.cols)), to be multiplied with the operand's columns red.op[c *
+    # taps.ld[j] + taps.at[j] + b] (c < len(red.cols)) of the same samples (copied to red.zt, rows
     # likewise, in a partial tile); a full ring (and the last, at each tile's end) is
-    # multiplied out into red_acc by cpu_nt's block_sums: the tapped rows are never stored. Lanes
-    # past the batch are zeros there. At the end red_out (red_rows x len(red_cols)) gets red_acc's
+    # multiplied out into red.acc by cpu_nt's block_sums: the tapped rows are never stored. Lanes
+    # past the batch are zeros there. At the end red.out (red.rows x len(red.cols)) gets red.acc's
     # lane sums.
     # cur, nxt: (width * LANES,) feature-major tiles (row i of y at i * LANES); tv: per-sample values
     # copied entry-major (a step's or a row's). In a partial tile the lanes past the batch are never
@@ -92,8 +94,8 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
     batch, sv = vectors.shape
     vflat = vectors.reshape(batch * sv)
     line = 64 // vectors.itemsize  # elements per cache line
-    nred = red_cols.shape[0]
-    rs = red_zt.shape[0] // nred if nred > 0 else 0
+    nred = red.cols.shape[0]
+    rs = red.zt.shape[0] // nred if nred > 0 else 0
     rw = rs - LANES
     zc = zd = zld = 0  # the reducing tap's run of operand columns in a full tile (start, spacing, row stride)
     for b0 in range(0, batch, LANES):
@@ -108,12 +110,12 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
         for kk in range(k0, cols[0]):
             for bb in range(LANES):
                 cur[kk * LANES + bb] = vectors[b0 + bb, vin0 + kk] if bb < nb else 0
-        ta = tap_at[code.shape[0]]
+        ta = taps.at[code.shape[0]]
         if ta >= 0:  # the run's input y_{-1} is tapped too (entry `steps` of the tap tables)
-            r0 = tap_row0[code.shape[0]]
-            ld = tap_ld[code.shape[0]]
-            dst = tap_bufs[tap_buf[code.shape[0]]]
-            for i in range(tap_rows[code.shape[0]]):
+            r0 = taps.row0[code.shape[0]]
+            ld = taps.ld[code.shape[0]]
+            dst = tap_bufs[taps.buf[code.shape[0]]]
+            for i in range(taps.rows[code.shape[0]]):
                 for bb in range(nb):
                     dst[ta + b0 + i * ld + bb] = cur[(r0 + i) * LANES + bb]
         for j in range(code.shape[0]):
@@ -319,13 +321,13 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                 for i in range(i0, m):
                     for bb in range(nb):
                         nxt[i * LANES + bb] += vectors[b0 + bb, a + i]
-            fa = feed_at[j]
+            fa = feeds.at[j]
             if fa >= 0:
-                fsrc = feed_bufs[feed_buf[j]]
-                r0 = feed_row0[j]
-                d = feed_rows[j]
-                fbs = feed_bs[j]
-                fs = feed_fs[j]
+                fsrc = feed_bufs[feeds.buf[j]]
+                r0 = feeds.row0[j]
+                d = feeds.rows[j]
+                fbs = feeds.bs[j]
+                fs = feeds.fs[j]
                 fb = fa + b0 * fbs
                 if full and fbs == 1:  # feature-major terms: a row of the tile is one vector load
                     for i in range(d):
@@ -340,11 +342,11 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         for bb in range(nb):
                             nxt[(r0 + i) * LANES + bb] += fsrc[fb + bb * fbs + i * fs]
             jn = j + PREFETCH_STEPS
-            if jn < code.shape[0] and tap_at[jn] >= 0 and tap_buf[jn] < 0:
+            if jn < code.shape[0] and taps.at[jn] >= 0 and taps.buf[jn] < 0:
                 # the reducing tap's operand columns of a later step: a line in each of its rows, far
                 # apart (the hardware prefetchers do not fetch them early)
                 for c in range(nred):
-                    prefetch_read(red_op, c * tap_ld[jn] + tap_at[jn] + b0)
+                    prefetch_read(red.op, c * taps.ld[jn] + taps.at[jn] + b0)
             if jn < code.shape[0]:
                 # a later step's outputs (LANES rows of the sample-major buffer, far apart) and its
                 # per-sample values: lines the hardware prefetchers do not fetch ahead
@@ -379,53 +381,53 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                                 for q in range(0, nn * esn, line):
                                     prefetch_read(sn, vb + q)
                                 prefetch_read(sn, vb + (nn - 1) * esn)
-            ta = tap_at[j]
-            if ta >= 0 and tap_buf[j] < 0:
+            ta = taps.at[j]
+            if ta >= 0 and taps.buf[j] < 0:
                 # the reducing tap: the rows into the ring; a full tile reads the operand where it lies, a
                 # run of evenly spaced columns at a time (zc, then zd apart; a break multiplies out first),
-                # a partial one copies its samples' columns, zero-padded, into red_zt
-                r0 = tap_row0[j]
+                # a partial one copies its samples' columns, zero-padded, into red.zt
+                r0 = taps.row0[j]
                 tb = ta + b0
                 if full and nr > 1 and tb != zc + nr * zd:
-                    block_sums(red_ring, rs, 0, red_op, zld, zc, zd, red_cols, nr * LANES, red_acc, red_rows, nred)
+                    block_sums(red.ring, rs, 0, red.op, zld, zc, zd, red.cols, nr * LANES, red.acc, red.rows, nred)
                     nr = 0
                 if nr == 0:
                     zc = tb
-                    zld = tap_ld[j]
+                    zld = taps.ld[j]
                 elif nr == 1:
                     zd = tb - zc
                 rb = nr * LANES
-                for i in range(red_rows):
+                for i in range(red.rows):
                     if full:
-                        vstore(red_ring, i * rs + rb, vload(nxt, (r0 + i) * LANES))
+                        vstore(red.ring, i * rs + rb, vload(nxt, (r0 + i) * LANES))
                     else:
-                        vstore(red_ring, i * rs + rb, vzero(red_ring))
+                        vstore(red.ring, i * rs + rb, vzero(red.ring))
                         for bb in range(nb):
-                            red_ring[i * rs + rb + bb] = nxt[(r0 + i) * LANES + bb]
+                            red.ring[i * rs + rb + bb] = nxt[(r0 + i) * LANES + bb]
                 if not full:
                     for c in range(nred):
-                        vstore(red_zt, c * rs + rb, vzero(red_zt))
+                        vstore(red.zt, c * rs + rb, vzero(red.zt))
                         for bb in range(nb):
-                            red_zt[c * rs + rb + bb] = red_op[c * zld + tb + bb]
+                            red.zt[c * rs + rb + bb] = red.op[c * zld + tb + bb]
                 nr += 1
                 if nr * LANES == rw:
                     if full:
-                        block_sums(red_ring, rs, 0, red_op, zld, zc, zd, red_cols, rw, red_acc, red_rows, nred)
+                        block_sums(red.ring, rs, 0, red.op, zld, zc, zd, red.cols, rw, red.acc, red.rows, nred)
                     else:
-                        block_sums(red_ring, rs, 0, red_zt, rs, 0, LANES, red_cols, rw, red_acc, red_rows, nred)
+                        block_sums(red.ring, rs, 0, red.zt, rs, 0, LANES, red.cols, rw, red.acc, red.rows, nred)
                     nr = 0
             elif ta >= 0:
                 # the tapped rows feature-major, as the tile holds them: one vector store per row (no
                 # transposes; each store fills a whole cache line when the batch is a multiple of LANES)
-                r0 = tap_row0[j]
-                ld = tap_ld[j]
-                dst = tap_bufs[tap_buf[j]]
+                r0 = taps.row0[j]
+                ld = taps.ld[j]
+                dst = tap_bufs[taps.buf[j]]
                 tb = ta + b0
                 if full:
-                    for i in range(tap_rows[j]):
+                    for i in range(taps.rows[j]):
                         vstore(dst, tb + i * ld, vload(nxt, (r0 + i) * LANES))
                 else:
-                    for i in range(tap_rows[j]):
+                    for i in range(taps.rows[j]):
                         for bb in range(nb):
                             dst[tb + i * ld + bb] = nxt[(r0 + i) * LANES + bb]
             oj = out[j]
@@ -440,12 +442,12 @@ def _chain_kernel(code, src, offset, bstride, estride, rows, cols, add, out, vin
                         vectors[b0 + bb, oj + i] = nxt[i * LANES + bb]
             cur, nxt = nxt, cur
         if nr > 0 and full:  # the ring's last steps of this tile
-            block_sums(red_ring, rs, 0, red_op, zld, zc, zd, red_cols, nr * LANES, red_acc, red_rows, nred)
+            block_sums(red.ring, rs, 0, red.op, zld, zc, zd, red.cols, nr * LANES, red.acc, red.rows, nred)
         elif nr > 0:
-            block_sums(red_ring, rs, 0, red_zt, rs, 0, LANES, red_cols, nr * LANES, red_acc, red_rows, nred)
-    for g in range(red_rows):
+            block_sums(red.ring, rs, 0, red.zt, rs, 0, LANES, red.cols, nr * LANES, red.acc, red.rows, nred)
+    for g in range(red.rows):
         for c in range(nred):
-            red_out[g, c] = lane_sum(red_acc, (g * nred + c) * LANES)
+            red.out[g, c] = lane_sum(red.acc, (g * nred + c) * LANES)
 
 
 
