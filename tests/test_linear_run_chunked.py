@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from torch import nn
 
 import spscan
 from spscan.kernels.triton import launch
@@ -247,13 +248,16 @@ def _check_engine(plan, pats, shared, dtype, batches, every: int, kernels: set) 
 def test_auto_layout_is_factored_everywhere():
     """The factored chain is a structured recurrence on a GPU (the fused kernels), so "auto" never
     materializes per-sample ``H x H`` blocks."""
-    from spscan.recurrent.cells import resolve_layout
+    from spscan.recurrent.cells import cell_for, recurrent_patterns, resolve_layout
 
-    for kind in ("rnn_tanh", "gru", "lstm"):
-        for device in ("cuda", "cpu"):
-            for hidden in (1, 20, 32, 64, 300):
-                assert resolve_layout(kind, "auto", device, hidden) == "factored"
-    assert resolve_layout("gru", "materialized", "cuda", 20) == "materialized"
+    assert resolve_layout("auto") == "factored"
+    assert resolve_layout("materialized") == "materialized"
+    assert resolve_layout("factored") == "factored"
+    with pytest.raises(ValueError, match="layout"):
+        resolve_layout("dense")
+    for module in (nn.RNN(2, 3), nn.GRU(2, 300), nn.LSTM(2, 1)):  # every cell and size: the factored chain
+        H = module.hidden_size
+        assert len(recurrent_patterns(module, 4)) == 4 * len(cell_for(module).factored_layout(H))
 
 
 def test_max_memory_counts_the_chunked_runs_working_memory():

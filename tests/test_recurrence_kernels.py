@@ -119,7 +119,7 @@ def test_cost_model_sees_the_recurrence():
 
 
 def test_periodic_binding_holds_shared_values_once():
-    from spscan.recurrent.cells import factored_step_values, recurrent_patterns
+    from spscan.recurrent.cells import CELLS, recurrent_patterns
 
     T, H, B = 12, 5, 3
     pats = recurrent_patterns(nn.RNN(2, H), T, "factored")
@@ -129,7 +129,7 @@ def test_periodic_binding_holds_shared_values_once():
     assert periodic.program.size_s == plain.program.size_s - (T - 1) * H * H
     w = torch.randn(H, H, dtype=torch.float64)
     d = torch.rand(T, B, H, dtype=torch.float64)
-    values = PeriodicValues(factored_step_values("rnn_tanh", {"d": d}, w, H), T)
+    values = PeriodicValues(CELLS["rnn_tanh"].factored_values({"d": d}, w, H), T)
     g = torch.randn(B, H, dtype=torch.float64)
     a = periodic.run(values, g)
     b = plain.run(values, g)
@@ -235,15 +235,15 @@ def test_periodic_chain_through_the_engine_matches_the_reference(cell, dtype):
     periodic binding (the fused kernels), against ``spscan.reference`` in float64, with additive terms
     on every step for two batch sizes on one binding; with terms on every other step the run is not one
     recurrence and takes the general kernels, as correct."""
-    from spscan.recurrent.cells import cell_kind, factored_layout, recurrent_patterns, shared_flags
+    from spscan.recurrent.cells import cell_for, recurrent_patterns
     from spscan.reference import reference_backward
 
     T, H = 17, 5
     mod = cell(1, H)
-    kind = cell_kind(mod)
+    kind = cell_for(mod)
     pats = recurrent_patterns(mod, T, "factored")
-    per = len(factored_layout(kind, H))
-    shared = shared_flags(kind, H)
+    per = len(kind.factored_layout(H))
+    shared = kind.shared_flags(H)
     plan = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=dtype)
     dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
     every = [i % per == 0 and 0 < i < per * T for i in range(per * T + 1)]  # a loss on every step

@@ -112,7 +112,7 @@ def _recurrence_specs() -> list:
     cell and H as an annotation (``_tag``; ``hot``: the RNN at H = 20)."""
     from torch import nn
 
-    from spscan.recurrent.cells import factored_layout, recurrent_patterns, shared_flags
+    from spscan.recurrent.cells import CELLS, recurrent_patterns
     from spscan.runtime import PeriodicValues
 
     specs = []
@@ -120,9 +120,9 @@ def _recurrence_specs() -> list:
     for cell, kind, hidden, losses in ((nn.RNN, "rnn_tanh", 20, (False, True)), (nn.RNN, "rnn_tanh", 64, (True,)),
                                        (nn.GRU, "gru", 20, (True,)), (nn.LSTM, "lstm", 20, (True,))):
         pats = recurrent_patterns(cell(1, hidden), T, "factored")
-        per = len(factored_layout(kind, hidden))
+        per = len(CELLS[kind].factored_layout(hidden))
         plan = spscan.plan(pats, levels=0, backend="triton")
-        shared = shared_flags(kind, hidden)
+        shared = CELLS[kind].shared_flags(hidden)
         for every in losses:
             has_extra = [every and i % per == 0 and 0 < i < per * T for i in range(per * T + 1)]
             bound = plan.bind(shared * T, has_extra, DEVICE, period=per)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import spscan
-from spscan.recurrent.cells import cell_kind, cell_step, factored_layout, factored_step_values, recurrent_patterns, shared_flags
+from spscan.recurrent.cells import cell_for, recurrent_patterns
 from spscan.runtime import PeriodicValues
 from spscan.kernels.triton import launch
 from spscan.kernels.triton.recurrence import recurrence_scratch, run_recurrence
@@ -113,16 +113,16 @@ def _module(kind: str) -> nn.Module:
 
 def _values(kind: str, mod: nn.Module, T: int) -> PeriodicValues:
     """One step's factored values from the cells' formulas at random states (the backward's inputs)."""
-    ck = cell_kind(mod)
+    ck = cell_for(mod)
     params = [p.detach() for p in (mod.weight_ih_l0, mod.weight_hh_l0, mod.bias_ih_l0, mod.bias_hh_l0)]
     g = torch.Generator(device=DEV.type).manual_seed(1)
     x = torch.randn(T, B, 1, device=DEV, generator=g)
     gi = torch.addmm(params[2], x.view(T * B, 1), params[0].t()).view(T, B, -1)
-    D = 2 * H if ck == "lstm" else H
+    D = ck.state_size(H)
     s_prev = torch.randn(T, B, D, device=DEV, generator=g)
     s_prev[..., :H] = torch.tanh(s_prev[..., :H])
-    _, coefs = cell_step(ck, gi, s_prev, params, H)
-    return PeriodicValues(factored_step_values(ck, coefs, params[1], H), T)
+    _, coefs = ck.step(gi, s_prev, params, H)
+    return PeriodicValues(ck.factored_values(coefs, params[1], H), T)
 
 
 class Case:
@@ -131,13 +131,13 @@ class Case:
     def __init__(self, name: str, kind: str, T: int) -> None:
         self.name, self.kind, self.T = name, kind, T
         self.module = _module(kind)
-        ck = cell_kind(self.module)
-        per = len(factored_layout(ck, H))
+        ck = cell_for(self.module)
+        per = len(ck.factored_layout(H))
         pats = recurrent_patterns(self.module, T, "factored")
         self.plan = spscan.plan(pats, levels=0, backend="triton", device=DEV, dtype=torch.float32)
-        bound = self.plan.bind(shared_flags(ck, H) * T, None, DEV, period=per)
+        bound = self.plan.bind(ck.shared_flags(H) * T, None, DEV, period=per)
         values = _values(kind, self.module, T)
-        D = 2 * H if ck == "lstm" else H
+        D = ck.state_size(H)
         top = torch.randn(B, D, device=DEV)
         bound.run(values, top, check=False, scratch=True)  # loads the arenas
         items = [i for st in bound.tables.steps for i in st if hasattr(i, "rec")]
@@ -161,7 +161,7 @@ class Case:
         self.ref = V64[:, self.outputs]
         self.ref_scale = float(self.ref.abs().max())
         # the floor: per-sample values read once, every output written once (float32); the chunk maps' work
-        per_sample_values = sum(int(op_n) for op_n, sh in zip(self._period_nnz(), shared_flags(ck, H)) if not sh)
+        per_sample_values = sum(int(op_n) for op_n, sh in zip(self._period_nnz(), ck.shared_flags(H)) if not sh)
         outputs_per_step = sum(p.shape[0] for p in self.plan.patterns[:per])
         self.bytes = 4 * B * T * (per_sample_values + outputs_per_step)
         vec, compose = self.rec.flops_per_step()
@@ -169,7 +169,7 @@ class Case:
         self.vec_macs = B * T * vec
 
     def _period_nnz(self):
-        return [p.nnz for p in self.plan.patterns[: len(factored_layout(cell_kind(self.module), H))]]
+        return [p.nnz for p in self.plan.patterns[: len(cell_for(self.module).factored_layout(H))]]
 
     def scratch(self, cfg) -> torch.Tensor:
         return torch.empty(B, recurrence_scratch(self.rec, cfg), device=DEV)

@@ -34,10 +34,9 @@ from spscan.recurrent.elements import (SHARED_ELEMENTS, element_pattern, gru_wei
 from spscan.runtime import PeriodicValues
 
 __all__ = [
-    "CELLS", "Cell", "MODULE_TYPES", "SCAN_DTYPES", "cell_for", "cell_kind", "cell_named", "cell_step",
-    "check_cell_form", "factored_layout", "factored_step_values", "gates", "gru_weight_values", "jacobian_values",
-    "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern", "lstm_weight_values", "module_layout", "module_params",
-    "recurrent_patterns", "resolve_layout", "sequence_dims", "shared_flags", "time_major",
+    "CELLS", "Cell", "MODULE_TYPES", "SCAN_DTYPES", "cell_for", "cell_named", "check_cell_form", "gates",
+    "gru_weight_values", "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern", "lstm_weight_values",
+    "module_layout", "module_params", "recurrent_patterns", "resolve_layout", "sequence_dims", "time_major",
 ]
 
 
@@ -180,6 +179,14 @@ class Cell:
     def materialized_values(self, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
         """The materialized chain's values, stacked ``(T, B, nnz)``."""
         raise NotImplementedError
+
+    def jacobian_values(self, layout: str, coefs: dict, w_hh: torch.Tensor, H: int):
+        """The chain's values in ``layout`` (:func:`resolve_layout`'s): the factored step's as one
+        :class:`~spscan.runtime.PeriodicValues` (read as the list of ``m*T`` tensors; the engine locates
+        them per element, not per step), or the materialized chain's one stacked ``(T, B, nnz)`` tensor."""
+        if layout == "factored":
+            return PeriodicValues(self.factored_values(coefs, w_hh, H), next(iter(coefs.values())).shape[0])
+        return self.materialized_values(coefs, w_hh, H)
 
     def quasi_values(self, coefs: dict, w_hh: torch.Tensor, H: int) -> torch.Tensor:
         """Values ``(T, B, nnz)`` of the quasi-Newton ``J_t`` in :meth:`quasi_pattern`'s CSR order."""
@@ -489,10 +496,6 @@ def cell_named(name: str) -> Cell:
         raise ValueError(f"expected a cell kind of {sorted(CELLS)}, got {name!r}") from None
 
 
-def _as_cell(kind: Any) -> Cell:
-    return kind if isinstance(kind, Cell) else cell_named(kind)
-
-
 # --------------------------------------------------------------------------- reading a module
 
 
@@ -534,11 +537,6 @@ def cell_for(module: nn.Module) -> Cell:
     return check_cell_form(module)
 
 
-def cell_kind(module: nn.Module) -> str:
-    """``"rnn_tanh" | "rnn_relu" | "gru" | "lstm"``: the name of :func:`cell_for`'s cell."""
-    return cell_for(module).name
-
-
 def module_params(module: nn.Module) -> list[torch.Tensor]:
     """``[W_ih, W_hh]`` plus ``[b_ih, b_hh]`` when the module has biases: the module's own objects."""
     names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if module.bias else [])
@@ -571,18 +569,6 @@ def module_layout(t: torch.Tensor, batch_first: bool, unbatched: bool = False) -
 # --------------------------------------------------------------------------- patterns and values by kind
 
 
-def factored_layout(kind: Any, hidden: int) -> list[tuple[str, int, int]]:
-    """:meth:`Cell.factored_layout` of a cell or cell name. ``"shared"`` dense shared by the batch, ``"diag"``
-    per-sample diagonal, ``"blocksum"``, ``"gru_weight"``, ``"lstm_weight"`` (shared) and ``"lstm_gate"``
-    (per sample): :mod:`spscan.recurrent.elements`."""
-    return _as_cell(kind).factored_layout(hidden)
-
-
-def shared_flags(kind: Any, hidden: int) -> list[bool]:
-    """:meth:`Cell.shared_flags` of a cell or cell name."""
-    return _as_cell(kind).shared_flags(hidden)
-
-
 def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") -> list[sp.csr_array]:
     """The chain's transposed-Jacobian patterns for a sequence of ``seq_len`` steps, in layer order.
 
@@ -592,14 +578,14 @@ def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") ->
     """
     cell = cell_for(module)
     H = module.hidden_size
-    if resolve_layout(cell.name, layout, module.weight_hh_l0.device.type, H) == "factored":
+    if resolve_layout(layout) == "factored":
         return cell.factored_patterns(H) * seq_len
     return [cell.materialized_pattern(H)] * seq_len
 
 
-def resolve_layout(kind: Any, layout: str, device_type: str = "cpu", hidden: int = 0) -> str:
-    """``layout`` (``"auto"``, ``"factored"`` or ``"materialized"``) as the chain of a ``kind`` cell of
-    ``hidden`` units on a ``device_type`` device will be laid out (``"auto"`` resolved)."""
+def resolve_layout(layout: str) -> str:
+    """``layout`` (``"auto"``, ``"factored"`` or ``"materialized"``) as a cell's chain is laid out: ``"auto"``
+    is factored for every cell, size and device."""
     if layout not in ("auto", "factored", "materialized"):
         raise ValueError(f"layout: expected 'auto', 'factored' or 'materialized', got {layout!r}")
     if layout != "auto":
@@ -626,26 +612,6 @@ def gates(x: torch.Tensor, h_prev: torch.Tensor, params: Sequence[torch.Tensor])
     ``x`` (T, B, I), ``h_prev`` (T, B, H) → two ``(T, B, G*H)`` tensors.
     """
     return input_gates(x, params), _hidden_gates(h_prev, params, h_prev.shape[-1])
-
-
-def cell_step(kind: Any, gi: torch.Tensor, s_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int):
-    """:meth:`Cell.step` of a cell or cell name."""
-    return _as_cell(kind).step(gi, s_prev, params, H)
-
-
-def jacobian_values(kind: Any, layout: str, coefs: dict, w_hh: torch.Tensor, H: int):
-    """The chain's values: the factored step's as one :class:`~spscan.runtime.PeriodicValues` (read as the
-    list of ``m*T`` tensors), or one stacked ``(T, B, nnz)`` tensor."""
-    cell = _as_cell(kind)
-    if layout == "factored":
-        # the engine locates them per element, not per step
-        return PeriodicValues(cell.factored_values(coefs, w_hh, H), next(iter(coefs.values())).shape[0])
-    return cell.materialized_values(coefs, w_hh, H)
-
-
-def factored_step_values(kind: Any, coefs: dict, w_hh: torch.Tensor, H: int) -> list[torch.Tensor]:
-    """:meth:`Cell.factored_values` of a cell or cell name."""
-    return _as_cell(kind).factored_values(coefs, w_hh, H)
 
 
 def lstm_cells(x, h_prev, c0, params) -> torch.Tensor:

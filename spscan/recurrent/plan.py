@@ -74,7 +74,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.recurrent.cells import (cell_for, jacobian_values, module_layout, module_params, recurrent_patterns,
+from spscan.recurrent.cells import (cell_for, module_layout, module_params, recurrent_patterns,
                                     resolve_layout, sequence_dims, time_major)
 from spscan.runtime import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.runtime.graphed import GraphedStep
@@ -188,7 +188,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         self.cell = cell_for(module)
         self.kind = self.cell.name
         self.module = module
-        self.layout = resolve_layout(self.cell, layout, module.weight_hh_l0.device.type, module.hidden_size)
+        self.layout = resolve_layout(layout)
         if forward not in FORWARD_MODES:
             raise ValueError(f"forward: expected 'sequential', 'newton' or 'auto', got {forward!r}")
         self.forward_mode = forward
@@ -439,7 +439,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         if self.layout == "factored":
             values = PeriodicValues(step_values, T)
         else:
-            values = jacobian_values(cell, self.layout, coefs, params[1], H)
+            values = cell.jacobian_values(self.layout, coefs, params[1], H)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = Saved(x=xt, h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
@@ -459,7 +459,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         h0, c0 = cell.initial_state(hx, B, H, x)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0) if T > 0 else hs
         coefs = cell.coefficients(x, h_prev, c0, hs, params) if T > 0 else {}
-        values = jacobian_values(cell, self.layout, coefs, params[1], H) if (need_values and T > 0) else None
+        values = cell.jacobian_values(self.layout, coefs, params[1], H) if (need_values and T > 0) else None
         return Saved(
             x=x.detach(), h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
             params=params, dtype=hs.dtype, device=hs.device,
