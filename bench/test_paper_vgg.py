@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import spscan
+from spscan.cli.report import step_flops_scatter
 from spscan.planner.memory import estimate_memory, held_index_bytes
 from spscan.planner.planning import step_costs
 from spscan.planner.schedule import blelloch_schedule, max_levels
@@ -472,27 +473,13 @@ def write_report(rec: dict[str, Any], out: Path) -> Path:
     # figure: both conventions side by side at levels=2 for the first scope
     r = rec["scopes"][scope]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {("mv", True): ("tab:orange", "o", "mv (critical)"), ("mv", False): ("moccasin", "o", "mv"),
-              ("mm", True): ("tab:blue", "s", "mm (critical)"), ("mm", False): ("lightsteelblue", "s", "mm")}
     for ax, (name, steps, bp) in zip(axes, [
             ("paper convention (per-sample, zeros eliminated; BP = unpruned)", r["paper"]["2"]["steps"],
              r["bp_unpruned"]),
             ("spscan convention (plan once; BP = pruned SpMVs)", r["spscan"].get("2", {}).get("steps", []),
              r["bp_pruned"])]):
-        for (kind, crit), (color, marker, label) in styles.items():
-            pts = [s for s in steps if s["kind"] == kind and bool(s["critical"]) == crit]
-            if pts:
-                ax.scatter([p["dense_flops"] for p in pts], [max(p["flops"], 1) for p in pts], c=color, marker=marker,
-                           edgecolors="k", linewidths=0.4, label=label, s=36)
-        ax.scatter([b["dense_flops"] for b in bp], [b["flops"] for b in bp], facecolors="none", edgecolors="tab:green",
-                   s=90, linewidths=1.4, label="BP gradient operator")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("FLOP if the transposed Jacobians were dense")
-        ax.set_ylabel("FLOP per sample")
+        step_flops_scatter(ax, steps, bp, "FLOP per sample")
         ax.set_title(name, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle(f"Pruned VGG-11 ({scope} magnitude pruning, {100 * rec['prune_amount']:.0f}%), levels=2: Figure 10 "
                  "under both conventions")
     fig.tight_layout()

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from spscan.planner.choose import format_seconds
 
-__all__ = ["load_rows", "write_report", "FIGURES"]
+__all__ = ["FIGURES", "load_rows", "step_flops_scatter", "write_report"]
 
 #: figure file names, by experiment
 FIGURES = {
@@ -214,26 +214,35 @@ def _vgg(rows: list[dict], out: Path) -> str:
                          f"(levels explored: {i.get('planner_explored_levels')}).")
     plt = _plt()
     fig, axes = plt.subplots(1, len(e), figsize=(6 * len(e), 4.6), squeeze=False)
-    styles = {("mv", True): ("tab:orange", "o", "mv (critical)"), ("mv", False): ("moccasin", "o", "mv"),
-              ("mm", True): ("tab:blue", "s", "mm (critical)"), ("mm", False): ("lightsteelblue", "s", "mm")}
     for ax, i in zip(axes[0], e):
-        for (kind, crit), (color, marker, label) in styles.items():
-            pts = [s for s in i["steps"] if s["kind"] == kind and bool(s["critical"]) == crit]
-            if pts:
-                ax.scatter([p["dense_flops"] for p in pts], [p["flops"] for p in pts], c=color, marker=marker,
-                           edgecolors="k", linewidths=0.4, label=label, s=36)
-        bp = i["baseline_ops"]
-        ax.scatter([b["dense_flops"] for b in bp], [b["flops"] for b in bp], facecolors="none", edgecolors="tab:green",
-                   s=90, linewidths=1.4, label="BP gradient operator")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("FLOP if the transposed Jacobians were dense")
-        ax.set_ylabel("FLOP with CSR (per sample)")
+        step_flops_scatter(ax, i["steps"], i["baseline_ops"], "FLOP with CSR (per sample)")
         ax.set_title(f"{i['choice']}: levels={i['levels']}, channels/{i['channel_divisor']}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle(f"Pruned VGG-11 ({100 * e[0]['prune_amount']:.0f}% conv weights pruned): FLOP per scan step (Figure 10)")
     return table + "\n\n" + "\n".join(notes) + f"\n\n![VGG-11 FLOPs]({_save(fig, out, FIGURES['vgg_flops'])})"
+
+
+#: Figure 10's marks: a scan step by its kind (``mv``/``mm``) and whether it is on the critical path
+_STEP_STYLES = {("mv", True): ("tab:orange", "o", "mv (critical)"), ("mv", False): ("moccasin", "o", "mv"),
+                ("mm", True): ("tab:blue", "s", "mm (critical)"), ("mm", False): ("lightsteelblue", "s", "mm")}
+
+
+def step_flops_scatter(ax, steps: list[dict], baseline_ops: list[dict], ylabel: str) -> None:
+    """Figure 10 on ``ax``: each scan step's FLOP (``steps``: dicts with ``kind``, ``critical``, ``flops``,
+    ``dense_flops``) and each backpropagation operator's (``baseline_ops``) against the FLOP the product
+    would take with dense transposed Jacobians, log-log. A step of 0 FLOP is drawn at 1."""
+    for (kind, crit), (color, marker, label) in _STEP_STYLES.items():
+        pts = [s for s in steps if s["kind"] == kind and bool(s["critical"]) == crit]
+        if pts:
+            ax.scatter([p["dense_flops"] for p in pts], [max(p["flops"], 1) for p in pts], c=color, marker=marker,
+                       edgecolors="k", linewidths=0.4, label=label, s=36)
+    ax.scatter([b["dense_flops"] for b in baseline_ops], [b["flops"] for b in baseline_ops], facecolors="none",
+               edgecolors="tab:green", s=90, linewidths=1.4, label="BP gradient operator")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("FLOP if the transposed Jacobians were dense")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _table1(rows: list[dict], out: Path) -> str:
