@@ -77,6 +77,9 @@ def _child(rows: list[str], reps: int, shim: str) -> None:
     lib = ctypes.CDLL(shim)
     for row in rows:
         forward, mode = _forward(row)
+        # one thread for the counted steps: the rows' set-ups import bench/conftest.py, which sets the
+        # timed rows' thread count; a second thread's barrier spins would be counted as instructions
+        torch.set_num_threads(1)
         for _ in range(2):
             forward().backward()
         if mode == "backward":
