@@ -132,9 +132,10 @@ class Cell:
     # -- the chain's structure
 
     def factored_layout(self, hidden: int) -> list[tuple[str, int, int]]:
-        """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``
-        (:mod:`spscan.recurrent.elements`). The gradients after element 1 are always the gate
-        pre-activations' (first ``G*H`` entries)."""
+        """Elements of one time step of the factored chain, as ``(element kind, rows, cols)``: ``"shared"``
+        dense shared by the batch, ``"diag"`` per-sample diagonal, ``"blocksum"``, ``"gru_weight"``,
+        ``"lstm_weight"`` (shared) and ``"lstm_gate"`` (per sample): :mod:`spscan.recurrent.elements`. The
+        gradients after element 1 are always the gate pre-activations' (first ``G*H`` entries)."""
         raise NotImplementedError
 
     def factored_patterns(self, hidden: int) -> list[sp.csr_array]:
@@ -566,7 +567,7 @@ def module_layout(t: torch.Tensor, batch_first: bool, unbatched: bool = False) -
     return t.transpose(0, 1) if batch_first else t
 
 
-# --------------------------------------------------------------------------- patterns and values by kind
+# --------------------------------------------------------------------------- patterns and gates
 
 
 def recurrent_patterns(module: nn.Module, seq_len: int, layout: str = "auto") -> list[sp.csr_array]:
