@@ -129,7 +129,7 @@ def test_periodic_binding_holds_shared_values_once():
     assert periodic.program.size_s == plain.program.size_s - (T - 1) * H * H
     w = torch.randn(H, H, dtype=torch.float64)
     d = torch.rand(T, B, H, dtype=torch.float64)
-    values = PeriodicValues(CELLS["rnn_tanh"].factored_values({"d": d}, w, H), T)
+    values = CELLS["rnn_tanh"].jacobian_values("factored", {"d": d}, w, H)
     g = torch.randn(B, H, dtype=torch.float64)
     a = periodic.run(values, g)
     b = plain.run(values, g)
@@ -240,10 +240,10 @@ def test_periodic_chain_through_the_engine_matches_the_reference(cell, dtype):
 
     T, H = 17, 5
     mod = cell(1, H)
-    kind = cell_for(mod)
+    rec_cell = cell_for(mod)
     pats = recurrent_patterns(mod, T, "factored")
-    per = len(kind.factored_layout(H))
-    shared = kind.shared_flags(H)
+    per = len(rec_cell.factored_layout(H))
+    shared = rec_cell.shared_flags(H)
     plan = spscan.plan(pats, levels=0, backend="triton", device=DEVICE, dtype=dtype)
     dims = [p.shape[0] for p in pats] + [pats[-1].shape[1]]
     every = [i % per == 0 and 0 < i < per * T for i in range(per * T + 1)]  # a loss on every step

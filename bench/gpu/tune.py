@@ -122,7 +122,7 @@ def _values(kind: str, mod: nn.Module, T: int) -> PeriodicValues:
     s_prev = torch.randn(T, B, D, device=DEV, generator=g)
     s_prev[..., :H] = torch.tanh(s_prev[..., :H])
     _, coefs = ck.step(gi, s_prev, params, H)
-    return PeriodicValues(ck.factored_values(coefs, params[1], H), T)
+    return ck.jacobian_values("factored", coefs, params[1], H)
 
 
 class Case:

@@ -11,8 +11,8 @@ The loops take these tables as a few records (:class:`ChainSteps`, :class:`TapTa
 which numba passes as tuples of their arrays (reading a field compiles to reading that array). A record
 of index tables is made once, where its tables are made, and passed again call after call; the values
 and the caller's buffers a call reads and writes travel beside them. numba works out a named tuple's type
-on every call from its class and field names (a few hundred instructions a field, a few thousand a
-record), so the loops take few records, not one per table.
+on every call from its fields (about 6 k instructions a call for the tiled loop's four records, counted
+with callgrind: 0.1 % of an rnn-1000 step's run), so the loops take few records, not one per table.
 """
 
 from __future__ import annotations
