@@ -13,8 +13,9 @@ found by name through :mod:`spscan.kernels.registry`. This module imports neithe
 
 The compiled CPU loops (numba) that front ends call outside a program run are declared here too, in
 :data:`cpu_ops` (:class:`CpuOps`): the forwards of three recurrence forms, the long-reduction
-product of their weight gradients and the max-pooling forward. Each imports its module on first
-use, so importing spscan imports neither those modules nor numba.
+product of their weight gradients and the max-pooling forward; and the fused Triton passes of a
+Newton iteration on a recurrence, in :data:`fixed_point_ops` (:class:`FixedPointOps`). Each imports its
+module on first use, so importing spscan imports neither those modules nor numba nor triton.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Capabilities", "Tables", "Backend", "CpuOps", "Feed", "GATE_BANDS", "StructuredOperator", "Tap",
-           "ValueEncoding", "cpu_ops", "load_feeds", "run_apply"]
+__all__ = ["Capabilities", "Tables", "Backend", "CpuOps", "Feed", "FixedPointOps", "GATE_BANDS", "StructuredOperator",
+           "Tap", "ValueEncoding", "cpu_ops", "fixed_point_ops", "load_feeds", "run_apply"]
 
 
 @dataclass(frozen=True)
@@ -316,3 +317,43 @@ class CpuOps:
 
 
 cpu_ops = CpuOps()
+
+
+class FixedPointOps:
+    """The fused elementwise passes of a Newton iteration on a recurrence (Triton, on CUDA or in its
+    interpreter), declared in one place (:data:`fixed_point_ops`): each forwards its arguments to
+    :mod:`spscan.kernels.triton.fixed_point`, whose functions document them."""
+
+    @staticmethod
+    def maxima_buffer(dtype: torch.dtype, device) -> torch.Tensor:
+        """The zeroed maxima an evaluation and an update merge into (:func:`.triton.fixed_point.maxima_buffer`)."""
+        from spscan.kernels.triton import fixed_point
+
+        return fixed_point.maxima_buffer(dtype, device)
+
+    @staticmethod
+    def activation_eval(a, s, f, d, rv, rr, maxima, scale, relu: bool) -> None:
+        """``f = act(a)`` with its derivative, residual and maxima in one pass
+        (:func:`spscan.kernels.triton.fixed_point.activation_eval`)."""
+        from spscan.kernels.triton import fixed_point
+
+        fixed_point.activation_eval(a, s, f, d, rv, rr, maxima, scale, relu)
+
+    @staticmethod
+    def reset_gated_eval(gi, gh, p, f, c, dn, rv, rr, maxima, scale) -> None:
+        """A reset-gated step with its coefficients, residual and maxima in one pass
+        (:func:`spscan.kernels.triton.fixed_point.reset_gated_eval`)."""
+        from spscan.kernels.triton import fixed_point
+
+        fixed_point.reset_gated_eval(gi, gh, p, f, c, dn, rv, rr, maxima, scale)
+
+    @staticmethod
+    def update(d, s, maxima) -> None:
+        """The guess plus the scan's stacked update, last step first, and ``max|δ|``
+        (:func:`spscan.kernels.triton.fixed_point.update`)."""
+        from spscan.kernels.triton import fixed_point
+
+        fixed_point.update(d, s, maxima)
+
+
+fixed_point_ops = FixedPointOps()

@@ -35,6 +35,9 @@ KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear
            "run_compose_kernel", "run_carry_kernel", "run_expand_kernel",
            "diag_chunk_kernel", "diag_carry_kernel", "recurrence_chunk_kernel", "recurrence_carry_kernel"}
 RECURRENCE = {"recurrence_chunk_kernel", "recurrence_carry_kernel"}
+# the Newton forward's fused elementwise passes (spscan.kernels.triton.fixed_point): one pass each, no spills
+FIXED_POINT = {"activation_eval_kernel", "reset_gated_eval_kernel", "update_kernel"}
+KERNELS |= FIXED_POINT
 # the structured recurrence's kernels at the paper RNN's shape (H = 20), with the default float32 scheme or
 # in float64, are the hot path: no spills there; the GRU's and LSTM's float32 compose kernels hold more
 # blocks and spill a little (0.3-0.6 KB, measured on an H100 with it): their stack frame stays under a bound
@@ -146,6 +149,28 @@ def _recurrence_specs() -> list:
     return specs
 
 
+def _fixed_point_specs() -> list:
+    """Launches of the Newton forward's fused passes (float64 first: its maxima are int64 bits), the activation
+    pass for both activations, T = 1 as the constant the JIT makes of it, a strided update."""
+    from spscan.kernels.triton import fixed_point
+
+    with launch.recording(dry_run=True) as rec:
+        for dtype in (torch.float64, torch.float32):
+            for T, B, H in ((7, 3, 5), (1, 2, 4)):
+                z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=DEVICE)  # noqa: E731
+                maxima, scale = fixed_point.maxima_buffer(dtype, DEVICE), z(1)
+                for relu in (False, True):
+                    fixed_point.activation_eval(z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H),
+                                                maxima, scale, relu)
+                fixed_point.reset_gated_eval(z(T, B, 3 * H), z(T, B, 3 * H), z(T + 1, B, H), z(T, B, H), z(T, B, 4 * H),
+                                             z(T, B, H), z(T, B, 4 * H), z(T, B, H), maxima, scale)
+                fixed_point.update(z(B, 2 * T, H).transpose(0, 1)[::2], z(T, B, H), maxima)
+    # passes of 2**31 entries or more index in 64 bits (too large to allocate here: the constexpr alone)
+    wide = {r.kernel: dataclasses.replace(r, constexprs=tuple((k, True if k == "WIDE" else v) for k, v in r.constexprs))
+            for r in rec}
+    return list(rec) + list(wide.values())
+
+
 def record_specs() -> list:
     """Launch specs of every case in both dtypes, GPU configurations, kernels not run."""
     saved = launch.mode
@@ -153,6 +178,7 @@ def record_specs() -> list:
     launch.mode = "device"
     specs = []
     try:
+        specs += _fixed_point_specs()
         specs += _recurrence_specs()
         for pats, shared, levels, batch, every in _cases():
             plan = spscan.plan(pats, levels=levels, backend="triton")
@@ -205,10 +231,13 @@ def test_specs_cover_every_kernel(specs_file):
     assert {s["kernel"] for s in specs} == KERNELS
     assert any(dict(s["constexprs"]).get("USE_DOT") for s in specs)
     assert any(dict(s["constexprs"]).get("USE_DOT") is False for s in specs)
-    # every kernel that reads an index table has an int64-table variant (the carry kernels read none)
+    # every kernel that reads an index table has an int64-table variant (the carry kernels read none; the
+    # fixed-point passes merge float64 maxima as int64 bits)
     assert {s["kernel"] for s in specs if "*i64" in dict(s["signature"]).values()} \
         == KERNELS - {"run_carry_kernel", "diag_carry_kernel"} - RECURRENCE
-    assert {dict(s["signature"])["v_ptr" if "v_ptr" in dict(s["signature"]) else "c_ptr"] for s in specs} \
+    assert {dict(s["signature"])["v_ptr" if "v_ptr" in dict(s["signature"]) else "c_ptr"] for s in specs
+            if s["kernel"] not in FIXED_POINT} == {"*fp32", "*fp64"}
+    assert {dict(s["signature"])["s_ptr"] for s in specs if s["kernel"] in FIXED_POINT - {"reset_gated_eval_kernel"}} \
         == {"*fp32", "*fp64"}
 
 
@@ -253,6 +282,9 @@ def test_compile_for_cuda(specs_file, compiled, capability):
         fields, consts = _report(ln)
         assert int(fields["shared"]) <= SHARED_LIMIT[capability], ln
         assert int(fields["regs"]) > 0, ln  # ptxas reported
+        if ln.split()[2] in FIXED_POINT and not consts["WIDE"]:  # elementwise: a few registers per entry (the
+            # 64-bit variant's divisions are calls, which save a few registers on the stack)
+            assert int(fields["spill_stores"]) + int(fields["spill_loads"]) == 0, f"fixed-point pass spills: {ln}"
         if ln.split()[2] in RECURRENCE:
             tag = json.loads(consts["_tag"])
             spilled = int(fields["spill_stores"]) + int(fields["spill_loads"])

@@ -42,7 +42,7 @@ __all__ = [
     "next_pow2", "choose_width",
     "SegmentConfig", "GemmConfig", "GemvConfig", "segment_config", "gemm_config", "gemv_config",
     "LinearRunConfig", "linear_run_config", "ChunkedRunConfig", "chunked_run_config", "DiagonalRunConfig",
-    "diagonal_run_config", "RecurrenceConfig", "recurrence_config", "LaunchSpec", "launch",
+    "diagonal_run_config", "RecurrenceConfig", "recurrence_config", "pointwise_config", "LaunchSpec", "launch",
     "recording",
 ]
 
@@ -447,6 +447,16 @@ def recurrence_config(n: int, ny: int, steps: int, chunk: Optional[int] = None,
     # the carry holds two (m + 1)-square tiles: one warp per 2048 of their entries, so they stay in registers
     kw = max(kw, min(16, next_pow2(m + 1) ** 2 // 2048))
     return RecurrenceConfig(chunk, -(-steps // chunk), block_n, rows, cw, 16, ew, kw)
+
+
+def pointwise_config(n: int) -> tuple[int, int]:
+    """``(block, warps)`` of an elementwise pass over ``n`` entries: 512 entries per program and four
+    warps on a GPU (four entries per thread: 16-byte float32 accesses, and the widest pass, the reset-gated
+    evaluation in float64, within 128 registers: compile report); in the interpreter one program per 64 Ki
+    entries."""
+    if interpreting():
+        return min(1 << 16, next_pow2(n)), 4
+    return 512, 4
 
 
 def launch(kernel, grid: tuple[int, ...], args: dict[str, Any], constexprs: dict[str, Any], num_warps: int) -> None:

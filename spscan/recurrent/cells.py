@@ -19,7 +19,7 @@ build on them; nothing here imports them.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -27,14 +27,14 @@ import torch
 from torch import nn
 
 from spscan.errors import NotPlannable
-from spscan.kernels.backend import cpu_ops
+from spscan.kernels.backend import cpu_ops, fixed_point_ops
 from spscan.recurrent.elements import (SHARED_ELEMENTS, element_pattern, gru_weight_values, lstm_gate_encoding,
                                        lstm_gate_pattern, lstm_gate_values, lstm_joint_pattern, lstm_weight_values,
                                        weighted_wt)
 from spscan.runtime import PeriodicValues
 
 __all__ = [
-    "CELLS", "Cell", "MODULE_TYPES", "SCAN_DTYPES", "cell_for", "cell_named", "check_cell_form", "gates",
+    "CELLS", "Cell", "FusedStep", "MODULE_TYPES", "SCAN_DTYPES", "cell_for", "cell_named", "check_cell_form", "gates",
     "gru_weight_values", "lstm_cells", "lstm_gate_encoding", "lstm_gate_pattern", "lstm_weight_values",
     "module_layout", "module_params", "recurrent_patterns", "resolve_layout", "sequence_dims", "time_major",
 ]
@@ -45,6 +45,25 @@ SCAN_DTYPES = (torch.float32, torch.float64)
 
 
 # --------------------------------------------------------------------------- the cells
+
+
+class FusedStep(NamedTuple):
+    """One evaluation of a cell at every step of a Newton guess by the fused kernels (:meth:`Cell.fused_step`).
+
+    Attributes:
+        f: ``F(s_{t-1}, x_t)`` ``(T, B, D)``.
+        coefs: the derivative coefficients, as :meth:`Cell.step` returns them.
+        values: the factored step's element values, as :meth:`Cell.factored_values` returns them.
+        reversed_factor: the factored step's one per-sample element (a diagonal, its own transpose) times
+            the scale, last step first ``(T, B, nnz)``: the forward scan's per-sample values.
+        reversed_residual: ``F(s_{t-1}, x_t) - s_t``, last step first ``(T, B, D)``.
+    """
+
+    f: torch.Tensor
+    coefs: dict
+    values: list
+    reversed_factor: torch.Tensor
+    reversed_residual: torch.Tensor
 
 
 class Cell:
@@ -193,6 +212,20 @@ class Cell:
         """Values ``(T, B, nnz)`` of the quasi-Newton ``J_t`` in :meth:`quasi_pattern`'s CSR order."""
         raise NotImplementedError
 
+    #: whether :meth:`fused_step` evaluates this cell (else a Newton forward evaluates it with :meth:`step`)
+    has_fused_step: bool = False
+
+    def fused_step(self, gi: torch.Tensor, states: torch.Tensor, params: Sequence[torch.Tensor], H: int,
+                   buffers: dict, maxima: torch.Tensor, scale: torch.Tensor) -> FusedStep:
+        """:meth:`step` at every step in one GEMM and one fused pass (:data:`spscan.kernels.backend.fixed_point_ops`),
+        with the forward scan's per-sample values and residual, for a Newton iteration.
+
+        ``gi`` as for :meth:`step`; ``states`` ``(T+1, B, D)``: ``s_0`` then the guess ``s_1..s_T``; ``buffers``: a
+        dict the outputs live in (filled on the first call, reused after; the result views it); ``maxima``
+        (:meth:`~spscan.kernels.backend.FixedPointOps.maxima_buffer`, zeroed): ``max|f|`` and ``max|f - s|`` are
+        merged into entries 0 and 1; ``scale``: one entry, the factor of the scan's per-sample values."""
+        raise NotImplementedError(f"{self.name}: no fused step")
+
     def pre_activation_grads(self, Gs: torch.Tensor, coefs: dict, H: int):
         """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``
         ``Gs`` (T, B, D) (the same tensor where the two sides share them)."""
@@ -270,6 +303,20 @@ class _RNNCell(Cell):
     def quasi_values(self, coefs, w_hh, H):
         return coefs["d"] * torch.diagonal(w_hh, dim1=-2, dim2=-1)
 
+    has_fused_step = True
+
+    def fused_step(self, gi, states, params, H, buffers, maxima, scale):
+        T, B = gi.shape[:2]
+        if not buffers:  # b_hh joins the fixed input part once: a = (gi + b_hh) + s_{t-1} W_hh^T is one GEMM
+            buffers["gi"] = (gi + params[3] if len(params) > 2 else gi).reshape(T * B, H).contiguous()
+            for name in ("a", "f", "d", "rv", "rr"):
+                buffers[name] = torch.empty(T, B, H, dtype=gi.dtype, device=gi.device)
+        a, f, d = buffers["a"], buffers["f"], buffers["d"]
+        torch.addmm(buffers["gi"], states[:-1].reshape(T * B, H), params[1].t(), out=a.view(T * B, H))
+        fixed_point_ops.activation_eval(a, states[1:], f, d, buffers["rv"], buffers["rr"], maxima, scale, self.relu)
+        coefs = {"d": d}
+        return FusedStep(f, coefs, self.factored_values(coefs, params[1], H), buffers["rv"], buffers["rr"])
+
     def pre_activation_grads(self, Gs, coefs, H):
         p = Gs * coefs["d"]
         return p, p
@@ -337,6 +384,26 @@ class GRUCell(Cell):
     def quasi_values(self, coefs, w_hh, H):
         wd = torch.diagonal(w_hh.view(3, H, H), dim1=-2, dim2=-1)
         return coefs["dr"] * wd[0] + coefs["dz"] * wd[1] + coefs["dm"] * wd[2] + coefs["z"]
+
+    has_fused_step = True
+
+    def fused_step(self, gi, states, params, H, buffers, maxima, scale):
+        T, B = gi.shape[:2]
+        if not buffers:
+            buffers["gi"] = gi.contiguous()
+            for name, width in (("gh", 3), ("f", 1), ("c", 4), ("dn", 1), ("rv", 4), ("rr", 1)):
+                buffers[name] = torch.empty(T, B, width * H, dtype=gi.dtype, device=gi.device)
+        gh, c, dn = buffers["gh"], buffers["c"], buffers["dn"]
+        h_prev = states[:-1].reshape(T * B, H)
+        if len(params) > 2:  # b_hn stays inside r * (W_hn h + b_hn): the hidden part keeps its bias
+            torch.addmm(params[3], h_prev, params[1].t(), out=gh.view(T * B, 3 * H))
+        else:
+            torch.mm(h_prev, params[1].t(), out=gh.view(T * B, 3 * H))
+        fixed_point_ops.reset_gated_eval(buffers["gi"], gh, states, buffers["f"], c, dn, buffers["rv"], buffers["rr"],
+                                         maxima, scale)
+        coefs = {"dr": c[..., :H], "dz": c[..., H:2 * H], "dn": dn, "dm": c[..., 2 * H:3 * H], "z": c[..., 3 * H:]}
+        values = [gru_weight_values(params[1], H), c, torch.ones(4 * H, dtype=c.dtype, device=c.device)]
+        return FusedStep(buffers["f"], coefs, values, buffers["rv"], buffers["rr"])
 
     def pre_activation_grads(self, Gs, coefs, H):
         gr, gz = Gs * coefs["dr"], Gs * coefs["dz"]

@@ -66,6 +66,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from spscan.kernels.backend import fixed_point_ops
 from spscan.recurrent.cells import cell_named, recurrent_patterns
 from spscan.runtime import PeriodicValues, StackedExtra
 from spscan.runtime.plan import build_plan, plan_profile
@@ -194,7 +195,10 @@ def quasi_pattern(kind: str, hidden: int) -> sp.csr_array:
 # Seconds per step of the library's sequential recurrent forward (one GEMM + pointwise ops per step,
 # dispatch-bound for small H), and the rest of a Newton iteration on a GPU (batched cell evaluation,
 # residual and norm, the scan's values) per step, sample and gate unit; fitted to the measurements
-# in bench/results/calibration.md.
+# in bench/results/calibration.md. Those iterations evaluated the cell with torch ops; the fused passes
+# (kernels/triton/fixed_point.py) move ~10 entries of 4-8 bytes per unit instead of a few dozen, so until
+# they are timed on a device this constant overstates an RNN's or GRU's iteration: "auto" stays on the
+# side of the sequential forward.
 _SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 5.5e-7}
 _ITERATION_S_PER_UNIT = {"cuda": 1.9e-10}
 
@@ -326,27 +330,31 @@ class NewtonSolver:
         sample_perms = [None if np.array_equal(q, np.arange(q.shape[0])) else torch.as_tensor(q, device=dev)
                         for q in fperms]
         zero = torch.zeros(B, D, dtype=dt, device=dev)
-        shared_cache: dict[int, torch.Tensor] = {}
+
+        shared_elements: list = []
+
+        def forward_shared(step: list) -> list:
+            """The forward step's elements that are shared (backward factor ``m-1-j`` of ``step``, the factored
+            values, transposed; gathered once: the weights do not change between iterations), ``None`` at the
+            per-sample ones."""
+            if not shared_elements:
+                for j, v in enumerate(reversed(step)):
+                    shared_elements.append(None if v.dim() != 1 else
+                                           v[torch.as_tensor(fperms[j], device=dev)].contiguous())
+            return shared_elements
 
         def full_values(coefs: dict, scale: float):
             """Values of the forward chain of the full ``J_t`` (times ``scale``), in chain order."""
             if layout == "factored":
-                fstep = []
-                for j, v in enumerate(reversed(cell.factored_values(coefs, w_hh, H))):
-                    if v.dim() == 1:  # forward factor j is backward factor m-1-j, transposed
-                        hit = shared_cache.get(j)  # the weights do not change between iterations
-                        if hit is None:
-                            hit = shared_cache[j] = v[torch.as_tensor(fperms[j], device=dev)].contiguous()
-                        fstep.append(hit)
-                    else:
-                        fstep.append(v)
+                step = cell.factored_values(coefs, w_hh, H)
+                fstep = step[::-1]
                 first_sample = next(j for j, v in enumerate(fstep) if v.dim() == 3)
                 elements = []
-                for j, v in enumerate(fstep):
-                    if v.dim() == 1:
-                        elements.append(v)
+                for j, hit in enumerate(forward_shared(step)):
+                    if hit is not None:
+                        elements.append(hit)
                     else:  # scale one per-sample factor (the product scales with it); permute a non-diagonal one
-                        elements.append(reversed_stack(f"sample{j}", v, scale if j == first_sample else 1.0,
+                        elements.append(reversed_stack(f"sample{j}", fstep[j], scale if j == first_sample else 1.0,
                                                        sample_perms[j]))
                 return PeriodicValues(elements, T)  # element j of period t: step T-t's factor j
 
@@ -382,50 +390,100 @@ class NewtonSolver:
             res = bnd.run(values, zero, ext, check=False, scratch=True, graph=True)
             return res.stacked(range(0, per * T, per)).flip(0)  # δ_1 .. δ_T (flip copies)
 
-        s = torch.zeros(T, B, D, dtype=dt, device=dev)  # the initial guess
+        def finish(f: torch.Tensor, coefs: dict, step: Optional[list], S: float):
+            """The converged result, unless the recurrence turns out ill-conditioned at this length."""
+            if info.iterations > 16 or max(info.deltas) > 10 * S:
+                # signs of expanding Jacobian products: how far do rounding-sized errors travel?
+                amp = solve_affine(self._bind(T, dev, dt, "newton"), len(fperms), full_values(coefs, 1.0),
+                                   torch.full_like(f, eps * S))
+                info.amplification = float(amp.abs().max()) / (eps * S)
+                if not info.amplification * eps <= confirm:
+                    info.converged, info.reason = False, "ill-conditioned"
+                    return None, None, None, info
+            if step is None and layout == "factored":
+                step = cell.factored_values(coefs, w_hh, H)
+            return f, coefs, step, info
+
+        def stop(d: float, S: float, prev_d: Optional[float]) -> str:
+            """The stopping rule after an update of max-norm ``d`` (see the module docstring); ``""``: go on."""
+            q = d / prev_d if prev_d else (0.0 if d == 0 else math.inf)
+            if info.iterations >= T:
+                return "exact"  # k iterations make the first k steps exact: all T are
+            if d <= rtol * S:
+                return "tolerance"
+            if q < 1 and d * q / (1 - q) <= rtol * S:
+                return "predicted"
+            if d <= stall * S and q >= 1:
+                return "stalled"
+            return ""
+
+        # the evaluation at the guess and the update from it: the cell's fused kernels where it has them and the scan
+        # runs on Triton (one GEMM, one evaluation pass, the scan, one update pass and one host sync per
+        # iteration); torch ops otherwise. The same iterates and stopping rule either way.
+        if not quasi and layout == "factored" and cell.has_fused_step and \
+                self.forward_plan(T, dev, dt, options.method).backend == "triton":
+            states = torch.zeros(T + 1, B, D, dtype=dt, device=dev)  # s_0, then the guess s_1..s_T (initially 0)
+            states[0] = s0
+            buffers: dict = {}
+            maxima = fixed_point_ops.maxima_buffer(dt, dev)  # max|f|, max|f - s|, max|δ|
+            scale = torch.full((1,), scale_j, dtype=dt, device=dev)
+            taps = range(0, m * T, m)
+
+            def evaluate():
+                maxima.zero_()
+                ev = cell.fused_step(gi, states, params, H, buffers, maxima, scale)
+                return ev.f, ev.coefs, ev.values, ev
+
+            def measure(ev) -> tuple[float, float]:
+                S, R = maxima[:2].tolist()
+                return max(S, tiny), R
+
+            def advance(ev) -> tuple[float, float]:
+                elements = [ev.reversed_factor if hit is None else hit for hit in forward_shared(ev.values)]
+                res = bound.run(PeriodicValues(elements, T), zero, StackedExtra(ev.reversed_residual, taps, m * T + 1),
+                                check=False, scratch=True, graph=True)
+                fixed_point_ops.update(res.stacked(taps), states[1:], maxima)
+                S, _, d = maxima.tolist()
+                return max(S, tiny), d
+        else:
+            guess = [torch.zeros(T, B, D, dtype=dt, device=dev)]  # the initial guess
+
+            def evaluate():
+                f, coefs = cell.step(gi, torch.cat([s0.unsqueeze(0), guess[0][:-1]], dim=0), params, H)
+                return f, coefs, None, (f, coefs, f - guess[0])
+
+            def measure(ev) -> tuple[float, float]:
+                # the scale: the cell's own outputs (bounded), not the guess
+                return max(float(ev[0].abs().max()), tiny), float(ev[2].abs().max())
+
+            def advance(ev) -> tuple[float, float]:
+                f, coefs, r = ev
+                S = max(float(f.abs().max()), tiny)
+                delta = solve_affine(bound, m, quasi_values(coefs) if quasi else full_values(coefs, scale_j), r)
+                guess[0] = guess[0] + delta
+                return S, float(delta.abs().max())
+
         prev_d: Optional[float] = None
         done = False
         while True:
-            s_prev = torch.cat([s0.unsqueeze(0), s[:-1]], dim=0)
-            f, coefs = cell.step(gi, s_prev, params, H)
-            r = f - s
-            S = max(float(f.abs().max()), tiny)  # the scale: the cell's own outputs (bounded), not the guess
+            f, coefs, step, ev = evaluate()
             if done:
                 # the final evaluation: states and Jacobians at the converged guess, once its residual confirms it
-                if float(r.abs().max()) <= confirm * S:
-                    if info.iterations > 16 or max(info.deltas) > 10 * S:
-                        # signs of expanding Jacobian products: how far do rounding-sized errors travel?
-                        amp = solve_affine(self._bind(T, dev, dt, "newton"), len(fperms), full_values(coefs, 1.0),
-                                           torch.full_like(f, eps * S))
-                        info.amplification = float(amp.abs().max()) / (eps * S)
-                        if not info.amplification * eps <= confirm:
-                            info.converged, info.reason = False, "ill-conditioned"
-                            return None, None, None, info
-                    step = cell.factored_values(coefs, w_hh, H) if layout == "factored" else None
-                    return f, coefs, step, info
+                S, R = measure(ev)
+                if R <= confirm * S:
+                    return finish(f, coefs, step, S)
                 info.converged, done, info.reason = False, False, ""
             if info.iterations >= options.max_iter:
                 info.reason = "budget"
                 return None, None, None, info
-            values = quasi_values(coefs) if quasi else full_values(coefs, scale_j)
-            delta = solve_affine(bound, m, values, r)
+            S, d = advance(ev)
             info.iterations += 1
-            s = s + delta
-            d = float(delta.abs().max()) if delta.numel() else 0.0
             info.deltas.append(d)
             if not math.isfinite(d):
                 info.reason = "non-finite"
                 return None, None, None, info
-            q = d / prev_d if prev_d else (0.0 if d == 0 else math.inf)
-            if info.iterations >= T:
-                info.reason, done = "exact", True  # k iterations make the first k steps exact: all T are
-            elif d <= rtol * S:
-                info.reason, done = "tolerance", True
-            elif q < 1 and d * q / (1 - q) <= rtol * S:
-                info.reason, done = "predicted", True
-            elif d <= stall * S and q >= 1:
-                info.reason, done = "stalled", True
-            info.converged = done
+            info.reason = stop(d, S, prev_d)
+            done = info.converged = bool(info.reason)
             prev_d = d
 
 

@@ -1,0 +1,238 @@
+"""The Newton forward's fused passes (spscan.kernels.triton.fixed_point, Cell.fused_step): each pass against the
+torch cell it replaces, and whole Newton forwards on the Triton backend against the torch-op iteration and the
+module (Triton's interpreter on CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_recurrent import make_inputs, make_module, rel_err
+
+import spscan
+from spscan.kernels.triton import fixed_point, launch
+from spscan.recurrent.cells import cell_named, module_params
+from spscan.recurrent.newton import NewtonNotConverged
+from spscan.recurrent.plan import plan_recurrent
+
+FUSED_KINDS = ["rnn_tanh", "rnn_relu", "gru"]
+PASSES = {"activation_eval_kernel", "reset_gated_eval_kernel", "update_kernel"}
+
+
+def _newton(m, x, hx, backend, **kw):
+    p = plan_recurrent(m, x, forward="newton", backend=backend, levels=0, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NewtonNotConverged)
+        with torch.no_grad(), launch.recording(dry_run=False) as rec:
+            outputs, saved = p.run_forward(x, hx)
+    return outputs, saved, p.last_forward, {r.kernel for r in rec}
+
+
+def _flat(outputs) -> list[torch.Tensor]:
+    out, state = outputs
+    return [out] + (list(state) if isinstance(state, tuple) else [state])
+
+
+def _tame(m, scale=0.7):
+    with torch.no_grad():
+        for q in m.parameters():
+            q.mul_(scale)
+    return m
+
+
+# --------------------------------------------------------------------------- one evaluation pass
+
+
+def _guess(kind, T, B, H, dtype, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    m = make_module(kind, 3, H, batch_first=False, bias=bias).to(dtype)
+    params = [q.detach() for q in module_params(m)]
+    x = torch.randn(T, B, 3, generator=g, dtype=dtype)
+    states = torch.randn(T + 1, B, H, generator=g, dtype=dtype) * 0.8  # s_0 and an arbitrary guess
+    gi = torch.addmm(params[2], x.reshape(T * B, 3), params[0].t()).view(T, B, -1) if bias else x @ params[0].t()
+    return params, gi, states
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("T,B,H,bias", [(9, 3, 5, True), (1, 1, 1, False), (4, 2, 17, False), (33, 1, 2, True)])
+def test_fused_step_matches_the_cell(kind, dtype, T, B, H, bias):
+    """f, every coefficient and the step's values as :meth:`Cell.step` gives them; the residual and the scaled
+    per-sample factor last step first; the maxima; odd sizes, T = B = H = 1."""
+    cell = cell_named(kind)
+    params, gi, states = _guess(kind, T, B, H, dtype, bias=bias)
+    maxima = fixed_point.maxima_buffer(dtype, gi.device)
+    scale = torch.full((1,), 0.625, dtype=dtype)
+    ev = cell.fused_step(gi, states, params, H, {}, maxima, scale)
+    f, coefs = cell.step(gi, states[:-1], params, H)
+    tol = 1e-13 if dtype == torch.float64 else 2e-5
+    assert (ev.f - f).abs().max() <= tol
+    assert set(ev.coefs) == set(coefs)
+    for k in coefs:
+        assert (ev.coefs[k] - coefs[k]).abs().max() <= tol, k
+    want_values = cell.factored_values(coefs, params[1], H)
+    assert len(ev.values) == len(want_values)
+    for a, b in zip(ev.values, want_values):
+        assert a.shape == b.shape and (a - b).abs().max() <= tol
+    per_sample = next(v for v in ev.values if v.dim() == 3)
+    assert torch.equal(ev.reversed_factor, (per_sample * 0.625).flip(0))
+    assert torch.equal(ev.reversed_residual, (ev.f - states[1:]).flip(0))
+    got = maxima.tolist()
+    assert got[0] == ev.f.abs().max().item() and got[1] == ev.reversed_residual.abs().max().item() and got[2] == 0
+
+
+def test_fused_step_buffers_are_reused_and_maxima_merge():
+    """A second evaluation writes the same buffers (no new allocation per iteration); maxima merge with what the
+    buffer held (the caller zeroes it per iteration)."""
+    cell = cell_named("gru")
+    params, gi, states = _guess("gru", 6, 2, 4, torch.float64)
+    buffers: dict = {}
+    maxima = fixed_point.maxima_buffer(torch.float64, gi.device)
+    scale = torch.ones(1, dtype=torch.float64)
+    first = cell.fused_step(gi, states, params, 4, buffers, maxima, scale)
+    ptrs = {k: v.data_ptr() for k, v in buffers.items()}
+    maxima.fill_(100.0)
+    second = cell.fused_step(gi, states, params, 4, buffers, maxima, scale)
+    assert {k: v.data_ptr() for k, v in buffers.items()} == ptrs and second.f.data_ptr() == first.f.data_ptr()
+    assert maxima[:2].tolist() == [100.0, 100.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_maxima_carry_non_finite_values(dtype):
+    """A NaN or an infinity in an update reaches the maxima (the bits of NaN order above infinity's): the
+    iteration sees a non-finite update and falls back. A NaN pre-activation gives a NaN state under either
+    activation, as torch's, and the maxima see every non-finite state."""
+    T, B, H = 5, 2, 3
+    s = torch.zeros(T, B, H, dtype=dtype)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        d = torch.randn(T, B, H, dtype=dtype)
+        d[3, 1, 2] = bad
+        maxima = fixed_point.maxima_buffer(dtype, s.device)
+        fixed_point.update(d, s.clone(), maxima)
+        got = maxima[2].item()
+        assert (got != got) if bad != bad else got == float("inf")
+        for relu in (False, True):
+            a = torch.randn(T, B, H, dtype=dtype)
+            a[0, 0, 0] = bad
+            maxima.zero_()
+            f, d_, rv, rr = (torch.empty_like(a) for _ in range(4))
+            fixed_point.activation_eval(a, s, f, d_, rv, rr, maxima, torch.ones(1, dtype=dtype), relu=relu)
+            act = torch.relu(a) if relu else torch.tanh(a)
+            assert torch.equal(f.isnan(), act.isnan())
+            assert bool(torch.isfinite(maxima[:2]).all()) == bool(act.isfinite().all())
+
+
+def test_update_reads_any_strides_last_step_first():
+    T, B, H = 7, 3, 4
+    base = torch.randn(B, 2 * T, H, dtype=torch.float64)
+    d = base.transpose(0, 1)[::2]  # (T, B, H), not contiguous
+    s = torch.randn(T, B, H, dtype=torch.float64)
+    want = s + d.flip(0)
+    maxima = fixed_point.maxima_buffer(torch.float64, s.device)
+    fixed_point.update(d, s, maxima)
+    assert torch.equal(s, want)
+    assert maxima[2].item() == d.abs().max().item() and maxima[:2].tolist() == [0.0, 0.0]
+
+
+def test_passes_refuse_bad_buffers():
+    T, B, H = 3, 2, 4
+    z = lambda *shape, dtype=torch.float64: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+    maxima, one = fixed_point.maxima_buffer(torch.float64, "cpu"), z(1)
+    with pytest.raises(ValueError, match=r"rr: expected a contiguous torch.float64 tensor of shape \(3, 2, 4\)"):
+        fixed_point.activation_eval(z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, 5), maxima,
+                                    one, relu=False)
+    with pytest.raises(ValueError, match="not contiguous"):
+        fixed_point.activation_eval(z(T, B, H), z(T, H, B).transpose(1, 2), z(T, B, H), z(T, B, H), z(T, B, H),
+                                    z(T, B, H), maxima, one, relu=False)
+    with pytest.raises(ValueError, match=r"gh: expected .* shape \(3, 2, 12\)"):
+        fixed_point.reset_gated_eval(z(T, B, 3 * H), z(T, B, 4 * H), z(T + 1, B, H), z(T, B, H), z(T, B, 4 * H),
+                                     z(T, B, H), z(T, B, 4 * H), z(T, B, H), maxima, one)
+    with pytest.raises(ValueError, match="update: expected a 3-d torch.float64 update"):
+        fixed_point.update(z(T, B, H, dtype=torch.float32), z(T, B, H), maxima)
+    with pytest.raises(TypeError, match="expected float32 or float64"):
+        fixed_point.update(z(T, B, H), z(T, B, H), torch.zeros(3, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------- whole Newton forwards
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_newton_forward_iterates_as_the_torch_loop(kind, dtype, bias):
+    """On the Triton backend the cell is evaluated by the fused passes: the same iteration count and stopping
+    reason as the torch-op loop, the module's outputs, and what the backward reuses."""
+    m = _tame(make_module(kind, 3, 5, batch_first=False, bias=bias)).to(dtype)
+    x, hx = make_inputs(m, 40, 3, with_h0=True, dtype=dtype)
+    got, saved, info, kernels = _newton(m, x, hx, "triton")
+    ref, ref_saved, ref_info, ref_kernels = _newton(m, x, hx, "torch")
+    assert kernels >= {"update_kernel"} and len(kernels & PASSES) == 2 and not ref_kernels
+    assert (info.iterations, info.reason) == (ref_info.iterations, ref_info.reason) and info.converged
+    with torch.no_grad():
+        want = _flat(m(x, hx))
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for a, b in zip(_flat(got), want):
+        assert rel_err(a, b) <= tol
+    for k in ref_saved.coefs:
+        assert rel_err(saved.coefs[k], ref_saved.coefs[k]) <= 10 * tol, k
+    for a, b in zip(saved.values, ref_saved.values):
+        assert rel_err(a, b) <= 10 * tol
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru"])
+def test_fused_newton_gradients_match_autograd(kind):
+    """A wrapped module with the Newton forward on the Triton backend: loss.backward() fills every gradient as
+    autograd does (the backward reuses the fused pass's coefficients and values), twice, batch size changing."""
+    torch.manual_seed(3)
+    m = _tame(make_module(kind, 2, 4, batch_first=True, bias=True))
+    ref = make_module(kind, 2, 4, batch_first=True, bias=True)
+    ref.load_state_dict(m.state_dict())
+    x0, _ = make_inputs(m, 30, 2, with_h0=False, dtype=torch.float64)
+    w = spscan.wrap(m, x0, forward="newton", backend="triton", levels=0, backward="scan")
+    for B in (2, 1):
+        x = torch.randn(B, 30, 2, dtype=torch.float64, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NewtonNotConverged)
+            out, h = w(x)
+        (out.pow(2).sum() + h.sum()).backward()
+        out_r, h_r = ref(xr)
+        (out_r.pow(2).sum() + h_r.sum()).backward()
+        assert rel_err(x.grad, xr.grad) <= 1e-10
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, q.grad) <= 1e-10, name
+            p.grad = None
+            q.grad = None
+
+
+def test_fused_newton_damped_and_single_step():
+    """Damping scales the per-sample factor inside the pass (the same iterates as the torch loop); T = 1 and
+    B = 1 solve in one iteration."""
+    m = _tame(make_module("gru", 2, 3, batch_first=False, bias=True), 0.9)
+    x, hx = make_inputs(m, 25, 2, with_h0=True, dtype=torch.float64)
+    opts = {"damping": 0.5}
+    got, _, info, kernels = _newton(m, x, hx, "triton", newton=opts)
+    _, _, ref_info, _ = _newton(m, x, hx, "torch", newton=opts)
+    assert "reset_gated_eval_kernel" in kernels
+    assert info.iterations == ref_info.iterations and info.deltas == pytest.approx(ref_info.deltas, rel=1e-9)
+    with torch.no_grad():
+        want = _flat(m(x, hx))
+    assert all(rel_err(a, b) <= 1e-12 for a, b in zip(_flat(got), want))
+    x1, hx1 = make_inputs(m, 1, 1, with_h0=True, dtype=torch.float64)
+    got1, _, info1, _ = _newton(m, x1, hx1, "triton")
+    with torch.no_grad():
+        want1 = _flat(m(x1, hx1))
+    assert info1.iterations == 1 and all(rel_err(a, b) <= 1e-14 for a, b in zip(_flat(got1), want1))
+
+
+def test_lstm_and_quasi_keep_the_torch_evaluation():
+    """Cells without a fused pass (the LSTM) and the quasi method evaluate with torch ops on the Triton backend."""
+    m = _tame(make_module("lstm", 2, 3, batch_first=False, bias=True))
+    x, hx = make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64)
+    _, _, _, kernels = _newton(m, x, hx, "triton")
+    assert not kernels & PASSES
+    m = _tame(make_module("rnn_tanh", 2, 3, batch_first=False, bias=True), 0.5)
+    x, hx = make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64)
+    _, _, info, kernels = _newton(m, x, hx, "triton", newton={"method": "quasi"})
+    assert info.method == "quasi" and not kernels & PASSES
