@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -345,6 +346,55 @@ def test_values_buffer_in_place():
         out = spscan.backward(plan, v, grad)
         assert max(rel_err(o, r) for o, r in zip(out, ref)) <= 1e-12
     assert torch.equal(buf.stacked, vals)  # inputs are never modified
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_periodic_and_extra_buffers_in_place(backend, monkeypatch):
+    """A periodic binding's values and its affine terms written in place (BoundPlan.periodic_buffer, extra_buffer):
+    the run copies nothing in and gives what the copied inputs give; a buffer used after the arenas changed, or
+    with a run that does not keep the working vectors, is copied in and still right."""
+    import spscan.runtime.bound as bound_mod
+    from spscan.recurrent.cells import recurrent_patterns
+    from spscan.runtime import PeriodicValues, StackedExtra
+
+    T, H, B = 20, 3, 2
+    pats = recurrent_patterns(nn.RNN(1, H), T, "factored")
+    plan = spscan.plan(pats, levels=0, backend=backend)
+    has_extra = [i % 2 == 0 and i < 2 * T for i in range(2 * T + 1)]
+    bound = plan.bind([True, False] * T, has_extra, period=2)
+    w = torch.randn(H * H, dtype=torch.float64)
+    d = torch.rand(T, B, H, dtype=torch.float64)
+    r = torch.randn(T, B, H, dtype=torch.float64)
+    g = torch.randn(B, H, dtype=torch.float64)
+    taps = range(0, 2 * T, 2)
+    want = bound.run(PeriodicValues([w, d], T), g, StackedExtra(r, taps, 2 * T + 1), scratch=True).stacked(taps,
+                                                                                                            copy=True)
+    values, extra = bound.periodic_buffer(B, torch.float64), bound.extra_buffer(B, torch.float64)
+    assert [tuple(e.shape) for e in values.elements] == [(H * H,), (T, B, H)] and extra.terms.shape == (T, B, H)
+    loads = []
+    monkeypatch.setattr(bound_mod, "_load_periodic", lambda *a, **k: loads.append("values"))
+    monkeypatch.setattr(bound_mod, "load_feeds", lambda *a, **k: loads.append("extra"))
+    monkeypatch.setattr(bound_mod, "Feed", lambda *a, **k: loads.append("feed"))
+    for check in (False, True):
+        values.elements[0].copy_(w)
+        values.elements[1].copy_(d)
+        extra.terms.copy_(r)
+        got = bound.run(values, g, extra, scratch=True, check=check).stacked(taps)
+        assert torch.allclose(got, want, rtol=1e-13, atol=1e-15) and not loads
+    monkeypatch.undo()
+    extra.terms.copy_(r)
+    got = bound.run(values, g, extra, scratch=False).stacked(taps)  # a fresh result buffer: the terms copied in
+    assert torch.allclose(got, want, rtol=1e-13, atol=1e-15)
+    bound.run(PeriodicValues([w, d[:, :1]], T), g[:1], StackedExtra(r[:, :1], taps, 2 * T + 1))  # new arenas
+    values.elements[1].copy_(d)
+    extra.terms.copy_(r)
+    got = bound.run(values, g, extra, scratch=True).stacked(taps)  # stale views: read as ordinary inputs
+    assert torch.allclose(got, want, rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="not periodic"):
+        plan.bind([True, False] * T, has_extra).periodic_buffer(B, torch.float64)
+    uneven = [i in (0, 1, 7) for i in range(2 * T + 1)]
+    with pytest.raises(ValueError, match="evenly spaced"):
+        plan.bind([True, False] * T, uneven, period=2).extra_buffer(B, torch.float64)
 
 
 def test_chain_output_period_detection():

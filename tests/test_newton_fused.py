@@ -135,16 +135,42 @@ def test_update_reads_any_strides_last_step_first():
     assert maxima[2].item() == d.abs().max().item() and maxima[:2].tolist() == [0.0, 0.0]
 
 
+def test_passes_write_strided_scan_inputs():
+    """The reversed factor and residual go to any views with a unit last stride (a scan's input arenas): the
+    same entries as into contiguous buffers, nothing else touched."""
+    T, B, H = 5, 3, 4
+    cell = cell_named("gru")
+    params, gi, states = _guess("gru", T, B, H, torch.float64)
+    scale = torch.full((1,), 0.5, dtype=torch.float64)
+    plain = cell.fused_step(gi, states, params, H, {}, fixed_point.maxima_buffer(torch.float64, "cpu"), scale)
+    arena = torch.full((B, 2 + T * 9 * H), -7.0, dtype=torch.float64)  # per sample: a gap, then T blocks of 9H
+    block = arena[:, 2:].view(B, T, 9 * H)
+    seeded = {"rv": block[..., H:5 * H].transpose(0, 1), "rr": block[..., 6 * H:7 * H].transpose(0, 1)}
+    got = cell.fused_step(gi, states, params, H, seeded, fixed_point.maxima_buffer(torch.float64, "cpu"), scale)
+    assert got.reversed_factor is seeded["rv"] and got.reversed_residual is seeded["rr"]
+    assert torch.equal(seeded["rv"], plain.reversed_factor) and torch.equal(seeded["rr"], plain.reversed_residual)
+    untouched = torch.ones_like(arena, dtype=torch.bool)
+    untouched[:, 2:].view(B, T, 9 * H)[..., H:5 * H] = False
+    untouched[:, 2:].view(B, T, 9 * H)[..., 6 * H:7 * H] = False
+    assert (arena[untouched] == -7.0).all()
+
+
 def test_passes_refuse_bad_buffers():
     T, B, H = 3, 2, 4
     z = lambda *shape, dtype=torch.float64: torch.zeros(*shape, dtype=dtype)  # noqa: E731
     maxima, one = fixed_point.maxima_buffer(torch.float64, "cpu"), z(1)
-    with pytest.raises(ValueError, match=r"rr: expected a contiguous torch.float64 tensor of shape \(3, 2, 4\)"):
+    with pytest.raises(ValueError, match=r"rr: expected a torch.float64 tensor of shape \(3, 2, 4\) on cpu, with unit"):
         fixed_point.activation_eval(z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, 5), maxima,
                                     one, relu=False)
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(ValueError, match=r"s: expected .* contiguous; got \(3, 2, 4\) .* strides \(8, 1, 2\)"):
         fixed_point.activation_eval(z(T, B, H), z(T, H, B).transpose(1, 2), z(T, B, H), z(T, B, H), z(T, B, H),
                                     z(T, B, H), maxima, one, relu=False)
+    with pytest.raises(ValueError, match="rv: .* unit stride in its last dimension"):
+        fixed_point.activation_eval(z(T, B, H), z(T, B, H), z(T, B, H), z(T, B, H), z(T, H, B).transpose(1, 2),
+                                    z(T, B, H), maxima, one, relu=False)
+    with pytest.raises(ValueError, match=r"a: expected \(T, B, W\) pre-activations"):
+        fixed_point.activation_eval(z(T, B * H), z(T, B * H), z(T, B * H), z(T, B * H), z(T, B * H), z(T, B * H),
+                                    maxima, one, relu=False)
     with pytest.raises(ValueError, match=r"gh: expected .* shape \(3, 2, 12\)"):
         fixed_point.reset_gated_eval(z(T, B, 3 * H), z(T, B, 4 * H), z(T + 1, B, H), z(T, B, H), z(T, B, 4 * H),
                                      z(T, B, H), z(T, B, 4 * H), z(T, B, H), maxima, one)
@@ -178,6 +204,22 @@ def test_fused_newton_forward_iterates_as_the_torch_loop(kind, dtype, bias):
         assert rel_err(saved.coefs[k], ref_saved.coefs[k]) <= 10 * tol, k
     for a, b in zip(saved.values, ref_saved.values):
         assert rel_err(a, b) <= 10 * tol
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru"])
+def test_fused_newton_writes_the_scan_inputs_in_place(kind, monkeypatch):
+    """The evaluation pass writes the forward scan's per-sample values and residual into the scan's own buffers:
+    no iteration loads values or terms into them (on a GPU each load is a pass over the whole sequence)."""
+    import spscan.runtime.bound as bound_mod
+
+    loads = []
+    real_load, real_feed = bound_mod._load_periodic, bound_mod.Feed
+    monkeypatch.setattr(bound_mod, "_load_periodic", lambda *a, **k: loads.append("values") or real_load(*a, **k))
+    monkeypatch.setattr(bound_mod, "Feed", lambda *a, **k: loads.append("extra") or real_feed(*a, **k))
+    m = _tame(make_module(kind, 2, 4, batch_first=False, bias=True))
+    x, hx = make_inputs(m, 30, 2, with_h0=True, dtype=torch.float64)
+    _, _, info, kernels = _newton(m, x, hx, "triton")
+    assert info.iterations >= 2 and info.amplification is None and kernels & PASSES and not loads
 
 
 @pytest.mark.parametrize("kind", ["rnn_tanh", "gru"])

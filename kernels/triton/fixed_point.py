@@ -71,14 +71,24 @@ def _absmax_bits(x, BITS: tl.constexpr):
 
 
 @triton.jit
-def activation_eval_kernel(a_ptr, s_ptr, f_ptr, d_ptr, rv_ptr, rr_ptr, max_ptr, scale_ptr, steps, width,
-                           RELU: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """``f = act(a)``, ``d = act'``, ``rv[T-1-t] = scale * d[t]``, ``rr[T-1-t] = f[t] - s[t]`` over ``(steps, width)``
-    contiguous rows; ``max|f|`` and ``max|f - s|`` merged into ``max_ptr[0]``, ``max_ptr[1]`` (integer bits)."""
+def _step_entry(i, batch, width):
+    """``(row, u, t, b)`` of flat entry ``i`` of a ``(steps, batch, width)`` tensor: ``row = t * batch + b``."""
+    row = i // width
+    u = i - row * width
+    t = row // batch
+    return row, u, t, row - t * batch
+
+
+@triton.jit
+def activation_eval_kernel(a_ptr, s_ptr, f_ptr, d_ptr, rv_ptr, rr_ptr, max_ptr, scale_ptr, steps, batch, width,
+                           rv_t, rv_b, rr_t, rr_b, RELU: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                           WIDE: tl.constexpr):
+    """``f = act(a)``, ``d = act'``, ``rv[T-1-t] = scale * d[t]``, ``rr[T-1-t] = f[t] - s[t]`` over ``(steps, batch,
+    width)``: ``a``, ``s``, ``f``, ``d`` contiguous, ``rv``/``rr`` at strides ``(rv_t, rv_b, 1)``/``(rr_t, rr_b, 1)``;
+    ``max|f|`` and ``max|f - s|`` merged into ``max_ptr[0]``, ``max_ptr[1]`` (integer bits)."""
     i = _entries(BLOCK, WIDE)
-    t = i // width
+    _, u, t, b = _step_entry(i, batch, width)
     ok = t < steps
-    rev = (steps - 1 - t) * width + (i - t * width)
     a = tl.load(a_ptr + i, mask=ok, other=0.0)
     s = tl.load(s_ptr + i, mask=ok, other=0.0)
     scale = tl.load(scale_ptr)
@@ -91,27 +101,26 @@ def activation_eval_kernel(a_ptr, s_ptr, f_ptr, d_ptr, rv_ptr, rr_ptr, max_ptr, 
     r = tl.where(ok, f - s, 0.0)
     tl.store(f_ptr + i, f, mask=ok)
     tl.store(d_ptr + i, d, mask=ok)
-    tl.store(rv_ptr + rev, scale * d, mask=ok)
-    tl.store(rr_ptr + rev, r, mask=ok)
+    tl.store(rv_ptr + (steps - 1 - t) * rv_t + b * rv_b + u, scale * d, mask=ok)
+    tl.store(rr_ptr + (steps - 1 - t) * rr_t + b * rr_b + u, r, mask=ok)
     tl.atomic_max(max_ptr, _absmax_bits(tl.where(ok, f, 0.0), BITS))
     tl.atomic_max(max_ptr + 1, _absmax_bits(r, BITS))
 
 
 @triton.jit
 def reset_gated_eval_kernel(gi_ptr, gh_ptr, p_ptr, f_ptr, c_ptr, dn_ptr, rv_ptr, rr_ptr, max_ptr, scale_ptr,
-                            steps, batch, width, BITS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+                            steps, batch, width, rv_t, rv_b, rr_t, rr_b, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                            WIDE: tl.constexpr):
     """A reset-gated step at every ``(t, b, u)``: with ``gi``/``gh`` ``(T*B, 3W)`` (blocks ``a, b, c`` of the
     input and hidden parts) and ``p`` the state buffer ``(T+1, B, W)`` (``p[t]`` the previous state of step
     ``t``, ``p[t+1]`` the guess): ``r = σ(gi_a + gh_a)``, ``z = σ(gi_b + gh_b)``, ``n = tanh(gi_c + r gh_c)``,
     ``f = n + z (p[t] - n)``. Coefficients ``c`` ``(T*B, 4W)``: ``[dn gh_c r(1-r), (p[t] - n) z(1-z), dn r, z]``
-    with ``dn = (1-z)(1-n^2)`` (``dn_ptr``); ``rv`` the coefficients scaled, last step first; ``rr`` the
-    residual ``f - p[t+1]``, last step first; ``max|f|``, ``max|f - p[t+1]|`` as in :data:`activation_eval_kernel`."""
+    with ``dn = (1-z)(1-n^2)`` (``dn_ptr``); ``rv`` ``(T, B, 4W)`` at strides ``(rv_t, rv_b, 1)`` the coefficients
+    scaled, last step first; ``rr`` ``(T, B, W)`` at ``(rr_t, rr_b, 1)`` the residual ``f - p[t+1]``, last step
+    first; ``max|f|``, ``max|f - p[t+1]|`` as in :data:`activation_eval_kernel`."""
     i = _entries(BLOCK, WIDE)
-    row = i // width  # t * batch + b
-    u = i - row * width
-    t = row // batch
+    row, u, t, b = _step_entry(i, batch, width)
     ok = t < steps
-    rrow = (steps - 1 - t) * batch + (row - t * batch)
     g = row * (3 * width) + u
     xa = tl.load(gi_ptr + g, mask=ok, other=0.0)
     xb = tl.load(gi_ptr + g + width, mask=ok, other=0.0)
@@ -132,7 +141,7 @@ def reset_gated_eval_kernel(gi_ptr, gh_ptr, p_ptr, f_ptr, c_ptr, dn_ptr, rv_ptr,
     c2 = dn * r
     res = tl.where(ok, f - s, 0.0)
     cw = row * (4 * width) + u
-    rw = rrow * (4 * width) + u
+    rw = (steps - 1 - t) * rv_t + b * rv_b + u
     tl.store(f_ptr + i, f, mask=ok)
     tl.store(dn_ptr + i, dn, mask=ok)
     tl.store(c_ptr + cw, c0, mask=ok)
@@ -143,7 +152,7 @@ def reset_gated_eval_kernel(gi_ptr, gh_ptr, p_ptr, f_ptr, c_ptr, dn_ptr, rv_ptr,
     tl.store(rv_ptr + rw + width, scale * c1, mask=ok)
     tl.store(rv_ptr + rw + 2 * width, scale * c2, mask=ok)
     tl.store(rv_ptr + rw + 3 * width, scale * z, mask=ok)
-    tl.store(rr_ptr + rrow * width + u, res, mask=ok)
+    tl.store(rr_ptr + (steps - 1 - t) * rr_t + b * rr_b + u, res, mask=ok)
     tl.atomic_max(max_ptr, _absmax_bits(tl.where(ok, f, 0.0), BITS))
     tl.atomic_max(max_ptr + 1, _absmax_bits(res, BITS))
 
@@ -154,13 +163,10 @@ def update_kernel(d_ptr, s_ptr, max_ptr, steps, batch, width, d_t, d_b, d_w, BIT
     """``s[T-1-j] += d[j]`` for ``d`` ``(steps, batch, width)`` at strides ``(d_t, d_b, d_w)`` and ``s``
     contiguous; ``max|d|`` merged into ``max_ptr[0]`` (integer bits)."""
     i = _entries(BLOCK, WIDE)
-    per = batch * width
-    j = i // per
+    _, u, j, b = _step_entry(i, batch, width)
     ok = j < steps
-    rem = i - j * per
-    b = rem // width
-    d = tl.load(d_ptr + j * d_t + b * d_b + (rem - b * width) * d_w, mask=ok, other=0.0)
-    dst = s_ptr + (steps - 1 - j) * per + rem
+    d = tl.load(d_ptr + j * d_t + b * d_b + u * d_w, mask=ok, other=0.0)
+    dst = s_ptr + ((steps - 1 - j) * batch + b) * width + u
     tl.store(dst, tl.load(dst, mask=ok, other=0.0) + d, mask=ok)
     tl.atomic_max(max_ptr, _absmax_bits(d, BITS))
 
@@ -187,42 +193,59 @@ def _wide(extent: int) -> bool:
     return extent >= (1 << 31)
 
 
-def _check(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
-    if tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device or not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous {like.dtype} tensor of shape {tuple(shape)} on "
-                         f"{like.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
-                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+def _check(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor, strided: bool = False) -> None:
+    """``t`` of ``shape``, ``like``'s dtype and device, contiguous (``strided``: unit stride in its last dimension)."""
+    dense = t.stride(-1) == 1 if strided and t.dim() else t.is_contiguous()
+    if tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device or not dense:
+        what = "with unit stride in its last dimension" if strided else "contiguous"
+        raise ValueError(f"{name}: expected a {like.dtype} tensor of shape {tuple(shape)} on {like.device}, {what}; "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device} with strides {tuple(t.stride())}")
+
+
+def _reach(*tensors: torch.Tensor) -> int:
+    """The farthest entry any of ``tensors`` spans from its first (its offsets a kernel computes)."""
+    return max(sum((k - 1) * st for k, st in zip(t.shape, t.stride())) + 1 for t in tensors)
 
 
 def activation_eval(a: torch.Tensor, s: torch.Tensor, f: torch.Tensor, d: torch.Tensor, rv: torch.Tensor,
                     rr: torch.Tensor, maxima: torch.Tensor, scale: torch.Tensor, relu: bool) -> None:
-    """One launch of :data:`activation_eval_kernel` over ``a`` ``(T, ...)`` (all tensors the same shape and
-    contiguous; ``maxima`` from :func:`maxima_buffer`, ``scale`` one entry)."""
-    steps = a.shape[0]
-    for name, t in (("s", s), ("f", f), ("d", d), ("rv", rv), ("rr", rr)):
-        _check(name, t, a.shape, a)
+    """One launch of :data:`activation_eval_kernel` over ``a`` ``(T, B, W)``: ``s``, ``f``, ``d`` the same, contiguous;
+    ``rv``, ``rr`` the same shape, any strides with a unit last one (views of a scan's input buffers);
+    ``maxima`` from :func:`maxima_buffer`, ``scale`` one entry."""
+    if a.dim() != 3:
+        raise ValueError(f"a: expected (T, B, W) pre-activations, got shape {tuple(a.shape)}")
     _check("a", a, a.shape, a)
-    if a.numel() == 0:
+    for name, t in (("s", s), ("f", f), ("d", d)):
+        _check(name, t, a.shape, a)
+    for name, t in (("rv", rv), ("rr", rr)):
+        _check(name, t, a.shape, a, strided=True)
+    steps, batch, width = a.shape
+    n = a.numel()
+    if n == 0:
         return
-    width = a.numel() // steps
     bits, nbits = _bits(maxima)
-    block, warps = launch.pointwise_config(a.numel())
-    launch.launch(activation_eval_kernel, (triton.cdiv(a.numel(), block),),
+    block, warps = launch.pointwise_config(n)
+    launch.launch(activation_eval_kernel, (triton.cdiv(n, block),),
                   dict(a_ptr=a, s_ptr=s, f_ptr=f, d_ptr=d, rv_ptr=rv, rr_ptr=rr, max_ptr=bits, scale_ptr=scale,
-                       steps=steps, width=width),
-                  dict(RELU=bool(relu), BITS=nbits, BLOCK=block, WIDE=_wide(a.numel() + block)), warps)
+                       steps=steps, batch=batch, width=width, rv_t=rv.stride(0), rv_b=rv.stride(1),
+                       rr_t=rr.stride(0), rr_b=rr.stride(1)),
+                  dict(RELU=bool(relu), BITS=nbits, BLOCK=block, WIDE=_wide(max(n, _reach(rv, rr)) + block)), warps)
 
 
 def reset_gated_eval(gi: torch.Tensor, gh: torch.Tensor, p: torch.Tensor, f: torch.Tensor, c: torch.Tensor,
                      dn: torch.Tensor, rv: torch.Tensor, rr: torch.Tensor, maxima: torch.Tensor,
                      scale: torch.Tensor) -> None:
     """One launch of :data:`reset_gated_eval_kernel`: ``p`` ``(T+1, B, W)``, ``gi``/``gh`` ``(T, B, 3W)``,
-    ``f``/``dn``/``rr`` ``(T, B, W)``, ``c``/``rv`` ``(T, B, 4W)``, all contiguous."""
+    ``f``/``dn`` ``(T, B, W)``, ``c`` ``(T, B, 4W)``, contiguous; ``rv`` ``(T, B, 4W)`` and ``rr`` ``(T, B, W)``,
+    any strides with a unit last one."""
+    if p.dim() != 3:
+        raise ValueError(f"p: expected a (T+1, B, W) state buffer, got shape {tuple(p.shape)}")
     steps, batch, width = p.shape[0] - 1, p.shape[1], p.shape[2]
     _check("p", p, (steps + 1, batch, width), p)
-    for name, t, w in (("gi", gi, 3), ("gh", gh, 3), ("f", f, 1), ("c", c, 4), ("dn", dn, 1), ("rv", rv, 4),
-                       ("rr", rr, 1)):
+    for name, t, w in (("gi", gi, 3), ("gh", gh, 3), ("f", f, 1), ("c", c, 4), ("dn", dn, 1)):
         _check(name, t, (steps, batch, w * width), p)
+    for name, t, w in (("rv", rv, 4), ("rr", rr, 1)):
+        _check(name, t, (steps, batch, w * width), p, strided=True)
     n = steps * batch * width
     if n == 0:
         return
@@ -230,8 +253,9 @@ def reset_gated_eval(gi: torch.Tensor, gh: torch.Tensor, p: torch.Tensor, f: tor
     block, warps = launch.pointwise_config(n)
     launch.launch(reset_gated_eval_kernel, (triton.cdiv(n, block),),
                   dict(gi_ptr=gi, gh_ptr=gh, p_ptr=p, f_ptr=f, c_ptr=c, dn_ptr=dn, rv_ptr=rv, rr_ptr=rr,
-                       max_ptr=bits, scale_ptr=scale, steps=steps, batch=batch, width=width),
-                  dict(BITS=nbits, BLOCK=block, WIDE=_wide(p.numel() * 4 + block)), warps)
+                       max_ptr=bits, scale_ptr=scale, steps=steps, batch=batch, width=width, rv_t=rv.stride(0),
+                       rv_b=rv.stride(1), rr_t=rr.stride(0), rr_b=rr.stride(1)),
+                  dict(BITS=nbits, BLOCK=block, WIDE=_wide(max(4 * n + batch * width, _reach(rv, rr)) + block)), warps)
 
 
 def update(d: torch.Tensor, s: torch.Tensor, maxima: torch.Tensor) -> None:
@@ -246,8 +270,7 @@ def update(d: torch.Tensor, s: torch.Tensor, maxima: torch.Tensor) -> None:
         return
     bits, nbits = _bits(maxima)
     block, warps = launch.pointwise_config(n)
-    reach = sum((k - 1) * st for k, st in zip(d.shape, d.stride()))  # the farthest entry of d read
     launch.launch(update_kernel, (triton.cdiv(n, block),),
                   dict(d_ptr=d, s_ptr=s, max_ptr=bits[2:], steps=steps, batch=batch, width=width, d_t=d.stride(0),
                        d_b=d.stride(1), d_w=d.stride(2)),
-                  dict(BITS=nbits, BLOCK=block, WIDE=_wide(max(n, reach) + block)), warps)
+                  dict(BITS=nbits, BLOCK=block, WIDE=_wide(max(n, _reach(d)) + block)), warps)

@@ -221,7 +221,9 @@ class Cell:
         with the forward scan's per-sample values and residual, for a Newton iteration.
 
         ``gi`` as for :meth:`step`; ``states`` ``(T+1, B, D)``: ``s_0`` then the guess ``s_1..s_T``; ``buffers``: a
-        dict the outputs live in (filled on the first call, reused after; the result views it); ``maxima``
+        dict the outputs live in (filled on the first call, reused after; the result views it; a caller may put
+        ``"rv"``, the reversed factor, and ``"rr"``, the reversed residual, there first: any views with a unit last
+        stride, such as a scan's input buffers); ``maxima``
         (:meth:`~spscan.kernels.backend.FixedPointOps.maxima_buffer`, zeroed): ``max|f|`` and ``max|f - s|`` are
         merged into entries 0 and 1; ``scale``: one entry, the factor of the scan's per-sample values."""
         raise NotImplementedError(f"{self.name}: no fused step")
@@ -256,6 +258,14 @@ def _hidden_gates(h_prev: torch.Tensor, params: Sequence[torch.Tensor], H: int) 
     if len(params) <= 2:
         return torch.matmul(h_prev, w_hh.t())
     return torch.addmm(params[3], h_prev.reshape(T * B, H), w_hh.t()).view(T, B, -1)
+
+
+def _outputs(buffers: dict, like: torch.Tensor, names: Sequence[tuple[str, int]]) -> None:
+    """The output buffers of :meth:`Cell.fused_step` that ``buffers`` does not hold yet (the caller may have put
+    some there, e.g. views of a scan's input buffers): ``(T, B, width)`` each, ``like``'s dtype and device."""
+    for name, width in names:
+        if name not in buffers:
+            buffers[name] = torch.empty(*like.shape[:2], width, dtype=like.dtype, device=like.device)
 
 
 def _summed_bias(params: Sequence[torch.Tensor], bias: bool) -> Optional[torch.Tensor]:
@@ -307,10 +317,9 @@ class _RNNCell(Cell):
 
     def fused_step(self, gi, states, params, H, buffers, maxima, scale):
         T, B = gi.shape[:2]
-        if not buffers:  # b_hh joins the fixed input part once: a = (gi + b_hh) + s_{t-1} W_hh^T is one GEMM
+        if "gi" not in buffers:  # b_hh joins the fixed input part once: a = (gi + b_hh) + s_{t-1} W_hh^T is one GEMM
             buffers["gi"] = (gi + params[3] if len(params) > 2 else gi).reshape(T * B, H).contiguous()
-            for name in ("a", "f", "d", "rv", "rr"):
-                buffers[name] = torch.empty(T, B, H, dtype=gi.dtype, device=gi.device)
+        _outputs(buffers, gi, (("a", H), ("f", H), ("d", H), ("rv", H), ("rr", H)))
         a, f, d = buffers["a"], buffers["f"], buffers["d"]
         torch.addmm(buffers["gi"], states[:-1].reshape(T * B, H), params[1].t(), out=a.view(T * B, H))
         fixed_point_ops.activation_eval(a, states[1:], f, d, buffers["rv"], buffers["rr"], maxima, scale, self.relu)
@@ -389,10 +398,9 @@ class GRUCell(Cell):
 
     def fused_step(self, gi, states, params, H, buffers, maxima, scale):
         T, B = gi.shape[:2]
-        if not buffers:
+        if "gi" not in buffers:
             buffers["gi"] = gi.contiguous()
-            for name, width in (("gh", 3), ("f", 1), ("c", 4), ("dn", 1), ("rv", 4), ("rr", 1)):
-                buffers[name] = torch.empty(T, B, width * H, dtype=gi.dtype, device=gi.device)
+        _outputs(buffers, gi, (("gh", 3 * H), ("f", H), ("c", 4 * H), ("dn", H), ("rv", 4 * H), ("rr", H)))
         gh, c, dn = buffers["gh"], buffers["c"], buffers["dn"]
         h_prev = states[:-1].reshape(T * B, H)
         if len(params) > 2:  # b_hn stays inside r * (W_hn h + b_hn): the hidden part keeps its bias

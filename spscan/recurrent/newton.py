@@ -418,16 +418,20 @@ class NewtonSolver:
             return ""
 
         # the evaluation at the guess and the update from it: the cell's fused kernels where it has them and the scan
-        # runs on Triton (one GEMM, one evaluation pass, the scan, one update pass and one host sync per
-        # iteration); torch ops otherwise. The same iterates and stopping rule either way.
+        # runs on Triton (one GEMM, one evaluation pass writing the scan's inputs in place, the scan, one update
+        # pass and one host sync per iteration); torch ops otherwise. The same iterates and stopping rule either way.
         if not quasi and layout == "factored" and cell.has_fused_step and \
                 self.forward_plan(T, dev, dt, options.method).backend == "triton":
             states = torch.zeros(T + 1, B, D, dtype=dt, device=dev)  # s_0, then the guess s_1..s_T (initially 0)
             states[0] = s0
-            buffers: dict = {}
             maxima = fixed_point_ops.maxima_buffer(dt, dev)  # max|f|, max|f - s|, max|δ|
             scale = torch.full((1,), scale_j, dtype=dt, device=dev)
             taps = range(0, m * T, m)
+            # the evaluation writes the scan's per-sample values and residual where the scan reads them
+            scan_values = bound.periodic_buffer(B, dt)
+            sample = next(k for k, e in enumerate(scan_values.elements) if e.dim() == 3)
+            scan_extra = bound.extra_buffer(B, dt)
+            buffers: dict = {"rv": scan_values.elements[sample], "rr": scan_extra.terms}
 
             def evaluate():
                 maxima.zero_()
@@ -439,9 +443,10 @@ class NewtonSolver:
                 return max(S, tiny), R
 
             def advance(ev) -> tuple[float, float]:
-                elements = [ev.reversed_factor if hit is None else hit for hit in forward_shared(ev.values)]
-                res = bound.run(PeriodicValues(elements, T), zero, StackedExtra(ev.reversed_residual, taps, m * T + 1),
-                                check=False, scratch=True, graph=True)
+                for dst, hit in zip(scan_values.elements, forward_shared(ev.values)):
+                    if hit is not None:  # a run may reuse the arenas: the shared elements go in before each
+                        dst.copy_(hit)
+                res = bound.run(scan_values, zero, scan_extra, check=False, scratch=True, graph=True)
                 fixed_point_ops.update(res.stacked(taps), states[1:], maxima)
                 S, _, d = maxima.tolist()
                 return max(S, tiny), d

@@ -5,7 +5,8 @@
 * :class:`~spscan.runtime.workspace.Workspace` (``workspace.py``): what a run writes, per batch size,
   dtype and device (arenas, working buffers, captured CUDA graphs).
 * :class:`RunRequest` (``request.py``): one call, built from value sources (a list, a stacked tensor,
-  :class:`ValuesBuffer`, :class:`PeriodicValues`, :class:`StackedExtra`) and output sinks (every
+  :class:`ValuesBuffer`, :class:`PeriodicValues`, :class:`StackedExtra`, the last two also in place as
+  :class:`PeriodicBuffer`, :class:`ExtraBuffer`) and output sinks (every
   gradient, ``keep`` flags, :class:`Collect`).
 
 :class:`BoundPlan` joins a program and its workspace and executes requests into a
@@ -15,11 +16,12 @@ model-parallel scan) runs through it; none reads arenas or work tables.
 
 from spscan.runtime.bound import BoundPlan, BoundProgram
 from spscan.runtime.checks import canonical_device, check_inputs, fmt_bytes
-from spscan.runtime.request import Collect, PeriodicValues, RunRequest, StackedExtra, ValuesBuffer
+from spscan.runtime.request import (Collect, ExtraBuffer, PeriodicBuffer, PeriodicValues, RunRequest, StackedExtra,
+                                   ValuesBuffer)
 from spscan.runtime.result import Gradients, ScanResult
 from spscan.runtime.workspace import CAPTURE_ERROR_MODE, RecycledBuffers, Workspace
 from spscan.kernels.backend import StructuredOperator
 
-__all__ = ["CAPTURE_ERROR_MODE", "BoundPlan", "BoundProgram", "Collect", "Gradients", "PeriodicValues",
-           "RecycledBuffers", "RunRequest", "ScanResult", "StackedExtra", "StructuredOperator", "ValuesBuffer",
+__all__ = ["CAPTURE_ERROR_MODE", "BoundPlan", "BoundProgram", "Collect", "ExtraBuffer", "Gradients", "PeriodicBuffer",
+           "PeriodicValues", "RecycledBuffers", "RunRequest", "ScanResult", "StackedExtra", "StructuredOperator", "ValuesBuffer",
            "Workspace", "canonical_device", "check_inputs", "fmt_bytes"]

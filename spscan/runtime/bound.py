@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from spscan.runtime.checks import canonical_device, check_inputs, fmt_bytes
-from spscan.runtime.request import Collect, PeriodicValues, RunRequest, StackedExtra, ValuesBuffer
+from spscan.runtime.request import (Collect, ExtraBuffer, PeriodicBuffer, PeriodicValues, RunRequest, StackedExtra,
+                                   ValuesBuffer)
 from spscan.runtime.result import ScanResult, _ListResult
 from spscan.runtime.workspace import Workspace
 from spscan.kernels.backend import Backend, Feed, Tap, load_feeds
@@ -30,32 +31,40 @@ from spscan.planner.program import Apply
 __all__ = ["BoundPlan", "BoundProgram"]
 
 
+def _periodic_views(elements: Sequence[tuple[int, bool]], T: int, s_arena: torch.Tensor, p_arena: torch.Tensor,
+                    batch: int, once: bool) -> list[torch.Tensor]:
+    """Where a periodic chain's elements (``(nnz, shared)`` each) lie in the input arenas, laid out as the
+    layer-order concatenation would lay them (shared layers back to back in ``S``, per-sample layers in ``P``):
+    a shared element as a ``(reps, nnz)`` block (``reps`` 1 if ``once``, the binding holding each shared element
+    once, else ``T``), a per-sample one as a ``(T, B, nnz)`` strided view."""
+    views: list[Optional[torch.Tensor]] = [None] * len(elements)
+    reps = 1 if once else T
+    width = sum(nnz for nnz, sh in elements if sh)
+    block = s_arena[: reps * width].view(reps, width)
+    off = 0
+    for k, (nnz, sh) in enumerate(elements):
+        if sh:
+            views[k] = block[:, off : off + nnz]
+            off += nnz
+    width = sum(nnz for nnz, sh in elements if not sh)
+    block = p_arena[:, : T * width].view(batch, T, width)
+    off = 0
+    for k, (nnz, sh) in enumerate(elements):
+        if not sh:
+            views[k] = block[:, :, off : off + nnz].transpose(0, 1)
+            off += nnz
+    return views
+
+
 def _load_periodic(values: PeriodicValues, s_arena: torch.Tensor, p_arena: torch.Tensor, batch: int,
                    once: bool = False) -> None:
-    """Load a periodic chain's values into the input arenas as the layer-order concatenation
-    would (shared layers back to back in ``S``, per-sample layers in ``P``), with one strided
-    copy per element instead of a Python look-up and a concatenation over ``n`` layers.
-    ``once``: the binding holds each shared element once (a periodic signature), not once per period."""
-    T = values.periods
+    """Load a periodic chain's values into the input arenas (:func:`_periodic_views`) with one strided copy per
+    element instead of a Python look-up and a concatenation over ``n`` layers."""
     elements = [values.expanded(k) for k in range(len(values.elements))]
-    shared = [e for e in elements if e.dim() == 1]
-    per = [e for e in elements if e.dim() == 3]
-    if shared:
-        width = sum(int(e.shape[0]) for e in shared)
-        reps = 1 if once else T
-        block = s_arena[: reps * width].view(reps, width)
-        off = 0
-        for e in shared:
-            block[:, off : off + e.shape[0]].copy_(e.unsqueeze(0).expand(reps, -1))
-            off += int(e.shape[0])
-    if per:
-        width = sum(int(e.shape[2]) for e in per)
-        block = p_arena[:, : T * width].view(batch, T, width)
-        off = 0
-        for e in per:
-            block[:, :, off : off + e.shape[2]].copy_(e.transpose(0, 1))
-            off += int(e.shape[2])
-
+    views = _periodic_views([(int(e.shape[-1]), e.dim() == 1) for e in elements], values.periods, s_arena, p_arena,
+                            batch, once)
+    for dst, e in zip(views, elements):
+        dst.copy_(e.unsqueeze(0).expand(dst.shape[0], -1) if e.dim() == 1 else e)
 
 
 class BoundProgram:
@@ -281,6 +290,38 @@ class BoundPlan(BoundProgram):
             views.append(s_arena[off : off + nnz] if self.shared[i] else p_arena[:, off : off + nnz])
         return ValuesBuffer(views, self, (s_arena, p_arena))
 
+    def periodic_buffer(self, batch: int, dtype: torch.dtype = torch.float32) -> PeriodicBuffer:
+        """A periodic binding's values as views into its input arenas (each shared element once, each per-sample one
+        ``(periods, B, nnz)``, strided), to fill in place and pass as ``values``: :meth:`run` then copies nothing.
+
+        Valid until another batch size or dtype is run or the buffers are released; a run may leave the arenas
+        changed, so fill every element before each run.
+        """
+        if not self.period:
+            raise ValueError("periodic_buffer: this binding is not periodic (bind it with period=...)")
+        s_arena, p_arena = self.workspace.arenas(batch, dtype)
+        elements = [(self._nnz[k], self.shared[k]) for k in range(self.period)]
+        views = _periodic_views(elements, self.n // self.period, s_arena, p_arena, batch, once=True)
+        return PeriodicBuffer([v[0] if sh else v for v, (_, sh) in zip(views, elements)], self.n // self.period,
+                              self, (s_arena, p_arena))
+
+    def extra_buffer(self, batch: int, dtype: torch.dtype = torch.float32) -> ExtraBuffer:
+        """The affine terms' slots in the working vectors as one ``(K, B, d)`` strided view, to fill in place and
+        pass as ``extra`` to a run with ``scratch=True`` or ``graph=True`` (which keep the working vectors): the
+        run then copies nothing in. Only for a binding whose terms lie at evenly spaced positions, in evenly
+        spaced columns of one size (a loss on every step of a recurrence: ``ValueError`` otherwise).
+
+        Valid until another batch size or dtype is run or the buffers are released; a run overwrites the slots,
+        so fill them before each run.
+        """
+        if self._extra_block is None:
+            raise ValueError("extra_buffer: this binding's affine terms do not lie in evenly spaced slots of one size")
+        first, gap, d = self._extra_block
+        size_v = self.program.size_v
+        vectors = self.workspace.buffer("vectors", batch * size_v, dtype).view(batch, size_v)
+        terms = vectors.as_strided((len(self._extra_range), batch, d), (gap, size_v, 1), vectors.storage_offset() + first)
+        return ExtraBuffer(terms, self._extra_range, self.n + 1, self, vectors)
+
     # -- the run --------------------------------------------------------------------------
     def run(self, values: Any, grad: Optional[torch.Tensor] = None,
             extra: Optional[Sequence[Optional[torch.Tensor]]] = None, **options) -> ScanResult:
@@ -391,7 +432,7 @@ class BoundPlan(BoundProgram):
         s_arena.narrow(0, prog.zero_s, 1).zero_()
         p_arena.narrow(1, prog.zero_p, 1).zero_()
         vectors.narrow(1, prog.zero_v, 1).zero_()
-        in_place = (isinstance(items, ValuesBuffer) and items.bound is self
+        in_place = (isinstance(items, (ValuesBuffer, PeriodicBuffer)) and items.bound is self
                     and items.arenas[0] is s_arena and items.arenas[1] is p_arena)
         nnz0 = self._nnz[0]
         if stacked and not in_place:
@@ -440,11 +481,14 @@ class BoundPlan(BoundProgram):
                 first, gap, d = self._extra_block
                 if extra.size != d:
                     raise ValueError(f"extra: terms of size {extra.size}, the gradients there have {d}")
-                cols = first + gap * np.arange(extra.terms.shape[0], dtype=np.int64)
-                feeds.append(Feed(cols, d, extra.row0, extra.terms))
-                if graph:  # a captured graph reads the slots: load them now, eagerly
-                    load_feeds(vectors, feeds)
-                    feeds = []
+                if not (isinstance(extra, ExtraBuffer) and extra.bound is self and extra.vectors.data_ptr()
+                        == vectors.data_ptr() and extra.vectors.shape == vectors.shape):
+                    cols = first + gap * np.arange(extra.terms.shape[0], dtype=np.int64)
+                    feeds.append(Feed(cols, d, extra.row0, extra.terms))
+                    if graph:  # a captured graph reads the slots: load them now, eagerly
+                        load_feeds(vectors, feeds)
+                        feeds = []
+                # else: the terms were written into their slots of these vectors (extra_buffer)
             elif (isinstance(extra, StackedExtra) and extra.index == self._extra_range
                   and extra.size == extra.terms.shape[2]):
                 # (K, B, d) -> (B, K*d): the same columns, in the same order, as the concatenation below

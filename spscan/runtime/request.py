@@ -5,7 +5,8 @@ keywords) and executed by :meth:`~spscan.runtime.BoundPlan.execute`.
 
 * **Value sources**: a list of ``n`` tensors (or structured operators), one stacked tensor, a
   :class:`ValuesBuffer` already in the binding's arena, or :class:`PeriodicValues` (a chain that
-  repeats a few elements); affine terms as a list or a :class:`StackedExtra`.
+  repeats a few elements; a :class:`PeriodicBuffer` already in the arena); affine terms as a list or a
+  :class:`StackedExtra` (an :class:`ExtraBuffer` already in their slots).
 * **Output sinks**: every gradient (the default), only those flagged in ``keep``, or rows of some
   gradients stacked into the caller's buffers (:class:`Collect`).
 """
@@ -20,7 +21,7 @@ import torch
 
 from spscan.kernels.backend import ValueEncoding
 
-__all__ = ["Collect", "PeriodicValues", "RunRequest", "StackedExtra", "ValuesBuffer"]
+__all__ = ["Collect", "ExtraBuffer", "PeriodicBuffer", "PeriodicValues", "RunRequest", "StackedExtra", "ValuesBuffer"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,28 @@ class StackedExtra(Sequence):
         full = t.new_zeros(t.shape[0], self.size)
         full[:, self.row0:self.row0 + t.shape[1]] = t
         return full
+
+
+class PeriodicBuffer(PeriodicValues):
+    """A :class:`PeriodicValues` whose elements are views of a periodic binding's input arenas, laid out as a run
+    loads them (see :meth:`~spscan.runtime.BoundPlan.periodic_buffer`): filled in place and passed as ``values``,
+    it is run without a copy."""
+
+    def __init__(self, elements: Sequence[torch.Tensor], periods: int, bound: Any, arenas: tuple) -> None:
+        super().__init__(elements, periods)
+        self.bound = bound
+        self.arenas = arenas
+
+
+class ExtraBuffer(StackedExtra):
+    """A :class:`StackedExtra` whose terms are a view of the slots a binding's working vectors hold them in (see
+    :meth:`~spscan.runtime.BoundPlan.extra_buffer`): filled in place and passed as ``extra`` to a run that keeps
+    its result in the working buffer (``scratch`` or ``graph``), it is run without a copy."""
+
+    def __init__(self, terms: torch.Tensor, index: range, length: int, bound: Any, vectors: torch.Tensor) -> None:
+        super().__init__(terms, index, length)
+        self.bound = bound
+        self.vectors = vectors
 
 
 class Collect(NamedTuple):
