@@ -188,9 +188,17 @@ def _bits(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     raise TypeError(f"fixed-point kernels: expected float32 or float64, got {t.dtype}")
 
 
-def _wide(extent: int) -> bool:
-    """Whether a pass's indices (entries or offsets up to ``extent``) need 64 bits."""
-    return extent >= (1 << 31)
+def _launch_pass(kernel, n: int, maxima: torch.Tensor, slot: int, args: dict, consts: dict, reach: int) -> None:
+    """One launch of an elementwise pass over ``n`` entries (none if ``n`` is 0) that merges its maxima into the
+    integer bits of ``maxima`` from entry ``slot`` on; 64-bit indices where ``n`` or ``reach`` (the farthest offset
+    it computes from a pointer) come near ``2**31``."""
+    if n == 0:
+        return
+    bits, nbits = _bits(maxima)
+    block, warps = launch.pointwise_config(n)
+    wide = max(n, reach) + block >= (1 << 31)
+    launch.launch(kernel, (triton.cdiv(n, block),), dict(args, max_ptr=bits[slot:]),
+                  dict(consts, BITS=nbits, BLOCK=block, WIDE=wide), warps)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor, strided: bool = False) -> None:
@@ -220,16 +228,10 @@ def activation_eval(a: torch.Tensor, s: torch.Tensor, f: torch.Tensor, d: torch.
     for name, t in (("rv", rv), ("rr", rr)):
         _check(name, t, a.shape, a, strided=True)
     steps, batch, width = a.shape
-    n = a.numel()
-    if n == 0:
-        return
-    bits, nbits = _bits(maxima)
-    block, warps = launch.pointwise_config(n)
-    launch.launch(activation_eval_kernel, (triton.cdiv(n, block),),
-                  dict(a_ptr=a, s_ptr=s, f_ptr=f, d_ptr=d, rv_ptr=rv, rr_ptr=rr, max_ptr=bits, scale_ptr=scale,
-                       steps=steps, batch=batch, width=width, rv_t=rv.stride(0), rv_b=rv.stride(1),
-                       rr_t=rr.stride(0), rr_b=rr.stride(1)),
-                  dict(RELU=bool(relu), BITS=nbits, BLOCK=block, WIDE=_wide(max(n, _reach(rv, rr)) + block)), warps)
+    _launch_pass(activation_eval_kernel, a.numel(), maxima, 0,
+                 dict(a_ptr=a, s_ptr=s, f_ptr=f, d_ptr=d, rv_ptr=rv, rr_ptr=rr, scale_ptr=scale, steps=steps,
+                      batch=batch, width=width, rv_t=rv.stride(0), rv_b=rv.stride(1), rr_t=rr.stride(0),
+                      rr_b=rr.stride(1)), dict(RELU=bool(relu)), _reach(rv, rr))
 
 
 def reset_gated_eval(gi: torch.Tensor, gh: torch.Tensor, p: torch.Tensor, f: torch.Tensor, c: torch.Tensor,
@@ -247,15 +249,10 @@ def reset_gated_eval(gi: torch.Tensor, gh: torch.Tensor, p: torch.Tensor, f: tor
     for name, t, w in (("rv", rv, 4), ("rr", rr, 1)):
         _check(name, t, (steps, batch, w * width), p, strided=True)
     n = steps * batch * width
-    if n == 0:
-        return
-    bits, nbits = _bits(maxima)
-    block, warps = launch.pointwise_config(n)
-    launch.launch(reset_gated_eval_kernel, (triton.cdiv(n, block),),
-                  dict(gi_ptr=gi, gh_ptr=gh, p_ptr=p, f_ptr=f, c_ptr=c, dn_ptr=dn, rv_ptr=rv, rr_ptr=rr,
-                       max_ptr=bits, scale_ptr=scale, steps=steps, batch=batch, width=width, rv_t=rv.stride(0),
-                       rv_b=rv.stride(1), rr_t=rr.stride(0), rr_b=rr.stride(1)),
-                  dict(BITS=nbits, BLOCK=block, WIDE=_wide(max(4 * n + batch * width, _reach(rv, rr)) + block)), warps)
+    _launch_pass(reset_gated_eval_kernel, n, maxima, 0,
+                 dict(gi_ptr=gi, gh_ptr=gh, p_ptr=p, f_ptr=f, c_ptr=c, dn_ptr=dn, rv_ptr=rv, rr_ptr=rr, scale_ptr=scale,
+                      steps=steps, batch=batch, width=width, rv_t=rv.stride(0), rv_b=rv.stride(1), rr_t=rr.stride(0),
+                      rr_b=rr.stride(1)), {}, max(4 * n + batch * width, _reach(rv, rr)))
 
 
 def update(d: torch.Tensor, s: torch.Tensor, maxima: torch.Tensor) -> None:
@@ -265,12 +262,6 @@ def update(d: torch.Tensor, s: torch.Tensor, maxima: torch.Tensor) -> None:
         raise ValueError(f"update: expected a 3-d {s.dtype} update on {s.device}, got {tuple(d.shape)} {d.dtype}")
     _check("s", s, d.shape, s)
     steps, batch, width = d.shape
-    n = d.numel()
-    if n == 0:
-        return
-    bits, nbits = _bits(maxima)
-    block, warps = launch.pointwise_config(n)
-    launch.launch(update_kernel, (triton.cdiv(n, block),),
-                  dict(d_ptr=d, s_ptr=s, max_ptr=bits[2:], steps=steps, batch=batch, width=width, d_t=d.stride(0),
-                       d_b=d.stride(1), d_w=d.stride(2)),
-                  dict(BITS=nbits, BLOCK=block, WIDE=_wide(max(n, _reach(d)) + block)), warps)
+    _launch_pass(update_kernel, d.numel(), maxima, 2,
+                 dict(d_ptr=d, s_ptr=s, steps=steps, batch=batch, width=width, d_t=d.stride(0), d_b=d.stride(1),
+                      d_w=d.stride(2)), {}, _reach(d))
