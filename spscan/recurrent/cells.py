@@ -323,8 +323,9 @@ class _RNNCell(Cell):
         a, f, d = buffers["a"], buffers["f"], buffers["d"]
         torch.addmm(buffers["gi"], states[:-1].reshape(T * B, H), params[1].t(), out=a.view(T * B, H))
         fixed_point_ops.activation_eval(a, states[1:], f, d, buffers["rv"], buffers["rr"], maxima, scale, self.relu)
-        coefs = {"d": d}
-        return FusedStep(f, coefs, self.factored_values(coefs, params[1], H), buffers["rv"], buffers["rr"])
+        if "w" not in buffers:  # the shared element: the weights do not change between evaluations
+            buffers["w"] = self.factored_values({"d": d}, params[1], H)[0]
+        return FusedStep(f, {"d": d}, [buffers["w"], d], buffers["rv"], buffers["rr"])
 
     def pre_activation_grads(self, Gs, coefs, H):
         p = Gs * coefs["d"]
@@ -410,8 +411,10 @@ class GRUCell(Cell):
         fixed_point_ops.reset_gated_eval(buffers["gi"], gh, states, buffers["f"], c, dn, buffers["rv"], buffers["rr"],
                                          maxima, scale)
         coefs = {"dr": c[..., :H], "dz": c[..., H:2 * H], "dn": dn, "dm": c[..., 2 * H:3 * H], "z": c[..., 3 * H:]}
-        values = [gru_weight_values(params[1], H), c, torch.ones(4 * H, dtype=c.dtype, device=c.device)]
-        return FusedStep(buffers["f"], coefs, values, buffers["rv"], buffers["rr"])
+        if "w" not in buffers:  # the shared elements: the weights do not change between evaluations
+            buffers["w"] = gru_weight_values(params[1], H)
+            buffers["ones"] = torch.ones(4 * H, dtype=c.dtype, device=c.device)
+        return FusedStep(buffers["f"], coefs, [buffers["w"], c, buffers["ones"]], buffers["rv"], buffers["rr"])
 
     def pre_activation_grads(self, Gs, coefs, H):
         gr, gz = Gs * coefs["dr"], Gs * coefs["dz"]
