@@ -5,7 +5,8 @@ same test on the same device, the module's own forward (torch's CPU loop, cuDNN 
 the Newton forward of ``spscan.plan(module, x, forward="newton")`` on the same weights and batch
 (B = 16, default initialization, random inputs), and records in ``extra_info``: the iterations
 to converge, the time per iteration, both medians and ``ratio = sequential / newton`` (> 1 means
-the Newton forward is faster), the forward scan's depth and the device. ``mode="step"`` times a
+the Newton forward is faster), the forward scan's depth and the device; CUDA rows also the floor of
+any forward (or step) of that shape and ``fraction_of_floor`` (``bench/floors.py``). ``mode="step"`` times a
 whole training step (forward + loss on every output + backward) of ``spscan.wrap(module, x,
 forward="newton")`` against autograd through the module.
 
@@ -28,12 +29,14 @@ import warnings
 import pytest
 import torch
 from conftest import device_name
+from floors import recurrent_floor
 from torch import nn
 
 import spscan
 from spscan.recurrent.newton import NewtonNotConverged
 
 B = 16
+INPUTS = 8
 FULL = os.environ.get("SPSCAN_BENCH_NEWTON_FULL", "") not in ("", "0")
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 
@@ -61,8 +64,8 @@ def _timed(fn, dev: torch.device) -> float:
 def _setup(cell: str, T: int, H: int, dev: torch.device, mode: str, method: str):
     torch.manual_seed(0)
     options = {"forward": "newton", "newton": {"method": method}}
-    m = CELLS[cell](8, H).to(dev)
-    x = torch.randn(T, B, 8, device=dev)
+    m = CELLS[cell](INPUTS, H).to(dev)
+    x = torch.randn(T, B, INPUTS, device=dev)
     if mode == "forward":
         plan = spscan.plan(m, x, **options)
 
@@ -113,6 +116,8 @@ def _run(benchmark, cell: str, T: int, H: int, dev: torch.device, mode: str, rou
         "ratio_sequential_over_newton": seq / newton,
         "forward_scan_levels": fplan.levels,
     })
+    if dev.type == "cuda":  # the floor of any forward (or step): what the sequential one must read, write and multiply
+        benchmark.extra_info.update(recurrent_floor(cell, T, B, H, INPUTS, mode, newton))
     checked = ", conditioning scan" if info.amplification is not None else ""
     per_iter = newton * 1e3 / max(1, info.iterations)
     print(f"\n[{benchmark.extra_info['device']}] {mode} {method} {cell} T={T} H={H} B={B}: "
