@@ -308,6 +308,23 @@ def test_auto_follows_the_cost_model(monkeypatch):
     with torch.no_grad():
         p.forward(x)
     assert p.last_forward is not None and p.last_forward.converged
+    monkeypatch.undo()
+
+
+def test_auto_explains_the_iteration_count_it_assumed_then_measured():
+    """The forward decision's explanation says how many iterations it costed and where the count came from:
+    ``expected_iterations`` before any Newton forward, the last converged one's count after."""
+    m = make_module("gru", 2, 4, batch_first=False, bias=True)
+    x, _ = make_inputs(m, 40, 2, with_h0=False, dtype=torch.float64)
+    p = spscan.plan(m, x, forward="auto", newton={"expected_iterations": 11})
+    p.forward_method(40, 2, "cpu", torch.float64)
+    assert "11 Newton iterations over the scan (assumed: NewtonOptions.expected_iterations" in \
+        p.forward_decision.explain()
+    _, _, info = newton_forward(m, x, None)
+    p.last_forward = info
+    p.forward_method(40, 2, "cpu", torch.float64)
+    assert f"{info.iterations} Newton iterations over the scan (as the last Newton forward took (T 40, batch 2))" \
+        in p.forward_decision.explain()
 
 
 def test_bad_options_are_refused():

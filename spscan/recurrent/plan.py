@@ -376,12 +376,16 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         if seq_len < 2 or batch < 1:
             return "sequential"
         last = self.last_forward
+        measured = last is not None and last.converged
         est = self.newton.estimate(seq_len, batch, device, dtype, self.newton_options,
-                                   iterations=last.iterations if (last is not None and last.converged) else None)
+                                   iterations=last.iterations if measured else None)
+        source = (f"as the last Newton forward took (T {last.seq_len}, batch {last.batch})" if measured else
+                  "assumed: NewtonOptions.expected_iterations, until a Newton forward has run")
         self.forward_decision = choose(
             f"recurrent forward (T {seq_len}, batch {batch})",
             [Candidate("sequential", est["sequential"], "the module's own forward"),
-             Candidate("newton", est["newton"], f"{int(est.get('iterations', 0))} Newton iterations over the scan")],
+             Candidate("newton", est["newton"],
+                       f"{int(est.get('iterations', 0))} Newton iterations over the scan ({source})")],
             basis=f"{torch.device(device).type} cost model")
         return self.forward_decision.chosen.name
 
