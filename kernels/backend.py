@@ -325,13 +325,6 @@ class FixedPointOps:
     :mod:`spscan.kernels.triton.fixed_point`, whose functions document them."""
 
     @staticmethod
-    def maxima_buffer(dtype: torch.dtype, device) -> torch.Tensor:
-        """The zeroed maxima an evaluation and an update merge into (:func:`.triton.fixed_point.maxima_buffer`)."""
-        from spscan.kernels.triton import fixed_point
-
-        return fixed_point.maxima_buffer(dtype, device)
-
-    @staticmethod
     def activation_eval(a, s, f, d, rv, rr, maxima, scale, relu: bool) -> None:
         """``f = act(a)`` with its derivative, residual and maxima in one pass
         (:func:`spscan.kernels.triton.fixed_point.activation_eval`)."""

@@ -223,9 +223,9 @@ class Cell:
         ``gi`` as for :meth:`step`; ``states`` ``(T+1, B, D)``: ``s_0`` then the guess ``s_1..s_T``; ``buffers``: a
         dict the outputs live in (filled on the first call, reused after; the result views it; a caller may put
         ``"rv"``, the reversed factor, and ``"rr"``, the reversed residual, there first: any views with a unit last
-        stride, such as a scan's input buffers); ``maxima``
-        (:meth:`~spscan.kernels.backend.FixedPointOps.maxima_buffer`, zeroed): ``max|f|`` and ``max|f - s|`` are
-        merged into entries 0 and 1; ``scale``: one entry, the factor of the scan's per-sample values."""
+        stride, such as a scan's input buffers); ``maxima``: three contiguous entries of the values' dtype, zeroed
+        (``max|f|`` and ``max|f - s|`` are merged into entries 0 and 1; an update merges ``max|δ|`` into entry 2);
+        ``scale``: one entry, the factor of the scan's per-sample values."""
         raise NotImplementedError(f"{self.name}: no fused step")
 
     def pre_activation_grads(self, Gs: torch.Tensor, coefs: dict, H: int):

@@ -417,14 +417,18 @@ class NewtonSolver:
                 return "stalled"
             return ""
 
-        # the evaluation at the guess and the update from it: the cell's fused kernels where it has them and the scan
-        # runs on Triton (one GEMM, one evaluation pass writing the scan's inputs in place, the scan, one update
-        # pass and one host sync per iteration); torch ops otherwise. The same iterates and stopping rule either way.
+        # the evaluation at the guess, and the update from it followed by the next evaluation: the cell's fused
+        # kernels where it has them and the scan runs on Triton (per iteration one GEMM, one evaluation pass writing
+        # the scan's inputs in place, the scan and one update pass; the host reads the update's maxima while the
+        # device already evaluates at the new guess, so it never waits on the host between iterations); torch ops
+        # otherwise. The same iterates and stopping rule either way.
         if not quasi and layout == "factored" and cell.has_fused_step and \
                 self.forward_plan(T, dev, dt, options.method).backend == "triton":
             states = torch.zeros(T + 1, B, D, dtype=dt, device=dev)  # s_0, then the guess s_1..s_T (initially 0)
             states[0] = s0
-            maxima = fixed_point_ops.maxima_buffer(dt, dev)  # max|f|, max|f - s|, max|δ|
+            # row k: max|f|, max|f - s| of evaluation k and max|δ| of the update from it (merged on the device)
+            hist = torch.zeros(options.max_iter + 2, 3, dtype=dt, device=dev)
+            row = [0]
             scale = torch.full((1,), scale_j, dtype=dt, device=dev)
             taps = range(0, m * T, m)
             # the evaluation writes the scan's per-sample values and residual where the scan reads them
@@ -432,24 +436,36 @@ class NewtonSolver:
             sample = next(k for k, e in enumerate(scan_values.elements) if e.dim() == 3)
             scan_extra = bound.extra_buffer(B, dt)
             buffers: dict = {"rv": scan_values.elements[sample], "rr": scan_extra.terms}
+            pinned = torch.empty(3, dtype=dt, pin_memory=True) if dev.type == "cuda" else None
 
             def evaluate():
-                maxima.zero_()
-                ev = cell.fused_step(gi, states, params, H, buffers, maxima, scale)
+                ev = cell.fused_step(gi, states, params, H, buffers, hist[row[0]], scale)
                 return ev.f, ev.coefs, ev.values, ev
 
             def measure(ev) -> tuple[float, float]:
-                S, R = maxima[:2].tolist()
+                S, R = hist[row[0], :2].tolist()
                 return max(S, tiny), R
 
-            def advance(ev) -> tuple[float, float]:
+            def advance(ev):
+                k = row[0]
                 for dst, hit in zip(scan_values.elements, forward_shared(ev.values)):
                     if hit is not None:  # a run may reuse the arenas: the shared elements go in before each
                         dst.copy_(hit)
                 res = bound.run(scan_values, zero, scan_extra, check=False, scratch=True, graph=True)
-                fixed_point_ops.update(res.stacked(taps), states[1:], maxima)
-                S, _, d = maxima.tolist()
-                return max(S, tiny), d
+                fixed_point_ops.update(res.stacked(taps), states[1:], hist[k])
+                done_k = None
+                if pinned is not None:  # the row to the host behind the update, without waiting for what follows
+                    pinned.copy_(hist[k], non_blocking=True)
+                    done_k = torch.cuda.Event()
+                    done_k.record()
+                row[0] = k + 1
+                nxt = evaluate()
+                if done_k is not None:
+                    done_k.synchronize()
+                    S, _, d = pinned.tolist()
+                else:
+                    S, _, d = hist[k].tolist()
+                return max(S, tiny), d, nxt
         else:
             guess = [torch.zeros(T, B, D, dtype=dt, device=dev)]  # the initial guess
 
@@ -461,19 +477,19 @@ class NewtonSolver:
                 # the scale: the cell's own outputs (bounded), not the guess
                 return max(float(ev[0].abs().max()), tiny), float(ev[2].abs().max())
 
-            def advance(ev) -> tuple[float, float]:
+            def advance(ev):
                 f, coefs, r = ev
                 S = max(float(f.abs().max()), tiny)
                 delta = solve_affine(bound, m, quasi_values(coefs) if quasi else full_values(coefs, scale_j), r)
                 guess[0] = guess[0] + delta
-                return S, float(delta.abs().max())
+                return S, float(delta.abs().max()), evaluate()
 
         prev_d: Optional[float] = None
         done = False
+        f, coefs, step, ev = evaluate()
         while True:
-            f, coefs, step, ev = evaluate()
             if done:
-                # the final evaluation: states and Jacobians at the converged guess, once its residual confirms it
+                # the evaluation at the converged guess gives its states and Jacobians, once its residual confirms it
                 S, R = measure(ev)
                 if R <= confirm * S:
                     return finish(f, coefs, step, S)
@@ -481,7 +497,7 @@ class NewtonSolver:
             if info.iterations >= options.max_iter:
                 info.reason = "budget"
                 return None, None, None, info
-            S, d = advance(ev)
+            S, d, (f, coefs, step, ev) = advance(ev)  # the update, and the evaluation at the new guess
             info.iterations += 1
             info.deltas.append(d)
             if not math.isfinite(d):
