@@ -1,6 +1,6 @@
 """The Newton forward's fused passes (spscan.kernels.triton.fixed_point, Cell.fused_step): each pass against the
 torch cell it replaces, and whole Newton forwards on the Triton backend against the torch-op iteration and the
-module (Triton's interpreter on CPU)."""
+module: compiled on a CUDA device where there is one, else in Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
@@ -17,8 +17,15 @@ from spscan.recurrent.cells import cell_named, module_params
 from spscan.recurrent.newton import NewtonNotConverged
 from spscan.recurrent.plan import plan_recurrent
 
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 FUSED_KINDS = ["rnn_tanh", "rnn_relu", "gru"]
 PASSES = {"activation_eval_kernel", "reset_gated_eval_kernel", "update_kernel"}
+
+
+def _on_dev(m, x, hx):
+    """The module, input and initial state on the device the tests run on."""
+    hx = None if hx is None else (tuple(h.to(DEV) for h in hx) if isinstance(hx, tuple) else hx.to(DEV))
+    return m.to(DEV), x.to(DEV), hx
 
 
 def _newton(m, x, hx, backend, **kw):
@@ -52,7 +59,7 @@ def _guess(kind, T, B, H, dtype, seed=0, bias=True):
     x = torch.randn(T, B, 3, generator=g, dtype=dtype)
     states = torch.randn(T + 1, B, H, generator=g, dtype=dtype) * 0.8  # s_0 and an arbitrary guess
     gi = torch.addmm(params[2], x.reshape(T * B, 3), params[0].t()).view(T, B, -1) if bias else x @ params[0].t()
-    return params, gi, states
+    return [q.to(DEV) for q in params], gi.to(DEV), states.to(DEV)
 
 
 @pytest.mark.parametrize("kind", FUSED_KINDS)
@@ -63,8 +70,8 @@ def test_fused_step_matches_the_cell(kind, dtype, T, B, H, bias):
     per-sample factor last step first; the maxima; odd sizes, T = B = H = 1."""
     cell = cell_named(kind)
     params, gi, states = _guess(kind, T, B, H, dtype, bias=bias)
-    maxima = fixed_point.maxima_buffer(dtype, gi.device)
-    scale = torch.full((1,), 0.625, dtype=dtype)
+    maxima = fixed_point.maxima_buffer(dtype, DEV)
+    scale = torch.full((1,), 0.625, dtype=dtype, device=DEV)
     ev = cell.fused_step(gi, states, params, H, {}, maxima, scale)
     f, coefs = cell.step(gi, states[:-1], params, H)
     tol = 1e-13 if dtype == torch.float64 else 2e-5
@@ -89,8 +96,8 @@ def test_fused_step_buffers_are_reused_and_maxima_merge():
     cell = cell_named("gru")
     params, gi, states = _guess("gru", 6, 2, 4, torch.float64)
     buffers: dict = {}
-    maxima = fixed_point.maxima_buffer(torch.float64, gi.device)
-    scale = torch.ones(1, dtype=torch.float64)
+    maxima = fixed_point.maxima_buffer(torch.float64, DEV)
+    scale = torch.ones(1, dtype=torch.float64, device=DEV)
     first = cell.fused_step(gi, states, params, 4, buffers, maxima, scale)
     ptrs = {k: v.data_ptr() for k, v in buffers.items()}
     maxima.fill_(100.0)
@@ -105,20 +112,20 @@ def test_maxima_carry_non_finite_values(dtype):
     iteration sees a non-finite update and falls back. A NaN pre-activation gives a NaN state under either
     activation, as torch's, and the maxima see every non-finite state."""
     T, B, H = 5, 2, 3
-    s = torch.zeros(T, B, H, dtype=dtype)
+    s = torch.zeros(T, B, H, dtype=dtype, device=DEV)
     for bad in (float("nan"), float("inf"), -float("inf")):
-        d = torch.randn(T, B, H, dtype=dtype)
+        d = torch.randn(T, B, H, dtype=dtype, device=DEV)
         d[3, 1, 2] = bad
         maxima = fixed_point.maxima_buffer(dtype, s.device)
         fixed_point.update(d, s.clone(), maxima)
         got = maxima[2].item()
         assert (got != got) if bad != bad else got == float("inf")
         for relu in (False, True):
-            a = torch.randn(T, B, H, dtype=dtype)
+            a = torch.randn(T, B, H, dtype=dtype, device=DEV)
             a[0, 0, 0] = bad
             maxima.zero_()
             f, d_, rv, rr = (torch.empty_like(a) for _ in range(4))
-            fixed_point.activation_eval(a, s, f, d_, rv, rr, maxima, torch.ones(1, dtype=dtype), relu=relu)
+            fixed_point.activation_eval(a, s, f, d_, rv, rr, maxima, torch.ones(1, dtype=dtype, device=DEV), relu=relu)
             act = torch.relu(a) if relu else torch.tanh(a)
             assert torch.equal(f.isnan(), act.isnan())
             assert bool(torch.isfinite(maxima[:2]).all()) == bool(act.isfinite().all())
@@ -126,9 +133,9 @@ def test_maxima_carry_non_finite_values(dtype):
 
 def test_update_reads_any_strides_last_step_first():
     T, B, H = 7, 3, 4
-    base = torch.randn(B, 2 * T, H, dtype=torch.float64)
+    base = torch.randn(B, 2 * T, H, dtype=torch.float64, device=DEV)
     d = base.transpose(0, 1)[::2]  # (T, B, H), not contiguous
-    s = torch.randn(T, B, H, dtype=torch.float64)
+    s = torch.randn(T, B, H, dtype=torch.float64, device=DEV)
     want = s + d.flip(0)
     maxima = fixed_point.maxima_buffer(torch.float64, s.device)
     fixed_point.update(d, s, maxima)
@@ -142,12 +149,12 @@ def test_passes_write_strided_scan_inputs():
     T, B, H = 5, 3, 4
     cell = cell_named("gru")
     params, gi, states = _guess("gru", T, B, H, torch.float64)
-    scale = torch.full((1,), 0.5, dtype=torch.float64)
-    plain = cell.fused_step(gi, states, params, H, {}, fixed_point.maxima_buffer(torch.float64, "cpu"), scale)
-    arena = torch.full((B, 2 + T * 9 * H), -7.0, dtype=torch.float64)  # per sample: a gap, then T blocks of 9H
+    scale = torch.full((1,), 0.5, dtype=torch.float64, device=DEV)
+    plain = cell.fused_step(gi, states, params, H, {}, fixed_point.maxima_buffer(torch.float64, DEV), scale)
+    arena = torch.full((B, 2 + T * 9 * H), -7.0, dtype=torch.float64, device=DEV)  # a gap, then T blocks of 9H
     block = arena[:, 2:].view(B, T, 9 * H)
     seeded = {"rv": block[..., H:5 * H].transpose(0, 1), "rr": block[..., 6 * H:7 * H].transpose(0, 1)}
-    got = cell.fused_step(gi, states, params, H, seeded, fixed_point.maxima_buffer(torch.float64, "cpu"), scale)
+    got = cell.fused_step(gi, states, params, H, seeded, fixed_point.maxima_buffer(torch.float64, DEV), scale)
     assert got.reversed_factor is seeded["rv"] and got.reversed_residual is seeded["rr"]
     assert torch.equal(seeded["rv"], plain.reversed_factor) and torch.equal(seeded["rr"], plain.reversed_residual)
     untouched = torch.ones_like(arena, dtype=torch.bool)
@@ -191,7 +198,7 @@ def test_fused_newton_forward_iterates_as_the_torch_loop(kind, dtype, bias):
     """On the Triton backend the cell is evaluated by the fused passes: the same iteration count and stopping
     reason as the torch-op loop, the module's outputs, and what the backward reuses."""
     m = _tame(make_module(kind, 3, 5, batch_first=False, bias=bias)).to(dtype)
-    x, hx = make_inputs(m, 40, 3, with_h0=True, dtype=dtype)
+    m, x, hx = _on_dev(m, *make_inputs(m, 40, 3, with_h0=True, dtype=dtype))
     got, saved, info, kernels = _newton(m, x, hx, "triton")
     ref, ref_saved, ref_info, ref_kernels = _newton(m, x, hx, "torch")
     assert (info.iterations, info.reason) == (ref_info.iterations, ref_info.reason) and info.converged
@@ -222,7 +229,7 @@ def test_fused_newton_writes_the_scan_inputs_in_place(kind, monkeypatch):
     monkeypatch.setattr(bound_mod, "_load_periodic", lambda *a, **k: loads.append("values") or real_load(*a, **k))
     monkeypatch.setattr(bound_mod, "Feed", lambda *a, **k: loads.append("extra") or real_feed(*a, **k))
     m = _tame(make_module(kind, 2, 4, batch_first=False, bias=True))
-    x, hx = make_inputs(m, 30, 2, with_h0=True, dtype=torch.float64)
+    m, x, hx = _on_dev(m, *make_inputs(m, 30, 2, with_h0=True, dtype=torch.float64))
     _, _, info, kernels = _newton(m, x, hx, "triton")
     assert info.iterations >= 2 and info.amplification is None and set(kernels) & PASSES and not loads
 
@@ -232,13 +239,13 @@ def test_fused_newton_gradients_match_autograd(kind):
     """A wrapped module with the Newton forward on the Triton backend: loss.backward() fills every gradient as
     autograd does (the backward reuses the fused pass's coefficients and values), twice, batch size changing."""
     torch.manual_seed(3)
-    m = _tame(make_module(kind, 2, 4, batch_first=True, bias=True))
-    ref = make_module(kind, 2, 4, batch_first=True, bias=True)
+    m = _tame(make_module(kind, 2, 4, batch_first=True, bias=True)).to(DEV)
+    ref = make_module(kind, 2, 4, batch_first=True, bias=True).to(DEV)
     ref.load_state_dict(m.state_dict())
     x0, _ = make_inputs(m, 30, 2, with_h0=False, dtype=torch.float64)
-    w = spscan.wrap(m, x0, forward="newton", backend="triton", levels=0, backward="scan")
+    w = spscan.wrap(m, x0.to(DEV), forward="newton", backend="triton", levels=0, backward="scan")
     for B in (2, 1):
-        x = torch.randn(B, 30, 2, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(B, 30, 2, dtype=torch.float64, device=DEV, requires_grad=True)
         xr = x.detach().clone().requires_grad_(True)
         with warnings.catch_warnings():
             warnings.simplefilter("error", NewtonNotConverged)
@@ -257,7 +264,7 @@ def test_fused_newton_damped_and_single_step():
     """Damping scales the per-sample factor inside the pass (the same iterates as the torch loop); T = 1 and
     B = 1 solve in one iteration."""
     m = _tame(make_module("gru", 2, 3, batch_first=False, bias=True), 0.9)
-    x, hx = make_inputs(m, 25, 2, with_h0=True, dtype=torch.float64)
+    m, x, hx = _on_dev(m, *make_inputs(m, 25, 2, with_h0=True, dtype=torch.float64))
     opts = {"damping": 0.5}
     got, _, info, kernels = _newton(m, x, hx, "triton", newton=opts)
     _, _, ref_info, _ = _newton(m, x, hx, "torch", newton=opts)
@@ -266,7 +273,7 @@ def test_fused_newton_damped_and_single_step():
     with torch.no_grad():
         want = _flat(m(x, hx))
     assert all(rel_err(a, b) <= 1e-12 for a, b in zip(_flat(got), want))
-    x1, hx1 = make_inputs(m, 1, 1, with_h0=True, dtype=torch.float64)
+    _, x1, hx1 = _on_dev(m, *make_inputs(m, 1, 1, with_h0=True, dtype=torch.float64))
     got1, _, info1, _ = _newton(m, x1, hx1, "triton")
     with torch.no_grad():
         want1 = _flat(m(x1, hx1))
@@ -276,10 +283,10 @@ def test_fused_newton_damped_and_single_step():
 def test_lstm_and_quasi_keep_the_torch_evaluation():
     """Cells without a fused pass (the LSTM) and the quasi method evaluate with torch ops on the Triton backend."""
     m = _tame(make_module("lstm", 2, 3, batch_first=False, bias=True))
-    x, hx = make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64)
+    m, x, hx = _on_dev(m, *make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64))
     _, _, _, kernels = _newton(m, x, hx, "triton")
     assert not set(kernels) & PASSES
     m = _tame(make_module("rnn_tanh", 2, 3, batch_first=False, bias=True), 0.5)
-    x, hx = make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64)
+    m, x, hx = _on_dev(m, *make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64))
     _, _, info, kernels = _newton(m, x, hx, "triton", newton={"method": "quasi"})
     assert info.method == "quasi" and not set(kernels) & PASSES

@@ -75,8 +75,8 @@ SUITES_NOT_ON_ONE_GPU = [
 STEP_SUITES = ("rnn_step", "cnn_step", "resnet_step", "recurrent_step", "stacked_step")
 # the paper's RNN sweep over T and B (Figure 8): the sizes the full run keeps within its budget
 FULL_ONLY = "T=10,100,1000,10000,30000;B=1,4,16,64,256"
-TESTS_FULL = (["tests/test_recurrence_kernels.py", "tests/test_gpu.py", "tests/test_linear_run_chunked.py",
-               "tests/test_triton_kernels.py"], None, 150)
+TESTS_FULL = (["tests/test_recurrence_kernels.py", "tests/test_newton_fused.py", "tests/test_gpu.py",
+               "tests/test_linear_run_chunked.py", "tests/test_triton_kernels.py"], None, 150)
 TESTS_QUICK = (["tests/test_gpu.py", "tests/test_linear_run_chunked.py"],
                "sparse-mixed or dense20 or chain20 or graph or chunked", 100)
 MAX_PNGS = 2  # the output folder holds at most 8 files: 6 fixed (tune.json included) + these
