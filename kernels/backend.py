@@ -341,6 +341,14 @@ class FixedPointOps:
         fixed_point.reset_gated_eval(gi, gh, p, f, c, dn, rv, rr, maxima, scale)
 
     @staticmethod
+    def gated_cell_eval(gi, gh, p, f, c, rv, rr, maxima, scale) -> None:
+        """A step with four gates and a cell state, its coefficients, Jacobian, residual and maxima in one pass
+        (:func:`spscan.kernels.triton.fixed_point.gated_cell_eval`)."""
+        from spscan.kernels.triton import fixed_point
+
+        fixed_point.gated_cell_eval(gi, gh, p, f, c, rv, rr, maxima, scale)
+
+    @staticmethod
     def update(d, s, maxima) -> None:
         """The guess plus the scan's stacked update, last step first, and ``max|δ|``
         (:func:`spscan.kernels.triton.fixed_point.update`)."""

@@ -14,12 +14,15 @@ from test_recurrent import make_inputs, make_module, rel_err
 import spscan
 from spscan.kernels.triton import fixed_point, launch
 from spscan.recurrent.cells import cell_named, module_params
-from spscan.recurrent.newton import NewtonNotConverged
+from spscan.recurrent.newton import NewtonNotConverged, transpose_pattern
+from spscan.runtime import PeriodicValues
 from spscan.recurrent.plan import plan_recurrent
 
 DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-FUSED_KINDS = ["rnn_tanh", "rnn_relu", "gru"]
-PASSES = {"activation_eval_kernel", "reset_gated_eval_kernel", "update_kernel"}
+FUSED_KINDS = ["rnn_tanh", "rnn_relu", "gru", "lstm"]
+EVALUATION = {"rnn_tanh": "activation_eval_kernel", "rnn_relu": "activation_eval_kernel",
+              "gru": "reset_gated_eval_kernel", "lstm": "gated_cell_eval_kernel"}
+PASSES = set(EVALUATION.values()) | {"update_kernel"}
 
 
 def _on_dev(m, x, hx):
@@ -42,6 +45,11 @@ def _flat(outputs) -> list[torch.Tensor]:
     return [out] + (list(state) if isinstance(state, tuple) else [state])
 
 
+def _loss(out, state) -> torch.Tensor:
+    """A loss on every output and on the final state (both parts of an LSTM's)."""
+    return out.pow(2).sum() + sum(part.sum() for part in (state if isinstance(state, tuple) else (state,)))
+
+
 def _tame(m, scale=0.7):
     with torch.no_grad():
         for q in m.parameters():
@@ -57,7 +65,8 @@ def _guess(kind, T, B, H, dtype, seed=0, bias=True):
     m = make_module(kind, 3, H, batch_first=False, bias=bias).to(dtype)
     params = [q.detach() for q in module_params(m)]
     x = torch.randn(T, B, 3, generator=g, dtype=dtype)
-    states = torch.randn(T + 1, B, H, generator=g, dtype=dtype) * 0.8  # s_0 and an arbitrary guess
+    D = cell_named(kind).state_size(H)
+    states = torch.randn(T + 1, B, D, generator=g, dtype=dtype) * 0.8  # s_0 and an arbitrary guess
     gi = torch.addmm(params[2], x.reshape(T * B, 3), params[0].t()).view(T, B, -1) if bias else x @ params[0].t()
     return [q.to(DEV) for q in params], gi.to(DEV), states.to(DEV)
 
@@ -80,11 +89,16 @@ def test_fused_step_matches_the_cell(kind, dtype, T, B, H, bias):
     for k in coefs:
         assert (ev.coefs[k] - coefs[k]).abs().max() <= tol, k
     want_values = cell.factored_values(coefs, params[1], H)
+    got_values = PeriodicValues(ev.values, T, ev.encodings)  # the LSTM's gate element as its compact numbers
     assert len(ev.values) == len(want_values)
-    for a, b in zip(ev.values, want_values):
+    for k, b in enumerate(want_values):
+        a = got_values.expanded(k)
         assert a.shape == b.shape and (a - b).abs().max() <= tol
-    per_sample = next(v for v in ev.values if v.dim() == 3)
-    assert torch.equal(ev.reversed_factor, (per_sample * 0.625).flip(0))
+    # the per-sample element transposed (its values in the transposed pattern's order), scaled, last step first
+    j = next(k for k, b in enumerate(want_values) if b.dim() == 3)
+    _, perm = transpose_pattern(cell.factored_patterns(H)[j])
+    want_rv = (got_values.expanded(j)[..., torch.as_tensor(perm, device=DEV)] * 0.625).flip(0)
+    assert (ev.reversed_factor - want_rv).abs().max() <= (0 if kind != "lstm" else tol)  # the LSTM's: products
     assert torch.equal(ev.reversed_residual, (ev.f - states[1:]).flip(0))
     got = maxima.tolist()
     assert got[0] == ev.f.abs().max().item() and got[1] == ev.reversed_residual.abs().max().item() and got[2] == 0
@@ -204,7 +218,7 @@ def test_fused_newton_forward_iterates_as_the_torch_loop(kind, dtype, bias):
     assert (info.iterations, info.reason) == (ref_info.iterations, ref_info.reason) and info.converged
     # one evaluation per iteration and the one that confirms the result, one update per iteration: the next
     # evaluation is queued before the host reads an update's maxima, and none is wasted
-    evaluation = "reset_gated_eval_kernel" if kind == "gru" else "activation_eval_kernel"
+    evaluation = EVALUATION[kind]
     assert kernels[evaluation] == info.iterations + 1 and kernels["update_kernel"] == info.iterations
     assert set(kernels) & PASSES == {evaluation, "update_kernel"} and not set(ref_kernels) & PASSES
     with torch.no_grad():
@@ -218,7 +232,7 @@ def test_fused_newton_forward_iterates_as_the_torch_loop(kind, dtype, bias):
         assert rel_err(a, b) <= 10 * tol
 
 
-@pytest.mark.parametrize("kind", ["rnn_tanh", "gru"])
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
 def test_fused_newton_writes_the_scan_inputs_in_place(kind, monkeypatch):
     """The evaluation pass writes the forward scan's per-sample values and residual into the scan's own buffers:
     no iteration loads values or terms into them (on a GPU each load is a pass over the whole sequence)."""
@@ -234,7 +248,7 @@ def test_fused_newton_writes_the_scan_inputs_in_place(kind, monkeypatch):
     assert info.iterations >= 2 and info.amplification is None and set(kernels) & PASSES and not loads
 
 
-@pytest.mark.parametrize("kind", ["rnn_tanh", "gru"])
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
 def test_fused_newton_gradients_match_autograd(kind):
     """A wrapped module with the Newton forward on the Triton backend: loss.backward() fills every gradient as
     autograd does (the backward reuses the fused pass's coefficients and values), twice, batch size changing."""
@@ -249,10 +263,9 @@ def test_fused_newton_gradients_match_autograd(kind):
         xr = x.detach().clone().requires_grad_(True)
         with warnings.catch_warnings():
             warnings.simplefilter("error", NewtonNotConverged)
-            out, h = w(x)
-        (out.pow(2).sum() + h.sum()).backward()
-        out_r, h_r = ref(xr)
-        (out_r.pow(2).sum() + h_r.sum()).backward()
+            out, state = w(x)
+        _loss(out, state).backward()
+        _loss(*ref(xr)).backward()
         assert rel_err(x.grad, xr.grad) <= 1e-10
         for (name, p), q in zip(m.named_parameters(), ref.parameters()):
             assert rel_err(p.grad, q.grad) <= 1e-10, name
@@ -280,12 +293,13 @@ def test_fused_newton_damped_and_single_step():
     assert info1.iterations == 1 and all(rel_err(a, b) <= 1e-14 for a, b in zip(_flat(got1), want1))
 
 
-def test_lstm_and_quasi_keep_the_torch_evaluation():
-    """Cells without a fused pass (the LSTM) and the quasi method evaluate with torch ops on the Triton backend."""
+def test_materialized_and_quasi_keep_the_torch_evaluation():
+    """The materialized layout and the quasi method evaluate with torch ops on the Triton backend (their scans
+    take other values than the fused passes write)."""
     m = _tame(make_module("lstm", 2, 3, batch_first=False, bias=True))
     m, x, hx = _on_dev(m, *make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64))
-    _, _, _, kernels = _newton(m, x, hx, "triton")
-    assert not set(kernels) & PASSES
+    _, _, info, kernels = _newton(m, x, hx, "triton", layout="materialized")
+    assert info.converged and not set(kernels) & PASSES
     m = _tame(make_module("rnn_tanh", 2, 3, batch_first=False, bias=True), 0.5)
     m, x, hx = _on_dev(m, *make_inputs(m, 20, 2, with_h0=True, dtype=torch.float64))
     _, _, info, kernels = _newton(m, x, hx, "triton", newton={"method": "quasi"})

@@ -36,7 +36,7 @@ KERNELS = {"spgemm_kernel", "spmv_kernel", "gemm_kernel", "gemv_kernel", "linear
            "diag_chunk_kernel", "diag_carry_kernel", "recurrence_chunk_kernel", "recurrence_carry_kernel"}
 RECURRENCE = {"recurrence_chunk_kernel", "recurrence_carry_kernel"}
 # the Newton forward's fused elementwise passes (spscan.kernels.triton.fixed_point): one pass each, no spills
-FIXED_POINT = {"activation_eval_kernel", "reset_gated_eval_kernel", "update_kernel"}
+FIXED_POINT = {"activation_eval_kernel", "reset_gated_eval_kernel", "gated_cell_eval_kernel", "update_kernel"}
 KERNELS |= FIXED_POINT
 # the structured recurrence's kernels at the paper RNN's shape (H = 20), with the default float32 scheme or
 # in float64, are the hot path: no spills there; the GRU's and LSTM's float32 compose kernels hold more
@@ -164,6 +164,9 @@ def _fixed_point_specs() -> list:
                                                 maxima, scale, relu)
                 fixed_point.reset_gated_eval(z(T, B, 3 * H), z(T, B, 3 * H), z(T + 1, B, H), z(T, B, H), z(T, B, 4 * H),
                                              z(T, B, H), z(T, B, 4 * H), z(T, B, H), maxima, scale)
+                fixed_point.gated_cell_eval(z(T, B, 4 * H), z(T, B, 4 * H), z(T + 1, B, 2 * H), z(T, B, 2 * H),
+                                            z(T, B, 6 * H), z(B, T, 9 * H).transpose(0, 1), z(T, B, 2 * H), maxima,
+                                            scale)
                 fixed_point.update(z(B, 2 * T, H).transpose(0, 1)[::2], z(T, B, H), maxima)
     # passes of 2**31 entries or more index in 64 bits (too large to allocate here: the constexpr alone)
     wide = {r.kernel: dataclasses.replace(r, constexprs=tuple((k, True if k == "WIDE" else v) for k, v in r.constexprs))
@@ -237,7 +240,7 @@ def test_specs_cover_every_kernel(specs_file):
         == KERNELS - {"run_carry_kernel", "diag_carry_kernel"} - RECURRENCE
     assert {dict(s["signature"])["v_ptr" if "v_ptr" in dict(s["signature"]) else "c_ptr"] for s in specs
             if s["kernel"] not in FIXED_POINT} == {"*fp32", "*fp64"}
-    assert {dict(s["signature"])["s_ptr"] for s in specs if s["kernel"] in FIXED_POINT - {"reset_gated_eval_kernel"}} \
+    assert {dict(s["signature"])["s_ptr"] for s in specs if s["kernel"] in {"activation_eval_kernel", "update_kernel"}} \
         == {"*fp32", "*fp64"}
 
 

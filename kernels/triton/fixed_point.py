@@ -8,10 +8,12 @@ ops it is a few dozen passes over ``(T, B, H)`` tensors, each launched on its ow
 kernels, each one pass:
 
 * an **evaluation** (:data:`activation_eval_kernel`: ``f = act(a)``; :data:`reset_gated_eval_kernel`:
-  reset and update gates with a candidate ``n = tanh(a_n + r * m_n)``) reads the pre-activations and
-  the guess once and writes ``f``, the derivative coefficients (time order, what a backward reuses),
-  the per-sample diagonal Jacobian factor scaled and **last step first** (the order the forward scan
-  takes its steps in), the residual last step first, and the maxima ``max|f|`` and ``max|f - s|``;
+  reset and update gates with a candidate ``n = tanh(a_n + r * m_n)``; :data:`gated_cell_eval_kernel`: four
+  gates and a cell state) reads the pre-activations and the guess once and writes ``f``, the derivative
+  coefficients (time order, what a backward reuses), the per-sample Jacobian factor (a diagonal; for the
+  gated cell its ``(2W, 5W)`` element, nine CSR values per unit) scaled and **last step first** (the order
+  the forward scan takes its steps in), the residual last step first, and the maxima ``max|f|`` and
+  ``max|f - s|``;
 * an **update** (:data:`update_kernel`) adds the scan's stacked result (any strides, last step first)
   to the guess in time order and finds ``max|δ|``.
 
@@ -33,8 +35,8 @@ import triton.language as tl
 
 from spscan.kernels.triton import launch
 
-__all__ = ["activation_eval_kernel", "reset_gated_eval_kernel", "update_kernel", "activation_eval",
-           "reset_gated_eval", "update", "maxima_buffer"]
+__all__ = ["activation_eval_kernel", "reset_gated_eval_kernel", "gated_cell_eval_kernel", "update_kernel",
+           "activation_eval", "reset_gated_eval", "gated_cell_eval", "update", "maxima_buffer"]
 
 
 @triton.jit
@@ -158,6 +160,74 @@ def reset_gated_eval_kernel(gi_ptr, gh_ptr, p_ptr, f_ptr, c_ptr, dn_ptr, rv_ptr,
 
 
 @triton.jit
+def gated_cell_eval_kernel(gi_ptr, gh_ptr, p_ptr, f_ptr, c_ptr, rv_ptr, rr_ptr, max_ptr, scale_ptr, steps, batch, width,
+                           rv_t, rv_b, rr_t, rr_b, BITS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """A step with four gates and a cell state at every ``(t, b, u)``: with ``gi``/``gh`` ``(T*B, 4W)`` (blocks
+    ``i, f, g, o``) and ``p`` the state buffer ``(T+1, B, 2W)`` (``p[t] = (h, c)`` before step ``t``, ``p[t+1]`` the
+    guess): ``c' = σ(f) c + σ(i) tanh(g)``, ``h' = σ(o) tanh(c')``, ``f`` ``(T, B, 2W)`` = ``(h', c')``. Coefficients
+    ``c`` ``(T*B, 6W)``: ``[k, σ(f), ci, cf, cg, co]`` with ``k = σ(o)(1 - tanh^2 c')``, ``ci = tanh(g) σ(i)(1-σ(i))``,
+    ``cf = c σ(f)(1-σ(f))``, ``cg = σ(i)(1 - tanh^2 g)``, ``co = tanh(c') σ(o)(1-σ(o))``. ``rv`` ``(T, B, 9W)`` at
+    strides ``(rv_t, rv_b, 1)``: the step's ``(2W, 5W)`` Jacobian (``d(h', c')/d(a_i, a_f, a_g, a_o, c)``
+    transposed back: row ``u`` ``[ci k, cf k, cg k, co, σ(f) k]``, row ``W + u`` ``[ci, cf, cg, σ(f)]``, CSR order)
+    scaled, last step first; ``rr`` ``(T, B, 2W)`` at ``(rr_t, rr_b, 1)`` the residual ``f - p[t+1]``, last step
+    first; ``max|f|``, ``max|f - p[t+1]|`` as in :data:`activation_eval_kernel`."""
+    i = _entries(BLOCK, WIDE)
+    row, u, t, b = _step_entry(i, batch, width)
+    ok = t < steps
+    g = row * (4 * width) + u
+    ai = tl.load(gi_ptr + g, mask=ok, other=0.0) + tl.load(gh_ptr + g, mask=ok, other=0.0)
+    af = tl.load(gi_ptr + g + width, mask=ok, other=0.0) + tl.load(gh_ptr + g + width, mask=ok, other=0.0)
+    ag = tl.load(gi_ptr + g + 2 * width, mask=ok, other=0.0) + tl.load(gh_ptr + g + 2 * width, mask=ok, other=0.0)
+    ao = tl.load(gi_ptr + g + 3 * width, mask=ok, other=0.0) + tl.load(gh_ptr + g + 3 * width, mask=ok, other=0.0)
+    sp = row * (2 * width) + u
+    c_prev = tl.load(p_ptr + sp + width, mask=ok, other=0.0)
+    s_h = tl.load(p_ptr + sp + 2 * batch * width, mask=ok, other=0.0)
+    s_c = tl.load(p_ptr + sp + 2 * batch * width + width, mask=ok, other=0.0)
+    scale = tl.load(scale_ptr)
+    gate_i = _sigmoid(ai)
+    gate_f = _sigmoid(af)
+    gate_g = _tanh(ag)
+    gate_o = _sigmoid(ao)
+    c = gate_f * c_prev + gate_i * gate_g
+    tc = _tanh(c)
+    h = gate_o * tc
+    k = gate_o * (1.0 - tc * tc)
+    ci = gate_g * gate_i * (1.0 - gate_i)
+    cf = c_prev * gate_f * (1.0 - gate_f)
+    cg = gate_i * (1.0 - gate_g * gate_g)
+    co = tc * gate_o * (1.0 - gate_o)
+    res_h = tl.where(ok, h - s_h, 0.0)
+    res_c = tl.where(ok, c - s_c, 0.0)
+    tl.store(f_ptr + sp, h, mask=ok)
+    tl.store(f_ptr + sp + width, c, mask=ok)
+    cw = row * (6 * width) + u
+    tl.store(c_ptr + cw, k, mask=ok)
+    tl.store(c_ptr + cw + width, gate_f, mask=ok)
+    tl.store(c_ptr + cw + 2 * width, ci, mask=ok)
+    tl.store(c_ptr + cw + 3 * width, cf, mask=ok)
+    tl.store(c_ptr + cw + 4 * width, cg, mask=ok)
+    tl.store(c_ptr + cw + 5 * width, co, mask=ok)
+    rw = (steps - 1 - t) * rv_t + b * rv_b
+    top = rw + 5 * u  # row u of the transposed Jacobian: five entries
+    tl.store(rv_ptr + top, scale * (ci * k), mask=ok)
+    tl.store(rv_ptr + top + 1, scale * (cf * k), mask=ok)
+    tl.store(rv_ptr + top + 2, scale * (cg * k), mask=ok)
+    tl.store(rv_ptr + top + 3, scale * co, mask=ok)
+    tl.store(rv_ptr + top + 4, scale * (gate_f * k), mask=ok)
+    bottom = rw + 5 * width + 4 * u  # row W + u: four entries
+    tl.store(rv_ptr + bottom, scale * ci, mask=ok)
+    tl.store(rv_ptr + bottom + 1, scale * cf, mask=ok)
+    tl.store(rv_ptr + bottom + 2, scale * cg, mask=ok)
+    tl.store(rv_ptr + bottom + 3, scale * gate_f, mask=ok)
+    rp = (steps - 1 - t) * rr_t + b * rr_b + u
+    tl.store(rr_ptr + rp, res_h, mask=ok)
+    tl.store(rr_ptr + rp + width, res_c, mask=ok)
+    tl.atomic_max(max_ptr, tl.maximum(_absmax_bits(tl.where(ok, h, 0.0), BITS),
+                                      _absmax_bits(tl.where(ok, c, 0.0), BITS)))
+    tl.atomic_max(max_ptr + 1, tl.maximum(_absmax_bits(res_h, BITS), _absmax_bits(res_c, BITS)))
+
+
+@triton.jit
 def update_kernel(d_ptr, s_ptr, max_ptr, steps, batch, width, d_t, d_b, d_w, BITS: tl.constexpr,
                   BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """``s[T-1-j] += d[j]`` for ``d`` ``(steps, batch, width)`` at strides ``(d_t, d_b, d_w)`` and ``s``
@@ -253,6 +323,26 @@ def reset_gated_eval(gi: torch.Tensor, gh: torch.Tensor, p: torch.Tensor, f: tor
                  dict(gi_ptr=gi, gh_ptr=gh, p_ptr=p, f_ptr=f, c_ptr=c, dn_ptr=dn, rv_ptr=rv, rr_ptr=rr, scale_ptr=scale,
                       steps=steps, batch=batch, width=width, rv_t=rv.stride(0), rv_b=rv.stride(1), rr_t=rr.stride(0),
                       rr_b=rr.stride(1)), {}, max(4 * n + batch * width, _reach(rv, rr)))
+
+
+def gated_cell_eval(gi: torch.Tensor, gh: torch.Tensor, p: torch.Tensor, f: torch.Tensor, c: torch.Tensor,
+                    rv: torch.Tensor, rr: torch.Tensor, maxima: torch.Tensor, scale: torch.Tensor) -> None:
+    """One launch of :data:`gated_cell_eval_kernel`: ``p`` ``(T+1, B, 2W)``, ``gi``/``gh`` ``(T, B, 4W)``, ``f``
+    ``(T, B, 2W)``, ``c`` ``(T, B, 6W)``, contiguous; ``rv`` ``(T, B, 9W)`` and ``rr`` ``(T, B, 2W)``, any strides
+    with a unit last one."""
+    if p.dim() != 3 or p.shape[2] % 2:
+        raise ValueError(f"p: expected a (T+1, B, 2W) state buffer, got shape {tuple(p.shape)}")
+    steps, batch, width = p.shape[0] - 1, p.shape[1], p.shape[2] // 2
+    _check("p", p, (steps + 1, batch, 2 * width), p)
+    for name, t, w in (("gi", gi, 4), ("gh", gh, 4), ("f", f, 2), ("c", c, 6)):
+        _check(name, t, (steps, batch, w * width), p)
+    for name, t, w in (("rv", rv, 9), ("rr", rr, 2)):
+        _check(name, t, (steps, batch, w * width), p, strided=True)
+    n = steps * batch * width
+    _launch_pass(gated_cell_eval_kernel, n, maxima, 0,
+                 dict(gi_ptr=gi, gh_ptr=gh, p_ptr=p, f_ptr=f, c_ptr=c, rv_ptr=rv, rr_ptr=rr, scale_ptr=scale,
+                      steps=steps, batch=batch, width=width, rv_t=rv.stride(0), rv_b=rv.stride(1), rr_t=rr.stride(0),
+                      rr_b=rr.stride(1)), {}, max(6 * n + 2 * batch * width, _reach(rv, rr)))
 
 
 def update(d: torch.Tensor, s: torch.Tensor, maxima: torch.Tensor) -> None:

@@ -451,9 +451,9 @@ def recurrence_config(n: int, ny: int, steps: int, chunk: Optional[int] = None,
 
 def pointwise_config(n: int) -> tuple[int, int]:
     """``(block, warps)`` of an elementwise pass over ``n`` entries: 512 entries per program and four
-    warps on a GPU (four entries per thread: 16-byte float32 accesses, and the widest pass, the reset-gated
-    evaluation in float64, within 128 registers: compile report); in the interpreter one program per 64 Ki
-    entries."""
+    warps on a GPU (four entries per thread: 16-byte float32 accesses; the float32 passes within 80
+    registers, the widest, the gated-cell evaluation in float64, within 192, none spilling: compile report);
+    in the interpreter one program per 64 Ki entries."""
     if interpreting():
         return min(1 << 16, next_pow2(n)), 4
     return 512, 4

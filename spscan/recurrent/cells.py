@@ -54,9 +54,12 @@ class FusedStep(NamedTuple):
         f: ``F(s_{t-1}, x_t)`` ``(T, B, D)``.
         coefs: the derivative coefficients, as :meth:`Cell.step` returns them.
         values: the factored step's element values, as :meth:`Cell.factored_values` returns them.
-        reversed_factor: the factored step's one per-sample element (a diagonal, its own transpose) times
-            the scale, last step first ``(T, B, nnz)``: the forward scan's per-sample values.
+        reversed_factor: the factored step's one per-sample element transposed (its values in the transposed
+            pattern's CSR order) times the scale, last step first ``(T, B, nnz)``: the forward scan's per-sample
+            values.
         reversed_residual: ``F(s_{t-1}, x_t) - s_t``, last step first ``(T, B, D)``.
+        encodings: per element of ``values``, ``None`` or the :class:`~spscan.kernels.backend.ValueEncoding` of a
+            per-sample element given as its compact numbers (the LSTM's gate element); ``None``: all plain.
     """
 
     f: torch.Tensor
@@ -64,6 +67,7 @@ class FusedStep(NamedTuple):
     values: list
     reversed_factor: torch.Tensor
     reversed_residual: torch.Tensor
+    encodings: Optional[list] = None
 
 
 class Cell:
@@ -542,6 +546,28 @@ class LSTMCell(Cell):
         top = torch.stack([jhh, k * f], dim=-1).flatten(-2)
         bottom = torch.stack([jch, f], dim=-1).flatten(-2)
         return torch.cat([top, bottom], dim=-1)
+
+    has_fused_step = True
+
+    def fused_step(self, gi, states, params, H, buffers, maxima, scale):
+        T, B = gi.shape[:2]
+        if "gi" not in buffers:
+            buffers["gi"] = gi.contiguous()
+        _outputs(buffers, gi, (("gh", 4 * H), ("f", 2 * H), ("c", 6 * H), ("rv", 9 * H), ("rr", 2 * H)))
+        gh, c = buffers["gh"], buffers["c"]
+        h_prev = states[:-1].view(T * B, 2 * H)[:, :H]  # rows 2H apart: the GEMM reads them where they lie
+        if len(params) > 2:
+            torch.addmm(params[3], h_prev, params[1].t(), out=gh.view(T * B, 4 * H))
+        else:
+            torch.mm(h_prev, params[1].t(), out=gh.view(T * B, 4 * H))
+        fixed_point_ops.gated_cell_eval(buffers["gi"], gh, states, buffers["f"], c, buffers["rv"], buffers["rr"],
+                                        maxima, scale)
+        # the coefficients in the gate element's compact order (lstm_gate_encoding): k, f, ci, cf, cg, co
+        coefs = {name: c[..., q * H:(q + 1) * H] for q, name in enumerate(("k", "f", "ci", "cf", "cg", "co"))}
+        if "w" not in buffers:  # the shared element: the weights do not change between evaluations
+            buffers["w"] = lstm_weight_values(params[1], H)
+        return FusedStep(buffers["f"], coefs, [buffers["w"], c], buffers["rv"], buffers["rr"],
+                         [None, lstm_gate_encoding(H)])
 
     def pre_activation_grads(self, Gs, coefs, H):
         gh, gc = Gs[..., :H], Gs[..., H:]

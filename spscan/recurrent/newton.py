@@ -197,7 +197,7 @@ def quasi_pattern(kind: str, hidden: int) -> sp.csr_array:
 # residual and norm, the scan's values) per step, sample and gate unit; fitted to the measurements
 # in bench/results/calibration.md. Those iterations evaluated the cell with torch ops; the fused passes
 # (kernels/triton/fixed_point.py) move ~10 entries of 4-8 bytes per unit instead of a few dozen, so until
-# they are timed on a device this constant overstates an RNN's or GRU's iteration: "auto" stays on the
+# they are timed on a device this constant overstates a factored iteration: "auto" stays on the
 # side of the sequential forward.
 _SEQUENTIAL_STEP_S = {"cpu": 1.0e-5, "cuda": 5.5e-7}
 _ITERATION_S_PER_UNIT = {"cuda": 1.9e-10}
@@ -301,9 +301,10 @@ class NewtonSolver:
     def solve(self, x: torch.Tensor, s0: torch.Tensor, params: Sequence[torch.Tensor], options: NewtonOptions):
         """Newton iterations for ``x`` (T, B, I) from ``s0`` (B, D).
 
-        Returns ``(states (T, B, D), coefs, step_values, info)`` where ``coefs``/``step_values`` are
-        the cell's derivative coefficients and backward Jacobian values at the returned states (for
-        the backward to reuse), or ``(None, None, None, info)`` when it did not converge.
+        Returns ``(states (T, B, D), coefs, step_values, info)`` where ``coefs`` are the cell's derivative
+        coefficients at the returned states and ``step_values`` the factored chain's values there, a
+        :class:`~spscan.runtime.PeriodicValues` (``None`` for the materialized layout), for the backward to
+        reuse; or ``(None, None, None, info)`` when it did not converge.
         """
 
         own = self.owner
@@ -401,7 +402,7 @@ class NewtonSolver:
                     info.converged, info.reason = False, "ill-conditioned"
                     return None, None, None, info
             if step is None and layout == "factored":
-                step = cell.factored_values(coefs, w_hh, H)
+                step = PeriodicValues(cell.factored_values(coefs, w_hh, H), T)
             return f, coefs, step, info
 
         def stop(d: float, S: float, prev_d: Optional[float]) -> str:
@@ -440,7 +441,7 @@ class NewtonSolver:
 
             def evaluate():
                 ev = cell.fused_step(gi, states, params, H, buffers, hist[row[0]], scale)
-                return ev.f, ev.coefs, ev.values, ev
+                return ev.f, ev.coefs, PeriodicValues(ev.values, T, ev.encodings), ev
 
             def measure(ev) -> tuple[float, float]:
                 S, R = hist[row[0], :2].tolist()

@@ -76,7 +76,7 @@ from torch import nn
 
 from spscan.recurrent.cells import (cell_for, module_layout, module_params, recurrent_patterns,
                                     resolve_layout, sequence_dims, time_major)
-from spscan.runtime import Collect, PeriodicValues, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
+from spscan.runtime import Collect, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Candidate, Decision, choose
 from spscan.runtime.plan import build_plan
@@ -441,7 +441,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
             return None
         hs = states[..., :H]
         if self.layout == "factored":
-            values = PeriodicValues(step_values, T)
+            values = step_values
         else:
             values = cell.jacobian_values(self.layout, coefs, params[1], H)
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
