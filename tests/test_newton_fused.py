@@ -212,7 +212,7 @@ def test_fused_newton_forward_iterates_as_the_torch_loop(kind, dtype, bias):
     """On the Triton backend the cell is evaluated by the fused passes: the same iteration count and stopping
     reason as the torch-op loop, the module's outputs, and what the backward reuses."""
     m = _tame(make_module(kind, 3, 5, batch_first=False, bias=bias)).to(dtype)
-    m, x, hx = _on_dev(m, *make_inputs(m, 40, 3, with_h0=True, dtype=dtype))
+    m, x, hx = _on_dev(m, *make_inputs(m, 24, 3, with_h0=True, dtype=dtype))
     got, saved, info, kernels = _newton(m, x, hx, "triton")
     ref, ref_saved, ref_info, ref_kernels = _newton(m, x, hx, "torch")
     assert (info.iterations, info.reason) == (ref_info.iterations, ref_info.reason) and info.converged
@@ -256,10 +256,10 @@ def test_fused_newton_gradients_match_autograd(kind):
     m = _tame(make_module(kind, 2, 4, batch_first=True, bias=True)).to(DEV)
     ref = make_module(kind, 2, 4, batch_first=True, bias=True).to(DEV)
     ref.load_state_dict(m.state_dict())
-    x0, _ = make_inputs(m, 30, 2, with_h0=False, dtype=torch.float64)
+    x0, _ = make_inputs(m, 16, 2, with_h0=False, dtype=torch.float64)
     w = spscan.wrap(m, x0.to(DEV), forward="newton", backend="triton", levels=0, backward="scan")
     for B in (2, 1):
-        x = torch.randn(B, 30, 2, dtype=torch.float64, device=DEV, requires_grad=True)
+        x = torch.randn(B, 16, 2, dtype=torch.float64, device=DEV, requires_grad=True)
         xr = x.detach().clone().requires_grad_(True)
         with warnings.catch_warnings():
             warnings.simplefilter("error", NewtonNotConverged)
@@ -277,7 +277,7 @@ def test_fused_newton_damped_and_single_step():
     """Damping scales the per-sample factor inside the pass (the same iterates as the torch loop); T = 1 and
     B = 1 solve in one iteration."""
     m = _tame(make_module("gru", 2, 3, batch_first=False, bias=True), 0.9)
-    m, x, hx = _on_dev(m, *make_inputs(m, 25, 2, with_h0=True, dtype=torch.float64))
+    m, x, hx = _on_dev(m, *make_inputs(m, 12, 2, with_h0=True, dtype=torch.float64))
     opts = {"damping": 0.5}
     got, _, info, kernels = _newton(m, x, hx, "triton", newton=opts)
     _, _, ref_info, _ = _newton(m, x, hx, "torch", newton=opts)
