@@ -216,9 +216,6 @@ class Cell:
         """Values ``(T, B, nnz)`` of the quasi-Newton ``J_t`` in :meth:`quasi_pattern`'s CSR order."""
         raise NotImplementedError
 
-    #: whether :meth:`fused_step` evaluates this cell (else a Newton forward evaluates it with :meth:`step`)
-    has_fused_step: bool = False
-
     def fused_step(self, gi: torch.Tensor, states: torch.Tensor, params: Sequence[torch.Tensor], H: int,
                    buffers: dict, maxima: torch.Tensor, scale: torch.Tensor) -> FusedStep:
         """:meth:`step` at every step in one GEMM and one fused pass (:data:`spscan.kernels.backend.fixed_point_ops`),
@@ -230,7 +227,7 @@ class Cell:
         stride, such as a scan's input buffers); ``maxima``: three contiguous entries of the values' dtype, zeroed
         (``max|f|`` and ``max|f - s|`` are merged into entries 0 and 1; an update merges ``max|δ|`` into entry 2);
         ``scale``: one entry, the factor of the scan's per-sample values."""
-        raise NotImplementedError(f"{self.name}: no fused step")
+        raise NotImplementedError
 
     def pre_activation_grads(self, Gs: torch.Tensor, coefs: dict, H: int):
         """Gate pre-activation gradients ``(T, B, G*H)`` of the input and the hidden GEMMs from ``dl/ds_t``
@@ -317,8 +314,6 @@ class _RNNCell(Cell):
     def quasi_values(self, coefs, w_hh, H):
         return coefs["d"] * torch.diagonal(w_hh, dim1=-2, dim2=-1)
 
-    has_fused_step = True
-
     def fused_step(self, gi, states, params, H, buffers, maxima, scale):
         T, B = gi.shape[:2]
         if "gi" not in buffers:  # b_hh joins the fixed input part once: a = (gi + b_hh) + s_{t-1} W_hh^T is one GEMM
@@ -398,8 +393,6 @@ class GRUCell(Cell):
     def quasi_values(self, coefs, w_hh, H):
         wd = torch.diagonal(w_hh.view(3, H, H), dim1=-2, dim2=-1)
         return coefs["dr"] * wd[0] + coefs["dz"] * wd[1] + coefs["dm"] * wd[2] + coefs["z"]
-
-    has_fused_step = True
 
     def fused_step(self, gi, states, params, H, buffers, maxima, scale):
         T, B = gi.shape[:2]
@@ -546,8 +539,6 @@ class LSTMCell(Cell):
         top = torch.stack([jhh, k * f], dim=-1).flatten(-2)
         bottom = torch.stack([jch, f], dim=-1).flatten(-2)
         return torch.cat([top, bottom], dim=-1)
-
-    has_fused_step = True
 
     def fused_step(self, gi, states, params, H, buffers, maxima, scale):
         T, B = gi.shape[:2]

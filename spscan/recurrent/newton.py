@@ -402,7 +402,7 @@ class NewtonSolver:
                     info.converged, info.reason = False, "ill-conditioned"
                     return None, None, None, info
             if step is None and layout == "factored":
-                step = PeriodicValues(cell.factored_values(coefs, w_hh, H), T)
+                step = cell.jacobian_values(layout, coefs, w_hh, H)
             return f, coefs, step, info
 
         def stop(d: float, S: float, prev_d: Optional[float]) -> str:
@@ -419,12 +419,11 @@ class NewtonSolver:
             return ""
 
         # the evaluation at the guess, and the update from it followed by the next evaluation: the cell's fused
-        # kernels where it has them and the scan runs on Triton (per iteration one GEMM, one evaluation pass writing
+        # kernels where the scan runs on Triton (per iteration one GEMM, one evaluation pass writing
         # the scan's inputs in place, the scan and one update pass; the host reads the update's maxima while the
         # device already evaluates at the new guess, so it never waits on the host between iterations); torch ops
         # otherwise. The same iterates and stopping rule either way.
-        if not quasi and layout == "factored" and cell.has_fused_step and \
-                self.forward_plan(T, dev, dt, options.method).backend == "triton":
+        if not quasi and layout == "factored" and self.forward_plan(T, dev, dt, options.method).backend == "triton":
             states = torch.zeros(T + 1, B, D, dtype=dt, device=dev)  # s_0, then the guess s_1..s_T (initially 0)
             states[0] = s0
             # row k: max|f|, max|f - s| of evaluation k and max|δ| of the update from it (merged on the device)
