@@ -190,7 +190,9 @@ class OpaqueUnit(LayerUnit):
         own = [p for _, p in self._params] if aliases is None else aliases
         want = [x for x, w in zip(xis, inputs) if w and x.requires_grad]
         params = [p for p, n in zip(own, needed) if n and p.requires_grad]
-        got: list = []
+        # a call whose result does not depend on what it is asked about (``x.detach()``, ``x > 0``): None each,
+        # zeros below, as autograd gives a graph tensor's gradient through a constant
+        got: list = [None] * (len(want) + len(params))
         if (want or params) and y.requires_grad:
             got = list(torch.autograd.grad(y, want + params, g.reshape(y.shape), retain_graph=True, allow_unused=True))
         gis: list[Optional[torch.Tensor]] = []
