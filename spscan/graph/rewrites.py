@@ -12,6 +12,13 @@ check that the rewritten graph computes what the model's own forward computes.
   An update of a tensor that shares memory with another one read later (``v = x[:, :2]; v.relu_()`` and
   ``x`` read again) is refused by the tracing (:meth:`~spscan.graph.trace.Traced._check_no_alias`): out of
   place, the other tensor would not see it.
+* **What the forward computes without gradients stops them** (:func:`gradient_stops`). fx records the
+  calls inside ``with torch.no_grad():`` as any others; the tracer marks each node with the grad mode it
+  was made in (:data:`GRAD_ENABLED`), and where a value made without gradients is read with them, the
+  reader reads it through :func:`detached` (its gradient there is zero, as autograd's). An in-place update
+  made without gradients of a tensor that has them (``with torch.no_grad(): h.clamp_(0, 1)``: later readers
+  see the new values, and autograd passes their gradient to ``h`` unchanged) is refused: out of place it
+  would be a gradient stop, which autograd's is not.
 * **Differences as sums** (:func:`subtractions_as_sums`): ``a - b`` of two computed tensors is
   ``a + (-b)``.
 * **The graph computes the model's forward** (:func:`check_graph_is_the_forward`): fx records ``h += y`` as
@@ -33,13 +40,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spscan.errors import NotPlannable
+from spscan.graph.nodes import node_source, node_text
 
-__all__ = ["OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward", "out_of_place", "subtractions_as_sums"]
+__all__ = ["GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward", "detached",
+           "gradient_stops", "out_of_place", "subtractions_as_sums"]
 
 #: ``node.meta`` key: a ``call_module`` node whose module writes its result into its input (``inplace=True``)
 WRITES_INPUT = "spscan_writes_input"
 #: ``node.meta`` key: the node whose tensor this (rewritten) node updated in the model, for the alias check
 UPDATES = "spscan_updates"
+#: ``node.meta`` key: whether gradients were enabled where the forward made the node (set by the tracer)
+GRAD_ENABLED = "spscan_grad_enabled"
 
 # ``operator.iadd(a, b)`` written out (fx's proxies have no ``__iadd__``: ``a += b`` is traced as ``a + b``)
 _AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -156,6 +167,50 @@ def out_of_place(graph: fx.Graph, root: nn.Module) -> list[fx.Node]:
         target.replace_all_uses_with(node, delete_user_cb=lambda user: order[user] > order[node])
         updated.append(node)
     return updated
+
+
+def detached(v: Any) -> Any:
+    """``v`` without gradients: a tensor detached, a tuple (a structseq, a named tuple) or list of tensors each
+    detached, anything else as it is (a size computed without gradients)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, (tuple, list)):
+        items = [detached(e) for e in v]
+        if hasattr(type(v), "n_fields"):  # torch.return_types: x.max(1)'s (values, indices)
+            return type(v)(items)
+        if hasattr(v, "_fields"):
+            return type(v)(*items)
+        return type(v)(items)
+    return v
+
+
+_COMPUTED = ("call_function", "call_method", "call_module")
+
+
+def gradient_stops(graph: fx.Graph, updates: list[fx.Node], updates_state: Callable[[fx.Node], bool]) -> None:
+    """Where a node made without gradients (``meta[GRAD_ENABLED]`` False: inside ``torch.no_grad()``) is read by
+    one made with them, or is the output, make that reader read ``detached(node)`` (see the module docstring).
+    ``updates``: the in-place nodes :func:`out_of_place` rewrote; one made without gradients that does not
+    update a parameter or buffer (``updates_state``) is refused (:class:`NotPlannable`), naming its source."""
+    for node in updates:
+        if node.meta.get(GRAD_ENABLED, True) is False and not updates_state(node):
+            raise NotPlannable(f"the forward updates a tensor in place under torch.no_grad() ({node_text(node)} at "
+                               f"{node_source(node)}): autograd passes the updated tensor's gradient through that "
+                               "update unchanged, which the scan's graph, computing it out of place, cannot")
+    for node in list(graph.nodes):
+        if node.op not in _COMPUTED or node.meta.get(GRAD_ENABLED, True) is not False:
+            continue
+        readers = [u for u in node.users if u.op == "output" or u.meta.get(GRAD_ENABLED, True) is not False]
+        if not readers:
+            continue
+        with graph.inserting_after(node):
+            stop = graph.call_function(detached, (node,))
+        stop.meta[GRAD_ENABLED] = True
+        if "nn_module_stack" in node.meta:
+            stop.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+        stop.stack_trace = node.stack_trace
+        for u in readers:
+            u.replace_input_with(node, stop)
 
 
 def subtractions_as_sums(graph: fx.Graph, is_sub: Callable[[fx.Node], bool]) -> None:

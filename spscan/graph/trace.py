@@ -14,7 +14,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spscan.errors import NotPlannable
-from spscan.graph.rewrites import UPDATES, WRITES_INPUT, check_graph_is_the_forward, out_of_place, subtractions_as_sums
+from spscan.graph.rewrites import (UPDATES, WRITES_INPUT, check_graph_is_the_forward, detached, gradient_stops,
+                                   out_of_place, subtractions_as_sums)
 from spscan.graph.recurrent import RECURRENT_TYPES, RecurrentCall, RecurrentNodeUnit, recurrent_calls
 from spscan.graph.segments import Leaf
 from spscan.graph.outputs import chain_end
@@ -72,6 +73,8 @@ class Traced:
             if not stateful:
                 break
             self.stateful |= stateful  # traced again, those modules as leaves
+        # what the forward computes under its own torch.no_grad() is read through a gradient stop
+        gradient_stops(self.graph, self.updates, self._updates_state)
         # a recurrent layer is one node run by its recurrent wrapper (graph_recurrent)
         self.recurrent_calls = recurrent_calls(self.graph, model)
         subtractions_as_sums(self.graph, lambda n: SCALAR_FORMS.get(node_key(n, model)) == "sub")
@@ -86,12 +89,19 @@ class Traced:
         self.virtual: dict[fx.Node, list[fx.Node]] = {}
         x = example_input.detach()
         x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
+        # the planner's run of the nodes on the example leaves the model's buffers as they were (a functional
+        # train-mode batch_norm on them updates its running statistics)
+        buffers = [(t, t.clone()) for t in model.buffers()]
         try:
             self._propagate(x2)
         except ExampleRejected as e:
             raise_if_forward_fails(model, example_input)  # the model's own error on the example is the user's
             raise NotPlannable(f"{e}; the model itself runs on the example, so its per-sample shapes depend on the "
                                "batch size (the planner traces a batch of 2)") from e
+        finally:
+            with torch.no_grad():
+                for t, v in buffers:
+                    t.copy_(v)
         # the rewritten graph must compute the model's own forward (fx does not record every in-place update)
         check_graph_is_the_forward(model, self.graph, x2)
         self._drop_dead()
@@ -126,14 +136,23 @@ class Traced:
             self.model = Whole(model)
             return tracer.trace(self.model)
 
+    def _updates_state(self, node: fx.Node) -> bool:
+        """Whether ``node`` (in place, rewritten out of place) updates a parameter or buffer, or a view of one."""
+        target = node.meta[UPDATES]
+        while target.op != "get_attr":
+            if UPDATES in target.meta:  # an update of an update's result (``self.ema.mul_(0.9).add_(y)``)
+                target = target.meta[UPDATES]
+            elif node_key(target, self.model) in _MOVES and target.args and isinstance(target.args[0], fx.Node):
+                target = target.args[0]
+            else:
+                return False
+        return True
+
     def _updates_state_of(self, node: fx.Node) -> Optional[str]:
         """The path of the innermost submodule whose forward ``node`` updates a parameter or buffer of (in place,
         rewritten out of place: ``self.num_batches_tracked.add_(1)``), else None (also for the model itself)."""
-        target = node.meta[UPDATES]
-        while target.op != "get_attr":
-            if node_key(target, self.model) not in _MOVES or not target.args or not isinstance(target.args[0], fx.Node):
-                return None
-            target = target.args[0]
+        if not self._updates_state(node):
+            return None
         stack = node.meta.get("nn_module_stack")
         path = list(stack.values())[-1][0] if stack else ""
         return path or None
@@ -387,6 +406,10 @@ class Traced:
     def _why_opaque(self, node: fx.Node, builder: Any, consts: list, tensor_inputs: list) -> str:
         """Why a node without a unit's form runs its own backward (what ``explain()`` says of it)."""
         if builder is None:
+            if node.target is detached or (node.op == "call_method" and node.target == "detach") \
+                    or node.target is torch.detach:
+                return ("a gradient stop (.detach(), or a value the forward computes under torch.no_grad()): its "
+                        "J^T is zero")
             if node.op == "call_module":
                 m = self.model.get_submodule(node.target)
                 if node.target in self.stateful:

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from spscan.chain.model import has_hooks
 from spscan.chain.wrapper import PLAIN_ARGUMENT_TYPES
+from spscan.graph.rewrites import GRAD_ENABLED
 
 __all__ = ["ExampleRejected", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
            "raise_if_forward_fails"]
@@ -95,6 +96,22 @@ class LeafTracer(fx.Tracer):
     # a buffer read in the forward is a node (``self.pos[:t]`` slices it with a traced size), as a parameter is
     proxy_buffer_attributes = True
 
+    def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:  # type: ignore[override]
+        """fx's trace, with gradients enabled as a training step's forward runs: a node made inside the
+        forward's own ``torch.no_grad()`` is marked so (``meta[GRAD_ENABLED]``, :func:`gradient_stops`)."""
+        with torch.enable_grad():
+            return super().trace(root, concrete_args)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta[GRAD_ENABLED] = torch.is_grad_enabled()
+        return node
+
+    def _filter_traceback_frames(self, user_stack_summary):  # fx's hook: a node's recorded source lines
+        """fx's frames of the forward, less this tracer's own (a node's source is the model's line)."""
+        frames = super()._filter_traceback_frames(user_stack_summary)
+        return type(frames).from_list([f for f in frames if f.filename != __file__])
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return has_hooks(m) or module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
 
@@ -160,7 +177,7 @@ class ShapeTracer(LeafTracer):
     def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:  # type: ignore[override]
         buffers = [(t, t.clone()) for t in root.buffers()]
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]):
                 return super().trace(root, concrete_args)
         finally:
             for t, v in buffers:
@@ -174,7 +191,8 @@ class ShapeTracer(LeafTracer):
         elif kind != "output":
             self._running = True
             try:
-                self.examples[p.node] = tuple(self._run(kind, target, args, kwargs, i) for i in range(2))
+                with torch.no_grad():
+                    self.examples[p.node] = tuple(self._run(kind, target, args, kwargs, i) for i in range(2))
             except Exception:  # an example the call rejects: its sizes stay traced
                 pass
             finally:

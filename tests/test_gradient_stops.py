@@ -1,0 +1,199 @@
+"""Gradient stops as people write them give autograd's gradients through the scan (float64): ``.detach()``,
+a value computed inside the forward's own ``with torch.no_grad():`` (fx records those calls as any others;
+the tracer marks them and their readers read them through a gradient stop), comparisons feeding
+``torch.where``; an in-place update under ``torch.no_grad()`` of a tensor that has gradients (a
+straight-through estimator) is refused under a forced scan and runs autograd's own step under ``auto``; and
+planning leaves the model's buffers as they were (a functional train-mode ``batch_norm`` on them)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spscan
+from spscan.errors import NotPlannable
+
+
+def _steps(model: nn.Module, x: torch.Tensor, backward: str = "scan", batches=(4, 3, 4)) -> nn.Module:
+    """Wrap ``model`` and compare output, input and parameter gradients and buffers with autograd on a copy,
+    float64, over steps of several batch sizes; the wrapper."""
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a forced scan names the nodes it runs as their own backward
+        w = spscan.wrap(model, x, backward=backward)
+        for step, b in enumerate(batches):
+            # planning left the buffers as they were; every step updates them alike
+            for a, b_ in zip(model.buffers(), ref.buffers()):
+                assert torch.equal(a, b_), f"step {step}: a buffer differs before the step"
+            xs = torch.randn((b,) + tuple(x.shape[1:]), dtype=x.dtype, generator=torch.Generator().manual_seed(step))
+            xa, xb = xs.clone().requires_grad_(), xs.clone().requires_grad_()
+            for p in (*model.parameters(), *ref.parameters()):
+                p.grad = None
+            ya, yb = w(xa), ref(xb)
+            assert torch.allclose(ya, yb, rtol=1e-12, atol=1e-14), f"step {step}: forward"
+            wt = torch.randn(yb.shape, dtype=yb.dtype, generator=torch.Generator().manual_seed(10 + step))
+            (ya * wt).sum().backward()
+            (yb * wt).sum().backward()
+            pairs = [("input", xa.grad, xb.grad)] + [(n, p.grad, q.grad) for (n, p), q in
+                                                     zip(model.named_parameters(), ref.parameters())]
+            for name, a, b_ in pairs:
+                if b_ is None:  # autograd leaves it None: no gradient reached it (zeros from the scan are the same)
+                    assert a is None or not a.any(), f"step {step}: {name}"
+                    continue
+                err = float((a - b_).abs().max()) / max(float(b_.abs().max()), 1e-300)
+                assert err <= 1e-11, f"step {step}: {name} differs by {err:.2e} (relative)"
+        for a, b_ in zip(model.buffers(), ref.buffers()):
+            assert torch.equal(a, b_), "a buffer differs after the last step"
+    return w
+
+
+class _Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        s = (self.a(x).abs().mean(1, keepdim=True) + 1).detach()
+        return self.o(self.a(x) / s)
+
+
+class _NoGradNormalizer(nn.Module):
+    """A normalizer computed without gradients, with a layer of its own read only there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.side, self.o = nn.Linear(12, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            s = torch.sigmoid(self.side(h)).sum(1, keepdim=True) + 1
+        return self.o(torch.tanh(h) * s)
+
+
+class _NoGradMax(nn.Module):
+    """``x.max(1)`` (values and indices) computed without gradients, its values read with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            m = h.max(1, keepdim=True)
+        return self.o(h - m.values)
+
+
+class _NestedModes(nn.Module):
+    """``torch.enable_grad()`` inside ``torch.no_grad()``: the inner region has gradients again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(12, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            s = torch.tanh(h)
+            with torch.enable_grad():
+                t = self.b(h)
+        return self.o(h * s + t)
+
+
+class _Where(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.o(torch.where(h > 0, h, 0.1 * h))
+
+
+class _Ema(nn.Module):
+    """A running mean kept by hand: ``self.mean.mul_(m).add_(...)`` under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(12))
+
+    def forward(self, h):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
+        return h - self.mean
+
+
+class _WithEma(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.ema, self.o = nn.Linear(12, 12), _Ema(), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.o(torch.relu(self.ema(self.a(x))))
+
+
+class _FunctionalBatchNorm(nn.Module):
+    """``F.batch_norm`` in train mode on the model's own buffers (its running statistics updated each step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 8)
+        self.w, self.b = nn.Parameter(torch.rand(8) + 0.5), nn.Parameter(torch.randn(8))
+        self.register_buffer("rm", torch.zeros(8))
+        self.register_buffer("rv", torch.ones(8))
+
+    def forward(self, x):
+        return F.batch_norm(self.a(x), self.rm, self.rv, self.w, self.b, training=self.training)
+
+
+MODELS = {"detach": _Detached, "no_grad_normalizer": _NoGradNormalizer, "no_grad_max": _NoGradMax,
+          "nested_modes": _NestedModes, "where": _Where, "ema_buffer": _WithEma,
+          "functional_batch_norm": _FunctionalBatchNorm}
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradient_stops_give_autograds_gradients(name, backward):
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    _steps(model, torch.randn(4, 12, dtype=torch.float64), backward)
+
+
+def test_a_gradient_stop_says_so_in_explain():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(_NoGradNormalizer().double(), torch.randn(4, 12, dtype=torch.float64), backward="scan")
+    assert "a gradient stop (.detach(), or a value the forward computes under torch.no_grad())" in w.explain()
+
+
+class _StraightThrough(nn.Module):
+    """Rounding with a straight-through gradient: autograd passes ``h``'s gradient through the no-grad update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h.copy_(h.round())
+        return self.o(h)
+
+
+def test_an_inplace_update_without_gradients_is_refused_and_auto_runs_autograd():
+    torch.manual_seed(0)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    with pytest.raises(NotPlannable, match=r"in place under torch.no_grad\(\).*h.copy_\(h.round\(\)\)"):
+        spscan.wrap(_StraightThrough().double(), x, backward="scan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto says it runs autograd's own backward
+        w = _steps(_StraightThrough().double(), x, "auto")
+    assert "torch.no_grad()" in w.explain()
