@@ -328,3 +328,41 @@ def test_each_sequence_length_is_planned_for_that_length(backward):
         (node,) = [u for u in w.plan.units if isinstance(u, RecurrentNodeUnit)]
         assert w.plan.in_shape == (steps, 2) and node.recurrent.seq_len == steps
     assert {shape for _, shape in w._plans} == {(9, 2), (14, 2), (5, 2)}
+
+
+class CellLoop(nn.Module):
+    """A cell unrolled in Python, its state passed on whole: ``st = self.cell(x[:, t], st)``. An ``LSTMCell``'s
+    ``(h, c)`` is a tuple, which the graph does not take apart: one opaque node recomputes the calls before it."""
+
+    def __init__(self, cell: type, steps: int):
+        super().__init__()
+        self.cell, self.steps, self.pair = cell(3, 4), steps, cell is nn.LSTMCell
+
+    def forward(self, x):
+        st, outs = None, []
+        for t in range(self.steps):
+            st = self.cell(x[:, t], st)
+            outs.append(st[0] if self.pair else st)
+        return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("cell,steps", [(nn.LSTMCell, 2), (nn.LSTMCell, 3), (nn.GRUCell, 3), (nn.RNNCell, 2)])
+def test_a_cell_unrolled_in_python_gives_autograds_gradients(cell, steps, backward):
+    """The opaque node that recomputes a shared cell's earlier calls asks autograd for each parameter's gradient
+    once (it was listed once per call, and its gradient, the sum over all of them, counted that many times)."""
+    torch.manual_seed(0)
+    model = CellLoop(cell, steps).double()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, torch.randn(3, steps, 3, dtype=torch.float64), backward=backward)
+    for step, b in enumerate((3, 2)):
+        torch.manual_seed(10 + step)
+        x = torch.randn(b, steps, 3, dtype=torch.float64)
+        wt = torch.randn(b, steps, 4, dtype=torch.float64)
+        y, gx = _step(w, x, wt)
+        y_ref, gx_ref = _step(ref, x, wt)
+        assert _rel(y, y_ref) <= 1e-12 and _rel(gx, gx_ref) <= 1e-12
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-12, f"step {step}: {n}"

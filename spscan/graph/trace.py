@@ -50,6 +50,18 @@ _MOVES = {operator.getitem, torch.reshape, torch.flatten, torch.permute, torch.t
 
 
 
+
+def _each_once(params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """``params`` with each parameter once (its first name): an opaque node's backward asks autograd for one
+    gradient per parameter, the sum over every read of it in the node's call."""
+    seen: set[int] = set()
+    out = []
+    for name, p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
 class Traced:
     """The traced graph with per-node example values, units and the series-parallel parse."""
 
@@ -384,6 +396,7 @@ class Traced:
         params += [(f"{t}.{n}", p) for t in mods for n, p in self.model.get_submodule(t).named_parameters()]
         params += [(f"{n.target.path}.{k}", p) for n in order if isinstance(n.target, RecurrentCall)
                    for k, p in n.target.module.named_parameters()]
+        params = _each_once(params)  # a module recomputed twice here (an LSTMCell fed its own state) reads them once
         inner = [f"self.{t} ({type(self.model.get_submodule(t)).__name__})" for t in mods]
 
         def call(*ts: torch.Tensor) -> Any:
@@ -476,6 +489,8 @@ class Traced:
             if sel is not None:
                 self._add_unit(node, sel, name, False, tensor_inputs)
                 return y
+        # one role per parameter: the node's backward gives each its whole gradient through every read of it
+        params = _each_once(params)
         if isinstance(node.target, RecurrentCall):
             unit: OpaqueUnit = RecurrentNodeUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call,
                                                  label, params, own_cost, call=node.target)
