@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -934,3 +936,39 @@ def test_only_the_gradients_needed_are_computed(kind, frozen):
     r = plan.backward(saved, torch.ones(4, 9, 5, dtype=torch.float64), None, None, wanted=frozenset({"input"}))
     assert r["input"] is not None and r["weight_ih_l0"] is None and r["weight_hh_l0"] is None
     assert r["bias_ih_l0"] is None
+
+
+@pytest.mark.parametrize("forward", ["sequential", "newton"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("unbatched", [False, True])
+@pytest.mark.parametrize("cls,layers,bidirectional", [(nn.RNN, 1, False), (nn.GRU, 1, False), (nn.LSTM, 1, False),
+                                                      (nn.LSTM, 2, False), (nn.GRU, 1, True)])
+def test_outputs_are_laid_out_as_the_modules_own(cls, layers, bidirectional, unbatched, batch_first, forward):
+    """Every output has the strides of the module's own (a batch-first output is a view of time-major memory
+    on the CPU): dropout after the layer draws its mask into a tensor of those strides, so with the same seed
+    the wrapped module and the module give the same masked output. And each is a tensor of its own, which the
+    caller may change in place (autograd refuses that for a function's outputs that are views)."""
+    torch.manual_seed(0)
+    m = cls(3, 5, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first).double()
+    x = torch.randn(4, 7, 3, dtype=torch.float64)
+    x = x[0] if unbatched else x
+    w = spscan.wrap(copy.deepcopy(m), x, backward="scan", forward=forward)
+    got, want = w(x.clone().requires_grad_()), m(x.clone().requires_grad_())
+    def flat(o):
+        return [o[0], *(o[1] if isinstance(o[1], tuple) else (o[1],))]
+
+    for a, b in zip(flat(got), flat(want)):
+        assert a.stride() == b.stride() and torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    drop = nn.Dropout(0.5)
+    torch.manual_seed(1)
+    a = drop(got[0])
+    torch.manual_seed(1)
+    assert torch.allclose(a, drop(want[0]), rtol=1e-12, atol=1e-14)
+    grads = []
+    for f, inplace in ((w, True), (m, False)):
+        xi = x.clone().requires_grad_()
+        out = f(xi)[0]
+        out = out.mul_(2.0) if inplace else out * 2.0
+        (out * out).sum().backward()
+        grads.append(xi.grad)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-10, atol=1e-14)

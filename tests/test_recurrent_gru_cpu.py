@@ -119,7 +119,7 @@ def test_gru_compiled_forward_equals_module(monkeypatch, dtype, shape, bias, wit
     tol = 4e-15 if dtype == torch.float64 else 2e-6
     for a, b in ((out, want_out), (h_n, want_h)):
         assert a.shape == b.shape and a.dtype == b.dtype and rel_err(a, b) <= tol, (rel_err(a, b), tol)
-    assert out.is_contiguous()
+    assert out.stride() == want_out.stride()  # laid out as the module lays its output out
     _no_compiled_forward(monkeypatch)
     assert not plan._compiled_forward_applies(x, hx)
     (ref_out, _), ref_saved = plan.forward(x, hx)

@@ -366,3 +366,43 @@ def test_a_cell_unrolled_in_python_gives_autograds_gradients(cell, steps, backwa
         assert _rel(y, y_ref) <= 1e-12 and _rel(gx, gx_ref) <= 1e-12
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert _rel(p.grad, q.grad) <= 1e-12, f"step {step}: {n}"
+
+
+class WordLM(nn.Module):
+    """PyTorch's word-language-model pattern: dropout on the embeddings and on the layer's whole output."""
+
+    def __init__(self, cell: type, batch_first: bool):
+        super().__init__()
+        self.emb, self.drop, self.dec = nn.Embedding(20, 6), nn.Dropout(0.3), nn.Linear(5, 20)
+        self.rnn, self.batch_first = cell(6, 5, batch_first=batch_first), batch_first
+
+    def forward(self, ids):
+        e = self.drop(self.emb(ids))
+        out, _ = self.rnn(e if self.batch_first else e.transpose(0, 1))
+        out = self.drop(out)
+        return self.dec(out if self.batch_first else out.transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_dropout_on_a_recurrent_output_draws_the_models_mask(cell, batch_first):
+    """In train mode the graph's recurrent output is laid out as the layer's (time-major memory), so dropout on
+    it draws the model's mask from the same seed: the model is planned (it was refused as computing another
+    output than its forward), and outputs and gradients are autograd's, step after step."""
+    torch.manual_seed(0)
+    model = WordLM(cell, batch_first).double()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, torch.randint(0, 20, (4, 9)), backward="scan")
+    assert any(isinstance(u, RecurrentNodeUnit) for u in w.plan.units)
+    for step, b in enumerate((4, 3)):
+        ids = torch.randint(0, 20, (b, 9), generator=torch.Generator().manual_seed(step))
+        wt = torch.randn(b, 9, 20, dtype=torch.float64)
+        torch.manual_seed(5 + step)
+        y, _ = _step(w, ids, wt)
+        torch.manual_seed(5 + step)
+        y_ref, _ = _step(ref, ids, wt)
+        assert _rel(y, y_ref) <= 1e-12
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-11, f"step {step}: {n}"

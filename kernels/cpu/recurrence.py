@@ -84,7 +84,7 @@ def activation_recurrence_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torc
         w_hh: ``(H, H)`` the recurrent matrix ``W``.
         h0: ``(B, H)`` initial state.
         relu: ``act`` is relu (else tanh, through the same ``expm1`` as the gated forms').
-        batch_first: return ``hs`` as ``(B, T, H)`` (the tiles write it so directly).
+        batch_first: return ``hs`` as ``(B, T, H)``, a view of ``(T, B, H)`` memory (as torch's modules do).
         buffers: an object whose ``take(name, shape, dtype)`` hands out the tensors the chain values
             are written to (a caller that runs every step keeps one and gets last step's back: fresh
             multi-MB tensors page-fault on first touch), or ``None``: new tensors.
@@ -119,7 +119,7 @@ def activation_recurrence_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torc
         return hs, d.transpose(1, 2)
     if isinstance(gi, InputProjection):
         gi = gi.materialize()
-    hs = torch.empty(T, B, H, dtype=dt)
+    out, hs = _time_major_outputs(T, B, H, dt, batch_first)
     acc = np.empty((B, H), dtype=np_dt)
     e = np.empty(B * H, dtype=np_dt)
     bits = np.empty(B * H, dtype=itype)
@@ -127,7 +127,7 @@ def activation_recurrence_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torc
                            h0.detach().contiguous().numpy(), cst, icst, bool(relu), hs.numpy(), d.numpy(),
                            np.empty((B, H), dtype=np_dt), acc, e, bits, bits.view(np_dt))
     _fill_prev(prev, hs, h0)
-    return _as_layout(hs, batch_first), d.transpose(1, 2)
+    return out, d.transpose(1, 2)
 
 
 def gated_cell_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
@@ -160,7 +160,7 @@ def gated_cell_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c
     if B < TILE_MIN_BATCH:
         if isinstance(gi, InputProjection):
             gi = gi.materialize()
-        hs = torch.empty(T, B, H, dtype=dt)
+        out, hs = _time_major_outputs(T, B, H, dt, batch_first)
         vals = _values_tensor(buffers, "values", (T, B, 6 * H), dt)
         acc = np.empty((B, G), dtype=np_dt)
         e = np.empty((5, B * H), dtype=np_dt)
@@ -170,7 +170,7 @@ def gated_cell_forward(gi: torch.Tensor, w_hh: torch.Tensor, h0: torch.Tensor, c
                                cst, icst, hs.numpy(), vals.numpy(), c.numpy().reshape(-1), acc, e, w, bits,
                                bits.view(np_dt))
         _fill_prev(prev, hs, h0)
-        return _as_layout(hs, batch_first), c, vals
+        return out, c, vals
     gif, wi, bt, xv = _tile_input_operands(gi, np_dt)
     # the gate element's compact numbers entry-major, (T, 6H, B) memory viewed as (T, B, 6H): the
     # linear scan reads a tile of them in place (kernels/cpu/chain.py)
@@ -241,7 +241,7 @@ def reset_gated_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[tor
         return hs, d.transpose(1, 2), dn.permute(1, 2, 0)
     if isinstance(gi, InputProjection):
         gi = gi.materialize()
-    hs = torch.empty(T, B, H, dtype=dt)
+    out, hs = _time_major_outputs(T, B, H, dt, batch_first)
     dn = _values_tensor(buffers, "dn", (T, B, H), dt)
     acc = np.empty((B, G), dtype=np_dt)
     e = np.empty((3, B * H), dtype=np_dt)
@@ -251,7 +251,7 @@ def reset_gated_forward(gi: torch.Tensor, w_hh: torch.Tensor, b_hn: Optional[tor
                             h0.detach().contiguous().numpy(), cst, icst, hs.numpy(), d.numpy(),
                             np.empty((B, 4 * H), dtype=np_dt), dn.numpy(), acc, e, w, bits, bits.view(np_dt))
     _fill_prev(prev, hs, h0)
-    return _as_layout(hs, batch_first), d.transpose(1, 2), dn
+    return out, d.transpose(1, 2), dn
 
 
 class InputProjection(NamedTuple):
@@ -355,19 +355,24 @@ def _values_tensor(buffers, name: str, shape: tuple, dt: torch.dtype) -> torch.T
     return torch.empty(shape, dtype=dt) if buffers is None else buffers.take(name, shape, dt)
 
 
+def _time_major_outputs(T: int, B: int, H: int, dt: torch.dtype, batch_first: bool):
+    """``(out, hs)``: the outputs in the caller's layout, ``(T, B, H)`` or for ``batch_first`` ``(B, T, H)``, in
+    ``(T, B, H)`` memory either way (a tensor of its own with those strides, not a view: a caller may change it
+    in place), and ``hs``, its ``(T, B, H)`` view the forward writes. torch's own CPU modules lay a batch-first
+    output out so, and what reads it in memory order (dropout's random mask, drawn into a tensor of the
+    output's strides) then sees the order it sees after the module itself."""
+    if not batch_first:
+        hs = torch.empty(T, B, H, dtype=dt)
+        return hs, hs
+    out = torch.empty_strided((B, T, H), (H, B * H, 1), dtype=dt)
+    return out, out.transpose(0, 1)
+
+
 def _outputs(T: int, B: int, H: int, dt: torch.dtype, batch_first: bool):
-    """``(hs, flat, time_stride, sample_stride)``: the outputs the tiles write, ``(T, B, H)``, or
-    ``(B, T, H)`` when ``batch_first`` (a batch-first output, without a copy)."""
-    if batch_first:
-        hs = torch.empty(B, T, H, dtype=dt)
-        return hs, hs.numpy().reshape(-1), H, T * H
-    hs = torch.empty(T, B, H, dtype=dt)
-    return hs, hs.numpy().reshape(-1), B * H, H
-
-
-def _as_layout(hs: torch.Tensor, batch_first: bool) -> torch.Tensor:
-    """``hs`` ``(T, B, H)`` as :func:`_outputs` lays it out (one copy for ``batch_first``)."""
-    return hs.transpose(0, 1).contiguous() if batch_first else hs
+    """``(out, flat, time_stride, sample_stride)``: the outputs (:func:`_time_major_outputs`) and their memory
+    as the tiles write it."""
+    out, hs = _time_major_outputs(T, B, H, dt, batch_first)
+    return out, hs.numpy().reshape(-1), B * H, H
 
 
 def _gate_major(gi: torch.Tensor) -> torch.Tensor:

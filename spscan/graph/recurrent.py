@@ -138,7 +138,10 @@ class Unpack:
         start = sum(steps if p == "output" else size for p in self.parts[:self.parts.index(self.which)])
         if self.which == "output":
             out = packed.narrow(1, start, steps).reshape(b, steps // self.width, self.width)
-            return out if self.batch_first else out.transpose(0, 1)
+            # time-major memory, as the layer lays its output out (a batch-first one is a view of it): what reads
+            # it in memory order (dropout's random mask) reads it as in the model
+            out = out.transpose(0, 1).contiguous()
+            return out.transpose(0, 1) if self.batch_first else out
         return packed.narrow(1, start, size).reshape(b, self.layers, self.hidden).transpose(0, 1)
 
     def __repr__(self) -> str:

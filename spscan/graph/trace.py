@@ -379,8 +379,11 @@ class Traced:
                 or int(src.min()) < 0 or int(src.max()) >= d_in or torch.unique(src).numel() != src.numel():
             return None
         if src.numel() == d_in and bool((src == torch.arange(d_in)).all()):
-            return PerSampleReshapeUnit(len(self.units), _PerSampleReshape(tuple(y.shape[1:])), tuple(x.shape[1:]),
-                                        tuple(y.shape[1:]))
+            # laid out as the chain lays it out (a batch-first recurrent output: a view of time-major memory)
+            memory = None if probe.is_contiguous() else tuple(sorted(range(probe.dim()),
+                                                                     key=lambda d: (-probe.stride(d), d)))
+            return PerSampleReshapeUnit(len(self.units), _PerSampleReshape(tuple(y.shape[1:]), memory),
+                                        tuple(x.shape[1:]), tuple(y.shape[1:]))
         return SelectionUnit(len(self.units), _Selection("index", src.numpy()), tuple(x.shape[1:]), tuple(y.shape[1:]))
 
     def _evaluator(self, node: fx.Node, inputs: list[fx.Node]):

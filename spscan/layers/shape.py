@@ -75,14 +75,24 @@ class UnflattenUnit(ReshapeUnit):
 
 
 class _PerSampleReshape(nn.Module):
-    """``view``/``reshape``/``flatten`` that keeps the batch dim: ``(B, *a) -> (B, *shape)``."""
+    """``view``/``reshape``/``flatten`` that keeps the batch dim: ``(B, *a) -> (B, *shape)``.
 
-    def __init__(self, shape: tuple[int, ...]):
+    ``memory``: where the traced chain's result is laid out in another order than row-major (a batch-first
+    recurrent layer's output, a view of time-major memory), its dims from the outermost in memory to the
+    innermost: the result is made so too, so what reads it in memory order (dropout's mask) reads it as in the
+    model."""
+
+    def __init__(self, shape: tuple[int, ...], memory: Optional[tuple[int, ...]] = None):
         super().__init__()
         self.shape = tuple(shape)
+        self.memory = None if memory is None else tuple(memory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape((x.shape[0],) + self.shape)
+        y = x.reshape((x.shape[0],) + self.shape)
+        if self.memory is None:
+            return y
+        back = sorted(range(len(self.memory)), key=self.memory.__getitem__)
+        return y.permute(self.memory).contiguous().permute(back)
 
 
 class PerSampleReshapeUnit(ReshapeUnit):

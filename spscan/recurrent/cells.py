@@ -662,6 +662,18 @@ def module_layout(t: torch.Tensor, batch_first: bool, unbatched: bool = False) -
     return t.transpose(0, 1) if batch_first else t
 
 
+def module_output(t: torch.Tensor, batch_first: bool, unbatched: bool = False) -> torch.Tensor:
+    """:func:`module_layout` of ``t`` as a tensor of its own, laid out as torch's modules lay their output out:
+    time-major memory, a batch-first output a ``(B, T, ...)`` view of it (what reads it in memory order, dropout's
+    random mask, then reads it as after the module itself), and not a view of ``t`` (the caller may change it in
+    place, which autograd refuses for a function's outputs that are views)."""
+    if not batch_first and not unbatched and t._base is None and t.is_contiguous():
+        return t  # already so
+    lay = module_layout(torch.empty(t.shape, dtype=t.dtype, device="meta"), batch_first, unbatched)
+    out = torch.empty_strided(lay.shape, lay.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(module_layout(t, batch_first, unbatched))
+
+
 # --------------------------------------------------------------------------- patterns and gates
 
 

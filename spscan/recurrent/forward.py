@@ -98,8 +98,8 @@ class CompiledForwards:
         hs, c_n, coefs, step, encodings = self.cell.compiled_forward(xz, params, h0, c0, m.bias, batch_first,
                                                                      self.buffers, z)
         values = PeriodicValues(step, T, encodings=encodings)
-        # hs as the forward wrote it: (B, T, H) for a batch-first module, else (T, B, H)
-        out = hs.squeeze(1) if unbatched else hs
+        # hs in the module's layout: (B, T, H) for a batch-first module (a view of (T, B, H) memory), else (T, B, H)
+        out = hs.squeeze(1).clone() if unbatched else hs  # a tensor of its own (the caller may change it in place)
         shape = (1, H) if unbatched else (1, B, H)
         h_n = time_major(hs, batch_first)[-1].reshape(shape).clone()
         saved = Saved(x=xt, h_prev=z[:H].permute(1, 2, 0), operands=z, coefs=coefs, values=values, T=T, B=B,

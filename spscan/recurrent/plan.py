@@ -74,7 +74,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from spscan.recurrent.cells import (cell_for, module_layout, module_params, recurrent_patterns,
+from spscan.recurrent.cells import (cell_for, module_layout, module_output, module_params, recurrent_patterns,
                                     resolve_layout, sequence_dims, time_major)
 from spscan.runtime import Collect, RecycledBuffers, ScanResult, StackedExtra, fmt_bytes
 from spscan.runtime.graphed import GraphedStep
@@ -447,7 +447,7 @@ class RecurrentPlan(CompiledForwards, RecurrentFront):
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]], dim=0)
         saved = Saved(x=xt, h_prev=h_prev, coefs=coefs, values=values, T=T, B=B, unbatched=unbatched,
                        params=params, dtype=hs.dtype, device=hs.device)
-        out = module_layout(hs, m.batch_first, unbatched)
+        out = module_output(hs, m.batch_first, unbatched)  # h of the joint states (the LSTM's interleave c)
         shape = (1, H) if unbatched else (1, B, H)
         h_n, c_n = (None if s is None else s.reshape(shape).clone() for s in cell.split_joint(states[-1], H))
         return cell.module_outputs((out, h_n, c_n)), saved

@@ -57,7 +57,8 @@ import torch
 from torch import nn
 
 from spscan.recurrent.backward import check_input
-from spscan.recurrent.cells import MODULE_TYPES, Cell, check_cell_form, module_layout, sequence_dims, time_major
+from spscan.recurrent.cells import (MODULE_TYPES, Cell, check_cell_form, module_layout, module_output, sequence_dims,
+                                    time_major)
 from spscan.runtime.autograd import holds_tensors
 from spscan.runtime.graphed import GraphedStep
 from spscan.planner.choose import Decision
@@ -254,7 +255,7 @@ class StackedRecurrentPlan(RecurrentFront):
                     mask.div_(1 - p_drop)
                 inp = inp * mask
             masks.append(mask)
-        out = module_layout(inp, m.batch_first, unbatched)
+        out = module_output(inp, m.batch_first, unbatched)
         hn = _layers_state(h_n, unbatched)
         outputs = (out, self.cell.join_hx(hn, None if c_n[0] is None else _layers_state(c_n, unbatched)))
         saved = _StackedSaved(subs, masks, T, B, unbatched, m.batch_first) if need_saved else None
