@@ -197,3 +197,57 @@ def test_an_inplace_update_without_gradients_is_refused_and_auto_runs_autograd()
         warnings.simplefilter("ignore")  # auto says it runs autograd's own backward
         w = _steps(_StraightThrough().double(), x, "auto")
     assert "torch.no_grad()" in w.explain()
+
+
+class _GradReverse(torch.autograd.Function):
+    """A gradient reversal layer (domain-adversarial training): the identity forward, a negated backward."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.alpha * g, None
+
+
+class _Adversarial(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.c, self.d = nn.Linear(12, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.f(x))
+        return torch.cat([self.c(h), self.d(_GradReverse.apply(h, 0.5))], 1)
+
+
+def test_a_custom_autograd_function_is_refused_and_auto_runs_autograd():
+    """fx traces through the function's forward; its gradient is its backward's: a forced scan refuses the model,
+    naming the function, and ``auto`` runs autograd's own step (the reversed gradient)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    with pytest.raises(NotPlannable, match=r"torch.autograd.Function .*_GradReverse"):
+        spscan.wrap(_Adversarial().double(), x, backward="scan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _steps(_Adversarial().double(), x, "auto")
+
+
+class _Checkpointed(nn.Module):
+    """torch's own reentrant checkpointing (an autograd.Function whose gradient is its forward's): planned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(12, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x,
+                                              use_reentrant=True)
+        return self.o(h)
+
+
+def test_torchs_own_checkpoint_function_is_traced_through():
+    torch.manual_seed(0)
+    w = _steps(_Checkpointed().double(), torch.randn(4, 12, dtype=torch.float64), "scan")
+    assert type(w).__name__ != "NativeModule"

@@ -324,3 +324,33 @@ def test_random_stacks_of_inplace_and_out_of_place_forms(steps, seed):
     torch.manual_seed(seed)
     model = _Stack(steps).double().eval()
     _check_grads(model, torch.randn(3, 5, dtype=torch.float64), batches=(3, 2))
+
+
+class _ItemAssignment(nn.Module):
+    """Item assignment as people write it: fx's proxies have none, the tracer records it as ``operator.setitem``,
+    and the rewrite runs it on a copy that every later reader (another name for the tensor too) reads."""
+
+    def __init__(self, form: int) -> None:
+        super().__init__()
+        self.a, self.o, self.form = nn.Linear(12, 12), nn.Linear(12, 4), form
+
+    def forward(self, x):
+        y = self.a(x)
+        z = y
+        if self.form == 0:
+            y[:, 0] = 0
+        elif self.form == 1:
+            y[:, :2] *= 2
+        elif self.form == 2:
+            y[:, 3:5] = torch.tanh(y[:, 5:7])
+        else:
+            y[:, 1] = 3.0
+            return self.o(z) + y.sum(1, keepdim=True)
+        return self.o(y)
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("form", range(4))
+def test_item_assignment_gives_autograds_gradients(form, backward):
+    torch.manual_seed(0)
+    _check_grads(_ItemAssignment(form).double(), torch.randn(4, 12, dtype=torch.float64), backward)

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import inspect
+import operator
+import sys
 from typing import Any, Optional
 
 import torch
@@ -15,7 +17,7 @@ import torch.nn as nn
 
 from spscan.chain.model import has_hooks
 from spscan.chain.wrapper import PLAIN_ARGUMENT_TYPES
-from spscan.graph.rewrites import GRAD_ENABLED
+from spscan.graph.rewrites import CUSTOM_FUNCTION, GRAD_ENABLED
 
 __all__ = ["ExampleRejected", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
            "raise_if_forward_fails"]
@@ -84,6 +86,35 @@ def raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
             t.copy_(v)
 
 
+_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+
+
+def _enclosing_function() -> Optional[type]:
+    """A ``torch.autograd.Function`` whose ``apply`` is running further up the stack (fx traces through its
+    forward): a user's where there is one, else one of torch's own; None where there is none."""
+    found, frame = None, sys._getframe(2)
+    while frame is not None:
+        cls = frame.f_locals.get("cls") if frame.f_code is _APPLY else None
+        if isinstance(cls, type):
+            if not _torchs_own(cls):
+                return cls
+            found = cls
+        frame = frame.f_back
+    return found
+
+
+def _torchs_own(fn: type) -> bool:
+    return fn.__module__ == "torch" or fn.__module__.startswith("torch.")
+
+
+class _Proxy(fx.Proxy):
+    """fx's proxy with item assignment (``y[:, 0] = 0``, ``y[mask] = v``) recorded as an ``operator.setitem``
+    node, which the rewrites make an out-of-place update (:func:`~spscan.graph.rewrites.out_of_place`)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class LeafTracer(fx.Tracer):
     """fx's tracer, with a module that has hooks kept as one call (fx would trace through a container or a
     module of the user's, and its hooks would not run), and the modules named in ``leaves``: each becomes an
@@ -104,7 +135,13 @@ class LeafTracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        node.meta[GRAD_ENABLED] = torch.is_grad_enabled()
+        fn = _enclosing_function()
+        if fn is None:
+            node.meta[GRAD_ENABLED] = torch.is_grad_enabled()
+        elif _torchs_own(fn):  # reentrant checkpointing runs its forward without gradients; its gradient is its
+            node.meta[GRAD_ENABLED] = True  # forward's (the backward recomputes it with them)
+        else:
+            node.meta[CUSTOM_FUNCTION] = fn
         return node
 
     def _filter_traceback_frames(self, user_stack_summary):  # fx's hook: a node's recorded source lines
@@ -112,11 +149,14 @@ class LeafTracer(fx.Tracer):
         frames = super()._filter_traceback_frames(user_stack_summary)
         return type(frames).from_list([f for f in frames if f.filename != __file__])
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return has_hooks(m) or module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
 
 
-class _ShapeProxy(fx.Proxy):
+class _ShapeProxy(_Proxy):
     """A traced tensor whose sizes its tracer knows from two example batches (:class:`ShapeTracer`): ``size()``,
     ``shape`` and ``dim()`` give Python numbers for the per-sample sizes and a traced size for the batch's."""
 
