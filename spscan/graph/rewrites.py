@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from spscan.errors import NotPlannable
 from spscan.graph.nodes import node_source, node_text
 
-__all__ = ["CUSTOM_FUNCTION", "GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward", "detached",
-           "gradient_stops", "out_of_place", "subtractions_as_sums"]
+__all__ = ["CUSTOM_FUNCTION", "GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward",
+           "detached", "gradient_stops", "out_of_place", "subtractions_as_sums"]
 
 #: ``node.meta`` key: a ``call_module`` node whose module writes its result into its input (``inplace=True``)
 WRITES_INPUT = "spscan_writes_input"
