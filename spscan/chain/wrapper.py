@@ -7,6 +7,7 @@ wrapper (:class:`spscan.graph.plan.GraphSpscanModule`) is this one with a traced
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional
 
@@ -19,6 +20,7 @@ from spscan.planner.choose import Decision
 from spscan.runtime.autograd import refuse_functorch
 from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
 from spscan.chain.model import ModelPlan
+from spscan.layers.opaque import OpaqueUnit
 from spscan.chain.planning import plan_model
 
 __all__ = ["MAX_SHAPE_PLANS", "PLAIN_ARGUMENT_TYPES", "Replan", "SpscanModule", "model_device", "model_dtype",
@@ -48,6 +50,55 @@ PLAIN_ARGUMENT_TYPES = (type(None), bool, int, float, str)
 _NOT_PLANNED = object()  # an argument the plan has no value for (SpscanModule._unplanned_argument)
 #: how many plans a wrapper keeps for the per-sample shapes (and modes) it was called with (SpscanModule._plan_for)
 MAX_SHAPE_PLANS = 8
+_MISSING = object()
+
+
+def _plain(v: Any) -> bool:
+    return type(v) in PLAIN_ARGUMENT_TYPES or (type(v) is tuple and all(type(e) in PLAIN_ARGUMENT_TYPES for e in v))
+
+
+class PythonState:
+    """The plain Python attributes (None, bools, numbers, strings, tuples of them: ``self.tau``, ``self.use_skip``,
+    ``stride``) of the modules a plan was made from, read as they are now (:meth:`now`).
+
+    Tracing bakes them into the graph (``x / self.tau`` is ``x / 0.5``) and units read them when they are made,
+    so a plan is valid for the values it was made with: the wrapper keeps its plans under them, and a model
+    whose attribute changed after planning (a temperature annealed, a flag toggled) is planned again, as for a
+    new input shape. Read are the modules whose Python forward is traced: the user's and libraries' own, not
+    torch's layers (their attributes are their constructor's arguments; a unit reads what it follows, such as
+    dropout's ``p``, when it runs), which keeps the per-step read small (ResNet-18: the blocks' few attributes).
+    A module that runs as its own call (an opaque node) reads its attributes itself: its subtree is left out
+    (its forward may change them on every call, as a counter would)."""
+
+    def __init__(self, model: nn.Module, plan: ModelPlan) -> None:
+        own = {id(u.module) for u in plan.units if isinstance(u, OpaqueUnit)}
+        self.slots: list[tuple[str, nn.Module, tuple[str, ...]]] = []
+        skip: list[str] = []
+        for path, m in model.named_modules():
+            if any(path == q or path.startswith(q + ".") for q in skip):
+                continue
+            if id(m) in own:
+                skip.append(path)
+                continue
+            if type(m).__module__.startswith("torch.") and m is not model:
+                continue
+            names = tuple(k for k, v in vars(m).items() if not k.startswith("_") and k != "training" and _plain(v))
+            if names:
+                self.slots.append((path, m, names))
+
+    def now(self) -> tuple:
+        return tuple(m.__dict__.get(n, _MISSING) for _, m, names in self.slots for n in names)
+
+    def changed(self, before: tuple, after: tuple) -> str:
+        """``module.name: old -> new`` of the first attribute that differs between two :meth:`now` values."""
+        it = iter(zip(before, after))
+        for path, m, names in self.slots:
+            for n in names:
+                a, b = next(it)
+                if a != b or type(a) is not type(b):
+                    where = f"{path}.{n}" if path else n
+                    return f"{where}: {a!r} -> {b!r}"
+        return ""
 
 
 class SpscanModule(BackwardChoice, nn.Module):
@@ -69,6 +120,9 @@ class SpscanModule(BackwardChoice, nn.Module):
         self.model = model
         self.plan = plan
         self._replan = replan
+        self._python = PythonState(model, plan)
+        self._state = self._python.now()  # the attributes the present plan was made with
+        self._warned_state = False
         # the plans made for other per-sample shapes and, for a traced model, the other mode: (mode, shape) -> plan,
         # the most recently used last (_plan_for); None for a shape the scan cannot plan (backward="auto": native)
         self._plans: "OrderedDict[tuple, Optional[ModelPlan]]" = OrderedDict({self._plan_key(plan): plan})
@@ -166,8 +220,9 @@ class SpscanModule(BackwardChoice, nn.Module):
 
     def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
         """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units
-        follow their modules' modes) and the per-sample input shape."""
-        return (plan.planned_training, tuple(plan.in_shape) if shape is None else tuple(shape))
+        follow their modules' modes), the per-sample input shape and the modules' plain attributes
+        (:class:`PythonState`) it was made with."""
+        return (plan.planned_training, tuple(plan.in_shape) if shape is None else tuple(shape), self._state)
 
     def _plan_for(self, shape: tuple) -> Optional[ModelPlan]:
         """Make :attr:`plan` the one that runs an input of per-sample ``shape`` in the model's present mode, and
@@ -182,16 +237,27 @@ class SpscanModule(BackwardChoice, nn.Module):
         * A plan made in eval mode at a depth a train-mode BatchNorm cannot run at (levels ``"auto"``) is made
           again as the model now is, once (the linear scan, which runs in either mode).
         """
-        plan, mode, shape = self.plan, self.model.training, tuple(shape)
-        if plan.in_shape == shape and plan.planned_training in (None, mode):
+        plan, mode, shape, state = self.plan, self.model.training, tuple(shape), self._python.now()
+        if plan.in_shape == shape and plan.planned_training in (None, mode) and state == self._state:
             if self._replan is not None and self._replan.levels == "auto" and plan.needs_linear_scan():
                 self.plan = self._replan(self.model, shape)
                 self._plans[self._plan_key(plan)] = self.plan
                 plan.release_buffers()
             return self.plan
+        if state != self._state:
+            what = self._python.changed(self._state, state)
+            if self._replan is None:
+                raise ValueError(f"{what}: an attribute of the model changed after it was planned, and this plan "
+                                 "cannot be made again; wrap the model again")
+            if not self._warned_state:
+                self._warned_state = True
+                warnings.warn(f"spscan: {what} changed after {type(self.model).__name__} was planned: the graph "
+                              "is planned again for the new value, as for a new input shape (tracing bakes "
+                              "Python values into it; one that changes every step makes every step plan again: "
+                              "keep such a value in a tensor, a buffer)", stacklevel=4)
         if self._replan is None:  # planned directly (no way to plan another shape): the contract's own check
             return plan
-        key = (None if plan.planned_training is None else mode, shape)
+        key = (None if plan.planned_training is None else mode, shape, state)
         if key not in self._plans:
             try:
                 self._plans[key] = self._replan(self.model, shape)
@@ -209,7 +275,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         self._plans.move_to_end(key)
         got = self._plans[key]
         if got is not None:
-            self.plan = got
+            self.plan, self._state = got, state
         return got
 
     def _step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
