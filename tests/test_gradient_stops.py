@@ -251,3 +251,24 @@ def test_torchs_own_checkpoint_function_is_traced_through():
     torch.manual_seed(0)
     w = _steps(_Checkpointed().double(), torch.randn(4, 12, dtype=torch.float64), "scan")
     assert type(w).__name__ != "NativeModule"
+
+
+class _SegNetPool(nn.Module):
+    """SegNet's pooling: ``MaxPool2d(return_indices=True)``'s (values, indices) into ``MaxUnpool2d``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.p, self.u = nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+        self.o = nn.Linear(256, 3)
+
+    def forward(self, x):
+        y, i = self.p(self.c(x))
+        return self.o(self.u(torch.tanh(y), i).flatten(1))
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_a_module_returning_values_and_indices_runs_as_its_own_call(backward):
+    """A module whose result is not one tensor runs as its own call (it made ``wrap`` fail with an
+    AttributeError, under ``auto`` too); the indices it returns carry no gradient."""
+    torch.manual_seed(0)
+    _steps(_SegNetPool().double(), torch.randn(4, 3, 8, 8, dtype=torch.float64), backward)

@@ -829,3 +829,34 @@ def test_a_model_whose_shapes_depend_on_the_batch_size():
         assert isinstance(spscan.wrap(BatchMixing(), x, backward="auto"), NativeModule)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # the model's own error on a wrong example
         spscan.wrap(BatchMixing(), torch.randn(5, 7), backward="auto")
+
+
+class _TensorHook(nn.Module):
+    """A gradient hook registered on a tensor inside the forward (gradient scaling, logging)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.o = nn.Linear(12, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.f(x))
+        h.register_hook(lambda g: g * 0.1)
+        return self.o(h)
+
+
+def test_a_tensor_hook_in_the_forward_runs_autograds_step():
+    """fx cannot trace ``register_hook``; the check that the model itself runs runs it as a training step does
+    (gradients on: it raised "cannot register a hook on a tensor that doesn't require gradient" from ``wrap``,
+    under ``auto`` too). ``auto`` runs autograd's own step, hook included; a forced scan refuses."""
+    torch.manual_seed(0)
+    model, x = _TensorHook().double(), torch.randn(4, 12, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="cannot capture its forward"):
+        w = spscan.wrap(model, x, backward="auto")
+    assert isinstance(w, NativeModule)
+    w(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(spscan.NotPlannable):
+        spscan.wrap(_TensorHook(), x.float(), backward="scan")

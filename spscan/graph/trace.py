@@ -709,6 +709,8 @@ class Traced:
                     y = self._call(node, (xin,), {})
                 except Exception as e:
                     raise refuse_node(node, example_rejected(k, tuple(xin.shape[1:]), e), ExampleRejected) from e
+                if not isinstance(y, torch.Tensor):  # ``MaxPool2d(return_indices=True)``'s (values, indices)
+                    return self._opaque(node, key, args, kwargs, tensor_inputs, env, "its result is not one tensor")
             try:
                 unit = make_unit(k, m, tuple(xin.shape[1:]), tuple(y.shape[1:]), prune_zeros=self.prune_zeros)
             except (TypeError, ValueError) as e:  # a configuration its unit does not cover: its own call and backward

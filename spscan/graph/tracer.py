@@ -74,12 +74,13 @@ class ExampleRejected(ValueError):
 
 
 def raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
-    """Run ``model`` eagerly on ``example_input`` (no gradients, no random numbers drawn, buffers as they
-    were) and let its own error through: a forward that fails without tracing is the model's error, not a
-    form the scan cannot plan."""
+    """Run ``model`` eagerly on ``example_input`` as a training step runs it (gradients on: a forward that
+    registers a hook on a tensor needs them; no random numbers drawn, buffers as they were) and let its own
+    error through: a forward that fails without tracing is the model's error, not a form the scan cannot
+    plan."""
     buffers = [(t, t.clone()) for t in model.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
             model(example_input)
     finally:
         for t, v in buffers:
