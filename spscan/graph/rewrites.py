@@ -18,9 +18,8 @@ check that the rewritten graph computes what the model's own forward computes.
   reader reads it through :func:`detached` (its gradient there is zero, as autograd's). An in-place update
   made without gradients of a tensor that has them (``with torch.no_grad(): h.clamp_(0, 1)``: later readers
   see the new values, and autograd passes their gradient to ``h`` unchanged) is refused: out of place it
-  would be a gradient stop, which autograd's is not. So is a call of a user's ``torch.autograd.Function``:
-  fx traces through its forward, and its gradient is its own backward's (torch's own functions, such as
-  reentrant checkpointing, have their forward's gradient and are traced through).
+  would be a gradient stop, which autograd's is not. (A user's ``torch.autograd.Function`` is one node, its
+  own call, whose gradient is its own backward's: :class:`~spscan.graph.tracer.FunctionCall`.)
 * **Differences as sums** (:func:`subtractions_as_sums`): ``a - b`` of two computed tensors is
   ``a + (-b)``.
 * **The graph computes the model's forward** (:func:`check_graph_is_the_forward`): fx records ``h += y`` as
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from spscan.errors import NotPlannable
 from spscan.graph.nodes import node_source, node_text
 
-__all__ = ["CUSTOM_FUNCTION", "GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward",
+__all__ = ["GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward",
            "detached", "gradient_stops", "out_of_place", "subtractions_as_sums"]
 
 #: ``node.meta`` key: a ``call_module`` node whose module writes its result into its input (``inplace=True``)
@@ -53,8 +52,6 @@ WRITES_INPUT = "spscan_writes_input"
 UPDATES = "spscan_updates"
 #: ``node.meta`` key: whether gradients were enabled where the forward made the node (set by the tracer)
 GRAD_ENABLED = "spscan_grad_enabled"
-#: ``node.meta`` key: the user's ``torch.autograd.Function`` whose forward made the node (set by the tracer)
-CUSTOM_FUNCTION = "spscan_custom_function"
 
 # ``operator.iadd(a, b)`` written out (fx's proxies have no ``__iadd__``: ``a += b`` is traced as ``a + b``)
 _AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -195,15 +192,7 @@ def gradient_stops(graph: fx.Graph, updates: list[fx.Node], updates_state: Calla
     """Where a node made without gradients (``meta[GRAD_ENABLED]`` False: inside ``torch.no_grad()``) is read by
     one made with them, or is the output, make that reader read ``detached(node)`` (see the module docstring).
     ``updates``: the in-place nodes :func:`out_of_place` rewrote; one made without gradients that does not
-    update a parameter or buffer (``updates_state``) is refused (:class:`NotPlannable`), naming its source, as
-    is a node made inside the forward of a user's ``torch.autograd.Function`` (``meta[CUSTOM_FUNCTION]``),
-    whose gradient is that function's backward, not its forward's."""
-    for node in graph.nodes:
-        fn = node.meta.get(CUSTOM_FUNCTION)
-        if fn is not None:
-            raise NotPlannable(f"the forward calls the torch.autograd.Function {fn.__module__}.{fn.__qualname__} (at "
-                               f"{node_source(node)}): torch.fx traces through its forward, and its own backward "
-                               "(a gradient reversal, a straight-through estimator) would not be the scan's")
+    update a parameter or buffer (``updates_state``) is refused (:class:`NotPlannable`), naming its source."""
     for node in updates:
         if node.meta.get(GRAD_ENABLED, True) is False and not updates_state(node):
             raise NotPlannable(f"the forward updates a tensor in place under torch.no_grad() ({node_text(node)} at "

@@ -6,20 +6,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from spscan.chain.model import has_hooks
 from spscan.chain.wrapper import PLAIN_ARGUMENT_TYPES
-from spscan.graph.rewrites import CUSTOM_FUNCTION, GRAD_ENABLED
+from spscan.graph.rewrites import GRAD_ENABLED
 
-__all__ = ["ExampleRejected", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
+__all__ = ["ExampleRejected", "FunctionCall", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
            "raise_if_forward_fails"]
 
 
@@ -90,22 +92,58 @@ def raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
 _APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
 
-def _enclosing_function() -> Optional[type]:
-    """A ``torch.autograd.Function`` whose ``apply`` is running further up the stack (fx traces through its
-    forward): a user's where there is one, else one of torch's own; None where there is none."""
-    found, frame = None, sys._getframe(2)
+def _inside_function() -> bool:
+    """Whether a ``torch.autograd.Function``'s ``apply`` is running further up the stack (fx traces through
+    its forward)."""
+    frame = sys._getframe(2)
     while frame is not None:
-        cls = frame.f_locals.get("cls") if frame.f_code is _APPLY else None
-        if isinstance(cls, type):
-            if not _torchs_own(cls):
-                return cls
-            found = cls
+        if frame.f_code is _APPLY:
+            return True
         frame = frame.f_back
-    return found
+    return False
 
 
 def _torchs_own(fn: type) -> bool:
     return fn.__module__ == "torch" or fn.__module__.startswith("torch.")
+
+
+class FunctionCall:
+    """A user's ``torch.autograd.Function`` as a graph node's target: ``FunctionCall(Fn)(*args)`` is
+    ``Fn.apply(*args)``. The node runs as its own call, and its gradient comes from autograd's backward of
+    it: the function's own ``backward`` (a gradient reversal, a straight-through estimator), not its forward's
+    derivative."""
+
+    def __init__(self, fn: type) -> None:
+        self.fn = fn
+        self.__name__ = self.__qualname__ = f"{fn.__qualname__}.apply"
+        self.__module__ = fn.__module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn.apply(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FunctionCall({self.fn.__module__}.{self.fn.__qualname__})"
+
+
+@contextlib.contextmanager
+def _functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
+    """While tracing, a user's ``torch.autograd.Function`` applied to traced tensors is recorded as one node
+    (:class:`FunctionCall`) instead of traced through: fx would record its forward's operations and lose its
+    backward. ``Function.apply`` is replaced for the duration of the trace (as fx patches what it wraps) and
+    put back after; torch's own functions (reentrant checkpointing) are traced through as before."""
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        if not _torchs_own(cls) and any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs))):
+            return tracer.create_proxy("call_function", FunctionCall(cls), args, kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        base.apply = original  # type: ignore[assignment]
 
 
 class _Proxy(fx.Proxy):
@@ -131,18 +169,15 @@ class LeafTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:  # type: ignore[override]
         """fx's trace, with gradients enabled as a training step's forward runs: a node made inside the
         forward's own ``torch.no_grad()`` is marked so (``meta[GRAD_ENABLED]``, :func:`gradient_stops`)."""
-        with torch.enable_grad():
+        with torch.enable_grad(), _functions_as_calls(self):
             return super().trace(root, concrete_args)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        fn = _enclosing_function()
-        if fn is None:
-            node.meta[GRAD_ENABLED] = torch.is_grad_enabled()
-        elif _torchs_own(fn):  # reentrant checkpointing runs its forward without gradients; its gradient is its
-            node.meta[GRAD_ENABLED] = True  # forward's (the backward recomputes it with them)
-        else:
-            node.meta[CUSTOM_FUNCTION] = fn
+        # torch's own autograd functions are traced through (a user's is one node: _functions_as_calls); reentrant
+        # checkpointing runs its forward without gradients, and its gradient is its forward's (its backward
+        # recomputes it with them)
+        node.meta[GRAD_ENABLED] = True if _inside_function() else torch.is_grad_enabled()
         return node
 
     def _filter_traceback_frames(self, user_stack_summary):  # fx's hook: a node's recorded source lines
