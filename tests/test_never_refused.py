@@ -860,3 +860,24 @@ def test_a_tensor_hook_in_the_forward_runs_autograds_step():
         assert torch.equal(p.grad, q.grad)
     with pytest.raises(spscan.NotPlannable):
         spscan.wrap(_TensorHook(), x.float(), backward="scan")
+
+
+class _LearnedState(nn.Module):
+    """A learned initial state expanded to the batch (``h0.expand(B, -1)``) into a cell that runs as its own call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.h0, self.o = nn.GRUCell(4, 8), nn.Parameter(torch.randn(1, 8)), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.o(self.cell(x, self.h0.expand(x.size(0), -1)))
+
+
+def test_a_learned_state_expanded_to_the_batch_into_an_opaque_module():
+    """Counting the node's operations for the step profile made torch's counter fail on the expanded parameter
+    (its module tracker asks a no-grad input for a gradient function); the scan refused the model with that
+    internal error, and a misleading "per-sample shapes depend on the batch size". The node is now priced
+    uncounted; its gradients are its own backward's."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="autograd's own backward inside the scan"):
+        _check(_LearnedState(), [torch.randn(3, 4), torch.randn(1, 4), torch.randn(5, 4)])

@@ -70,8 +70,14 @@ def counted_call(call: Callable[..., Any], xs: Sequence[torch.Tensor]) -> tuple[
                 terms.append((_ELEMENT_FAMILY, 3.0 * _numel(out)))
             return out
 
-    with FlopCounterMode(display=False) as flops, _Count():
-        y = call(*xs)
+    try:
+        with FlopCounterMode(display=False) as flops, _Count():
+            y = call(*xs)
+    except Exception:
+        # torch's counter does not follow every call (its module tracker asks for the gradient function of a
+        # module's input that needs one but was made under no_grad): uncounted, priced as a default layer; a
+        # call that fails on its own fails again here, with its own error
+        return call(*xs), None
     return y, tuple((f, w / batch) for f, w in terms)
 
 
