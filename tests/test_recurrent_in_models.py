@@ -406,3 +406,120 @@ def test_dropout_on_a_recurrent_output_draws_the_models_mask(cell, batch_first):
         assert _rel(y, y_ref) <= 1e-12
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert _rel(p.grad, q.grad) <= 1e-11, f"step {step}: {n}"
+
+
+class TimeMajorClassifier(nn.Module):
+    """Time-major as ``nn.GRU`` takes it by default: ``x`` is ``(T, B, I)``, the last layer's final state read."""
+
+    def __init__(self, bidirectional=False):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5, num_layers=2, bidirectional=bidirectional)
+        self.fc = nn.Linear(10 if bidirectional else 5, 2)
+
+    def forward(self, x):
+        _, h = self.rnn(x)
+        return self.fc(torch.cat([h[-2], h[-1]], 1) if self.rnn.bidirectional else h[-1])
+
+
+class TimeMajorWordLM(nn.Module):
+    """PyTorch's word-language-model example as written: token ids ``(T, B)``, dropout on the embeddings and on
+    the LSTM's output, an initial state made from ``input.size(1)``, the logits flattened ``(T * B, V)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.drop, self.dec = nn.Embedding(20, 6), nn.Dropout(0.3), nn.Linear(5, 20)
+        self.rnn = nn.LSTM(6, 5, num_layers=2)
+
+    def forward(self, ids):
+        h0 = torch.zeros(2, ids.size(1), 5, dtype=self.dec.weight.dtype)
+        out, _ = self.rnn(self.drop(self.emb(ids)), (h0, h0))
+        return self.dec(self.drop(out)).view(-1, 20)
+
+
+class TimeMajorSizes(nn.Module):
+    """A forward that reads its input's sizes as numbers (``T, B, _ = x.shape``), an RNN's output mean over time."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(3, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        T, B, _ = x.shape
+        out, _ = self.rnn(x)
+        return self.fc(out.sum(0) / T)
+
+
+TIME_MAJOR = {
+    "classifier": (TimeMajorClassifier, lambda t, b: torch.randn(t, b, 3)),
+    "bidirectional": (lambda: TimeMajorClassifier(True), lambda t, b: torch.randn(t, b, 3)),
+    "word_lm": (TimeMajorWordLM, lambda t, b: torch.randint(0, 20, (t, b))),
+    "sizes": (TimeMajorSizes, lambda t, b: torch.randn(t, b, 3)),
+}
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("example", [(6, 3), (2, 2), (1, 1)])
+@pytest.mark.parametrize("name", list(TIME_MAJOR))
+def test_a_model_that_reads_its_input_time_major(name, example, backward):
+    """A model whose input is ``(T, B, ...)`` (the recurrent layers' default layout) is planned with its batch on
+    dim 1: the plan takes the input batch first (a view of the caller's memory) and hands the model its own
+    layout, so the layer is a recurrent node (it was planned with the time steps as the batch, the recurrent
+    layer then recomputed inside an opaque node, or refused as "nothing to scan" where ``h_n`` was read).
+    Outputs and gradients are autograd's in train mode (dropout draws the model's masks), as the sequence length
+    and the batch size change, from examples where they are equal or 1."""
+    make, example_of = TIME_MAJOR[name]
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model)
+    x0 = example_of(*example)
+    x0 = x0.double() if x0.is_floating_point() else x0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, x0, backward=backward)
+    if backward == "scan":
+        assert w.plan.input_batch_dim == 1
+        assert any(isinstance(u, RecurrentNodeUnit) for u in w.plan.units)
+        # the layer is not recomputed inside another node (what reads its results may run as its own call:
+        # ``out.sum(0) / T``)
+        assert not [u for u in w.plan.units if type(u) is OpaqueUnit and "rnn" in u.name], [u.name for u in w.plan.units]
+    for step, (t, b) in enumerate([(6, 3), (6, 2), (4, 3), (2, 2)]):
+        x = example_of(t, b)
+        x = x.double() if x.is_floating_point() else x
+        with torch.no_grad():
+            wt = torch.randn_like(ref(x))
+        torch.manual_seed(7 + step)
+        y, gx = _step(w, x, wt)
+        torch.manual_seed(7 + step)
+        y_ref, gx_ref = _step(ref, x, wt)
+        assert _rel(y, y_ref) <= 1e-12
+        if gx_ref is not None:
+            assert _rel(gx, gx_ref) <= 1e-9
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                assert _rel(p.grad, q.grad) <= 1e-9, f"step {step}: {n}"
+
+
+def test_a_batch_first_model_feeding_a_time_major_layer_stays_batch_first():
+    """A model that transposes its batch-first input for a time-major layer is batch first, also where the
+    example's batch and length are equal (the layer's time steps, not its batch, follow the input's dim 1)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in (torch.randn(4, 4, 3), torch.randn(3, 6, 3)):
+            w = spscan.wrap(TimeMajor(), x, backward="scan")
+            assert w.plan.input_batch_dim == 0
+            w2 = spscan.wrap(TimeMajorClassifier(), x, backward="scan")
+            assert w2.plan.input_batch_dim == 1
+
+
+def test_a_cell_wrapped_alone_says_why_there_is_nothing_to_scan():
+    """``nn.LSTMCell`` returns ``(h, c)``: the whole forward is one call. A forced scan says so (it said the
+    result was "its input moved or copied by no layer"); ``auto`` runs the cell's own backward."""
+    from spscan.runtime.choices import NativeModule
+
+    x = torch.randn(3, 4)
+    with pytest.raises(spscan.NotPlannable, match="the whole forward would be one call of its own"):
+        spscan.wrap(nn.LSTMCell(4, 8), x, backward="scan")
+    with pytest.warns(UserWarning, match="one call of its own"):
+        assert isinstance(spscan.wrap(nn.LSTMCell(4, 8), x, backward="auto"), NativeModule)

@@ -853,6 +853,32 @@ def pixel_gru(size: str) -> nn.Module:
     return PixelGRU(hidden_size=8 if size == "test" else 32)
 
 
+class TimeMajorPixelGRU(nn.Module):
+    """Pixel-by-pixel MNIST as the recurrent layers take sequences by default, time-major: the pixels
+    ``(784, B, 1)``, a GRU, the last layer's final state into a classifier."""
+
+    def __init__(self, hidden_size=32, num_classes=10):
+        super().__init__()
+        self.rnn = nn.GRU(1, hidden_size)
+        self.fc = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, x):
+        _, h = self.rnn(x)
+        return self.fc(h[-1])
+
+
+def time_major_pixel_gru(size: str) -> nn.Module:
+    return TimeMajorPixelGRU(hidden_size=8 if size == "test" else 32)
+
+
+def _pixels_time_major(hw_test: int, hw_bench: int):
+    def inputs(b: int, size: str, g: torch.Generator) -> torch.Tensor:
+        hw = hw_test if size == "test" else hw_bench
+        return torch.randn(hw * hw, b, 1, generator=g)
+
+    return inputs
+
+
 class AddingRNN(nn.Module):
     """The adding problem: a sequence of (value, marker) pairs, the sum of the two marked values read off
     the last output."""
@@ -994,6 +1020,8 @@ CASES: list[Case] = [
     Case("char_lstm_lm", "written", char_lstm_lm, _tokens(65, 16, 128), output=_first),
     Case("gru_lm", "written", gru_lm, _tokens(100, 16, 128)),
     Case("pixel_gru", "written", pixel_gru, _images(4, 28, channels=1)),
+    Case("pixel_gru_time_major", "written", time_major_pixel_gru, _pixels_time_major(4, 28),
+         note="input (T, B, 1)"),
     Case("adding_rnn", "written", adding_rnn, _adding_inputs),
     Case("inplace_net", "written", inplace_net, _images(16, 32)),
     Case("tied_autoencoder", "written", tied_autoencoder, _features(16, 784), bench_batch=64),

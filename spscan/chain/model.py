@@ -97,6 +97,9 @@ class ModelPlan:
         # (``forward(x, mask=None)``: the graph of a call without a mask); a call that passes other values
         # runs the model's own forward (:meth:`SpscanModule.forward`)
         self.fixed_arguments: dict[str, Any] = {}
+        # the dim of the model's input that is the batch: 1 for a traced model that reads a time-major sequence
+        # (``(T, B, ...)``); the plan runs on the input batch first (:meth:`batch_first`), as the graph takes it
+        self.input_batch_dim = 0
         # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
         # ``h_n``): how the wrapper makes that result from the output, under autograd (None: the output is it)
         self.output_tail: Optional[Callable[[torch.Tensor], Any]] = None
@@ -179,6 +182,13 @@ class ModelPlan:
     def explain(self) -> str:
         """What the planner chose for this model and what it compared each choice with."""
         return explain_decisions(self.all_decisions(), f"{type(self).__name__} of {type(self.model).__name__}:")
+
+    def batch_first(self, x: Any) -> Any:
+        """The model's input ``x`` as the plan runs it, batch first (a view of ``x``: for a time-major model,
+        :attr:`input_batch_dim` 1, ``x.transpose(0, 1)``)."""
+        if self.input_batch_dim and isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return x.transpose(0, self.input_batch_dim)
+        return x
 
     def _check_input(self, x: torch.Tensor, flat: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Refuse an input of the wrong per-sample shape, or of another dtype/device than the parameters.

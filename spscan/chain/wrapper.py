@@ -194,6 +194,7 @@ class SpscanModule(BackwardChoice, nn.Module):
 
     def _signature(self, x: Any) -> Optional[tuple[tuple[int, ...], int]]:
         """``(per-sample shape, batch size)``: each per-sample shape has its plan, each batch size its decision."""
+        x = self.plan.batch_first(x)
         b = batch_of(x)
         return None if b is None else (tuple(x.shape[1:]), b)
 
@@ -208,10 +209,11 @@ class SpscanModule(BackwardChoice, nn.Module):
         refuse_functorch()
         if self._replan is not None and key is not None:
             self._plan_for(key[0])
+        own, x = x, self.plan.batch_first(x)  # the model's input, and as the plan runs it
         flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
-            return self.model(x)
+            return self.model(own)
         self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
         y = self.plan.run_step(x, flat, choice == "graph")
         self._after_step(key, choice)
@@ -286,8 +288,9 @@ class Replan:
     """How a wrapper's plan is made again (:meth:`SpscanModule._scan_step`): the planning function, the
     example input's shape and dtype (a zero batch of them stands in, on the model's device) and the options."""
 
-    def __init__(self, plan_fn: Callable[..., ModelPlan], example_input: torch.Tensor, options: dict) -> None:
-        self.plan_fn, self.options = plan_fn, dict(options)
+    def __init__(self, plan_fn: Callable[..., ModelPlan], example_input: torch.Tensor, options: dict,
+                 batch_dim: int = 0) -> None:
+        self.plan_fn, self.options, self.batch_dim = plan_fn, dict(options), batch_dim
         self.shape, self.dtype = tuple(example_input.shape), example_input.dtype
 
     @property
@@ -296,7 +299,8 @@ class Replan:
 
     def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
         """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
-        shape = self.shape if per_sample is None else self.shape[:1] + tuple(per_sample)
+        d = self.batch_dim  # the example's batch, on the dim the model reads it from (``per_sample`` without it)
+        shape = self.shape if per_sample is None else tuple(per_sample)[:d] + self.shape[d:d + 1] + tuple(per_sample)[d:]
         x = torch.zeros(shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
         return self.plan_fn(model, x, **self.options)
 

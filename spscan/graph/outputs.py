@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from spscan.graph.nodes import refuse_node
+from spscan.graph.nodes import node_text, refuse_node
 from spscan.layers.registry import JOIN_CAT as _CAT, NODE_UNITS
 
 __all__ = ["OutputTail", "chain_end", "rebuilt"]
@@ -85,7 +85,14 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     if not sources:
         raise refuse_node(node, "the forward returns no tensor computed from the input")
     if sources == [traced.input_node]:
-        raise refuse_node(node, "the forward's result is its input moved or copied by no layer (nothing to scan)")
+        if all(n is traced.input_node for n in leaves):
+            raise refuse_node(node, "the forward's result is its input moved or copied by no layer (nothing to scan)")
+        # computed from the input only by nodes whose results do not keep the batch first (a module returning a
+        # tuple, ``nn.LSTMCell``'s ``(h, c)``): the whole forward would be one call of its own
+        made = ", ".join(dict.fromkeys(node_text(n) for n in leaves if n is not traced.input_node))
+        raise refuse_node(node, f"the forward's result ({made}) is made from the input by calls whose results do not "
+                                "keep the batch dim first: the whole forward would be one call of its own, with "
+                                "nothing to scan around it")
     if len(sources) == 1:
         end = sources[0]
     else:  # several: their concatenation, each flattened per sample (a join, as any cat of the graph)

@@ -74,7 +74,7 @@ import torch
 import torch.nn as nn
 
 from spscan.chain.backward import ForwardState, Jacobians
-from spscan.graph.recurrent import RecurrentNodeUnit
+from spscan.graph.recurrent import RecurrentNodeUnit, input_batch_dim
 from spscan.graph.segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
 from spscan.graph.structure import LIVE_STATE_LIMIT, NotSeriesParallel
@@ -271,8 +271,9 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
     if dag not in ("auto", "live"):
         raise ValueError(f"dag: expected 'auto' or 'live', got {dag!r}")
     opts = {k: kwargs[k] for k in ("backend", "device", "dtype") if k in kwargs}
+    batch_dim = input_batch_dim(model, example_input)
     try:
-        traced = Traced(model, example_input, prune_zeros, opts)
+        traced = Traced(model, example_input, prune_zeros, opts, batch_dim)
         if not traced.units:
             raise ValueError("the traced forward has no layers (nothing but adds or concatenations of the input)")
         try:
@@ -281,7 +282,7 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             segments = traced.live_steps()  # any DAG: a chain over the live set
     except (TypeError, ValueError) as e:
         raise type(e)(f"{type(model).__name__}: {e}") from e
-    in_shape = tuple(example_input.shape[1:])
+    in_shape = tuple(example_input.shape[:batch_dim]) + tuple(example_input.shape[batch_dim + 1:])
     if all(isinstance(s, Leaf) for s in segments):
         kwargs = levels_for_coupled_layers(traced.units, kwargs)  # layers without CSR values
         core, factored, norm = plan_chain(traced.units, operators=operators, **kwargs)
@@ -325,6 +326,7 @@ def _traced_as(plan: ModelPlan, traced: Traced, model: nn.Module) -> ModelPlan:
     and how the forward's result is made from the scan's output (:attr:`ModelPlan.planned_training`,
     :attr:`ModelPlan.fixed_arguments`, :attr:`ModelPlan.output_tail`)."""
     plan.planned_training = model.training
+    plan.input_batch_dim = traced.batch_dim
     plan.fixed_arguments = dict(traced.fixed_arguments)
     plan.output_tail = traced.output_tail
     return plan
@@ -342,8 +344,8 @@ def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any
     plan_fn = functools.partial(_plan_for_backward, backward)
     plan = plan_fn(model, example_input, **plan_kwargs)
     cls = GraphSpscanModule if isinstance(plan, GraphPlan) else SpscanModule
-    return cls(model, plan, backward, example_input.shape[0], example_input.device,
-               Replan(plan_fn, example_input, plan_kwargs))
+    return cls(model, plan, backward, example_input.shape[plan.input_batch_dim], example_input.device,
+               Replan(plan_fn, example_input, plan_kwargs, plan.input_batch_dim))
 
 
 def _plan_for_backward(backward: str, model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> ModelPlan:

@@ -35,12 +35,65 @@ from spscan.options import option_default
 from spscan.planner.step_profile import PREDICTED
 from spscan.recurrent.cells import sequence_dims
 
-__all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "lstm_state", "recurrent_calls"]
+__all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "input_batch_dim", "lstm_state",
+           "recurrent_calls"]
 
 RECURRENT_TYPES = (nn.RNN, nn.GRU, nn.LSTM)
 #: the model's planning options a recurrent layer's plan inside it takes as well (the scan's depth, the numeric
 #: backend, the memory bound); the others are the graph's own (its batch, its layer forms)
 SHARED_OPTIONS = ("levels", "backend", "max_memory")
+
+
+def input_batch_dim(model: nn.Module, example_input: torch.Tensor) -> int:
+    """Which dim of ``model``'s input is the batch: 1 for a model that reads its input time-major (``(T, B, ...)``,
+    as ``nn.RNN`` without ``batch_first`` takes it, and as ``word_language_model`` hands token ids ``(T, B)`` to its
+    embedding and then to its ``nn.LSTM``), else 0.
+
+    Told by running the model twice without gradients (its random numbers and buffers left as they were): on
+    the example, and on the example with one more entry along its dim 1. The input is time-major where a
+    time-major recurrent layer inside the model (``batch_first=False``) reads a batch one larger in the second
+    run: its batch is the input's dim 1. A batch-first model that transposes its input for a time-major layer
+    (``self.rnn(x.transpose(0, 1))``) grows that layer's time steps instead, and stays batch first; so does a
+    model the second run fails on (its own error comes from the planner's checks, on the example)."""
+    layers = [m for m in model.modules() if isinstance(m, RECURRENT_TYPES) and not m.batch_first]
+    if not layers or example_input.dim() < 2 or example_input.shape[1] < 1:
+        return 0
+    seen: dict[int, list] = {}
+
+    def record(i: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0] if args else None
+            seen.setdefault(i, []).append(tuple(x.shape) if isinstance(x, torch.Tensor) and x.dim() == 3 else None)
+        return hook
+
+    x = example_input.detach()
+    more = torch.cat([x, x.narrow(1, 0, 1)], 1)
+    buffers = [(t, t.clone()) for t in model.buffers()]
+    hooks = [m.register_forward_pre_hook(record(i)) for i, m in enumerate(layers)]
+    runs = []
+    try:
+        for example in (x, more):
+            seen.clear()
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                    model(example)
+            except Exception:
+                return 0
+            finally:
+                with torch.no_grad():
+                    for t, v in buffers:
+                        t.copy_(v)
+            runs.append({i: list(v) for i, v in seen.items()})
+    finally:
+        for h in hooks:
+            h.remove()
+    first, second = runs
+    for i, shapes in first.items():
+        again = second.get(i, [])
+        for a, b in zip(shapes, again):
+            if a is not None and b is not None and a[0] == b[0] and b[1] == a[1] + 1:
+                return 1
+    return 0
 
 
 def _inner_mode(backward: str) -> str:

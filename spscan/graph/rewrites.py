@@ -20,6 +20,9 @@ check that the rewritten graph computes what the model's own forward computes.
   see the new values, and autograd passes their gradient to ``h`` unchanged) is refused: out of place it
   would be a gradient stop, which autograd's is not. (A user's ``torch.autograd.Function`` is one node, its
   own call, whose gradient is its own backward's: :class:`~spscan.graph.tracer.FunctionCall`.)
+* **A time-major input taken batch first** (:func:`batch_second_input`): every graph tensor of the scan keeps
+  the batch dim first; a model that reads its input with the batch on dim 1 (a time-major sequence) gets it
+  batch first and moves it back (``x.transpose(0, 1)``, a view of the same memory) before its first read.
 * **Differences as sums** (:func:`subtractions_as_sums`): ``a - b`` of two computed tensors is
   ``a + (-b)``.
 * **The graph computes the model's forward** (:func:`check_graph_is_the_forward`): fx records ``h += y`` as
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 from spscan.errors import NotPlannable
 from spscan.graph.nodes import node_source, node_text
 
-__all__ = ["GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "check_graph_is_the_forward",
+__all__ = ["GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "batch_second_input", "check_graph_is_the_forward",
            "detached", "gradient_stops", "out_of_place", "subtractions_as_sums"]
 
 #: ``node.meta`` key: a ``call_module`` node whose module writes its result into its input (``inplace=True``)
@@ -267,11 +270,12 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and not isinstance(a, torch.Tensor)
 
 
-def check_graph_is_the_forward(model: nn.Module, graph: fx.Graph, x: torch.Tensor) -> None:
+def check_graph_is_the_forward(model: nn.Module, graph: fx.Graph, x: torch.Tensor, batch_dim: int = 0) -> None:
     """Raise :class:`NotPlannable` if ``graph`` (traced from ``model``, its forward's optional arguments fixed at
     their defaults, then rewritten) computes another output than ``model(x)``: both run with the same random
     numbers and the model's buffers restored after each (a train-mode BatchNorm's statistics), without
-    gradients. An error of the model's own forward propagates."""
+    gradients. An error of the model's own forward propagates. ``x`` is batch first, as the graph takes it; the
+    model takes it with the batch on ``batch_dim`` (:func:`batch_second_input`)."""
     buffers = [(t, t.clone()) for t in model.buffers()]
     devices = [x.device] if x.device.type == "cuda" else []
 
@@ -284,7 +288,7 @@ def check_graph_is_the_forward(model: nn.Module, graph: fx.Graph, x: torch.Tenso
             for t, v in buffers:
                 t.copy_(v)
 
-    own = run(lambda: model(x))
+    own = run(lambda: model(x.transpose(0, 1) if batch_dim else x))
     try:
         traced = run(lambda: _Interpreter(model, graph=graph).run(x))
     except Exception as e:  # the graph fails where the model does not: a form fx recorded otherwise
@@ -295,3 +299,15 @@ def check_graph_is_the_forward(model: nn.Module, graph: fx.Graph, x: torch.Tenso
                            "forward on the example: the forward does something torch.fx does not record, such as an "
                            "in-place update (`h += y`, `h.mul_(2)`) of a tensor that another name still refers to, "
                            "or that shares its memory")
+
+
+def batch_second_input(graph: fx.Graph) -> None:
+    """Rewrite ``graph`` (one input) to take its input with the batch first where the model reads it with the
+    batch on dim 1: every read of the input reads ``input.transpose(0, 1)``, the model's own layout (the same
+    memory as the caller's tensor, so what reads it in memory order, dropout's mask, reads it as in the
+    model)."""
+    (inp,) = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(inp):
+        moved = graph.call_method("transpose", (inp, 0, 1))
+    moved.meta[GRAD_ENABLED] = True
+    inp.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)

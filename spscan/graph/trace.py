@@ -14,8 +14,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spscan.errors import NotPlannable
-from spscan.graph.rewrites import (UPDATES, WRITES_INPUT, check_graph_is_the_forward, detached, gradient_stops,
-                                   out_of_place, subtractions_as_sums)
+from spscan.graph.rewrites import (UPDATES, WRITES_INPUT, batch_second_input, check_graph_is_the_forward, detached,
+                                   gradient_stops, out_of_place, subtractions_as_sums)
 from spscan.graph.recurrent import RECURRENT_TYPES, RecurrentCall, RecurrentNodeUnit, recurrent_calls
 from spscan.graph.segments import Leaf
 from spscan.graph.outputs import chain_end
@@ -65,8 +65,11 @@ def _each_once(params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Par
 class Traced:
     """The traced graph with per-node example values, units and the series-parallel parse."""
 
-    def __init__(self, model: nn.Module, example_input: torch.Tensor, prune_zeros: bool, opts: dict) -> None:
-        self.model, self.prune_zeros, self.opts = model, prune_zeros, opts
+    def __init__(self, model: nn.Module, example_input: torch.Tensor, prune_zeros: bool, opts: dict,
+                 batch_dim: int = 0) -> None:
+        """``batch_dim``: the dim of the model's input that is the batch (1: a time-major sequence, see
+        :func:`~spscan.graph.recurrent.input_batch_dim`); the graph takes the input batch first either way."""
+        self.model, self.prune_zeros, self.opts, self.batch_dim = model, prune_zeros, opts, batch_dim
         if has_hooks(model):
             raise NotPlannable("the model has forward/backward hooks of its own, which its "
                                "traced graph would not run (hooks on its submodules are fine: each such module runs "
@@ -78,6 +81,8 @@ class Traced:
         self.stateful: set[str] = set()
         while True:
             self.graph = self._trace(model, example_input)
+            if batch_dim:
+                batch_second_input(self.graph)
             model = self.model
             # what the model updates in place, the graph computes out of place (graph_rewrites)
             self.updates = out_of_place(self.graph, model)
@@ -100,6 +105,7 @@ class Traced:
         # 4)``): not part of the chain, recomputed inside each opaque node reading them; -> their graph tensors
         self.virtual: dict[fx.Node, list[fx.Node]] = {}
         x = example_input.detach()
+        x = x.transpose(0, 1) if batch_dim else x  # batch first, as the graph takes it
         x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
         # the planner's run of the nodes on the example leaves the model's buffers as they were (a functional
         # train-mode batch_norm on them updates its running statistics)
@@ -115,7 +121,7 @@ class Traced:
                 for t, v in buffers:
                     t.copy_(v)
         # the rewritten graph must compute the model's own forward (fx does not record every in-place update)
-        check_graph_is_the_forward(model, self.graph, x2)
+        check_graph_is_the_forward(model, self.graph, x2, batch_dim)
         self._drop_dead()
 
     def _trace(self, model: nn.Module, example_input: torch.Tensor) -> fx.Graph:
@@ -136,9 +142,10 @@ class Traced:
                 # Python that reads the tensors' sizes (``assert T <= block_size``): traced again, the per-sample
                 # sizes the example's numbers (the plan is per per-sample shape)
                 x = example_input.detach()
-                x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])
+                d = self.batch_dim
+                x2 = x.narrow(d, 0, 2) if x.shape[d] >= 2 else torch.cat([x.narrow(d, 0, 1)] * 2, d)
                 try:
-                    return trace(ShapeTracer(self.stateful, (x2, torch.cat([x2, x2[:1]]))))
+                    return trace(ShapeTracer(self.stateful, (x2, torch.cat([x2, x2.narrow(d, 0, 1)], d))))
                 except Exception:
                     pass
                 raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "
