@@ -271,3 +271,54 @@ def test_a_module_returning_values_and_indices_runs_as_its_own_call(backward):
     AttributeError, under ``auto`` too); the indices it returns carry no gradient."""
     torch.manual_seed(0)
     _steps(_SegNetPool().double(), torch.randn(4, 3, 8, 8, dtype=torch.float64), backward)
+
+
+def _drop_path(x, drop_prob: float, training: bool):
+    """timm's ``drop_path``: a per-sample mask made from the input (``x.new_empty``) by ``bernoulli_``."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep = 1 - drop_prob
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    mask.div_(keep)
+    return x * mask
+
+
+class DropPathBlock(nn.Module):
+    """A residual block with stochastic depth, as timm's ViT and ConvNeXt blocks train."""
+
+    def __init__(self, rate: float = 0.3) -> None:
+        super().__init__()
+        self.a, self.b, self.rate = nn.Linear(8, 8), nn.Linear(8, 3), rate
+
+    def forward(self, x):
+        return self.b(x + _drop_path(torch.relu(self.a(x)), self.rate, self.training))
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_a_random_mask_made_from_the_input_is_a_constant(backward):
+    """``x.new_empty(shape).bernoulli_(p)`` reads a graph tensor but records no gradient in the model; the scan
+    asked autograd for one through ``bernoulli`` ("derivative for aten::bernoulli is not implemented", in
+    ``loss.backward()``). Such a tensor is a constant of the step: the nodes reading it get it without a
+    gradient, as the model's do. Same masks (same seed), autograd's gradients, over steps and batch sizes."""
+    torch.manual_seed(0)
+    model = DropPathBlock().double()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, torch.randn(4, 8, dtype=torch.float64), backward=backward)
+    for step, b in enumerate((4, 3, 1)):
+        x = torch.randn(b, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        torch.manual_seed(step)
+        ya = w(xa)
+        torch.manual_seed(step)
+        yb = ref(xb)
+        assert torch.equal(ya, yb), f"step {step}: forward"
+        wt = torch.randn(yb.shape, dtype=yb.dtype, generator=torch.Generator().manual_seed(10 + step))
+        (ya * wt).sum().backward()
+        (yb * wt).sum().backward()
+        assert torch.allclose(xa.grad, xb.grad, rtol=1e-12, atol=1e-14), f"step {step}: input gradient"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14), f"step {step}: {n}"

@@ -62,6 +62,19 @@ def _each_once(params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Par
             out.append((name, p))
     return out
 
+def _recorded(call: Any, frozen: list[bool]) -> Any:
+    """``call`` run as an opaque node's step runs it: gradients on, each floating input a leaf that requires
+    one, except those of ``frozen`` (constants of the step)."""
+
+    def run(*xs: torch.Tensor) -> Any:
+        with torch.enable_grad():
+            xs = tuple(x.detach().requires_grad_(not f and (x.is_floating_point() or x.is_complex()))
+                       for x, f in zip(xs, frozen))
+            return call(*xs)
+
+    return run
+
+
 class Traced:
     """The traced graph with per-node example values, units and the series-parallel parse."""
 
@@ -104,6 +117,11 @@ class Traced:
         # tensors computed from graph tensors that do not keep the batch dim first (``qkv.permute(2, 0, 3, 1,
         # 4)``): not part of the chain, recomputed inside each opaque node reading them; -> their graph tensors
         self.virtual: dict[fx.Node, list[fx.Node]] = {}
+        # graph tensors autograd records no gradient for in the model: made from graph tensors only by calls whose
+        # results need none (``x.new_empty(shape)``, ``x.detach()``, ``x > 0``) and what is made from those alone
+        # (timm's drop path: ``x.new_empty(shape).bernoulli_(p)``); an opaque node reading one does not ask
+        # autograd for its gradient, which autograd would not compute (the derivative of ``bernoulli``)
+        self.constants: set[fx.Node] = set()
         x = example_input.detach()
         x = x.transpose(0, 1) if batch_dim else x  # batch first, as the graph takes it
         x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
@@ -477,10 +495,16 @@ class Traced:
             m, name, backed, label = nn.Module(), node.name, False, node_text(node)
             if inner:
                 label += f" of {', '.join(inner)}"
+        frozen = [n in self.constants for n in tensor_inputs]
         with torch.random.fork_rng(devices=[]):  # planning draws none of the model's random numbers
             state = [t.clone() for t in m.buffers()]
             try:
-                y, own_cost = counted_call(call, xins)  # what its operations cost, for the step profile
+                # what its operations cost, for the step profile; run as the step runs it (its inputs recorded)
+                y, own_cost = counted_call(_recorded(call, frozen), xins)
+                # a result that needs no gradient from inputs that would (``x.new_empty(...)``): a constant
+                constant = isinstance(y, torch.Tensor) and not y.requires_grad and not params and not (
+                    node.op == "call_module" and any(True for _ in m.parameters()))
+                y = y.detach() if isinstance(y, torch.Tensor) else y
                 # which output dim is the batch, not told by the size alone: a batch of 3 (a batch of 1 would fail a
                 # train-mode BatchNorm of one value per channel)
                 three = call(*[torch.cat([t, t[:1]]) for t in xins])
@@ -506,8 +530,10 @@ class Traced:
                                                  label, params, own_cost, call=node.target)
         else:
             unit = OpaqueUnit(k, m, [tuple(t.shape[1:]) for t in xins], tuple(y.shape[1:]), call, label, params,
-                              own_cost, reason=why)
+                              own_cost, reason=why, constant_inputs=frozen)
         self._add_unit(node, unit, name, backed, tensor_inputs)
+        if constant:
+            self.constants.add(node)
         return y
 
     def _scalar(self, node, key, args, kwargs, tensor_inputs, env) -> bool:
@@ -692,6 +718,8 @@ class Traced:
         self.module_backed.append(backed)
         self.kind[node] = "unit"
         self.tin[node] = list(inputs)
+        if not isinstance(unit, OpaqueUnit) and not unit.roles and all(n in self.constants for n in inputs):
+            self.constants.add(node)  # an analytic map of constants alone (``mask / keep``)
 
     def _unit(self, node, key, builder, args, kwargs, tensor_inputs, env):
         if len(tensor_inputs) != 1 or not (node.args and node.args[0] is tensor_inputs[0]):

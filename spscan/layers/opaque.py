@@ -125,8 +125,11 @@ class OpaqueUnit(LayerUnit):
                  call: Callable[..., torch.Tensor], label: str,
                  params: Optional[Sequence[tuple[str, nn.Parameter]]] = None,
                  own_cost: Optional[Sequence[tuple[str, float]]] = None,
-                 reason: str = "no analytic unit for this call") -> None:
+                 reason: str = "no analytic unit for this call", constant_inputs: Sequence[bool] = ()) -> None:
         super().__init__(index, module, in_shapes[0], out_shape)
+        # per input: a constant of the step (a tensor autograd records no gradient for in the model, such as
+        # ``x.new_empty(shape)``), given to the call without one, as the model's call gets it
+        self.constant_inputs = tuple(constant_inputs) + (False,) * (len(in_shapes) - len(constant_inputs))
         self.reason = reason  # why the node runs autograd's own backward (the wrapper's explain() says it)
         self.own_cost = None if own_cost is None else tuple(own_cost)  # (family, work per sample): counted_call
         self.in_shapes = [tuple(s) for s in in_shapes]
@@ -171,9 +174,9 @@ class OpaqueUnit(LayerUnit):
         the recording join the default stream, which fails the capture."""
         with torch.enable_grad():
             xis = []
-            for x, shape in zip(xs, self.in_shapes):
+            for x, shape, constant in zip(xs, self.in_shapes, self.constant_inputs):
                 xi = x.detach().reshape((x.shape[0],) + shape)
-                if xi.is_floating_point() or xi.is_complex():
+                if not constant and (xi.is_floating_point() or xi.is_complex()):
                     xi.requires_grad_(True)
                 xis.append(xi)
             aliases = None
