@@ -397,11 +397,13 @@ class _Results(nn.Module):
     def __init__(self, how):
         super().__init__()
         self.how = how
-        self.fc, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.fc, self.fc2, self.fc3 = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(6, 4)
 
     def forward(self, x):
         h = torch.tanh(self.fc(x))
         y = self.fc2(h)
+        if self.how == "reconstruction":  # an autoencoder's loss against its own input, inside the forward
+            return F.mse_loss(self.fc3(h), x), y
         if self.how == "tuple":
             return y, x, None
         if self.how == "dict":
@@ -411,7 +413,7 @@ class _Results(nn.Module):
         return y.unsqueeze(0).transpose(0, 1).transpose(0, 2), h  # (3, B, 1) and (B, 6)
 
 
-@pytest.mark.parametrize("how", ["tuple", "dict", "rows", "batch_second"])
+@pytest.mark.parametrize("how", ["tuple", "dict", "rows", "batch_second", "reconstruction"])
 def test_results_other_than_one_batch_first_tensor(how):
     """The chain ends in the graph tensors the result is computed from (concatenated where several), and the
     wrapper makes the result from it after the scan's step, under autograd: autograd's gradients."""
@@ -438,7 +440,40 @@ def test_results_other_than_one_batch_first_tensor(how):
             assert a.shape == c.shape and _rel(a, c) <= 1e-12
         assert _rel(xa.grad, xb.grad) <= 1e-10
         for p, q in zip(model.parameters(), ref.parameters()):
-            assert _rel(p.grad, q.grad) <= 1e-10
+            assert (p.grad is None) == (q.grad is None)  # fc3 is read by the reconstruction alone
+            assert p.grad is None or _rel(p.grad, q.grad) <= 1e-10
+            p.grad = q.grad = None
+
+
+class _NextTokenLoss(nn.Module):
+    """A language model whose forward returns its next-token loss, the targets taken from its own token ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(20, 6), nn.Linear(6, 6), nn.Linear(6, 20)
+
+    def forward(self, ids):
+        logits = self.head(torch.tanh(self.fc(self.emb(ids))))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 20), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_result_reading_the_token_ids_themselves(dtype):
+    """``ids[:, 1:]`` (the loss's targets) was a graph tensor packed with the logits into the scan's floating
+    output, so ``cross_entropy`` got float targets and the forced scan crashed; integer tensors of the result
+    are computed again from the input after the step."""
+    torch.manual_seed(0)
+    model = _NextTokenLoss().to(dtype)
+    ref = copy.deepcopy(model)
+    w = spscan.wrap(model, torch.randint(0, 20, (3, 9)), backward="scan")
+    for b in (3, 1, 4):
+        ids = torch.randint(0, 20, (b, 9))
+        got, want = w(ids), ref(ids)
+        assert _rel(got, want) <= (1e-12 if dtype == torch.float64 else 1e-6)
+        got.backward()
+        want.backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= (1e-10 if dtype == torch.float64 else 1e-5)
             p.grad = q.grad = None
 
 

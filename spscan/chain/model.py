@@ -101,8 +101,9 @@ class ModelPlan:
         # (``(T, B, ...)``); the plan runs on the input batch first (:meth:`batch_first`), as the graph takes it
         self.input_batch_dim = 0
         # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
-        # ``h_n``): how the wrapper makes that result from the output, under autograd (None: the output is it)
-        self.output_tail: Optional[Callable[[torch.Tensor], Any]] = None
+        # ``h_n``): how the wrapper makes that result from the output and the step's input, under autograd (None:
+        # the output is it)
+        self.output_tail: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")

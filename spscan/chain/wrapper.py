@@ -218,7 +218,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         y = self.plan.run_step(x, flat, choice == "graph")
         self._after_step(key, choice)
         tail = self.plan.output_tail
-        return y if tail is None else tail(y)
+        return y if tail is None else tail(y, x)
 
     def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
         """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units

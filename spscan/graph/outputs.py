@@ -21,11 +21,14 @@ class OutputTail:
     """The forward's result from the scan's output (see :func:`chain_end`): ``tail(y)``."""
 
     def __init__(self, structure: Any, sources: list, sizes: list, shapes: list, evaluators: dict, packed: bool,
-                 reads: dict) -> None:
+                 reads: dict, input_node: Optional[fx.Node] = None) -> None:
         self.structure, self.sources, self.sizes, self.shapes = structure, sources, sizes, shapes
         self.evaluators, self.packed, self.reads = evaluators, packed, reads
+        self.input_node = input_node  # the graph's input, where the result reads it besides the scan's output
 
-    def __call__(self, y: torch.Tensor) -> Any:
+    def __call__(self, y: torch.Tensor, x: Optional[torch.Tensor] = None) -> Any:
+        """The forward's result from the scan's output ``y`` and the step's input ``x`` (batch first, as the graph
+        takes it: a result may read it, as a loss reads its targets from the token ids)."""
         b = y.shape[0]
         if self.packed:
             # contiguous, as each was in the model (a .view() of it in the forward needs that)
@@ -33,11 +36,13 @@ class OutputTail:
         else:
             parts = [y]
         got = dict(zip(self.sources, parts))
+        if self.input_node is not None:
+            got[self.input_node] = x
 
         def value(n: fx.Node) -> Any:
             if n in got:
                 return got[n]
-            return self.evaluators[n](*[got[t] for t in self.reads[n]])
+            return self.evaluators[n](*[value(t) for t in self.reads[n]])
 
         return rebuilt(self.structure, value)
 
@@ -57,6 +62,10 @@ def rebuilt(a: Any, value: Any) -> Any:
     return a
 
 
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
 def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]]:
     """What the scan's chain of ``traced`` (the :class:`~spscan.graph.trace.Traced` being built) ends in (one
     graph tensor) and how the forward's result is made from it (an :class:`OutputTail`, None where it is that
@@ -66,7 +75,9 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     keep the batch dim first (an RNN's ``h_n``, ``logits.view(-1, V)``), or numbers: the chain ends in the one
     graph tensor they are computed from, or in the concatenation of several (each flattened per sample),
     and the tail, run by the wrapper after the scan's step under autograd, rebuilds the result from it
-    (the slices of that concatenation, then what the forward computed from them, recomputed)."""
+    (the slices of that concatenation, then what the forward computed from them, recomputed). What the
+    result reads of the input itself besides (a loss's targets taken from the token ids) the tail reads from the
+    step's input."""
     res = node.args[0]
     if isinstance(res, fx.Node) and res in traced.kind:
         return res, None
@@ -84,6 +95,20 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     sources = list(dict.fromkeys(sources))
     if not sources:
         raise refuse_node(node, "the forward returns no tensor computed from the input")
+    # integer tensors (``ids[:, 1:]``, a loss's targets) carry no gradient: the tail computes them again from the
+    # input, never through the scan's (floating) output
+    exact = {n: traced._evaluator(n, [traced.input_node])[0] for n in sources
+             if n is not traced.input_node and not _floating(traced.env[n])}
+    if exact:
+        sources = [traced.input_node if n in exact else n for n in sources]
+        sources = list(dict.fromkeys(sources))
+    if traced.input_node in sources and len(sources) > 1:
+        # the result reads the input itself besides what the scan computes (a loss's targets from the token ids,
+        # a reconstruction loss against the input): the tail reads it from the step's input, not the scan's output
+        sources.remove(traced.input_node)
+        input_node: Optional[fx.Node] = traced.input_node
+    else:
+        input_node = None
     if sources == [traced.input_node]:
         if all(n is traced.input_node for n in leaves):
             raise refuse_node(node, "the forward's result is its input moved or copied by no layer (nothing to scan)")
@@ -114,5 +139,7 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     sizes = [int(np.prod(traced.env[n].shape[1:])) for n in sources]
     shapes = [tuple(traced.env[n].shape[1:]) for n in sources]
     evaluators = {n: traced._evaluator(n, traced.virtual[n])[0] for n in leaves if n in traced.virtual}
-    return end, OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1,
-                           {n: traced.virtual[n] for n in evaluators})
+    reads = {n: traced.virtual[n] for n in evaluators}
+    for n, f in exact.items():
+        evaluators[n], reads[n] = f, [traced.input_node]
+    return end, OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1, reads, input_node)
