@@ -130,3 +130,50 @@ def test_planned_in_eval_mode_then_trained(make, shape, levels):
         for a, b in zip(net.buffers(), ref.buffers()):
             assert torch.equal(a, b)  # running statistics updated as autograd's model updates them
     assert (w.plan is not first) == (first.levels > 0)
+
+
+class _BnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.c1(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("backward", ["auto", "scan", "native"])
+@pytest.mark.parametrize("between", ["eval", "other_shape", "train_other_shape"])
+def test_a_validation_batch_between_a_forward_and_its_backward(backward, between):
+    """A training forward, then a call planned on first use (eval mode under no_grad, a batch of another image
+    size), then the first forward's backward. Planning ran the model and wrote the BatchNorm statistics back
+    with ``copy_``, a new version of a tensor the recorded backward had saved: "one of the variables needed
+    for gradient computation has been modified by an inplace operation" (``auto``). The planner now puts them
+    back without a new version, and a call under no_grad plans nothing. Gradients and statistics are autograd's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _BnNet().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    net = spscan.wrap(model, x, backward=backward)
+    other = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    losses = []
+    for m, wrapped in ((ref, ref), (model, net)):
+        loss = wrapped(x).square().sum()
+        if between == "eval":
+            wrapped.eval()
+            with torch.no_grad():
+                wrapped(x)
+            wrapped.train()
+        elif between == "other_shape":
+            with torch.no_grad():
+                wrapped(other)
+        else:
+            wrapped(other).sum()  # a second training forward, never backpropagated
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-12)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12), n
+    for a, b in zip(model.buffers(), ref.buffers()):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-14)

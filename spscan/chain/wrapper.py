@@ -173,6 +173,8 @@ class SpscanModule(BackwardChoice, nn.Module):
     def _call_choice(self, key: Optional[Hashable], x: Any) -> str:
         """As :meth:`BackwardChoice._call_choice`, and with ``backward="auto"`` an input of a per-sample shape the
         scan cannot plan runs the model's own step (``"native"``)."""
+        if self._forward_alone():  # nothing is recorded (an evaluation under no_grad): nothing to plan for
+            return "native"
         if key is not None and self.backward_mode == "auto" and self._plan_for(key[0]) is None:
             return "native"
         return super()._call_choice(key, x)

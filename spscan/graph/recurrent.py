@@ -34,6 +34,7 @@ from spscan.layers.opaque import OpaqueUnit
 from spscan.options import option_default
 from spscan.planner.step_profile import PREDICTED
 from spscan.recurrent.cells import sequence_dims
+from spscan.runtime.checks import buffers_kept
 
 __all__ = ["RECURRENT_TYPES", "RecurrentCall", "RecurrentNodeUnit", "Unpack", "input_batch_dim", "lstm_state",
            "recurrent_calls"]
@@ -68,21 +69,17 @@ def input_batch_dim(model: nn.Module, example_input: torch.Tensor) -> int:
 
     x = example_input.detach()
     more = torch.cat([x, x.narrow(1, 0, 1)], 1)
-    buffers = [(t, t.clone()) for t in model.buffers()]
     hooks = [m.register_forward_pre_hook(record(i)) for i, m in enumerate(layers)]
     runs = []
     try:
         for example in (x, more):
             seen.clear()
             try:
-                with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(
+                        devices=[x.device] if x.device.type == "cuda" else []):
                     model(example)
             except Exception:
                 return 0
-            finally:
-                with torch.no_grad():
-                    for t, v in buffers:
-                        t.copy_(v)
             runs.append({i: list(v) for i, v in seen.items()})
     finally:
         for h in hooks:

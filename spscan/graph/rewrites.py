@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from spscan.errors import NotPlannable
 from spscan.graph.nodes import node_source, node_text
+from spscan.runtime.checks import buffers_kept
 
 __all__ = ["GRAD_ENABLED", "OnCopy", "WRITES_INPUT", "UPDATES", "batch_second_input", "check_graph_is_the_forward",
            "detached", "gradient_stops", "out_of_place", "subtractions_as_sums"]
@@ -276,17 +277,12 @@ def check_graph_is_the_forward(model: nn.Module, graph: fx.Graph, x: torch.Tenso
     numbers and the model's buffers restored after each (a train-mode BatchNorm's statistics), without
     gradients. An error of the model's own forward propagates. ``x`` is batch first, as the graph takes it; the
     model takes it with the batch on ``batch_dim`` (:func:`batch_second_input`)."""
-    buffers = [(t, t.clone()) for t in model.buffers()]
     devices = [x.device] if x.device.type == "cuda" else []
 
     def run(call: Callable[[], Any]) -> Any:
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                torch.manual_seed(0)
-                return call()
-        finally:
-            for t, v in buffers:
-                t.copy_(v)
+        with torch.no_grad(), buffers_kept(model), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            return call()
 
     own = run(lambda: model(x.transpose(0, 1) if batch_dim else x))
     try:

@@ -32,6 +32,7 @@ from spscan.chain.planning import example_rejected
 from spscan.graph.nodes import first_line, node_key, node_text, refuse_node
 from spscan.graph.tracer import (ExampleRejected, LeafTracer, ShapeTracer, Whole, drop_fixed_inputs,
                                  fixed_arguments, raise_if_forward_fails)
+from spscan.runtime.checks import buffers_kept
 
 __all__ = ["Traced"]
 
@@ -127,17 +128,13 @@ class Traced:
         x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
         # the planner's run of the nodes on the example leaves the model's buffers as they were (a functional
         # train-mode batch_norm on them updates its running statistics)
-        buffers = [(t, t.clone()) for t in model.buffers()]
         try:
-            self._propagate(x2)
+            with buffers_kept(model):
+                self._propagate(x2)
         except ExampleRejected as e:
             raise_if_forward_fails(model, example_input)  # the model's own error on the example is the user's
             raise NotPlannable(f"{e}; the model itself runs on the example, so its per-sample shapes depend on the "
                                "batch size (the planner traces a batch of 2)") from e
-        finally:
-            with torch.no_grad():
-                for t, v in buffers:
-                    t.copy_(v)
         # the rewritten graph must compute the model's own forward (fx does not record every in-place update)
         check_graph_is_the_forward(model, self.graph, x2, batch_dim)
         self._drop_dead()
@@ -496,8 +493,8 @@ class Traced:
             if inner:
                 label += f" of {', '.join(inner)}"
         frozen = [n in self.constants for n in tensor_inputs]
-        with torch.random.fork_rng(devices=[]):  # planning draws none of the model's random numbers
-            state = [t.clone() for t in m.buffers()]
+        # planning draws none of the model's random numbers, nor updates its running statistics
+        with torch.random.fork_rng(devices=[]), buffers_kept(m):
             try:
                 # what its operations cost, for the step profile; run as the step runs it (its inputs recorded)
                 y, own_cost = counted_call(_recorded(call, frozen), xins)
@@ -510,9 +507,6 @@ class Traced:
                 three = call(*[torch.cat([t, t[:1]]) for t in xins])
             except Exception as e:
                 raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), ExampleRejected) from e
-            finally:
-                for t, v in zip(m.buffers(), state):  # nor updates its running statistics
-                    t.copy_(v)
         keeps_batch = (isinstance(y, torch.Tensor) and isinstance(three, torch.Tensor) and y.dim() >= 1
                        and y.shape[0] == xins[0].shape[0] and three.shape == (3,) + y.shape[1:])
         if not keeps_batch:

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from spscan.chain.model import has_hooks
 from spscan.chain.wrapper import PLAIN_ARGUMENT_TYPES
 from spscan.graph.rewrites import GRAD_ENABLED
+from spscan.runtime.checks import buffers_kept
 
 __all__ = ["ExampleRejected", "FunctionCall", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
            "raise_if_forward_fails"]
@@ -80,13 +81,8 @@ def raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
     registers a hook on a tensor needs them; no random numbers drawn, buffers as they were) and let its own
     error through: a forward that fails without tracing is the model's error, not a form the scan cannot
     plan."""
-    buffers = [(t, t.clone()) for t in model.buffers()]
-    try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            model(example_input)
-    finally:
-        for t, v in buffers:
-            t.copy_(v)
+    with buffers_kept(model), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        model(example_input)
 
 
 _APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
@@ -251,13 +247,8 @@ class ShapeTracer(LeafTracer):
         return super().call_module(m, forward, args, kwargs)
 
     def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:  # type: ignore[override]
-        buffers = [(t, t.clone()) for t in root.buffers()]
-        try:
-            with torch.random.fork_rng(devices=[]):
-                return super().trace(root, concrete_args)
-        finally:
-            for t, v in buffers:
-                t.copy_(v)
+        with buffers_kept(root), torch.random.fork_rng(devices=[]):
+            return super().trace(root, concrete_args)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from operator import attrgetter
 from typing import Any, Optional
 
@@ -11,9 +12,24 @@ import torch
 
 from spscan.kernels.backend import StructuredOperator
 
-__all__ = ["canonical_device", "check_inputs", "fmt_bytes"]
+__all__ = ["buffers_kept", "canonical_device", "check_inputs", "fmt_bytes"]
 
 _FLOATS = (torch.float32, torch.float64)
+
+
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Run a block that may update ``module``'s buffers (the planner runs the model: a train-mode BatchNorm
+    updates its running statistics) and put their values back after it, without making a new version of any
+    (written through ``.data``): a forward the user recorded before (a training batch, then a validation
+    batch planned for its new shape) still runs its backward, whose BatchNorm saved its statistics, as a
+    BatchNorm's own update of them leaves it."""
+    saved = [(t, t.clone()) for t in module.buffers()]
+    try:
+        yield
+    finally:
+        for t, v in saved:
+            t.data.copy_(v)
 
 
 def canonical_device(device) -> torch.device:
