@@ -700,3 +700,51 @@ def test_a_traced_forward_follows_the_models_mode(first):
         assert wrapped.plan.planned_training == (mode == "train")
         plans.add(id(wrapped.plan))
     assert len(plans) == 2  # one plan per mode, each made once
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; the loss may read one head only (an auxiliary head used now and then)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.trunk, self.h1, self.h2 = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        if self.how == "dict":
+            return {"main": self.h1(h), "aux": self.h2(h)}
+        return self.h1(h), self.h2(h)
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("how", ["tuple", "dict"])
+def test_a_parameter_only_an_unread_output_depends_on_keeps_no_gradient(how, backward):
+    """Autograd leaves ``.grad`` None for a parameter that only outputs the loss does not read depend on; the
+    scan gave it zeros, and SGD with momentum and weight decay then moved it (0.26 after three steps). The
+    parameters are autograd's after every step: the auxiliary head read at the first step only, then the
+    main head read through ``.detach()`` with the auxiliary one."""
+    torch.manual_seed(0)
+    model = _init(_TwoHeads(how), 2).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    w = spscan.wrap(model, x, backward=backward)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1) for m in (ref, model)]
+    for step in range(4):
+        for m, run, opt in ((ref, ref, opts[0]), (model, w, opts[1])):
+            opt.zero_grad()
+            out = run(x)
+            main, aux = (out["main"], out["aux"]) if how == "dict" else out
+            if step == 0:
+                loss = main.square().sum() + aux.square().sum()
+            elif step == 3:
+                loss = main.detach().sum() + aux.square().sum()
+            else:
+                loss = main.square().sum()
+            loss.backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}: {n}"
+        for opt in opts:
+            opt.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-12, atol=1e-14), f"step {step}: {n}"

@@ -103,7 +103,10 @@ class ModelPlan:
         # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
         # ``h_n``): how the wrapper makes that result from the output and the step's input, under autograd (None:
         # the output is it)
-        self.output_tail: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None
+        self.output_tail: Optional[Callable[..., Any]] = None
+        # a packed result's parts: the flat tensors that reach only some of them (-> those parts), whose gradient
+        # is None where the loss reads none (the wrapper gates them per step)
+        self.part_gates: dict[int, frozenset] = {}
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")

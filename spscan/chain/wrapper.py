@@ -17,7 +17,7 @@ import torch.nn as nn
 from spscan.errors import NotPlannable
 from spscan.options import option_default
 from spscan.planner.choose import Decision
-from spscan.runtime.autograd import refuse_functorch
+from spscan.runtime.autograd import PartsRead, gated, refuse_functorch
 from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
 from spscan.chain.model import ModelPlan
 from spscan.layers.opaque import OpaqueUnit
@@ -217,10 +217,14 @@ class SpscanModule(BackwardChoice, nn.Module):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
             return self.model(own)
         self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
+        record = None
+        if self.plan.part_gates:  # parameters only some parts of the result depend on
+            record = PartsRead()
+            flat = gated(flat, self.plan.part_gates, record)
         y = self.plan.run_step(x, flat, choice == "graph")
         self._after_step(key, choice)
         tail = self.plan.output_tail
-        return y if tail is None else tail(y, x)
+        return y if tail is None else tail(y, x, record)
 
     def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
         """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units

@@ -13,8 +13,37 @@ import torch.fx as fx
 
 from spscan.graph.nodes import node_text, refuse_node
 from spscan.layers.registry import JOIN_CAT as _CAT, NODE_UNITS
+from spscan.runtime.autograd import PartsRead, split_parts
 
-__all__ = ["OutputTail", "chain_end", "rebuilt"]
+__all__ = ["OutputTail", "chain_end", "part_gates", "rebuilt"]
+
+
+def part_gates(traced: Any, units: list, role_slices: list) -> dict:
+    """For a packed result: ``{flat index: parts}`` for each of the units' tensors that reaches some but not
+    all of the result's parts (the others are never gated: a step whose loss reads no part has no backward)."""
+    tail = traced.output_tail
+    if tail is None or not tail.packed:
+        return {}
+    index = {id(u): k for k, u in enumerate(units)}
+    reach: dict[int, set] = {}
+    for j, source in enumerate(tail.sources):
+        todo, seen = [source], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            leaf = traced.leaf_of.get(n)
+            if leaf is not None and id(leaf.unit) in index:
+                reach.setdefault(index[id(leaf.unit)], set()).add(j)
+            todo.extend(traced.tin.get(n, ()))
+    every = set(range(len(tail.sources)))
+    gates = {}
+    for k, parts in reach.items():
+        if parts != every:
+            for i in range(role_slices[k].start, role_slices[k].stop):
+                gates[i] = frozenset(parts)
+    return gates
 
 
 class OutputTail:
@@ -26,11 +55,14 @@ class OutputTail:
         self.evaluators, self.packed, self.reads = evaluators, packed, reads
         self.input_node = input_node  # the graph's input, where the result reads it besides the scan's output
 
-    def __call__(self, y: torch.Tensor, x: Optional[torch.Tensor] = None) -> Any:
+    def __call__(self, y: torch.Tensor, x: Optional[torch.Tensor] = None, record: Optional[PartsRead] = None) -> Any:
         """The forward's result from the scan's output ``y`` and the step's input ``x`` (batch first, as the graph
-        takes it: a result may read it, as a loss reads its targets from the token ids)."""
+        takes it: a result may read it, as a loss reads its targets from the token ids). ``record``: where the
+        backward notes which parts the loss read (:func:`~spscan.runtime.autograd.split_parts`, for :func:`~spscan.runtime.autograd.gated`)."""
         b = y.shape[0]
-        if self.packed:
+        if self.packed and record is not None:
+            parts = [p.reshape((b,) + s) for p, s in zip(split_parts(record, y, list(self.sizes)), self.shapes)]
+        elif self.packed:
             # contiguous, as each was in the model (a .view() of it in the forward needs that)
             parts = [p.reshape((b,) + s).contiguous() for p, s in zip(y.split(self.sizes, 1), self.shapes)]
         else:

@@ -7,7 +7,9 @@ backward returns one gradient per input. The bridge owns what is the same for al
 refusal of ``torch.func`` transforms and of second derivatives (a clear error, never a silent
 ``None``), the saved state's lifetime (freed with the graph where the front end asks for it, so a
 second backward through a freed graph raises autograd's own error), and running the backward with
-gradient recording off.
+gradient recording off. And, for a front end whose result is packed from several parts (a forward returning
+several tensors), that a parameter only unread parts depend on keeps a ``None`` gradient, as in autograd
+(:func:`split_parts`, :func:`gated`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 
 from spscan.runtime import PeriodicValues
 
-__all__ = ["FrontEnd", "ScanFunction", "apply", "holds_tensors", "in_functorch_transform", "keep_graph",
-           "map_tensors", "refuse_functorch", "refuse_second_derivative", "tensors_and_signature"]
+__all__ = ["FrontEnd", "PartsRead", "ScanFunction", "apply", "gated", "holds_tensors", "in_functorch_transform",
+           "keep_graph", "map_tensors", "refuse_functorch", "refuse_second_derivative", "split_parts",
+           "tensors_and_signature"]
 
 
 class FrontEnd(Protocol):
@@ -240,6 +243,64 @@ def _load(ctx) -> tuple[Any, tuple]:
 
 
 # --------------------------------------------------------------------------- the function
+
+
+class PartsRead:
+    """Which parts of one step's packed result (a forward returning several tensors, or one and the tensors made
+    from it) the loss read: ``used[j]`` for part ``j``, filled in by :func:`split_parts`'s backward, which runs
+    before the scan's; None until then."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used: Optional[list[bool]] = None
+
+
+class _Split(torch.autograd.Function):
+    """The packed result split into its parts (copies, contiguous as each was in the model); the backward
+    records which parts have a gradient (a part the loss does not read has None) and packs theirs, zeros for
+    the others, for the scan's backward."""
+
+    @staticmethod
+    def forward(ctx, record: PartsRead, y: torch.Tensor, sizes: list):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.record, ctx.shapes = record, [(y.shape[0], n) for n in sizes]
+        return tuple(p.clone(memory_format=torch.contiguous_format) for p in y.split(sizes, 1))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.record.used = [g is not None for g in grads]
+        ref = next(g for g in grads if g is not None)
+        return None, torch.cat([g.reshape(s) if g is not None else ref.new_zeros(s)
+                                for g, s in zip(grads, ctx.shapes)], 1), None
+
+
+class _Gate(torch.autograd.Function):
+    """A tensor of the scan's inputs (a parameter) that reaches only some parts of the packed result: its
+    gradient is None where the loss read none of them, as autograd leaves a parameter that only an unread
+    output depends on (an optimizer with momentum or weight decay moves a parameter whose gradient is zero)."""
+
+    @staticmethod
+    def forward(ctx, record: PartsRead, parts: frozenset, t: torch.Tensor):  # type: ignore[override]
+        ctx.record, ctx.parts = record, parts
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        used = ctx.record.used
+        if used is not None and not any(used[j] for j in ctx.parts):
+            return None, None, None
+        return None, None, g
+
+
+def gated(flat: list, gates: dict, record: PartsRead) -> list:
+    """``flat`` with each tensor of ``gates`` (flat index -> the parts it reaches) behind a :class:`_Gate`."""
+    return [_Gate.apply(record, gates[i], t) if i in gates and t.requires_grad else t for i, t in enumerate(flat)]
+
+
+def split_parts(record: PartsRead, y: torch.Tensor, sizes: list) -> tuple:
+    """``y`` ``(B, sum(sizes))`` split into its parts, recorded (:class:`_Split`)."""
+    return _Split.apply(record, y, sizes)
 
 
 class ScanFunction(torch.autograd.Function):
