@@ -881,3 +881,34 @@ def test_a_learned_state_expanded_to_the_batch_into_an_opaque_module():
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="autograd's own backward inside the scan"):
         _check(_LearnedState(), [torch.randn(3, 4), torch.randn(1, 4), torch.randn(5, 4)])
+
+
+class _ComplexRope(nn.Module):
+    """LLaMA's reference rotary embedding: ``view_as_complex`` of the queries times ``freqs_cis`` (a plain complex
+    attribute), ``view_as_real``, ``.type_as(x)``; then its softmax in float32, cast back."""
+
+    def __init__(self, t: int = 6, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d, bias=False), nn.Linear(d, 3, bias=False)
+        freqs = torch.outer(torch.arange(t).float(), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+        self.freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+
+    def forward(self, x):
+        q = self.a(x)
+        q_ = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        q = torch.view_as_real(q_ * self.freqs_cis).flatten(2).type_as(x)
+        return self.b(F.softmax(q.float(), dim=-1).type_as(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_complex_and_other_dtype_islands_are_recomputed_by_the_node_that_leaves_them(dtype):
+    """A complex tensor was a graph tensor, its real gradient handed to autograd for a complex output ("both
+    grad_output and output are required to have the same dtype"); a float32 island in a float64 model
+    (``F.softmax(s.float(), -1).type_as(x)``) ran analytic units in float32 on float64 gradients ("expected
+    scalar type Double but found Float"). Both are recomputed inside the node that makes them real, or the
+    model's dtype, again: autograd's own gradients, exactly."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="autograd's own backward inside the scan"):
+        w = _check(_ComplexRope(), [torch.randn(3, 6, 8), torch.randn(1, 6, 8)], dtype=dtype,
+                   tol=1e-12 if dtype == torch.float64 else 1e-6)
+    assert not any("view_as_complex" == n for n in w.plan.layer_names)

@@ -28,6 +28,7 @@ from spscan.layers.products import AttentionUnit, ProductUnit, _Attention
 from spscan.layers.registry import (ATTENTION, JOIN_ADD as _ADD, JOIN_CAT as _CAT, NODE_UNITS, PRODUCT_MATMUL,
                                     PRODUCT_MUL, SCALAR_FORMS, scalar_unit)
 from spscan.chain.model import has_hooks
+from spscan.chain.wrapper import model_dtype
 from spscan.chain.planning import example_rejected
 from spscan.graph.nodes import first_line, node_key, node_text, refuse_node
 from spscan.graph.tracer import (ExampleRejected, LeafTracer, ShapeTracer, Whole, drop_fixed_inputs,
@@ -198,6 +199,8 @@ class Traced:
             raise NotPlannable(f"expected a forward with one tensor input (and optional arguments with defaults), got "
                                f"{len(placeholders)} inputs ({', '.join(n.target for n in placeholders)})")
         self.env = env  # filled as the nodes are propagated; opaque nodes' evaluators read it
+        # the dtype the scan computes in (the parameters'); a graph tensor is of it (see _other_dtype)
+        self.dtype = model_dtype(self.model) or (x2.dtype if x2.is_floating_point() else torch.get_default_dtype())
         with torch.no_grad():
             for node in self.graph.nodes:
                 if node.op == "placeholder":
@@ -252,6 +255,12 @@ class Traced:
                     y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
                 else:
                     y = self._unit(node, key, builder, args, kwargs, tensor_inputs, env)
+                if node in self.kind and self._other_dtype(y) and not isinstance(self.units[-1], OpaqueUnit):
+                    # an analytic unit computing in another dtype than the scan's (``scores.float()`` in a float64
+                    # model, LLaMA's softmax in float32): recomputed, as autograd computes it, by the node that
+                    # casts back (``.type_as(x)``)
+                    self._undo_last_unit(node)
+                    y = self._opaque(node, key, args, kwargs, tensor_inputs, env, "another dtype than the scan's")
                 if node in self.virtual:
                     env[node] = y
                     continue
@@ -509,7 +518,10 @@ class Traced:
                 raise refuse_node(node, example_rejected(k, tuple(xins[0].shape[1:]), e), ExampleRejected) from e
         keeps_batch = (isinstance(y, torch.Tensor) and isinstance(three, torch.Tensor) and y.dim() >= 1
                        and y.shape[0] == xins[0].shape[0] and three.shape == (3,) + y.shape[1:])
-        if not keeps_batch:
+        # a complex tensor (LLaMA's rotary embedding: ``torch.view_as_complex(q) * freqs_cis``) is not a graph
+        # tensor either (the scan's gradients are real), nor one of another dtype than the scan's (a float32
+        # island in a float64 model): recomputed inside the node that makes it real, or casts it, again
+        if not keeps_batch or y.is_complex() or self._other_dtype(y):
             self.virtual[node] = list(tensor_inputs)
             return y
         if node.op != "call_module" and not params:
@@ -704,6 +716,19 @@ class Traced:
             else:
                 todo.extend(m.all_input_nodes)
         return val.clone()
+
+    def _other_dtype(self, y: Any) -> bool:
+        """Whether ``y`` is a floating tensor of another dtype than the scan's (:attr:`dtype`)."""
+        return isinstance(y, torch.Tensor) and y.is_floating_point() and y.dtype != self.dtype
+
+    def _undo_last_unit(self, node: fx.Node) -> None:
+        """Take back the unit just made for ``node`` (the last one)."""
+        self.units.pop()
+        self.names.pop()
+        self.module_backed.pop()
+        del self.kind[node], self.tin[node]
+        self.leaf_of.pop(node, None)
+        self.constants.discard(node)
 
     def _add_unit(self, node: fx.Node, unit: LayerUnit, name: str, backed: bool, inputs: list[fx.Node]) -> None:
         self.leaf_of[node] = Leaf(unit, len(self.units))
