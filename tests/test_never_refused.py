@@ -912,3 +912,42 @@ def test_complex_and_other_dtype_islands_are_recomputed_by_the_node_that_leaves_
         w = _check(_ComplexRope(), [torch.randn(3, 6, 8), torch.randn(1, 6, 8)], dtype=dtype,
                    tol=1e-12 if dtype == torch.float64 else 1e-6)
     assert not any("view_as_complex" == n for n in w.plan.layer_names)
+
+
+class _ReadsItsTensors(nn.Module):
+    """Python that reads its tensors as values, as posted language-model code does: ``x.ndim`` (llama2c's
+    ``reshape_for_broadcast``), ``torch.finfo(h.dtype).min`` (HF GPT-2, BERT), ``if self.fc.weight.dtype in
+    (...)`` (HF T5's layer norm), ``len(h)`` of a time-major tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(20, 6), nn.Linear(6, 20)
+        self.register_buffer("cos", torch.randn(16, 6))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        ndim = h.ndim
+        shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(h.shape)]
+        h = h * self.cos[: h.shape[1]].view(shape)
+        h = torch.where((ids != 0)[:, :, None], h, torch.finfo(h.dtype).min / 1e300)
+        if self.fc.weight.dtype in (torch.float16, torch.bfloat16):
+            h = h.to(self.fc.weight.dtype)
+        steps = len(h.transpose(0, 1))
+        return self.fc(h) / steps
+
+
+def test_python_reading_ndim_dtype_and_len_is_traced_with_their_values():
+    """fx cannot trace these (a proxy's ``ndim`` in a condition, ``torch.finfo`` of a proxy's dtype, ``len()``);
+    the model was refused ("Proxy object cannot be iterated") and ``auto`` ran autograd. The retrace on
+    example batches gives them the examples' values; a plan that read the dtype is planned again when the
+    model's dtype changes (``finfo`` of the new one)."""
+    torch.manual_seed(0)
+    model = _ReadsItsTensors()
+    ids = [torch.randint(0, 20, (3, 9)), torch.randint(0, 20, (1, 9)), torch.randint(0, 20, (4, 12))]
+    w = _check(model, ids)
+    assert w.plan.reads_dtype
+    ref = copy.deepcopy(model).float()
+    model.float()
+    with pytest.warns(UserWarning, match="the parameters' dtype"):
+        got = w(ids[0])
+    assert w.plan.layer_names and torch.equal(got, ref(ids[0]))

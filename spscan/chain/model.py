@@ -100,6 +100,9 @@ class ModelPlan:
         # the dim of the model's input that is the batch: 1 for a traced model that reads a time-major sequence
         # (``(T, B, ...)``); the plan runs on the input batch first (:meth:`batch_first`), as the graph takes it
         self.input_batch_dim = 0
+        # a traced forward whose Python read a tensor's dtype as a value (``torch.finfo(x.dtype).min``): valid for
+        # the parameters' dtype it was traced with (the wrapper keeps its plans under it, :class:`PythonState`)
+        self.reads_dtype = False
         # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
         # ``h_n``): how the wrapper makes that result from the output and the step's input, under autograd (None:
         # the output is it)

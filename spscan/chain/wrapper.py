@@ -68,10 +68,12 @@ class PythonState:
     torch's layers (their attributes are their constructor's arguments; a unit reads what it follows, such as
     dropout's ``p``, when it runs), which keeps the per-step read small (ResNet-18: the blocks' few attributes).
     A module that runs as its own call (an opaque node) reads its attributes itself: its subtree is left out
-    (its forward may change them on every call, as a counter would)."""
+    (its forward may change them on every call, as a counter would). Where the traced forward read a tensor's
+    dtype as a value (:attr:`ModelPlan.reads_dtype`), the parameters' dtype is read too (last)."""
 
     def __init__(self, model: nn.Module, plan: ModelPlan) -> None:
         own = {id(u.module) for u in plan.units if isinstance(u, OpaqueUnit)}
+        self.model, self.reads_dtype = model, bool(getattr(plan, "reads_dtype", False))
         self.slots: list[tuple[str, nn.Module, tuple[str, ...]]] = []
         skip: list[str] = []
         for path, m in model.named_modules():
@@ -87,7 +89,8 @@ class PythonState:
                 self.slots.append((path, m, names))
 
     def now(self) -> tuple:
-        return tuple(m.__dict__.get(n, _MISSING) for _, m, names in self.slots for n in names)
+        values = tuple(m.__dict__.get(n, _MISSING) for _, m, names in self.slots for n in names)
+        return values + (model_dtype(self.model),) if self.reads_dtype else values
 
     def changed(self, before: tuple, after: tuple) -> str:
         """``module.name: old -> new`` of the first attribute that differs between two :meth:`now` values."""
@@ -98,6 +101,8 @@ class PythonState:
                 if a != b or type(a) is not type(b):
                     where = f"{path}.{n}" if path else n
                     return f"{where}: {a!r} -> {b!r}"
+        if self.reads_dtype and before[-1] != after[-1]:
+            return f"the parameters' dtype (read as a value in the forward): {before[-1]} -> {after[-1]}"
         return ""
 
 
@@ -307,7 +312,9 @@ class Replan:
         """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
         d = self.batch_dim  # the example's batch, on the dim the model reads it from (``per_sample`` without it)
         shape = self.shape if per_sample is None else tuple(per_sample)[:d] + self.shape[d:d + 1] + tuple(per_sample)[d:]
-        x = torch.zeros(shape, dtype=self.dtype, device=model_device(model) or torch.device("cpu"))
+        # a floating example in the model's dtype now (converted since it was wrapped: ``model.double()``)
+        dtype = (model_dtype(model) or self.dtype) if self.dtype.is_floating_point else self.dtype
+        x = torch.zeros(shape, dtype=dtype, device=model_device(model) or torch.device("cpu"))
         return self.plan_fn(model, x, **self.options)
 
 

@@ -85,6 +85,7 @@ class Traced:
         """``batch_dim``: the dim of the model's input that is the batch (1: a time-major sequence, see
         :func:`~spscan.graph.recurrent.input_batch_dim`); the graph takes the input batch first either way."""
         self.model, self.prune_zeros, self.opts, self.batch_dim = model, prune_zeros, opts, batch_dim
+        self.dtype_read = False  # the forward's Python read a tensor's dtype as a value (ShapeTracer)
         if has_hooks(model):
             raise NotPlannable("the model has forward/backward hooks of its own, which its "
                                "traced graph would not run (hooks on its submodules are fine: each such module runs "
@@ -160,8 +161,11 @@ class Traced:
                 x = example_input.detach()
                 d = self.batch_dim
                 x2 = x.narrow(d, 0, 2) if x.shape[d] >= 2 else torch.cat([x.narrow(d, 0, 1)] * 2, d)
+                shapes = ShapeTracer(self.stateful, (x2, torch.cat([x2, x2.narrow(d, 0, 1)], d)))
                 try:
-                    return trace(ShapeTracer(self.stateful, (x2, torch.cat([x2, x2.narrow(d, 0, 1)], d))))
+                    graph = trace(shapes)
+                    self.dtype_read = shapes.dtype_read
+                    return graph
                 except Exception:
                     pass
                 raise NotPlannable(f"torch.fx.symbolic_trace cannot capture its forward ({e}); "

@@ -190,7 +190,10 @@ class LeafTracer(fx.Tracer):
 
 class _ShapeProxy(_Proxy):
     """A traced tensor whose sizes its tracer knows from two example batches (:class:`ShapeTracer`): ``size()``,
-    ``shape`` and ``dim()`` give Python numbers for the per-sample sizes and a traced size for the batch's."""
+    ``shape`` and ``dim()`` give Python numbers for the per-sample sizes and a traced size for the batch's;
+    ``ndim``, ``len()``, ``dtype`` and ``is_floating_point()`` give the examples' (their Python reads them in
+    conditions and ``torch.finfo``: the plan is made again for another per-sample shape, and a model whose
+    dtype changes is planned again)."""
 
     def _examples(self) -> Optional[tuple]:
         got = self.tracer.examples.get(self.node)  # type: ignore[attr-defined]
@@ -218,6 +221,34 @@ class _ShapeProxy(_Proxy):
         ex = self._examples()
         return ex[0].dim() if ex is not None else fx.Proxy.__getattr__(self, "dim")()
 
+    @property
+    def ndim(self) -> Any:  # ``assert 1 < x.ndim`` (LLaMA's ``reshape_for_broadcast``)
+        return self.dim()
+
+    def __len__(self) -> int:  # ``len(src)``: the first dim's size where it is a per-sample size
+        size = self.size(0)
+        if not isinstance(size, int):
+            raise TypeError("len() of a traced tensor whose first dim is the batch")
+        return size
+
+    def _fixed(self, what: str) -> Any:
+        """A property of the examples (the same for both), else the traced attribute."""
+        ex = self._examples()
+        if ex is None or getattr(ex[0], what) != getattr(ex[1], what):
+            return fx.Proxy.__getattr__(self, what)
+        return getattr(ex[0], what)
+
+    @property
+    def dtype(self) -> Any:  # ``torch.finfo(scores.dtype).min``, ``if self.weight.dtype == torch.float16``
+        got = self._fixed("dtype")
+        if isinstance(got, torch.dtype):
+            self.tracer.dtype_read = True  # type: ignore[attr-defined]
+        return got
+
+    def is_floating_point(self) -> Any:
+        ex = self._examples()
+        return ex[0].is_floating_point() if ex is not None else fx.Proxy.__getattr__(self, "is_floating_point")()
+
 
 class ShapeTracer(LeafTracer):
     """:class:`LeafTracer` that runs every traced call on two example batches (of 2 and 3 samples) as it records
@@ -230,6 +261,7 @@ class ShapeTracer(LeafTracer):
     def __init__(self, leaves: Optional[set], examples: tuple) -> None:
         super().__init__(leaves)
         self.examples: dict = {}
+        self.dtype_read = False  # the forward read a tensor's dtype as a value (``torch.finfo(x.dtype).min``)
         self._inputs = examples
         self._running = False
 
