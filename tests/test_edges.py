@@ -69,12 +69,40 @@ def test_wrapped_model_refusals_then_a_valid_step():
         torch.testing.assert_close(a, b)
 
 
-def test_layer_replaced_after_wrapping_is_refused():
-    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-    w = spscan.wrap(net, torch.randn(1, 3))
-    net[2] = nn.Linear(4, 2)
-    with pytest.raises(ValueError, match=r"layer 2 \(2\): the model's module was replaced"):
-        w(torch.randn(2, 3))
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.fc = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.body(x)) + x.mean(1, keepdim=True))
+
+
+@pytest.mark.parametrize("kind", ["sequential", "traced"])
+def test_a_layer_replaced_after_wrapping_is_planned_again(kind):
+    """``model.fc = nn.Linear(...)`` after wrapping (a new head for fine-tuning): the plan ran the old module
+    and the step was refused ("planned Linear, now Linear"); the wrapper plans the model again as it is now
+    (warning once which layer changed) and gives autograd's gradients, the new module's included."""
+    import copy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)) if kind == "sequential" else _Head()
+    net = net.double()
+    w = spscan.wrap(net, torch.randn(2, 3, dtype=torch.float64), backward="scan")
+    w(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    if kind == "sequential":
+        net[2] = nn.Linear(4, 2).double()
+    else:
+        net.fc = nn.Linear(4, 2).double()
+    ref = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    x = torch.randn(3, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"replaced after planning \(planned Linear, now another Linear object\)"):
+        y = w(x)
+    y.square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
 def test_train_mode_batchnorm_at_a_forced_depth_refused_at_wrap_time():

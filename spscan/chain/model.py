@@ -35,7 +35,12 @@ from spscan.planner.choose import Decision, explain as explain_decisions
 from spscan.layers import LayerUnit
 from spscan.layers.opaque import OpaqueUnit
 
-__all__ = ["Jacobians", "ModelPlan", "check_hooks", "has_hooks", "param_grads"]
+__all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "check_hooks", "has_hooks", "param_grads"]
+
+
+class LayerReplaced(ValueError):
+    """A planned layer's module is no longer the model's (``model.fc = nn.Linear(...)`` after planning): the plan
+    would run the old one. A wrapper that can plan again does (:meth:`SpscanModule._scan_step`)."""
 
 
 # ----------------------------------------------------------------------------- chain discovery
@@ -253,9 +258,11 @@ class ModelPlan:
         for k, (name, u, backed) in enumerate(zip(self.layer_names, self.units, self.module_backed)):
             now = modules.get(name) if name else self.model
             if backed and now is not u.module:
-                raise ValueError(f"layer {k} ({name or '-'}): the model's module was replaced after planning "
-                                 f"(planned {type(u.module).__name__}, now "
-                                 f"{type(now).__name__ if now is not None else 'missing'}); wrap the model again")
+                was = type(u.module).__name__
+                what = ("missing" if now is None else f"another {was} object" if type(now) is type(u.module)
+                        else type(now).__name__)
+                raise LayerReplaced(f"layer {k} ({name or '-'}): the model's module was replaced after planning "
+                                    f"(planned {was}, now {what}); wrap the model again")
 
     def _run(self, x: torch.Tensor, tensors: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
         saved = []

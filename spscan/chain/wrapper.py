@@ -19,7 +19,7 @@ from spscan.options import option_default
 from spscan.planner.choose import Decision
 from spscan.runtime.autograd import PartsRead, gated, refuse_functorch
 from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
-from spscan.chain.model import ModelPlan
+from spscan.chain.model import LayerReplaced, ModelPlan
 from spscan.layers.opaque import OpaqueUnit
 from spscan.chain.planning import plan_model
 
@@ -217,7 +217,13 @@ class SpscanModule(BackwardChoice, nn.Module):
         if self._replan is not None and key is not None:
             self._plan_for(key[0])
         own, x = x, self.plan.batch_first(x)  # the model's input, and as the plan runs it
-        flat = self._step_tensors(x)
+        try:
+            flat = self._step_tensors(x)
+        except LayerReplaced as e:  # ``model.fc = nn.Linear(...)`` after wrapping: planned again, as it is now
+            if self._replan is None:
+                raise
+            self._layers_replaced(e, x)
+            flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
             return self.model(own)
@@ -230,6 +236,22 @@ class SpscanModule(BackwardChoice, nn.Module):
         self._after_step(key, choice)
         tail = self.plan.output_tail
         return y if tail is None else tail(y, x, record)
+
+    def _layers_replaced(self, e: LayerReplaced, x: torch.Tensor) -> None:
+        """Plan the model again as it is now, every plan made before dropped (they run modules it no longer
+        has), and the decisions with them; warn once."""
+        warnings.warn(f"spscan: {str(e).splitlines()[0].split('; wrap')[0]}: {type(self.model).__name__} is planned again "
+                      "(the new module's parameters are not in an optimizer made before: add them, as without "
+                      "spscan)", stacklevel=4)
+        for old in self._plans.values():
+            if old is not None:
+                old.release_buffers()
+        self._plans.clear()
+        self.plan = self._replan(self.model, tuple(x.shape[1:]))
+        self._python = PythonState(self.model, self.plan)
+        self._state = self._python.now()
+        self._plans[self._plan_key(self.plan)] = self.plan
+        self._decisions.clear()
 
     def _plan_key(self, plan: ModelPlan, shape: Optional[tuple] = None) -> tuple:
         """What a plan is kept under: the mode a traced plan was specialized to (None for a chain, whose units
