@@ -748,3 +748,37 @@ def test_a_parameter_only_an_unread_output_depends_on_keeps_no_gradient(how, bac
             opt.step()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.allclose(p, q, rtol=1e-12, atol=1e-14), f"step {step}: {n}"
+
+
+class _WithValues(nn.Module):
+    """Logits with values computed from them that carry no gradient, and one number per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y, y.argmax(1), y > 0, (y > 0).float(), y.topk(2, 1).indices, y.sum(1), y[:, 0]
+
+
+def test_integer_boolean_and_per_sample_number_results():
+    """Integers and booleans (``y.argmax(1)``, ``y > 0``) are not graph tensors of the scan: the result
+    recomputes them from what they are made of (packed into the scan's floating output they came back wrong,
+    argmax all 0); a result of one number per sample (``y.sum(1)``) is packed as a column (it crashed
+    ``wrap``). Values, dtypes and gradients are autograd's."""
+    torch.manual_seed(0)
+    model = _WithValues().double()
+    ref = copy.deepcopy(model)
+    w = spscan.wrap(model, torch.randn(4, 6, dtype=torch.float64), backward="scan")
+    for b in (5, 1):
+        x = torch.randn(b, 6, dtype=torch.float64)
+        got, want = w(x), ref(x)
+        for a, c in zip(got, want):
+            assert a.dtype == c.dtype and a.shape == c.shape and torch.equal(a, c)
+            assert a.requires_grad == c.requires_grad
+        (got[0].square().sum() + got[5].sum() + got[6].sum() + (got[3] * got[0]).sum()).backward()
+        (want[0].square().sum() + want[5].sum() + want[6].sum() + (want[3] * want[0]).sum()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-12
+            p.grad = q.grad = None

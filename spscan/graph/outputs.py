@@ -94,10 +94,6 @@ def rebuilt(a: Any, value: Any) -> Any:
     return a
 
 
-def _floating(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
 def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]]:
     """What the scan's chain of ``traced`` (the :class:`~spscan.graph.trace.Traced` being built) ends in (one
     graph tensor) and how the forward's result is made from it (an :class:`OutputTail`, None where it is that
@@ -127,13 +123,6 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     sources = list(dict.fromkeys(sources))
     if not sources:
         raise refuse_node(node, "the forward returns no tensor computed from the input")
-    # integer tensors (``ids[:, 1:]``, a loss's targets) carry no gradient: the tail computes them again from the
-    # input, never through the scan's (floating) output
-    exact = {n: traced._evaluator(n, [traced.input_node])[0] for n in sources
-             if n is not traced.input_node and not _floating(traced.env[n])}
-    if exact:
-        sources = [traced.input_node if n in exact else n for n in sources]
-        sources = list(dict.fromkeys(sources))
     if traced.input_node in sources and len(sources) > 1:
         # the result reads the input itself besides what the scan computes (a loss's targets from the token ids,
         # a reconstruction loss against the input): the tail reads it from the step's input, not the scan's output
@@ -158,11 +147,12 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
             if traced.env[n].dim() == 2:
                 flats.append(n)
                 continue
+            # each per sample as a row: flattened, or one number per sample (``y.sum(1)``) made a column
+            op = torch.flatten if traced.env[n].dim() > 2 else torch.unsqueeze
             with traced.graph.inserting_before(node):
-                f = traced.graph.call_function(torch.flatten, (n, 1))
+                f = traced.graph.call_function(op, (n, 1))
             f.meta = dict(n.meta)
-            traced.env[f] = traced._unit(f, torch.flatten, NODE_UNITS[torch.flatten], (traced.env[n], 1), {}, [n],
-                                     traced.env)
+            traced.env[f] = traced._unit(f, op, NODE_UNITS[op], (traced.env[n], 1), {}, [n], traced.env)
             flats.append(f)
         with traced.graph.inserting_before(node):
             end = traced.graph.call_function(torch.cat, (flats, 1))
@@ -172,6 +162,4 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     shapes = [tuple(traced.env[n].shape[1:]) for n in sources]
     evaluators = {n: traced._evaluator(n, traced.virtual[n])[0] for n in leaves if n in traced.virtual}
     reads = {n: traced.virtual[n] for n in evaluators}
-    for n, f in exact.items():
-        evaluators[n], reads[n] = f, [traced.input_node]
     return end, OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1, reads, input_node)

@@ -203,7 +203,7 @@ class Traced:
             raise NotPlannable(f"expected a forward with one tensor input (and optional arguments with defaults), got "
                                f"{len(placeholders)} inputs ({', '.join(n.target for n in placeholders)})")
         self.env = env  # filled as the nodes are propagated; opaque nodes' evaluators read it
-        # the dtype the scan computes in (the parameters'); a graph tensor is of it (see _other_dtype)
+        # the dtype the scan computes in (the parameters'); a graph tensor is of it (see _not_scanned)
         self.dtype = model_dtype(self.model) or (x2.dtype if x2.is_floating_point() else torch.get_default_dtype())
         with torch.no_grad():
             for node in self.graph.nodes:
@@ -259,10 +259,10 @@ class Traced:
                     y = self._join(node, key, builder, args, kwargs, tensor_inputs, env)
                 else:
                     y = self._unit(node, key, builder, args, kwargs, tensor_inputs, env)
-                if node in self.kind and self._other_dtype(y) and not isinstance(self.units[-1], OpaqueUnit):
+                if node in self.kind and self._not_scanned(y) and not isinstance(self.units[-1], OpaqueUnit):
                     # an analytic unit computing in another dtype than the scan's (``scores.float()`` in a float64
-                    # model, LLaMA's softmax in float32): recomputed, as autograd computes it, by the node that
-                    # casts back (``.type_as(x)``)
+                    # model, LLaMA's softmax in float32), or integers (``ids[:, 1:]``): recomputed, as autograd
+                    # computes it, by the node that casts back (``.type_as(x)``) or reads it
                     self._undo_last_unit(node)
                     y = self._opaque(node, key, args, kwargs, tensor_inputs, env, "another dtype than the scan's")
                 if node in self.virtual:
@@ -524,8 +524,9 @@ class Traced:
                        and y.shape[0] == xins[0].shape[0] and three.shape == (3,) + y.shape[1:])
         # a complex tensor (LLaMA's rotary embedding: ``torch.view_as_complex(q) * freqs_cis``) is not a graph
         # tensor either (the scan's gradients are real), nor one of another dtype than the scan's (a float32
-        # island in a float64 model): recomputed inside the node that makes it real, or casts it, again
-        if not keeps_batch or y.is_complex() or self._other_dtype(y):
+        # island in a float64 model), nor integers or booleans (``y.argmax(1)``, ``y > 0``, which carry no
+        # gradient): recomputed inside the node that makes them real, casts them or reads them
+        if not keeps_batch or self._not_scanned(y):
             self.virtual[node] = list(tensor_inputs)
             return y
         if node.op != "call_module" and not params:
@@ -721,9 +722,10 @@ class Traced:
                 todo.extend(m.all_input_nodes)
         return val.clone()
 
-    def _other_dtype(self, y: Any) -> bool:
-        """Whether ``y`` is a floating tensor of another dtype than the scan's (:attr:`dtype`)."""
-        return isinstance(y, torch.Tensor) and y.is_floating_point() and y.dtype != self.dtype
+    def _not_scanned(self, y: Any) -> bool:
+        """Whether ``y`` is a tensor the scan does not carry: not floating (integers, booleans, complex) or of
+        another dtype than the scan's (:attr:`dtype`)."""
+        return isinstance(y, torch.Tensor) and (not y.is_floating_point() or y.dtype != self.dtype)
 
     def _undo_last_unit(self, node: fx.Node) -> None:
         """Take back the unit just made for ``node`` (the last one)."""
