@@ -115,6 +115,10 @@ class ModelPlan:
         # a packed result's parts: the flat tensors that reach only some of them (-> those parts), whose gradient
         # is None where the loss reads none (the wrapper gates them per step)
         self.part_gates: dict[int, frozenset] = {}
+        # the flat tensors (and whether the input) every path of whose to the result passes through a gradient stop
+        # (``.detach()``): handed to the scan detached, so their gradient is None, as autograd leaves it
+        self.stopped_roles: frozenset = frozenset()
+        self.input_stopped = False
         self.factored = [False] * len(units) if factored is None else [bool(f) for f in factored]
         if len(self.factored) != len(units):
             raise ValueError(f"factored: expected {len(units)} flags (one per layer), got {len(self.factored)}")

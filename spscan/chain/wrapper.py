@@ -228,11 +228,14 @@ class SpscanModule(BackwardChoice, nn.Module):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
             return self.model(own)
         self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
+        if self.plan.stopped_roles:  # parameters only gradient stops lead from: None, as autograd leaves them
+            flat = [t.detach() if i in self.plan.stopped_roles else t for i, t in enumerate(flat)]
+        y_in = x.detach() if self.plan.input_stopped else x
         record = None
         if self.plan.part_gates:  # parameters only some parts of the result depend on
             record = PartsRead()
             flat = gated(flat, self.plan.part_gates, record)
-        y = self.plan.run_step(x, flat, choice == "graph")
+        y = self.plan.run_step(y_in, flat, choice == "graph")
         self._after_step(key, choice)
         tail = self.plan.output_tail
         return y if tail is None else tail(y, x, record)
@@ -240,9 +243,9 @@ class SpscanModule(BackwardChoice, nn.Module):
     def _layers_replaced(self, e: LayerReplaced, x: torch.Tensor) -> None:
         """Plan the model again as it is now, every plan made before dropped (they run modules it no longer
         has), and the decisions with them; warn once."""
-        warnings.warn(f"spscan: {str(e).splitlines()[0].split('; wrap')[0]}: {type(self.model).__name__} is planned again "
-                      "(the new module's parameters are not in an optimizer made before: add them, as without "
-                      "spscan)", stacklevel=4)
+        what = str(e).splitlines()[0].split("; wrap")[0]
+        warnings.warn(f"spscan: {what}: {type(self.model).__name__} is planned again (the new module's parameters "
+                      "are not in an optimizer made before: add them, as without spscan)", stacklevel=4)
         for old in self._plans.values():
             if old is not None:
                 old.release_buffers()

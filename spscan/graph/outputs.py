@@ -15,7 +15,28 @@ from spscan.graph.nodes import node_text, refuse_node
 from spscan.layers.registry import JOIN_CAT as _CAT, NODE_UNITS
 from spscan.runtime.autograd import PartsRead, split_parts
 
-__all__ = ["OutputTail", "chain_end", "part_gates", "rebuilt"]
+__all__ = ["OutputTail", "chain_end", "part_gates", "rebuilt", "stopped"]
+
+
+def stopped(traced: Any, units: list, role_slices: list) -> tuple[frozenset, bool]:
+    """The flat indices of the units' tensors every path of whose to the result passes through a gradient stop
+    (a constant of the step: ``.detach()``, a value made under ``torch.no_grad()``), and whether the input's
+    do: autograd leaves their gradient None, which the wrapper gets by handing them to the scan detached."""
+    live, todo = set(), [traced.output_node]
+    while todo:
+        n = todo.pop()
+        if n in live:
+            continue
+        live.add(n)
+        if n not in traced.constants:
+            todo.extend(traced.tin.get(n, ()))
+    index = {id(u): k for k, u in enumerate(units)}
+    out = set()
+    for n, leaf in traced.leaf_of.items():
+        k = index.get(id(leaf.unit))
+        if k is not None and n not in live:
+            out.update(range(role_slices[k].start, role_slices[k].stop))
+    return frozenset(out), traced.input_node not in live
 
 
 def part_gates(traced: Any, units: list, role_slices: list) -> dict:
@@ -50,10 +71,11 @@ class OutputTail:
     """The forward's result from the scan's output (see :func:`chain_end`): ``tail(y)``."""
 
     def __init__(self, structure: Any, sources: list, sizes: list, shapes: list, evaluators: dict, packed: bool,
-                 reads: dict, input_node: Optional[fx.Node] = None) -> None:
+                 reads: dict, input_node: Optional[fx.Node] = None, constants: frozenset = frozenset()) -> None:
         self.structure, self.sources, self.sizes, self.shapes = structure, sources, sizes, shapes
         self.evaluators, self.packed, self.reads = evaluators, packed, reads
         self.input_node = input_node  # the graph's input, where the result reads it besides the scan's output
+        self.constants = constants  # sources that carry no gradient (a ``.detach()``-ed result): returned detached
 
     def __call__(self, y: torch.Tensor, x: Optional[torch.Tensor] = None, record: Optional[PartsRead] = None) -> Any:
         """The forward's result from the scan's output ``y`` and the step's input ``x`` (batch first, as the graph
@@ -67,7 +89,7 @@ class OutputTail:
             parts = [p.reshape((b,) + s).contiguous() for p, s in zip(y.split(self.sizes, 1), self.shapes)]
         else:
             parts = [y]
-        got = dict(zip(self.sources, parts))
+        got = {n: p.detach() if n in self.constants else p for n, p in zip(self.sources, parts)}
         if self.input_node is not None:
             got[self.input_node] = x
 
@@ -162,4 +184,5 @@ def chain_end(traced: Any, node: fx.Node) -> tuple[fx.Node, Optional[OutputTail]
     shapes = [tuple(traced.env[n].shape[1:]) for n in sources]
     evaluators = {n: traced._evaluator(n, traced.virtual[n])[0] for n in leaves if n in traced.virtual}
     reads = {n: traced.virtual[n] for n in evaluators}
-    return end, OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1, reads, input_node)
+    return end, OutputTail(res, sources, sizes, shapes, evaluators, len(sources) > 1, reads, input_node,
+                           frozenset(n for n in sources if n in traced.constants))

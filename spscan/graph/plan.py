@@ -74,7 +74,7 @@ import torch
 import torch.nn as nn
 
 from spscan.chain.backward import ForwardState, Jacobians
-from spscan.graph.outputs import part_gates
+from spscan.graph.outputs import part_gates, stopped
 from spscan.graph.recurrent import RecurrentNodeUnit, input_batch_dim
 from spscan.graph.segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
@@ -333,6 +333,8 @@ def _traced_as(plan: ModelPlan, traced: Traced, model: nn.Module) -> ModelPlan:
     plan.output_tail = traced.output_tail
     # the units' tensors that reach only some parts of a packed result: gated per step (graph.outputs.gated)
     plan.part_gates = part_gates(traced, plan.units, plan._role_slices)
+    # the units' tensors (and the input) whose every path to the result passes through a gradient stop
+    plan.stopped_roles, plan.input_stopped = stopped(traced, plan.units, plan._role_slices)
     return plan
 
 
