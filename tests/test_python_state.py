@@ -98,3 +98,41 @@ def test_an_attribute_a_module_of_its_own_call_changes_plans_nothing():
         for _ in range(3):
             assert _step(w, ref, x) <= 1e-12
     assert model.c.calls > first and len(w._plans) == 1
+
+
+class _Stack(nn.Module):
+    """A forward looping over an ``nn.ModuleList``: fx unrolls the loop over the layers it holds then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("kind", ["module_list", "sequential"])
+def test_a_layer_appended_after_wrapping_is_planned(kind):
+    """A layer appended to a container after wrapping (progressive growing): the traced loop ran the old layers
+    only, silently (output off by 0.6, the new layer without a gradient). The wrapper keeps the containers'
+    module names with its plans and plans again when they change."""
+    torch.manual_seed(0)
+    model = (_Stack() if kind == "module_list" else nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))).double()
+    w = spscan.wrap(model, torch.randn(3, 6, dtype=torch.float64), backward="scan")
+    if kind == "module_list":
+        model.layers.append(nn.Linear(6, 6).double())
+    else:
+        model.insert(0, nn.Linear(6, 6).double())
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="the modules of"):
+        y = w(x)
+    y_ref = ref(x)
+    assert torch.allclose(y, y_ref, rtol=1e-12, atol=1e-14)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n

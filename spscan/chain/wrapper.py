@@ -68,13 +68,16 @@ class PythonState:
     torch's layers (their attributes are their constructor's arguments; a unit reads what it follows, such as
     dropout's ``p``, when it runs), which keeps the per-step read small (ResNet-18: the blocks' few attributes).
     A module that runs as its own call (an opaque node) reads its attributes itself: its subtree is left out
-    (its forward may change them on every call, as a counter would). Where the traced forward read a tensor's
-    dtype as a value (:attr:`ModelPlan.reads_dtype`), the parameters' dtype is read too (last)."""
+    (its forward may change them on every call, as a counter would). So are the names of the modules in each
+    container (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``: a forward looping over one is traced with
+    the modules it held, and a layer appended after wrapping must be planned). Where the traced forward read a
+    tensor's dtype as a value (:attr:`ModelPlan.reads_dtype`), the parameters' dtype is read too (last)."""
 
     def __init__(self, model: nn.Module, plan: ModelPlan) -> None:
         own = {id(u.module) for u in plan.units if isinstance(u, OpaqueUnit)}
         self.model, self.reads_dtype = model, bool(getattr(plan, "reads_dtype", False))
         self.slots: list[tuple[str, nn.Module, tuple[str, ...]]] = []
+        self.containers: list[tuple[str, nn.Module]] = []
         skip: list[str] = []
         for path, m in model.named_modules():
             if any(path == q or path.startswith(q + ".") for q in skip):
@@ -82,6 +85,8 @@ class PythonState:
             if id(m) in own:
                 skip.append(path)
                 continue
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                self.containers.append((path, m))
             if type(m).__module__.startswith("torch.") and m is not model:
                 continue
             names = tuple(k for k, v in vars(m).items() if not k.startswith("_") and k != "training" and _plain(v))
@@ -90,6 +95,7 @@ class PythonState:
 
     def now(self) -> tuple:
         values = tuple(m.__dict__.get(n, _MISSING) for _, m, names in self.slots for n in names)
+        values += tuple(tuple(m._modules) for _, m in self.containers)
         return values + (model_dtype(self.model),) if self.reads_dtype else values
 
     def changed(self, before: tuple, after: tuple) -> str:
@@ -101,6 +107,10 @@ class PythonState:
                 if a != b or type(a) is not type(b):
                     where = f"{path}.{n}" if path else n
                     return f"{where}: {a!r} -> {b!r}"
+        for path, m in self.containers:
+            a, b = next(it)
+            if a != b:
+                return f"the modules of {path or 'the model'}: {len(a)} ({', '.join(a)}) -> {len(b)} ({', '.join(b)})"
         if self.reads_dtype and before[-1] != after[-1]:
             return f"the parameters' dtype (read as a value in the forward): {before[-1]} -> {after[-1]}"
         return ""
