@@ -232,7 +232,8 @@ class SpscanModule(BackwardChoice, nn.Module):
         except LayerReplaced as e:  # ``model.fc = nn.Linear(...)`` after wrapping: planned again, as it is now
             if self._replan is None:
                 raise
-            self._layers_replaced(e, x)
+            self._layers_replaced(e, own)
+            x = self.plan.batch_first(own)  # the new layers may read the input in another layout
             flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
@@ -250,9 +251,9 @@ class SpscanModule(BackwardChoice, nn.Module):
         tail = self.plan.output_tail
         return y if tail is None else tail(y, x, record)
 
-    def _layers_replaced(self, e: LayerReplaced, x: torch.Tensor) -> None:
-        """Plan the model again as it is now, every plan made before dropped (they run modules it no longer
-        has), and the decisions with them; warn once."""
+    def _layers_replaced(self, e: LayerReplaced, own: torch.Tensor) -> None:
+        """Plan the model again as it is now for the input ``own`` (in the model's layout), every plan made before
+        dropped (they run modules it no longer has), and the decisions with them; warn."""
         what = str(e).splitlines()[0].split("; wrap")[0]
         warnings.warn(f"spscan: {what}: {type(self.model).__name__} is planned again (the new module's parameters "
                       "are not in an optimizer made before: add them, as without spscan)", stacklevel=4)
@@ -260,7 +261,7 @@ class SpscanModule(BackwardChoice, nn.Module):
             if old is not None:
                 old.release_buffers()
         self._plans.clear()
-        self.plan = self._replan(self.model, tuple(x.shape[1:]))
+        self.plan = self._replan.for_input(self.model, own)
         self._python = PythonState(self.model, self.plan)
         self._state = self._python.now()
         self._plans[self._plan_key(self.plan)] = self.plan
@@ -342,6 +343,14 @@ class Replan:
     @property
     def levels(self) -> Any:
         return self.options.get("levels", "auto")
+
+    def for_input(self, model: nn.Module, x: torch.Tensor) -> ModelPlan:
+        """A plan of ``model`` as it is now for an input like ``x`` (its layers replaced: it may take its batch
+        on another dim than before); later plans take their example in that layout."""
+        dtype = (model_dtype(model) or x.dtype) if x.is_floating_point() else x.dtype
+        plan = self.plan_fn(model, torch.zeros(x.shape, dtype=dtype, device=x.device), **self.options)
+        self.shape, self.dtype, self.batch_dim = tuple(x.shape), x.dtype, plan.input_batch_dim
+        return plan
 
     def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
         """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
