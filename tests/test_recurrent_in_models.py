@@ -155,6 +155,26 @@ def _rel(a, b):
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300)
 
 
+def _same_step(w, model, ref, x, step, seed=None):
+    """One step of the wrapper ``w`` (of ``model``) and of ``ref`` on ``x`` (the same random numbers where
+    ``seed`` is given): the same output, input gradient and parameter gradients (None where autograd's is)."""
+    with torch.no_grad():
+        wt = torch.randn_like(ref(x))
+    if seed is not None:
+        torch.manual_seed(seed)
+    y, gx = _step(w, x, wt)
+    if seed is not None:
+        torch.manual_seed(seed)
+    y_ref, gx_ref = _step(ref, x, wt)
+    assert _rel(y, y_ref) <= 1e-12
+    if gx_ref is not None:
+        assert _rel(gx, gx_ref) <= 1e-9
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            assert _rel(p.grad, q.grad) <= 1e-9, f"step {step}: {n}"
+
+
 @pytest.mark.parametrize("backward", ["scan", "auto"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_recurrent_layers_in_models_give_autograds_gradients(name, backward):
@@ -174,17 +194,7 @@ def test_recurrent_layers_in_models_give_autograds_gradients(name, backward):
         torch.manual_seed(10 + step)
         x = example(b)
         x = x.double() if x.is_floating_point() else x
-        with torch.no_grad():
-            wt = torch.randn_like(ref(x))
-        y, gx = _step(w, x, wt)
-        y_ref, gx_ref = _step(ref, x, wt)
-        assert _rel(y, y_ref) <= 1e-12
-        if gx_ref is not None:
-            assert _rel(gx, gx_ref) <= 1e-9
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), n
-            if q.grad is not None:
-                assert _rel(p.grad, q.grad) <= 1e-9, f"step {step}: {n}"
+        _same_step(w, model, ref, x, step)
 
 
 def test_a_forced_scan_runs_each_node_through_its_scan():
@@ -486,19 +496,7 @@ def test_a_model_that_reads_its_input_time_major(name, example, backward):
     for step, (t, b) in enumerate([(6, 3), (6, 2), (4, 3), (2, 2)]):
         x = example_of(t, b)
         x = x.double() if x.is_floating_point() else x
-        with torch.no_grad():
-            wt = torch.randn_like(ref(x))
-        torch.manual_seed(7 + step)
-        y, gx = _step(w, x, wt)
-        torch.manual_seed(7 + step)
-        y_ref, gx_ref = _step(ref, x, wt)
-        assert _rel(y, y_ref) <= 1e-12
-        if gx_ref is not None:
-            assert _rel(gx, gx_ref) <= 1e-9
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), n
-            if q.grad is not None:
-                assert _rel(p.grad, q.grad) <= 1e-9, f"step {step}: {n}"
+        _same_step(w, model, ref, x, step, seed=7 + step)
 
 
 def test_a_batch_first_model_feeding_a_time_major_layer_stays_batch_first():
