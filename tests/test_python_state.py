@@ -114,21 +114,23 @@ class _Stack(nn.Module):
         return self.out(x)
 
 
-@pytest.mark.parametrize("kind", ["module_list", "sequential"])
+@pytest.mark.parametrize("kind", ["module_list", "sequential", "reassigned"])
 def test_a_layer_appended_after_wrapping_is_planned(kind):
     """A layer appended to a container after wrapping (progressive growing): the traced loop ran the old layers
     only, silently (output off by 0.6, the new layer without a gradient). The wrapper keeps the containers'
     module names with its plans and plans again when they change."""
     torch.manual_seed(0)
-    model = (_Stack() if kind == "module_list" else nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))).double()
+    model = (nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)) if kind == "sequential" else _Stack()).double()
     w = spscan.wrap(model, torch.randn(3, 6, dtype=torch.float64), backward="scan")
     if kind == "module_list":
         model.layers.append(nn.Linear(6, 6).double())
+    elif kind == "reassigned":  # a new container holding the same layers and one more
+        model.layers = nn.ModuleList([*model.layers, nn.Linear(6, 6).double()])
     else:
         model.insert(0, nn.Linear(6, 6).double())
     ref = copy.deepcopy(model)
     x = torch.randn(4, 6, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="the modules of"):
+    with pytest.warns(UserWarning, match="the modules of|another container"):
         y = w(x)
     y_ref = ref(x)
     assert torch.allclose(y, y_ref, rtol=1e-12, atol=1e-14)

@@ -57,6 +57,13 @@ def _plain(v: Any) -> bool:
     return type(v) in PLAIN_ARGUMENT_TYPES or (type(v) is tuple and all(type(e) in PLAIN_ARGUMENT_TYPES for e in v))
 
 
+def _held(parent: nn.Module, name: str) -> tuple:
+    """The container ``parent`` holds as ``name`` (``parent`` itself for ``""``), as ``(its id, its modules'
+    names)``."""
+    c = parent._modules.get(name) if name else parent
+    return (id(c), tuple(c._modules) if c is not None else ())
+
+
 class PythonState:
     """The plain Python attributes (None, bools, numbers, strings, tuples of them: ``self.tau``, ``self.use_skip``,
     ``stride``) of the modules a plan was made from, read as they are now (:meth:`now`).
@@ -77,7 +84,8 @@ class PythonState:
         own = {id(u.module) for u in plan.units if isinstance(u, OpaqueUnit)}
         self.model, self.reads_dtype = model, bool(getattr(plan, "reads_dtype", False))
         self.slots: list[tuple[str, nn.Module, tuple[str, ...]]] = []
-        self.containers: list[tuple[str, nn.Module]] = []
+        # each container as its parent holds it (``self.layers = nn.ModuleList(...)`` assigned anew is seen)
+        self.containers: list[tuple[str, nn.Module, str]] = []
         skip: list[str] = []
         for path, m in model.named_modules():
             if any(path == q or path.startswith(q + ".") for q in skip):
@@ -86,7 +94,8 @@ class PythonState:
                 skip.append(path)
                 continue
             if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-                self.containers.append((path, m))
+                parent, _, name = path.rpartition(".")
+                self.containers.append((path, model.get_submodule(parent), name) if path else (path, model, ""))
             if type(m).__module__.startswith("torch.") and m is not model:
                 continue
             names = tuple(k for k, v in vars(m).items() if not k.startswith("_") and k != "training" and _plain(v))
@@ -95,7 +104,7 @@ class PythonState:
 
     def now(self) -> tuple:
         values = tuple(m.__dict__.get(n, _MISSING) for _, m, names in self.slots for n in names)
-        values += tuple(tuple(m._modules) for _, m in self.containers)
+        values += tuple(_held(parent, name) for _, parent, name in self.containers)
         return values + (model_dtype(self.model),) if self.reads_dtype else values
 
     def changed(self, before: tuple, after: tuple) -> str:
@@ -107,10 +116,13 @@ class PythonState:
                 if a != b or type(a) is not type(b):
                     where = f"{path}.{n}" if path else n
                     return f"{where}: {a!r} -> {b!r}"
-        for path, m in self.containers:
+        for path, _, _ in self.containers:
             a, b = next(it)
             if a != b:
-                return f"the modules of {path or 'the model'}: {len(a)} ({', '.join(a)}) -> {len(b)} ({', '.join(b)})"
+                if a[1] == b[1]:
+                    return f"{path or 'the model'}: another container assigned"
+                return (f"the modules of {path or 'the model'}: {len(a[1])} ({', '.join(a[1])}) -> {len(b[1])} "
+                        f"({', '.join(b[1])})")
         if self.reads_dtype and before[-1] != after[-1]:
             return f"the parameters' dtype (read as a value in the forward): {before[-1]} -> {after[-1]}"
         return ""
