@@ -154,9 +154,23 @@ class _FunctionalBatchNorm(nn.Module):
         return F.batch_norm(self.a(x), self.rm, self.rv, self.w, self.b, training=self.training)
 
 
+class _MaskOnly(nn.Module):
+    """A layer read only through a comparison (a mask) and one through an ``argmax`` (an index): no gradient
+    reaches either, and autograd leaves their parameters' gradients None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.pick, self.b = nn.Linear(12, 12), nn.Linear(12, 5), nn.Linear(12, 12)
+        self.emb, self.o = nn.Embedding(5, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.where(self.gate(x) > 0, self.b(x), 0.1 * x)
+        return self.o(h + self.emb(self.pick(x).argmax(1)))
+
+
 MODELS = {"detach": _Detached, "no_grad_normalizer": _NoGradNormalizer, "no_grad_max": _NoGradMax,
           "nested_modes": _NestedModes, "where": _Where, "ema_buffer": _WithEma,
-          "functional_batch_norm": _FunctionalBatchNorm}
+          "functional_batch_norm": _FunctionalBatchNorm, "mask_only": _MaskOnly}
 
 
 @pytest.mark.parametrize("backward", ["scan", "auto"])

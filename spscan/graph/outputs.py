@@ -20,8 +20,9 @@ __all__ = ["OutputTail", "chain_end", "part_gates", "rebuilt", "stopped"]
 
 def stopped(traced: Any, units: list, role_slices: list) -> tuple[frozenset, bool]:
     """The flat indices of the units' tensors every path of whose to the result passes through a gradient stop
-    (a constant of the step: ``.detach()``, a value made under ``torch.no_grad()``), and whether the input's
-    do: autograd leaves their gradient None, which the wrapper gets by handing them to the scan detached."""
+    (a constant of the step: ``.detach()``, a value made under ``torch.no_grad()``; an opaque node's read of a
+    tensor it passes no gradient to, as ``torch.where(a > 0, ...)`` reads ``a``), and whether the input's do:
+    autograd leaves their gradient None, which the wrapper gets by handing them to the scan detached."""
     live, todo = set(), [traced.output_node]
     while todo:
         n = todo.pop()
@@ -29,7 +30,8 @@ def stopped(traced: Any, units: list, role_slices: list) -> tuple[frozenset, boo
             continue
         live.add(n)
         if n not in traced.constants:
-            todo.extend(traced.tin.get(n, ()))
+            dead = traced.dead_edges.get(n, ())
+            todo.extend(t for t in traced.tin.get(n, ()) if t not in dead)
     index = {id(u): k for k, u in enumerate(units)}
     out = set()
     for n, leaf in traced.leaf_of.items():

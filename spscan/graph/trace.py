@@ -66,15 +66,29 @@ def _each_once(params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Par
 
 def _recorded(call: Any, frozen: list[bool]) -> Any:
     """``call`` run as an opaque node's step runs it: gradients on, each floating input a leaf that requires
-    one, except those of ``frozen`` (constants of the step)."""
+    one, except those of ``frozen`` (constants of the step); the leaves of its last run in ``run.leaves``."""
 
     def run(*xs: torch.Tensor) -> Any:
         with torch.enable_grad():
             xs = tuple(x.detach().requires_grad_(not f and (x.is_floating_point() or x.is_complex()))
                        for x, f in zip(xs, frozen))
+            run.leaves = xs  # type: ignore[attr-defined]
             return call(*xs)
 
     return run
+
+
+def _unreached(y: Any, leaves: tuple) -> list[bool]:
+    """Per leaf: whether ``y`` does not depend on it differentiably (autograd gives it no gradient: read only
+    through a comparison, an ``argmax``, a ``.detach()``)."""
+    want = [i for i, t in enumerate(leaves) if t.requires_grad]
+    out = [False] * len(leaves)
+    if not want or not isinstance(y, torch.Tensor) or not y.requires_grad or not y.is_floating_point():
+        return [True] * len(leaves) if isinstance(y, torch.Tensor) and not y.requires_grad else out
+    got = torch.autograd.grad(y, [leaves[i] for i in want], torch.ones_like(y), allow_unused=True)
+    for i, g in zip(want, got):
+        out[i] = g is None
+    return out
 
 
 class Traced:
@@ -125,6 +139,8 @@ class Traced:
         # (timm's drop path: ``x.new_empty(shape).bernoulli_(p)``); an opaque node reading one does not ask
         # autograd for its gradient, which autograd would not compute (the derivative of ``bernoulli``)
         self.constants: set[fx.Node] = set()
+        # per opaque node, the graph tensors it reads and passes no gradient to
+        self.dead_edges: dict[fx.Node, set[fx.Node]] = {}
         x = example_input.detach()
         x = x.transpose(0, 1) if batch_dim else x  # batch first, as the graph takes it
         x2 = x[:2] if x.shape[0] >= 2 else torch.cat([x[:1], x[:1]])  # the batch of 2 the planner traces
@@ -510,7 +526,10 @@ class Traced:
         with torch.random.fork_rng(devices=[]), buffers_kept(m):
             try:
                 # what its operations cost, for the step profile; run as the step runs it (its inputs recorded)
-                y, own_cost = counted_call(_recorded(call, frozen), xins)
+                run = _recorded(call, frozen)
+                y, own_cost = counted_call(run, xins)
+                # the inputs it passes no gradient to (``torch.where(a > 0, b, c)`` reads ``a`` only so)
+                self.dead_edges[node] = {t for t, dead in zip(tensor_inputs, _unreached(y, run.leaves)) if dead}
                 # a result that needs no gradient from inputs that would (``x.new_empty(...)``): a constant
                 constant = isinstance(y, torch.Tensor) and not y.requires_grad and not params and not (
                     node.op == "call_module" and any(True for _ in m.parameters()))
