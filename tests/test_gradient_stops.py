@@ -168,7 +168,20 @@ class _MaskOnly(nn.Module):
         return self.o(h + self.emb(self.pick(x).argmax(1)))
 
 
-MODELS = {"detach": _Detached, "no_grad_normalizer": _NoGradNormalizer, "no_grad_max": _NoGradMax,
+class _ParamDetached(nn.Module):
+    """Parameters read only through ``.detach()`` (a frozen scale, a weight used without its gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(12, 12), nn.Linear(12, 3)
+        self.scale = nn.Parameter(torch.rand(12) + 0.5)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.a.weight.detach(), self.a.bias)) * self.scale.detach()
+        return self.o(h)
+
+
+MODELS = {"detach": _Detached, "param_detached": _ParamDetached, "no_grad_normalizer": _NoGradNormalizer, "no_grad_max": _NoGradMax,
           "nested_modes": _NestedModes, "where": _Where, "ema_buffer": _WithEma,
           "functional_batch_norm": _FunctionalBatchNorm, "mask_only": _MaskOnly}
 

@@ -214,8 +214,9 @@ class OpaqueUnit(LayerUnit):
         out: list[Optional[torch.Tensor]] = []
         for p, n in zip(own, needed):
             if n and p.requires_grad:
-                v = got.pop(0)
-                out.append(torch.zeros_like(p) if v is None else v)
+                # None where autograd has none (a parameter the call reads only through ``.detach()``): autograd
+                # leaves its gradient None, and an optimizer then skips it
+                out.append(got.pop(0))
             else:
                 out.append(None)
         return gis, out
