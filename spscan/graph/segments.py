@@ -23,6 +23,18 @@ __all__ = ["BlockOperator", "FilledOperator", "Leaf", "LiveOperator", "LiveStep"
            "segment_plans"]
 
 
+def _first_unit(segments: list[Any]) -> int:
+    """The flat index of the first unit of a branch (``-1`` for the identity), nested blocks included."""
+    for s in segments:
+        if isinstance(s, Leaf):
+            return s.k
+        if isinstance(s, Parallel):
+            ks = [_first_unit(br) for br in s.branches if br]
+            if ks:
+                return min(ks)
+    return -1
+
+
 class Leaf:
     """One unit of the graph (flat index ``k``)."""
 
@@ -211,14 +223,16 @@ class Parallel:
         return all(s.shared for br in self.branches for s in br)
 
     def run(self, x, T):
-        outs, saved = [], []
-        for br in self.branches:
+        outs: list[Any] = [None] * len(self.branches)
+        saved: list[Any] = [None] * len(self.branches)
+        # the branches run in the model's order (the first unit of each: units are numbered as the forward makes
+        # them), so dropout in them draws its masks in the model's order; the join reads them in its own
+        for b in sorted(range(len(self.branches)), key=lambda b: _first_unit(self.branches[b])):
             h, ss = x, []
-            for s in br:
+            for s in self.branches[b]:
                 h, sv = s.run(h, T)
                 ss.append(sv)
-            outs.append(h)
-            saved.append(ss)
+            outs[b], saved[b] = h, ss
         if self.join == _ADD:
             y = outs[0]
             for o in outs[1:]:
