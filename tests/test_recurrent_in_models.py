@@ -492,7 +492,8 @@ def test_a_model_that_reads_its_input_time_major(name, example, backward):
         assert any(isinstance(u, RecurrentNodeUnit) for u in w.plan.units)
         # the layer is not recomputed inside another node (what reads its results may run as its own call:
         # ``out.sum(0) / T``)
-        assert not [u for u in w.plan.units if type(u) is OpaqueUnit and "rnn" in u.name], [u.name for u in w.plan.units]
+        names = [u.name for u in w.plan.units]
+        assert not [u for u in w.plan.units if type(u) is OpaqueUnit and "rnn" in u.name], names
     for step, (t, b) in enumerate([(6, 3), (6, 2), (4, 3), (2, 2)]):
         x = example_of(t, b)
         x = x.double() if x.is_floating_point() else x

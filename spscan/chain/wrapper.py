@@ -367,7 +367,10 @@ class Replan:
     def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
         """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
         d = self.batch_dim  # the example's batch, on the dim the model reads it from (``per_sample`` without it)
-        shape = self.shape if per_sample is None else tuple(per_sample)[:d] + self.shape[d:d + 1] + tuple(per_sample)[d:]
+        if per_sample is None:
+            shape = self.shape
+        else:
+            shape = tuple(per_sample)[:d] + self.shape[d:d + 1] + tuple(per_sample)[d:]
         # a floating example in the model's dtype now (converted since it was wrapped: ``model.double()``)
         dtype = (model_dtype(model) or self.dtype) if self.dtype.is_floating_point else self.dtype
         x = torch.zeros(shape, dtype=dtype, device=model_device(model) or torch.device("cpu"))

@@ -82,7 +82,8 @@ class OutputTail:
     def __call__(self, y: torch.Tensor, x: Optional[torch.Tensor] = None, record: Optional[PartsRead] = None) -> Any:
         """The forward's result from the scan's output ``y`` and the step's input ``x`` (batch first, as the graph
         takes it: a result may read it, as a loss reads its targets from the token ids). ``record``: where the
-        backward notes which parts the loss read (:func:`~spscan.runtime.autograd.split_parts`, for :func:`~spscan.runtime.autograd.gated`)."""
+        backward notes which parts the loss read (:func:`~spscan.runtime.autograd.split_parts`, for
+        :func:`~spscan.runtime.autograd.gated`)."""
         b = y.shape[0]
         if self.packed and record is not None:
             parts = [p.reshape((b,) + s) for p, s in zip(split_parts(record, y, list(self.sizes)), self.shapes)]
