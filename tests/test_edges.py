@@ -105,6 +105,52 @@ def test_a_layer_replaced_after_wrapping_is_planned_again(kind):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
+class _Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding="same")
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h) + 0.5 * h)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "traced"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_parameter_given_anew_with_another_shape_is_planned_again(kind, layer):
+    """``fc.weight = nn.Parameter(torch.randn(5, 4))`` after wrapping (the module's ``out_features`` left as it
+    was, as torch's own forward ignores it): the traced plan crashed in the backward ("shape '[3, 2]' is
+    invalid"); the wrapper plans again from the parameters' shapes, warning which role changed."""
+    import copy
+
+    torch.manual_seed(0)
+    if layer == "linear":
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)) if kind == "sequential" else _Head()
+        x = torch.randn(3, 3, dtype=torch.float64)
+        new_w, new_b = torch.randn(5, 4), torch.randn(5)
+    else:
+        net = (nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 3, 3, padding="same"))
+               if kind == "sequential" else _Convs())
+        x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+        new_w, new_b = torch.randn(5, 4, 1, 1), torch.randn(5)  # another kernel size, too
+    net = net.double()
+    w = spscan.wrap(net, x, backward="scan")
+    w(x).sum().backward()
+    last = list(net.modules())[-1]
+    last.weight, last.bias = nn.Parameter(new_w.double()), nn.Parameter(new_b.double())
+    ref = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"its weight was given anew after planning"):
+        y = w(x)
+    y_ref = ref(x)
+    torch.testing.assert_close(y, y_ref)
+    wt = torch.randn_like(y_ref)
+    (y * wt).sum().backward()
+    (y_ref * wt).sum().backward()
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
 def test_train_mode_batchnorm_at_a_forced_depth_refused_at_wrap_time():
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
     with pytest.raises(ValueError, match=r"layer 1 \(BatchNorm1d\): in train mode it couples the samples"):

@@ -142,6 +142,8 @@ class ModelPlan:
         self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
         self._role_names = [(u, u.roles, tuple(r + "_orig" for r in u.roles)) for u in units if u.roles]
+        with torch.no_grad():  # the shapes the units were planned for (a parameter given anew may change them)
+            self._role_shapes = [t.shape for u in units for t in u.tensors()]
         # units whose sharedness and operator flag follow the module's mode (dropout, batch-norm)
         self._dynamic_units = [u for u in units if u.capabilities.mode_dependent]
         # the effective tensors' slice of the autograd function's inputs, per layer
@@ -238,6 +240,19 @@ class ModelPlan:
             raise ValueError(f"input: on {x.device}, but layer {k} ({self.layer_names[k] or '-'}: "
                              f"{type(u.module).__name__}) has parameters on {t.device}")
 
+    def _check_roles(self, flat: Sequence[torch.Tensor]) -> None:
+        """Refuse (:class:`LayerReplaced`) a step whose layer was given a parameter of another shape after
+        planning (``fc.weight = nn.Parameter(torch.randn(5, 64))``): its unit's pattern is of the old shape."""
+        if all(t.shape == s for t, s in zip(flat, self._role_shapes)):
+            return
+        i = next(i for i, (t, s) in enumerate(zip(flat, self._role_shapes)) if t.shape != s)
+        k = self._role_layer[i]
+        u = self.units[k]
+        role = u.roles[i - sum(len(v.roles) for v in self.units[:k])]
+        raise LayerReplaced(f"layer {k} ({self.layer_names[k] or '-'}): its {role} was given anew after planning "
+                            f"(planned {tuple(self._role_shapes[i])}, now {tuple(flat[i].shape)}); wrap the model "
+                            "again")
+
     def _check_layers(self) -> None:
         """Refuse a model whose planned layers were replaced after planning (the old ones would run), or one
         given hooks after planning where its analytic unit would not run them."""
@@ -284,6 +299,7 @@ class ModelPlan:
         flat = self._flat_tensors()
         self._check_input(x, flat)
         self._check_layers()
+        self._check_roles(flat)
         return flat
 
     def _flat_tensors(self) -> list[torch.Tensor]:

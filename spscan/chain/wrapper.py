@@ -267,7 +267,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         """Plan the model again as it is now for the input ``own`` (in the model's layout), every plan made before
         dropped (they run modules it no longer has), and the decisions with them; warn."""
         what = str(e).splitlines()[0].split("; wrap")[0]
-        warnings.warn(f"spscan: {what}: {type(self.model).__name__} is planned again (the new module's parameters "
+        warnings.warn(f"spscan: {what}: {type(self.model).__name__} is planned again (new parameters "
                       "are not in an optimizer made before: add them, as without spscan)", stacklevel=4)
         for old in self._plans.values():
             if old is not None:

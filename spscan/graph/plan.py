@@ -127,7 +127,9 @@ class GraphPlan(ModelPlan):
     def step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
         self._check_input(x)
         self._check_layers()
-        return [t for u in self.units for t in u.tensors()]
+        flat = [t for u in self.units for t in u.tensors()]
+        self._check_roles(flat)
+        return flat
 
     def summary(self) -> str:
         what = "live-set steps" if any(isinstance(s, LiveStep) for s in self.segments) else "blocks"

@@ -66,7 +66,9 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
 
     def __init__(self, index, module: nn.Linear, in_shape, out_shape, prune_zeros: bool = False):
         super().__init__(index, module, in_shape, out_shape)
-        fi, fo = module.in_features, module.out_features
+        # the weight's shape, not ``in_features``/``out_features``: a weight given anew need not update them
+        fo, fi = _effective(module, "weight").shape
+        self.out_features = fo
         if len(in_shape) < 1 or in_shape[-1] != fi:
             raise ValueError(
                 f"layer {index} (Linear): expected per-sample input (*, {fi}), got {tuple(in_shape)}")
@@ -98,7 +100,7 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
         want_w = bool(needed) and bool(needed[0])
         has_b = len(self.roles) > 1
         want_b = bool(needed) and has_b and bool(needed[1])
-        fo = self.module.out_features
+        fo = self.out_features
 
         def step(saved, tensors, g):  # autograd's addmm backward: g W, g^T x, sum over the batch
             if g.dim() != 2:
@@ -116,7 +118,7 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
     def param_grads(self, saved, tensors, g_out, needed=None):
         x = saved
         needed = needed or [True] * len(self.roles)
-        g = g_out.reshape(x.shape[:-1] + (self.module.out_features,))
+        g = g_out.reshape(x.shape[:-1] + (self.out_features,))
         out: list[Optional[torch.Tensor]] = []
         for role, need in zip(self.roles, needed):
             if not need:
@@ -252,10 +254,15 @@ class _ConvLike(_WeightGatherMixin, LayerUnit):
         if module.padding_mode != "zeros":
             raise ValueError(
                 f"layer {index} ({self.name}): padding_mode 'zeros' expected, got {module.padding_mode!r}")
-        if len(in_shape) != nd + 1 or in_shape[0] != module.in_channels:
-            raise ValueError(f"layer {index} ({self.name}): expected per-sample input ({module.in_channels}, "
+        # channels and kernel from the weight, as ``F.conv`` takes them (a weight given anew need not update
+        # ``in_channels``/``out_channels``/``kernel_size``): (C_out, C_in/g, *k), transposed (C_in, C_out/g, *k)
+        w = _effective(module, "weight").shape
+        a, b, k = w[0], w[1] * module.groups, tuple(w[2:])
+        self.c_in, self.c_out = (a, b) if module.transposed else (b, a)
+        if len(in_shape) != nd + 1 or in_shape[0] != self.c_in:
+            raise ValueError(f"layer {index} ({self.name}): expected per-sample input ({self.c_in}, "
                              f"{'L' if nd == 1 else 'H, W'}), got {tuple(in_shape)}")
-        return nd, _tuple(module.kernel_size, nd), _tuple(module.stride, nd), _tuple(module.dilation, nd)
+        return nd, k, _tuple(module.stride, nd), _tuple(module.dilation, nd)
 
     def _set_entries(self, rows: np.ndarray, cols: np.ndarray, widx: np.ndarray, drop: np.ndarray) -> None:
         self.pattern, order = coo_to_csr(rows, cols, (self.d_in, self.d_out))
@@ -289,7 +296,7 @@ class ConvUnit(_ConvLike):
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.kernel = s, d, pad_lo, pad_hi, k
         self._conv = F.conv1d if nd == 1 else F.conv2d
         drop = self._drop_mask(module, prune_zeros)
-        self._set_entries(*_conv_entries(module.in_channels, module.out_channels, module.groups, tuple(in_shape[1:]),
+        self._set_entries(*_conv_entries(self.c_in, self.c_out, module.groups, tuple(in_shape[1:]),
                                          tuple(out_shape[1:]), k, s, d, pad_lo, drop), drop)
 
     def run(self, x, tensors):
@@ -372,7 +379,7 @@ class ConvTransposeUnit(_ConvLike):
         self.stride, self.dilation, self.padding, self.output_padding = s, d, p, op
         drop = self._drop_mask(module, prune_zeros)
         # the adjoint convolution: (C_out, out spatial) -> (C_in, in spatial), weight (C_in, C_out/g, k)
-        rows_c, cols_c, widx = _conv_entries(module.out_channels, module.in_channels, module.groups,
+        rows_c, cols_c, widx = _conv_entries(self.c_out, self.c_in, module.groups,
                                              tuple(out_shape[1:]), tuple(in_shape[1:]), k, s, d, p, drop)
         self._set_entries(cols_c, rows_c, widx, drop)
 
