@@ -59,7 +59,20 @@ def _check_one_input(model: torch.nn.Module, example_input: Any) -> None:
     if isinstance(example_input, (tuple, list)):
         raise NotPlannable(f"{type(model).__name__}: an example of {len(example_input)} inputs; the scan plans a "
                            "model of one tensor input (B, *in_shape), whose forward's other arguments, if any, "
-                           "have defaults")
+                           "have defaults or are state without gradients (an example (x, hidden))")
+
+
+def _state_example(model: torch.nn.Module, example_input: Any) -> Optional[tuple]:
+    """``(x, state)`` for an example ``(x, *state)`` of a traced model whose forward takes state after its input
+    (``forward(input, hidden)``: tensors, or tuples and lists of them, none requiring a gradient); else None."""
+    if not isinstance(example_input, (tuple, list)) or len(example_input) < 2 or _front_end(model)[0] != GRAPH:
+        return None
+    x, state = example_input[0], tuple(example_input[1:])
+    leaves = torch.utils._pytree.tree_leaves(state)
+    if not isinstance(x, torch.Tensor) or not leaves or not all(
+            isinstance(t, torch.Tensor) and not t.requires_grad for t in leaves):
+        return None
+    return x, state
 
 
 @takes_options
@@ -113,13 +126,19 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(model, example_input): model must be an nn.Module, got {type(model).__name__}")
+    with_state = _state_example(model, example_input)
+    if with_state is not None:  # forward(input, hidden): planned for the input, the state read per step
+        example_input, state = with_state
     _, wrap_fn, opts = _model_options("wrap", model, example_input, options)
     try:
         try:
             _check_one_input(model, example_input)
-            wrapped = wrap_fn(model, example_input, **opts)
+            if with_state is not None:
+                wrapped = wrap_graph(model, example_input, state, **opts)
+            else:
+                wrapped = wrap_fn(model, example_input, **opts)
         except UnitRefused:  # a layer its unit does not cover: the chain traced, that layer an opaque node
-            wrapped = wrap_graph(model, example_input, **opts)
+            wrapped = wrap_graph(model, example_input, None if with_state is None else state, **opts)
     except NotPlannable as e:
         if opts.get("backward") != "auto":
             raise
@@ -131,6 +150,8 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
     if example_input is None or isinstance(example_input, torch.Tensor):
         # how to make it again where it is unpickled (a plan holds closures and device tables: not pickled)
         spec = None if example_input is None else (tuple(example_input.shape), example_input.dtype)
+        if with_state is not None:  # and the state's shapes and dtypes, in its structure
+            spec += (torch.utils._pytree.tree_map(lambda t: (tuple(t.shape), t.dtype), state),)
         wrapped.wrapped_as = (_wrap_again, dict(options), spec)
     return wrapped
 
@@ -142,7 +163,13 @@ def _wrap_again(model: torch.nn.Module, options: dict, spec: Optional[tuple], tr
 
     example = None
     if spec is not None:
-        example = torch.zeros(spec[0], dtype=spec[1], device=model_device(model) or torch.device("cpu"))
+        device = model_device(model) or torch.device("cpu")
+        example = torch.zeros(spec[0], dtype=spec[1], device=device)
+        if len(spec) > 2:  # state arguments: (x, *state) of zeros
+            is_spec = lambda v: isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype)  # noqa: E731
+            state = torch.utils._pytree.tree_map(lambda v: torch.zeros(v[0], dtype=v[1], device=device), spec[2],
+                                                 is_leaf=is_spec)
+            example = (example, *state)
     wrapped = wrap(model, example, **options)
     wrapped.training = training  # the wrapper's own flag; the model's came with it
     return wrapped

@@ -1,7 +1,7 @@
 """A traced model whose forward takes optional arguments besides its input (``forward(x, mask=None,
 residual=True)``) is planned with their defaults; a call that passes other values runs the model's own
-forward and backward under ``backward="auto"`` and is refused under a forced scan. A model of several
-inputs runs autograd's own backward under ``backward="auto"`` (the scan plans one input)."""
+forward and backward under ``backward="auto"`` and is refused under a forced scan. A model wrapped with an
+example of several inputs reads those after the first at each step, without gradients."""
 
 from __future__ import annotations
 
@@ -145,25 +145,28 @@ def test_a_second_input_without_a_default_is_refused_with_its_name():
     assert isinstance(wrapped, NativeModule)
 
 
-def test_an_example_of_several_inputs_runs_autograds_backward_under_auto():
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_an_example_of_several_inputs_reads_the_others_each_step(backward):
+    """``wrap(model, (x, y))``: the inputs after the first carry no gradient (as a recurrent state, a mask or a
+    time step does) and are read at each step (:mod:`spscan.graph.state`), with autograd's gradients for the
+    parameters and ``x``; one that requires a gradient runs autograd's own step under ``auto``. ``plan``
+    plans a model of one input."""
     torch.manual_seed(4)
     model = TwoInputs().double()
     ref = copy.deepcopy(model)
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
     with pytest.raises(NotPlannable, match="an example of 2 inputs"):
-        spscan.wrap(model, (x, y), backward="scan")
-    with pytest.raises(NotPlannable, match="an example of 2 inputs"):
         spscan.plan(model, [x, y])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        wrapped = spscan.wrap(model, (x, y), backward="auto")
-    assert isinstance(wrapped, NativeModule)
-    assert any("an example of 2 inputs" in str(w.message) for w in caught)
-    for m in (wrapped, ref):
-        m.zero_grad()
-        m(x, y).square().sum().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    wrapped = spscan.wrap(model, (x, y), backward=backward)
+    assert not isinstance(wrapped, NativeModule) and wrapped.plan.state is not None
+    for b in (4, 3):
+        x, y = torch.randn(b, 6, dtype=torch.float64), torch.randn(b, 4, dtype=torch.float64)
+        got, want = _grads(wrapped, x, y), _grads(ref, x, y)
+        _close(got, want, 1e-12)
+    if backward == "auto":
+        yg = y.clone().requires_grad_()
+        wrapped(x, yg).sum().backward()
+        assert yg.grad is not None
 
 
 def test_a_torch_layer_as_the_model_takes_its_masks_natively():

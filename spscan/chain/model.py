@@ -102,6 +102,9 @@ class ModelPlan:
         # (``forward(x, mask=None)``: the graph of a call without a mask); a call that passes other values
         # runs the model's own forward (:meth:`SpscanModule.forward`)
         self.fixed_arguments: dict[str, Any] = {}
+        # a traced forward's state arguments (``forward(input, hidden)``), read from this slot, which the wrapper
+        # fills before each step (:mod:`spscan.graph.state`); None: the forward takes its input alone
+        self.state: Any = None
         # the dim of the model's input that is the batch: 1 for a traced model that reads a time-major sequence
         # (``(T, B, ...)``); the plan runs on the input batch first (:meth:`batch_first`), as the graph takes it
         self.input_batch_dim = 0
@@ -513,11 +516,11 @@ class ModelPlan:
         with ``graph`` the whole step from CUDA graphs where :class:`~spscan.runtime.graphed.GraphedStep`
         can (a signature's first step runs its work eagerly), else its backward alone from one; without,
         the eager scan."""
-        if graph:
+        if graph and self.state is None:  # a recorded step would read the state it was recorded with
             out = self.step_graphs((x, *flat), 1, self._dynamic_key())
             if out is not None:
                 return out[0]
-        self.graph_backward = graph
+        self.graph_backward = graph and self.state is None
         return autograd_apply(self, x, *flat)[0]
 
     def release_buffers(self) -> None:

@@ -165,6 +165,9 @@ class SpscanModule(BackwardChoice, nn.Module):
         and backward, and with a forced ``scan`` or ``graph`` it is refused (TypeError). An input of another
         per-sample shape than the example's (an image of another size, a sequence of another length) is planned
         for its shape on first use (:meth:`_plan_for`)."""
+        slot = self.plan.state
+        if slot is not None:  # state arguments (``forward(input, hidden)``), read from the plan's slot
+            return self._with_state(slot, x, args, kwargs)
         if args or kwargs:
             try:
                 other = self._unplanned_argument(x, args, kwargs)
@@ -179,6 +182,27 @@ class SpscanModule(BackwardChoice, nn.Module):
                                     "through the model's own backward)")
                 return self.model(x, *args, **kwargs)
         return super().forward(x)
+
+    def _with_state(self, slot: Any, x: Any, args: tuple, kwargs: dict) -> Any:
+        """The call of a model planned with state arguments (:mod:`spscan.graph.state`): the state the next step
+        reads is ``args``, where they are of the example's structure, per-sample shapes, dtypes and device, of the
+        input's batch and without gradients; else, with ``backward="auto"``, the model's own forward and backward
+        (a forced scan refuses them: TypeError)."""
+        if not isinstance(x, torch.Tensor):
+            return self.model(x, *args, **kwargs)
+        try:
+            inspect.signature(self.model.forward).bind(x, *args, **kwargs)
+        except TypeError:  # arguments the model's forward does not take (the state left out): its own error
+            return self.model(x, *args, **kwargs)
+        why = "keyword arguments" if kwargs else slot.mismatch(x, args)
+        if why is None:
+            slot.set(args)
+            return super().forward(x, *args)
+        if self.backward_mode not in ("auto", "native") and torch.is_grad_enabled():
+            raise TypeError(f"{type(self).__name__} with backward={self.backward_mode!r}: {type(self.model).__name__}"
+                            f" was planned with state arguments like the example's; this call passes {why} "
+                            "(backward='auto' runs such a call through the model's own backward)")
+        return self.model(x, *args, **kwargs)
 
     def _unplanned_argument(self, x: Any, args: tuple, kwargs: dict) -> Optional[str]:
         """``name=value`` of the first argument besides ``x`` that is not the value the graph was planned with
@@ -234,7 +258,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         return model_dtype(self.model)
 
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
-    def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor) -> torch.Tensor:
+    def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor, *rest: Any) -> torch.Tensor:
         refuse_functorch()
         if self._replan is not None and key is not None:
             self._plan_for(key[0])
@@ -249,7 +273,7 @@ class SpscanModule(BackwardChoice, nn.Module):
             flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):
             # an empty batch (nothing to scan), or nothing that needs a gradient: plain torch
-            return self.model(own)
+            return self.model(own, *rest)
         self._warn_opaque()  # a forced scan whose plan has nodes that run autograd's own backward: once
         if self.plan.stopped_roles:  # parameters only gradient stops lead from: None, as autograd leaves them
             flat = [t.detach() if i in self.plan.stopped_roles else t for i, t in enumerate(flat)]

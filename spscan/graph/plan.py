@@ -76,6 +76,7 @@ import torch.nn as nn
 from spscan.chain.backward import ForwardState, Jacobians
 from spscan.graph.outputs import part_gates, stopped
 from spscan.graph.recurrent import RecurrentNodeUnit, input_batch_dim
+from spscan.graph.state import StateInputs, StateSlot, state_batch_dims
 from spscan.graph.segments import (BlockOperator, Leaf, LiveOperator, LiveStep, Parallel, grads_while_applied,
                                    segment_plans)
 from spscan.graph.structure import LIVE_STATE_LIMIT, NotSeriesParallel
@@ -345,21 +346,29 @@ class GraphSpscanModule(SpscanModule):
     :class:`GraphPlan`, whose :meth:`GraphPlan.step_tensors` reads the units' tensors)."""
 
 
-def wrap_graph(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
+def wrap_graph(model: nn.Module, example_input: torch.Tensor, state: Optional[Sequence[Any]] = None,
+               **plan_kwargs: Any) -> SpscanModule:
     """:func:`spscan.wrap` for a model with its own forward: planned by :func:`plan_graph`; a
-    :class:`GraphSpscanModule` when the graph has blocks, else a chain's :class:`SpscanModule`."""
+    :class:`GraphSpscanModule` when the graph has blocks, else a chain's :class:`SpscanModule`. ``state``: the
+    forward's arguments after its input in the example call, state that carries no gradient
+    (``forward(input, hidden)``: :mod:`spscan.graph.state`)."""
     backward = plan_kwargs.pop("backward", option_default("backward"))
-    plan_fn = functools.partial(_plan_for_backward, backward)
+    slot = None
+    if state is not None:
+        slot = StateSlot(state, *state_batch_dims(model, example_input, state))
+    plan_fn = functools.partial(_plan_for_backward, backward, slot)
     plan = plan_fn(model, example_input, **plan_kwargs)
     cls = GraphSpscanModule if isinstance(plan, GraphPlan) else SpscanModule
     return cls(model, plan, backward, example_input.shape[plan.input_batch_dim], example_input.device,
                Replan(plan_fn, example_input, plan_kwargs, plan.input_batch_dim))
 
 
-def _plan_for_backward(backward: str, model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> ModelPlan:
+def _plan_for_backward(backward: str, slot: Optional[StateSlot], model: nn.Module, example_input: torch.Tensor,
+                       **plan_kwargs: Any) -> ModelPlan:
     """:func:`plan_graph`, its recurrent nodes following the wrapper's ``backward`` (a forced scan forces theirs)
-    and the planning options a recurrent plan takes too."""
-    plan = plan_graph(model, example_input, **plan_kwargs)
+    and the planning options a recurrent plan takes too; a model with state arguments read from ``slot``."""
+    plan = plan_graph(model if slot is None else StateInputs(model, slot), example_input, **plan_kwargs)
+    plan.state = slot
     for u in plan.units:
         if isinstance(u, RecurrentNodeUnit):
             u.recurrent.configure(backward, plan_kwargs)
