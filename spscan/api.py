@@ -53,6 +53,15 @@ def _model_options(func: str, model: torch.nn.Module, example_input, options: di
     return plan_fn, wrap_fn, check_options(func, kind, options, f"a {type(model).__name__}")
 
 
+def _chain_or_traced(model: torch.nn.Module, example_input: torch.Tensor, **options: Any) -> Any:
+    """A chain's plan made again where the chain changed after wrapping: traced where a layer is one the chain
+    front end does not plan now (a layer given hooks, or replaced by a module with a forward of its own)."""
+    try:
+        return plan_model(model, example_input, **options)
+    except NotPlannable:
+        return plan_graph(model, example_input, **options)
+
+
 def _check_one_input(model: torch.nn.Module, example_input: Any) -> None:
     """Refuse an example of several inputs (``(src, tgt)``): the scan plans a model of one tensor input (and
     optional arguments with defaults); ``wrap(..., backward="auto")`` then runs autograd's own backward."""
@@ -135,6 +144,8 @@ def wrap(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None, *
             _check_one_input(model, example_input)
             if with_state is not None:
                 wrapped = wrap_graph(model, example_input, state, **opts)
+            elif wrap_fn is wrap_chain:
+                wrapped = wrap_chain(model, example_input, replan_fn=_chain_or_traced, **opts)
             else:
                 wrapped = wrap_fn(model, example_input, **opts)
         except UnitRefused:  # a layer its unit does not cover: the chain traced, that layer an opaque node

@@ -802,10 +802,18 @@ def test_hooks_on_the_model_itself_or_added_after_planning():
     with pytest.warns(UserWarning, match="hooks of its own"):
         assert isinstance(spscan.wrap(model, torch.randn(2, 3), backward="auto"), NativeModule)
     model = _hooked_net()
+    ref = _hooked_net()
+    ref.load_state_dict(model.state_dict())
     wrapped = spscan.wrap(model, torch.randn(2, 3), backward="scan")
-    model[2][1].register_forward_hook(lambda m, i, o: o * 2)  # its unit would not run it: refused, not ignored
-    with pytest.raises(ValueError, match=r"layer \d+ \(.*Tanh.*\): hooks were registered on it after"):
-        wrapped(torch.randn(2, 3))
+    for m in (model, ref):  # its unit would not run it: planned again, that module its own call
+        m[2][1].register_forward_hook(lambda m, i, o: o * 2)
+    x = torch.randn(2, 3)
+    with pytest.warns(UserWarning, match=r"2\.1: hooks were registered on it after planning"):
+        y = wrapped(x)
+    torch.testing.assert_close(y, ref(x))
+    model.register_forward_hook(lambda m, i, o: o * 3)  # on the model itself: refused under a forced scan
+    with pytest.raises(ValueError, match="hooks on Sequential itself, registered after planning"):
+        wrapped(x)
 
 
 def test_a_model_whose_shapes_depend_on_the_batch_size():

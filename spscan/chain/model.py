@@ -35,7 +35,8 @@ from spscan.planner.choose import Decision, explain as explain_decisions
 from spscan.layers import LayerUnit
 from spscan.layers.opaque import OpaqueUnit
 
-__all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "check_hooks", "has_hooks", "param_grads"]
+__all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "ModelWatch", "check_hooks", "global_hooks", "has_hooks",
+           "param_grads"]
 
 
 class LayerReplaced(ValueError):
@@ -56,11 +57,45 @@ def has_hooks(m: nn.Module) -> bool:
     return bool(pre or m._forward_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None))
 
 
+def global_hooks() -> bool:
+    """Whether hooks are registered for every module (``torch.nn.modules.module.register_module_forward_hook``
+    and its kin): the scan, which does not call the modules, would not run them."""
+    from torch.nn.modules import module as mod
+
+    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
+                or mod._global_backward_pre_hooks)
+
+
+class ModelWatch:
+    """The model's modules as a plan was made from them: each one's class, parameter objects and whether it
+    had hooks. :meth:`changed` says what differs now (a hook or a parametrization registered after planning,
+    which the units would not follow; a parameter given anew, whose gradient a unit holding the old one would
+    give to the old one), in time linear in the modules with no allocation."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.entries = [(name, m, type(m), tuple(m._parameters.values()), has_hooks(m))
+                        for name, m in model.named_modules() if m is not model]
+
+    def changed(self) -> Optional[str]:
+        for name, m, cls, params, hooked in self.entries:
+            if type(m) is not cls:
+                return f"{name}: {type(m).__name__} after planning (planned {cls.__name__}; a parametrization?)"
+            if not hooked and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                               or m._backward_pre_hooks) and has_hooks(m):
+                return f"{name}: hooks were registered on it after planning"
+            now = m._parameters
+            if len(now) != len(params) or any(a is not b for a, b in zip(now.values(), params)):
+                return f"{name}: its parameters were given anew after planning"
+        return None
+
+
 def check_hooks(index: int, name: str, m: nn.Module) -> None:
     """Refuse layer ``index`` (``name``) of a chain planned directly if it has hooks (:func:`has_hooks`);
     ``spscan.plan`` and ``spscan.wrap`` trace such a chain instead, the hooked layer an opaque node."""
     if has_hooks(m):
-        raise ValueError(
+        from spscan.chain.planning import UnitRefused  # (planning imports this module)
+
+        raise UnitRefused(
             f"layer {index} ({name or type(m).__name__}: {type(m).__name__}): forward/backward hooks other "
             "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
 
@@ -145,6 +180,7 @@ class ModelPlan:
         self._layer_paths = [tuple(n.split(".")) if n else () for n in layer_names]
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
         self._role_names = [(u, u.roles, tuple(r + "_orig" for r in u.roles)) for u in units if u.roles]
+        self._watch = ModelWatch(model)  # the modules as planned (_check_layers)
         with torch.no_grad():  # the shapes the units were planned for (a parameter given anew may change them)
             self._role_shapes = [t.shape for u in units for t in u.tensors()]
         # units whose sharedness and operator flag follow the module's mode (dropout, batch-norm)
@@ -270,11 +306,10 @@ class ModelPlan:
                     break
             if m is not u.module:
                 break
-            if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks) and not isinstance(u, OpaqueUnit) \
-                    and has_hooks(m):
-                raise ValueError(f"layer {u.index} ({u.name}): hooks were registered on it after the model was "
-                                 "planned; wrap the model again (a module with hooks runs as its own call)")
         else:
+            what = self._watch.changed()
+            if what is not None:  # planned again as it is now: a module with hooks runs as its own call
+                raise LayerReplaced(f"{what}; wrap the model again")
             return
         modules = dict(self.model.named_modules(remove_duplicate=False))
         for k, (name, u, backed) in enumerate(zip(self.layer_names, self.units, self.module_backed)):

@@ -19,7 +19,7 @@ from spscan.options import option_default
 from spscan.planner.choose import Decision
 from spscan.runtime.autograd import PartsRead, gated, refuse_functorch
 from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
-from spscan.chain.model import LayerReplaced, ModelPlan
+from spscan.chain.model import LayerReplaced, ModelPlan, global_hooks, has_hooks
 from spscan.layers.opaque import OpaqueUnit
 from spscan.chain.planning import plan_model
 
@@ -226,9 +226,20 @@ class SpscanModule(BackwardChoice, nn.Module):
         scan cannot plan runs the model's own step (``"native"``)."""
         if self._forward_alone():  # nothing is recorded (an evaluation under no_grad): nothing to plan for
             return "native"
+        if self.backward_mode == "auto" and self._unplanned_hooks() is not None:
+            return "native"
         if key is not None and self.backward_mode == "auto" and self._plan_for(key[0]) is None:
             return "native"
         return super()._call_choice(key, x)
+
+    def _unplanned_hooks(self) -> Optional[str]:
+        """What hooks the scan would not run (None: none): hooks on the model itself or registered for every
+        module (``register_module_forward_hook``), registered after planning; the scan calls no module."""
+        if global_hooks():
+            return "hooks registered for every module (torch.nn.modules.module.register_module_*_hook)"
+        if has_hooks(self.model):
+            return f"hooks on {type(self.model).__name__} itself, registered after planning"
+        return None
 
     def _backward_decision(self, key) -> Decision:
         shape, batch = key
@@ -260,6 +271,10 @@ class SpscanModule(BackwardChoice, nn.Module):
     @torch.compiler.disable  # under torch.compile the scan's step runs as it is (a graph break), not traced
     def _scan_step(self, key: Optional[int], choice: str, x: torch.Tensor, *rest: Any) -> torch.Tensor:
         refuse_functorch()
+        hooks = self._unplanned_hooks()
+        if hooks is not None:
+            raise ValueError(f"{type(self).__name__} with backward={self.backward_mode!r}: {hooks}: the scan does not "
+                             "call the modules, so they would not run (backward='auto' runs the model's own step)")
         if self._replan is not None and key is not None:
             self._plan_for(key[0])
         own, x = x, self.plan.batch_first(x)  # the model's input, and as the plan runs it
@@ -401,12 +416,15 @@ class Replan:
         return self.plan_fn(model, x, **self.options)
 
 
-def wrap_chain(model: nn.Module, example_input: torch.Tensor, **plan_kwargs: Any) -> SpscanModule:
+def wrap_chain(model: nn.Module, example_input: torch.Tensor, *, replan_fn: Optional[Callable[..., ModelPlan]] = None,
+               **plan_kwargs: Any) -> SpscanModule:
     """An ``nn.Module`` equal to ``model`` in forward whose backward is the scan.
 
     ``loss.backward()`` fills ``x.grad`` and every parameter's ``.grad`` (not those with
-    ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`.
+    ``requires_grad=False``) as autograd would. ``plan_kwargs`` go to :func:`plan_model`; ``replan_fn`` plans
+    the model again where it changed after wrapping (default :func:`plan_model`).
     """
     backward = plan_kwargs.pop("backward", option_default("backward"))
+    replan_fn = plan_model if replan_fn is None else replan_fn
     return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0],
-                        example_input.device, Replan(plan_model, example_input, plan_kwargs))
+                        example_input.device, Replan(replan_fn, example_input, plan_kwargs))

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from spscan.chain.model import has_hooks
 from spscan.layers.base import LayerUnit
 from spscan.layers.opaque import OpaqueUnit
 from spscan.options import option_default
@@ -211,7 +212,8 @@ def recurrent_calls(graph: fx.Graph, root: nn.Module) -> list[RecurrentCall]:
         if node.op != "call_module":
             continue
         m = root.get_submodule(node.target)
-        if type(m) not in RECURRENT_TYPES or getattr(m, "proj_size", 0) or node.kwargs or not 1 <= len(node.args) <= 2:
+        if type(m) not in RECURRENT_TYPES or getattr(m, "proj_size", 0) or node.kwargs or not 1 <= len(node.args) <= 2 \
+                or has_hooks(m):  # hooks: its own call runs them (an opaque node)
             continue
         users = list(node.users)
         if not users or not all(_element(u) is not None for u in users):
