@@ -33,7 +33,6 @@ from spscan.runtime.graphed import GraphedCall, GraphedStep
 from spscan.runtime import check_inputs
 from spscan.planner.choose import Decision, explain as explain_decisions
 from spscan.layers import LayerUnit
-from spscan.layers.opaque import OpaqueUnit
 
 __all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "ModelWatch", "check_hooks", "global_hooks", "has_hooks",
            "param_grads"]
