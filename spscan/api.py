@@ -32,7 +32,7 @@ _RECURRENT = (torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM)
 
 def _front_end(model: torch.nn.Module):
     """``(kind, plan, wrap)`` of the front end that owns ``model``: the one place a model is dispatched."""
-    if isinstance(model, _RECURRENT):
+    if type(model) in _RECURRENT:  # (a subclass, a parametrized one, is traced: one opaque node where it is torch's)
         if is_stacked(model):  # num_layers > 1 or bidirectional: one scan per (layer, direction)
             return RECURRENT, plan_stacked, wrap_recurrent
         return RECURRENT, plan_recurrent, wrap_recurrent

@@ -138,3 +138,55 @@ def test_a_layer_appended_after_wrapping_is_planned(kind):
     y_ref.square().sum().backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+
+
+class _KeepsState(nn.Module):
+    """``self.h = h.detach()``: the state kept on the model for the next batch (truncated BPTT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.fc, self.h = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2), None
+
+    def forward(self, x):
+        out, h = self.gru(x, self.h)
+        self.h = h.detach()
+        return self.fc(out[:, -1])
+
+
+class _KeepsLoss(nn.Module):
+    """``self.kl = ...``: a term the loss reads from the model after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(6, 8), nn.Linear(4, 6)
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, 1)
+        self.kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(1).mean()
+        return self.dec(torch.tanh(mu))
+
+
+@pytest.mark.parametrize("make", [_KeepsState, _KeepsLoss])
+def test_a_forward_that_stores_a_tensor_on_the_model(make):
+    """A forward that keeps a tensor it computes on the model: the scan's step runs the traced graph, which
+    would never set it (the loss read a stale ``self.kl``; the tracer left a proxy in ``self.h``, and the
+    model itself no longer ran). Refused under a forced scan, autograd's own step under ``auto``, and the
+    model's attributes as they were after planning."""
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6, 3, dtype=torch.float64) if make is _KeepsState else torch.randn(4, 6, dtype=torch.float64)
+    before = {k: v for k, v in vars(model).items() if not k.startswith("_")}
+    with pytest.raises(spscan.NotPlannable, match=r"stores a tensor it computes on the model \(self\.(h|kl)\)"):
+        spscan.wrap(model, x, backward="scan")
+    with pytest.warns(UserWarning, match="stores a tensor"):
+        w = spscan.wrap(model, x, backward="auto")
+    assert {k: v for k, v in vars(model).items() if not k.startswith("_")} == before
+    for step in range(3):
+        for m, net in ((model, w), (ref, ref)):
+            m.zero_grad()
+            y = net(x)
+            loss = y.square().sum() + (m.kl if make is _KeepsLoss else 0)
+            loss.backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)

@@ -522,3 +522,30 @@ def test_a_cell_wrapped_alone_says_why_there_is_nothing_to_scan():
         spscan.wrap(nn.LSTMCell(4, 8), x, backward="scan")
     with pytest.warns(UserWarning, match="one call of its own"):
         assert isinstance(spscan.wrap(nn.LSTMCell(4, 8), x, backward="auto"), NativeModule)
+
+
+class _SqueezedState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, x):
+        _, h = self.rnn(x)
+        return self.fc(h.squeeze())
+
+
+def test_squeeze_of_every_size_one_dim_at_batch_one():
+    """``fc(h_n.squeeze())``: at batch 1 the model's forward drops the batch dim too (its output is ``(C,)``);
+    the plan, traced at a batch of 2, keeps it. ``auto`` runs a batch of 1 as the model's own step (the model's
+    output shape), a forced scan refuses it; other batches run the scan."""
+    torch.manual_seed(0)
+    model = _SqueezedState().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    auto = spscan.wrap(model, x, backward="auto")
+    forced = spscan.wrap(model, x, backward="scan")
+    one = torch.randn(1, 6, 3, dtype=torch.float64)
+    assert auto(one).shape == ref(one).shape == (2,)
+    with pytest.raises(ValueError, match=r"squeeze\(\) without a dim"):
+        forced(one)
+    _same_step(forced, model, ref, torch.randn(3, 6, 3, dtype=torch.float64), 0)

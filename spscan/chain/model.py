@@ -145,6 +145,9 @@ class ModelPlan:
         # a traced forward whose Python read a tensor's dtype as a value (``torch.finfo(x.dtype).min``): valid for
         # the parameters' dtype it was traced with (the wrapper keeps its plans under it, :class:`PythonState`)
         self.reads_dtype = False
+        # a traced forward that squeezes every size-1 dim of a tensor of the batch (``h_n.squeeze()``): at batch 1
+        # it drops the batch dim, where the plan keeps it (the wrapper runs such a call as the model's own step)
+        self.squeezes_batch = False
         # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
         # ``h_n``): how the wrapper makes that result from the output and the step's input, under autograd (None:
         # the output is it)
@@ -270,7 +273,9 @@ class ModelPlan:
 
     def _input_mismatch(self, x: torch.Tensor, k: int, t: torch.Tensor) -> None:
         u = self.units[k]
-        if t.dtype != x.dtype and not (u.integer_input and not x.is_floating_point()):
+        # token ids: read by the first layer (an embedding, an opaque node of its own call), not by layer k
+        takes_ids = u.integer_input or self.units[0].integer_input
+        if t.dtype != x.dtype and not (takes_ids and not x.is_floating_point()):
             raise TypeError(f"input: dtype {x.dtype}, but layer {k} ({self.layer_names[k] or '-'}: "
                             f"{type(u.module).__name__}) has {t.dtype} parameters; convert the input "
                             f"(x.to({t.dtype})) or the model")
@@ -333,9 +338,9 @@ class ModelPlan:
     def step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The units' effective tensors for a wrapped step of ``x``, once the input and the layers are checked
         against the plan. Built in the step (with grad enabled) so pruning masks stay in the autograd graph."""
+        self._check_layers()  # first: reading a changed model's tensors may run what changed (a parametrization)
         flat = self._flat_tensors()
         self._check_input(x, flat)
-        self._check_layers()
         self._check_roles(flat)
         return flat
 

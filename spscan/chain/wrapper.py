@@ -18,6 +18,7 @@ from spscan.errors import NotPlannable
 from spscan.options import option_default
 from spscan.planner.choose import Decision
 from spscan.runtime.autograd import PartsRead, gated, refuse_functorch
+from spscan.runtime.checks import buffers_kept
 from spscan.runtime.choices import BackwardChoice, batch_of, layers_decision
 from spscan.chain.model import LayerReplaced, ModelPlan, global_hooks, has_hooks
 from spscan.layers.opaque import OpaqueUnit
@@ -228,8 +229,10 @@ class SpscanModule(BackwardChoice, nn.Module):
             return "native"
         if self.backward_mode == "auto" and self._unplanned_hooks() is not None:
             return "native"
-        if key is not None and self.backward_mode == "auto" and self._plan_for(key[0]) is None:
-            return "native"
+        if key is not None and self.backward_mode == "auto":
+            plan = self._plan_for(key[0], x)
+            if plan is None or (key[1] == 1 and plan.squeezes_batch):
+                return "native"
         return super()._call_choice(key, x)
 
     def _unplanned_hooks(self) -> Optional[str]:
@@ -276,7 +279,12 @@ class SpscanModule(BackwardChoice, nn.Module):
             raise ValueError(f"{type(self).__name__} with backward={self.backward_mode!r}: {hooks}: the scan does not "
                              "call the modules, so they would not run (backward='auto' runs the model's own step)")
         if self._replan is not None and key is not None:
-            self._plan_for(key[0])
+            self._plan_for(key[0], x)
+        if key is not None and key[1] == 1 and self.plan.squeezes_batch:
+            raise ValueError(f"{type(self).__name__} with backward={self.backward_mode!r}: the forward of "
+                             f"{type(self.model).__name__} squeezes every size-1 dim of a tensor of the batch "
+                             "(squeeze() without a dim), which at batch 1 drops the batch dim too; the scan keeps "
+                             "it (backward='auto' runs such a call through the model's own step)")
         own, x = x, self.plan.batch_first(x)  # the model's input, and as the plan runs it
         try:
             flat = self._step_tensors(x)
@@ -324,9 +332,11 @@ class SpscanModule(BackwardChoice, nn.Module):
         (:class:`PythonState`) it was made with."""
         return (plan.planned_training, tuple(plan.in_shape) if shape is None else tuple(shape), self._state)
 
-    def _plan_for(self, shape: tuple) -> Optional[ModelPlan]:
+    def _plan_for(self, shape: tuple, x: Optional[torch.Tensor] = None) -> Optional[ModelPlan]:
         """Make :attr:`plan` the one that runs an input of per-sample ``shape`` in the model's present mode, and
         return it (None: the scan cannot plan that shape, and ``backward="auto"`` runs the model's own step).
+        A plan made here is made from the call's input ``x`` where given (a forward that indexes with its
+        input's values, ``out.gather(1, lengths - 1)``, runs on it as on any batch of the user's).
 
         * Each per-sample shape has its plan (an image of another size, a sequence of another length: a recurrent
           layer inside the model is planned for that length), made on first use from a zero example of that shape;
@@ -340,7 +350,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         plan, mode, shape, state = self.plan, self.model.training, tuple(shape), self._python.now()
         if plan.in_shape == shape and plan.planned_training in (None, mode) and state == self._state:
             if self._replan is not None and self._replan.levels == "auto" and plan.needs_linear_scan():
-                self.plan = self._replan(self.model, shape)
+                self.plan = self._replan(self.model, shape, x)
                 self._plans[self._plan_key(plan)] = self.plan
                 plan.release_buffers()
             return self.plan
@@ -360,7 +370,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         key = (None if plan.planned_training is None else mode, shape, state)
         if key not in self._plans:
             try:
-                self._plans[key] = self._replan(self.model, shape)
+                self._plans[key] = self._replan(self.model, shape, x)
             except NotPlannable:
                 if self.backward_mode != "auto":
                     raise
@@ -399,12 +409,16 @@ class Replan:
         """A plan of ``model`` as it is now for an input like ``x`` (its layers replaced: it may take its batch
         on another dim than before); later plans take their example in that layout."""
         dtype = (model_dtype(model) or x.dtype) if x.is_floating_point() else x.dtype
-        plan = self.plan_fn(model, torch.zeros(x.shape, dtype=dtype, device=x.device), **self.options)
+        with buffers_kept(model):  # planning runs layers (a spectral norm's power iteration updates its buffers)
+            plan = self.plan_fn(model, torch.zeros(x.shape, dtype=dtype, device=x.device), **self.options)
         self.shape, self.dtype, self.batch_dim = tuple(x.shape), x.dtype, plan.input_batch_dim
         return plan
 
-    def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None) -> ModelPlan:
-        """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``."""
+    def __call__(self, model: nn.Module, per_sample: Optional[tuple] = None,
+                 example: Optional[torch.Tensor] = None) -> ModelPlan:
+        """A plan of ``model`` as it is now, for the example's per-sample shape or ``per_sample``: from
+        ``example`` (the caller's input of that per-sample shape, in the model's layout) where given, else from
+        a zero batch of the example's size."""
         d = self.batch_dim  # the example's batch, on the dim the model reads it from (``per_sample`` without it)
         if per_sample is None:
             shape = self.shape
@@ -412,8 +426,13 @@ class Replan:
             shape = tuple(per_sample)[:d] + self.shape[d:d + 1] + tuple(per_sample)[d:]
         # a floating example in the model's dtype now (converted since it was wrapped: ``model.double()``)
         dtype = (model_dtype(model) or self.dtype) if self.dtype.is_floating_point else self.dtype
-        x = torch.zeros(shape, dtype=dtype, device=model_device(model) or torch.device("cpu"))
-        return self.plan_fn(model, x, **self.options)
+        if isinstance(example, torch.Tensor) and example.dim() == len(shape) and example.dtype == self.dtype \
+                and example.shape[:d] + example.shape[d + 1:] == tuple(shape[:d]) + tuple(shape[d + 1:]):
+            x = example.detach().to(dtype)
+        else:
+            x = torch.zeros(shape, dtype=dtype, device=model_device(model) or torch.device("cpu"))
+        with buffers_kept(model):
+            return self.plan_fn(model, x, **self.options)
 
 
 def wrap_chain(model: nn.Module, example_input: torch.Tensor, *, replan_fn: Optional[Callable[..., ModelPlan]] = None,
@@ -426,5 +445,7 @@ def wrap_chain(model: nn.Module, example_input: torch.Tensor, *, replan_fn: Opti
     """
     backward = plan_kwargs.pop("backward", option_default("backward"))
     replan_fn = plan_model if replan_fn is None else replan_fn
-    return SpscanModule(model, plan_model(model, example_input, **plan_kwargs), backward, example_input.shape[0],
-                        example_input.device, Replan(replan_fn, example_input, plan_kwargs))
+    with buffers_kept(model):
+        plan = plan_model(model, example_input, **plan_kwargs)
+    return SpscanModule(model, plan, backward, example_input.shape[0], example_input.device,
+                        Replan(replan_fn, example_input, plan_kwargs))

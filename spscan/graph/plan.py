@@ -86,6 +86,7 @@ from spscan.chain.model import ModelPlan
 from spscan.chain.planning import levels_for_coupled_layers, plan_chain
 from spscan.chain.wrapper import Replan, SpscanModule
 from spscan.options import option_default
+from spscan.runtime.checks import attributes_kept
 from spscan.runtime.plan import build_plan
 
 __all__ = ["plan_graph", "wrap_graph", "GraphPlan", "GraphSpscanModule", "NODE_UNITS",
@@ -126,8 +127,8 @@ class GraphPlan(ModelPlan):
 
 
     def step_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
-        self._check_input(x)
         self._check_layers()
+        self._check_input(x)
         flat = [t for u in self.units for t in u.tensors()]
         self._check_roles(flat)
         return flat
@@ -269,6 +270,12 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
             on the model itself, an untraceable forward (names ``node.format_node()`` and its source line).
         ValueError: the example input does not fit a layer; options that contradict the model.
     """
+    with attributes_kept(model):  # the planner's runs and traces leave the model's attributes as they were
+        return _plan_graph(model, example_input, prune_zeros=prune_zeros, operators=operators, dag=dag, **kwargs)
+
+
+def _plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool, operators: bool, dag: str,
+                **kwargs: Any) -> ModelPlan:
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
@@ -332,6 +339,7 @@ def _traced_as(plan: ModelPlan, traced: Traced, model: nn.Module) -> ModelPlan:
     plan.planned_training = model.training
     plan.input_batch_dim = traced.batch_dim
     plan.reads_dtype = traced.dtype_read
+    plan.squeezes_batch = traced.squeezes_all
     plan.fixed_arguments = dict(traced.fixed_arguments)
     plan.output_tail = traced.output_tail
     # the units' tensors that reach only some parts of a packed result: gated per step (graph.outputs.gated)

@@ -33,7 +33,7 @@ from spscan.chain.planning import example_rejected
 from spscan.graph.nodes import first_line, node_key, node_text, refuse_node
 from spscan.graph.tracer import (ExampleRejected, LeafTracer, ShapeTracer, Whole, drop_fixed_inputs,
                                  fixed_arguments, raise_if_forward_fails)
-from spscan.runtime.checks import buffers_kept
+from spscan.runtime.checks import ModuleAttributes, buffers_kept
 
 __all__ = ["Traced"]
 
@@ -91,6 +91,17 @@ def _unreached(y: Any, leaves: tuple) -> list[bool]:
     return out
 
 
+def _holds_traced(v: Any) -> bool:
+    """Whether ``v`` is, or holds (a tuple, list or dict of), a traced value or a tensor."""
+    if isinstance(v, (fx.Proxy, torch.Tensor)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(_holds_traced(t) for t in v)
+    if isinstance(v, dict):
+        return any(_holds_traced(t) for t in v.values())
+    return False
+
+
 class Traced:
     """The traced graph with per-node example values, units and the series-parallel parse."""
 
@@ -100,6 +111,9 @@ class Traced:
         :func:`~spscan.graph.recurrent.input_batch_dim`); the graph takes the input batch first either way."""
         self.model, self.prune_zeros, self.opts, self.batch_dim = model, prune_zeros, opts, batch_dim
         self.dtype_read = False  # the forward's Python read a tensor's dtype as a value (ShapeTracer)
+        # a ``squeeze()`` of every size-1 dim of a graph tensor: at batch 1 the model's forward drops the batch dim
+        # too (``fc(h_n.squeeze())`` returns ``(C,)``), which the planner's batch of 2 does not show
+        self.squeezes_all = False
         if has_hooks(model):
             raise NotPlannable("the model has forward/backward hooks of its own, which its "
                                "traced graph would not run (hooks on its submodules are fine: each such module runs "
@@ -160,15 +174,29 @@ class Traced:
     def _trace(self, model: nn.Module, example_input: torch.Tensor) -> fx.Graph:
         def trace(tracer: LeafTracer) -> fx.Graph:
             tracer.record_stack_traces = True
-            if self.fixed_arguments:
-                graph = tracer.trace(model, concrete_args=dict(self.fixed_arguments))
-                drop_fixed_inputs(graph)
-                return graph
-            return tracer.trace(model)
+            before = ModuleAttributes(model)
+            try:
+                if self.fixed_arguments:
+                    graph = tracer.trace(model, concrete_args=dict(self.fixed_arguments))
+                    drop_fixed_inputs(graph)
+                else:
+                    graph = tracer.trace(model)
+                stored = [k for k, v in before.changed() if _holds_traced(v)]
+            finally:
+                before.restore()  # no proxy left in the model
+            if stored:
+                # a value computed in the forward kept on the model (``self.h = h.detach()`` for the next batch,
+                # ``self.kl = ...`` read by the loss): the scan's step runs the graph, not the forward, and would
+                # never set it
+                raise NotPlannable(f"its forward stores a tensor it computes on the model (self.{stored[0]}), "
+                                   "which the scan's step would not set")
+            return graph
 
         tracer = LeafTracer(self.stateful)
         try:
             return trace(tracer)
+        except NotPlannable:
+            raise
         except Exception as e:  # data-dependent control flow and the like, or a forward that fails anyway
             raise_if_forward_fails(model, example_input)
             if not tracer.is_leaf_module(model, ""):
@@ -244,6 +272,9 @@ class Traced:
                                                    for t in ([n] if n in self.kind else self.virtual.get(n, []))))
                 consts = [n for n in node.all_input_nodes if n not in self.kind and
                           (isinstance(env[n], torch.Tensor) or n in self.virtual)]
+                if tensor_inputs and key in (("method", "squeeze"), torch.squeeze) and len(node.args) == 1 \
+                        and not node.kwargs:
+                    self.squeezes_all = True
                 if not tensor_inputs or (node.op != "call_module" and key in _TENSOR_QUERIES):
                     # shape arithmetic for a view/reshape, or a tensor made from parameters and buffers alone
                     # (``self.cls.expand(B, -1, -1)``, ``self.wpe(torch.arange(t))``): a constant of the step,

@@ -89,8 +89,8 @@ class _PerSampleReshape(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.reshape((x.shape[0],) + self.shape)
-        if self.memory is None:
-            return y
+        if self.memory is None:  # row-major, as in the model (``out.contiguous()`` of a view of time-major memory)
+            return y.contiguous()
         back = sorted(range(len(self.memory)), key=self.memory.__getitem__)
         return y.permute(self.memory).contiguous().permute(back)
 

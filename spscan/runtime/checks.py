@@ -12,7 +12,7 @@ import torch
 
 from spscan.kernels.backend import StructuredOperator
 
-__all__ = ["buffers_kept", "canonical_device", "check_inputs", "fmt_bytes"]
+__all__ = ["ModuleAttributes", "attributes_kept", "buffers_kept", "canonical_device", "check_inputs", "fmt_bytes"]
 
 _FLOATS = (torch.float32, torch.float64)
 
@@ -23,13 +23,54 @@ def buffers_kept(module: torch.nn.Module) -> Iterator[None]:
     updates its running statistics) and put their values back after it, without making a new version of any
     (written through ``.data``): a forward the user recorded before (a training batch, then a validation
     batch planned for its new shape) still runs its backward, whose BatchNorm saved its statistics, as a
-    BatchNorm's own update of them leaves it."""
+    BatchNorm's own update of them leaves it. An embedding's weight with ``max_norm`` is kept likewise."""
     saved = [(t, t.clone()) for t in module.buffers()]
+    # and the weights an embedding with ``max_norm`` renormalizes in place in its forward (the rows the
+    # example's tokens read): the model's first step should find them as the user left them
+    saved += [(m.weight, m.weight.detach().clone()) for m in module.modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None]
     try:
         yield
     finally:
         for t, v in saved:
             t.data.copy_(v)
+
+
+class ModuleAttributes:
+    """Every module's own attributes and buffer objects of ``model`` as they are now (:meth:`changed`,
+    :meth:`restore`): what a forward run by the planner may set (``self.h = h.detach()``, ``self.kl = ...``,
+    a counter, a buffer assigned anew) and a training step would set otherwise."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved = [(name, m, dict(m.__dict__), dict(m._buffers)) for name, m in model.named_modules()]
+
+    def changed(self) -> list[tuple[str, Any]]:
+        """``(module path.attribute, new value)`` of each attribute or buffer set or made since."""
+        out = []
+        for name, m, attrs, bufs in self.saved:
+            where = name + "." if name else ""
+            for d, was in ((m.__dict__, attrs), (m._buffers, bufs)):
+                out += [(where + k, v) for k, v in d.items() if k not in was or was[k] is not v]
+        return out
+
+    def restore(self) -> None:
+        for _, m, attrs, bufs in self.saved:
+            for d, was in ((m.__dict__, attrs), (m._buffers, bufs)):
+                if len(d) != len(was) or any(k not in was or was[k] is not v for k, v in d.items()):
+                    d.clear()
+                    d.update(was)
+
+
+@contextlib.contextmanager
+def attributes_kept(module: torch.nn.Module) -> Iterator[ModuleAttributes]:
+    """Run a block that may run ``module``'s forward (the planner's runs and traces) and put every module's
+    attributes and buffer objects back after it (:class:`ModuleAttributes`): planning leaves no trace of its
+    example batches, nor a tracer's proxies, in the model."""
+    saved = ModuleAttributes(module)
+    try:
+        yield saved
+    finally:
+        saved.restore()
 
 
 def canonical_device(device) -> torch.device:

@@ -269,6 +269,10 @@ class BackwardChoice(ModelKeys, abc.ABC):
         """The wrapped module's call on ``x`` (and a recurrent module's ``hx``): its own forward where
         :meth:`_call_choice` says ``native`` or :meth:`_forward_alone`; under ``torch.autocast`` a forced
         scan with autocast off (:func:`outside_autocast`); else the front end's :meth:`_scan_step`."""
+        if isinstance(x, torch.Tensor) and x.is_inference() and torch.is_grad_enabled():
+            # made under torch.inference_mode (a frozen backbone's features): autograd takes it as a constant,
+            # but the scan saves its input and may mark it as requiring a gradient; a normal tensor of it
+            x = x.clone()
         key = self._signature(x)
         choice = self._call_choice(key, x)
         if choice == "native" or self._forward_alone():

@@ -1,0 +1,205 @@
+"""Patterns as people post them, each of which once broke a wrapped model (crashes under ``auto``, a planner
+that changed the model): autograd's outputs, gradients, parameters and buffers over steps, float64."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.parametrizations import orthogonal
+
+import spscan
+
+
+def _steps(model, batches, backward, loss=lambda y: y.square().sum(), atol=1e-12):
+    """Wrap ``model`` with the first batch and train it and a copy under autograd on ``batches`` (SGD with
+    momentum and weight decay): the same outputs, gradients (None-ness too), parameters and buffers."""
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, batches[0], backward=backward)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b), "wrapping changed a parameter"
+    opt_w = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    for step, x in enumerate(batches):
+        opt_w.zero_grad()
+        opt_r.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ya = w(x)
+        yb = ref(x)
+        torch.testing.assert_close(ya, yb, rtol=1e-12, atol=atol)
+        loss(ya).backward()
+        loss(yb).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=atol, msg=f"step {step}: {n}")
+        opt_w.step()
+        opt_r.step()
+        for a, b in zip(model.buffers(), ref.buffers()):
+            assert torch.equal(a, b), f"step {step}: a buffer differs"
+    return w
+
+
+class CharRNNHead(nn.Module):
+    """char-rnn's head: ``fc(out.contiguous().view(-1, H)).view(B, T, -1)`` on a batch-first LSTM's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        b, t, h = out.shape
+        return self.fc(out.contiguous().view(-1, h)).view(b, t, -1)
+
+
+class LastValidStep(nn.Module):
+    """A GRU over padded token ids read at each sample's last valid step (``gather(lengths - 1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.gru, self.fc = nn.Embedding(10, 4, padding_idx=0), nn.GRU(4, 5, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, ids):
+        lengths = (ids != 0).sum(1)
+        out, _ = self.gru(self.emb(ids))
+        last = out.gather(1, (lengths - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, out.shape[2]))
+        return self.fc(last.squeeze(1))
+
+
+class OpaqueIds(nn.Module):
+    """Token ids into an opaque first node (a functional embedding of a module's weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.body = nn.Embedding(10, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    def forward(self, ids):
+        return self.body(F.embedding(ids, self.e.weight).mean(1))
+
+
+class MaxNormEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=1.0)``, which renormalizes the rows it reads in place in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.fc = nn.Embedding(12, 5, max_norm=1.0), nn.Linear(5, 2)
+
+    def forward(self, ids):
+        return self.fc(self.e(ids).mean(1))
+
+
+class Counter(nn.Module):
+    """A step counter in a buffer, updated by the forward (``self.count += 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.count += 1
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _ids(b, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 10, (b, t), generator=g)
+    ids[:, t - 1 - seed % 2:] = 0  # padding at the end
+    return ids
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_char_rnn_head_views_the_recurrent_output(backward):
+    torch.manual_seed(0)
+    _steps(CharRNNHead().double(), [torch.randn(b, 6, 3, dtype=torch.float64) for b in (4, 3, 4)], backward,
+           loss=lambda y: y.sin().sum())
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_a_new_length_is_planned_from_the_callers_input(backward):
+    """A sequence of a new length is planned from the call's own token ids: a zero batch (all padding) made
+    ``lengths - 1`` negative in the model's gather, which raised under ``auto``."""
+    torch.manual_seed(0)
+    _steps(LastValidStep().double(), [_ids(4, 6, 0), _ids(3, 9, 1), _ids(4, 6, 2)], backward)
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_token_ids_into_an_opaque_first_node(backward):
+    torch.manual_seed(0)
+    _steps(OpaqueIds().double(), [_ids(4, 5, s) for s in range(3)], backward)
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_planning_leaves_an_embeddings_max_norm_rows(backward):
+    torch.manual_seed(0)
+    model = MaxNormEmbedding().double()
+    with torch.no_grad():
+        model.e.weight.mul_(3)  # rows above max_norm: the forward renormalizes those it reads
+    _steps(model, [_ids(4, 5, s) for s in range(3)], backward)
+
+
+def test_a_forward_that_counts_its_calls_in_a_buffer():
+    """``self.count += 1`` on a buffer: the scan's step would not run it (refused under a forced scan; autograd's
+    own step under ``auto``), and planning leaves the count as it was."""
+    torch.manual_seed(0)
+    model = Counter().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(spscan.NotPlannable):
+        spscan.wrap(model, x, backward="scan")
+    assert int(model.count) == 0
+    _steps(model, [torch.randn(b, 4, dtype=torch.float64) for b in (3, 2, 3)], "auto")
+    assert int(model.count) == 3
+
+
+class _GRUHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("bare", [False, True])
+def test_features_made_under_inference_mode(bare, backward):
+    """Features from a frozen backbone run under ``torch.inference_mode()`` into a trainable recurrent head: the
+    scan saved and marked its input, which inference tensors refuse."""
+    torch.manual_seed(0)
+    model = (nn.GRU(3, 5, batch_first=True) if bare else _GRUHead()).double()
+    ref = copy.deepcopy(model)
+    with torch.inference_mode():
+        x = torch.randn(4, 30, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, x.clone(), backward=backward)
+    ya, yb = w(x), ref(x.clone())
+    ya, yb = (ya[0], yb[0]) if bare else (ya, yb)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-13)
+
+
+def test_a_parametrized_recurrent_module_wrapped_alone():
+    """``orthogonal(nn.GRU(...), "weight_hh_l0")`` is a ``ParametrizedGRU``: not the recurrent front end's module
+    (it was refused with a TypeError under ``auto``); wrapped as a traced model, it runs its own call."""
+    torch.manual_seed(0)
+    gru = orthogonal(nn.GRU(3, 3, batch_first=True).double(), "weight_hh_l0")
+    ref = copy.deepcopy(gru)
+    x = torch.randn(4, 7, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(gru, x, backward="auto")
+    w(x)[0].square().sum().backward()
+    ref(x)[0].square().sum().backward()
+    for p, q in zip(gru.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
