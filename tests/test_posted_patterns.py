@@ -43,7 +43,7 @@ def _steps(model, batches, backward, loss=lambda y: y.square().sum(), atol=1e-12
         opt_w.step()
         opt_r.step()
         for a, b in zip(model.buffers(), ref.buffers()):
-            assert torch.equal(a, b), f"step {step}: a buffer differs"
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=f"step {step}: a buffer differs")
     return w
 
 
@@ -203,3 +203,18 @@ def test_a_parametrized_recurrent_module_wrapped_alone():
     ref(x)[0].square().sum().backward()
     for p, q in zip(gru.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_imagenet_size_convolutions_run_as_their_own_call():
+    """A ResNet stem and 3x3 convolution at ImageNet size: their ``J^T`` would hold 10^8 entries each (planning
+    took gigabytes and was killed); each runs as its own call and autograd backward, with autograd's gradients."""
+    from spscan.layers.opaque import OpaqueUnit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                          nn.MaxPool2d(3, 2, 1), nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).double()
+    x = torch.randn(2, 3, 224, 224, dtype=torch.float64)
+    w = _steps(model, [x, x.flip(0)], "scan", atol=1e-10)
+    big = [u for u in w.plan.units if isinstance(u, OpaqueUnit) and "entries" in u.reason]
+    assert len(big) == 2, [(type(u).__name__, getattr(u, "reason", "")) for u in w.plan.units]

@@ -82,6 +82,21 @@ def coo_to_csr(rows: np.ndarray, cols: np.ndarray,
     return pattern, order
 
 
+#: the most entries one layer's ``J^T`` pattern is built with. A convolution's holds ``C_out H W C_in k^2 / groups``,
+#: a linear map on tokens ``T d_in d_out``: an ImageNet-size ResNet's convolutions hold 10^8 each (gigabytes to
+#: plan, and no scan would multiply them faster than the layer's own backward). A larger layer runs as its own
+#: call and autograd backward (an opaque node).
+MAX_PATTERN_ENTRIES = 1 << 25
+
+
+def check_pattern_entries(index: int, name: str, entries: int) -> None:
+    """Refuse (ValueError: the planner makes the layer an opaque node) a pattern of more than
+    :data:`MAX_PATTERN_ENTRIES` entries."""
+    if entries > MAX_PATTERN_ENTRIES:
+        raise ValueError(f"layer {index} ({name}): its J^T would hold {entries:,} entries, more than "
+                         f"{MAX_PATTERN_ENTRIES:,}: a layer this large runs as its own call and backward")
+
+
 def _prod(shape: Sequence[int]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
 

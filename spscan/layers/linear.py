@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spscan.layers.base import (LayerUnit, PerDevice, UnitCapabilities, _effective, _flat_index,
-                                _prod, _tuple, coo_to_csr)
+                                _prod, _tuple, check_pattern_entries, coo_to_csr)
 
 __all__ = ["LinearUnit", "ConvUnit", "ConvTransposeUnit", "SeparableResampleUnit", "EmbeddingUnit",
            "ReductionUnit"]
@@ -73,6 +73,7 @@ class LinearUnit(_WeightGatherMixin, LayerUnit):
             raise ValueError(
                 f"layer {index} (Linear): expected per-sample input (*, {fi}), got {tuple(in_shape)}")
         lead = _prod(in_shape[:-1])
+        check_pattern_entries(index, "Linear", lead * fi * fo)
         drop = self._drop_mask(module, prune_zeros)
         i, j = np.divmod(np.arange(fi * fo, dtype=np.int64), fo)  # (i, j) row-major: CSR order of W^T
         keep = ~drop[j * fi + i]
@@ -262,6 +263,9 @@ class _ConvLike(_WeightGatherMixin, LayerUnit):
         if len(in_shape) != nd + 1 or in_shape[0] != self.c_in:
             raise ValueError(f"layer {index} ({self.name}): expected per-sample input ({self.c_in}, "
                              f"{'L' if nd == 1 else 'H, W'}), got {tuple(in_shape)}")
+        # each output entry reads C_in/g k taps (a transposed one: each input entry feeds C_out/g k outputs)
+        per = _prod(k) * (self.c_out if module.transposed else self.c_in) // module.groups
+        check_pattern_entries(index, self.name, per * _prod(self.out_shape if not module.transposed else in_shape))
         return nd, k, _tuple(module.stride, nd), _tuple(module.dilation, nd)
 
     def _set_entries(self, rows: np.ndarray, cols: np.ndarray, widx: np.ndarray, drop: np.ndarray) -> None:
