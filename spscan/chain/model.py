@@ -34,8 +34,7 @@ from spscan.runtime import check_inputs
 from spscan.planner.choose import Decision, explain as explain_decisions
 from spscan.layers import LayerUnit
 
-__all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "ModelWatch", "check_hooks", "global_hooks", "has_hooks",
-           "param_grads"]
+__all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "ModelWatch", "global_hooks", "has_hooks", "param_grads"]
 
 
 class LayerReplaced(ValueError):
@@ -86,17 +85,6 @@ class ModelWatch:
             if len(now) != len(params) or any(a is not b for a, b in zip(now.values(), params)):
                 return f"{name}: its parameters were given anew after planning"
         return None
-
-
-def check_hooks(index: int, name: str, m: nn.Module) -> None:
-    """Refuse layer ``index`` (``name``) of a chain planned directly if it has hooks (:func:`has_hooks`);
-    ``spscan.plan`` and ``spscan.wrap`` trace such a chain instead, the hooked layer an opaque node."""
-    if has_hooks(m):
-        from spscan.chain.planning import UnitRefused  # (planning imports this module)
-
-        raise UnitRefused(
-            f"layer {index} ({name or type(m).__name__}: {type(m).__name__}): forward/backward hooks other "
-            "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
 
 
 # ----------------------------------------------------------------------------- the plan

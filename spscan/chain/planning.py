@@ -11,13 +11,13 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from spscan.chain.model import ModelPlan, check_hooks, has_hooks
+from spscan.chain.model import ModelPlan, has_hooks
 from spscan.errors import NotPlannable
 from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capabilities
 from spscan.planner.choose import Candidate, choose
 from spscan.runtime.plan import build_plan, plan_profile
 
-__all__ = ["UnitRefused", "example_rejected", "is_chain_model", "levels_for_coupled_layers", "plan_chain", "plan_model"]
+__all__ = ["UnitRefused", "check_hooks", "example_rejected", "is_chain_model", "levels_for_coupled_layers", "plan_chain", "plan_model"]
 
 
 def _is_plain_sequential(m: nn.Module) -> bool:
@@ -28,6 +28,15 @@ class UnitRefused(NotPlannable):
     """A layer of a chain whose analytic unit does not cover its configuration (``padding_mode="circular"``,
     ``sparse=True``, ...): ``spscan.plan`` and ``spscan.wrap`` trace the chain instead, that layer an opaque
     node (its own call and autograd backward)."""
+
+
+def check_hooks(index: int, name: str, m: nn.Module) -> None:
+    """Refuse layer ``index`` (``name``) of a chain planned directly if it has hooks (:func:`has_hooks`);
+    ``spscan.plan`` and ``spscan.wrap`` trace such a chain instead, the hooked layer an opaque node."""
+    if has_hooks(m):
+        raise UnitRefused(
+            f"layer {index} ({name or type(m).__name__}: {type(m).__name__}): forward/backward hooks other "
+            "than torch.nn.utils.prune masks are not supported (they could change what the layer computes)")
 
 
 # ----------------------------------------------------------------------------- chain discovery
