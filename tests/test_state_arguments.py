@@ -252,3 +252,96 @@ def test_further_inputs_without_gradients(case, backward):
             _close(xa.grad, xb.grad)
             for p, q in zip(model.parameters(), ref.parameters()):
                 _close(p.grad, q.grad)
+
+
+class Streaming(nn.Module):
+    """A memory updated in place by the forward (``mem.mul_(0.5).add_(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, mem):
+        h = torch.tanh(self.a(x))
+        mem.mul_(0.5).add_(h.detach())
+        return self.o(h + mem)
+
+
+def test_planning_leaves_the_callers_state_as_it_was():
+    """Planning runs the forward on copies of the state: a forward that updates it in place (which the scan
+    cannot trace: autograd's own step under ``auto``) left the caller's example changed."""
+    torch.manual_seed(0)
+    model = Streaming().double()
+    ref = copy.deepcopy(model)
+    x, mem = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    keep = mem.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, (x, mem), backward="auto")
+    assert torch.equal(mem, keep)
+    m_w, m_r = mem.clone(), mem.clone()
+    for step in range(2):
+        y_w, y_r = w(x, m_w), ref(x, m_r)
+        _close(y_w, y_r)
+        _close(m_w, m_r)
+        y_w.sum().backward()
+        y_r.sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            _close(p.grad, q.grad)
+
+
+def test_state_by_keyword_and_after_a_dtype_conversion():
+    """A state passed by keyword (``w(x, h=h)``) is read as one passed in order; a model converted after
+    wrapping (``.float()``) takes a state of its new dtype, through the scan."""
+    torch.manual_seed(0)
+    model = CellLoop().double()
+    ref = copy.deepcopy(model)
+    x, h = torch.randn(3, 4, 3, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    w = spscan.wrap(model, (x, h), backward="scan")
+    y, _ = w(x, h=h)
+    y_ref, _ = ref(x, h=h)
+    _close(y, y_ref)
+    model.float()
+    ref.float()
+    y, _ = w(x.float(), h.float())
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    ref(x.float(), h.float())[0].sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        _close(p.grad, q.grad, 1e-5)
+
+
+class TimeMajorAttention(nn.Module):
+    """Time-major ``(T, B, D)`` attention with a key padding mask ``(B, T)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m, self.f = nn.MultiheadAttention(8, 2), nn.Linear(8, 3)
+
+    def forward(self, x, kpm):
+        return self.f(self.m(x, x, x, key_padding_mask=kpm)[0])
+
+
+def test_a_time_major_input_beside_a_batch_first_mask():
+    """The mask's batch is its dim 0 and the input's its dim 1 (told from the example: both grown by one run, as
+    growing the input in time and the mask along its dim 1 would); autograd's gradients under ``auto`` at
+    every batch size."""
+    from spscan.graph.state import state_batch_dims
+
+    torch.manual_seed(0)
+    model = TimeMajorAttention().double()
+    x, kpm = torch.randn(5, 4, 8, dtype=torch.float64), torch.zeros(4, 5, dtype=torch.bool)
+    assert state_batch_dims(model, x, (kpm,)) == (1, (0,))
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, (x, kpm), backward="auto")
+    for b in (4, 3):
+        x, kpm = torch.randn(5, b, 8, dtype=torch.float64), torch.rand(b, 5) > 0.7
+        kpm[:, 0] = False
+        model.zero_grad()
+        ref.zero_grad()
+        w(x, kpm).square().sum().backward()
+        ref(x, kpm).square().sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            _close(p.grad, q.grad)

@@ -192,13 +192,14 @@ class SpscanModule(BackwardChoice, nn.Module):
         if not isinstance(x, torch.Tensor):
             return self.model(x, *args, **kwargs)
         try:
-            inspect.signature(self.model.forward).bind(x, *args, **kwargs)
+            bound = inspect.signature(self.model.forward).bind(x, *args, **kwargs)
         except TypeError:  # arguments the model's forward does not take (the state left out): its own error
             return self.model(x, *args, **kwargs)
-        why = "keyword arguments" if kwargs else slot.mismatch(x, args)
+        state = bound.args[1:]  # the state passed by keyword too (``attention_mask=m``), in the forward's order
+        why = f"keyword arguments ({', '.join(bound.kwargs)})" if bound.kwargs else slot.mismatch(x, state)
         if why is None:
-            slot.set(args)
-            return super().forward(x, *args)
+            slot.set(state)
+            return super().forward(x, *state)
         if self.backward_mode not in ("auto", "native") and torch.is_grad_enabled():
             raise TypeError(f"{type(self).__name__} with backward={self.backward_mode!r}: {type(self.model).__name__}"
                             f" was planned with state arguments like the example's; this call passes {why} "

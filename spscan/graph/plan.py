@@ -256,12 +256,14 @@ class GraphPlan(ModelPlan):
 
 
 def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool = False,
-               operators: bool = True, dag: str = "auto", **kwargs: Any) -> ModelPlan:
+               operators: bool = True, dag: str = "auto", batch_dim: Optional[int] = None, **kwargs: Any) -> ModelPlan:
     """Plan any model ``torch.fx`` can trace whose nodes are supported, any DAG (see the module docstring).
 
     Returns a :class:`~spscan.chain.model.ModelPlan` for a straight chain, else a :class:`GraphPlan`. ``dag``:
     ``"auto"`` plans a chain of series-parallel blocks where the graph is one and the live-set chain
     otherwise; ``"live"`` plans the live-set chain always (the same gradients; for comparison).
+    ``batch_dim``: the input's batch dim where it is known (a model with state arguments: told with the state),
+    else told from the model (:func:`~spscan.graph.recurrent.input_batch_dim`).
     ``kwargs`` go to the block-level ``spscan.plan`` (``levels``, ``backend``, ``device``, ``dtype``, ...).
 
     Raises:
@@ -271,18 +273,20 @@ def plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bo
         ValueError: the example input does not fit a layer; options that contradict the model.
     """
     with attributes_kept(model):  # the planner's runs and traces leave the model's attributes as they were
-        return _plan_graph(model, example_input, prune_zeros=prune_zeros, operators=operators, dag=dag, **kwargs)
+        return _plan_graph(model, example_input, prune_zeros=prune_zeros, operators=operators, dag=dag,
+                           batch_dim=batch_dim, **kwargs)
 
 
 def _plan_graph(model: nn.Module, example_input: torch.Tensor, *, prune_zeros: bool, operators: bool, dag: str,
-                **kwargs: Any) -> ModelPlan:
+                batch_dim: Optional[int], **kwargs: Any) -> ModelPlan:
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
         raise ValueError("example_input: expected a tensor (B, *in_shape) with a batch dimension, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
     if dag not in ("auto", "live"):
         raise ValueError(f"dag: expected 'auto' or 'live', got {dag!r}")
     opts = {k: kwargs[k] for k in ("backend", "device", "dtype") if k in kwargs}
-    batch_dim = input_batch_dim(model, example_input)
+    if batch_dim is None:
+        batch_dim = input_batch_dim(model, example_input)
     try:
         traced = Traced(model, example_input, prune_zeros, opts, batch_dim)
         if not traced.units:
@@ -375,7 +379,11 @@ def _plan_for_backward(backward: str, slot: Optional[StateSlot], model: nn.Modul
                        **plan_kwargs: Any) -> ModelPlan:
     """:func:`plan_graph`, its recurrent nodes following the wrapper's ``backward`` (a forced scan forces theirs)
     and the planning options a recurrent plan takes too; a model with state arguments read from ``slot``."""
-    plan = plan_graph(model if slot is None else StateInputs(model, slot), example_input, **plan_kwargs)
+    if slot is None:
+        plan = plan_graph(model, example_input, **plan_kwargs)
+    else:
+        with slot.copied():  # the input's batch dim as told with the state (state_batch_dims)
+            plan = plan_graph(StateInputs(model, slot), example_input, batch_dim=slot.input_dim, **plan_kwargs)
     plan.state = slot
     for u in plan.units:
         if isinstance(u, RecurrentNodeUnit):

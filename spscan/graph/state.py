@@ -17,9 +17,10 @@ the input's batch size, the model run on both one sample larger where that is am
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -39,7 +40,7 @@ class StateSlot:
     def __init__(self, state: Sequence[Any], input_dim: int, dims: Sequence[int]) -> None:
         leaves, self.spec = pytree.tree_flatten(tuple(state))
         self.input_dim, self.dims = int(input_dim), tuple(int(d) for d in dims)
-        self.values: list[torch.Tensor] = [t.detach() for t in leaves]
+        self.values: list[torch.Tensor] = [t.detach().clone() for t in leaves]
         # what every call must match: the per-sample shape (the batch dim left out), dtype and device of each
         self.per_sample = [self._per_sample(t, d) for t, d in zip(self.values, self.dims)]
         self.number = next(_NUMBERS)
@@ -58,14 +59,28 @@ class StateSlot:
             return f"arguments of another structure than the example's ({pytree.tree_unflatten(leaves, spec)!r:.80})"
         b = x.shape[self.input_dim] if x.dim() > self.input_dim else None
         for i, (t, d, want) in enumerate(zip(leaves, self.dims, self.per_sample)):
-            if t.dim() != len(want[0]) + 1 or self._per_sample(t, d) != want:
-                return f"state tensor {i} of shape {tuple(t.shape)} ({t.dtype}), planned for {want[0]} per sample"
+            if t.dim() != len(want[0]) + 1 or self._per_sample(t, d)[::2] != want[::2]:
+                return f"state tensor {i} of shape {tuple(t.shape)} on {t.device}, planned for {want[0]} per sample"
+            if t.dtype != want[1] and not (t.is_floating_point() and want[1].is_floating_point):
+                # (a floating state follows the model's dtype: ``model.double()`` after wrapping)
+                return f"state tensor {i} of dtype {t.dtype}, planned for {want[1]}"
             if t.shape[d] != b:
                 return f"state tensor {i} of batch {t.shape[d]} (dim {d}), the input's is {b}"
             if t.requires_grad:
                 return (f"state tensor {i} requires a gradient (the scan passes none to the state: detach it, as "
                         "truncated back-propagation through time does between batches)")
         return None
+
+    @contextlib.contextmanager
+    def copied(self) -> Iterator[None]:
+        """Planning runs the forward on the state: on copies of it, so a forward that updates its state in
+        place (a streaming memory, a counter) leaves the caller's tensors as they were."""
+        values = self.values
+        self.values = [t.clone() for t in values]
+        try:
+            yield
+        finally:
+            self.values = values
 
     def set(self, state: Sequence[Any]) -> None:
         """The state the next step reads (checked by :meth:`mismatch`)."""
@@ -127,24 +142,24 @@ def _grown(t: torch.Tensor, d: int) -> torch.Tensor:
 def state_batch_dims(model: nn.Module, x: torch.Tensor, state: Sequence[Any]) -> tuple[int, tuple[int, ...]]:
     """``(the input's batch dim, each state tensor's)`` for ``model(x, *state)``: the input's dim 0 or 1 (a
     time-major model's token ids ``(T, B)``), each state tensor's a dim of that size (an LSTM's ``h_0``
-    ``(L, B, H)``: dim 1). Where more than one assignment fits the sizes, the model is run (without gradients,
-    its random numbers and buffers left as they were) with the input and the state one sample larger, and the
-    first assignment it runs on is taken.
+    ``(L, B, H)``: dim 1). Each assignment that fits the sizes is tried by running the model (without gradients,
+    its random numbers, buffers and the caller's tensors left as they were) with the input and the state one
+    sample larger; of those it runs on, the one whose state tensors take their batch on their first dims is
+    taken (a time-major input with a padding mask ``(B, T)`` runs one entry longer in time too, with the mask
+    longer along its dim 1: a mask's batch is its dim 0), then the input's dim 0.
 
     Raises:
         NotPlannable: no assignment fits (a state tensor without a dim of the input's batch size, or none the
             model runs on).
     """
     leaves, spec = pytree.tree_flatten(tuple(state))
-    tried = []
+    tried, runs = [], []
     for xd in (0, 1)[:max(1, min(2, x.dim()))]:
         b = x.shape[xd]
         options = [[d for d in range(t.dim()) if t.shape[d] == b] for t in leaves]
         if not all(options):
             continue
-        combos = list(itertools.islice(itertools.product(*options), 16))
-        if len(combos) == 1 and xd == 0 and x.dim() == 1:
-            return xd, combos[0]
+        combos = sorted(itertools.islice(itertools.product(*options), 16), key=sum)
         for dims in combos:
             tried.append((xd, dims))
             grown = pytree.tree_unflatten([_grown(t, d) for t, d in zip(leaves, dims)], spec)
@@ -154,7 +169,11 @@ def state_batch_dims(model: nn.Module, x: torch.Tensor, state: Sequence[Any]) ->
                     model(_grown(x, xd), *grown)
             except Exception:
                 continue
-            return xd, tuple(dims)
+            runs.append((sum(dims), xd, tuple(dims)))
+            break  # the first that runs, of this input dim's assignments by their dims' sum
+    if runs:
+        _, xd, dims = min(runs)
+        return xd, dims
     shapes = ", ".join(str(tuple(t.shape)) for t in leaves)
     raise NotPlannable(f"{type(model).__name__}: state arguments {shapes} beside an input {tuple(x.shape)}: "
                        "found no dim of each that is the input's batch and that the model runs on one sample larger"
