@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NotPlannable"]
+__all__ = ["LayerReplaced", "NotPlannable"]
 
 
 class NotPlannable(TypeError):
@@ -13,3 +13,9 @@ class NotPlannable(TypeError):
     other error (a bad option, an example input the model itself rejects, a bug in the model's
     forward) propagates. A ``TypeError`` subclass, so code that caught ``TypeError`` still does.
     """
+
+
+class LayerReplaced(ValueError):
+    """The model changed after planning in a way its plan would not follow (a layer replaced, given hooks, a
+    parametrization or parameters anew, pruned weights regrown): the plan would run what was planned. A wrapper
+    that can plan again does (:meth:`spscan.chain.wrapper.SpscanModule._scan_step`)."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook
+import torch.nn.utils.prune as prune
 from torch.nn.utils.parametrizations import weight_norm
 
 import spscan
@@ -126,3 +127,76 @@ def test_hooks_the_scan_would_not_run(where):
         assert [c for c in seen if c != type(auto).__name__] == calls  # (the wrapper is a module too)
     finally:
         handle.remove()
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x) * 0.5)
+
+
+def _pruned_lstm():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.LSTM(3, 5, batch_first=True), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0][:, -1])
+    return Net()
+
+
+def _sequential_container():
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 2))
+
+
+MORE = {
+    # a hook on a nested container of a plain Sequential (the chain planner flattened it, hook unseen)
+    "container_hook": (_sequential_container, (3, 4), lambda m: m[0].register_forward_hook(lambda mod, i, o: o * 2)),
+    # forward replaced on an instance: the old traced forward kept running
+    "instance_forward": (_Nested, (3, 4), lambda m: setattr(m.block, "forward", lambda x: torch.sin(m.block[0](x)))),
+    # pruning applied to a recurrent layer inside the model: its own call runs the pruning pre-hook
+    "prune_rnn": (_pruned_lstm, (3, 7, 3), lambda m: prune.l1_unstructured(m.rnn, "weight_hh_l0", 0.5)),
+    # pruning made permanent (the parameter objects the same, their names not)
+    "prune_remove": (_sequential_container, (3, 4), lambda m: prune.remove(m[1], "weight")),
+    # dynamic sparse training: pruned weights regrown through the mask
+    "regrow": (_sequential_container, (3, 4), lambda m: (m[1].weight_mask.__setitem__((0, slice(0, 3)), 1.0),
+                                                          torch.nn.init.ones_(m[1].weight_orig.data[0:1, 0:3]))),
+}
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+@pytest.mark.parametrize("what", list(MORE))
+def test_more_changes_after_wrapping(what, backward):
+    make, shape, change = MORE[what]
+    torch.manual_seed(0)
+    model, ref = make().double(), make().double()
+    ref.load_state_dict(model.state_dict())
+    if what in ("prune_remove", "regrow"):
+        for m in (model, ref):
+            prune.l1_unstructured(m[1], "weight", 0.5)
+    x = torch.randn(*shape, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = spscan.wrap(model, x, backward=backward)
+        w(x).sum().backward()
+    model.zero_grad()
+    change(model)
+    change(ref)
+    for step in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ya = w(x)
+        yb = ref(x)
+        torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-14)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=n)

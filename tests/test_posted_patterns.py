@@ -218,3 +218,83 @@ def test_imagenet_size_convolutions_run_as_their_own_call():
     w = _steps(model, [x, x.flip(0)], "scan", atol=1e-10)
     big = [u for u in w.plan.units if isinstance(u, OpaqueUnit) and "entries" in u.reason]
     assert len(big) == 2, [(type(u).__name__, getattr(u, "reason", "")) for u in w.plan.units]
+
+
+class _Rotary(nn.Module):
+    """An HF-style rotary cache grown in the forward when a sequence is longer than it (``register_buffer``)."""
+
+    def __init__(self, dim: int, cached: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).double() / dim)), persistent=False)
+        self._set_cache(cached)
+
+    def _set_cache(self, n: int) -> None:
+        self.max_seq_len_cached = n
+        freqs = torch.outer(torch.arange(n, dtype=self.inv_freq.dtype), self.inv_freq)
+        self.register_buffer("cos_cached", torch.cat((freqs, freqs), -1).cos(), persistent=False)
+
+    def forward(self, x, seq_len):
+        if seq_len > self.max_seq_len_cached:
+            self._set_cache(seq_len)
+        return self.cos_cached[:seq_len].to(x.dtype)
+
+
+class RotaryNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.rot, self.o = nn.Linear(8, 8), _Rotary(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.rot(x, x.shape[1]))
+
+
+@pytest.mark.parametrize("backward", ["scan", "auto"])
+def test_a_cache_the_forward_grows(backward):
+    """Planning's own run of the forward grew the cache, then planning put the short one back under a plan
+    traced with the long one (a size mismatch at the first step): the cache is left as it was for the trace,
+    which sees the forward grow it (refused under a forced scan, autograd's step under ``auto``)."""
+    torch.manual_seed(0)
+    model = RotaryNet().double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    if backward == "scan":
+        with pytest.raises(spscan.NotPlannable):
+            spscan.wrap(model, x, backward="scan")
+        return
+    _steps(model, [x, x * 0.5], backward)
+
+
+class _SqueezeFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).squeeze(0))
+
+
+def test_squeeze_of_dim_zero_at_batch_one():
+    torch.manual_seed(0)
+    model = _SqueezeFirst().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    forced = spscan.wrap(model, x, backward="scan")
+    auto = spscan.wrap(model, x, backward="auto")
+    one = torch.randn(1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="squeeze"):
+        forced(one)
+    assert auto(one).shape == model(one).shape == (2,)
+
+
+@pytest.mark.parametrize("norm", ["group", "layer", "softmax"])
+def test_normalizations_too_large_for_dense_blocks(norm):
+    """A GroupNorm at 64x64 (a diffusion U-Net's), a LayerNorm over (C, H, W), a softmax over 16384 entries:
+    their dense J^T blocks hold 10^8-10^9 entries (planning ran out of memory under ``auto``). They are never
+    built: the scan refuses such a chain at the depth it would run it (0, the blocks), and ``auto`` runs
+    autograd's own step."""
+    layer = {"group": nn.GroupNorm(8, 32), "layer": nn.LayerNorm([32, 16, 16]), "softmax": nn.Softmax(-1)}[norm]
+    size = 64 if norm == "group" else 16
+    tail = [nn.Flatten(1), layer] if norm == "softmax" else [layer, nn.SiLU(), nn.Conv2d(32, 2, 1)]
+    model = nn.Sequential(nn.Conv2d(3, 32 if norm != "softmax" else 64, 3, padding=1), *tail).double()
+    x = torch.randn(2, 3, size, size, dtype=torch.float64)
+    with pytest.raises(spscan.NotPlannable, match=r"dense J\^T blocks would hold"):
+        spscan.wrap(model, x, backward="scan")
+    _steps(model, [x], "auto", atol=1e-10)

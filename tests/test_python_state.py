@@ -190,3 +190,50 @@ def test_a_forward_that_stores_a_tensor_on_the_model(make):
             loss.backward()
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+class _Appends(nn.Module):
+    """``self.feats.append(h)`` (a perceptual loss's features), ``self.cache["h"] = h``, ``self.steps += 1``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(4, 4), nn.Linear(4, 2)
+        self.feats, self.cache, self.steps = [], {}, 0
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.kind == "list":
+            self.feats.append(h)
+        elif self.kind == "dict":
+            self.cache["h"] = h
+        else:
+            self.steps += 1
+            h = h * min(1.0, self.steps / 2)  # a warm-up factor
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "counter"])
+def test_a_forward_that_changes_a_container_or_a_number_on_the_model(kind):
+    """What the forward appends to a list, writes into a dict, or counts on the model: the scan's step would not
+    do it (a loss reading the features lost them; a warm-up factor stayed at its traced value), and tracing left
+    a proxy in the user's list. Refused under a forced scan; autograd's own step under ``auto``, the model's
+    containers and numbers as they were after planning."""
+    torch.manual_seed(0)
+    model = _Appends(kind).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(spscan.NotPlannable, match="stores a value on the model"):
+        spscan.wrap(model, x, backward="scan")
+    with pytest.warns(UserWarning, match="stores a value"):
+        w = spscan.wrap(model, x, backward="auto")
+    assert model.feats == [] and model.cache == {} and model.steps == 0
+    for step in range(3):
+        for m, net in ((model, w), (ref, ref)):
+            m.zero_grad()
+            y = net(x)
+            extra = sum(f.square().sum() for f in m.feats) if kind == "list" else 0
+            (y.square().sum() + extra).backward()
+            m.feats.clear()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert model.steps == ref.steps

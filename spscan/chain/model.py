@@ -21,6 +21,7 @@ Pruned weights (``torch.nn.utils.prune`` masks, or exactly-zero weights with
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -31,15 +32,11 @@ from spscan.chain.backward import (RELEASED, ForwardState, FusedUnitOperator, Ja
                                    collect_param_grads, unit_param_grads)
 from spscan.runtime.graphed import GraphedCall, GraphedStep
 from spscan.runtime import check_inputs
+from spscan.errors import LayerReplaced
 from spscan.planner.choose import Decision, explain as explain_decisions
 from spscan.layers import LayerUnit
 
 __all__ = ["Jacobians", "LayerReplaced", "ModelPlan", "ModelWatch", "global_hooks", "has_hooks", "param_grads"]
-
-
-class LayerReplaced(ValueError):
-    """A planned layer's module is no longer the model's (``model.fc = nn.Linear(...)`` after planning): the plan
-    would run the old one. A wrapper that can plan again does (:meth:`SpscanModule._scan_step`)."""
 
 
 # ----------------------------------------------------------------------------- chain discovery
@@ -71,19 +68,24 @@ class ModelWatch:
     give to the old one), in time linear in the modules with no allocation."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.entries = [(name, m, type(m), tuple(m._parameters.values()), has_hooks(m))
-                        for name, m in model.named_modules() if m is not model]
+        # (the model itself: its class and forward; its hooks are the wrapper's to see)
+        self.entries = [(name or type(m).__name__, m, type(m), tuple(m._parameters.values()), tuple(m._parameters),
+                         has_hooks(m) or m is model, len(m._forward_pre_hooks), m.__dict__.get("forward"))
+                        for name, m in model.named_modules()]
 
     def changed(self) -> Optional[str]:
-        for name, m, cls, params, hooked in self.entries:
+        for name, m, cls, params, names, hooked, pre, forward in self.entries:
             if type(m) is not cls:
                 return f"{name}: {type(m).__name__} after planning (planned {cls.__name__}; a parametrization?)"
+            if m.__dict__.get("forward") is not forward:
+                return f"{name}: its forward was replaced after planning"
             if not hooked and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                                or m._backward_pre_hooks) and has_hooks(m):
                 return f"{name}: hooks were registered on it after planning"
             now = m._parameters
-            if len(now) != len(params) or any(a is not b for a, b in zip(now.values(), params)):
-                return f"{name}: its parameters were given anew after planning"
+            if len(now) != len(params) or any(a is not b for a, b in zip(now.values(), params)) \
+                    or len(m._forward_pre_hooks) != pre or (names and tuple(now) != names):
+                return f"{name}: its parameters were given anew or its pruning changed after planning"
         return None
 
 
@@ -171,6 +173,11 @@ class ModelPlan:
         self._role_layer = [k for k, u in enumerate(units) for _ in u.roles]  # flat tensor -> its layer
         self._role_names = [(u, u.roles, tuple(r + "_orig" for r in u.roles)) for u in units if u.roles]
         self._watch = ModelWatch(model)  # the modules as planned (_check_layers)
+        # units whose pruned weights were left out of their patterns, with their weight's flat position
+        # (step_tensors: a weight regrown there, as dynamic sparse training does, is planned again)
+        offsets = list(itertools.accumulate([0] + [len(u.roles) for u in units]))
+        self._pruned = [(u, int(o)) for u, o in zip(units, offsets[:-1])
+                        if getattr(u, "zero_weights", None) is not None and u.zero_weights.array.size]
         with torch.no_grad():  # the shapes the units were planned for (a parameter given anew may change them)
             self._role_shapes = [t.shape for u in units for t in u.tensors()]
         # units whose sharedness and operator flag follow the module's mode (dropout, batch-norm)
@@ -330,6 +337,8 @@ class ModelPlan:
         flat = self._flat_tensors()
         self._check_input(x, flat)
         self._check_roles(flat)
+        for u, o in self._pruned:
+            u._check_pruned_still_zero(flat[o])
         return flat
 
     def _flat_tensors(self) -> list[torch.Tensor]:

@@ -98,6 +98,8 @@ def _flatten_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 if not _is_plain_sequential(child):
                     raise NotPlannable(f"layer {len(out)} ({q}): {type(child).__name__} overrides forward; "
                                     "only plain nn.Sequential containers can be flattened into a chain")
+                if has_hooks(child):  # its hooks run with its own call: traced, the container an opaque node
+                    raise UnitRefused(f"layer {len(out)} ({q}): a container with hooks")
                 walk(q, child)
             else:
                 out.append((q, child))

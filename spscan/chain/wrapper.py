@@ -151,6 +151,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         self._python = PythonState(model, plan)
         self._state = self._python.now()  # the attributes the present plan was made with
         self._warned_state = False
+        self._unplannable: Optional[str] = None  # the model, changed after wrapping, can no longer be planned
         # the plans made for other per-sample shapes and, for a traced model, the other mode: (mode, shape) -> plan,
         # the most recently used last (_plan_for); None for a shape the scan cannot plan (backward="auto": native)
         self._plans: "OrderedDict[tuple, Optional[ModelPlan]]" = OrderedDict({self._plan_key(plan): plan})
@@ -228,7 +229,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         scan cannot plan runs the model's own step (``"native"``)."""
         if self._forward_alone():  # nothing is recorded (an evaluation under no_grad): nothing to plan for
             return "native"
-        if self.backward_mode == "auto" and self._unplanned_hooks() is not None:
+        if self.backward_mode == "auto" and (self._unplannable is not None or self._unplanned_hooks() is not None):
             return "native"
         if key is not None and self.backward_mode == "auto":
             plan = self._plan_for(key[0], x)
@@ -284,7 +285,7 @@ class SpscanModule(BackwardChoice, nn.Module):
         if key is not None and key[1] == 1 and self.plan.squeezes_batch:
             raise ValueError(f"{type(self).__name__} with backward={self.backward_mode!r}: the forward of "
                              f"{type(self.model).__name__} squeezes every size-1 dim of a tensor of the batch "
-                             "(squeeze() without a dim), which at batch 1 drops the batch dim too; the scan keeps "
+                             "(squeeze() without a dim, or of dim 0), which at batch 1 drops the batch dim too; the scan keeps "
                              "it (backward='auto' runs such a call through the model's own step)")
         own, x = x, self.plan.batch_first(x)  # the model's input, and as the plan runs it
         try:
@@ -292,7 +293,15 @@ class SpscanModule(BackwardChoice, nn.Module):
         except LayerReplaced as e:  # ``model.fc = nn.Linear(...)`` after wrapping: planned again, as it is now
             if self._replan is None:
                 raise
-            self._layers_replaced(e, own)
+            try:
+                self._layers_replaced(e, own)
+            except NotPlannable as why:  # the model as it is now is not plannable: autograd's own steps
+                if self.backward_mode != "auto":
+                    raise
+                self._unplannable = str(why).splitlines()[0]
+                warnings.warn(f"spscan: {self._unplannable}: {type(self.model).__name__} runs autograd's own "
+                              "steps from now on (backward='native')", stacklevel=4)
+                return self.model(own, *rest)
             x = self.plan.batch_first(own)  # the new layers may read the input in another layout
             flat = self._step_tensors(x)
         if x.shape[0] == 0 or not (x.requires_grad or any(t.requires_grad for t in flat)):

@@ -131,6 +131,8 @@ class GraphPlan(ModelPlan):
         self._check_input(x)
         flat = [t for u in self.units for t in u.tensors()]
         self._check_roles(flat)
+        for u, o in self._pruned:
+            u._check_pruned_still_zero(flat[o])
         return flat
 
     def summary(self) -> str:

@@ -213,7 +213,7 @@ def recurrent_calls(graph: fx.Graph, root: nn.Module) -> list[RecurrentCall]:
             continue
         m = root.get_submodule(node.target)
         if type(m) not in RECURRENT_TYPES or getattr(m, "proj_size", 0) or node.kwargs or not 1 <= len(node.args) <= 2 \
-                or has_hooks(m):  # hooks: its own call runs them (an opaque node)
+                or has_hooks(m) or m._forward_pre_hooks:  # hooks, pruning's too: its own call runs them
             continue
         users = list(node.users)
         if not users or not all(_element(u) is not None for u in users):

@@ -91,6 +91,17 @@ def _unreached(y: Any, leaves: tuple) -> list[bool]:
     return out
 
 
+def _squeezes_dim0(node: fx.Node, env: dict) -> bool:
+    """Whether a ``squeeze`` node may drop dim 0 of its tensor (every size-1 dim, or dim 0 among its dims)."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return True
+    x = env.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    nd = x.dim() if isinstance(x, torch.Tensor) else 0
+    dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return any(isinstance(d, int) and nd and d % nd == 0 for d in dims) or any(not isinstance(d, int) for d in dims)
+
+
 def _holds_traced(v: Any) -> bool:
     """Whether ``v`` is, or holds (a tuple, list or dict of), a traced value or a tensor."""
     if isinstance(v, (fx.Proxy, torch.Tensor)):
@@ -181,15 +192,16 @@ class Traced:
                     drop_fixed_inputs(graph)
                 else:
                     graph = tracer.trace(model)
-                stored = [k for k, v in before.changed() if _holds_traced(v)]
+                stored = before.changed()
             finally:
                 before.restore()  # no proxy left in the model
             if stored:
-                # a value computed in the forward kept on the model (``self.h = h.detach()`` for the next batch,
-                # ``self.kl = ...`` read by the loss): the scan's step runs the graph, not the forward, and would
-                # never set it
-                raise NotPlannable(f"its forward stores a tensor it computes on the model (self.{stored[0]}), "
-                                   "which the scan's step would not set")
+                # a value the forward keeps on the model (``self.h = h.detach()`` for the next batch, ``self.kl``
+                # read by the loss, ``self.steps += 1``, ``self.feats.append(x)``): the scan's step runs the graph,
+                # not the forward, and would never set it
+                what = "a tensor it computes" if _holds_traced(stored[0][1]) else "a value"
+                raise NotPlannable(f"its forward stores {what} on the model (self.{stored[0][0]}), which the scan's "
+                                   "step would not set")
             return graph
 
         tracer = LeafTracer(self.stateful)
@@ -272,8 +284,8 @@ class Traced:
                                                    for t in ([n] if n in self.kind else self.virtual.get(n, []))))
                 consts = [n for n in node.all_input_nodes if n not in self.kind and
                           (isinstance(env[n], torch.Tensor) or n in self.virtual)]
-                if tensor_inputs and key in (("method", "squeeze"), torch.squeeze) and len(node.args) == 1 \
-                        and not node.kwargs:
+                if tensor_inputs and key in (("method", "squeeze"), torch.squeeze, ("method", "squeeze_")) \
+                        and _squeezes_dim0(node, env):
                     self.squeezes_all = True
                 if not tensor_inputs or (node.op != "call_module" and key in _TENSOR_QUERIES):
                     # shape arithmetic for a view/reshape, or a tensor made from parameters and buffers alone

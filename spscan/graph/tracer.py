@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from spscan.chain.model import has_hooks
 from spscan.chain.wrapper import PLAIN_ARGUMENT_TYPES
 from spscan.graph.rewrites import GRAD_ENABLED
-from spscan.runtime.checks import buffers_kept
+from spscan.runtime.checks import attributes_kept, buffers_kept
 
 __all__ = ["ExampleRejected", "FunctionCall", "LeafTracer", "ShapeTracer", "Whole", "drop_fixed_inputs", "fixed_arguments",
            "raise_if_forward_fails"]
@@ -81,8 +81,8 @@ def raise_if_forward_fails(model: nn.Module, example_input: Any) -> None:
     registers a hook on a tensor needs them; no random numbers drawn, buffers as they were) and let its own
     error through: a forward that fails without tracing is the model's error, not a form the scan cannot
     plan."""
-    with buffers_kept(model), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        model(example_input)
+    with attributes_kept(model), buffers_kept(model), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        model(example_input)  # (a cache it grows, ``self.cos_cached``, left as it was: the trace must see it)
 
 
 _APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from spscan.errors import LayerReplaced
 from spscan.layers.base import (LayerUnit, PerDevice, UnitCapabilities, _effective, _flat_index,
                                 _prod, _tuple, check_pattern_entries, coo_to_csr)
 
@@ -42,7 +43,7 @@ class _WeightGatherMixin:
         dropped = torch.index_select(w.detach().reshape(-1), 0, self.zero_weights.on(w.device))
         if bool((dropped != 0).any()):
             k = int(torch.nonzero(dropped != 0)[0, 0])
-            raise ValueError(
+            raise LayerReplaced(
                 f"layer {self.index} ({self.name}): weight element {int(self.zero_weights.array[k])} was "
                 f"pruned (left out of the pattern) at plan time but is now {float(dropped[k])}; "
                 "pruned weights must stay zero — re-plan after changing the pruning"

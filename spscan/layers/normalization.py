@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spscan.layers.base import LayerUnit, PerDevice, UnitCapabilities, _identity_pattern, _prod, coo_to_csr
+from spscan.errors import NotPlannable
+from spscan.layers.base import (MAX_PATTERN_ENTRIES, LayerUnit, PerDevice, UnitCapabilities, _identity_pattern, _prod,
+                                coo_to_csr)
 
 __all__ = ["BatchNormUnit", "LayerNormUnit", "GroupNormUnit", "LowRankFactors"]
 
@@ -237,6 +239,9 @@ class LowRankFactors(LayerUnit):
     def _blocks(self) -> tuple[sp.csr_array, Optional[PerDevice]]:
         got = self.__dict__.get("_dense")
         if got is None:
+            if self.nnz > MAX_PATTERN_ENTRIES:  # (a GroupNorm at 64x64: 10^9 entries; planned as its factors, or not)
+                raise NotPlannable(f"layer {self.index} ({self.name}): its dense J^T blocks would hold {self.nnz:,} "
+                                   f"entries, more than {MAX_PATTERN_ENTRIES:,}")
             got = self._dense = _csr_with_order(*_dense_blocks(self.factor_groups), (self.d_in, self.d_out))
         return got
 

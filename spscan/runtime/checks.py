@@ -36,29 +36,64 @@ def buffers_kept(module: torch.nn.Module) -> Iterator[None]:
             t.data.copy_(v)
 
 
+#: what every module's ``__dict__`` holds of its own (parameters, buffers, submodules, hooks): not attributes
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
 class ModuleAttributes:
-    """Every module's own attributes and buffer objects of ``model`` as they are now (:meth:`changed`,
-    :meth:`restore`): what a forward run by the planner may set (``self.h = h.detach()``, ``self.kl = ...``,
-    a counter, a buffer assigned anew) and a training step would set otherwise."""
+    """Every module's own attributes and buffer objects of ``model`` as they are now, and the contents of its
+    lists and dicts (:meth:`changed`, :meth:`restore`): what a forward run by the planner may set
+    (``self.h = h.detach()``, ``self.kl = ...``, a counter, a buffer assigned anew, ``self.feats.append(x)``,
+    ``self.cache["h"] = h``) and a training step would set otherwise."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.saved = [(name, m, dict(m.__dict__), dict(m._buffers)) for name, m in model.named_modules()]
+        self.saved = []
+        for name, m in model.named_modules():
+            attrs = {k: v for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS}
+            held = {k: (v, list(v) if type(v) is list else dict(v)) for k, v in attrs.items() if type(v) in (list, dict)}
+            self.saved.append((name, m, attrs, dict(m._buffers), held))
 
     def changed(self) -> list[tuple[str, Any]]:
-        """``(module path.attribute, new value)`` of each attribute or buffer set or made since."""
+        """``(module path.attribute, new value)`` of each attribute or buffer set or made since, and of each
+        list or dict whose contents changed."""
         out = []
-        for name, m, attrs, bufs in self.saved:
+        for name, m, attrs, bufs, held in self.saved:
             where = name + "." if name else ""
-            for d, was in ((m.__dict__, attrs), (m._buffers, bufs)):
+            now = {k: v for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS}
+            for d, was in ((now, attrs), (m._buffers, bufs)):
                 out += [(where + k, v) for k, v in d.items() if k not in was or was[k] is not v]
+            out += [(where + k, v) for k, (v, c) in held.items() if _contents_differ(v, c)]
         return out
 
     def restore(self) -> None:
-        for _, m, attrs, bufs in self.saved:
-            for d, was in ((m.__dict__, attrs), (m._buffers, bufs)):
-                if len(d) != len(was) or any(k not in was or was[k] is not v for k, v in d.items()):
-                    d.clear()
-                    d.update(was)
+        for _, m, attrs, bufs, held in self.saved:
+            d = m.__dict__
+            for k in [k for k in d if k not in _MODULE_INTERNALS and (k not in attrs or attrs[k] is not d[k])]:
+                if k in attrs:
+                    d[k] = attrs[k]
+                else:
+                    del d[k]
+            for k, v in attrs.items():
+                if k not in d:
+                    d[k] = v
+            if len(m._buffers) != len(bufs) or any(k not in bufs or bufs[k] is not v for k, v in m._buffers.items()):
+                m._buffers.clear()
+                m._buffers.update(bufs)
+            for v, c in held.values():
+                if _contents_differ(v, c):
+                    if type(v) is list:
+                        v[:] = c
+                    else:
+                        v.clear()
+                        v.update(c)
+
+
+def _contents_differ(v: Any, c: Any) -> bool:
+    if len(v) != len(c):
+        return True
+    if type(v) is list:
+        return any(a is not b for a, b in zip(v, c))
+    return any(k not in c or c[k] is not x for k, x in v.items())
 
 
 @contextlib.contextmanager
