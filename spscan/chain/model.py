@@ -83,9 +83,10 @@ class ModelWatch:
                                or m._backward_pre_hooks) and has_hooks(m):
                 return f"{name}: hooks were registered on it after planning"
             now = m._parameters
-            if len(now) != len(params) or any(a is not b for a, b in zip(now.values(), params)) \
-                    or len(m._forward_pre_hooks) != pre or (names and tuple(now) != names):
-                return f"{name}: its parameters were given anew or its pruning changed after planning"
+            if len(now) != len(params) or any(a is not b for a, b in zip(now.values(), params)):
+                return f"{name}: its parameters were given anew after planning"
+            if len(m._forward_pre_hooks) != pre or (names and tuple(now) != names):
+                return f"{name}: its pruning changed after planning"
         return None
 
 
