@@ -318,7 +318,7 @@ def test_batchnorm_train_mode_and_hooks_refused():
     run_errors(lambda: plan_model(net2, torch.zeros(1, 3)), spscan.NotPlannable, "layer 1", "hooks")
 
 
-def test_pruned_weight_regrowing_is_reported():
+def test_pruned_weight_regrowing_is_planned_again():
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with torch.no_grad():
         net[0].weight[0, 0] = 0.0
@@ -327,7 +327,16 @@ def test_pruned_weight_regrowing_is_reported():
     w(torch.randn(2, 4)).sum().backward()
     with torch.no_grad():
         net[0].weight[0, 0] = 1.0
-    run_errors(lambda: w(torch.randn(2, 4)), ValueError, "layer 0", "pruned", "re-plan")
+    # a pruned weight regrown (dynamic sparse training): planned again, with a warning, then autograd's gradients
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"layer 0 .*weight element 0 was pruned .* planned again"):
+        y = w(x)
+    assert w.plan.patterns[0].nnz == 16
+    y.sum().backward()
+    g = net[0].weight.grad.clone()
+    net.zero_grad()
+    net(x).sum().backward()
+    torch.testing.assert_close(g, net[0].weight.grad)
 
 
 def test_param_grads_input_checks():
