@@ -90,7 +90,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
-    lines = [f"# word_language_model through `spscan.wrap(model, (tokens, hidden))`", "",
+    lines = ["# word_language_model through `spscan.wrap(model, (tokens, hidden))`", "",
              f"CPU ({platform.machine()}), {args.threads} threads, torch {torch.__version__}, commit {commit}, "
              f"{time.strftime('%Y-%m-%d')}. One training step (forward, NLL loss, backward, SGD; the hidden state "
              f"detached between steps), float32, dropout 0.2; median of {args.steps} interleaved steps (IQR) after "
@@ -125,7 +125,8 @@ def main() -> None:
         a, s, n = med("autograd"), med("scan"), med("auto")
         ran = w_auto.decision.chosen.name if hasattr(w_auto, "decision") else "native"
         lines.append(f"| {name}: {kind}({nh}, {nh}, {nl} layers), vocab {ntok} | {bptt} x {batch} | "
-                     f"{a[0]:.1f} ({a[1]:.1f}-{a[2]:.1f}) | {n[0]:.1f} ({n[1]:.1f}-{n[2]:.1f}) | {a[0] / n[0]:.2f}x | {ran} "
+                     f"{a[0]:.1f} ({a[1]:.1f}-{a[2]:.1f}) | {n[0]:.1f} ({n[1]:.1f}-{n[2]:.1f}) | "
+                     f"{a[0] / n[0]:.2f}x | {ran} "
                      f"| {s[0]:.1f} ({s[1]:.1f}-{s[2]:.1f}) | {a[0] / s[0]:.2f}x |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

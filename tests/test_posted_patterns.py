@@ -65,7 +65,8 @@ class LastValidStep(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb, self.gru, self.fc = nn.Embedding(10, 4, padding_idx=0), nn.GRU(4, 5, batch_first=True), nn.Linear(5, 2)
+        self.emb, self.gru = nn.Embedding(10, 4, padding_idx=0), nn.GRU(4, 5, batch_first=True)
+        self.fc = nn.Linear(5, 2)
 
     def forward(self, ids):
         lengths = (ids != 0).sum(1)

@@ -55,8 +55,7 @@ def has_hooks(m: nn.Module) -> bool:
 def global_hooks() -> bool:
     """Whether hooks are registered for every module (``torch.nn.modules.module.register_module_forward_hook``
     and its kin): the scan, which does not call the modules, would not run them."""
-    from torch.nn.modules import module as mod
-
+    mod = torch.nn.modules.module
     return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
                 or mod._global_backward_pre_hooks)
 
@@ -136,8 +135,9 @@ class ModelPlan:
         # a traced forward whose Python read a tensor's dtype as a value (``torch.finfo(x.dtype).min``): valid for
         # the parameters' dtype it was traced with (the wrapper keeps its plans under it, :class:`PythonState`)
         self.reads_dtype = False
-        # a traced forward that squeezes every size-1 dim of a tensor of the batch (``h_n.squeeze()``): at batch 1
-        # it drops the batch dim, where the plan keeps it (the wrapper runs such a call as the model's own step)
+        # a traced forward that squeezes a tensor of the batch where it may drop dim 0 (``h_n.squeeze()``,
+        # ``x.squeeze(0)``): at batch 1 it drops the batch dim, where the plan keeps it (the wrapper runs such a
+        # call as the model's own step)
         self.squeezes_batch = False
         # a traced forward whose result is not the chain's output itself (a tuple, ``logits.view(-1, V)``, an RNN's
         # ``h_n``): how the wrapper makes that result from the output and the step's input, under autograd (None:

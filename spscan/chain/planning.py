@@ -17,7 +17,8 @@ from spscan.layers import LayerUnit, make_unit, supported_layer_types, unit_capa
 from spscan.planner.choose import Candidate, choose
 from spscan.runtime.plan import build_plan, plan_profile
 
-__all__ = ["UnitRefused", "check_hooks", "example_rejected", "is_chain_model", "levels_for_coupled_layers", "plan_chain", "plan_model"]
+__all__ = ["UnitRefused", "check_hooks", "example_rejected", "is_chain_model", "levels_for_coupled_layers", "plan_chain",
+           "plan_model"]
 
 
 def _is_plain_sequential(m: nn.Module) -> bool:

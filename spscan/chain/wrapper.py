@@ -283,10 +283,10 @@ class SpscanModule(BackwardChoice, nn.Module):
         if self._replan is not None and key is not None:
             self._plan_for(key[0], x)
         if key is not None and key[1] == 1 and self.plan.squeezes_batch:
-            raise ValueError(f"{type(self).__name__} with backward={self.backward_mode!r}: the forward of "
-                             f"{type(self.model).__name__} squeezes every size-1 dim of a tensor of the batch "
-                             "(squeeze() without a dim, or of dim 0), which at batch 1 drops the batch dim too; the scan keeps "
-                             "it (backward='auto' runs such a call through the model's own step)")
+            raise ValueError(f"{type(self.model).__name__}'s forward squeezes a tensor of the batch where it may drop "
+                             "the batch dim (squeeze() without a dim, or of dim 0): at batch 1 it does, and "
+                             f"{type(self).__name__} with backward={self.backward_mode!r} keeps it (backward='auto' "
+                             "runs such a call through the model's own step)")
         own, x = x, self.plan.batch_first(x)  # the model's input, and as the plan runs it
         try:
             flat = self._step_tensors(x)

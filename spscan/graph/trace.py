@@ -122,8 +122,8 @@ class Traced:
         :func:`~spscan.graph.recurrent.input_batch_dim`); the graph takes the input batch first either way."""
         self.model, self.prune_zeros, self.opts, self.batch_dim = model, prune_zeros, opts, batch_dim
         self.dtype_read = False  # the forward's Python read a tensor's dtype as a value (ShapeTracer)
-        # a ``squeeze()`` of every size-1 dim of a graph tensor: at batch 1 the model's forward drops the batch dim
-        # too (``fc(h_n.squeeze())`` returns ``(C,)``), which the planner's batch of 2 does not show
+        # a ``squeeze`` of a graph tensor that may drop dim 0 (no dim given, or dim 0): at batch 1 the model's forward
+        # drops the batch dim (``fc(h_n.squeeze())`` returns ``(C,)``), which the planner's batch of 2 does not show
         self.squeezes_all = False
         if has_hooks(model):
             raise NotPlannable("the model has forward/backward hooks of its own, which its "

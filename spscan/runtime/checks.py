@@ -50,7 +50,8 @@ class ModuleAttributes:
         self.saved = []
         for name, m in model.named_modules():
             attrs = {k: v for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS}
-            held = {k: (v, list(v) if type(v) is list else dict(v)) for k, v in attrs.items() if type(v) in (list, dict)}
+            held = {k: (v, list(v) if type(v) is list else dict(v))
+                    for k, v in attrs.items() if type(v) in (list, dict)}
             self.saved.append((name, m, attrs, dict(m._buffers), held))
 
     def changed(self) -> list[tuple[str, Any]]:
