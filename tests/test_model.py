@@ -319,6 +319,7 @@ def test_batchnorm_train_mode_and_hooks_refused():
 
 
 def test_pruned_weight_regrowing_is_planned_again():
+    torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with torch.no_grad():
         net[0].weight[0, 0] = 0.0
@@ -329,6 +330,7 @@ def test_pruned_weight_regrowing_is_planned_again():
         net[0].weight[0, 0] = 1.0
     # a pruned weight regrown (dynamic sparse training): planned again, with a warning, then autograd's gradients
     x = torch.randn(2, 4)
+    net.zero_grad()
     with pytest.warns(UserWarning, match=r"layer 0 .*weight element 0 was pruned .* planned again"):
         y = w(x)
     assert w.plan.patterns[0].nnz == 16
