@@ -200,3 +200,28 @@ def test_more_changes_after_wrapping(what, backward):
             assert (p.grad is None) == (q.grad is None), n
             if q.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=n)
+
+
+def test_a_model_no_longer_plannable_after_a_change_runs_autograd():
+    """The model's own forward replaced on the instance after wrapping (fx traces its class's forward, so the
+    plan made again would not be the model's): where ``auto`` runs the scan, it warns once and runs autograd's
+    own steps from then on; a forced scan refuses."""
+    torch.manual_seed(0)
+    model = GRUHead().double()
+    x = torch.randn(8, 300, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto = spscan.wrap(model, x, backward="auto")
+        forced = spscan.wrap(model, x, backward="scan")
+    if auto.decision.chosen.name != "scan":
+        pytest.skip("this machine's profile runs this model natively")
+    model.forward = lambda t: model.fc(torch.sin(model.rnn(t)[0][:, -1]))
+    with pytest.raises(spscan.NotPlannable):
+        forced(x)
+    with pytest.warns(UserWarning, match="runs autograd's own steps from now on"):
+        y = auto(x)
+    want = model.fc(torch.sin(model.rnn(x)[0][:, -1]))
+    torch.testing.assert_close(y, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # planned once: no warning, no planning again
+        torch.testing.assert_close(auto(x), want)
