@@ -18,40 +18,16 @@ import subprocess
 import time
 import warnings
 
+import sys
+from pathlib import Path
+
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import spscan
 
-
-class RNNModel(nn.Module):
-    """``word_language_model/model.py``'s RNNModel, as it is posted (time-major ids, the state passed in)."""
-
-    def __init__(self, rnn_type: str, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float = 0.2,
-                 tie_weights: bool = False) -> None:
-        super().__init__()
-        self.ntoken = ntoken
-        self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp)
-        self.rnn = getattr(nn, rnn_type)(ninp, nhid, nlayers, dropout=dropout)
-        self.decoder = nn.Linear(nhid, ntoken)
-        if tie_weights:
-            self.decoder.weight = self.encoder.weight
-        self.rnn_type, self.nhid, self.nlayers = rnn_type, nhid, nlayers
-
-    def forward(self, input, hidden):
-        emb = self.drop(self.encoder(input))
-        output, hidden = self.rnn(emb, hidden)
-        output = self.drop(output)
-        decoded = self.decoder(output).view(-1, self.ntoken)
-        return F.log_softmax(decoded, dim=1), hidden
-
-    def init_hidden(self, bsz: int):
-        weight = next(self.parameters())
-        if self.rnn_type == "LSTM":
-            return (weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid))
-        return weight.new_zeros(self.nlayers, bsz, self.nhid)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from zoo_models import WordLanguageModel as RNNModel  # noqa: E402  (the example's model, as posted)
 
 
 #: (name, rnn type, ntoken, emsize = nhid, layers, bptt, batch)

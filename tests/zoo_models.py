@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Case", "CASES", "CASE_NAMES", "BY_NAME", "import_torchvision", "import_timm", "missing"]
+__all__ = ["Case", "CASES", "CASE_NAMES", "BY_NAME", "WordLanguageModel", "import_torchvision", "import_timm",
+           "missing"]
 
 
 # ------------------------------------------------------------------------------------ importing torchvision
@@ -770,6 +771,39 @@ class BiLSTMTagger(nn.Module):
         tag_space = self.hidden2tag(lstm_out)
         tag_scores = F.log_softmax(tag_space, dim=2)
         return tag_scores
+
+
+class WordLanguageModel(nn.Module):
+    """``word_language_model``'s RNNModel as it is posted: time-major token ids ``(T, B)``, the state passed in
+    and returned, the logits flattened over time and batch."""
+
+    def __init__(self, rnn_type: str, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float = 0.2,
+                 tie_weights: bool = False) -> None:
+        super().__init__()
+        self.ntoken = ntoken
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        if rnn_type in ("LSTM", "GRU"):
+            self.rnn = getattr(nn, rnn_type)(ninp, nhid, nlayers, dropout=dropout)
+        else:
+            self.rnn = nn.RNN(ninp, nhid, nlayers, nonlinearity="tanh", dropout=dropout)
+        self.decoder = nn.Linear(nhid, ntoken)
+        if tie_weights:
+            self.decoder.weight = self.encoder.weight
+        self.rnn_type, self.nhid, self.nlayers = rnn_type, nhid, nlayers
+
+    def forward(self, input, hidden):
+        emb = self.drop(self.encoder(input))
+        output, hidden = self.rnn(emb, hidden)
+        output = self.drop(output)
+        decoded = self.decoder(output).view(-1, self.ntoken)
+        return F.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz: int):
+        weight = next(self.parameters())
+        if self.rnn_type == "LSTM":
+            return (weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid))
+        return weight.new_zeros(self.nlayers, bsz, self.nhid)
 
 
 def bilstm_tagger(size: str) -> nn.Module:
