@@ -345,7 +345,7 @@ def _traced_as(plan: ModelPlan, traced: Traced, model: nn.Module) -> ModelPlan:
     plan.planned_training = model.training
     plan.input_batch_dim = traced.batch_dim
     plan.reads_dtype = traced.dtype_read
-    plan.squeezes_batch = traced.squeezes_all
+    plan.squeezes_batch = traced.squeezes_batch
     plan.fixed_arguments = dict(traced.fixed_arguments)
     plan.output_tail = traced.output_tail
     # the units' tensors that reach only some parts of a packed result: gated per step (graph.outputs.gated)

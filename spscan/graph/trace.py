@@ -124,7 +124,7 @@ class Traced:
         self.dtype_read = False  # the forward's Python read a tensor's dtype as a value (ShapeTracer)
         # a ``squeeze`` of a graph tensor that may drop dim 0 (no dim given, or dim 0): at batch 1 the model's forward
         # drops the batch dim (``fc(h_n.squeeze())`` returns ``(C,)``), which the planner's batch of 2 does not show
-        self.squeezes_all = False
+        self.squeezes_batch = False
         if has_hooks(model):
             raise NotPlannable("the model has forward/backward hooks of its own, which its "
                                "traced graph would not run (hooks on its submodules are fine: each such module runs "
@@ -286,7 +286,7 @@ class Traced:
                           (isinstance(env[n], torch.Tensor) or n in self.virtual)]
                 if tensor_inputs and key in (("method", "squeeze"), torch.squeeze, ("method", "squeeze_")) \
                         and _squeezes_dim0(node, env):
-                    self.squeezes_all = True
+                    self.squeezes_batch = True
                 if not tensor_inputs or (node.op != "call_module" and key in _TENSOR_QUERIES):
                     # shape arithmetic for a view/reshape, or a tensor made from parameters and buffers alone
                     # (``self.cls.expand(B, -1, -1)``, ``self.wpe(torch.arange(t))``): a constant of the step,
